@@ -1,0 +1,267 @@
+//! Tiled flash-attention backward on f32 buffers.
+//!
+//! `D_i = Σ_c dO_ic O_ic` first. Then one task per (batch, kv head, chunk of key tiles):
+//! for each key tile it accumulates `dV += Pᵀ dO` and `dK += dSᵀ Q` in registers-worth of
+//! scratch over every query head of its group and every visible query tile, recomputing
+//! `P = 2^(scale·log2 e·Q Kᵀ − LSE·log2 e)` and `dS = P ∘ (dO Vᵀ − D)`; `dQ += dS K` goes to
+//! a per-task partial. The partials of one kv head are summed in chunk order, so gradients
+//! are bit-identical run to run whatever the thread count. The number of chunks per head
+//! depends on the shape only.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rayon::prelude::*;
+
+use super::matmul::{matmul, View};
+use super::simd;
+use super::tiles::{classify, rows_finite, spans, DisjointWriter, Span, TileConfig, TileKind};
+use crate::params::Visibility;
+use crate::Dims;
+
+pub(crate) struct BackwardInputs<'a> {
+    pub dims: Dims,
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+    pub lse: &'a [f32],
+    pub d_o: &'a [f32],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    pub tiles: TileConfig,
+    /// Incremented by the number of key rows finished per (row, kv head).
+    pub progress: Option<&'a AtomicU64>,
+}
+
+/// Target number of tasks per batch; chunks per kv head follow from it (shape-only).
+const TASKS_PER_BATCH: usize = 16;
+
+/// Returns `(dq, dk, dv)` in f32, layouts as q and k.
+pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let dm = x.dims;
+    let d = dm.d;
+    let mut dq = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
+    let mut dk = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
+    let mut dv = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
+    if dq.is_empty() || dk.is_empty() {
+        return (dq, dk, dv);
+    }
+    // D = rowsum(dO ∘ O), layout [b, h_q, s_q].
+    let mut big_d = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
+    big_d.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
+        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+        for (i, t) in row.iter_mut().enumerate() {
+            let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
+            *t = simd::dot(&x.d_o[at..at + d], &x.o[at..at + d]);
+        }
+    });
+
+    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
+    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
+    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let heads = dm.b * dm.h_kv;
+    let chunks = TASKS_PER_BATCH.div_ceil(dm.h_kv).clamp(1, k_spans.len());
+    let per_chunk = k_spans.len().div_ceil(chunks);
+    let chunks = k_spans.len().div_ceil(per_chunk);
+    let gs = dm.group();
+
+    let dk_out = DisjointWriter::new(&mut dk);
+    let dv_out = DisjointWriter::new(&mut dv);
+    let partials: Vec<Vec<f32>> = (0..heads * chunks)
+        .into_par_iter()
+        .map_init(
+            || Scratch::new(bq, bk, d),
+            |sc, t| {
+                let (bh, c) = (t / chunks, t % chunks);
+                let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+                let tiles = &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
+                let mut dq_part = vec![0.0f32; gs * dm.s_q * d];
+                for ks in tiles {
+                    sc.key_tile(x, &big_d, b, hk, ks, &q_spans, &mut dq_part);
+                    let kv_rs = dm.h_kv * d;
+                    for j in 0..ks.len {
+                        let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
+                        debug_assert!(at + d <= kv_rs * dm.s_k * dm.b);
+                        // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
+                        let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
+                        for c2 in 0..d {
+                            dk_row[c2] = sc.dk[j * d + c2] * x.scale;
+                            dv_row[c2] = sc.dv[j * d + c2];
+                        }
+                    }
+                    if let Some(p) = x.progress {
+                        p.fetch_add(ks.len as u64, Ordering::Relaxed);
+                    }
+                }
+                dq_part
+            },
+        )
+        .collect();
+
+    // Sum the partials of each kv head in chunk order and scatter into dq.
+    let dq_out = DisjointWriter::new(&mut dq);
+    (0..heads).into_par_iter().for_each(|bh| {
+        let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+        let parts = &partials[bh * chunks..(bh + 1) * chunks];
+        for hl in 0..gs {
+            let h = hk * gs + hl;
+            for i in 0..dm.s_q {
+                let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
+                // SAFETY: kv head (b, hk) alone writes the dq rows of its query heads.
+                let row = unsafe { dq_out.range(at, d) };
+                row.fill(0.0);
+                for p in parts {
+                    let src = &p[(hl * dm.s_q + i) * d..][..d];
+                    simd::axpy(row, 1.0, src);
+                }
+                simd::scale(row, x.scale);
+            }
+        }
+    });
+    (dq, dk, dv)
+}
+
+struct Scratch {
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    p: Vec<f32>,
+    dp: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(bq: usize, bk: usize, d: usize) -> Self {
+        Scratch { dk: vec![0.0; bk * d], dv: vec![0.0; bk * d], p: vec![0.0; bq * bk], dp: vec![0.0; bq * bk] }
+    }
+
+    /// Accumulates (unscaled) dK and dV of one key tile into `self.dk`, `self.dv` and the
+    /// tile's (unscaled) contribution to dQ into `dq_part` (`[gs, s_q, d]`).
+    #[allow(clippy::too_many_arguments)]
+    fn key_tile(
+        &mut self,
+        x: &BackwardInputs,
+        big_d: &[f32],
+        b: usize,
+        hk: usize,
+        ks: &Span,
+        q_spans: &[Span],
+        dq_part: &mut [f32],
+    ) {
+        let dm = x.dims;
+        let d = dm.d;
+        let gs = dm.group();
+        let bc = ks.len;
+        let (q_rs, kv_rs) = (dm.h_q * d, dm.h_kv * d);
+        let c = x.scale * std::f32::consts::LOG2_E;
+        let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
+        let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
+        let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
+        let v_tile = View::rows(v_base, ks.start, bc, d, kv_rs);
+        let dk = &mut self.dk[..bc * d];
+        let dv = &mut self.dv[..bc * d];
+        dk.fill(0.0);
+        dv.fill(0.0);
+        let mut kv_finite: Option<bool> = None;
+        for hl in 0..gs {
+            let h = hk * gs + hl;
+            let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
+            let do_base = &x.d_o[(b * dm.s_q * dm.h_q + h) * d..];
+            let lse = &x.lse[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
+            let dd = &big_d[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
+            for qs in q_spans {
+                let kind = classify(x.vis, qs, ks);
+                if kind == TileKind::Skip {
+                    continue;
+                }
+                let br = qs.len;
+                let q_tile = View::rows(q_base, qs.start, br, d, q_rs);
+                let do_tile = View::rows(do_base, qs.start, br, d, q_rs);
+                let p = &mut self.p[..br * bc];
+                matmul(p, bc, q_tile, k_tile.t(), c, false);
+                let mut exact = false;
+                if kind == TileKind::Partial {
+                    for i in 0..br {
+                        for j in 0..bc {
+                            if !x.vis.visible(qs.start + i, ks.start + j) {
+                                p[i * bc + j] = f32::NEG_INFINITY;
+                            }
+                        }
+                    }
+                    let kvf = *kv_finite.get_or_insert_with(|| {
+                        rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs)
+                    });
+                    exact = !(kvf
+                        && rows_finite(q_base, qs.start, br, d, q_rs)
+                        && rows_finite(do_base, qs.start, br, d, q_rs));
+                }
+                for i in 0..br {
+                    let row = &mut p[i * bc..(i + 1) * bc];
+                    let l = lse[qs.start + i];
+                    if l == f32::NEG_INFINITY {
+                        row.fill(0.0); // fully masked row: no gradient flows
+                    } else {
+                        simd::exp2_sub(row, l * std::f32::consts::LOG2_E);
+                    }
+                }
+                let dq_tile = &mut dq_part[(hl * dm.s_q + qs.start) * d..][..br * d];
+                if exact {
+                    let bases = Bases { q: q_base, d_o: do_base, k: k_base, v: v_base, dd };
+                    exact_tile(x, qs, ks, &bases, p, dk, dv, dq_tile);
+                    continue;
+                }
+                let p_view = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
+                matmul(dv, d, p_view.t(), do_tile, 1.0, true);
+                let dp = &mut self.dp[..br * bc];
+                matmul(dp, bc, do_tile, v_tile.t(), 1.0, false);
+                for i in 0..br {
+                    simd::softmax_grad(&mut p[i * bc..(i + 1) * bc], &dp[i * bc..(i + 1) * bc], dd[qs.start + i]);
+                }
+                let ds = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
+                matmul(dk, d, ds.t(), q_tile, 1.0, true);
+                matmul(dq_tile, d, ds, k_tile, 1.0, true);
+            }
+        }
+    }
+}
+
+/// Per-head input rows of a backward tile.
+struct Bases<'a> {
+    q: &'a [f32],
+    d_o: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    dd: &'a [f32],
+}
+
+/// One tile restricted to visible pairs, element by element: used only for partially masked
+/// tiles holding NaN or Inf, so that masked pairs cannot leak them through `0 · NaN`.
+#[allow(clippy::too_many_arguments)]
+fn exact_tile(
+    x: &BackwardInputs,
+    qs: &Span,
+    ks: &Span,
+    at: &Bases,
+    p: &[f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dq_tile: &mut [f32],
+) {
+    let d = x.dims.d;
+    let (q_rs, kv_rs) = (x.dims.h_q * d, x.dims.h_kv * d);
+    let bc = ks.len;
+    for i in 0..qs.len {
+        let qi = &at.q[(qs.start + i) * q_rs..][..d];
+        let doi = &at.d_o[(qs.start + i) * q_rs..][..d];
+        for j in 0..bc {
+            if !x.vis.visible(qs.start + i, ks.start + j) {
+                continue;
+            }
+            let kj = &at.k[(ks.start + j) * kv_rs..][..d];
+            let vj = &at.v[(ks.start + j) * kv_rs..][..d];
+            let pij = p[i * bc + j];
+            let ds = pij * (simd::dot(doi, vj) - at.dd[qs.start + i]);
+            simd::axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+            simd::axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
+            simd::axpy(&mut dq_tile[i * d..(i + 1) * d], ds, kj);
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! Exact flash attention on the CPU, forward and backward, for every dtype, mask and layout
+//! of the crate. Tiles of `block_q` query rows meet tiles of `block_k` key rows; products run
+//! through the `gemm` crate, the online softmax through run-time dispatched SIMD loops,
+//! and work is spread over rayon's pool. No `s_q × s_k` matrix is ever held: memory is the
+//! outputs plus tile scratch per thread (the backward adds f32 partials of dQ).
+//!
+//! Inputs of any dtype are widened to f32, computed in f32, and the outputs rounded back to
+//! the input dtype; the LSE is always f32.
+
+mod backward;
+mod forward;
+mod matmul;
+pub(crate) mod simd;
+mod tiles;
+
+use std::sync::atomic::AtomicU64;
+
+pub use tiles::TileConfig;
+
+use crate::params::Visibility;
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
+
+/// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
+/// in f32 (natural log; `-inf` for rows that see no key).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardOutput {
+    /// Attention output.
+    pub o: Tensor,
+    /// Log-sum-exp of the scaled scores.
+    pub lse: Tensor,
+}
+
+/// Gradients, in the input dtype: `dq` like q, `dk` and `dv` like k.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gradients {
+    /// Gradient of q.
+    pub dq: Tensor,
+    /// Gradient of k.
+    pub dk: Tensor,
+    /// Gradient of v.
+    pub dv: Tensor,
+}
+
+/// Knobs of the CPU implementation. `Default` is what the crate's own calls use.
+#[derive(Debug, Clone, Default)]
+pub struct CpuConfig<'a> {
+    /// Tile sizes.
+    pub tiles: TileConfig,
+    /// When set, incremented as work completes: by query rows × heads in the forward,
+    /// by key rows × kv heads in the backward (for progress bars).
+    pub progress: Option<&'a AtomicU64>,
+}
+
+/// Single-device forward: `o = softmax(scale · q kᵀ + mask) v` per head, with
+/// `pos_q(i) = i + s_k − s_q` and `pos_k(j) = j`.
+///
+/// # Errors
+/// [`Error::Rank`], [`Error::ShapeMismatch`], [`Error::HeadRatio`], [`Error::ZeroHeads`],
+/// [`Error::HeadDim`], [`Error::DtypeMismatch`], [`Error::Scale`], [`Error::Documents`].
+///
+/// ```
+/// use ringattn::{cpu, AttentionParams, Mask, Tensor};
+/// let q = Tensor::from_f32(vec![1, 3, 1, 2], vec![1.0, 0.0, 0.0, 1.0, 1.0, 1.0])?;
+/// let out = cpu::forward(&q, &q, &q, &AttentionParams { mask: Mask::Causal, ..Default::default() })?;
+/// // The first query sees only the first key: its output is that key's value.
+/// assert_eq!(&out.o.to_f32_vec()[..2], &[1.0, 0.0]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<ForwardOutput> {
+    forward_with(q, k, v, None, params, &CpuConfig::default())
+}
+
+/// Forward of a block of queries against a block of keys at arbitrary global positions: the
+/// step of every ring hop. `q_pos.len()` must be `s_q`, `k_pos.len()` must be `s_k`.
+///
+/// # Errors
+/// As [`forward`], plus [`Error::Positions`].
+///
+/// ```
+/// use ringattn::{cpu, AttentionParams, Mask, Positions, Tensor};
+/// // Queries at positions 4..6 attend causally to keys at positions 0..2: all visible.
+/// let q = Tensor::from_f32(vec![1, 2, 1, 1], vec![1.0, 2.0])?;
+/// let k = Tensor::from_f32(vec![1, 2, 1, 1], vec![0.5, -0.5])?;
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let out = cpu::forward_at(&q, &k, &k, &Positions::contiguous(4, 2), &Positions::contiguous(0, 2), &p)?;
+/// assert!(out.lse.to_f32_vec().iter().all(|x| x.is_finite()));
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn forward_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<ForwardOutput> {
+    forward_with(q, k, v, Some((q_pos, k_pos)), params, &CpuConfig::default())
+}
+
+/// [`forward`] or [`forward_at`] (when `positions` is given) with explicit configuration.
+///
+/// # Errors
+/// As [`forward_at`].
+pub fn forward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    config: &CpuConfig,
+) -> Result<ForwardOutput> {
+    let dims = Dims::of(q, k, v)?;
+    let vis = visibility(&dims, positions, params)?;
+    let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
+    let (o, lse) = forward::forward(&forward::ForwardInputs {
+        dims,
+        q: &qf,
+        k: &kf,
+        v: &vf,
+        vis: &vis,
+        scale: params.softmax_scale(dims.d),
+        tiles: config.tiles,
+        progress: config.progress,
+    });
+    Ok(ForwardOutput {
+        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+    })
+}
+
+/// Single-device backward: `dq`, `dk`, `dv` from the forward's `o` and `lse` and the output
+/// gradient `d_o` (shape of q), recomputing the probabilities tile by tile.
+///
+/// # Errors
+/// As [`forward`], plus shape or dtype errors for `o`, `lse` (f32 `[b, h_q, s_q]`) and `d_o`.
+///
+/// ```
+/// use ringattn::{cpu, AttentionParams, Tensor};
+/// let x = Tensor::from_f32(vec![1, 2, 1, 1], vec![0.3, -0.7])?;
+/// let p = AttentionParams::default();
+/// let f = cpu::forward(&x, &x, &x, &p)?;
+/// let g = cpu::backward(&x, &x, &x, &f.o, &f.lse, &x, &p)?;
+/// assert_eq!(g.dk.shape(), &[1, 2, 1, 1]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    params: &AttentionParams,
+) -> Result<Gradients> {
+    backward_with(q, k, v, o, lse, d_o, None, params, &CpuConfig::default())
+}
+
+/// Backward of a block call at global positions (see [`forward_at`]).
+///
+/// # Errors
+/// As [`backward`] and [`forward_at`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<Gradients> {
+    backward_with(q, k, v, o, lse, d_o, Some((q_pos, k_pos)), params, &CpuConfig::default())
+}
+
+/// [`backward`] or [`backward_at`] with explicit configuration.
+///
+/// # Errors
+/// As [`backward_at`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    config: &CpuConfig,
+) -> Result<Gradients> {
+    let dims = Dims::of(q, k, v)?;
+    Dims::expect("o", o, &dims.q_shape(), q)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    if lse.dtype() != DType::F32 {
+        return Err(Error::DtypeMismatch { name: "lse".into(), got: lse.dtype().to_string(), expected: "F32".into() });
+    }
+    if lse.shape() != dims.lse_shape() {
+        return Err(Error::ShapeMismatch(format!(
+            "`lse` has shape {:?}, expected {:?}",
+            lse.shape(),
+            dims.lse_shape()
+        )));
+    }
+    let vis = visibility(&dims, positions, params)?;
+    let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
+    let (dq, dk, dv) = backward::backward(&backward::BackwardInputs {
+        dims,
+        q: &qf,
+        k: &kf,
+        v: &vf,
+        o: &of,
+        lse: &lf,
+        d_o: &df,
+        vis: &vis,
+        scale: params.softmax_scale(dims.d),
+        tiles: config.tiles,
+        progress: config.progress,
+    });
+    Ok(Gradients {
+        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+    })
+}
+
+fn visibility(dims: &Dims, positions: Option<(&Positions, &Positions)>, params: &AttentionParams) -> Result<Visibility> {
+    match positions {
+        None => Visibility::single_device(params, dims.s_q, dims.s_k),
+        Some((qp, kp)) => block_visibility(dims, qp, kp, params),
+    }
+}
+
+/// Validates block positions against the dims and resolves visibility.
+pub(crate) fn block_visibility(
+    dims: &Dims,
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<Visibility> {
+    if q_pos.len() != dims.s_q {
+        return Err(Error::Positions(format!("{} query positions for s_q = {}", q_pos.len(), dims.s_q)));
+    }
+    if k_pos.len() != dims.s_k {
+        return Err(Error::Positions(format!("{} key positions for s_k = {}", k_pos.len(), dims.s_k)));
+    }
+    Visibility::new(params, q_pos, k_pos)
+}

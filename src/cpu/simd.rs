@@ -1,0 +1,233 @@
+//! Row-wise elementwise kernels of the online softmax, compiled for AVX-512 and AVX2+FMA
+//! and picked at run time (the portable build keeps its baseline target).
+//!
+//! `exp2` is a degree-7 polynomial on the reduced argument `f ∈ [-0.5, 0.5]` times `2^n`
+//! built from the exponent bits: relative error below 1e-7, exactly 0 below 2^-126
+//! (so masked entries, `-inf`, give exactly 0), NaN in gives NaN out.
+
+/// `2^x` for `x <= 128`; see the module docs for accuracy.
+#[inline(always)]
+pub(crate) fn exp2(x: f32) -> f32 {
+    // Comparisons written so that NaN passes through untouched.
+    let xc = if x < -127.0 { -127.0 } else { x };
+    let xc = if xc > 127.0 { 127.0 } else { xc };
+    // Round to nearest with the 1.5·2^23 trick: exact for |x| < 2^22.
+    const MAGIC: f32 = 12_582_912.0;
+    let t = xc + MAGIC;
+    let n = t - MAGIC;
+    let f = xc - n;
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let pow = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
+    // Taylor coefficients of 2^f = e^(f ln 2).
+    const C1: f32 = std::f32::consts::LN_2;
+    const C2: f32 = 0.240_226_5;
+    const C3: f32 = 0.055_504_11;
+    const C4: f32 = 0.009_618_129;
+    const C5: f32 = 0.001_333_355_8;
+    const C6: f32 = 0.000_154_035_3;
+    const C7: f32 = 0.000_015_252_734;
+    let p = 1.0 + f * (C1 + f * (C2 + f * (C3 + f * (C4 + f * (C5 + f * (C6 + f * C7))))));
+    let y = p * pow;
+    if x < -126.0 {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// NaN-propagating maximum of a row (`-inf` for an empty row).
+#[inline(always)]
+fn row_max_impl(row: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; L];
+    let mut nan = [false; L];
+    let chunks = row.chunks_exact(L);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+            nan[l] |= c[l].is_nan();
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    let mut any_nan = nan.iter().any(|&b| b);
+    for &x in acc.iter().chain(rest) {
+        any_nan |= x.is_nan();
+        if x > m {
+            m = x;
+        }
+    }
+    if any_nan {
+        f32::NAN
+    } else {
+        m
+    }
+}
+
+/// `row[j] = 2^(row[j] - sub)`; returns the sum of the new row.
+#[inline(always)]
+fn exp2_sub_sum_impl(row: &mut [f32], sub: f32) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    let mut chunks = row.chunks_exact_mut(L);
+    for c in &mut chunks {
+        for l in 0..L {
+            let e = exp2(c[l] - sub);
+            c[l] = e;
+            acc[l] += e;
+        }
+    }
+    let mut s = 0.0;
+    for x in chunks.into_remainder() {
+        let e = exp2(*x - sub);
+        *x = e;
+        s += e;
+    }
+    acc.iter().sum::<f32>() + s
+}
+
+/// `row[j] = 2^(row[j] - sub)`.
+#[inline(always)]
+fn exp2_sub_impl(row: &mut [f32], sub: f32) {
+    for x in row.iter_mut() {
+        *x = exp2(*x - sub);
+    }
+}
+
+/// `p[j] = p[j] * (dp[j] - dd)`: the softmax backward `dS = P ∘ (dP − D)`.
+#[inline(always)]
+fn softmax_grad_impl(p: &mut [f32], dp: &[f32], dd: f32) {
+    for (x, &g) in p.iter_mut().zip(dp) {
+        *x *= g - dd;
+    }
+}
+
+/// `row[j] *= a`.
+#[inline(always)]
+fn scale_impl(row: &mut [f32], a: f32) {
+    for x in row.iter_mut() {
+        *x *= a;
+    }
+}
+
+/// `acc[j] += a * x[j]`.
+#[inline(always)]
+fn axpy_impl(acc: &mut [f32], a: f32, x: &[f32]) {
+    for (y, &v) in acc.iter_mut().zip(x) {
+        *y += a * v;
+    }
+}
+
+/// Sum of `a[j] * b[j]` in f32 with 16 lanes.
+#[inline(always)]
+fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    let ca = a.chunks_exact(L);
+    let ra = ca.remainder();
+    let cb = b.chunks_exact(L);
+    let rb = cb.remainder();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
+}
+
+/// Defines a public dispatcher that runs `$imp` compiled for the best instruction set the
+/// processor has.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty) => {
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                unsafe fn v4($($arg: $ty),*) -> $ret { $imp($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($arg: $ty),*) -> $ret { $imp($($arg),*) }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the processor has the features the function is compiled for.
+                    return unsafe { v4($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: as above.
+                    return unsafe { v3($($arg),*) };
+                }
+            }
+            $imp($($arg),*)
+        }
+    };
+}
+
+dispatch!(
+    /// NaN-propagating row maximum.
+    row_max => row_max_impl(row: &[f32]) -> f32
+);
+dispatch!(
+    /// `row = 2^(row - sub)`, returning the sum.
+    exp2_sub_sum => exp2_sub_sum_impl(row: &mut [f32], sub: f32) -> f32
+);
+dispatch!(
+    /// `row = 2^(row - sub)`.
+    exp2_sub => exp2_sub_impl(row: &mut [f32], sub: f32) -> ()
+);
+dispatch!(
+    /// `p = p ∘ (dp − dd)`.
+    softmax_grad => softmax_grad_impl(p: &mut [f32], dp: &[f32], dd: f32) -> ()
+);
+dispatch!(
+    /// `row *= a`.
+    scale => scale_impl(row: &mut [f32], a: f32) -> ()
+);
+dispatch!(
+    /// `acc += a · x`.
+    axpy => axpy_impl(acc: &mut [f32], a: f32, x: &[f32]) -> ()
+);
+dispatch!(
+    /// Dot product in f32.
+    dot => dot_impl(a: &[f32], b: &[f32]) -> f32
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp2_is_accurate_and_exact_at_the_ends() {
+        let mut worst = 0.0f64;
+        let mut x = -126.0f32;
+        while x < 127.0 {
+            let got = exp2(x) as f64;
+            let want = 2f64.powf(x as f64);
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 2e-7, "worst relative error {worst}");
+        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2(-200.0), 0.0);
+        assert_eq!(exp2(0.0), 1.0);
+        assert!(exp2(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn row_max_propagates_nan_and_handles_empty() {
+        let mut v: Vec<f32> = (0..37).map(|i| i as f32).collect();
+        assert_eq!(row_max(&v), 36.0);
+        v[20] = f32::NAN;
+        assert!(row_max(&v).is_nan());
+        assert_eq!(row_max(&[]), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn exp2_sub_sum_matches_scalar() {
+        let mut v: Vec<f32> = (0..41).map(|i| -(i as f32) * 0.3).collect();
+        let want: f64 = v.iter().map(|&x| 2f64.powf(x as f64 - 1.0)).sum();
+        let got = exp2_sub_sum(&mut v, 1.0) as f64;
+        assert!((got - want).abs() / want < 1e-6);
+    }
+}

@@ -1,0 +1,117 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+/// Every failure the crate reports. Each variant names the offending value so that a
+/// message alone tells the caller what to fix; nothing in the crate panics on bad input.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor has the wrong number of dimensions.
+    #[error("tensor `{name}` must have rank {expected} ({layout}), got shape {shape:?}")]
+    Rank {
+        /// Tensor name (`q`, `k`, `v`, `o`, `lse`, `do`).
+        name: &'static str,
+        /// Expected rank.
+        expected: usize,
+        /// Expected layout, e.g. `[b, s_q, h_q, d]`.
+        layout: &'static str,
+        /// Shape received.
+        shape: Vec<usize>,
+    },
+    /// Two tensors disagree on a dimension they must share.
+    #[error("shape mismatch: {0}")]
+    ShapeMismatch(String),
+    /// Query heads are not a multiple of key/value heads (GQA needs `h_q % h_kv == 0`).
+    #[error("query heads h_q = {h_q} is not a multiple of key/value heads h_kv = {h_kv}")]
+    HeadRatio {
+        /// Query heads.
+        h_q: usize,
+        /// Key/value heads.
+        h_kv: usize,
+    },
+    /// A head count of zero.
+    #[error("head count must be at least 1, got {name} = 0")]
+    ZeroHeads {
+        /// `h_q` or `h_kv`.
+        name: &'static str,
+    },
+    /// The head dimension is zero or above what the backend supports.
+    #[error("head dim {d} is not supported (supported: 1..={max})")]
+    HeadDim {
+        /// Head dimension received.
+        d: usize,
+        /// Largest supported head dimension.
+        max: usize,
+    },
+    /// A sliding-window side is not a valid value.
+    #[error("invalid window {0}")]
+    Window(String),
+    /// The softmax scale is not a finite number.
+    #[error("softmax scale must be finite, got {0}")]
+    Scale(f32),
+    /// Tensors that must share one dtype do not.
+    #[error("dtype mismatch: `{name}` is {got}, expected {expected} (the dtype of `q`)")]
+    DtypeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Its dtype.
+        got: String,
+        /// The dtype required.
+        expected: String,
+    },
+    /// A dtype the crate does not handle.
+    #[error("unsupported dtype {0} (supported: F32, BF16, F16)")]
+    UnsupportedDtype(String),
+    /// A data buffer whose length does not match its shape.
+    #[error("tensor data holds {len} elements but shape {shape:?} needs {expected}")]
+    DataLength {
+        /// Elements held.
+        len: usize,
+        /// Shape claimed.
+        shape: Vec<usize>,
+        /// Elements the shape needs.
+        expected: usize,
+    },
+    /// Packed-document lengths that do not describe the sequence.
+    #[error("invalid document lengths: {0}")]
+    Documents(String),
+    /// Position segments that are malformed or disagree with the tensors.
+    #[error("invalid positions: {0}")]
+    Positions(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A file is not a well-formed safetensors file.
+    #[error("{path}: malformed safetensors file: {detail}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A required tensor is absent from an input file.
+    #[error("{path}: missing tensor `{name}`")]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        name: String,
+    },
+    /// An unknown or not-yet-available parallel strategy.
+    #[error("unknown strategy `{0}` (available: single)")]
+    UnknownStrategy(String),
+    /// An unknown or not-yet-available backend.
+    #[error("unknown backend `{0}` (available: cpu)")]
+    UnknownBackend(String),
+    /// Any other invalid argument, with a message naming it.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+/// Result with the crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,70 @@
+//! # ringattn
+//!
+//! Exact attention for long sequences: flash-attention (tiled, online softmax, never an
+//! `s × s` matrix) forward and backward, a float64 oracle to check it against, and — in
+//! later releases — ring and Ulysses drivers that split one sequence across devices.
+//! This release runs on the CPU ([`cpu`]).
+//!
+//! ## Conventions
+//!
+//! * **Layout BSHD, contiguous.** q and o are `[b, s_q, h_q, d]`; k and v `[b, s_k, h_kv, d]`.
+//! * **GQA.** `h_q % h_kv == 0`; query head `i` uses kv head `i / (h_q / h_kv)`.
+//! * **Masks on global positions.** Key `j` is visible to query `i` iff
+//!   `pos_k(j) >= pos_q(i) - left` and `pos_k(j) <= pos_q(i) + right` ([`Mask`]; `None`
+//!   sides are unbounded, causal is `(unbounded, 0)`). A single-device call uses
+//!   `pos_q(i) = i + (s_k - s_q)` and `pos_k(j) = j` (bottom-right aligned, like
+//!   flash-attention when `s_q != s_k`); a block call ([`cpu::forward_at`]) takes each side's
+//!   positions as `(start, stride, len)` segments ([`Positions`]).
+//! * **Packed documents.** [`Documents`] (lengths summing to the global length) restrict
+//!   visibility to the query's own document.
+//! * **Masked pairs never matter**: a masked key's values, even NaN or Inf, never reach a
+//!   query's output, and a masked pair contributes nothing to any gradient.
+//! * **Scale** defaults to `1/sqrt(d)` ([`AttentionParams::scale`]).
+//! * **LSE** `[b, h_q, s_q]`, f32, natural log of `Σ_j exp(scale · q·k_j)` over visible keys.
+//! * **Fully masked rows** give `lse = -inf`, `o = 0` and zero gradients.
+//! * **Dtypes** f32, bf16, f16 in and out ([`DType`]); arithmetic and accumulation in f32.
+//! * **Empty sequences** (`s_q = 0` or `s_k = 0`) are valid and give empty (or, for `s_k = 0`,
+//!   fully masked) outputs.
+//! * **NaN and Inf** in visible inputs propagate as IEEE arithmetic does: a NaN in a key a
+//!   query sees makes that query's output NaN.
+//! * **Errors** are one enum, [`Error`]; bad input never panics.
+//!
+//! ## Example
+//!
+//! ```
+//! use ringattn::{cpu, random::randn, reference, verify, AttentionParams, DType, Mask};
+//!
+//! let (b, s, h_q, h_kv, d) = (1, 100, 4, 2, 32);
+//! let q = randn(vec![b, s, h_q, d], 1, DType::F32);
+//! let k = randn(vec![b, s, h_kv, d], 2, DType::F32);
+//! let v = randn(vec![b, s, h_kv, d], 3, DType::F32);
+//! let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
+//!
+//! let out = cpu::forward(&q, &k, &v, &params)?;
+//! let oracle = reference::forward(&q, &k, &v, &params)?;
+//! assert!(verify::rel_err(&out.o.to_f32_vec(), &oracle.o) < 1e-5);
+//! # Ok::<(), ringattn::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod cpu;
+mod dtype;
+mod error;
+pub mod io;
+mod mask;
+pub mod memory;
+pub mod merge;
+mod params;
+mod positions;
+pub mod random;
+pub mod reference;
+mod tensor;
+pub mod verify;
+
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use mask::{Documents, Mask};
+pub use params::{AttentionParams, Dims, MAX_HEAD_DIM};
+pub use positions::{Positions, Segment};
+pub use tensor::{Tensor, TensorData};

@@ -1,0 +1,216 @@
+//! Attention parameters, shape validation, and the resolved visibility of a call.
+
+use crate::{Documents, Error, Mask, Positions, Result, Tensor};
+
+/// Largest head dimension the CPU implementation and the oracle accept.
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d)`.
+///
+/// ```
+/// use ringattn::{AttentionParams, Mask};
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// assert_eq!(p.softmax_scale(64), 0.125);
+/// ```
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AttentionParams {
+    /// Positional mask, evaluated on global positions.
+    pub mask: Mask,
+    /// Packed documents (lengths summing to the global sequence length), if any.
+    pub documents: Option<Documents>,
+    /// Softmax scale; `None` means `1/sqrt(d)`.
+    pub scale: Option<f32>,
+}
+
+impl AttentionParams {
+    /// The scale applied to `q·k` before the softmax.
+    pub fn softmax_scale(&self, d: usize) -> f32 {
+        self.scale.unwrap_or_else(|| 1.0 / (d.max(1) as f32).sqrt())
+    }
+}
+
+/// Dimensions of an attention call: q `[b, s_q, h_q, d]`, k and v `[b, s_k, h_kv, d]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Dims {
+    /// Batch size.
+    pub b: usize,
+    /// Query rows.
+    pub s_q: usize,
+    /// Key rows.
+    pub s_k: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Key/value heads (`h_q % h_kv == 0`).
+    pub h_kv: usize,
+    /// Head dimension.
+    pub d: usize,
+}
+
+impl Dims {
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.h_q / self.h_kv
+    }
+
+    /// The kv head used by query head `h`.
+    pub fn kv_head(&self, h: usize) -> usize {
+        h / self.group()
+    }
+
+    /// Shape of q and o.
+    pub fn q_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_q, self.h_q, self.d]
+    }
+
+    /// Shape of k and v.
+    pub fn kv_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_k, self.h_kv, self.d]
+    }
+
+    /// Shape of the LSE.
+    pub fn lse_shape(&self) -> Vec<usize> {
+        vec![self.b, self.h_q, self.s_q]
+    }
+
+    /// Validates q, k, v and returns their dimensions.
+    ///
+    /// # Errors
+    /// [`Error::Rank`], [`Error::ShapeMismatch`], [`Error::ZeroHeads`], [`Error::HeadRatio`],
+    /// [`Error::HeadDim`] or [`Error::DtypeMismatch`].
+    pub fn of(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+        let qs = rank4("q", q, "[b, s_q, h_q, d]")?;
+        let ks = rank4("k", k, "[b, s_k, h_kv, d]")?;
+        let vs = rank4("v", v, "[b, s_k, h_kv, d]")?;
+        same_dtype(q, &[("k", k), ("v", v)])?;
+        if ks != vs {
+            return Err(Error::ShapeMismatch(format!("k has shape {ks:?} but v has {vs:?}")));
+        }
+        if qs[0] != ks[0] {
+            return Err(Error::ShapeMismatch(format!("q has batch {} but k has {}", qs[0], ks[0])));
+        }
+        if qs[3] != ks[3] {
+            return Err(Error::ShapeMismatch(format!(
+                "q has head dim {} but k has {}",
+                qs[3], ks[3]
+            )));
+        }
+        let dims = Dims { b: qs[0], s_q: qs[1], h_q: qs[2], s_k: ks[1], h_kv: ks[2], d: qs[3] };
+        if dims.h_q == 0 {
+            return Err(Error::ZeroHeads { name: "h_q" });
+        }
+        if dims.h_kv == 0 {
+            return Err(Error::ZeroHeads { name: "h_kv" });
+        }
+        if dims.h_q % dims.h_kv != 0 {
+            return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
+        }
+        if dims.d == 0 || dims.d > MAX_HEAD_DIM {
+            return Err(Error::HeadDim { d: dims.d, max: MAX_HEAD_DIM });
+        }
+        Ok(dims)
+    }
+
+    /// Checks that a tensor has exactly `shape` and the dtype of `like`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`].
+    pub fn expect(name: &'static str, t: &Tensor, shape: &[usize], like: &Tensor) -> Result<()> {
+        if t.shape() != shape {
+            return Err(Error::ShapeMismatch(format!(
+                "`{name}` has shape {:?}, expected {shape:?}",
+                t.shape()
+            )));
+        }
+        same_dtype(like, &[(name, t)])
+    }
+}
+
+fn rank4(name: &'static str, t: &Tensor, layout: &'static str) -> Result<[usize; 4]> {
+    <[usize; 4]>::try_from(t.shape())
+        .map_err(|_| Error::Rank { name, expected: 4, layout, shape: t.shape().to_vec() })
+}
+
+fn same_dtype(like: &Tensor, others: &[(&str, &Tensor)]) -> Result<()> {
+    for (name, t) in others {
+        if t.dtype() != like.dtype() {
+            return Err(Error::DtypeMismatch {
+                name: name.to_string(),
+                got: t.dtype().to_string(),
+                expected: like.dtype().to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Everything needed to decide visibility of every (query row, key row) pair of one call:
+/// per-row global positions and document indices, and the window bounds.
+#[derive(Debug, Clone)]
+pub(crate) struct Visibility {
+    pub q_pos: Vec<i64>,
+    pub k_pos: Vec<i64>,
+    /// Document index per query / key row (`None` without documents).
+    pub q_doc: Option<Vec<u32>>,
+    pub k_doc: Option<Vec<u32>>,
+    pub left: Option<i64>,
+    pub right: Option<i64>,
+}
+
+impl Visibility {
+    /// Resolves positions and documents for rows of a call.
+    pub fn new(params: &AttentionParams, q_pos: &Positions, k_pos: &Positions) -> Result<Self> {
+        if let Some(s) = params.scale {
+            if !s.is_finite() {
+                return Err(Error::Scale(s));
+            }
+        }
+        let (left, right) = params.mask.bounds();
+        let q_pos = q_pos.to_vec();
+        let k_pos = k_pos.to_vec();
+        let (q_doc, k_doc) = match &params.documents {
+            None => (None, None),
+            Some(docs) => (Some(doc_ids(docs, &q_pos, "query")?), Some(doc_ids(docs, &k_pos, "key")?)),
+        };
+        Ok(Visibility { q_pos, k_pos, q_doc, k_doc, left, right })
+    }
+
+    /// For a single-device call: also checks that the documents cover exactly `s_k` tokens.
+    pub fn single_device(params: &AttentionParams, s_q: usize, s_k: usize) -> Result<Self> {
+        if let Some(docs) = &params.documents {
+            if docs.total_len() != s_k as u64 {
+                return Err(Error::Documents(format!(
+                    "lengths {:?} sum to {} but the key sequence has {s_k} tokens",
+                    docs.lengths(),
+                    docs.total_len()
+                )));
+            }
+        }
+        let (qp, kp) = Positions::single_device(s_q, s_k);
+        Self::new(params, &qp, &kp)
+    }
+
+    /// Whether key row `j` is visible to query row `i`.
+    #[inline]
+    pub fn visible(&self, i: usize, j: usize) -> bool {
+        let (pq, pk) = (self.q_pos[i], self.k_pos[j]);
+        self.left.is_none_or(|l| pk >= pq - l)
+            && self.right.is_none_or(|r| pk <= pq + r)
+            && match (&self.q_doc, &self.k_doc) {
+                (Some(a), Some(b)) => a[i] == b[j],
+                _ => true,
+            }
+    }
+}
+
+fn doc_ids(docs: &Documents, pos: &[i64], side: &str) -> Result<Vec<u32>> {
+    pos.iter()
+        .map(|&p| {
+            docs.document_of(p).map(|d| d as u32).ok_or_else(|| {
+                Error::Documents(format!(
+                    "{side} position {p} lies outside the documents, which cover 0..{}",
+                    docs.total_len()
+                ))
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,390 @@
+//! The float64 oracle: naive attention, forward and backward, with the crate's conventions.
+//!
+//! Every quantity is computed in f64 from the (exactly widened) inputs, row by row: a query
+//! row's scores against its visible keys, the softmax, the output, and the gradients. No
+//! `s_q × s_k` matrix is ever stored, so any subset of rows of a long sequence can be
+//! checked ([`forward_rows`], [`dq_rows`]).
+//!
+//! [`naive_rounded`] is the same computation with every intermediate rounded to a storage
+//! dtype, the way an unfused low-precision implementation would run it; its error against
+//! the oracle calibrates the tolerances of [`crate::verify`].
+
+use rayon::prelude::*;
+
+use crate::params::Visibility;
+use crate::{AttentionParams, DType, Dims, Positions, Result, Tensor};
+
+/// Outputs of the oracle. Layouts as in the crate: `o`, `dq` `[b, s_q, h_q, d]`, `lse`
+/// `[b, h_q, s_q]` (natural log, `-inf` for fully masked rows), `dk`, `dv` `[b, s_k, h_kv, d]`.
+/// The gradient fields are empty after a forward-only call.
+#[derive(Debug, Clone, Default)]
+pub struct Reference {
+    /// Dimensions of the call.
+    pub dims: Dims,
+    /// Attention output.
+    pub o: Vec<f64>,
+    /// Log-sum-exp of the scaled scores per query row.
+    pub lse: Vec<f64>,
+    /// Gradient of q.
+    pub dq: Vec<f64>,
+    /// Gradient of k.
+    pub dk: Vec<f64>,
+    /// Gradient of v.
+    pub dv: Vec<f64>,
+    /// Condition magnitudes, same layouts as the outputs: each entry is the sum of the
+    /// absolute values of the terms that make up that output (`Σ_j P_ij |v_jc|` for `o`,
+    /// `scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_jc|` for `dq`, and so on). A rounding error of
+    /// relative size `u` in every term moves the output by at most `u` times this, which is
+    /// what the tolerance floor of [`crate::verify`] scales with.
+    pub o_mag: Vec<f64>,
+    /// Magnitudes of `dq` terms.
+    pub dq_mag: Vec<f64>,
+    /// Magnitudes of `dk` terms.
+    pub dk_mag: Vec<f64>,
+    /// Magnitudes of `dv` terms.
+    pub dv_mag: Vec<f64>,
+}
+
+/// Oracle forward of a single-device call.
+///
+/// # Errors
+/// As [`crate::cpu::forward`]: shape, dtype, head-dim, scale and document errors.
+///
+/// ```
+/// use ringattn::{reference, AttentionParams, Tensor};
+/// let q = Tensor::from_f32(vec![1, 2, 1, 2], vec![1.0, 0.0, 0.0, 1.0])?;
+/// let r = reference::forward(&q, &q, &q, &AttentionParams::default())?;
+/// assert!((r.lse[0] - ((0.5f64.sqrt()).exp() + 1.0).ln()).abs() < 1e-12);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+}
+
+/// Oracle forward of a block of queries against a block of keys at arbitrary global
+/// positions (`q_pos.len() == s_q`, `k_pos.len() == s_k`).
+///
+/// # Errors
+/// As [`forward`], plus [`crate::Error::Positions`] when a position count mismatches.
+pub fn forward_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+}
+
+/// Oracle forward restricted to the query rows `rows` (each `< s_q`): `o` is
+/// `[b, rows.len(), h_q, d]` and `lse` `[b, h_q, rows.len()]`. Costs `O(rows·s_k·d)`.
+///
+/// # Errors
+/// As [`forward`], plus [`crate::Error::InvalidArgument`] for a row out of range.
+pub fn forward_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttentionParams,
+    rows: &[usize],
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    check_rows(rows, dims.s_q)?;
+    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, rows))
+}
+
+/// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
+///
+/// # Errors
+/// As [`forward`], plus a shape or dtype error for `d_o`.
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    params: &AttentionParams,
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+}
+
+/// Oracle backward of a block call at global positions (see [`forward_at`]).
+///
+/// # Errors
+/// As [`forward_at`] and [`backward`].
+pub fn backward_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+}
+
+/// Oracle `o`, `lse` and `dq` for the query rows `rows` only (`dk`, `dv` stay empty):
+/// `dq_i = scale · Σ_j P_ij (dP_ij − D_i) k_j` needs nothing but row `i`. Costs `O(rows·s_k·d)`.
+///
+/// # Errors
+/// As [`backward`] and [`forward_rows`].
+pub fn dq_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    params: &AttentionParams,
+    rows: &[usize],
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    check_rows(rows, dims.s_q)?;
+    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
+    let mut r = run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, rows);
+    r.dk.clear();
+    r.dv.clear();
+    r.dk_mag.clear();
+    r.dv_mag.clear();
+    Ok(r)
+}
+
+/// The same computation (single-device, or a block call when `positions` is given) with
+/// every intermediate rounded to `dtype`: scores, probabilities,
+/// output, `dP`, `dS` and each gradient, each product accumulated exactly and then rounded
+/// (what an unfused implementation storing intermediates in `dtype` does). Its error against
+/// the oracle is the yardstick of the tolerance rule in [`crate::verify`].
+///
+/// # Errors
+/// As [`backward`] (or [`forward`] when `d_o` is `None`).
+pub fn naive_rounded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    dtype: DType,
+) -> Result<Reference> {
+    let dims = Dims::of(q, k, v)?;
+    if let Some(t) = d_o {
+        Dims::expect("do", t, &dims.q_shape(), q)?;
+    }
+    let vis = match positions {
+        None => Visibility::single_device(params, dims.s_q, dims.s_k)?,
+        Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
+    };
+    let inputs = Inputs::new(dims, q, k, v, d_o);
+    Ok(run(&inputs, params, &vis, Some(dtype), d_o.is_some(), &all_rows(dims.s_q)))
+}
+
+struct Inputs {
+    dims: Dims,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    d_o: Vec<f64>,
+}
+
+impl Inputs {
+    fn new(dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor, d_o: Option<&Tensor>) -> Self {
+        Inputs {
+            dims,
+            q: q.to_f64_vec(),
+            k: k.to_f64_vec(),
+            v: v.to_f64_vec(),
+            d_o: d_o.map(|t| t.to_f64_vec()).unwrap_or_default(),
+        }
+    }
+}
+
+fn all_rows(n: usize) -> Vec<usize> {
+    (0..n).collect()
+}
+
+fn check_rows(rows: &[usize], s_q: usize) -> Result<()> {
+    match rows.iter().find(|&&r| r >= s_q) {
+        Some(r) => Err(crate::Error::InvalidArgument(format!("row {r} is out of range for s_q = {s_q}"))),
+        None => Ok(()),
+    }
+}
+
+/// Per-(batch, query head) results, assembled into the crate layouts afterwards.
+struct HeadResult {
+    o: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    /// dK, dV contributions of this query head, `[s_k, d]`.
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    /// Magnitudes, laid out as the four above.
+    mag: [Vec<f64>; 4],
+}
+
+fn run(
+    x: &Inputs,
+    params: &AttentionParams,
+    vis: &Visibility,
+    round: Option<DType>,
+    with_grad: bool,
+    rows: &[usize],
+) -> Reference {
+    let dm = x.dims;
+    let d = dm.d;
+    let scale = params.softmax_scale(d) as f64;
+    let rnd = |t: f64| match round {
+        Some(dt) => dt.round_f64(t),
+        None => t,
+    };
+    // The naive model accumulates in f32 (as unfused implementations do for every dtype);
+    // the oracle in f64.
+    let acc = |t: f64| if round.is_some() { t as f32 as f64 } else { t };
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0.0, |s, (x, y)| acc(s + x * y));
+    let q_row = |b: usize, i: usize, h: usize| &x.q[((b * dm.s_q + i) * dm.h_q + h) * d..][..d];
+    let do_row = |b: usize, i: usize, h: usize| &x.d_o[((b * dm.s_q + i) * dm.h_q + h) * d..][..d];
+    let k_row = |b: usize, j: usize, h: usize| &x.k[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
+    let v_row = |b: usize, j: usize, h: usize| &x.v[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
+
+    let heads: Vec<HeadResult> = (0..dm.b * dm.h_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+            let hk = dm.kv_head(h);
+            let n = rows.len();
+            let mut res = HeadResult {
+                o: vec![0.0; n * d],
+                lse: vec![f64::NEG_INFINITY; n],
+                dq: if with_grad { vec![0.0; n * d] } else { vec![] },
+                dk: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
+                dv: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
+                mag: [vec![0.0; n * d], vec![0.0; n * d], vec![0.0; dm.s_k * d], vec![0.0; dm.s_k * d]],
+            };
+            let [o_mag, dq_mag, dk_mag, dv_mag] = &mut res.mag;
+            let mut keys: Vec<usize> = Vec::with_capacity(dm.s_k);
+            let mut s: Vec<f64> = Vec::with_capacity(dm.s_k);
+            for (r, &i) in rows.iter().enumerate() {
+                keys.clear();
+                keys.extend((0..dm.s_k).filter(|&j| vis.visible(i, j)));
+                if keys.is_empty() {
+                    continue; // fully masked row: o = 0, lse = -inf, zero gradients
+                }
+                let qi = q_row(b, i, h);
+                s.clear();
+                s.extend(keys.iter().map(|&j| rnd(rnd(dot(qi, k_row(b, j, hk))) * scale)));
+                // NaN propagates through the max (a NaN score makes the whole row NaN).
+                let m = if s.iter().any(|t| t.is_nan()) {
+                    f64::NAN
+                } else {
+                    s.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                };
+                let sum: f64 = s.iter().fold(0.0, |a, &t| acc(a + (t - m).exp()));
+                let lse = m + sum.ln();
+                res.lse[r] = match round {
+                    Some(_) => lse as f32 as f64,
+                    None => lse,
+                };
+                // probabilities (rounded to the storage dtype in the naive model)
+                for t in s.iter_mut() {
+                    *t = rnd((*t - m).exp() / sum);
+                }
+                let o = &mut res.o[r * d..(r + 1) * d];
+                let om = &mut o_mag[r * d..(r + 1) * d];
+                for (&j, &p) in keys.iter().zip(&s) {
+                    for ((oc, mc), vc) in o.iter_mut().zip(om.iter_mut()).zip(v_row(b, j, hk)) {
+                        *oc = acc(*oc + p * vc);
+                        *mc += p * vc.abs();
+                    }
+                }
+                o.iter_mut().for_each(|t| *t = rnd(*t));
+                if !with_grad {
+                    continue;
+                }
+                let doi = do_row(b, i, h);
+                let dp: Vec<f64> = keys.iter().map(|&j| rnd(dot(doi, v_row(b, j, hk)))).collect();
+                let big_d: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
+                let dq = &mut res.dq[r * d..(r + 1) * d];
+                let dqm = &mut dq_mag[r * d..(r + 1) * d];
+                for ((&j, &p), &g) in keys.iter().zip(&s).zip(&dp) {
+                    let ds = rnd(rnd(p * (g - big_d)) * scale);
+                    let ds_mag = (p * (g.abs() + big_d.abs()) * scale).abs();
+                    let kj = k_row(b, j, hk);
+                    let (dkj, dkm) = (&mut res.dk[j * d..(j + 1) * d], &mut dk_mag[j * d..(j + 1) * d]);
+                    for c in 0..d {
+                        dq[c] = acc(dq[c] + ds * kj[c]);
+                        dqm[c] += ds_mag * kj[c].abs();
+                        dkj[c] = acc(dkj[c] + ds * qi[c]);
+                        dkm[c] += ds_mag * qi[c].abs();
+                    }
+                    let (dvj, dvm) = (&mut res.dv[j * d..(j + 1) * d], &mut dv_mag[j * d..(j + 1) * d]);
+                    for c in 0..d {
+                        dvj[c] = acc(dvj[c] + p * doi[c]);
+                        dvm[c] += p * doi[c].abs();
+                    }
+                }
+                dq.iter_mut().for_each(|t| *t = rnd(*t));
+            }
+            res
+        })
+        .collect();
+
+    // Assemble into the crate layouts.
+    let n = rows.len();
+    let mut out = Reference {
+        dims: Dims { s_q: n, ..dm },
+        o: vec![0.0; dm.b * n * dm.h_q * d],
+        lse: vec![0.0; dm.b * dm.h_q * n],
+        ..Default::default()
+    };
+    out.o_mag = vec![0.0; out.o.len()];
+    if with_grad {
+        out.dq = vec![0.0; dm.b * n * dm.h_q * d];
+        out.dk = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
+        out.dv = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
+        out.dq_mag = vec![0.0; out.dq.len()];
+        out.dk_mag = vec![0.0; out.dk.len()];
+        out.dv_mag = vec![0.0; out.dv.len()];
+    }
+    for (bh, hr) in heads.iter().enumerate() {
+        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+        let hk = dm.kv_head(h);
+        out.lse[(b * dm.h_q + h) * n..][..n].copy_from_slice(&hr.lse);
+        for r in 0..n {
+            let at = ((b * n + r) * dm.h_q + h) * d;
+            out.o[at..at + d].copy_from_slice(&hr.o[r * d..(r + 1) * d]);
+            out.o_mag[at..at + d].copy_from_slice(&hr.mag[0][r * d..(r + 1) * d]);
+            if with_grad {
+                out.dq[at..at + d].copy_from_slice(&hr.dq[r * d..(r + 1) * d]);
+                out.dq_mag[at..at + d].copy_from_slice(&hr.mag[1][r * d..(r + 1) * d]);
+            }
+        }
+        if with_grad {
+            for j in 0..dm.s_k {
+                let at = ((b * dm.s_k + j) * dm.h_kv + hk) * d;
+                for c in 0..d {
+                    out.dk[at + c] += hr.dk[j * d + c];
+                    out.dv[at + c] += hr.dv[j * d + c];
+                    out.dk_mag[at + c] += hr.mag[2][j * d + c];
+                    out.dv_mag[at + c] += hr.mag[3][j * d + c];
+                }
+            }
+        }
+    }
+    if let Some(dt) = round {
+        if with_grad {
+            out.dk.iter_mut().for_each(|t| *t = dt.round_f64(*t));
+            out.dv.iter_mut().for_each(|t| *t = dt.round_f64(*t));
+        }
+    }
+    out
+}

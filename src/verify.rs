@@ -1,0 +1,225 @@
+//! Checking results against the float64 oracle: the one tolerance rule of the crate, used by
+//! `ringattn verify`, the demo and the test suite alike.
+//!
+//! **Rule.** For each output `x` with oracle value `r`, the error must satisfy
+//! `‖x − r‖ ≤ 2 · ‖n − r‖ + c · u(dtype) · ‖m‖`, where `n` is the output of
+//! [`crate::reference::naive_rounded`] (naive attention storing every intermediate in the
+//! dtype) on the same inputs, `u` the unit roundoff, `c` = [`Tolerance::roundoff_factor`]
+//! and `m` the oracle's condition magnitudes ([`crate::reference::Reference::o_mag`]: the
+//! sum of absolute values of the terms of each output, the classic forward-error scale).
+//! This is flash-attention's rule ("at most twice the error of a naive implementation in
+//! the same precision") plus a floor for inputs where the naive error happens to vanish
+//! (for instance a gradient that cancels to exactly 0). Reports show everything relative
+//! to `‖r‖` (absolute when `‖r‖ = 0`).
+//! The LSE is f32 whatever the input dtype: its floor is `c · u(f32) · ‖r‖`; its `-inf`
+//! entries (rows that see no key) must match the oracle's exactly, and only finite entries
+//! enter the norms. A NaN in the result where the oracle has none fails.
+
+use crate::reference::{self, Reference};
+use crate::{cpu, AttentionParams, DType, Result, Tensor};
+
+/// The constants of the tolerance rule. `Default` is the crate's rule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    /// Multiple of the naive implementation's error allowed (2).
+    pub naive_factor: f64,
+    /// Multiple of the unit roundoff added as a floor (8).
+    pub roundoff_factor: f64,
+}
+
+impl Default for Tolerance {
+    fn default() -> Self {
+        Tolerance { naive_factor: 2.0, roundoff_factor: 8.0 }
+    }
+}
+
+impl Tolerance {
+    /// The allowed absolute error norm for a quantity stored in `dtype` whose naive
+    /// implementation is off by `naive_err` (a norm) and whose condition magnitude has norm
+    /// `magnitude`.
+    pub fn bound(&self, naive_err: f64, magnitude: f64, dtype: DType) -> f64 {
+        self.naive_factor * naive_err + self.roundoff_factor * dtype.unit_roundoff() * magnitude
+    }
+}
+
+/// One row of a verification report.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Comparison {
+    /// Quantity name: `o`, `lse`, `dq`, `dk`, `dv`.
+    pub name: String,
+    /// Relative error against the oracle.
+    pub rel_err: f64,
+    /// Relative error of the naive same-precision implementation.
+    pub naive_rel_err: f64,
+    /// The allowed relative error.
+    pub bound: f64,
+    /// Positions where exactly one of result and oracle is `-inf` (LSE only).
+    pub inf_mismatches: usize,
+    /// Whether the check holds.
+    pub pass: bool,
+}
+
+/// `‖x − r‖₂ / ‖r‖₂` over the given pairs (`‖x‖₂` when `‖r‖₂ = 0`); NaN when `x` holds NaN.
+///
+/// ```
+/// let e = ringattn::verify::rel_err(&[1.0, 2.0], &[1.0, 2.0]);
+/// assert_eq!(e, 0.0);
+/// ```
+pub fn rel_err(x: &[f32], r: &[f64]) -> f64 {
+    let (diff, norm) = norms(x.iter().map(|&a| a as f64).zip(r.iter().copied()));
+    relative(diff, norm)
+}
+
+/// `(‖x − r‖, ‖r‖)` over the pairs.
+fn norms(pairs: impl Iterator<Item = (f64, f64)>) -> (f64, f64) {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (a, b) in pairs {
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    (num.sqrt(), den.sqrt())
+}
+
+fn relative(x: f64, norm: f64) -> f64 {
+    if norm > 0.0 {
+        x / norm
+    } else {
+        x
+    }
+}
+
+fn norm(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// Compares an output tensor stored in `dtype` with the oracle under the rule; `magnitude`
+/// is the oracle's condition magnitude of that output.
+pub fn compare(
+    name: &str,
+    ours: &[f32],
+    oracle: &[f64],
+    naive: &[f64],
+    magnitude: &[f64],
+    dtype: DType,
+    tol: &Tolerance,
+) -> Comparison {
+    let (err, r) = norms(ours.iter().map(|&a| a as f64).zip(oracle.iter().copied()));
+    let (naive_err, _) = norms(naive.iter().copied().zip(oracle.iter().copied()));
+    let bound = tol.bound(naive_err, norm(magnitude), dtype);
+    Comparison {
+        name: name.to_string(),
+        rel_err: relative(err, r),
+        naive_rel_err: relative(naive_err, r),
+        bound: relative(bound, r),
+        inf_mismatches: 0,
+        pass: err <= bound,
+    }
+}
+
+/// Compares an LSE (f32) with the oracle: `-inf` entries must match exactly, finite ones by
+/// relative norm.
+pub fn compare_lse(ours: &[f32], oracle: &[f64], naive: &[f64], tol: &Tolerance) -> Comparison {
+    let ninf = f64::NEG_INFINITY;
+    let inf_mismatches =
+        ours.iter().zip(oracle).filter(|(&a, &b)| (a == f32::NEG_INFINITY) != (b == ninf)).count();
+    let finite = |x: f64, r: f64| x != ninf && r != ninf;
+    let (err, r) = norms(ours.iter().map(|&a| a as f64).zip(oracle.iter().copied()).filter(|&(a, r)| finite(a, r)));
+    let (naive_err, _) = norms(naive.iter().copied().zip(oracle.iter().copied()).filter(|&(a, r)| finite(a, r)));
+    let bound = tol.bound(naive_err, r, DType::F32);
+    Comparison {
+        name: "lse".into(),
+        rel_err: relative(err, r),
+        naive_rel_err: relative(naive_err, r),
+        bound: relative(bound, r),
+        inf_mismatches,
+        pass: inf_mismatches == 0 && err <= bound,
+    }
+}
+
+/// A verification of one configuration.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Report {
+    /// Input dtype.
+    pub dtype: String,
+    /// One comparison per output.
+    pub rows: Vec<Comparison>,
+}
+
+impl Report {
+    /// Whether every comparison passes.
+    pub fn pass(&self) -> bool {
+        self.rows.iter().all(|r| r.pass)
+    }
+
+    /// The report as an aligned text table.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{:<5} {:>12} {:>12} {:>12} {:>6}\n",
+            "out", "rel.err", "naive.err", "bound", "result"
+        );
+        for r in &self.rows {
+            let verdict = if r.pass { "pass" } else { "FAIL" };
+            let extra = if r.inf_mismatches > 0 { format!("  ({} -inf mismatches)", r.inf_mismatches) } else { String::new() };
+            s += &format!(
+                "{:<5} {:>12.3e} {:>12.3e} {:>12.3e} {:>6}{extra}\n",
+                r.name, r.rel_err, r.naive_rel_err, r.bound, verdict
+            );
+        }
+        s
+    }
+}
+
+/// Builds the report of given results (forward `o`, `lse`; gradients when `grads` is
+/// given) against the oracle and the naive reference of the same inputs.
+pub fn report(
+    dtype: DType,
+    fwd: &cpu::ForwardOutput,
+    grads: Option<&cpu::Gradients>,
+    oracle: &Reference,
+    naive: &Reference,
+    tol: &Tolerance,
+) -> Report {
+    let mut rows = vec![
+        compare("o", &fwd.o.as_f32(), &oracle.o, &naive.o, &oracle.o_mag, dtype, tol),
+        compare_lse(&fwd.lse.as_f32(), &oracle.lse, &naive.lse, tol),
+    ];
+    if let Some(g) = grads {
+        rows.push(compare("dq", &g.dq.as_f32(), &oracle.dq, &naive.dq, &oracle.dq_mag, dtype, tol));
+        rows.push(compare("dk", &g.dk.as_f32(), &oracle.dk, &naive.dk, &oracle.dk_mag, dtype, tol));
+        rows.push(compare("dv", &g.dv.as_f32(), &oracle.dv, &naive.dv, &oracle.dv_mag, dtype, tol));
+    }
+    Report { dtype: dtype.to_string(), rows }
+}
+
+/// Runs the CPU implementation (forward, and backward when `d_o` is given) on a
+/// single-device call and checks it against the oracle under the default rule.
+///
+/// # Errors
+/// Any error of [`cpu::forward`] or [`cpu::backward`].
+///
+/// ```
+/// use ringattn::{random::randn, verify, AttentionParams, DType, Mask};
+/// let (q, k, v, d_o) = (
+///     randn(vec![1, 33, 2, 16], 1, DType::BF16),
+///     randn(vec![1, 33, 1, 16], 2, DType::BF16),
+///     randn(vec![1, 33, 1, 16], 3, DType::BF16),
+///     randn(vec![1, 33, 2, 16], 4, DType::BF16),
+/// );
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let report = verify::verify_cpu(&q, &k, &v, Some(&d_o), &p)?;
+/// assert!(report.pass(), "{}", report.table());
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn verify_cpu(q: &Tensor, k: &Tensor, v: &Tensor, d_o: Option<&Tensor>, params: &AttentionParams) -> Result<Report> {
+    let fwd = cpu::forward(q, k, v, params)?;
+    let grads = match d_o {
+        Some(g) => Some(cpu::backward(q, k, v, &fwd.o, &fwd.lse, g, params)?),
+        None => None,
+    };
+    let oracle = match d_o {
+        Some(g) => reference::backward(q, k, v, g, params)?,
+        None => reference::forward(q, k, v, params)?,
+    };
+    let naive = reference::naive_rounded(q, k, v, d_o, None, params, q.dtype())?;
+    Ok(report(q.dtype(), &fwd, grads.as_ref(), &oracle, &naive, &Tolerance::default()))
+}

@@ -1,0 +1,115 @@
+//! The CPU flash attention against the float64 oracle, over generated shapes, masks,
+//! positions, documents and dtypes.
+
+mod support;
+
+use proptest::prelude::*;
+use ringattn::{AttentionParams, DType, Documents, Mask, Positions, Segment};
+use support::{check_case, Case};
+
+/// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
+const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
+const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
+/// Upper bound on b·h_q·s_q·s_k·d so that the f64 oracle stays fast.
+const WORK_CAP: usize = 12_000_000;
+
+fn side() -> impl Strategy<Value = Option<u64>> {
+    prop_oneof![Just(None), Just(Some(0)), Just(Some(1)), Just(Some(5)), Just(Some(40)), Just(Some(150))]
+}
+
+fn mask() -> impl Strategy<Value = Mask> {
+    prop_oneof![
+        Just(Mask::None),
+        Just(Mask::Causal),
+        (side(), side()).prop_map(|(left, right)| Mask::Window { left, right }),
+    ]
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
+}
+
+/// Splits `n` tokens into 1–4 documents (some possibly empty).
+fn doc_lengths(n: usize, cuts: &[usize]) -> Vec<usize> {
+    let mut c: Vec<usize> = cuts.iter().map(|&x| x % (n + 1)).collect();
+    c.sort_unstable();
+    let mut out = Vec::new();
+    let mut prev = 0;
+    for x in c {
+        out.push(x - prev);
+        prev = x;
+    }
+    out.push(n - prev);
+    out
+}
+
+/// A block's positions: one segment, a strided one, or two segments (zigzag-like).
+fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> Positions {
+    let segs = match mode % 3 {
+        0 => vec![Segment { start, stride: 1, len }],
+        1 => vec![Segment { start, stride, len }],
+        _ => {
+            let a = len / 2;
+            vec![Segment { start, stride: 1, len: a }, Segment { start: start + a as i64 + gap, stride: 1, len: len - a }]
+        }
+    };
+    Positions::from_segments(segs).unwrap()
+}
+
+prop_compose! {
+    fn case()(
+        b in 1usize..=3,
+        s_q in prop::sample::select(LENGTHS),
+        s_k in prop::sample::select(LENGTHS),
+        same_len in any::<bool>(),
+        ratio in prop::sample::select(&[1usize, 2, 4][..]),
+        h_kv in 1usize..=2,
+        d in prop::sample::select(HEAD_DIMS),
+        dtype in dtype(),
+        mask in mask(),
+        block in any::<bool>(),
+        q_mode in 0u8..3, k_mode in 0u8..3,
+        q_start in 0i64..200, k_start in 0i64..200,
+        q_stride in 1i64..4, k_stride in 1i64..4,
+        gap in 0i64..100,
+        docs in any::<bool>(),
+        cuts in prop::collection::vec(0usize..1000, 0..4),
+        scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
+        seed in 0u64..1_000_000,
+    ) -> Case {
+        let s_k = if same_len { s_q } else { s_k };
+        let (mut b, mut h_kv, mut s_q, mut s_k) = (b, h_kv, s_q, s_k);
+        // Keep the f64 oracle fast: shrink the problem deterministically when it is too big.
+        let work = |b: usize, h_kv: usize, s_q: usize, s_k: usize| b * h_kv * ratio * s_q * s_k * d;
+        if work(b, h_kv, s_q, s_k) > WORK_CAP { b = 1; h_kv = 1; }
+        while work(b, h_kv, s_q, s_k) > WORK_CAP { s_q = s_q.div_ceil(2); s_k = s_k.div_ceil(2); }
+        let positions = block.then(|| {
+            (block_positions(s_q, q_mode, q_start, q_stride, gap), block_positions(s_k, k_mode, k_start, k_stride, gap))
+        });
+        let documents = docs.then(|| {
+            let total = match &positions {
+                None => s_k,
+                Some((qp, kp)) => (qp.iter().chain(kp.iter()).max().unwrap_or(0) + 1) as usize,
+            };
+            Documents::new(doc_lengths(total, &cuts)).unwrap()
+        });
+        // Single-device calls with s_q > s_k put queries at negative positions, outside any
+        // document: only use documents there when s_q <= s_k.
+        let documents = documents.filter(|_| positions.is_some() || s_q <= s_k);
+        Case {
+            b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
+            params: AttentionParams { mask, documents, scale },
+            positions, seed,
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(support::cases(64)))]
+
+    #[test]
+    fn cpu_flash_matches_oracle(case in case()) {
+        let report = check_case(&case);
+        prop_assert!(report.pass(), "{case:?}\n{}", report.table());
+    }
+}

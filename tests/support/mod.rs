@@ -1,0 +1,72 @@
+//! Test support: case generation and the check of a case against the oracle.
+//! The tolerance rule itself lives in `ringattn::verify` (one definition for the CLI and
+//! the tests); this module only applies it.
+#![allow(dead_code)]
+
+use ringattn::{cpu, random::randn, reference, verify, AttentionParams, DType, Positions, Tensor};
+
+/// One generated attention problem.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub b: usize,
+    pub s_q: usize,
+    pub s_k: usize,
+    pub h_q: usize,
+    pub h_kv: usize,
+    pub d: usize,
+    pub dtype: DType,
+    pub params: AttentionParams,
+    /// Block call positions (q, k); `None` for a single-device call.
+    pub positions: Option<(Positions, Positions)>,
+    pub seed: u64,
+}
+
+pub struct CaseInputs {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub d_o: Tensor,
+}
+
+impl Case {
+    pub fn inputs(&self) -> CaseInputs {
+        let s = self.seed * 16;
+        CaseInputs {
+            q: randn(vec![self.b, self.s_q, self.h_q, self.d], s + 1, self.dtype),
+            k: randn(vec![self.b, self.s_k, self.h_kv, self.d], s + 2, self.dtype),
+            v: randn(vec![self.b, self.s_k, self.h_kv, self.d], s + 3, self.dtype),
+            d_o: randn(vec![self.b, self.s_q, self.h_q, self.d], s + 4, self.dtype),
+        }
+    }
+
+    pub fn pos(&self) -> Option<(&Positions, &Positions)> {
+        self.positions.as_ref().map(|(a, b)| (a, b))
+    }
+}
+
+/// Runs the CPU forward and backward on the case and checks O, LSE, dQ, dK, dV against the
+/// oracle with the crate's tolerance rule. Returns the report (for messages).
+pub fn check_case(case: &Case) -> verify::Report {
+    let x = case.inputs();
+    check_inputs(case, &x)
+}
+
+pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
+    let p = &case.params;
+    let cfg = cpu::CpuConfig::default();
+    let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
+    let grads =
+        cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
+    let oracle = match case.pos() {
+        None => reference::backward(&x.q, &x.k, &x.v, &x.d_o, p),
+        Some((qp, kp)) => reference::backward_at(&x.q, &x.k, &x.v, &x.d_o, qp, kp, p),
+    }
+    .expect("oracle");
+    let naive = reference::naive_rounded(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, case.dtype).expect("naive");
+    verify::report(case.dtype, &fwd, Some(&grads), &oracle, &naive, &verify::Tolerance::default())
+}
+
+/// Proptest case count: `PROPTEST_CASES` when set, else `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
