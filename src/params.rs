@@ -189,6 +189,62 @@ impl Visibility {
         Self::new(params, &qp, &kp)
     }
 
+    /// Sets `out[i] = -inf` for every query row `q0 + i` that cannot see key row `j`
+    /// (one column of a column-major score tile).
+    #[inline]
+    pub fn mask_key_column(&self, out: &mut [f32], q0: usize, j: usize) {
+        let pk = self.k_pos[j];
+        // visible iff pk - right <= pq <= pk + left
+        let lo = self.right.map_or(i64::MIN, |r| pk.saturating_sub(r));
+        let hi = self.left.map_or(i64::MAX, |l| pk.saturating_add(l));
+        let qp = &self.q_pos[q0..q0 + out.len()];
+        match (&self.q_doc, &self.k_doc) {
+            (Some(qd), Some(kd)) => {
+                let kd = kd[j];
+                for ((o, &p), &dq) in out.iter_mut().zip(qp).zip(&qd[q0..]) {
+                    if !(p >= lo && p <= hi && dq == kd) {
+                        *o = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            _ => {
+                for (o, &p) in out.iter_mut().zip(qp) {
+                    if !(p >= lo && p <= hi) {
+                        *o = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sets `out[j] = -inf` for every key row `k0 + j` that query row `i` cannot see
+    /// (one row of a row-major score tile).
+    #[inline]
+    pub fn mask_query_row(&self, out: &mut [f32], i: usize, k0: usize) {
+        let pq = self.q_pos[i];
+        // visible iff pq - left <= pk <= pq + right
+        let lo = self.left.map_or(i64::MIN, |l| pq.saturating_sub(l));
+        let hi = self.right.map_or(i64::MAX, |r| pq.saturating_add(r));
+        let kp = &self.k_pos[k0..k0 + out.len()];
+        match (&self.q_doc, &self.k_doc) {
+            (Some(qd), Some(kd)) => {
+                let qd = qd[i];
+                for ((o, &p), &dk) in out.iter_mut().zip(kp).zip(&kd[k0..]) {
+                    if !(p >= lo && p <= hi && dk == qd) {
+                        *o = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            _ => {
+                for (o, &p) in out.iter_mut().zip(kp) {
+                    if !(p >= lo && p <= hi) {
+                        *o = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+
     /// Whether key row `j` is visible to query row `i`.
     #[inline]
     pub fn visible(&self, i: usize, j: usize) -> bool {

@@ -9,6 +9,8 @@ use support::{check_case, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
 const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
+/// (block_q, block_k): odd and small sizes put tile edges inside every case; the default too.
+const TILES: &[(usize, usize)] = &[(7, 13), (16, 32), (64, 48), (256, 256)];
 const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
 /// Upper bound on b·h_q·s_q·s_k·d so that the f64 oracle stays fast.
 const WORK_CAP: usize = 12_000_000;
@@ -76,6 +78,7 @@ prop_compose! {
         cuts in prop::collection::vec(0usize..1000, 0..4),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         seed in 0u64..1_000_000,
+        tiles in prop::sample::select(TILES),
     ) -> Case {
         let s_k = if same_len { s_q } else { s_k };
         let (mut b, mut h_kv, mut s_q, mut s_k) = (b, h_kv, s_q, s_k);
@@ -99,7 +102,7 @@ prop_compose! {
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
             params: AttentionParams { mask, documents, scale },
-            positions, seed,
+            positions, seed, tiles: ringattn::cpu::TileConfig { block_q: tiles.0, block_k: tiles.1 },
         }
     }
 }

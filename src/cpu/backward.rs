@@ -180,11 +180,7 @@ impl Scratch {
                 let mut exact = false;
                 if kind == TileKind::Partial {
                     for i in 0..br {
-                        for j in 0..bc {
-                            if !x.vis.visible(qs.start + i, ks.start + j) {
-                                p[i * bc + j] = f32::NEG_INFINITY;
-                            }
-                        }
+                        x.vis.mask_query_row(&mut p[i * bc..(i + 1) * bc], qs.start + i, ks.start);
                     }
                     let kvf = *kv_finite.get_or_insert_with(|| {
                         rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs)

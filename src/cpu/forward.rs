@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use super::matmul::{matmul, View};
+use super::matmul::{matmul_strided, View};
 use super::simd;
-use super::tiles::{classify, rows_finite, spans, DisjointWriter, TileConfig, TileKind};
+use super::tiles::{classify, rows_finite, spans, DisjointWriter, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -40,6 +40,9 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
+    // reads without packing.
+    let vt = transpose_heads(x.v, dm.b, dm.s_k, dm.h_kv, d);
     let o_out = DisjointWriter::new(&mut o);
     let lse_out = DisjointWriter::new(&mut lse);
     let n_tasks = dm.b * dm.h_q * q_spans.len();
@@ -50,7 +53,7 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
             let bh = t / q_spans.len();
             let (b, h) = (bh / dm.h_q, bh % dm.h_q);
             let qs = q_spans[qt];
-            sc.run(x, b, h, &qs, &k_spans);
+            sc.run(x, &vt, b, h, &qs, &k_spans);
             // SAFETY: task (b, h, qt) alone writes rows (b, qs.start.., h) of `o` and
             // the range (b, h, qs.start..) of `lse`.
             let (o_rows, lse_rows) = unsafe {
@@ -71,29 +74,42 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     (o, lse)
 }
 
-/// Per-task state and scratch, reused across tasks on one thread.
+/// Per-task state and scratch, reused across tasks on one thread. Tiles are kept
+/// column-major (query index fastest), the layout the `gemm` microkernels consume without
+/// packing; every softmax step is then a contiguous loop over the tile's queries.
 struct Scratch {
-    d: usize,
     rows: usize,
+    /// Running max (log2 units), running sum, per query row.
     m: Vec<f32>,
     l: Vec<f32>,
+    /// Per-tile temporaries: tile max, subtrahend, rescale factor, tile sum.
+    tile_max: Vec<f32>,
+    sub: Vec<f32>,
+    alpha: Vec<f32>,
+    /// Unnormalised output, transposed: `[d][block_q]`.
     acc: Vec<f32>,
-    s: Vec<f32>,
+    /// The query tile, transposed: `[d][block_q]`.
+    qt: Vec<f32>,
+    /// Scores, then probabilities, transposed: `[block_k][block_q]`.
+    st: Vec<f32>,
 }
 
 impl Scratch {
     fn new(bq: usize, bk: usize, d: usize) -> Self {
         Scratch {
-            d,
             rows: 0,
             m: vec![0.0; bq],
             l: vec![0.0; bq],
+            tile_max: vec![0.0; bq],
+            sub: vec![0.0; bq],
+            alpha: vec![0.0; bq],
             acc: vec![0.0; bq * d],
-            s: vec![0.0; bq * bk],
+            qt: vec![0.0; bq * d],
+            st: vec![0.0; bq * bk],
         }
     }
 
-    fn run(&mut self, x: &ForwardInputs, b: usize, h: usize, qs: &super::tiles::Span, k_spans: &[super::tiles::Span]) {
+    fn run(&mut self, x: &ForwardInputs, vt: &[f32], b: usize, h: usize, qs: &Span, k_spans: &[Span]) {
         let dm = x.dims;
         let d = dm.d;
         let hk = dm.kv_head(h);
@@ -106,7 +122,13 @@ impl Scratch {
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
-        let q_tile = View::rows(q_base, qs.start, br, d, q_rs);
+        for i in 0..br {
+            let row = &q_base[(qs.start + i) * q_rs..][..d];
+            for (cc, &val) in row.iter().enumerate() {
+                self.qt[cc * br + i] = val;
+            }
+        }
+        let q_tile = View { data: &self.qt[..br * d], rows: br, cols: d, rs: 1, cs: br };
         let mut q_finite: Option<bool> = None;
         for ks in k_spans {
             let kind = classify(x.vis, qs, ks);
@@ -115,17 +137,15 @@ impl Scratch {
             }
             let bc = ks.len;
             let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
-            let v_tile = View::rows(v_base, ks.start, bc, d, kv_rs);
-            let s = &mut self.s[..br * bc];
-            matmul(s, bc, q_tile, k_tile.t(), c, false);
+            let vt_head = &vt[(b * dm.h_kv + hk) * d * dm.s_k..][..d * dm.s_k];
+            let v_tile = View { data: &vt_head[ks.start..], rows: bc, cols: d, rs: 1, cs: dm.s_k };
+            let st = &mut self.st[..br * bc];
+            // S (br × bc), column-major: st[j * br + i].
+            matmul_strided(st, 1, br, q_tile, k_tile.t(), c, false);
             let mut exact_pv = false;
             if kind == TileKind::Partial {
-                for i in 0..br {
-                    for j in 0..bc {
-                        if !x.vis.visible(qs.start + i, ks.start + j) {
-                            s[i * bc + j] = f32::NEG_INFINITY;
-                        }
-                    }
+                for j in 0..bc {
+                    x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
                 }
                 // Masked entries must not leak NaN/Inf through 0 · NaN in the P·V product.
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
@@ -133,44 +153,49 @@ impl Scratch {
                     && rows_finite(k_base, ks.start, bc, d, kv_rs)
                     && rows_finite(v_base, ks.start, bc, d, kv_rs));
             }
+            let tm = &mut self.tile_max[..br];
+            tm.fill(f32::NEG_INFINITY);
+            for j in 0..bc {
+                simd::max_into(tm, &st[j * br..(j + 1) * br]);
+            }
             for i in 0..br {
-                let row = &mut s[i * bc..(i + 1) * bc];
                 let m_old = self.m[i];
-                let tile_max = simd::row_max(row);
-                let m_new = if tile_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(tile_max) };
-                if m_new == f32::NEG_INFINITY {
-                    row.fill(0.0); // nothing visible yet in this row
-                    continue;
-                }
-                let sum = simd::exp2_sub_sum(row, m_new);
-                let alpha = (m_old - m_new).exp2();
-                if alpha != 1.0 {
-                    simd::scale(&mut self.acc[i * d..(i + 1) * d], alpha);
-                }
-                self.l[i] = self.l[i] * alpha + sum;
+                let m_new = if tm[i].is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(tm[i]) };
+                // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
+                self.sub[i] = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
+                self.alpha[i] = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
                 self.m[i] = m_new;
+                self.l[i] *= self.alpha[i];
+            }
+            for cc in 0..d {
+                simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
+            }
+            for j in 0..bc {
+                simd::exp2_sub_acc(&mut st[j * br..(j + 1) * br], &self.sub[..br], &mut self.l[..br]);
             }
             if exact_pv {
-                for i in 0..br {
-                    let acc = &mut self.acc[i * d..(i + 1) * d];
-                    for j in 0..bc {
+                for j in 0..bc {
+                    let vj = &v_base[(ks.start + j) * kv_rs..][..d];
+                    for i in 0..br {
                         if x.vis.visible(qs.start + i, ks.start + j) {
-                            let vj = &v_base[(ks.start + j) * kv_rs..][..d];
-                            simd::axpy(acc, s[i * bc + j], vj);
+                            let p = st[j * br + i];
+                            for (cc, &vv) in vj.iter().enumerate() {
+                                self.acc[cc * br + i] += p * vv;
+                            }
                         }
                     }
                 }
             } else {
-                let p = View { data: s, rows: br, cols: bc, rs: bc, cs: 1 };
-                matmul(&mut self.acc[..br * d], d, p, v_tile, 1.0, true);
+                let p = View { data: st, rows: br, cols: bc, rs: 1, cs: br };
+                matmul_strided(&mut self.acc[..br * d], 1, br, p, v_tile, 1.0, true);
             }
         }
     }
 
     /// Normalises and writes the tile's output rows and LSE.
     fn finish(&self, o_rows: Vec<&mut [f32]>, lse: &mut [f32]) {
-        let d = self.d;
-        for (i, orow) in o_rows.into_iter().enumerate().take(self.rows) {
+        let br = self.rows;
+        for (i, orow) in o_rows.into_iter().enumerate().take(br) {
             let (m, l) = (self.m[i], self.l[i]);
             if m == f32::NEG_INFINITY || l == 0.0 {
                 orow.fill(0.0);
@@ -178,10 +203,28 @@ impl Scratch {
                 continue;
             }
             let inv = 1.0 / l;
-            for (o, a) in orow.iter_mut().zip(&self.acc[i * d..(i + 1) * d]) {
-                *o = a * inv;
+            for (cc, o) in orow.iter_mut().enumerate() {
+                *o = self.acc[cc * br + i] * inv;
             }
             lse[i] = (m + l.log2()) * std::f32::consts::LN_2;
         }
     }
+}
+
+/// `[b, s, h, d]` → `[b][h][d][s]`, in parallel over (batch, head).
+pub(crate) fn transpose_heads(x: &[f32], b: usize, s: usize, h: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; x.len()];
+    if out.is_empty() {
+        return out;
+    }
+    out.par_chunks_mut(d * s).enumerate().for_each(|(bh, dst)| {
+        let (bi, hi) = (bh / h, bh % h);
+        for j in 0..s {
+            let src = &x[((bi * s + j) * h + hi) * d..][..d];
+            for (c, &val) in src.iter().enumerate() {
+                dst[c * s + j] = val;
+            }
+        }
+    });
+    out
 }

@@ -33,16 +33,32 @@ impl<'a> View<'a> {
 /// is row-major `[lhs.rows, rhs.cols]` with row stride `dst_rs`. Single-threaded: callers
 /// parallelise over tiles.
 pub(crate) fn matmul(dst: &mut [f32], dst_rs: usize, lhs: View, rhs: View, beta: f32, accumulate: bool) {
+    matmul_strided(dst, dst_rs, 1, lhs, rhs, beta, accumulate)
+}
+
+/// As [`matmul`] with `dst` element `(r, c)` at `r * dst_rs + c * dst_cs`. The `gemm`
+/// microkernels are column-major: a column-major `dst` and `lhs` (`rs = 1`) avoid packing.
+pub(crate) fn matmul_strided(
+    dst: &mut [f32],
+    dst_rs: usize,
+    dst_cs: usize,
+    lhs: View,
+    rhs: View,
+    beta: f32,
+    accumulate: bool,
+) {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     assert_eq!(k, rhs.rows, "inner dimensions differ");
     if m == 0 || n == 0 {
         return;
     }
-    assert!((m - 1) * dst_rs + n <= dst.len(), "destination out of bounds");
+    assert!((m - 1) * dst_rs + (n - 1) * dst_cs < dst.len(), "destination out of bounds");
     if k == 0 {
         if !accumulate {
             for r in 0..m {
-                dst[r * dst_rs..r * dst_rs + n].fill(0.0);
+                for c in 0..n {
+                    dst[r * dst_rs + c * dst_cs] = 0.0;
+                }
             }
         }
         return;
@@ -57,7 +73,7 @@ pub(crate) fn matmul(dst: &mut [f32], dst_rs: usize, lhs: View, rhs: View, beta:
             n,
             k,
             dst.as_mut_ptr(),
-            1,
+            dst_cs as isize,
             dst_rs as isize,
             accumulate,
             lhs.data.as_ptr(),

@@ -135,6 +135,48 @@ fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
 }
 
+/// `m[i] = max(m[i], x[i])`, NaN-propagating (once NaN, stays NaN).
+#[inline(always)]
+fn max_into_impl(m: &mut [f32], x: &[f32]) {
+    for (a, &v) in m.iter_mut().zip(x) {
+        *a = if v > *a || v.is_nan() { v } else { *a };
+    }
+}
+
+/// `x[i] = 2^(x[i] − sub[i])` and `sum[i] += x[i]`.
+#[inline(always)]
+fn exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) {
+    for ((v, &m), s) in x.iter_mut().zip(sub).zip(sum.iter_mut()) {
+        let e = exp2(*v - m);
+        *v = e;
+        *s += e;
+    }
+}
+
+/// `x[i] = 2^(x[i] − sub[i])`.
+#[inline(always)]
+fn exp2_sub_vec_impl(x: &mut [f32], sub: &[f32]) {
+    for (v, &m) in x.iter_mut().zip(sub) {
+        *v = exp2(*v - m);
+    }
+}
+
+/// `x[i] *= a[i]`.
+#[inline(always)]
+fn mul_into_impl(x: &mut [f32], a: &[f32]) {
+    for (v, &m) in x.iter_mut().zip(a) {
+        *v *= m;
+    }
+}
+
+/// `p[i] = p[i] · (dp[i] − dd[i])`.
+#[inline(always)]
+fn softmax_grad_vec_impl(p: &mut [f32], dp: &[f32], dd: &[f32]) {
+    for ((x, &g), &d) in p.iter_mut().zip(dp).zip(dd) {
+        *x *= g - d;
+    }
+}
+
 /// Defines a public dispatcher that runs `$imp` compiled for the best instruction set the
 /// processor has.
 macro_rules! dispatch {
@@ -187,6 +229,26 @@ dispatch!(
 dispatch!(
     /// `acc += a · x`.
     axpy => axpy_impl(acc: &mut [f32], a: f32, x: &[f32]) -> ()
+);
+dispatch!(
+    /// Elementwise NaN-propagating maximum into `m`.
+    max_into => max_into_impl(m: &mut [f32], x: &[f32]) -> ()
+);
+dispatch!(
+    /// `x = 2^(x − sub)` elementwise, adding the results into `sum`.
+    exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `x = 2^(x − sub)` elementwise.
+    exp2_sub_vec => exp2_sub_vec_impl(x: &mut [f32], sub: &[f32]) -> ()
+);
+dispatch!(
+    /// `x *= a` elementwise.
+    mul_into => mul_into_impl(x: &mut [f32], a: &[f32]) -> ()
+);
+dispatch!(
+    /// `p = p ∘ (dp − dd)` elementwise.
+    softmax_grad_vec => softmax_grad_vec_impl(p: &mut [f32], dp: &[f32], dd: &[f32]) -> ()
 );
 dispatch!(
     /// Dot product in f32.

@@ -15,7 +15,7 @@ pub struct TileConfig {
 
 impl Default for TileConfig {
     fn default() -> Self {
-        TileConfig { block_q: 64, block_k: 256 }
+        TileConfig { block_q: 256, block_k: 256 }
     }
 }
 

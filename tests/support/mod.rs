@@ -19,6 +19,8 @@ pub struct Case {
     /// Block call positions (q, k); `None` for a single-device call.
     pub positions: Option<(Positions, Positions)>,
     pub seed: u64,
+    /// Tile sizes of the CPU implementation (small ones put tile edges inside the case).
+    pub tiles: cpu::TileConfig,
 }
 
 pub struct CaseInputs {
@@ -53,7 +55,7 @@ pub fn check_case(case: &Case) -> verify::Report {
 
 pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     let p = &case.params;
-    let cfg = cpu::CpuConfig::default();
+    let cfg = cpu::CpuConfig { tiles: case.tiles, ..Default::default() };
     let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
     let grads =
         cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
