@@ -3,7 +3,7 @@
 //! Every quantity is computed in f64 from the (exactly widened) inputs, row by row: a query
 //! row's scores against its visible keys, the softmax, the output, and the gradients. No
 //! `s_q × s_k` matrix is ever stored, so any subset of rows of a long sequence can be
-//! checked ([`forward_rows`], [`dq_rows`]).
+//! checked ([`rows`]).
 //!
 //! [`naive_rounded`] is the same computation with every intermediate rounded to a storage
 //! dtype, the way an unfused low-precision implementation would run it; its error against
@@ -31,18 +31,29 @@ pub struct Reference {
     pub dk: Vec<f64>,
     /// Gradient of v.
     pub dv: Vec<f64>,
-    /// Condition magnitudes, same layouts as the outputs: each entry is the sum of the
-    /// absolute values of the terms that make up that output (`Σ_j P_ij |v_jc|` for `o`,
-    /// `scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_jc|` for `dq`, and so on). A rounding error of
-    /// relative size `u` in every term moves the output by at most `u` times this, which is
-    /// what the tolerance floor of [`crate::verify`] scales with.
+    /// Condition magnitudes, same layouts as the outputs: the typical size of the change of
+    /// each output when every term that makes it up carries an independent relative error
+    /// `u`, divided by `u` — the root sum of squares of the terms: `sqrt(Σ_j (w_ij v_jc)²)`
+    /// for `o`, `sqrt(Σ_j (scale · w_ij (|dP_ij| + |D_i|) k_jc)²)` for `dq`, and so on, with
+    /// `w_ij = P_ij (1 + e_ij)` where `e_ij = |scale| Σ_c |q_ic k_jc| + |s_ij| + |lse_i|` is the
+    /// scale of the rounding error of the exponent's argument (an error there moves `P_ij` by
+    /// `P_ij` times itself). The tolerance floor of [`crate::verify`] scales with these.
     pub o_mag: Vec<f64>,
+    /// Magnitude of the LSE: `sqrt(Σ_j (P_ij (|scale| Σ_c |q_ic k_jc| + |s_ij|))²)`.
+    pub lse_mag: Vec<f64>,
     /// Magnitudes of `dq` terms.
     pub dq_mag: Vec<f64>,
     /// Magnitudes of `dk` terms.
     pub dk_mag: Vec<f64>,
     /// Magnitudes of `dv` terms.
     pub dv_mag: Vec<f64>,
+    /// The part of the `dq` magnitude that flows through the stored forward output `O`: a
+    /// backward reads `O` in the storage dtype, which moves `D_i = Σ_c dO_ic O_ic` by about
+    /// `u · D'_i` with `D'_i = sqrt(Σ_c (dO_ic O_ic)²)`, and `dq_i` by that times
+    /// `scale · Σ_j P_ij k_j`: so `D'_i · |scale · Σ_j P_ij k_jc|`.
+    pub dq_mag_o: Vec<f64>,
+    /// The same for `dk`: `sqrt(Σ_i (scale · P_ij D'_i q_ic)²)`.
+    pub dk_mag_o: Vec<f64>,
 }
 
 /// Oracle forward of a single-device call.
@@ -81,24 +92,6 @@ pub fn forward_at(
     Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
 }
 
-/// Oracle forward restricted to the query rows `rows` (each `< s_q`): `o` is
-/// `[b, rows.len(), h_q, d]` and `lse` `[b, h_q, rows.len()]`. Costs `O(rows·s_k·d)`.
-///
-/// # Errors
-/// As [`forward`], plus [`crate::Error::InvalidArgument`] for a row out of range.
-pub fn forward_rows(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    params: &AttentionParams,
-    rows: &[usize],
-) -> Result<Reference> {
-    let dims = Dims::of(q, k, v)?;
-    check_rows(rows, dims.s_q)?;
-    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, rows))
-}
-
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
 ///
 /// # Errors
@@ -135,28 +128,44 @@ pub fn backward_at(
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
 }
 
-/// Oracle `o`, `lse` and `dq` for the query rows `rows` only (`dk`, `dv` stay empty):
-/// `dq_i = scale · Σ_j P_ij (dP_ij − D_i) k_j` needs nothing but row `i`. Costs `O(rows·s_k·d)`.
+/// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
+/// single-device call; `dk`, `dv` stay empty. Row `i` needs nothing but its own scores:
+/// `dq_i = scale · Σ_j P_ij (dP_ij − D_i) k_j`, so this costs `O(rows · s_k · d)` and checks
+/// any rows of a long sequence. Outputs are laid out with `rows.len()` in place of `s_q`.
+/// With `round = Some(dtype)` it is the naive model of [`naive_rounded`] on those rows.
 ///
 /// # Errors
-/// As [`backward`] and [`forward_rows`].
-pub fn dq_rows(
+/// As [`backward`], plus [`crate::Error::InvalidArgument`] for a row out of range.
+///
+/// ```
+/// use ringattn::{random::randn, reference, AttentionParams, DType, Mask};
+/// let x = randn(vec![1, 1000, 1, 8], 1, DType::F32);
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let r = reference::rows(&x, &x, &x, None, &p, &[0, 999], None)?;
+/// assert_eq!(r.lse.len(), 2);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn rows(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    d_o: &Tensor,
+    d_o: Option<&Tensor>,
     params: &AttentionParams,
     rows: &[usize],
+    round: Option<DType>,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    if let Some(t) = d_o {
+        Dims::expect("do", t, &dims.q_shape(), q)?;
+    }
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    let mut r = run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, rows);
+    let mut r = run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, d_o.is_some(), rows);
     r.dk.clear();
     r.dv.clear();
     r.dk_mag.clear();
     r.dv_mag.clear();
+    r.dk_mag_o.clear();
     Ok(r)
 }
 
@@ -224,12 +233,13 @@ fn check_rows(rows: &[usize], s_q: usize) -> Result<()> {
 struct HeadResult {
     o: Vec<f64>,
     lse: Vec<f64>,
+    lse_mag: Vec<f64>,
     dq: Vec<f64>,
     /// dK, dV contributions of this query head, `[s_k, d]`.
     dk: Vec<f64>,
     dv: Vec<f64>,
-    /// Magnitudes, laid out as the four above.
-    mag: [Vec<f64>; 4],
+    /// Magnitudes, laid out as the four above, then the dq, dk parts through O.
+    mag: [Vec<f64>; 6],
 }
 
 fn run(
@@ -265,14 +275,23 @@ fn run(
             let mut res = HeadResult {
                 o: vec![0.0; n * d],
                 lse: vec![f64::NEG_INFINITY; n],
+                lse_mag: vec![0.0; n],
                 dq: if with_grad { vec![0.0; n * d] } else { vec![] },
                 dk: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
                 dv: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
-                mag: [vec![0.0; n * d], vec![0.0; n * d], vec![0.0; dm.s_k * d], vec![0.0; dm.s_k * d]],
+                mag: [
+                    vec![0.0; n * d],
+                    vec![0.0; n * d],
+                    vec![0.0; dm.s_k * d],
+                    vec![0.0; dm.s_k * d],
+                    vec![0.0; n * d],
+                    vec![0.0; dm.s_k * d],
+                ],
             };
-            let [o_mag, dq_mag, dk_mag, dv_mag] = &mut res.mag;
+            let [o_mag, dq_mag, dk_mag, dv_mag, dq_mag_o, dk_mag_o] = &mut res.mag;
             let mut keys: Vec<usize> = Vec::with_capacity(dm.s_k);
             let mut s: Vec<f64> = Vec::with_capacity(dm.s_k);
+            let mut w: Vec<f64> = Vec::with_capacity(dm.s_k);
             for (r, &i) in rows.iter().enumerate() {
                 keys.clear();
                 keys.extend((0..dm.s_k).filter(|&j| vis.visible(i, j)));
@@ -294,16 +313,27 @@ fn run(
                     Some(_) => lse as f32 as f64,
                     None => lse,
                 };
+                // Exponent error scales and magnitude weights (from the exact probabilities).
+                w.clear();
+                let mut lse_mag = 0.0;
+                for (&j, &t) in keys.iter().zip(&s) {
+                    let p = (t - m).exp() / sum;
+                    let absdot: f64 = qi.iter().zip(k_row(b, j, hk)).map(|(a, c)| (a * c).abs()).sum();
+                    let e = scale.abs() * absdot + t.abs();
+                    lse_mag += (p * e) * (p * e);
+                    w.push(p * (1.0 + e + lse.abs()));
+                }
+                res.lse_mag[r] = lse_mag.sqrt();
                 // probabilities (rounded to the storage dtype in the naive model)
                 for t in s.iter_mut() {
                     *t = rnd((*t - m).exp() / sum);
                 }
                 let o = &mut res.o[r * d..(r + 1) * d];
                 let om = &mut o_mag[r * d..(r + 1) * d];
-                for (&j, &p) in keys.iter().zip(&s) {
+                for ((&j, &p), &wj) in keys.iter().zip(&s).zip(&w) {
                     for ((oc, mc), vc) in o.iter_mut().zip(om.iter_mut()).zip(v_row(b, j, hk)) {
                         *oc = acc(*oc + p * vc);
-                        *mc += p * vc.abs();
+                        *mc += (wj * vc) * (wj * vc);
                     }
                 }
                 o.iter_mut().for_each(|t| *t = rnd(*t));
@@ -315,21 +345,28 @@ fn run(
                 let big_d: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
                 let dq = &mut res.dq[r * d..(r + 1) * d];
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
-                for ((&j, &p), &g) in keys.iter().zip(&s).zip(&dp) {
+                let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
+                let o_row = &res.o[r * d..(r + 1) * d];
+                let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
+                for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
                     let ds = rnd(rnd(p * (g - big_d)) * scale);
-                    let ds_mag = (p * (g.abs() + big_d.abs()) * scale).abs();
+                    let ds_mag = (wj * (g.abs() + big_d.abs()) * scale).abs();
+                    let ds_mag_o = p * d_rss * scale;
                     let kj = k_row(b, j, hk);
                     let (dkj, dkm) = (&mut res.dk[j * d..(j + 1) * d], &mut dk_mag[j * d..(j + 1) * d]);
+                    let dkmo = &mut dk_mag_o[j * d..(j + 1) * d];
                     for c in 0..d {
                         dq[c] = acc(dq[c] + ds * kj[c]);
-                        dqm[c] += ds_mag * kj[c].abs();
+                        dqm[c] += (ds_mag * kj[c]) * (ds_mag * kj[c]);
+                        dqmo[c] += ds_mag_o * kj[c]; // coherent over j: abs taken at the end
                         dkj[c] = acc(dkj[c] + ds * qi[c]);
-                        dkm[c] += ds_mag * qi[c].abs();
+                        dkm[c] += (ds_mag * qi[c]) * (ds_mag * qi[c]);
+                        dkmo[c] += (ds_mag_o * qi[c]) * (ds_mag_o * qi[c]);
                     }
                     let (dvj, dvm) = (&mut res.dv[j * d..(j + 1) * d], &mut dv_mag[j * d..(j + 1) * d]);
                     for c in 0..d {
                         dvj[c] = acc(dvj[c] + p * doi[c]);
-                        dvm[c] += p * doi[c].abs();
+                        dvm[c] += (wj * doi[c]) * (wj * doi[c]);
                     }
                 }
                 dq.iter_mut().for_each(|t| *t = rnd(*t));
@@ -344,6 +381,7 @@ fn run(
         dims: Dims { s_q: n, ..dm },
         o: vec![0.0; dm.b * n * dm.h_q * d],
         lse: vec![0.0; dm.b * dm.h_q * n],
+        lse_mag: vec![0.0; dm.b * dm.h_q * n],
         ..Default::default()
     };
     out.o_mag = vec![0.0; out.o.len()];
@@ -354,11 +392,14 @@ fn run(
         out.dq_mag = vec![0.0; out.dq.len()];
         out.dk_mag = vec![0.0; out.dk.len()];
         out.dv_mag = vec![0.0; out.dv.len()];
+        out.dq_mag_o = vec![0.0; out.dq.len()];
+        out.dk_mag_o = vec![0.0; out.dk.len()];
     }
     for (bh, hr) in heads.iter().enumerate() {
         let (b, h) = (bh / dm.h_q, bh % dm.h_q);
         let hk = dm.kv_head(h);
         out.lse[(b * dm.h_q + h) * n..][..n].copy_from_slice(&hr.lse);
+        out.lse_mag[(b * dm.h_q + h) * n..][..n].copy_from_slice(&hr.lse_mag);
         for r in 0..n {
             let at = ((b * n + r) * dm.h_q + h) * d;
             out.o[at..at + d].copy_from_slice(&hr.o[r * d..(r + 1) * d]);
@@ -366,6 +407,7 @@ fn run(
             if with_grad {
                 out.dq[at..at + d].copy_from_slice(&hr.dq[r * d..(r + 1) * d]);
                 out.dq_mag[at..at + d].copy_from_slice(&hr.mag[1][r * d..(r + 1) * d]);
+                out.dq_mag_o[at..at + d].copy_from_slice(&hr.mag[4][r * d..(r + 1) * d]);
             }
         }
         if with_grad {
@@ -376,10 +418,15 @@ fn run(
                     out.dv[at + c] += hr.dv[j * d + c];
                     out.dk_mag[at + c] += hr.mag[2][j * d + c];
                     out.dv_mag[at + c] += hr.mag[3][j * d + c];
+                    out.dk_mag_o[at + c] += hr.mag[5][j * d + c];
                 }
             }
         }
     }
+    for m in [&mut out.o_mag, &mut out.dq_mag, &mut out.dk_mag, &mut out.dv_mag, &mut out.dk_mag_o] {
+        m.iter_mut().for_each(|x| *x = x.sqrt());
+    }
+    out.dq_mag_o.iter_mut().for_each(|x| *x = x.abs());
     if let Some(dt) = round {
         if with_grad {
             out.dk.iter_mut().for_each(|t| *t = dt.round_f64(*t));

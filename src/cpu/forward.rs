@@ -42,7 +42,7 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
     // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
     // reads without packing.
-    let vt = transpose_heads(x.v, dm.b, dm.s_k, dm.h_kv, d);
+    let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, d);
     let o_out = DisjointWriter::new(&mut o);
     let lse_out = DisjointWriter::new(&mut lse);
     let n_tasks = dm.b * dm.h_q * q_spans.len();
@@ -212,7 +212,7 @@ impl Scratch {
 }
 
 /// `[b, s, h, d]` → `[b][h][d][s]`, in parallel over (batch, head).
-pub(crate) fn transpose_heads(x: &[f32], b: usize, s: usize, h: usize, d: usize) -> Vec<f32> {
+pub(crate) fn transpose_heads(x: &[f32], s: usize, h: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; x.len()];
     if out.is_empty() {
         return out;

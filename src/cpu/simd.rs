@@ -35,57 +35,6 @@ pub(crate) fn exp2(x: f32) -> f32 {
     }
 }
 
-/// NaN-propagating maximum of a row (`-inf` for an empty row).
-#[inline(always)]
-fn row_max_impl(row: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [f32::NEG_INFINITY; L];
-    let mut nan = [false; L];
-    let chunks = row.chunks_exact(L);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for l in 0..L {
-            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
-            nan[l] |= c[l].is_nan();
-        }
-    }
-    let mut m = f32::NEG_INFINITY;
-    let mut any_nan = nan.iter().any(|&b| b);
-    for &x in acc.iter().chain(rest) {
-        any_nan |= x.is_nan();
-        if x > m {
-            m = x;
-        }
-    }
-    if any_nan {
-        f32::NAN
-    } else {
-        m
-    }
-}
-
-/// `row[j] = 2^(row[j] - sub)`; returns the sum of the new row.
-#[inline(always)]
-fn exp2_sub_sum_impl(row: &mut [f32], sub: f32) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0.0f32; L];
-    let mut chunks = row.chunks_exact_mut(L);
-    for c in &mut chunks {
-        for l in 0..L {
-            let e = exp2(c[l] - sub);
-            c[l] = e;
-            acc[l] += e;
-        }
-    }
-    let mut s = 0.0;
-    for x in chunks.into_remainder() {
-        let e = exp2(*x - sub);
-        *x = e;
-        s += e;
-    }
-    acc.iter().sum::<f32>() + s
-}
-
 /// `row[j] = 2^(row[j] - sub)`.
 #[inline(always)]
 fn exp2_sub_impl(row: &mut [f32], sub: f32) {
@@ -153,27 +102,11 @@ fn exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) {
     }
 }
 
-/// `x[i] = 2^(x[i] − sub[i])`.
-#[inline(always)]
-fn exp2_sub_vec_impl(x: &mut [f32], sub: &[f32]) {
-    for (v, &m) in x.iter_mut().zip(sub) {
-        *v = exp2(*v - m);
-    }
-}
-
 /// `x[i] *= a[i]`.
 #[inline(always)]
 fn mul_into_impl(x: &mut [f32], a: &[f32]) {
     for (v, &m) in x.iter_mut().zip(a) {
         *v *= m;
-    }
-}
-
-/// `p[i] = p[i] · (dp[i] − dd[i])`.
-#[inline(always)]
-fn softmax_grad_vec_impl(p: &mut [f32], dp: &[f32], dd: &[f32]) {
-    for ((x, &g), &d) in p.iter_mut().zip(dp).zip(dd) {
-        *x *= g - d;
     }
 }
 
@@ -207,14 +140,6 @@ macro_rules! dispatch {
 }
 
 dispatch!(
-    /// NaN-propagating row maximum.
-    row_max => row_max_impl(row: &[f32]) -> f32
-);
-dispatch!(
-    /// `row = 2^(row - sub)`, returning the sum.
-    exp2_sub_sum => exp2_sub_sum_impl(row: &mut [f32], sub: f32) -> f32
-);
-dispatch!(
     /// `row = 2^(row - sub)`.
     exp2_sub => exp2_sub_impl(row: &mut [f32], sub: f32) -> ()
 );
@@ -239,16 +164,8 @@ dispatch!(
     exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> ()
 );
 dispatch!(
-    /// `x = 2^(x − sub)` elementwise.
-    exp2_sub_vec => exp2_sub_vec_impl(x: &mut [f32], sub: &[f32]) -> ()
-);
-dispatch!(
     /// `x *= a` elementwise.
     mul_into => mul_into_impl(x: &mut [f32], a: &[f32]) -> ()
-);
-dispatch!(
-    /// `p = p ∘ (dp − dd)` elementwise.
-    softmax_grad_vec => softmax_grad_vec_impl(p: &mut [f32], dp: &[f32], dd: &[f32]) -> ()
 );
 dispatch!(
     /// Dot product in f32.
@@ -277,19 +194,27 @@ mod tests {
     }
 
     #[test]
-    fn row_max_propagates_nan_and_handles_empty() {
-        let mut v: Vec<f32> = (0..37).map(|i| i as f32).collect();
-        assert_eq!(row_max(&v), 36.0);
-        v[20] = f32::NAN;
-        assert!(row_max(&v).is_nan());
-        assert_eq!(row_max(&[]), f32::NEG_INFINITY);
+    fn max_into_propagates_nan() {
+        let mut m = vec![f32::NEG_INFINITY; 37];
+        let mut x: Vec<f32> = (0..37).map(|i| i as f32).collect();
+        max_into(&mut m, &x);
+        assert_eq!(m[36], 36.0);
+        x[20] = f32::NAN;
+        max_into(&mut m, &x);
+        assert!(m[20].is_nan());
+        max_into(&mut m, &vec![100.0; 37]);
+        assert!(m[20].is_nan() && m[19] == 100.0);
     }
 
     #[test]
-    fn exp2_sub_sum_matches_scalar() {
+    fn exp2_sub_acc_matches_scalar() {
         let mut v: Vec<f32> = (0..41).map(|i| -(i as f32) * 0.3).collect();
-        let want: f64 = v.iter().map(|&x| 2f64.powf(x as f64 - 1.0)).sum();
-        let got = exp2_sub_sum(&mut v, 1.0) as f64;
-        assert!((got - want).abs() / want < 1e-6);
+        let want: Vec<f64> = v.iter().map(|&x| 2f64.powf((x - 1.0) as f64)).collect();
+        let mut sum = vec![1.0f32; 41];
+        exp2_sub_acc(&mut v, &vec![1.0; 41], &mut sum);
+        for i in 0..41 {
+            assert!((v[i] as f64 - want[i]).abs() / want[i] < 2e-7);
+            assert!((sum[i] as f64 - 1.0 - want[i]).abs() < 1e-6);
+        }
     }
 }

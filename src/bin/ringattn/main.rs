@@ -1,1 +1,57 @@
-fn main() {}
+//! `ringattn`: run, verify and demo exact long-context attention from the command line.
+
+mod args;
+mod demo;
+mod progress;
+mod run;
+mod verify;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[global_allocator]
+static ALLOCATOR: ringattn::memory::CountingAllocator = ringattn::memory::CountingAllocator;
+
+/// Exact long-context attention: flash attention with a float64 oracle to check it.
+#[derive(Parser)]
+#[command(name = "ringattn", version, about = "Exact long-context attention: flash attention forward and backward, checked against a float64 oracle", propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run attention on tensors from a safetensors file and write the results to another.
+    ///
+    /// IN holds `q` [b, s_q, h_q, d], `k` and `v` [b, s_k, h_kv, d], and optionally `do`
+    /// (shape of q), all F32, BF16 or F16. OUT receives `o` (input dtype) and `lse` (F32,
+    /// [b, h_q, s_q]), plus `dq`, `dk`, `dv` when `do` is present. OUT is written atomically:
+    /// on any error no file is left.
+    Run(run::RunArgs),
+    /// Check results against the float64 oracle and print a table of relative errors.
+    ///
+    /// Uses the tensors of --input, or seeded random ones of --shape. Exits with status 3
+    /// when a check fails.
+    Verify(verify::VerifyArgs),
+    /// Forward and backward on a long causal sequence, with time, TFLOP/s, peak memory and
+    /// a spot check of sampled rows against the oracle.
+    Demo(demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(&a),
+        Command::Verify(a) => verify::verify(&a),
+        Command::Demo(a) => demo::demo(&a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! `ringattn demo`: the main job on the default backend, measured and spot-checked.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result};
+use serde::Serialize;
+
+use crate::progress::with_progress;
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Sequence length.
+    #[arg(long, default_value_t = 32768)]
+    pub seq: usize,
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 8)]
+    pub heads: usize,
+    /// Key/value heads (GQA when fewer than --heads) [default: --heads].
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Head dimension.
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    /// Dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Full (bidirectional) attention instead of causal.
+    #[arg(long)]
+    pub no_causal: bool,
+    /// Skip the backward pass.
+    #[arg(long)]
+    pub forward_only: bool,
+    /// Query rows to check against the float64 oracle.
+    #[arg(long, default_value_t = 16)]
+    pub check_rows: usize,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Phase {
+    seconds: f64,
+    tflops: f64,
+    /// Peak bytes allocated during the phase beyond what was live before it.
+    peak_extra_bytes: usize,
+    /// Of which the phase's outputs.
+    output_bytes: usize,
+}
+
+#[derive(Serialize)]
+struct DemoReport {
+    shape: [usize; 5],
+    dtype: String,
+    causal: bool,
+    threads: usize,
+    forward: Phase,
+    backward: Option<Phase>,
+    process_peak_rss_bytes: Option<u64>,
+    checked_rows: Vec<usize>,
+    check: verify::Report,
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
+    let dtype: DType = a.dtype.parse()?;
+    let (b, s, hq, d) = (a.batch, a.seq, a.heads, a.head_dim);
+    let hkv = a.kv_heads.unwrap_or(hq);
+    if s == 0 || b == 0 {
+        return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
+    }
+    let causal = !a.no_causal;
+    let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
+    println!(
+        "ringattn demo: cpu backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
+        rayon::current_num_threads(),
+        if causal { "causal" } else { "full" }
+    );
+    let q = random::randn(vec![b, s, hq, d], a.seed * 4, dtype);
+    let k = random::randn(vec![b, s, hkv, d], a.seed * 4 + 1, dtype);
+    let v = random::randn(vec![b, s, hkv, d], a.seed * 4 + 2, dtype);
+    let d_o = random::randn(vec![b, s, hq, d], a.seed * 4 + 3, dtype);
+    ringattn::Dims::of(&q, &k, &v)?;
+    let flops = 4.0 * (b * hq) as f64 * (s as f64) * (s as f64) * d as f64 / if causal { 2.0 } else { 1.0 };
+
+    let base = memory::current_bytes();
+    memory::reset_peak();
+    let t = Instant::now();
+    let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
+        cpu::forward_with(&q, &k, &v, None, &params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
+    })?;
+    let secs = t.elapsed().as_secs_f64();
+    let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
+    let forward = Phase {
+        seconds: secs,
+        tflops: flops / secs / 1e12,
+        peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
+        output_bytes: out_bytes,
+    };
+    println!(
+        "forward : {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
+        forward.seconds,
+        forward.tflops,
+        mib(forward.peak_extra_bytes),
+        mib(forward.output_bytes)
+    );
+
+    let mut backward = None;
+    let mut grads = None;
+    if !a.forward_only {
+        let base = memory::current_bytes();
+        memory::reset_peak();
+        let t = Instant::now();
+        let g = with_progress("backward", (b * hkv * s) as u64, |p| {
+            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
+            cpu::backward_with(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, None, &params, &cfg)
+        })?;
+        let secs = t.elapsed().as_secs_f64();
+        let phase = Phase {
+            seconds: secs,
+            tflops: 2.5 * flops / secs / 1e12,
+            peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
+            output_bytes: (g.dq.len() + g.dk.len() + g.dv.len()) * dtype.size_of(),
+        };
+        println!(
+            "backward: {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
+            phase.seconds,
+            phase.tflops,
+            mib(phase.peak_extra_bytes),
+            mib(phase.output_bytes)
+        );
+        backward = Some(phase);
+        grads = Some(g);
+    }
+
+    let mut rows = random::sample_indices(s, a.check_rows.saturating_sub(2), a.seed ^ 0x5eed);
+    rows.extend([0, s - 1]);
+    rows.sort_unstable();
+    rows.dedup();
+    let check = verify::check_rows(&q, &k, &v, grads.as_ref().map(|_| &d_o), &params, &fwd, grads.as_ref(), &rows)?;
+    println!("check of {} sampled query rows against the float64 oracle:", rows.len());
+    print!("{}", check.table());
+    let pass = check.pass();
+    let report = DemoReport {
+        shape: [b, s, hq, hkv, d],
+        dtype: dtype.to_string(),
+        causal,
+        threads: rayon::current_num_threads(),
+        forward,
+        backward,
+        process_peak_rss_bytes: memory::os_peak_rss(),
+        checked_rows: rows,
+        check,
+    };
+    if let Some(path) = &a.json {
+        let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        std::fs::write(path, json).map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
+    if pass {
+        println!("demo passed");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("demo FAILED: sampled rows disagree with the oracle");
+        Ok(ExitCode::from(3))
+    }
+}

@@ -1,0 +1,86 @@
+//! `ringattn verify`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use ringattn::{io, random::randn, verify, DType, Error, Result};
+
+use crate::args::{parse_list, ExecArgs, MaskArgs};
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// Input safetensors file with q, k, v and optionally do (a seeded do is drawn when absent).
+    #[arg(long, value_name = "IN.safetensors", conflicts_with_all = ["shape", "dtype"])]
+    pub input: Option<PathBuf>,
+    /// Shape of seeded random inputs: b,s,h_q,h_kv,d (s_q = s_k = s) [default: 2,257,4,2,64].
+    #[arg(long, value_name = "B,S,HQ,HKV,D")]
+    pub shape: Option<String>,
+    /// Dtype of the random inputs: f32, bf16 or f16 [default: f32].
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Forward only (skip dq, dk, dv).
+    #[arg(long)]
+    pub forward_only: bool,
+    /// Also write the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub exec: ExecArgs,
+    #[command(flatten)]
+    pub mask: MaskArgs,
+}
+
+pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
+    a.exec.validate()?;
+    let params = a.mask.params()?;
+    let (q, k, v, d_o, what) = match &a.input {
+        Some(path) => {
+            let x = io::read_inputs(path)?;
+            let d_o = x.d_o.unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
+            (x.q, x.k, x.v, d_o, path.display().to_string())
+        }
+        None => {
+            let shape = a.shape.as_deref().unwrap_or("2,257,4,2,64");
+            let dims = parse_list(shape, "--shape")?;
+            let [b, s, hq, hkv, d] = dims[..] else {
+                return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
+            };
+            let dtype: DType = a.dtype.as_deref().unwrap_or("f32").parse()?;
+            let seed = a.seed.wrapping_mul(4);
+            (
+                randn(vec![b, s, hq, d], seed, dtype),
+                randn(vec![b, s, hkv, d], seed + 1, dtype),
+                randn(vec![b, s, hkv, d], seed + 2, dtype),
+                randn(vec![b, s, hq, d], seed + 3, dtype),
+                format!("random {shape} {dtype} seed {}", a.seed),
+            )
+        }
+    };
+    let d_o = (!a.forward_only).then_some(&d_o);
+    let report = verify::verify_cpu(&q, &k, &v, d_o, &params)?;
+    println!(
+        "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {}, backend {}",
+        q.shape(),
+        k.shape(),
+        params.mask,
+        params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
+        a.exec.strategy,
+        a.exec.backend
+    );
+    print!("{}", report.table());
+    if let Some(path) = &a.json {
+        let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        std::fs::write(path, json).map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
+    if report.pass() {
+        println!("all checks pass ({} dtype tolerance)", report.dtype);
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("FAILED: at least one output exceeds its tolerance");
+        Ok(ExitCode::from(3))
+    }
+}
