@@ -1,0 +1,158 @@
+//! The command-line contract: round trips through files, and every bad input exits non-zero
+//! with a one-line message and leaves no output file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ringattn::{cpu, io, random::randn, AttentionParams, DType, Documents, Mask, Tensor};
+
+fn ringattn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringattn")).args(args).output().expect("run ringattn")
+}
+
+fn write_inputs(dir: &Path, name: &str, dt: DType, with_do: bool) -> (PathBuf, [Tensor; 4]) {
+    let q = randn(vec![2, 37, 4, 16], 1, dt);
+    let k = randn(vec![2, 37, 2, 16], 2, dt);
+    let v = randn(vec![2, 37, 2, 16], 3, dt);
+    let d_o = randn(vec![2, 37, 4, 16], 4, dt);
+    let path = dir.join(name);
+    let mut named = vec![("q", &q), ("k", &k), ("v", &v)];
+    if with_do {
+        named.push(("do", &d_o));
+    }
+    io::write_tensors(&path, &named).unwrap();
+    (path, [q, k, v, d_o])
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Files in `dir` other than `keep`.
+fn others(dir: &Path, keep: &[&Path]) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| !keep.iter().any(|k| k == p))
+        .collect()
+}
+
+#[test]
+fn run_forward_round_trip_matches_the_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, [q, k, v, _]) = write_inputs(dir.path(), "in.safetensors", DType::BF16, false);
+    let out = dir.path().join("out.safetensors");
+    let r = ringattn(&["run", "--input", s(&input), "--output", s(&out), "--causal", "--window", "5,-1"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let got = io::read_tensors(&out).unwrap();
+    let p = AttentionParams { mask: Mask::Window { left: Some(5), right: Some(0) }, ..Default::default() };
+    let want = cpu::forward(&q, &k, &v, &p).unwrap();
+    assert_eq!(got["o"], want.o);
+    assert_eq!(got["lse"], want.lse);
+    assert_eq!(got["o"].dtype(), DType::BF16);
+    assert!(!got.contains_key("dq"));
+}
+
+#[test]
+fn run_with_do_writes_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", DType::F32, true);
+    let out = dir.path().join("out.safetensors");
+    let r = ringattn(&["run", "--input", s(&input), "--output", s(&out), "--seqlens", "17,20", "--scale", "0.2"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let got = io::read_tensors(&out).unwrap();
+    let p = AttentionParams { documents: Some(Documents::new(vec![17, 20]).unwrap()), scale: Some(0.2), ..Default::default() };
+    let f = cpu::forward(&q, &k, &v, &p).unwrap();
+    let g = cpu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, &p).unwrap();
+    assert_eq!(got["dq"], g.dq);
+    assert_eq!(got["dk"], g.dk);
+    assert_eq!(got["dv"], g.dv);
+    assert_eq!(others(dir.path(), &[&input, &out]), Vec::<PathBuf>::new(), "no temporary files left");
+}
+
+#[test]
+fn bad_inputs_fail_cleanly_and_leave_no_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, [q, ..]) = write_inputs(dir.path(), "in.safetensors", DType::F32, false);
+    let bad_heads = dir.path().join("heads.safetensors");
+    let k3 = randn(vec![2, 37, 3, 16], 5, DType::F32);
+    io::write_tensors(&bad_heads, &[("q", &q), ("k", &k3), ("v", &k3)]).unwrap();
+    let no_v = dir.path().join("nov.safetensors");
+    io::write_tensors(&no_v, &[("q", &q), ("k", &q)]).unwrap();
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}").unwrap();
+    let out = dir.path().join("out.safetensors");
+    let missing = dir.path().join("missing.safetensors");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--input", s(&missing)], "missing.safetensors"),
+        (vec!["--input", s(&junk)], "malformed"),
+        (vec!["--input", s(&no_v)], "missing tensor `v`"),
+        (vec!["--input", s(&bad_heads)], "h_kv = 3"),
+        (vec!["--input", s(&input), "--strategy", "ring"], "unknown strategy `ring`"),
+        (vec!["--input", s(&input), "--backend", "tpu"], "unknown backend `tpu`"),
+        (vec!["--input", s(&input), "--world", "4"], "--world 4"),
+        (vec!["--input", s(&input), "--window", "-3,2"], "left side -3"),
+        (vec!["--input", s(&input), "--window", "4"], "expected two values"),
+        (vec!["--input", s(&input), "--seqlens", "10,10"], "sum to 20"),
+        (vec!["--input", s(&input), "--seqlens", "10,x"], "`x`"),
+    ];
+    for (args, needle) in cases {
+        let mut all = vec!["run", "--output", s(&out)];
+        all.extend(args.iter());
+        let r = ringattn(&all);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "{all:?} succeeded");
+        assert!(err.contains(needle), "{all:?}: `{err}` lacks `{needle}`");
+        assert_eq!(err.trim_end().lines().count(), 1, "{all:?}: message is one line: {err}");
+        assert!(!out.exists(), "{all:?} left an output file");
+    }
+    assert_eq!(others(dir.path(), &[&input, &bad_heads, &no_v, &junk]), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn a_failed_run_keeps_an_existing_output_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.safetensors");
+    std::fs::write(&out, b"previous results").unwrap();
+    let r = ringattn(&["run", "--input", s(&dir.path().join("missing")), "--output", s(&out)]);
+    assert!(!r.status.success());
+    assert_eq!(std::fs::read(&out).unwrap(), b"previous results");
+}
+
+#[test]
+fn verify_passes_on_random_and_file_inputs() {
+    let r = ringattn(&["verify", "--shape", "1,70,4,1,32", "--dtype", "f16", "--causal"]);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{stdout}");
+    for name in ["o ", "lse", "dq", "dk", "dv"] {
+        assert!(stdout.lines().any(|l| l.starts_with(name) && l.ends_with("pass")), "{name}: {stdout}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (input, _) = write_inputs(dir.path(), "in.safetensors", DType::BF16, true);
+    let json = dir.path().join("report.json");
+    let r = ringattn(&["verify", "--input", s(&input), "--window", "3,3", "--json", s(&json)]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stdout));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["dtype"], "BF16");
+    assert_eq!(report["rows"].as_array().unwrap().len(), 5);
+}
+
+#[test]
+fn demo_runs_small() {
+    let r = ringattn(&["demo", "--seq", "600", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{stdout}");
+    assert!(stdout.contains("TFLOP/s") && stdout.contains("demo passed"), "{stdout}");
+}
+
+#[test]
+fn help_reads_well() {
+    let r = ringattn(&["--help"]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success());
+    for cmd in ["run", "verify", "demo"] {
+        assert!(out.contains(cmd), "{out}");
+    }
+    let r = ringattn(&["run", "--help"]);
+    assert!(String::from_utf8_lossy(&r.stdout).contains("--window <L,R>"));
+}

@@ -1,0 +1,111 @@
+//! Every bad input gets its typed error naming the offending value, never a panic.
+
+use ringattn::{cpu, io, reference, AttentionParams, DType, Documents, Error, Mask, Positions, Tensor};
+
+fn t(shape: &[usize], dt: DType) -> Tensor {
+    Tensor::zeros(shape.to_vec(), dt)
+}
+
+fn fwd(q: &Tensor, k: &Tensor, v: &Tensor) -> Error {
+    cpu::forward(q, k, v, &AttentionParams::default()).unwrap_err()
+}
+
+#[test]
+fn rank_mismatch_names_the_tensor_and_shape() {
+    let e = fwd(&t(&[1, 4, 2], DType::F32), &t(&[1, 4, 2, 8], DType::F32), &t(&[1, 4, 2, 8], DType::F32));
+    assert!(matches!(e, Error::Rank { name: "q", .. }), "{e}");
+    assert!(e.to_string().contains("[1, 4, 2]"));
+}
+
+#[test]
+fn shape_mismatches() {
+    let f = DType::F32;
+    let e = fwd(&t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f), &t(&[1, 5, 2, 8], f));
+    assert!(matches!(e, Error::ShapeMismatch(_)) && e.to_string().contains("[1, 5, 2, 8]"), "{e}");
+    let e = fwd(&t(&[2, 4, 2, 8], f), &t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f));
+    assert!(e.to_string().contains("batch 2"), "{e}");
+    let e = fwd(&t(&[1, 4, 2, 16], f), &t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f));
+    assert!(e.to_string().contains("head dim 16"), "{e}");
+}
+
+#[test]
+fn head_ratio_and_zero_heads() {
+    let f = DType::F32;
+    let e = fwd(&t(&[1, 4, 3, 8], f), &t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f));
+    assert!(matches!(e, Error::HeadRatio { h_q: 3, h_kv: 2 }), "{e}");
+    let e = fwd(&t(&[1, 4, 2, 8], f), &t(&[1, 4, 0, 8], f), &t(&[1, 4, 0, 8], f));
+    assert!(matches!(e, Error::ZeroHeads { name: "h_kv" }), "{e}");
+}
+
+#[test]
+fn head_dim_zero_or_too_large() {
+    let f = DType::F32;
+    let e = fwd(&t(&[1, 4, 1, 0], f), &t(&[1, 4, 1, 0], f), &t(&[1, 4, 1, 0], f));
+    assert!(matches!(e, Error::HeadDim { d: 0, .. }), "{e}");
+    let e = fwd(&t(&[1, 1, 1, 513], f), &t(&[1, 1, 1, 513], f), &t(&[1, 1, 1, 513], f));
+    assert!(matches!(e, Error::HeadDim { d: 513, max: 512 }), "{e}");
+}
+
+#[test]
+fn dtype_mismatch_names_the_tensor() {
+    let e = fwd(&t(&[1, 4, 1, 8], DType::F32), &t(&[1, 4, 1, 8], DType::BF16), &t(&[1, 4, 1, 8], DType::F32));
+    assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "k"), "{e}");
+    let q = t(&[1, 4, 1, 8], DType::F32);
+    let f = cpu::forward(&q, &q, &q, &AttentionParams::default()).unwrap();
+    let e = cpu::backward(&q, &q, &q, &f.o, &f.lse, &t(&[1, 4, 1, 8], DType::F16), &AttentionParams::default())
+        .unwrap_err();
+    assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "do"), "{e}");
+    let e = cpu::backward(&q, &q, &q, &f.o, &f.lse.to_dtype(DType::BF16), &q, &AttentionParams::default()).unwrap_err();
+    assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "lse"), "{e}");
+}
+
+#[test]
+fn bad_windows_scales_documents_positions() {
+    assert!(matches!(Mask::from_signed_window(-2, 0), Err(Error::Window(_))));
+    assert!(Mask::from_signed_window(-1, -1).is_ok());
+    let q = t(&[1, 4, 1, 8], DType::F32);
+    let e = cpu::forward(&q, &q, &q, &AttentionParams { scale: Some(f32::NAN), ..Default::default() }).unwrap_err();
+    assert!(matches!(e, Error::Scale(_)), "{e}");
+    let docs = Documents::new(vec![2, 3]).unwrap();
+    let e = cpu::forward(&q, &q, &q, &AttentionParams { documents: Some(docs), ..Default::default() }).unwrap_err();
+    assert!(matches!(e, Error::Documents(_)) && e.to_string().contains("sum to 5"), "{e}");
+    assert!(matches!(Documents::new(vec![]), Err(Error::Documents(_))));
+    let e = cpu::forward_at(&q, &q, &q, &Positions::contiguous(0, 3), &Positions::contiguous(0, 4), &AttentionParams::default())
+        .unwrap_err();
+    assert!(matches!(e, Error::Positions(_)) && e.to_string().contains("3 query positions"), "{e}");
+    assert!(matches!(Positions::strided(0, 0, 4), Err(Error::Positions(_))));
+    assert!(matches!(Positions::strided(i64::MAX - 1, 5, 4), Err(Error::Positions(_))));
+}
+
+#[test]
+fn tensor_data_length_and_dtype_names() {
+    assert!(matches!(Tensor::from_f32(vec![2, 3], vec![0.0; 5]), Err(Error::DataLength { len: 5, expected: 6, .. })));
+    assert!(matches!("f64".parse::<DType>(), Err(Error::UnsupportedDtype(_))));
+}
+
+#[test]
+fn reference_rejects_rows_out_of_range() {
+    let q = t(&[1, 4, 1, 8], DType::F32);
+    let e = reference::rows(&q, &q, &q, None, &AttentionParams::default(), &[4], None).unwrap_err();
+    assert!(e.to_string().contains("row 4"), "{e}");
+}
+
+#[test]
+fn files_missing_malformed_or_incomplete() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.safetensors");
+    assert!(matches!(io::read_inputs(&missing), Err(Error::Io { .. })));
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"not a safetensors file").unwrap();
+    assert!(matches!(io::read_inputs(&junk), Err(Error::Format { .. })));
+    let partial = dir.path().join("partial.safetensors");
+    let q = t(&[1, 4, 1, 8], DType::F32);
+    io::write_tensors(&partial, &[("q", &q), ("k", &q)]).unwrap();
+    let e = io::read_inputs(&partial).unwrap_err();
+    assert!(matches!(&e, Error::MissingTensor { name, .. } if name == "v"), "{e}");
+    let mixed = dir.path().join("mixed.safetensors");
+    io::write_tensors(&mixed, &[("q", &q), ("k", &q), ("v", &q.to_dtype(DType::F16))]).unwrap();
+    assert!(matches!(io::read_inputs(&mixed), Err(Error::DtypeMismatch { .. })));
+    let unwritable = dir.path().join("no-such-dir").join("out.safetensors");
+    assert!(matches!(io::write_tensors(&unwritable, &[("q", &q)]), Err(Error::Io { .. })));
+}
