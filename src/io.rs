@@ -31,9 +31,14 @@ pub struct AttentionInputs {
 /// [`Error::Io`] when the file cannot be read, [`Error::Format`] when it is not valid
 /// safetensors, [`Error::UnsupportedDtype`] for a tensor that is not F32, BF16 or F16.
 pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })?;
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
@@ -42,7 +47,12 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
             Dtype::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(raw)),
             Dtype::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(raw)),
             Dtype::F16 => TensorData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(raw)),
-            other => return Err(Error::UnsupportedDtype(format!("{other:?} (tensor `{name}` in {})", path.display()))),
+            other => {
+                return Err(Error::UnsupportedDtype(format!(
+                    "{other:?} (tensor `{name}` in {})",
+                    path.display()
+                )))
+            }
         };
         out.insert(name, Tensor::new(shape, data)?);
     }
@@ -56,7 +66,10 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
 pub fn read_inputs(path: &Path) -> Result<AttentionInputs> {
     let mut all = read_tensors(path)?;
     let mut take = |name: &str| {
-        all.remove(name).ok_or_else(|| Error::MissingTensor { path: path.to_path_buf(), name: name.to_string() })
+        all.remove(name).ok_or_else(|| Error::MissingTensor {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+        })
     };
     let (q, k, v) = (take("q")?, take("k")?, take("v")?);
     let d_o = take("do").ok();
@@ -101,13 +114,21 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()> {
             };
             safetensors::tensor::TensorView::new(dtype, t.shape().to_vec(), t.as_bytes())
                 .map(|v| (name.to_string(), v))
-                .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })
+                .map_err(|e| Error::Format {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                })
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None)
-        .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })?;
+    let bytes = safetensors::serialize(views, None).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
     let tmp = temp_path(path);
-    let io_err = |source| Error::Io { path: path.to_path_buf(), source };
+    let io_err = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&bytes)?;
@@ -121,6 +142,9 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()> {
 }
 
 fn temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }

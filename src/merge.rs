@@ -26,11 +26,16 @@ use crate::{Error, Result, Tensor};
 pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
     let [b, s, h, d] = bshd;
     let n = b * s * h;
-    for (name, len, want) in
-        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
-    {
+    for (name, len, want) in [
+        ("o_a", o_a.len(), n * d),
+        ("o_b", o_b.len(), n * d),
+        ("lse_a", lse_a.len(), n),
+        ("lse_b", lse_b.len(), n),
+    ] {
         if len != want {
-            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
+            return Err(Error::ShapeMismatch(format!(
+                "merge: `{name}` holds {len} values, expected {want}"
+            )));
         }
     }
     for bi in 0..b {
@@ -50,7 +55,13 @@ pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32]
                 let (ca, cb) = (wa / sum, wb / sum);
                 for (x, &y) in oa.iter_mut().zip(&o_b[at..at + d]) {
                     // A side with weight exactly 0 must not inject NaN from its (unused) values.
-                    *x = if cb == 0.0 { *x } else if ca == 0.0 { y } else { ca * *x + cb * y };
+                    *x = if cb == 0.0 {
+                        *x
+                    } else if ca == 0.0 {
+                        y
+                    } else {
+                        ca * *x + cb * y
+                    };
                 }
                 lse_a[li] = m + sum.ln();
             }
@@ -64,10 +75,7 @@ pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32]
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`] when the parts disagree.
-pub fn merge(
-    a: &crate::cpu::ForwardOutput,
-    b: &crate::cpu::ForwardOutput,
-) -> Result<crate::cpu::ForwardOutput> {
+pub fn merge(a: &crate::cpu::ForwardOutput, b: &crate::cpu::ForwardOutput) -> Result<crate::cpu::ForwardOutput> {
     let shape = a.o.shape().to_vec();
     if shape.len() != 4 || b.o.shape() != shape.as_slice() || a.lse.shape() != b.lse.shape() {
         return Err(Error::ShapeMismatch(format!(
@@ -79,14 +87,23 @@ pub fn merge(
         )));
     }
     if a.o.dtype() != b.o.dtype() {
-        return Err(Error::DtypeMismatch { name: "o".into(), got: b.o.dtype().to_string(), expected: a.o.dtype().to_string() });
+        return Err(Error::DtypeMismatch {
+            name: "o".into(),
+            got: b.o.dtype().to_string(),
+            expected: a.o.dtype().to_string(),
+        });
     }
     let mut o = a.o.to_f32_vec();
     let mut lse = a.lse.to_f32_vec();
-    merge_into(&mut o, &mut lse, &b.o.as_f32(), &b.lse.as_f32(), [shape[0], shape[1], shape[2], shape[3]])?;
+    merge_into(
+        &mut o,
+        &mut lse,
+        &b.o.as_f32(),
+        &b.lse.as_f32(),
+        [shape[0], shape[1], shape[2], shape[3]],
+    )?;
     Ok(crate::cpu::ForwardOutput {
         o: Tensor::from_f32_owned(shape, o, a.o.dtype())?,
         lse: Tensor::from_f32(a.lse.shape().to_vec(), lse)?,
     })
 }
-

@@ -65,13 +65,21 @@ pub struct Reference {
 /// use ringattn::{reference, AttentionParams, Tensor};
 /// let q = Tensor::from_f32(vec![1, 2, 1, 2], vec![1.0, 0.0, 0.0, 1.0])?;
 /// let r = reference::forward(&q, &q, &q, &AttentionParams::default())?;
-/// assert!((r.lse[0] - ((0.5f64.sqrt()).exp() + 1.0).ln()).abs() < 1e-12);
+/// // Row 0 scores 1·scale against key 0 and 0 against key 1 (scale = 1/sqrt(2) in f32).
+/// assert!((r.lse[0] - ((0.5f64.sqrt()).exp() + 1.0).ln()).abs() < 1e-7);
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+    Ok(run(
+        &Inputs::new(dims, q, k, v, None),
+        params,
+        &vis,
+        None,
+        false,
+        &all_rows(dims.s_q),
+    ))
 }
 
 /// Oracle forward of a block of queries against a block of keys at arbitrary global
@@ -89,24 +97,32 @@ pub fn forward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+    Ok(run(
+        &Inputs::new(dims, q, k, v, None),
+        params,
+        &vis,
+        None,
+        false,
+        &all_rows(dims.s_q),
+    ))
 }
 
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
 ///
 /// # Errors
 /// As [`forward`], plus a shape or dtype error for `d_o`.
-pub fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    d_o: &Tensor,
-    params: &AttentionParams,
-) -> Result<Reference> {
+pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+    Ok(run(
+        &Inputs::new(dims, q, k, v, Some(d_o)),
+        params,
+        &vis,
+        None,
+        true,
+        &all_rows(dims.s_q),
+    ))
 }
 
 /// Oracle backward of a block call at global positions (see [`forward_at`]).
@@ -125,7 +141,14 @@ pub fn backward_at(
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+    Ok(run(
+        &Inputs::new(dims, q, k, v, Some(d_o)),
+        params,
+        &vis,
+        None,
+        true,
+        &all_rows(dims.s_q),
+    ))
 }
 
 /// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
@@ -160,7 +183,14 @@ pub fn rows(
     }
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    let mut r = run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, d_o.is_some(), rows);
+    let mut r = run(
+        &Inputs::new(dims, q, k, v, d_o),
+        params,
+        &vis,
+        round,
+        d_o.is_some(),
+        rows,
+    );
     r.dk.clear();
     r.dv.clear();
     r.dk_mag.clear();
@@ -195,7 +225,14 @@ pub fn naive_rounded(
         Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
     };
     let inputs = Inputs::new(dims, q, k, v, d_o);
-    Ok(run(&inputs, params, &vis, Some(dtype), d_o.is_some(), &all_rows(dims.s_q)))
+    Ok(run(
+        &inputs,
+        params,
+        &vis,
+        Some(dtype),
+        d_o.is_some(),
+        &all_rows(dims.s_q),
+    ))
 }
 
 struct Inputs {
@@ -224,7 +261,9 @@ fn all_rows(n: usize) -> Vec<usize> {
 
 fn check_rows(rows: &[usize], s_q: usize) -> Result<()> {
     match rows.iter().find(|&&r| r >= s_q) {
-        Some(r) => Err(crate::Error::InvalidArgument(format!("row {r} is out of range for s_q = {s_q}"))),
+        Some(r) => Err(crate::Error::InvalidArgument(format!(
+            "row {r} is out of range for s_q = {s_q}"
+        ))),
         None => Ok(()),
     }
 }
@@ -347,7 +386,12 @@ fn run(
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
                 let o_row = &res.o[r * d..(r + 1) * d];
-                let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
+                let d_rss: f64 = o_row
+                    .iter()
+                    .zip(doi)
+                    .map(|(a, b)| (a * b) * (a * b))
+                    .sum::<f64>()
+                    .sqrt();
                 for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
                     let ds = rnd(rnd(p * (g - big_d)) * scale);
                     let ds_mag = (wj * (g.abs() + big_d.abs()) * scale).abs();
@@ -423,7 +467,13 @@ fn run(
             }
         }
     }
-    for m in [&mut out.o_mag, &mut out.dq_mag, &mut out.dk_mag, &mut out.dv_mag, &mut out.dk_mag_o] {
+    for m in [
+        &mut out.o_mag,
+        &mut out.dq_mag,
+        &mut out.dk_mag,
+        &mut out.dv_mag,
+        &mut out.dk_mag_o,
+    ] {
         m.iter_mut().for_each(|x| *x = x.sqrt());
     }
     out.dq_mag_o.iter_mut().for_each(|x| *x = x.abs());

@@ -16,7 +16,14 @@ const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
 const WORK_CAP: usize = 12_000_000;
 
 fn side() -> impl Strategy<Value = Option<u64>> {
-    prop_oneof![Just(None), Just(Some(0)), Just(Some(1)), Just(Some(5)), Just(Some(40)), Just(Some(150))]
+    prop_oneof![
+        Just(None),
+        Just(Some(0)),
+        Just(Some(1)),
+        Just(Some(5)),
+        Just(Some(40)),
+        Just(Some(150))
+    ]
 }
 
 fn mask() -> impl Strategy<Value = Mask> {
@@ -52,7 +59,18 @@ fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> P
         1 => vec![Segment { start, stride, len }],
         _ => {
             let a = len / 2;
-            vec![Segment { start, stride: 1, len: a }, Segment { start: start + a as i64 + gap, stride: 1, len: len - a }]
+            vec![
+                Segment {
+                    start,
+                    stride: 1,
+                    len: a,
+                },
+                Segment {
+                    start: start + a as i64 + gap,
+                    stride: 1,
+                    len: len - a,
+                },
+            ]
         }
     };
     Positions::from_segments(segs).unwrap()

@@ -128,7 +128,13 @@ impl Scratch {
                 self.qt[cc * br + i] = val;
             }
         }
-        let q_tile = View { data: &self.qt[..br * d], rows: br, cols: d, rs: 1, cs: br };
+        let q_tile = View {
+            data: &self.qt[..br * d],
+            rows: br,
+            cols: d,
+            rs: 1,
+            cs: br,
+        };
         let mut q_finite: Option<bool> = None;
         for ks in k_spans {
             let kind = classify(x.vis, qs, ks);
@@ -138,34 +144,58 @@ impl Scratch {
             let bc = ks.len;
             let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
             let vt_head = &vt[(b * dm.h_kv + hk) * d * dm.s_k..][..d * dm.s_k];
-            let v_tile = View { data: &vt_head[ks.start..], rows: bc, cols: d, rs: 1, cs: dm.s_k };
+            let v_tile = View {
+                data: &vt_head[ks.start..],
+                rows: bc,
+                cols: d,
+                rs: 1,
+                cs: dm.s_k,
+            };
             let st = &mut self.st[..br * bc];
             // S (br × bc), column-major: st[j * br + i].
             matmul_strided(st, 1, br, q_tile, k_tile.t(), c, false);
             let mut exact_pv = false;
             if kind == TileKind::Partial {
                 for j in 0..bc {
-                    x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
+                    x.vis
+                        .mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
                 }
                 // Masked entries must not leak NaN/Inf through 0 · NaN in the P·V product.
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
-                exact_pv = !(qf
-                    && rows_finite(k_base, ks.start, bc, d, kv_rs)
-                    && rows_finite(v_base, ks.start, bc, d, kv_rs));
+                exact_pv =
+                    !(qf && rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs));
             }
             let tm = &mut self.tile_max[..br];
             tm.fill(f32::NEG_INFINITY);
             for j in 0..bc {
                 simd::max_into(tm, &st[j * br..(j + 1) * br]);
             }
-            for i in 0..br {
-                let m_old = self.m[i];
-                let m_new = if tm[i].is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(tm[i]) };
+            let rows = tm
+                .iter()
+                .zip(&mut self.m)
+                .zip(&mut self.l)
+                .zip(&mut self.sub)
+                .zip(&mut self.alpha);
+            for ((((&t, m), l), sub), alpha) in rows {
+                let m_old = *m;
+                let m_new = if t.is_nan() || m_old.is_nan() {
+                    f32::NAN
+                } else {
+                    m_old.max(t)
+                };
                 // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
-                self.sub[i] = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
-                self.alpha[i] = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
-                self.m[i] = m_new;
-                self.l[i] *= self.alpha[i];
+                *sub = if m_new == f32::NEG_INFINITY {
+                    f32::INFINITY
+                } else {
+                    m_new
+                };
+                *alpha = if m_new == f32::NEG_INFINITY {
+                    1.0
+                } else {
+                    (m_old - m_new).exp2()
+                };
+                *m = m_new;
+                *l *= *alpha;
             }
             for cc in 0..d {
                 simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
@@ -186,7 +216,13 @@ impl Scratch {
                     }
                 }
             } else {
-                let p = View { data: st, rows: br, cols: bc, rs: 1, cs: br };
+                let p = View {
+                    data: st,
+                    rows: br,
+                    cols: bc,
+                    rs: 1,
+                    cs: br,
+                };
                 matmul_strided(&mut self.acc[..br * d], 1, br, p, v_tile, 1.0, true);
             }
         }

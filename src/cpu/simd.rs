@@ -202,7 +202,7 @@ mod tests {
         x[20] = f32::NAN;
         max_into(&mut m, &x);
         assert!(m[20].is_nan());
-        max_into(&mut m, &vec![100.0; 37]);
+        max_into(&mut m, &[100.0; 37]);
         assert!(m[20].is_nan() && m[19] == 100.0);
     }
 
@@ -211,7 +211,7 @@ mod tests {
         let mut v: Vec<f32> = (0..41).map(|i| -(i as f32) * 0.3).collect();
         let want: Vec<f64> = v.iter().map(|&x| 2f64.powf((x - 1.0) as f64)).collect();
         let mut sum = vec![1.0f32; 41];
-        exp2_sub_acc(&mut v, &vec![1.0; 41], &mut sum);
+        exp2_sub_acc(&mut v, &[1.0; 41], &mut sum);
         for i in 0..41 {
             assert!((v[i] as f64 - want[i]).abs() / want[i] < 2e-7);
             assert!((sum[i] as f64 - 1.0 - want[i]).abs() < 1e-6);

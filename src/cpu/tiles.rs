@@ -15,7 +15,10 @@ pub struct TileConfig {
 
 impl Default for TileConfig {
     fn default() -> Self {
-        TileConfig { block_q: 256, block_k: 256 }
+        TileConfig {
+            block_q: 256,
+            block_k: 256,
+        }
     }
 }
 
@@ -78,8 +81,7 @@ pub(crate) fn classify(vis: &Visibility, q: &Span, k: &Span) -> TileKind {
     }
     let right_in = vis.right.is_none_or(|r| k.pos_max <= q.pos_min.saturating_add(r));
     let left_in = vis.left.is_none_or(|l| k.pos_min >= q.pos_max.saturating_sub(l));
-    let one_doc =
-        vis.q_doc.is_none() || (q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min);
+    let one_doc = vis.q_doc.is_none() || (q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min);
     if right_in && left_in && one_doc {
         TileKind::Full
     } else {
@@ -106,7 +108,11 @@ unsafe impl Sync for DisjointWriter<'_> {}
 
 impl<'a> DisjointWriter<'a> {
     pub fn new(buf: &'a mut [f32]) -> Self {
-        DisjointWriter { ptr: buf.as_mut_ptr(), len: buf.len(), _borrow: std::marker::PhantomData }
+        DisjointWriter {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _borrow: std::marker::PhantomData,
+        }
     }
 
     /// The elements `start..start + len`.

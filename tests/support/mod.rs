@@ -55,20 +55,32 @@ pub fn check_case(case: &Case) -> verify::Report {
 
 pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     let p = &case.params;
-    let cfg = cpu::CpuConfig { tiles: case.tiles, ..Default::default() };
+    let cfg = cpu::CpuConfig {
+        tiles: case.tiles,
+        ..Default::default()
+    };
     let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
-    let grads =
-        cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
+    let grads = cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
     let oracle = match case.pos() {
         None => reference::backward(&x.q, &x.k, &x.v, &x.d_o, p),
         Some((qp, kp)) => reference::backward_at(&x.q, &x.k, &x.v, &x.d_o, qp, kp, p),
     }
     .expect("oracle");
     let naive = reference::naive_rounded(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, case.dtype).expect("naive");
-    verify::report(case.dtype, &fwd, Some(&grads), &oracle, &naive, &verify::Tolerance::default())
+    verify::report(
+        case.dtype,
+        &fwd,
+        Some(&grads),
+        &oracle,
+        &naive,
+        &verify::Tolerance::default(),
+    )
 }
 
 /// Proptest case count: `PROPTEST_CASES` when set, else `default`.
 pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }

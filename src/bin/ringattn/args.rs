@@ -29,7 +29,9 @@ impl MaskArgs {
             Some(w) => {
                 let parts: Vec<&str> = w.split(',').collect();
                 let side = |s: &str| {
-                    s.trim().parse::<i64>().map_err(|_| Error::Window(format!("`{w}`: `{s}` is not an integer")))
+                    s.trim()
+                        .parse::<i64>()
+                        .map_err(|_| Error::Window(format!("`{w}`: `{s}` is not an integer")))
                 };
                 match parts[..] {
                     [l, r] => Mask::from_signed_window(side(l)?, side(r)?)?,
@@ -38,7 +40,11 @@ impl MaskArgs {
             }
         };
         if self.causal {
-            mask = if self.window.is_some() { mask.and_causal() } else { Mask::Causal };
+            mask = if self.window.is_some() {
+                mask.and_causal()
+            } else {
+                Mask::Causal
+            };
         }
         if let Some(s) = self.scale {
             if !s.is_finite() {
@@ -49,7 +55,11 @@ impl MaskArgs {
             None => None,
             Some(list) => Some(Documents::new(parse_list(list, "--seqlens")?)?),
         };
-        Ok(AttentionParams { mask, documents, scale: self.scale })
+        Ok(AttentionParams {
+            mask,
+            documents,
+            scale: self.scale,
+        })
     }
 }
 
@@ -89,9 +99,9 @@ impl ExecArgs {
 pub fn parse_list(s: &str, what: &str) -> Result<Vec<usize>> {
     s.split(',')
         .map(|x| {
-            x.trim().parse::<usize>().map_err(|_| {
-                Error::InvalidArgument(format!("{what} `{s}`: `{x}` is not a non-negative integer"))
-            })
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::InvalidArgument(format!("{what} `{s}`: `{x}` is not a non-negative integer")))
         })
         .collect()
 }

@@ -82,7 +82,10 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
     let causal = !a.no_causal;
-    let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
+    let params = AttentionParams {
+        mask: if causal { Mask::Causal } else { Mask::None },
+        ..Default::default()
+    };
     println!(
         "ringattn demo: cpu backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
         rayon::current_num_threads(),
@@ -99,7 +102,17 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     memory::reset_peak();
     let t = Instant::now();
     let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
-        cpu::forward_with(&q, &k, &v, None, &params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
+        cpu::forward_with(
+            &q,
+            &k,
+            &v,
+            None,
+            &params,
+            &cpu::CpuConfig {
+                progress: Some(p),
+                ..Default::default()
+            },
+        )
     })?;
     let secs = t.elapsed().as_secs_f64();
     let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
@@ -124,7 +137,10 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         memory::reset_peak();
         let t = Instant::now();
         let g = with_progress("backward", (b * hkv * s) as u64, |p| {
-            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
+            let cfg = cpu::CpuConfig {
+                progress: Some(p),
+                ..Default::default()
+            };
             cpu::backward_with(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, None, &params, &cfg)
         })?;
         let secs = t.elapsed().as_secs_f64();
@@ -149,7 +165,16 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     rows.extend([0, s - 1]);
     rows.sort_unstable();
     rows.dedup();
-    let check = verify::check_rows(&q, &k, &v, grads.as_ref().map(|_| &d_o), &params, &fwd, grads.as_ref(), &rows)?;
+    let check = verify::check_rows(
+        &q,
+        &k,
+        &v,
+        grads.as_ref().map(|_| &d_o),
+        &params,
+        &fwd,
+        grads.as_ref(),
+        &rows,
+    )?;
     println!("check of {} sampled query rows against the float64 oracle:", rows.len());
     print!("{}", check.table());
     let pass = check.pass();
@@ -166,7 +191,10 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     };
     if let Some(path) = &a.json {
         let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        std::fs::write(path, json).map_err(|source| Error::Io { path: path.clone(), source })?;
+        std::fs::write(path, json).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
     }
     if pass {
         println!("demo passed");

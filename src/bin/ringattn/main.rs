@@ -15,7 +15,12 @@ static ALLOCATOR: ringattn::memory::CountingAllocator = ringattn::memory::Counti
 
 /// Exact long-context attention: flash attention with a float64 oracle to check it.
 #[derive(Parser)]
-#[command(name = "ringattn", version, about = "Exact long-context attention: flash attention forward and backward, checked against a float64 oracle", propagate_version = true)]
+#[command(
+    name = "ringattn",
+    version,
+    about = "Exact long-context attention: flash attention forward and backward, checked against a float64 oracle",
+    propagate_version = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

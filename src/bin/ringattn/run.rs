@@ -33,7 +33,13 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
             let g = cpu::backward(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o, &params)?;
             io::write_tensors(
                 &a.output,
-                &[("o", &fwd.o), ("lse", &fwd.lse), ("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)],
+                &[
+                    ("o", &fwd.o),
+                    ("lse", &fwd.lse),
+                    ("dq", &g.dq),
+                    ("dk", &g.dk),
+                    ("dv", &g.dv),
+                ],
             )?
         }
     }

@@ -40,14 +40,18 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let (q, k, v, d_o, what) = match &a.input {
         Some(path) => {
             let x = io::read_inputs(path)?;
-            let d_o = x.d_o.unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
+            let d_o = x
+                .d_o
+                .unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
             (x.q, x.k, x.v, d_o, path.display().to_string())
         }
         None => {
             let shape = a.shape.as_deref().unwrap_or("2,257,4,2,64");
             let dims = parse_list(shape, "--shape")?;
             let [b, s, hq, hkv, d] = dims[..] else {
-                return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
+                return Err(Error::InvalidArgument(format!(
+                    "--shape `{shape}`: expected b,s,h_q,h_kv,d"
+                )));
             };
             let dtype: DType = a.dtype.as_deref().unwrap_or("f32").parse()?;
             let seed = a.seed.wrapping_mul(4);
@@ -67,14 +71,21 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         q.shape(),
         k.shape(),
         params.mask,
-        params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
+        params
+            .documents
+            .as_ref()
+            .map(|d| format!(", documents {:?}", d.lengths()))
+            .unwrap_or_default(),
         a.exec.strategy,
         a.exec.backend
     );
     print!("{}", report.table());
     if let Some(path) = &a.json {
         let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        std::fs::write(path, json).map_err(|source| Error::Io { path: path.clone(), source })?;
+        std::fs::write(path, json).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
     }
     if report.pass() {
         println!("all checks pass ({} dtype tolerance)", report.dtype);
