@@ -54,18 +54,15 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
             let (b, h) = (bh / dm.h_q, bh % dm.h_q);
             let qs = q_spans[qt];
             sc.run(x, &vt, b, h, &qs, &k_spans);
-            // SAFETY: task (b, h, qt) alone writes rows (b, qs.start.., h) of `o` and
-            // the range (b, h, qs.start..) of `lse`.
-            let (o_rows, lse_rows) = unsafe {
-                let lse_rows = lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len);
-                let mut o_rows = Vec::with_capacity(qs.len);
-                for i in 0..qs.len {
-                    let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
-                    o_rows.push(o_out.range(at, d));
-                }
-                (o_rows, lse_rows)
-            };
-            sc.finish(o_rows, lse_rows);
+            // SAFETY: task (b, h, qt) alone writes the range (b, h, qs.start..) of `lse` and
+            // rows (b, qs.start.., h) of `o`.
+            let lse_rows = unsafe { lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len) };
+            sc.finish(d, lse_rows);
+            for i in 0..qs.len {
+                let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
+                // SAFETY: as above.
+                unsafe { o_out.range(at, d) }.copy_from_slice(&sc.qt[i * d..(i + 1) * d]);
+            }
             if let Some(p) = x.progress {
                 p.fetch_add(qs.len as u64, Ordering::Relaxed);
             }
@@ -122,12 +119,7 @@ impl Scratch {
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
-        for i in 0..br {
-            let row = &q_base[(qs.start + i) * q_rs..][..d];
-            for (cc, &val) in row.iter().enumerate() {
-                self.qt[cc * br + i] = val;
-            }
-        }
+        simd::transpose(&q_base[qs.start * q_rs..], q_rs, &mut self.qt[..br * d], br, br, d);
         let q_tile = View {
             data: &self.qt[..br * d],
             rows: br,
@@ -228,22 +220,24 @@ impl Scratch {
         }
     }
 
-    /// Normalises and writes the tile's output rows and LSE.
-    fn finish(&self, o_rows: Vec<&mut [f32]>, lse: &mut [f32]) {
+    /// Normalises the tile's output and LSE; the output rows, transposed back to `[br][d]`,
+    /// are left in `self.qt`.
+    fn finish(&mut self, d: usize, lse: &mut [f32]) {
         let br = self.rows;
-        for (i, orow) in o_rows.into_iter().enumerate().take(br) {
+        for i in 0..br {
             let (m, l) = (self.m[i], self.l[i]);
             if m == f32::NEG_INFINITY || l == 0.0 {
-                orow.fill(0.0);
+                self.alpha[i] = 0.0; // fully masked row: o = 0
                 lse[i] = f32::NEG_INFINITY;
-                continue;
+            } else {
+                self.alpha[i] = 1.0 / l;
+                lse[i] = (m + l.log2()) * std::f32::consts::LN_2;
             }
-            let inv = 1.0 / l;
-            for (cc, o) in orow.iter_mut().enumerate() {
-                *o = self.acc[cc * br + i] * inv;
-            }
-            lse[i] = (m + l.log2()) * std::f32::consts::LN_2;
         }
+        for cc in 0..d {
+            simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
+        }
+        simd::transpose(&self.acc[..br * d], br, &mut self.qt[..br * d], d, d, br);
     }
 }
 
@@ -255,12 +249,7 @@ pub(crate) fn transpose_heads(x: &[f32], s: usize, h: usize, d: usize) -> Vec<f3
     }
     out.par_chunks_mut(d * s).enumerate().for_each(|(bh, dst)| {
         let (bi, hi) = (bh / h, bh % h);
-        for j in 0..s {
-            let src = &x[((bi * s + j) * h + hi) * d..][..d];
-            for (c, &val) in src.iter().enumerate() {
-                dst[c * s + j] = val;
-            }
-        }
+        simd::transpose(&x[(bi * s * h + hi) * d..], h * d, dst, s, s, d);
     });
     out
 }

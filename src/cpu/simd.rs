@@ -127,6 +127,40 @@ fn mul_into_impl<const FMA: bool>(x: &mut [f32], a: &[f32]) {
     }
 }
 
+/// `dst[c * dst_rs + r] = src[r * src_rs + c]` for `r < rows`, `c < cols`: a transpose in
+/// 16 × 16 blocks, so that both sides stay within a few cache lines and pages at a time.
+#[inline(always)]
+fn transpose_impl<const FMA: bool>(
+    src: &[f32],
+    src_rs: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    rows: usize,
+    cols: usize,
+) {
+    const B: usize = 16;
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!((rows - 1) * src_rs + cols <= src.len() && (cols - 1) * dst_rs + rows <= dst.len());
+    for r0 in (0..rows).step_by(B) {
+        let rn = B.min(rows - r0);
+        for c0 in (0..cols).step_by(B) {
+            let cn = B.min(cols - c0);
+            let mut block = [[0.0f32; B]; B];
+            for (r, row) in block.iter_mut().enumerate().take(rn) {
+                row[..cn].copy_from_slice(&src[(r0 + r) * src_rs + c0..][..cn]);
+            }
+            for c in 0..cn {
+                let out = &mut dst[(c0 + c) * dst_rs + r0..][..rn];
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = block[r][c];
+                }
+            }
+        }
+    }
+}
+
 /// Defines a public dispatcher that runs `$imp` compiled for the best instruction set the
 /// processor has.
 macro_rules! dispatch {
@@ -185,6 +219,10 @@ dispatch!(
     mul_into => mul_into_impl(x: &mut [f32], a: &[f32]) -> ()
 );
 dispatch!(
+    /// Blocked transpose of a `rows × cols` strided matrix.
+    transpose => transpose_impl(src: &[f32], src_rs: usize, dst: &mut [f32], dst_rs: usize, rows: usize, cols: usize) -> ()
+);
+dispatch!(
     /// Dot product in f32.
     dot => dot_impl(a: &[f32], b: &[f32]) -> f32
 );
@@ -208,6 +246,20 @@ mod tests {
         assert_eq!(exp2::<false>(-200.0), 0.0);
         assert_eq!(exp2::<false>(0.0), 1.0);
         assert!(exp2::<false>(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn transpose_matches_naive() {
+        let (rows, cols, src_rs, dst_rs) = (37, 21, 25, 40);
+        let src: Vec<f32> = (0..rows * src_rs).map(|x| x as f32).collect();
+        let mut dst = vec![-1.0f32; cols * dst_rs];
+        transpose(&src, src_rs, &mut dst, dst_rs, rows, cols);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(dst[c * dst_rs + r], src[r * src_rs + c]);
+            }
+        }
+        assert_eq!(dst[rows], -1.0);
     }
 
     #[test]
