@@ -68,3 +68,8 @@ pub use mask::{Documents, Mask};
 pub use params::{AttentionParams, Dims, MAX_HEAD_DIM};
 pub use positions::{Positions, Segment};
 pub use tensor::{Tensor, TensorData};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
