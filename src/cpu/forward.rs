@@ -224,14 +224,18 @@ impl Scratch {
     /// are left in `self.qt`.
     fn finish(&mut self, d: usize, lse: &mut [f32]) {
         let br = self.rows;
-        for i in 0..br {
-            let (m, l) = (self.m[i], self.l[i]);
+        let rows = self.m[..br]
+            .iter()
+            .zip(&self.l[..br])
+            .zip(&mut self.alpha[..br])
+            .zip(lse.iter_mut());
+        for (((&m, &l), inv), lse) in rows {
             if m == f32::NEG_INFINITY || l == 0.0 {
-                self.alpha[i] = 0.0; // fully masked row: o = 0
-                lse[i] = f32::NEG_INFINITY;
+                *inv = 0.0; // fully masked row: o = 0
+                *lse = f32::NEG_INFINITY;
             } else {
-                self.alpha[i] = 1.0 / l;
-                lse[i] = (m + l.log2()) * std::f32::consts::LN_2;
+                *inv = 1.0 / l;
+                *lse = (m + l.log2()) * std::f32::consts::LN_2;
             }
         }
         for cc in 0..d {
