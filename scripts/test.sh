@@ -36,8 +36,4 @@ cargo test --all-targets
 cargo test --doc
 done_stage test
 
-stage "benches and examples build"
-cargo build --release --benches --examples
-done_stage build
-
 printf '\n=== all stages passed in %ss\n' "$(($(date +%s) - total_start))"
