@@ -124,21 +124,41 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()> {
         path: path.to_path_buf(),
         detail: e.to_string(),
     })?;
+    write_atomic(path, &bytes)
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it and a rename: readers see the
+/// old file or the whole new one, and a failure leaves no partial file.
+///
+/// # Errors
+/// [`Error::Io`] when the directory is not writable or the disk is full.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = temp_path(path);
-    let io_err = |source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    };
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
+        f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)
     };
-    write().map_err(|e| {
+    write().map_err(|source| {
         let _ = std::fs::remove_file(&tmp);
-        io_err(e)
+        Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     })
+}
+
+/// Writes a value as pretty JSON to `path`, atomically (see [`write_atomic`]).
+///
+/// # Errors
+/// As [`write_atomic`], plus [`Error::Format`] when serialisation fails.
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    let json = serde_json::to_vec_pretty(value).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    write_atomic(path, &json)
 }
 
 fn temp_path(path: &Path) -> PathBuf {

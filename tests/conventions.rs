@@ -2,6 +2,8 @@
 
 mod support;
 
+use support::seq_rows;
+
 use ringattn::{cpu, random::randn, reference, AttentionParams, DType, Documents, Mask, Positions, Tensor};
 
 fn qkv(b: usize, s_q: usize, s_k: usize, hq: usize, hkv: usize, d: usize, seed: u64) -> (Tensor, Tensor, Tensor) {
@@ -29,17 +31,6 @@ fn head(t: &Tensor, h: usize) -> Tensor {
         out.extend_from_slice(&x[(bs * hs + h) * d..][..d]);
     }
     Tensor::from_f32(vec![b, s, 1, d], out).unwrap()
-}
-
-/// Rows `r0..r1` of a `[b, s, h, d]` tensor.
-fn rows(t: &Tensor, r0: usize, r1: usize) -> Tensor {
-    let [b, s, h, d] = t.shape().try_into().unwrap();
-    let x = t.as_f32();
-    let mut out = Vec::new();
-    for bi in 0..b {
-        out.extend_from_slice(&x[(bi * s + r0) * h * d..(bi * s + r1) * h * d]);
-    }
-    Tensor::from_f32(vec![b, r1 - r0, h, d], out).unwrap()
 }
 
 #[test]
@@ -302,8 +293,8 @@ fn documents_equal_separate_calls() {
         ..Default::default()
     };
     for (r0, r1) in [(0, 12), (12, 30)] {
-        let one = cpu::forward(&rows(&q, r0, r1), &rows(&k, r0, r1), &rows(&v, r0, r1), &c).unwrap();
-        assert!(max_abs_diff(&rows(&packed.o, r0, r1), &one.o) < 1e-6);
+        let one = cpu::forward(&seq_rows(&q, r0, r1), &seq_rows(&k, r0, r1), &seq_rows(&v, r0, r1), &c).unwrap();
+        assert!(max_abs_diff(&seq_rows(&packed.o, r0, r1), &one.o) < 1e-6);
     }
 }
 
@@ -319,7 +310,7 @@ fn global_positions_block_equals_slice_of_single_device() {
         },
         ..Default::default()
     };
-    let (qb, kb, vb) = (rows(&q, 40, 60), rows(&k, 0, 30), rows(&v, 0, 30));
+    let (qb, kb, vb) = (seq_rows(&q, 40, 60), seq_rows(&k, 0, 30), seq_rows(&v, 0, 30));
     let block = cpu::forward_at(
         &qb,
         &kb,

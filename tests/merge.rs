@@ -2,19 +2,10 @@
 
 mod support;
 
-use proptest::prelude::*;
-use ringattn::{cpu, merge, random::randn, verify, AttentionParams, DType, Mask, Positions, Tensor};
+use support::seq_rows;
 
-/// Keys `[j0, j1)` of a `[b, s, h, d]` tensor.
-fn key_rows(t: &Tensor, j0: usize, j1: usize) -> Tensor {
-    let [b, s, h, d] = t.shape().try_into().unwrap();
-    let x = t.as_f32();
-    let mut out = Vec::new();
-    for bi in 0..b {
-        out.extend_from_slice(&x[(bi * s + j0) * h * d..(bi * s + j1) * h * d]);
-    }
-    Tensor::from_f32(vec![b, j1 - j0, h, d], out).unwrap()
-}
+use proptest::prelude::*;
+use ringattn::{cpu, merge, random::randn, verify, AttentionParams, DType, Mask, Positions};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(support::cases(48)))]
@@ -40,7 +31,7 @@ proptest! {
         let mut parts: Vec<cpu::ForwardOutput> = bounds
             .windows(2)
             .map(|w| {
-                let (kb, vb) = (key_rows(&k, w[0], w[1]), key_rows(&v, w[0], w[1]));
+                let (kb, vb) = (seq_rows(&k, w[0], w[1]), seq_rows(&v, w[0], w[1]));
                 cpu::forward_at(&q, &kb, &vb, &Positions::contiguous(0, s), &Positions::contiguous(w[0] as i64, w[1] - w[0]), &p).unwrap()
             })
             .collect();

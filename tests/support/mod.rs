@@ -84,3 +84,14 @@ pub fn cases(default: u32) -> u32 {
         .and_then(|s| s.parse().ok())
         .unwrap_or(default)
 }
+
+/// Rows `r0..r1` (along the sequence axis) of a `[b, s, h, d]` tensor.
+pub fn seq_rows(t: &Tensor, r0: usize, r1: usize) -> Tensor {
+    let [b, s, h, d] = t.shape().try_into().unwrap();
+    let x = t.as_f32();
+    let mut out = Vec::new();
+    for bi in 0..b {
+        out.extend_from_slice(&x[(bi * s + r0) * h * d..(bi * s + r1) * h * d]);
+    }
+    Tensor::from_f32(vec![b, r1 - r0, h, d], out).unwrap()
+}

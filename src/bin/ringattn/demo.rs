@@ -190,11 +190,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         check,
     };
     if let Some(path) = &a.json {
-        let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        std::fs::write(path, json).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
+        ringattn::io::write_json(path, &report)?;
     }
     if pass {
         println!("demo passed");

@@ -81,11 +81,7 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     );
     print!("{}", report.table());
     if let Some(path) = &a.json {
-        let json = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        std::fs::write(path, json).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
+        ringattn::io::write_json(path, &report)?;
     }
     if report.pass() {
         println!("all checks pass ({} dtype tolerance)", report.dtype);
