@@ -108,6 +108,30 @@ pub enum Error {
     /// An unknown or not-yet-available backend.
     #[error("unknown backend `{0}` (available: cpu)")]
     UnknownBackend(String),
+    /// A wait on a peer passed its deadline.
+    #[error("timed out after {after:?} waiting for {op} with rank {peer}")]
+    Timeout {
+        /// The operation (`recv`, `send`, `all_to_all`, ...), with its tag.
+        op: String,
+        /// The peer rank waited on.
+        peer: usize,
+        /// The deadline that expired.
+        after: std::time::Duration,
+    },
+    /// Another rank failed; this rank stops instead of waiting for it.
+    #[error("rank {rank} failed: {reason}")]
+    PeerFailed {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error message.
+        reason: String,
+    },
+    /// Ranks disagree on the configuration of a collective call.
+    #[error("handshake mismatch: {0}")]
+    Handshake(String),
+    /// A strategy cannot run this configuration (layout, heads, world size).
+    #[error("invalid parallel configuration: {0}")]
+    Parallel(String),
     /// Any other invalid argument, with a message naming it.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -56,8 +56,8 @@ impl Mask {
         }
     }
 
-    /// Builds a window from signed sides where `-1` (or any negative number given as `-1`)
-    /// means unbounded, the convention of `--window L,R`.
+    /// Builds a window from signed sides where `-1` means unbounded, the convention of
+    /// `--window L,R`.
     ///
     /// # Errors
     /// [`Error::Window`] for a side below -1.
