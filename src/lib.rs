@@ -48,13 +48,16 @@
 
 #![warn(missing_docs)]
 
+pub mod comm;
 pub mod cpu;
 mod dtype;
 mod error;
 pub mod io;
+mod layout;
 mod mask;
 pub mod memory;
 pub mod merge;
+pub mod parallel;
 mod params;
 mod positions;
 pub mod random;
@@ -64,6 +67,7 @@ pub mod verify;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use layout::Layout;
 pub use mask::{Documents, Mask};
 pub use params::{AttentionParams, Dims, MAX_HEAD_DIM};
 pub use positions::{Positions, Segment};

@@ -26,6 +26,8 @@ pub(crate) struct BackwardInputs<'a> {
     pub o: &'a [f32],
     pub lse: &'a [f32],
     pub d_o: &'a [f32],
+    /// `D = rowsum(dO∘O)` `[b, h_q, s_q]` when already known (computed here otherwise).
+    pub big_d: Option<&'a [f32]>,
     pub vis: &'a Visibility,
     pub scale: f32,
     pub tiles: TileConfig,
@@ -46,15 +48,14 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     if dq.is_empty() || dk.is_empty() {
         return (dq, dk, dv);
     }
-    // D = rowsum(dO ∘ O), layout [b, h_q, s_q].
-    let mut big_d = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
-    big_d.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
-        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
-        for (i, t) in row.iter_mut().enumerate() {
-            let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
-            *t = simd::dot(&x.d_o[at..at + d], &x.o[at..at + d]);
+    let own_d;
+    let big_d: &[f32] = match x.big_d {
+        Some(dd) => dd,
+        None => {
+            own_d = rowsum_do_o(dm, x.o, x.d_o);
+            &own_d
         }
-    });
+    };
 
     let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
@@ -77,7 +78,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
                 let tiles = &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
                 let mut dq_part = vec![0.0f32; gs * dm.s_q * d];
                 for ks in tiles {
-                    sc.key_tile(x, &big_d, b, hk, ks, &q_spans, &mut dq_part);
+                    sc.key_tile(x, big_d, b, hk, ks, &q_spans, &mut dq_part);
                     let kv_rs = dm.h_kv * d;
                     for j in 0..ks.len {
                         let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
@@ -119,6 +120,23 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         }
     });
     (dq, dk, dv)
+}
+
+/// `D = rowsum(dO ∘ O)`, layout `[b, h_q, s_q]`.
+pub(crate) fn rowsum_do_o(dm: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+    let d = dm.d;
+    let mut big_d = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
+    if big_d.is_empty() {
+        return big_d;
+    }
+    big_d.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
+        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+        for (i, t) in row.iter_mut().enumerate() {
+            let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
+            *t = simd::dot(&d_o[at..at + d], &o[at..at + d]);
+        }
+    });
+    big_d
 }
 
 struct Scratch {

@@ -11,7 +11,7 @@ mod backward;
 mod forward;
 mod matmul;
 pub(crate) mod simd;
-mod tiles;
+pub(crate) mod tiles;
 
 use std::sync::atomic::AtomicU64;
 
@@ -234,6 +234,7 @@ pub fn backward_with(
         o: &of,
         lse: &lf,
         d_o: &df,
+        big_d: None,
         vis: &vis,
         scale: params.softmax_scale(dims.d),
         tiles: config.tiles,
@@ -244,6 +245,66 @@ pub fn backward_with(
         dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
         dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
     })
+}
+
+/// Forward of a block on f32 buffers, returning f32 `(o, lse)` without rounding: the local
+/// step of the sequence-parallel drivers.
+pub(crate) fn forward_f32(
+    dims: Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    vis: &Visibility,
+    params: &AttentionParams,
+    tiles: TileConfig,
+) -> (Vec<f32>, Vec<f32>) {
+    forward::forward(&forward::ForwardInputs {
+        dims,
+        q,
+        k,
+        v,
+        vis,
+        scale: params.softmax_scale(dims.d),
+        tiles,
+        progress: None,
+    })
+}
+
+/// Backward of a block on f32 buffers given the (global) `o`, `lse` and, when known, `D =
+/// rowsum(dO∘O)` (`[b, h_q, s_q]`); returns f32 `(dq, dk, dv)` without rounding.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_f32(
+    dims: Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    big_d: Option<&[f32]>,
+    vis: &Visibility,
+    params: &AttentionParams,
+    tiles: TileConfig,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    backward::backward(&backward::BackwardInputs {
+        dims,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        d_o,
+        big_d,
+        vis,
+        scale: params.softmax_scale(dims.d),
+        tiles,
+        progress: None,
+    })
+}
+
+/// `D = rowsum(dO ∘ O)`, `[b, h_q, s_q]`, from `[b, s_q, h_q, d]` buffers.
+pub(crate) fn softmax_grad_rowsum(dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+    backward::rowsum_do_o(dims, o, d_o)
 }
 
 fn visibility(

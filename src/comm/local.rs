@@ -1,0 +1,323 @@
+//! In-process ranks: [`LocalComm`] and the SPMD helper [`spmd`].
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{Communicator, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
+use crate::{Error, Result};
+
+/// A model of the link between two ranks: a message of `n` bytes occupies the link for
+/// `n / bandwidth` and arrives `latency` after it leaves. Messages on one directed link queue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// Bytes per second.
+    pub bandwidth: f64,
+    /// One-way latency.
+    pub latency: Duration,
+}
+
+/// Options of a [`LocalComm`] group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LocalOptions {
+    /// Deadline of every wait.
+    pub deadline: Duration,
+    /// Link model; `None` delivers at once.
+    pub link: Option<LinkModel>,
+}
+
+impl Default for LocalOptions {
+    fn default() -> Self {
+        LocalOptions {
+            deadline: Duration::from_secs(60),
+            link: None,
+        }
+    }
+}
+
+/// The failure shared by a root group and everything split from it.
+#[derive(Default)]
+struct Failure {
+    first: Mutex<Option<(usize, String)>>,
+}
+
+impl Failure {
+    fn get(&self) -> Option<(usize, String)> {
+        self.first.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+struct Message {
+    deliver_at: Instant,
+    data: Vec<f32>,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    queue: Mutex<HashMap<(usize, Tag), VecDeque<Message>>>,
+    ready: Condvar,
+}
+
+struct Group {
+    size: usize,
+    /// Global (root) rank of each member, for error messages.
+    global: Vec<usize>,
+    mailboxes: Vec<Mailbox>,
+    /// When each directed link (src, dst) is next free.
+    link_free: Mutex<Vec<Instant>>,
+    options: LocalOptions,
+    failure: Arc<Failure>,
+    /// Per-root-rank bytes sent.
+    bytes: Arc<Vec<AtomicU64>>,
+    splits: Mutex<HashMap<(u64, usize), Arc<Group>>>,
+}
+
+impl Group {
+    fn new(global: Vec<usize>, options: LocalOptions, failure: Arc<Failure>, bytes: Arc<Vec<AtomicU64>>) -> Self {
+        let size = global.len();
+        Group {
+            size,
+            global,
+            mailboxes: (0..size).map(|_| Mailbox::default()).collect(),
+            link_free: Mutex::new(vec![Instant::now(); size * size]),
+            options,
+            failure,
+            bytes,
+            splits: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// One rank of a group of in-process ranks (threads).
+///
+/// ```
+/// use ringattn::comm::{all_gather_v, spmd, Communicator, LocalOptions};
+/// let out = spmd(3, LocalOptions::default(), |c| all_gather_v(c, vec![c.rank() as f32]));
+/// for r in out {
+///     assert_eq!(r?, vec![vec![0.0], vec![1.0], vec![2.0]]);
+/// }
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub struct LocalComm {
+    rank: usize,
+    group: Arc<Group>,
+    collectives: AtomicU64,
+    splits: AtomicU64,
+}
+
+impl LocalComm {
+    /// Creates the `size` ranks of a new group.
+    pub fn group(size: usize, options: LocalOptions) -> Vec<LocalComm> {
+        let bytes = Arc::new((0..size).map(|_| AtomicU64::new(0)).collect());
+        let g = Arc::new(Group::new(
+            (0..size).collect(),
+            options,
+            Arc::new(Failure::default()),
+            bytes,
+        ));
+        (0..size).map(|rank| LocalComm::member(rank, g.clone())).collect()
+    }
+
+    fn member(rank: usize, group: Arc<Group>) -> Self {
+        LocalComm {
+            rank,
+            group,
+            collectives: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+        }
+    }
+
+    fn check_peer(&self, peer: usize, op: &str) -> Result<()> {
+        if peer >= self.group.size {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: rank {peer} out of range for {} ranks",
+                self.group.size
+            )));
+        }
+        self.check_failed()
+    }
+
+    fn check_failed(&self) -> Result<()> {
+        match self.group.failure.get() {
+            Some((rank, reason)) => Err(Error::PeerFailed { rank, reason }),
+            None => Ok(()),
+        }
+    }
+}
+
+fn describe(tag: Tag) -> String {
+    if tag >= COLLECTIVE_TAG {
+        format!("collective #{}", tag - COLLECTIVE_TAG)
+    } else {
+        format!("message tag {tag}")
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.group.size
+    }
+
+    fn deadline(&self) -> Duration {
+        self.group.options.deadline
+    }
+
+    fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle> {
+        self.check_peer(to, "send")?;
+        let g = &self.group;
+        let bytes = (data.len() * 4) as u64;
+        g.bytes[g.global[self.rank]].fetch_add(bytes, Ordering::Relaxed);
+        let now = Instant::now();
+        let deliver_at = match g.options.link {
+            None => now,
+            Some(link) => {
+                let mut free = g.link_free.lock().unwrap_or_else(|e| e.into_inner());
+                let slot = &mut free[self.rank * g.size + to];
+                let start = (*slot).max(now);
+                *slot = start + Duration::from_secs_f64(bytes as f64 / link.bandwidth.max(1.0));
+                *slot + link.latency
+            }
+        };
+        let mb = &g.mailboxes[to];
+        mb.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((self.rank, tag))
+            .or_default()
+            .push_back(Message { deliver_at, data });
+        mb.ready.notify_all();
+        Ok(SendHandle::done())
+    }
+
+    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle> {
+        self.check_peer(from, "recv")?;
+        let g = self.group.clone();
+        let me = self.rank;
+        Ok(RecvHandle::new(move || {
+            let deadline = g.options.deadline;
+            let give_up = Instant::now() + deadline;
+            let mb = &g.mailboxes[me];
+            let mut q = mb.queue.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                let now = Instant::now();
+                let mut wake = give_up;
+                if let Some(list) = q.get_mut(&(from, tag)) {
+                    if let Some(m) = list.front() {
+                        if m.deliver_at <= now {
+                            return Ok(list.pop_front().map(|m| m.data).unwrap_or_default());
+                        }
+                        wake = wake.min(m.deliver_at);
+                    }
+                }
+                if let Some((rank, reason)) = g.failure.get() {
+                    return Err(Error::PeerFailed { rank, reason });
+                }
+                if now >= give_up {
+                    return Err(Error::Timeout {
+                        op: format!("recv ({})", describe(tag)),
+                        peer: g.global[from],
+                        after: deadline,
+                    });
+                }
+                // Poll the failure flag at least every 10 ms.
+                let wait = (wake - now).min(Duration::from_millis(10));
+                q = mb.ready.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+            }
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut first = self.group.failure.first.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = Some((self.group.global[self.rank], reason.to_string()));
+        }
+        drop(first);
+        for mb in &self.group.mailboxes {
+            mb.ready.notify_all();
+        }
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        let all = super::all_gather_v(self, vec![color as f32, key as f32])?;
+        let seq = self.splits.fetch_add(1, Ordering::Relaxed);
+        let mut members: Vec<(usize, usize)> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, ck)| ck[0] as usize == color)
+            .map(|(r, ck)| (ck[1] as usize, r))
+            .collect();
+        members.sort_unstable();
+        let my_index = members.iter().position(|&(_, r)| r == self.rank).unwrap_or(0);
+        let global: Vec<usize> = members.iter().map(|&(_, r)| self.group.global[r]).collect();
+        let sub = {
+            let mut reg = self.group.splits.lock().unwrap_or_else(|e| e.into_inner());
+            reg.entry((seq, color))
+                .or_insert_with(|| {
+                    Arc::new(Group::new(
+                        global,
+                        self.group.options,
+                        self.group.failure.clone(),
+                        self.group.bytes.clone(),
+                    ))
+                })
+                .clone()
+        };
+        Ok(Box::new(LocalComm::member(my_index, sub)))
+    }
+
+    fn next_collective_tag(&self) -> Tag {
+        COLLECTIVE_TAG + self.collectives.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.group.bytes[self.group.global[self.rank]].load(Ordering::Relaxed)
+    }
+}
+
+/// Runs `f` on `world` in-process ranks (one thread each) and returns every rank's result,
+/// indexed by rank. A rank whose closure errors or panics aborts the group, so the others
+/// fail promptly with [`Error::PeerFailed`] instead of waiting for it.
+pub fn spmd<T: Send>(
+    world: usize,
+    options: LocalOptions,
+    f: impl Fn(&LocalComm) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let comms = LocalComm::group(world, options);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let f = &f;
+                scope.spawn(move || {
+                    let r = catch_unwind(AssertUnwindSafe(|| f(c))).unwrap_or_else(|panic| {
+                        let msg = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "panic".into());
+                        Err(Error::InvalidArgument(format!("rank {} panicked: {msg}", c.rank())))
+                    });
+                    if let Err(e) = &r {
+                        if !matches!(e, Error::PeerFailed { .. }) {
+                            c.abort(&e.to_string());
+                        }
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::InvalidArgument("rank thread died".into())))
+            })
+            .collect()
+    })
+}

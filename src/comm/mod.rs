@@ -1,0 +1,175 @@
+//! The communication seam: a [`Communicator`] moves f32 buffers between ranks with
+//! non-blocking point-to-point operations whose handles are waited on with a deadline;
+//! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`]) are
+//! built from them. [`LocalComm`] runs P ranks as P threads of one process.
+//!
+//! Every wait has a deadline: on expiry it returns [`crate::Error::Timeout`] naming the peer
+//! and the operation. A rank that fails calls [`Communicator::abort`] (the SPMD helper
+//! [`spmd`] does it for errors and panics), after which every wait of every rank returns
+//! [`crate::Error::PeerFailed`] instead of waiting.
+
+mod local;
+
+use std::time::Duration;
+
+pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
+
+use crate::Result;
+
+/// A message tag. Point-to-point tags chosen by drivers must stay below [`COLLECTIVE_TAG`].
+pub type Tag = u64;
+
+/// Tags at or above this are reserved for collectives.
+pub const COLLECTIVE_TAG: Tag = 1 << 62;
+
+/// A posted send; waiting returns once the buffer has been handed over.
+pub struct SendHandle(Box<dyn FnOnce() -> Result<()> + Send>);
+
+impl SendHandle {
+    /// A send that is already complete.
+    pub fn done() -> Self {
+        SendHandle(Box::new(|| Ok(())))
+    }
+
+    /// A send completed by `f`.
+    pub fn new(f: impl FnOnce() -> Result<()> + Send + 'static) -> Self {
+        SendHandle(Box::new(f))
+    }
+
+    /// Waits for completion (bounded by the communicator's deadline).
+    pub fn wait(self) -> Result<()> {
+        (self.0)()
+    }
+}
+
+/// A posted receive; waiting returns the message.
+pub struct RecvHandle(Box<dyn FnOnce() -> Result<Vec<f32>> + Send>);
+
+impl RecvHandle {
+    /// A receive completed by `f`.
+    pub fn new(f: impl FnOnce() -> Result<Vec<f32>> + Send + 'static) -> Self {
+        RecvHandle(Box::new(f))
+    }
+
+    /// Waits for the message (bounded by the communicator's deadline).
+    pub fn wait(self) -> Result<Vec<f32>> {
+        (self.0)()
+    }
+}
+
+/// A group of ranks exchanging f32 buffers.
+///
+/// Collective operations (the free functions of this module and [`Communicator::split`])
+/// must be called by every rank of the group in the same order.
+pub trait Communicator: Send + Sync {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// How long any wait may block before it fails with [`crate::Error::Timeout`].
+    fn deadline(&self) -> Duration;
+    /// Posts a send of `data` to rank `to` with `tag`; returns at once.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] for a rank out of range, [`crate::Error::PeerFailed`]
+    /// when the group has failed.
+    fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle>;
+    /// Posts a receive of the next message from rank `from` with `tag`; returns at once.
+    ///
+    /// # Errors
+    /// As [`Communicator::isend`].
+    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle>;
+    /// Marks the whole group (and every group split from the same root) as failed, so that
+    /// every pending and future wait returns [`crate::Error::PeerFailed`] naming this rank.
+    fn abort(&self, reason: &str);
+    /// Splits into sub-communicators: ranks passing the same `color` form one group, ordered
+    /// by `(key, rank)`. Collective.
+    ///
+    /// # Errors
+    /// Communication errors of the underlying exchange.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
+    /// The tag of this rank's next collective call (identical across ranks when collectives
+    /// are called in the same order).
+    fn next_collective_tag(&self) -> Tag;
+    /// Bytes this rank has sent so far through this communicator and its splits' root.
+    fn bytes_sent(&self) -> u64;
+}
+
+/// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all) and
+/// returns what each rank sent to it, indexed by source rank.
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] when `sends.len() != size`, or communication errors.
+pub fn all_to_all_v(comm: &dyn Communicator, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+    let (p, r) = (comm.size(), comm.rank());
+    if sends.len() != p {
+        return Err(crate::Error::InvalidArgument(format!(
+            "all_to_all_v: {} buffers for {p} ranks",
+            sends.len()
+        )));
+    }
+    let tag = comm.next_collective_tag();
+    let recvs: Vec<Option<RecvHandle>> = (0..p)
+        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag).map(Some) })
+        .collect::<Result<_>>()?;
+    let mut own = None;
+    let mut handles = Vec::with_capacity(p);
+    for (j, buf) in sends.into_iter().enumerate() {
+        if j == r {
+            own = Some(buf);
+        } else {
+            handles.push(comm.isend(j, tag, buf)?);
+        }
+    }
+    let mut out = Vec::with_capacity(p);
+    for h in recvs {
+        out.push(match h {
+            Some(h) => h.wait()?,
+            None => own.take().unwrap_or_default(),
+        });
+    }
+    for h in handles {
+        h.wait()?;
+    }
+    Ok(out)
+}
+
+/// Every rank contributes `data`; returns every rank's contribution, indexed by rank.
+///
+/// # Errors
+/// Communication errors.
+pub fn all_gather_v(comm: &dyn Communicator, data: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+    let p = comm.size();
+    all_to_all_v(comm, vec![data; p])
+}
+
+/// Rank `j` receives the sum over all ranks `i` (added in rank order, so the result is
+/// deterministic) of `parts[j]` of rank `i`. All ranks must pass equal lengths for each `j`.
+///
+/// # Errors
+/// Communication errors, or [`crate::Error::ShapeMismatch`] for unequal lengths.
+pub fn reduce_scatter_v(comm: &dyn Communicator, parts: Vec<Vec<f32>>) -> Result<Vec<f32>> {
+    let got = all_to_all_v(comm, parts)?;
+    let mut sum = vec![0.0f32; got.first().map_or(0, Vec::len)];
+    for (i, g) in got.iter().enumerate() {
+        if g.len() != sum.len() {
+            return Err(crate::Error::ShapeMismatch(format!(
+                "reduce_scatter_v: rank {i} sent {} values, rank 0 sent {}",
+                g.len(),
+                sum.len()
+            )));
+        }
+        for (s, x) in sum.iter_mut().zip(g) {
+            *s += x;
+        }
+    }
+    Ok(sum)
+}
+
+/// Returns once every rank has entered.
+///
+/// # Errors
+/// Communication errors.
+pub fn barrier(comm: &dyn Communicator) -> Result<()> {
+    all_gather_v(comm, Vec::new()).map(|_| ())
+}

@@ -1,0 +1,207 @@
+//! How one sequence is split across ranks: contiguous, zigzag and striped shards of any
+//! length (no padding, no truncation), with the global positions of each rank's tokens.
+
+use crate::{Error, Positions, Result, Segment, Tensor};
+
+/// A sequence layout over `world` ranks.
+///
+/// * `Contiguous`: rank `r` holds tokens `[r·s/P, (r+1)·s/P)`.
+/// * `Zigzag`: the sequence is cut into `2P` chunks (`[i·s/2P, (i+1)·s/2P)`); rank `r` holds
+///   chunks `r` and `2P−1−r`, which balances causal work.
+/// * `Striped`: token `t` lives on rank `t mod P`.
+///
+/// ```
+/// use ringattn::Layout;
+/// assert_eq!(Layout::Zigzag.positions(10, 2, 0).to_vec(), vec![0, 1, 7, 8, 9]);
+/// assert_eq!(Layout::Striped.positions(10, 4, 1).to_vec(), vec![1, 5, 9]);
+/// assert_eq!(Layout::Contiguous.positions(10, 3, 2).to_vec(), vec![6, 7, 8, 9]);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Layout {
+    /// One contiguous run per rank.
+    #[default]
+    Contiguous,
+    /// Chunks `r` and `2P−1−r` of `2P`.
+    Zigzag,
+    /// Token `t` on rank `t mod P`.
+    Striped,
+}
+
+impl Layout {
+    /// Global positions of the tokens of `rank` among `world` ranks for a sequence of `s`
+    /// tokens, in the order the rank stores them.
+    pub fn positions(&self, s: usize, world: usize, rank: usize) -> Positions {
+        let p = world.max(1);
+        let cut = |i: usize, parts: usize| i * s / parts;
+        let run = |a: usize, b: usize| Segment {
+            start: a as i64,
+            stride: 1,
+            len: b - a,
+        };
+        let segs = match self {
+            Layout::Contiguous => vec![run(cut(rank, p), cut(rank + 1, p))],
+            Layout::Zigzag => {
+                let (a, b) = (rank, 2 * p - 1 - rank);
+                vec![
+                    run(cut(a, 2 * p), cut(a + 1, 2 * p)),
+                    run(cut(b, 2 * p), cut(b + 1, 2 * p)),
+                ]
+            }
+            Layout::Striped => vec![Segment {
+                start: rank as i64,
+                stride: p as i64,
+                len: s.saturating_sub(rank).div_ceil(p),
+            }],
+        };
+        Positions::from_segments(segs.into_iter().filter(|g| g.len > 0).collect()).expect("valid segments")
+    }
+
+    /// The rows of `t` (`[b, s, h, d]`) that `rank` holds.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] when `t` is not 4-dimensional.
+    pub fn shard(&self, t: &Tensor, world: usize, rank: usize) -> Result<Tensor> {
+        let s = dims4(t)?[1];
+        Self::shard_rows(t, &self.positions(s, world, rank))
+    }
+
+    /// The rows of `t` (`[b, s, h, d]`) at `positions` (each in `0..s`), in that order.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] when `t` is not 4-dimensional, [`Error::Positions`] for a position
+    /// outside the sequence.
+    pub fn shard_rows(t: &Tensor, positions: &Positions) -> Result<Tensor> {
+        let [b, s, h, d] = dims4(t)?;
+        let pos = positions.to_vec();
+        if let Some(p) = pos.iter().find(|&&p| p < 0 || p as usize >= s) {
+            return Err(Error::Positions(format!(
+                "position {p} is outside a sequence of {s} tokens"
+            )));
+        }
+        let x = t.as_f32();
+        let w = h * d;
+        let mut out = Vec::with_capacity(b * pos.len() * w);
+        for bi in 0..b {
+            for &p in &pos {
+                out.extend_from_slice(&x[(bi * s + p as usize) * w..][..w]);
+            }
+        }
+        Tensor::from_f32_as(vec![b, pos.len(), h, d], out, t.dtype())
+    }
+
+    /// Reassembles shards (indexed by rank) into the full `[b, s, h, d]` sequence.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shards do not fit the layout.
+    pub fn unshard(&self, shards: &[Tensor]) -> Result<Tensor> {
+        let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
+        let pos: Vec<Positions> = (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect();
+        Self::unshard_rows(shards, &pos)
+    }
+
+    /// Reassembles shards holding the rows at `positions[r]` into the full sequence.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
+    pub fn unshard_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
+        let first = shards
+            .first()
+            .ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+        let [b, _, h, d] = dims4(first)?;
+        let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
+        let w = h * d;
+        let mut out = vec![0.0f32; b * s * w];
+        for (r, t) in shards.iter().enumerate() {
+            let pos = positions[r].to_vec();
+            if pos.iter().any(|&p| p < 0 || p as usize >= s) {
+                return Err(Error::ShapeMismatch(format!(
+                    "unshard: rank {r} holds positions outside 0..{s}"
+                )));
+            }
+            if t.shape() != [b, pos.len(), h, d] {
+                return Err(Error::ShapeMismatch(format!(
+                    "unshard: rank {r} holds {:?}, the layout gives [{b}, {}, {h}, {d}]",
+                    t.shape(),
+                    pos.len()
+                )));
+            }
+            let x = t.as_f32();
+            for bi in 0..b {
+                for (i, &p) in pos.iter().enumerate() {
+                    out[(bi * s + p as usize) * w..][..w].copy_from_slice(&x[(bi * pos.len() + i) * w..][..w]);
+                }
+            }
+        }
+        Tensor::from_f32_as(vec![b, s, h, d], out, first.dtype())
+    }
+
+    /// Reassembles per-rank LSE shards (`[b, h, s_r]`) into `[b, h, s]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shards do not fit the layout.
+    pub fn unshard_lse(&self, shards: &[Tensor]) -> Result<Tensor> {
+        let s: usize = shards.iter().map(|t| t.shape().get(2).copied().unwrap_or(0)).sum();
+        let pos: Vec<Positions> = (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect();
+        Self::unshard_lse_rows(shards, &pos)
+    }
+
+    /// Reassembles LSE shards `[b, h, n_r]` holding `positions[r]` into `[b, h, s]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
+    pub fn unshard_lse_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
+        let first = shards
+            .first()
+            .ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+        let [b, h] = match first.shape() {
+            [b, h, _] => [*b, *h],
+            other => return Err(Error::ShapeMismatch(format!("lse shard has shape {other:?}"))),
+        };
+        let s: usize = shards.iter().map(|t| t.shape().get(2).copied().unwrap_or(0)).sum();
+        let mut out = vec![f32::NEG_INFINITY; b * h * s];
+        for (r, t) in shards.iter().enumerate() {
+            let pos = positions[r].to_vec();
+            if pos.iter().any(|&p| p < 0 || p as usize >= s) {
+                return Err(Error::ShapeMismatch(format!(
+                    "unshard: rank {r} holds positions outside 0..{s}"
+                )));
+            }
+            if t.shape() != [b, h, pos.len()] {
+                return Err(Error::ShapeMismatch(format!(
+                    "unshard: lse of rank {r} has shape {:?}",
+                    t.shape()
+                )));
+            }
+            let x = t.as_f32();
+            for bh in 0..b * h {
+                for (i, &p) in pos.iter().enumerate() {
+                    out[bh * s + p as usize] = x[bh * pos.len() + i];
+                }
+            }
+        }
+        Tensor::from_f32(vec![b, h, s], out)
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "contiguous" => Ok(Layout::Contiguous),
+            "zigzag" => Ok(Layout::Zigzag),
+            "striped" => Ok(Layout::Striped),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown layout `{other}` (contiguous, zigzag, striped)"
+            ))),
+        }
+    }
+}
+
+fn dims4(t: &Tensor) -> Result<[usize; 4]> {
+    t.shape().try_into().map_err(|_| Error::Rank {
+        name: "tensor",
+        expected: 4,
+        layout: "[b, s, h, d]",
+        shape: t.shape().to_vec(),
+    })
+}

@@ -1,0 +1,668 @@
+//! Sequence parallelism: one sequence split over the ranks of a [`Communicator`], the exact
+//! attention result and gradients computed with communication overlapped by compute.
+//!
+//! Strategies ([`Strategy`]): `Ring` (K/V blocks travel the ring, partials merge in f32),
+//! `AllGather` (llama3-style: gather K/V, attend locally, reduce-scatter dK/dV), `Ulysses`
+//! (all-to-all from sequence to head sharding and back) and `Usp` (Ulysses inside groups of
+//! consecutive ranks, a ring across the groups). Every rank holds the tokens
+//! [`ParallelParams::positions`] gives it (see [`Layout`]); any sequence length works.
+//!
+//! ```
+//! use ringattn::comm::{spmd, LocalOptions};
+//! use ringattn::parallel::{self, CpuBackend, ParallelParams, Strategy};
+//! use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Layout, Mask};
+//!
+//! let (s, world) = (100, 4);
+//! let q = randn(vec![1, s, 4, 16], 1, DType::F32);
+//! let k = randn(vec![1, s, 2, 16], 2, DType::F32);
+//! let v = randn(vec![1, s, 2, 16], 3, DType::F32);
+//! let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+//! let params = ParallelParams { strategy: Strategy::Ring, layout: Some(Layout::Zigzag), attention: attention.clone(), seq_len: s, ..Default::default() };
+//! // Each rank takes its shard, runs the ring, and returns its part of the output.
+//! let parts = spmd(world, LocalOptions::default(), |comm| {
+//!     let pos = params.positions(world, comm.rank());
+//!     let shard = |t: &ringattn::Tensor| Layout::shard_rows(t, &pos);
+//!     let (out, _stats) = parallel::forward(comm, &CpuBackend::default(), &shard(&q)?, &shard(&k)?, &shard(&v)?, &params)?;
+//!     Ok(out)
+//! });
+//! let o_parts: Vec<_> = parts.into_iter().map(|r| r.map(|f| f.o)).collect::<Result<_, _>>()?;
+//! let o = params.unshard(&o_parts)?;
+//! let single = cpu::forward(&q, &k, &v, &attention)?;
+//! let single64: Vec<f64> = single.o.as_f32().iter().map(|&x| x as f64).collect();
+//! assert!(verify::rel_err(&o.to_f32_vec(), &single64) < 1e-5);
+//! # Ok::<(), ringattn::Error>(())
+//! ```
+
+mod allgather;
+mod backend;
+mod ring;
+mod seq;
+mod ulysses;
+
+use std::time::Duration;
+
+pub use backend::{Backend, CpuBackend};
+
+use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
+use crate::cpu::{ForwardOutput, Gradients};
+use crate::{AttentionParams, DType, Dims, Error, Layout, Mask, Positions, Result, Tensor};
+use seq::Shape;
+
+/// How the sequence is spread over ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Strategy {
+    /// One rank, no sequence parallelism.
+    #[default]
+    Single,
+    /// Ring attention.
+    Ring,
+    /// All-gather K/V, local attention, reduce-scatter dK/dV.
+    AllGather,
+    /// Ulysses all-to-all.
+    Ulysses,
+    /// Ulysses within groups, ring across groups.
+    Usp,
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "single" => Ok(Strategy::Single),
+            "ring" => Ok(Strategy::Ring),
+            "allgather" => Ok(Strategy::AllGather),
+            "ulysses" => Ok(Strategy::Ulysses),
+            "usp" => Ok(Strategy::Usp),
+            other => Err(Error::UnknownStrategy(other.to_string())),
+        }
+    }
+}
+
+/// Parameters of a sequence-parallel call. `Default`: single, default layout, no mask.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ParallelParams {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// The layout; `None` picks zigzag for causal or windowed masks, contiguous otherwise.
+    pub layout: Option<Layout>,
+    /// Mask, documents and scale, on global positions.
+    pub attention: AttentionParams,
+    /// Global sequence length `s`.
+    pub seq_len: usize,
+    /// Ulysses degree of `Usp` (`None`: the largest divisor of the world size that divides
+    /// `h_q`, given at validation).
+    pub ulysses_degree: Option<usize>,
+}
+
+/// What one rank did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Stats {
+    /// Ring hops run (1 for non-ring strategies).
+    pub hops: usize,
+    /// Local attention blocks computed.
+    pub blocks: usize,
+    /// Time in local attention.
+    pub compute: Duration,
+    /// Time blocked waiting for communication.
+    pub waiting: Duration,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+}
+
+impl ParallelParams {
+    /// The layout in force.
+    pub fn layout(&self) -> Layout {
+        self.layout.unwrap_or(match self.attention.mask {
+            Mask::None => Layout::Contiguous,
+            _ => Layout::Zigzag,
+        })
+    }
+
+    /// The Ulysses degree of `Usp` for `world` ranks and `h_q` query heads.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] when the given degree does not divide the world size.
+    pub fn usp_degree(&self, world: usize, h_q: usize) -> Result<usize> {
+        match self.ulysses_degree {
+            Some(u) if u == 0 || world % u != 0 => Err(Error::Parallel(format!(
+                "--ulysses-degree {u} does not divide the world size {world}"
+            ))),
+            Some(u) => Ok(u),
+            None => Ok((1..=world).rev().find(|u| world % u == 0 && h_q % u == 0).unwrap_or(1)),
+        }
+    }
+
+    /// Checks the strategy, layout and world size against the heads.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] naming the constraint that fails.
+    pub fn validate(&self, world: usize, h_q: usize) -> Result<()> {
+        if world == 0 {
+            return Err(Error::Parallel("the world size must be at least 1".into()));
+        }
+        match self.strategy {
+            Strategy::Single if world != 1 => Err(Error::Parallel(format!(
+                "strategy single runs on one rank, not {world}"
+            ))),
+            Strategy::Ulysses if h_q % world != 0 => Err(Error::Parallel(format!(
+                "ulysses needs h_q divisible by the world size: h_q = {h_q}, world = {world}"
+            ))),
+            Strategy::Usp if self.layout() == Layout::Striped => Err(Error::Parallel(
+                "usp works with the contiguous or zigzag layout, not striped".into(),
+            )),
+            Strategy::Usp => {
+                let u = self.usp_degree(world, h_q)?;
+                if h_q % u != 0 {
+                    return Err(Error::Parallel(format!(
+                        "usp needs h_q divisible by the Ulysses degree: h_q = {h_q}, degree = {u}"
+                    )));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Global positions of the tokens `rank` holds among `world` ranks. For `Usp` the layout
+    /// applies to the ring groups and each group's tokens are split contiguously among its
+    /// Ulysses ranks.
+    pub fn positions(&self, world: usize, rank: usize) -> Positions {
+        self.positions_with(world, rank, self.ulysses_degree.unwrap_or(1))
+    }
+
+    fn positions_with(&self, world: usize, rank: usize, u: usize) -> Positions {
+        let s = self.seq_len;
+        if self.strategy != Strategy::Usp || u <= 1 {
+            return self.layout().positions(s, world, rank);
+        }
+        let (g, i) = (rank / u, rank % u);
+        let group = self.layout().positions(s, world / u, g).to_vec();
+        let n = group.len();
+        let mine = &group[i * n / u..(i + 1) * n / u];
+        let segs = mine
+            .iter()
+            .map(|&p| crate::Segment {
+                start: p,
+                stride: 1,
+                len: 1,
+            })
+            .collect();
+        Positions::from_segments(segs).expect("unit segments")
+    }
+
+    /// Reassembles per-rank `[b, n_r, h, d]` parts (indexed by rank) into the full sequence.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the parts do not fit.
+    pub fn unshard(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let world = parts.len();
+        let pos: Vec<Positions> = (0..world).map(|r| self.positions(world, r)).collect();
+        Layout::unshard_rows(parts, &pos)
+    }
+
+    /// Reassembles per-rank LSE parts `[b, h, n_r]` into `[b, h, s]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the parts do not fit.
+    pub fn unshard_lse(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let world = parts.len();
+        let pos: Vec<Positions> = (0..world).map(|r| self.positions(world, r)).collect();
+        Layout::unshard_lse_rows(parts, &pos)
+    }
+}
+
+/// Per-rank local data in f32.
+struct LocalData {
+    b: usize,
+    h_q: usize,
+    h_kv: usize,
+    d: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Validates the shards, then compares every rank's configuration: any mismatch or local
+/// error fails every rank with the same message.
+fn handshake(comm: &dyn Communicator, params: &ParallelParams, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+    let (world, rank) = (comm.size(), comm.rank());
+    let local = Dims::of(q, k, v).and_then(|dims| {
+        params.validate(world, dims.h_q)?;
+        let mut p = params.clone();
+        if p.strategy == Strategy::Usp {
+            p.ulysses_degree = Some(params.usp_degree(world, dims.h_q)?);
+        }
+        let want = p.positions(world, rank).len();
+        if dims.s_q != want || dims.s_k != want {
+            return Err(Error::ShapeMismatch(format!(
+                "rank {rank} holds {} query and {} key tokens; the {:?} layout of {} tokens over {world} ranks gives it {want}",
+                dims.s_q, dims.s_k, p.layout(), p.seq_len
+            )));
+        }
+        Ok(dims)
+    });
+    let config = match &local {
+        Ok(d) => format!(
+            "ok {:?} {:?} {:?} {:?} {:?} s={} b={} h_q={} h_kv={} d={} {}",
+            params.strategy,
+            params.layout(),
+            params.attention.mask,
+            params.attention.documents.as_ref().map(|x| x.lengths()),
+            params.attention.scale,
+            params.seq_len,
+            d.b,
+            d.h_q,
+            d.h_kv,
+            d.d,
+            q.dtype()
+        ),
+        Err(e) => format!("error {e}"),
+    };
+    let all = all_gather_v(comm, config.bytes().map(|c| c as f32).collect())?;
+    let text = |v: &Vec<f32>| v.iter().map(|&c| c as u8 as char).collect::<String>();
+    let configs: Vec<String> = all.iter().map(text).collect();
+    if let Some((i, e)) = configs.iter().enumerate().find(|(_, c)| c.starts_with("error ")) {
+        return Err(Error::Handshake(format!("rank {i}: {}", &e[6..])));
+    }
+    if let Some((i, c)) = configs.iter().enumerate().find(|(_, c)| *c != &configs[0]) {
+        return Err(Error::Handshake(format!(
+            "rank {i} has `{}` but rank 0 has `{}`",
+            &c[3..],
+            &configs[0][3..]
+        )));
+    }
+    local
+}
+
+fn local_data(dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor) -> LocalData {
+    LocalData {
+        b: dims.b,
+        h_q: dims.h_q,
+        h_kv: dims.h_kv,
+        d: dims.d,
+        q: q.to_f32_vec(),
+        k: k.to_f32_vec(),
+        v: v.to_f32_vec(),
+    }
+}
+
+fn all_positions(params: &ParallelParams, world: usize, u: usize) -> Vec<Positions> {
+    (0..world).map(|r| params.positions_with(world, r, u)).collect()
+}
+
+fn concat_positions(pos: &[Positions]) -> Positions {
+    Positions::from_segments(pos.iter().flat_map(|p| p.segments().iter().copied()).collect()).expect("valid segments")
+}
+
+/// This rank's part of the forward: `o` (input dtype) and `lse` (f32) for the tokens it
+/// holds, with its statistics. Collective over `comm`.
+///
+/// # Errors
+/// [`Error::Handshake`] when ranks disagree or one holds the wrong shard (on every rank),
+/// [`Error::Parallel`] for an invalid configuration, communication errors.
+pub fn forward(
+    comm: &dyn Communicator,
+    backend: &dyn Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &ParallelParams,
+) -> Result<(ForwardOutput, Stats)> {
+    let dims = handshake(comm, params, q, k, v)?;
+    let x = local_data(dims, q, k, v);
+    let mut stats = Stats {
+        hops: 1,
+        ..Default::default()
+    };
+    let sent0 = comm.bytes_sent();
+    let (o, lse) = run_forward(comm, backend, &x, params, &mut stats)?;
+    stats.bytes_sent = comm.bytes_sent() - sent0;
+    Ok((
+        ForwardOutput {
+            o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+            lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+        },
+        stats,
+    ))
+}
+
+/// This rank's part of the backward, from its shards, its `o` and `lse` (as [`forward`]
+/// returned them) and its `d_o`. Collective over `comm`.
+///
+/// # Errors
+/// As [`forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    comm: &dyn Communicator,
+    backend: &dyn Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    params: &ParallelParams,
+) -> Result<(Gradients, Stats)> {
+    let dims = handshake(comm, params, q, k, v)?;
+    Dims::expect("o", o, &dims.q_shape(), q)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
+        return Err(Error::ShapeMismatch(format!(
+            "`lse` must be F32 {:?}",
+            dims.lse_shape()
+        )));
+    }
+    let x = local_data(dims, q, k, v);
+    let mut stats = Stats {
+        hops: 1,
+        ..Default::default()
+    };
+    let sent0 = comm.bytes_sent();
+    let (dq, dk, dv) = run_backward(
+        comm,
+        backend,
+        &x,
+        &o.to_f32_vec(),
+        &lse.to_f32_vec(),
+        &d_o.to_f32_vec(),
+        params,
+        &mut stats,
+    )?;
+    stats.bytes_sent = comm.bytes_sent() - sent0;
+    Ok((
+        Gradients {
+            dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
+            dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
+            dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+        },
+        stats,
+    ))
+}
+
+fn run_forward(
+    comm: &dyn Communicator,
+    be: &dyn Backend,
+    x: &LocalData,
+    params: &ParallelParams,
+    stats: &mut Stats,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (world, rank) = (comm.size(), comm.rank());
+    let ap = &params.attention;
+    match params.strategy {
+        Strategy::Single | Strategy::Ring => {
+            let pos = all_positions(params, world, 1);
+            let ri = ring::RingInputs {
+                b: x.b,
+                h_q: x.h_q,
+                h_kv: x.h_kv,
+                d: x.d,
+                q: &x.q,
+                k: &x.k,
+                v: &x.v,
+                pos: &pos,
+                params: ap,
+            };
+            ring::forward(comm, be, &ri, stats)
+        }
+        Strategy::AllGather => allgather::forward(comm, be, x, &all_positions(params, world, 1), ap, stats),
+        Strategy::Ulysses | Strategy::Usp => {
+            let u = if params.strategy == Strategy::Ulysses {
+                world
+            } else {
+                params.usp_degree(world, x.h_q)?
+            };
+            let pos = all_positions(params, world, u);
+            let (group, ring_comm) = usp_comms(comm, u)?;
+            let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
+            let g0 = rank / u * u;
+            let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
+            let n = counts[rank % u];
+            let (qh, kh) = (plan.q_heads[rank % u].len(), plan.kv_heads[rank % u].len());
+            let q = ulysses::seq_to_heads(
+                group.as_ref(),
+                &x.q,
+                Shape {
+                    b: x.b,
+                    n,
+                    h: x.h_q,
+                    d: x.d,
+                },
+                &plan.q_heads,
+            )?;
+            let k = ulysses::seq_to_heads(
+                group.as_ref(),
+                &x.k,
+                Shape {
+                    b: x.b,
+                    n,
+                    h: x.h_kv,
+                    d: x.d,
+                },
+                &plan.kv_heads,
+            )?;
+            let v = ulysses::seq_to_heads(
+                group.as_ref(),
+                &x.v,
+                Shape {
+                    b: x.b,
+                    n,
+                    h: x.h_kv,
+                    d: x.d,
+                },
+                &plan.kv_heads,
+            )?;
+            // Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
+            let group_pos: Vec<Positions> = (0..world / u)
+                .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
+                .collect();
+            let ri = ring::RingInputs {
+                b: x.b,
+                h_q: qh,
+                h_kv: kh,
+                d: x.d,
+                q: &q,
+                k: &k,
+                v: &v,
+                pos: &group_pos,
+                params: ap,
+            };
+            let (o, lse) = ring::forward(ring_comm.as_ref(), be, &ri, stats)?;
+            let o = ulysses::heads_to_seq(group.as_ref(), &o, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
+            let lse = ulysses::lse_to_seq(group.as_ref(), &lse, x.b, x.h_q, &counts, &plan.q_heads)?;
+            Ok((o, lse))
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_backward(
+    comm: &dyn Communicator,
+    be: &dyn Backend,
+    x: &LocalData,
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    params: &ParallelParams,
+    stats: &mut Stats,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (world, rank) = (comm.size(), comm.rank());
+    let ap = &params.attention;
+    match params.strategy {
+        Strategy::Single | Strategy::Ring => {
+            let pos = all_positions(params, world, 1);
+            let ri = ring::RingInputs {
+                b: x.b,
+                h_q: x.h_q,
+                h_kv: x.h_kv,
+                d: x.d,
+                q: &x.q,
+                k: &x.k,
+                v: &x.v,
+                pos: &pos,
+                params: ap,
+            };
+            ring::backward(comm, be, &ri, o, lse, d_o, stats)
+        }
+        Strategy::AllGather => {
+            allgather::backward(comm, be, x, &all_positions(params, world, 1), ap, o, lse, d_o, stats)
+        }
+        Strategy::Ulysses | Strategy::Usp => {
+            let u = if params.strategy == Strategy::Ulysses {
+                world
+            } else {
+                params.usp_degree(world, x.h_q)?
+            };
+            let pos = all_positions(params, world, u);
+            let (group, ring_comm) = usp_comms(comm, u)?;
+            let gc = group.as_ref();
+            let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
+            let g0 = rank / u * u;
+            let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
+            let n = counts[rank % u];
+            let (qh, kh) = (plan.q_heads[rank % u].len(), plan.kv_heads[rank % u].len());
+            let qs = Shape {
+                b: x.b,
+                n,
+                h: x.h_q,
+                d: x.d,
+            };
+            let ks = Shape {
+                b: x.b,
+                n,
+                h: x.h_kv,
+                d: x.d,
+            };
+            let q = ulysses::seq_to_heads(gc, &x.q, qs, &plan.q_heads)?;
+            let k = ulysses::seq_to_heads(gc, &x.k, ks, &plan.kv_heads)?;
+            let v = ulysses::seq_to_heads(gc, &x.v, ks, &plan.kv_heads)?;
+            let oh = ulysses::seq_to_heads(gc, o, qs, &plan.q_heads)?;
+            let doh = ulysses::seq_to_heads(gc, d_o, qs, &plan.q_heads)?;
+            let lh = ulysses::lse_to_heads(gc, lse, x.b, x.h_q, n, &plan.q_heads)?;
+            let group_pos: Vec<Positions> = (0..world / u)
+                .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
+                .collect();
+            let ri = ring::RingInputs {
+                b: x.b,
+                h_q: qh,
+                h_kv: kh,
+                d: x.d,
+                q: &q,
+                k: &k,
+                v: &v,
+                pos: &group_pos,
+                params: ap,
+            };
+            let (dq, dk, dv) = ring::backward(ring_comm.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
+            let dq = ulysses::heads_to_seq(gc, &dq, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
+            let dk = ulysses::heads_to_seq(gc, &dk, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
+            let dv = ulysses::heads_to_seq(gc, &dv, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
+            Ok((dq, dk, dv))
+        }
+    }
+}
+
+/// The Ulysses group (consecutive ranks) and the ring across groups of a `u × (P/u)` mesh.
+fn usp_comms(comm: &dyn Communicator, u: usize) -> Result<(Box<dyn Communicator>, Box<dyn Communicator>)> {
+    let rank = comm.rank();
+    let group = comm.split(rank / u, rank % u)?;
+    let ring = comm.split(rank % u, rank / u)?;
+    Ok((group, ring))
+}
+
+/// Full-sequence results of an in-process run.
+#[derive(Debug, Clone)]
+pub struct ProcessRun {
+    /// Forward outputs in the original token order.
+    pub forward: ForwardOutput,
+    /// Gradients in the original token order, when `d_o` was given.
+    pub gradients: Option<Gradients>,
+    /// Per-rank statistics (forward, backward).
+    pub stats: Vec<(Stats, Option<Stats>)>,
+}
+
+/// Shards full tensors by the strategy's layout over `world` in-process ranks, runs the
+/// forward (and the backward when `d_o` is given) and gathers the results in the original
+/// token order: what `ringattn run --strategy ... --world N` does.
+///
+/// # Errors
+/// The first error of any rank (every rank fails with an error when one does).
+#[allow(clippy::too_many_arguments)]
+pub fn run_in_process(
+    world: usize,
+    options: LocalOptions,
+    backend: &dyn Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    params: &ParallelParams,
+) -> Result<ProcessRun> {
+    let dims = Dims::of(q, k, v)?;
+    if dims.s_q != dims.s_k {
+        return Err(Error::Parallel(format!(
+            "sequence parallelism splits one sequence: q has {} tokens and k has {}",
+            dims.s_q, dims.s_k
+        )));
+    }
+    params.validate(world, dims.h_q)?;
+    let mut p = params.clone();
+    p.seq_len = dims.s_q;
+    if p.strategy == Strategy::Usp {
+        p.ulysses_degree = Some(p.usp_degree(world, dims.h_q)?);
+    }
+    let results = spmd(world, options, |comm| {
+        let pos = p.positions(world, comm.rank());
+        let shard = |t: &Tensor| Layout::shard_rows(t, &pos);
+        let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
+        let (f, fs) = forward(comm, backend, &qs, &ks, &vs, &p)?;
+        let g = match d_o {
+            Some(t) => Some(backward(comm, backend, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?, &p)?),
+            None => None,
+        };
+        Ok((f, fs, g))
+    });
+    let mut first_err = None;
+    let mut parts = Vec::with_capacity(world);
+    for r in results {
+        match r {
+            Ok(x) => parts.push(x),
+            Err(e) => {
+                // Prefer the root cause over the peers' "rank N failed" echoes.
+                if first_err.is_none() || matches!(first_err, Some(Error::PeerFailed { .. })) {
+                    first_err = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
+    let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
+    let forward = ForwardOutput {
+        o: p.unshard(&o)?,
+        lse: p.unshard_lse(&lse)?,
+    };
+    let gradients = if d_o.is_some() {
+        let pick = |f: &dyn Fn(&Gradients) -> Tensor| -> Result<Tensor> {
+            let ts: Vec<Tensor> = parts
+                .iter()
+                .map(|x| f(&x.2.as_ref().expect("backward ran").0))
+                .collect();
+            p.unshard(&ts)
+        };
+        Some(Gradients {
+            dq: pick(&|g| g.dq.clone())?,
+            dk: pick(&|g| g.dk.clone())?,
+            dv: pick(&|g| g.dv.clone())?,
+        })
+    } else {
+        None
+    };
+    let stats = parts.into_iter().map(|x| (x.1, x.2.map(|g| g.1))).collect();
+    Ok(ProcessRun {
+        forward,
+        gradients,
+        stats,
+    })
+}

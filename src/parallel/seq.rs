@@ -1,0 +1,79 @@
+//! Moving rows and heads between `[b, s, h, d]` f32 buffers.
+
+/// A `[b, n, h, d]` buffer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub b: usize,
+    pub n: usize,
+    pub h: usize,
+    pub d: usize,
+}
+
+impl Shape {
+    pub fn len(&self) -> usize {
+        self.b * self.n * self.h * self.d
+    }
+}
+
+/// Concatenates along the sequence axis buffers of shapes `[b, n_i, h, d]`.
+pub(crate) fn concat_seq(parts: &[&[f32]], b: usize, w: usize) -> Vec<f32> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(total);
+    for bi in 0..b {
+        for p in parts {
+            let n = p.len() / (b * w).max(1);
+            out.extend_from_slice(&p[bi * n * w..(bi + 1) * n * w]);
+        }
+    }
+    out
+}
+
+/// Rows `[r0, r0 + n)` along the sequence axis of a `[b, s, w]` buffer.
+pub(crate) fn seq_slice(x: &[f32], b: usize, s: usize, w: usize, r0: usize, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(b * n * w);
+    for bi in 0..b {
+        out.extend_from_slice(&x[(bi * s + r0) * w..(bi * s + r0 + n) * w]);
+    }
+    out
+}
+
+/// The heads `heads` (in that order) of a `[b, n, h, d]` buffer, as `[b, n, heads.len(), d]`.
+pub(crate) fn select_heads(x: &[f32], sh: Shape, heads: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(sh.b * sh.n * heads.len() * sh.d);
+    for bn in 0..sh.b * sh.n {
+        for &h in heads {
+            out.extend_from_slice(&x[(bn * sh.h + h) * sh.d..][..sh.d]);
+        }
+    }
+    out
+}
+
+/// Adds (or, with `assign`, writes) `[b, n, heads.len(), d]` into the heads `heads` of a
+/// `[b, n, h, d]` buffer.
+pub(crate) fn scatter_heads(dst: &mut [f32], sh: Shape, heads: &[usize], src: &[f32], assign: bool) {
+    let k = heads.len();
+    for bn in 0..sh.b * sh.n {
+        for (i, &h) in heads.iter().enumerate() {
+            let d = &mut dst[(bn * sh.h + h) * sh.d..][..sh.d];
+            let s = &src[(bn * k + i) * sh.d..][..sh.d];
+            if assign {
+                d.copy_from_slice(s);
+            } else {
+                for (a, b) in d.iter_mut().zip(s) {
+                    *a += b;
+                }
+            }
+        }
+    }
+}
+
+/// The heads `heads` of an LSE buffer `[b, h, n]`, as `[b, heads.len(), n]`.
+pub(crate) fn select_lse_heads(x: &[f32], b: usize, h: usize, n: usize, heads: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(b * heads.len() * n);
+    for bi in 0..b {
+        for &hh in heads {
+            out.extend_from_slice(&x[(bi * h + hh) * n..][..n]);
+        }
+    }
+    out
+}
