@@ -8,7 +8,7 @@
 //! [`ParallelParams::positions`] gives it (see [`Layout`]); any sequence length works.
 //!
 //! ```
-//! use ringattn::comm::{spmd, LocalOptions};
+//! use ringattn::comm::{spmd, Communicator, LocalOptions};
 //! use ringattn::parallel::{self, CpuBackend, ParallelParams, Strategy};
 //! use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Layout, Mask};
 //!
