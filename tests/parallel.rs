@@ -164,3 +164,294 @@ fn every_strategy_and_layout_on_one_case() {
         assert!(r.pass(), "{c:?}\n{}", r.table());
     }
 }
+
+mod faults {
+    use std::time::{Duration, Instant};
+
+    use ringattn::comm::{spmd, Communicator, LocalOptions};
+    use ringattn::parallel::{self, CpuBackend, ParallelParams, Strategy};
+    use ringattn::{random::randn, AttentionParams, DType, Error, Layout, Mask, Tensor};
+
+    fn shards(s: usize, world: usize, rank: usize, p: &ParallelParams) -> (Tensor, Tensor, Tensor) {
+        let pos = p.positions(world, rank);
+        let sh = |t: &Tensor| Layout::shard_rows(t, &pos).unwrap();
+        (
+            sh(&randn(vec![1, s, 4, 8], 1, DType::F32)),
+            sh(&randn(vec![1, s, 2, 8], 2, DType::F32)),
+            sh(&randn(vec![1, s, 2, 8], 3, DType::F32)),
+        )
+    }
+
+    fn ring(s: usize) -> ParallelParams {
+        ParallelParams {
+            strategy: Strategy::Ring,
+            seq_len: s,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_failing_rank_fails_its_peers_promptly() {
+        let p = ring(64);
+        let opts = LocalOptions {
+            deadline: Duration::from_secs(30),
+            link: None,
+        };
+        let start = Instant::now();
+        let out = spmd(4, opts, |c| {
+            if c.rank() == 2 {
+                return Err(Error::InvalidArgument("rank 2 gives up".into()));
+            }
+            let (q, k, v) = shards(64, 4, c.rank(), &p);
+            parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
+        });
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+        for (r, res) in out.iter().enumerate() {
+            let e = res.as_ref().unwrap_err();
+            if r != 2 {
+                assert!(matches!(e, Error::PeerFailed { rank: 2, .. }), "rank {r}: {e}");
+                assert!(e.to_string().contains("rank 2 gives up"), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_rank_fails_its_peers() {
+        let p = ring(64);
+        let out = spmd(3, LocalOptions::default(), |c| {
+            if c.rank() == 0 {
+                panic!("boom");
+            }
+            let (q, k, v) = shards(64, 3, c.rank(), &p);
+            parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
+        });
+        assert!(out[0].as_ref().unwrap_err().to_string().contains("boom"));
+        for res in &out[1..] {
+            assert!(matches!(res, Err(Error::PeerFailed { rank: 0, .. })));
+        }
+    }
+
+    #[test]
+    fn a_silent_peer_times_out_naming_it() {
+        let opts = LocalOptions {
+            deadline: Duration::from_millis(200),
+            link: None,
+        };
+        let out = spmd(2, opts, |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(600));
+                return Ok(());
+            }
+            c.irecv(1, 7)?.wait().map(|_| ())
+        });
+        let e = out[0].as_ref().unwrap_err();
+        assert!(matches!(e, Error::Timeout { peer: 1, .. }), "{e}");
+        assert!(
+            e.to_string().contains("rank 1") && e.to_string().contains("tag 7"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_handshake_mismatch_fails_everyone_with_one_message() {
+        let out = spmd(3, LocalOptions::default(), |c| {
+            let mut p = ring(30);
+            if c.rank() == 1 {
+                p.attention = AttentionParams {
+                    mask: Mask::Causal,
+                    ..Default::default()
+                };
+                p.layout = Some(Layout::Contiguous);
+            }
+            let (q, k, v) = shards(30, 3, c.rank(), &p);
+            parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
+        });
+        let msgs: Vec<String> = out.iter().map(|r| r.as_ref().unwrap_err().to_string()).collect();
+        assert!(
+            msgs[0].contains("handshake") && msgs[0].contains("rank 1"),
+            "{}",
+            msgs[0]
+        );
+        assert!(msgs.iter().all(|m| m == &msgs[0]), "{msgs:?}");
+    }
+
+    #[test]
+    fn a_wrong_shard_fails_everyone() {
+        let p = ring(30);
+        let out = spmd(2, LocalOptions::default(), |c| {
+            // Rank 0 cuts its shard as if the sequence had 32 tokens.
+            let (q, k, v) = if c.rank() == 0 {
+                shards(32, 2, 0, &ring(32))
+            } else {
+                shards(30, 2, 1, &p)
+            };
+            parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
+        });
+        for r in &out {
+            let e = r.as_ref().unwrap_err();
+            assert!(
+                matches!(e, Error::Handshake(_)) && e.to_string().contains("rank 0 holds 16"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn ulysses_with_indivisible_heads_errors_cleanly() {
+        let p = ParallelParams {
+            strategy: Strategy::Ulysses,
+            seq_len: 30,
+            ..Default::default()
+        };
+        let e = p.validate(3, 4).unwrap_err();
+        assert!(
+            matches!(e, Error::Parallel(_)) && e.to_string().contains("h_q = 4"),
+            "{e}"
+        );
+        let q = randn(vec![1, 30, 4, 8], 1, DType::F32);
+        let k = randn(vec![1, 30, 2, 8], 1, DType::F32);
+        let r = parallel::run_in_process(3, LocalOptions::default(), &CpuBackend::default(), &q, &k, &k, None, &p);
+        assert!(matches!(r, Err(Error::Parallel(_))));
+        let usp = ParallelParams {
+            strategy: Strategy::Usp,
+            layout: Some(Layout::Striped),
+            ..Default::default()
+        };
+        assert!(usp.validate(4, 8).unwrap_err().to_string().contains("striped"));
+    }
+}
+
+mod schedules {
+    use ringattn::comm::LocalOptions;
+    use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
+    use ringattn::{random::randn, reference, verify, AttentionParams, DType, Layout, Mask};
+
+    /// Causal attention work (visible pairs) per rank, max over mean.
+    fn imbalance(layout: Layout, s: usize, world: usize) -> f64 {
+        let work: Vec<f64> = (0..world)
+            .map(|r| layout.positions(s, world, r).iter().map(|q| (q + 1) as f64).sum())
+            .collect();
+        let mean = work.iter().sum::<f64>() / world as f64;
+        work.iter().cloned().fold(0.0, f64::max) / mean
+    }
+
+    #[test]
+    fn zigzag_and_striped_balance_causal_work() {
+        for world in [2, 4, 8] {
+            for s in [16384, 10007] {
+                assert!(imbalance(Layout::Zigzag, s, world) <= 1.15, "zigzag P={world} s={s}");
+                assert!(imbalance(Layout::Striped, s, world) <= 1.15, "striped P={world} s={s}");
+            }
+            assert!(
+                imbalance(Layout::Contiguous, 16384, world) > 1.15,
+                "contiguous is the unbalanced one"
+            );
+        }
+    }
+
+    #[test]
+    fn a_window_stops_the_ring_early() {
+        let (s, world) = (400, 4);
+        let q = randn(vec![1, s, 2, 8], 1, DType::F32);
+        let k = randn(vec![1, s, 2, 8], 2, DType::F32);
+        let run = |mask: Mask| {
+            let p = ParallelParams {
+                strategy: Strategy::Ring,
+                layout: Some(Layout::Contiguous),
+                attention: AttentionParams {
+                    mask,
+                    ..Default::default()
+                },
+                seq_len: s,
+                ulysses_degree: None,
+            };
+            run_in_process(
+                world,
+                LocalOptions::default(),
+                &CpuBackend::default(),
+                &q,
+                &k,
+                &k,
+                None,
+                &p,
+            )
+            .unwrap()
+        };
+        let full = run(Mask::Causal);
+        let window = run(Mask::Window {
+            left: Some(50),
+            right: Some(0),
+        });
+        let sent = |r: &ringattn::parallel::ProcessRun| r.stats.iter().map(|x| x.0.bytes_sent).sum::<u64>();
+        assert_eq!(full.stats[0].0.hops, 4);
+        assert_eq!(
+            window.stats[0].0.hops, 2,
+            "a 50-token window over 100-token shards needs one hop back"
+        );
+        assert!(
+            sent(&window) * 3 <= sent(&full) + 1000,
+            "{} vs {}",
+            sent(&window),
+            sent(&full)
+        );
+        // And it is still exact.
+        let p = AttentionParams {
+            mask: Mask::Window {
+                left: Some(50),
+                right: Some(0),
+            },
+            ..Default::default()
+        };
+        let oracle = reference::forward(&q, &k, &k, &p).unwrap();
+        assert!(verify::rel_err(&window.forward.o.to_f32_vec(), &oracle.o) < 1e-5);
+    }
+
+    #[test]
+    fn bf16_error_does_not_grow_with_ranks() {
+        let (s, hq) = (256, 8);
+        let q = randn(vec![1, s, hq, 32], 1, DType::BF16);
+        let k = randn(vec![1, s, 2, 32], 2, DType::BF16);
+        let v = randn(vec![1, s, 2, 32], 3, DType::BF16);
+        let d_o = randn(vec![1, s, hq, 32], 4, DType::BF16);
+        let attention = AttentionParams {
+            mask: Mask::Causal,
+            ..Default::default()
+        };
+        let oracle = reference::backward(&q, &k, &v, &d_o, &attention).unwrap();
+        let errs = |world: usize| {
+            let p = ParallelParams {
+                strategy: Strategy::Ring,
+                attention: attention.clone(),
+                seq_len: s,
+                ..Default::default()
+            };
+            let r = run_in_process(
+                world,
+                LocalOptions::default(),
+                &CpuBackend::default(),
+                &q,
+                &k,
+                &v,
+                Some(&d_o),
+                &p,
+            )
+            .unwrap();
+            let g = r.gradients.unwrap();
+            [
+                verify::rel_err(&r.forward.o.to_f32_vec(), &oracle.o),
+                verify::rel_err(&g.dq.to_f32_vec(), &oracle.dq),
+                verify::rel_err(&g.dk.to_f32_vec(), &oracle.dk),
+                verify::rel_err(&g.dv.to_f32_vec(), &oracle.dv),
+            ]
+        };
+        let (one, eight) = (errs(1), errs(8));
+        for i in 0..4 {
+            assert!(
+                eight[i] <= 1.5 * one[i],
+                "output {i}: P=8 {} vs P=1 {}",
+                eight[i],
+                one[i]
+            );
+        }
+    }
+}

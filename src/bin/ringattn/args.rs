@@ -1,7 +1,8 @@
 //! Arguments shared by the subcommands: masks, execution choices, shapes.
 
 use clap::Args;
-use ringattn::{AttentionParams, Documents, Error, Mask, Result};
+use ringattn::parallel::{ParallelParams, Strategy};
+use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result};
 
 /// Mask and scale options.
 #[derive(Args, Debug, Clone, Default)]
@@ -63,35 +64,60 @@ impl MaskArgs {
     }
 }
 
-/// How to execute: strategy, world size, backend.
+/// How to execute: strategy, layout, world size, backend.
 #[derive(Args, Debug, Clone)]
 pub struct ExecArgs {
-    /// Parallel strategy. Available today: single (one device, no sequence parallelism).
+    /// Parallel strategy: single, ring, allgather, ulysses or usp (ranks run as threads of
+    /// this process).
     #[arg(long, default_value = "single")]
     pub strategy: String,
-    /// Number of ranks the sequence is split over (1 for --strategy single).
+    /// Number of ranks the sequence is split over.
+    #[arg(long, default_value_t = 1)]
+    pub world: usize,
+    /// How tokens are spread over ranks: contiguous, zigzag or striped [default: zigzag for
+    /// causal or windowed masks, contiguous otherwise].
     #[arg(long)]
-    pub world: Option<usize>,
+    pub layout: Option<String>,
+    /// Ulysses degree of --strategy usp [default: the largest divisor of --world that divides
+    /// the query heads].
+    #[arg(long)]
+    pub ulysses_degree: Option<usize>,
     /// Compute backend. Available today: cpu.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
 }
 
 impl ExecArgs {
-    /// Checks the combination; errors name the offending value.
-    pub fn validate(&self) -> Result<()> {
-        if self.strategy != "single" {
-            return Err(Error::UnknownStrategy(self.strategy.clone()));
-        }
+    /// The parallel parameters these options describe (sequence length filled in later).
+    pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         if self.backend != "cpu" {
             return Err(Error::UnknownBackend(self.backend.clone()));
         }
-        match self.world {
-            None | Some(1) => Ok(()),
-            Some(w) => Err(Error::InvalidArgument(format!(
-                "--world {w}: strategy `single` runs on exactly one rank"
-            ))),
+        let strategy: Strategy = self.strategy.parse()?;
+        let layout = self.layout.as_deref().map(str::parse::<Layout>).transpose()?;
+        if strategy == Strategy::Single && self.world != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "--world {}: strategy `single` runs on exactly one rank",
+                self.world
+            )));
         }
+        if self.ulysses_degree.is_some() && strategy != Strategy::Usp {
+            return Err(Error::InvalidArgument(
+                "--ulysses-degree applies to --strategy usp only".into(),
+            ));
+        }
+        Ok(ParallelParams {
+            strategy,
+            layout,
+            attention,
+            seq_len: 0,
+            ulysses_degree: self.ulysses_degree,
+        })
+    }
+
+    /// Whether this is a plain single-device run.
+    pub fn is_single(&self) -> bool {
+        self.strategy == "single"
     }
 }
 

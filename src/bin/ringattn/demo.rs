@@ -5,9 +5,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
+use ringattn::comm::LocalOptions;
+use ringattn::parallel::{self, CpuBackend};
 use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result};
 use serde::Serialize;
 
+use crate::args::ExecArgs;
 use crate::progress::with_progress;
 
 #[derive(Args, Debug)]
@@ -45,6 +48,8 @@ pub struct DemoArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub exec: ExecArgs,
 }
 
 #[derive(Serialize)]
@@ -68,6 +73,8 @@ struct DemoReport {
     process_peak_rss_bytes: Option<u64>,
     checked_rows: Vec<usize>,
     check: verify::Report,
+    /// Per-rank statistics of a parallel run (forward, backward).
+    ranks: Vec<(parallel::Stats, Option<parallel::Stats>)>,
 }
 
 fn mib(b: usize) -> f64 {
@@ -98,6 +105,101 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     ringattn::Dims::of(&q, &k, &v)?;
     let flops = 4.0 * (b * hq) as f64 * (s as f64) * (s as f64) * d as f64 / if causal { 2.0 } else { 1.0 };
 
+    let mut ranks = Vec::new();
+    if !a.exec.is_single() {
+        let mut pp = a.exec.parallel(params.clone())?;
+        pp.seq_len = s;
+        println!(
+            "strategy {} over {} in-process ranks, {:?} layout",
+            a.exec.strategy,
+            a.exec.world,
+            pp.layout()
+        );
+        let t = Instant::now();
+        let d_o_opt = (!a.forward_only).then_some(&d_o);
+        let run = parallel::run_in_process(
+            a.exec.world,
+            LocalOptions::default(),
+            &CpuBackend::default(),
+            &q,
+            &k,
+            &v,
+            d_o_opt,
+            &pp,
+        )?;
+        let secs = t.elapsed().as_secs_f64();
+        let work = flops * if a.forward_only { 1.0 } else { 3.5 };
+        println!(
+            "forward{}: {secs:8.3} s  {:7.3} TFLOP/s (whole run)",
+            if a.forward_only { "" } else { " + backward" },
+            work / secs / 1e12
+        );
+        println!(
+            "{:>4} {:>5} {:>7} {:>10} {:>10} {:>12}",
+            "rank", "pass", "blocks", "compute s", "waiting s", "sent MiB"
+        );
+        for (r, (f, b)) in run.stats.iter().enumerate() {
+            for (name, st) in [("fwd", Some(f)), ("bwd", b.as_ref())] {
+                if let Some(st) = st {
+                    println!(
+                        "{r:>4} {name:>5} {:>7} {:>10.3} {:>10.3} {:>12.1}",
+                        st.blocks,
+                        st.compute.as_secs_f64(),
+                        st.waiting.as_secs_f64(),
+                        mib(st.bytes_sent as usize)
+                    );
+                }
+            }
+        }
+        let mut rows = random::sample_indices(s, a.check_rows.saturating_sub(2), a.seed ^ 0x5eed);
+        rows.extend([0, s - 1]);
+        rows.sort_unstable();
+        rows.dedup();
+        let check = verify::check_rows(
+            &q,
+            &k,
+            &v,
+            d_o_opt,
+            &params,
+            &run.forward,
+            run.gradients.as_ref(),
+            &rows,
+        )?;
+        println!("check of {} sampled query rows against the float64 oracle:", rows.len());
+        print!("{}", check.table());
+        let phase = Phase {
+            seconds: secs,
+            tflops: work / secs / 1e12,
+            peak_extra_bytes: 0,
+            output_bytes: 0,
+        };
+        ranks = run.stats;
+        let pass = check.pass();
+        let report = DemoReport {
+            shape: [b, s, hq, hkv, d],
+            dtype: dtype.to_string(),
+            causal,
+            threads: rayon::current_num_threads(),
+            forward: phase,
+            backward: None,
+            process_peak_rss_bytes: memory::os_peak_rss(),
+            checked_rows: rows,
+            check,
+            ranks,
+        };
+        if let Some(path) = &a.json {
+            ringattn::io::write_json(path, &report)?;
+        }
+        println!(
+            "{}",
+            if pass {
+                "demo passed"
+            } else {
+                "demo FAILED: sampled rows disagree with the oracle"
+            }
+        );
+        return Ok(if pass { ExitCode::SUCCESS } else { ExitCode::from(3) });
+    }
     let base = memory::current_bytes();
     memory::reset_peak();
     let t = Instant::now();
@@ -188,6 +290,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         process_peak_rss_bytes: memory::os_peak_rss(),
         checked_rows: rows,
         check,
+        ranks,
     };
     if let Some(path) = &a.json {
         ringattn::io::write_json(path, &report)?;

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
+use ringattn::comm::LocalOptions;
+use ringattn::parallel::{run_in_process, CpuBackend};
 use ringattn::{cpu, io, Result};
 
 use crate::args::{ExecArgs, MaskArgs};
@@ -23,25 +25,43 @@ pub struct RunArgs {
 }
 
 pub fn run(a: &RunArgs) -> Result<ExitCode> {
-    a.exec.validate()?;
     let params = a.mask.params()?;
+    let parallel = a.exec.parallel(params.clone())?;
     let x = io::read_inputs(&a.input)?;
-    let fwd = cpu::forward(&x.q, &x.k, &x.v, &params)?;
-    match &x.d_o {
+    let (fwd, grads) = if a.exec.is_single() {
+        let fwd = cpu::forward(&x.q, &x.k, &x.v, &params)?;
+        let grads = match &x.d_o {
+            Some(d_o) => Some(cpu::backward(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o, &params)?),
+            None => None,
+        };
+        (fwd, grads)
+    } else {
+        let backend = CpuBackend::default();
+        let options = LocalOptions::default();
+        let r = run_in_process(
+            a.exec.world,
+            options,
+            &backend,
+            &x.q,
+            &x.k,
+            &x.v,
+            x.d_o.as_ref(),
+            &parallel,
+        )?;
+        (r.forward, r.gradients)
+    };
+    match grads {
         None => io::write_tensors(&a.output, &[("o", &fwd.o), ("lse", &fwd.lse)])?,
-        Some(d_o) => {
-            let g = cpu::backward(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o, &params)?;
-            io::write_tensors(
-                &a.output,
-                &[
-                    ("o", &fwd.o),
-                    ("lse", &fwd.lse),
-                    ("dq", &g.dq),
-                    ("dk", &g.dk),
-                    ("dv", &g.dv),
-                ],
-            )?
-        }
+        Some(g) => io::write_tensors(
+            &a.output,
+            &[
+                ("o", &fwd.o),
+                ("lse", &fwd.lse),
+                ("dq", &g.dq),
+                ("dk", &g.dk),
+                ("dv", &g.dv),
+            ],
+        )?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use ringattn::{io, random::randn, verify, DType, Error, Result};
+use ringattn::comm::LocalOptions;
+use ringattn::parallel::{run_in_process, CpuBackend};
+use ringattn::{io, random::randn, reference, verify, DType, Error, Result};
 
 use crate::args::{parse_list, ExecArgs, MaskArgs};
 
@@ -35,8 +37,8 @@ pub struct VerifyArgs {
 }
 
 pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
-    a.exec.validate()?;
     let params = a.mask.params()?;
+    let parallel = a.exec.parallel(params.clone())?;
     let (q, k, v, d_o, what) = match &a.input {
         Some(path) => {
             let x = io::read_inputs(path)?;
@@ -65,9 +67,36 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         }
     };
     let d_o = (!a.forward_only).then_some(&d_o);
-    let report = verify::verify_cpu(&q, &k, &v, d_o, &params)?;
+    let report = if a.exec.is_single() {
+        verify::verify_cpu(&q, &k, &v, d_o, &params)?
+    } else {
+        let backend = CpuBackend::default();
+        let run = run_in_process(
+            a.exec.world,
+            LocalOptions::default(),
+            &backend,
+            &q,
+            &k,
+            &v,
+            d_o,
+            &parallel,
+        )?;
+        let oracle = match d_o {
+            Some(g) => reference::backward(&q, &k, &v, g, &params)?,
+            None => reference::forward(&q, &k, &v, &params)?,
+        };
+        let naive = reference::naive_rounded(&q, &k, &v, d_o, None, &params, q.dtype())?;
+        verify::report(
+            q.dtype(),
+            &run.forward,
+            run.gradients.as_ref(),
+            &oracle,
+            &naive,
+            &verify::Tolerance::default(),
+        )
+    };
     println!(
-        "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {}, backend {}",
+        "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
         q.shape(),
         k.shape(),
         params.mask,
@@ -77,6 +106,8 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
             .map(|d| format!(", documents {:?}", d.lengths()))
             .unwrap_or_default(),
         a.exec.strategy,
+        a.exec.world,
+        parallel.layout(),
         a.exec.backend
     );
     print!("{}", report.table());
