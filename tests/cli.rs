@@ -125,8 +125,29 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
         (vec!["--input", s(&no_v)], "missing tensor `v`"),
         (vec!["--input", s(&bad_heads)], "h_kv = 3"),
         (
-            vec!["--input", s(&input), "--strategy", "ring"],
-            "unknown strategy `ring`",
+            vec!["--input", s(&input), "--strategy", "spiral"],
+            "unknown strategy `spiral`",
+        ),
+        (
+            vec![
+                "--input",
+                s(&input),
+                "--strategy",
+                "usp",
+                "--world",
+                "2",
+                "--layout",
+                "striped",
+            ],
+            "striped",
+        ),
+        (
+            vec!["--input", s(&input), "--strategy", "ring", "--layout", "diagonal"],
+            "unknown layout `diagonal`",
+        ),
+        (
+            vec!["--input", s(&input), "--strategy", "ulysses", "--world", "3"],
+            "h_q = 4",
         ),
         (vec!["--input", s(&input), "--backend", "tpu"], "unknown backend `tpu`"),
         (vec!["--input", s(&input), "--world", "4"], "--world 4"),
