@@ -105,3 +105,53 @@ impl Backend for CpuBackend {
         cpu::softmax_grad_rowsum(dims, o, d_o)
     }
 }
+
+/// A backend that computes nothing: outputs of the right sizes (zeros, LSE = −inf) at once.
+/// It runs a schedule's communication alone, to measure how much of it compute hides
+/// ([`super::measure_overlap`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NullBackend;
+
+impl Backend for NullBackend {
+    fn forward_block(
+        &self,
+        dims: Dims,
+        _q: &[f32],
+        _k: &[f32],
+        _v: &[f32],
+        _q_pos: &Positions,
+        _k_pos: &Positions,
+        _params: &AttentionParams,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d],
+            vec![f32::NEG_INFINITY; dims.b * dims.h_q * dims.s_q],
+        ))
+    }
+
+    fn backward_block(
+        &self,
+        dims: Dims,
+        _q: &[f32],
+        _k: &[f32],
+        _v: &[f32],
+        _o: &[f32],
+        _lse: &[f32],
+        _d_o: &[f32],
+        _big_d: &[f32],
+        _q_pos: &Positions,
+        _k_pos: &Positions,
+        _params: &AttentionParams,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let kv = dims.b * dims.s_k * dims.h_kv * dims.d;
+        Ok((
+            vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d],
+            vec![0.0; kv],
+            vec![0.0; kv],
+        ))
+    }
+
+    fn softmax_grad_rowsum(&self, dims: Dims, _o: &[f32], _d_o: &[f32]) -> Vec<f32> {
+        vec![0.0; dims.b * dims.h_q * dims.s_q]
+    }
+}

@@ -41,7 +41,7 @@ mod ulysses;
 
 use std::time::Duration;
 
-pub use backend::{Backend, CpuBackend};
+pub use backend::{Backend, CpuBackend, NullBackend};
 
 use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
@@ -107,6 +107,8 @@ pub struct Stats {
     pub waiting: Duration,
     /// Bytes this rank sent.
     pub bytes_sent: u64,
+    /// Wall time of the whole call on this rank.
+    pub total: Duration,
 }
 
 impl ParallelParams {
@@ -308,6 +310,7 @@ pub fn forward(
     v: &Tensor,
     params: &ParallelParams,
 ) -> Result<(ForwardOutput, Stats)> {
+    let start = std::time::Instant::now();
     let dims = handshake(comm, params, q, k, v)?;
     let x = local_data(dims, q, k, v);
     let mut stats = Stats {
@@ -317,6 +320,7 @@ pub fn forward(
     let sent0 = comm.bytes_sent();
     let (o, lse) = run_forward(comm, backend, &x, params, &mut stats)?;
     stats.bytes_sent = comm.bytes_sent() - sent0;
+    stats.total = start.elapsed();
     Ok((
         ForwardOutput {
             o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
@@ -343,6 +347,7 @@ pub fn backward(
     d_o: &Tensor,
     params: &ParallelParams,
 ) -> Result<(Gradients, Stats)> {
+    let start = std::time::Instant::now();
     let dims = handshake(comm, params, q, k, v)?;
     Dims::expect("o", o, &dims.q_shape(), q)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
@@ -369,6 +374,7 @@ pub fn backward(
         &mut stats,
     )?;
     stats.bytes_sent = comm.bytes_sent() - sent0;
+    stats.total = start.elapsed();
     Ok((
         Gradients {
             dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
@@ -664,5 +670,66 @@ pub fn run_in_process(
         forward,
         gradients,
         stats,
+    })
+}
+
+/// How much of the communication a schedule hides behind compute, from three runs of it:
+/// as is (`run`), with communication made instant (`compute_only`) and with compute skipped
+/// ([`NullBackend`], `comm_only`); times are the slowest rank's.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Overlap {
+    /// Seconds of the real run.
+    pub run: f64,
+    /// Seconds with instant communication.
+    pub compute_only: f64,
+    /// Seconds with compute skipped.
+    pub comm_only: f64,
+    /// `1 − (run − compute_only) / comm_only`, clamped to `[0, 1]`.
+    pub hidden: f64,
+}
+
+/// Measures the forward's (`backward = false`) or backward's communication overlap over
+/// `world` in-process ranks joined by `link`.
+///
+/// # Errors
+/// As [`run_in_process`].
+#[allow(clippy::too_many_arguments)]
+pub fn measure_overlap(
+    world: usize,
+    link: crate::comm::LinkModel,
+    backend: &dyn Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    params: &ParallelParams,
+) -> Result<Overlap> {
+    let slowest = |options: LocalOptions, be: &dyn Backend| -> Result<f64> {
+        let r = run_in_process(world, options, be, q, k, v, d_o, params)?;
+        Ok(r.stats
+            .iter()
+            .map(|(f, b)| match (d_o, b) {
+                (Some(_), Some(b)) => b.total.as_secs_f64(),
+                _ => f.total.as_secs_f64(),
+            })
+            .fold(0.0, f64::max))
+    };
+    let linked = LocalOptions {
+        link: Some(link),
+        ..LocalOptions::default()
+    };
+    let run = slowest(linked, backend)?;
+    let compute_only = slowest(LocalOptions::default(), backend)?;
+    let comm_only = slowest(linked, &NullBackend)?;
+    let hidden = if comm_only > 0.0 {
+        (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
+    Ok(Overlap {
+        run,
+        compute_only,
+        comm_only,
+        hidden,
     })
 }
