@@ -455,3 +455,121 @@ mod schedules {
         }
     }
 }
+
+mod exactly_once {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use ringattn::comm::LocalOptions;
+    use ringattn::parallel::{
+        run_in_process, Backend, CpuBackend, ForwardPartial, GradientPartial, ParallelParams, Pending, Strategy,
+    };
+    use ringattn::{random::randn, AttentionParams, DType, Dims, Layout, Mask, Positions, Result};
+
+    /// Counts the visible (query, key, head) triples of every block it computes.
+    #[derive(Default)]
+    struct Counting {
+        inner: CpuBackend,
+        fwd: AtomicU64,
+        bwd: AtomicU64,
+    }
+
+    fn visible(mask: Mask, qp: &Positions, kp: &Positions) -> u64 {
+        let kv = kp.to_vec();
+        qp.iter()
+            .map(|q| kv.iter().filter(|&&k| mask.allows(q, k)).count() as u64)
+            .sum()
+    }
+
+    impl Backend for Counting {
+        fn forward_block(
+            &self,
+            dims: Dims,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            q_pos: &Positions,
+            k_pos: &Positions,
+            params: &AttentionParams,
+        ) -> Result<Pending<ForwardPartial>> {
+            self.fwd.fetch_add(
+                visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64,
+                Ordering::Relaxed,
+            );
+            self.inner.forward_block(dims, q, k, v, q_pos, k_pos, params)
+        }
+
+        fn backward_block(
+            &self,
+            dims: Dims,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            o: &[f32],
+            lse: &[f32],
+            d_o: &[f32],
+            big_d: &[f32],
+            q_pos: &Positions,
+            k_pos: &Positions,
+            params: &AttentionParams,
+        ) -> Result<Pending<GradientPartial>> {
+            self.bwd.fetch_add(
+                visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64,
+                Ordering::Relaxed,
+            );
+            self.inner
+                .backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
+        }
+
+        fn softmax_grad_rowsum(&self, dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+            self.inner.softmax_grad_rowsum(dims, o, d_o)
+        }
+    }
+
+    #[test]
+    fn every_visible_pair_is_computed_exactly_once() {
+        let (b, s, h_q, h_kv) = (2, 53, 4, 2);
+        let q = randn(vec![b, s, h_q, 8], 1, DType::F32);
+        let k = randn(vec![b, s, h_kv, 8], 2, DType::F32);
+        let d_o = randn(vec![b, s, h_q, 8], 3, DType::F32);
+        for mask in [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window {
+                left: Some(7),
+                right: Some(2),
+            },
+        ] {
+            let all = Positions::contiguous(0, s);
+            let total = visible(mask, &all, &all) * (b * h_q) as u64;
+            for world in [1, 2, 3, 4] {
+                for (strategy, layout) in [
+                    (Strategy::Ring, Layout::Contiguous),
+                    (Strategy::Ring, Layout::Zigzag),
+                    (Strategy::Ring, Layout::Striped),
+                    (Strategy::AllGather, Layout::Striped),
+                    (Strategy::Ulysses, Layout::Zigzag),
+                    (Strategy::Usp, Layout::Zigzag),
+                ] {
+                    if matches!(strategy, Strategy::Ulysses) && h_q % world != 0 {
+                        continue;
+                    }
+                    let be = Counting::default();
+                    let p = ParallelParams {
+                        strategy,
+                        layout: Some(layout),
+                        attention: AttentionParams {
+                            mask,
+                            ..Default::default()
+                        },
+                        seq_len: s,
+                        ulysses_degree: None,
+                    };
+                    run_in_process(world, LocalOptions::default(), &be, &q, &k, &k, Some(&d_o), &p).unwrap();
+                    let what = format!("{strategy:?} {layout:?} P={world} {mask:?}");
+                    assert_eq!(be.fwd.load(Ordering::Relaxed), total, "forward {what}");
+                    assert_eq!(be.bwd.load(Ordering::Relaxed), total, "backward {what}");
+                }
+            }
+        }
+    }
+}

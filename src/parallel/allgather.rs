@@ -40,9 +40,14 @@ pub(super) fn forward(
         d: x.d,
     };
     let start = Instant::now();
-    let out = be.forward_block(dims, &x.q, &k, &v, q_pos, &all, params)?;
+    let out = be.forward_block(dims, &x.q, &k, &v, q_pos, &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
+    stats.step(
+        Default::default(),
+        Default::default(),
+        4.0 * (x.b * x.h_q * x.d) as f64 * (q_pos.len() * all.len()) as f64,
+    );
     Ok(out)
 }
 
@@ -78,7 +83,9 @@ pub(super) fn backward(
         o,
         d_o,
     );
-    let (dq, dk_all, dv_all) = be.backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?;
+    let (dq, dk_all, dv_all) = be
+        .backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?
+        .wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();
@@ -96,5 +103,10 @@ pub(super) fn backward(
     let dk = reduce_scatter_v(comm, split(&dk_all))?;
     let dv = reduce_scatter_v(comm, split(&dv_all))?;
     stats.waiting += start.elapsed();
+    stats.step(
+        Default::default(),
+        Default::default(),
+        10.0 * (x.b * x.h_q * x.d) as f64 * (q_pos.len() * all.len()) as f64,
+    );
     Ok((dq, dk, dv))
 }

@@ -41,7 +41,7 @@ mod ulysses;
 
 use std::time::Duration;
 
-pub use backend::{Backend, CpuBackend, NullBackend};
+pub use backend::{Backend, CpuBackend, ForwardPartial, GradientPartial, NullBackend, Pending};
 
 use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
@@ -109,6 +109,34 @@ pub struct Stats {
     pub bytes_sent: u64,
     /// Wall time of the whole call on this rank.
     pub total: Duration,
+    /// Attention FLOPs of the blocks computed, counted densely per block (`4·b·h_q·d·n_q·n_k`
+    /// forward, 2.5× that backward; masked pairs inside a computed block count too).
+    pub flops: f64,
+    /// One entry per step (ring hop; a single step for the other strategies).
+    pub steps: Vec<StepStats>,
+}
+
+/// What one step (ring hop) of one rank did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StepStats {
+    /// Time in local attention.
+    pub compute: Duration,
+    /// Time blocked waiting for communication.
+    pub waiting: Duration,
+    /// Attention FLOPs of the step's block (0 when skipped).
+    pub flops: f64,
+}
+
+impl Stats {
+    /// Records a step from the totals before it.
+    pub(crate) fn step(&mut self, compute0: Duration, waiting0: Duration, flops: f64) {
+        self.flops += flops;
+        self.steps.push(StepStats {
+            compute: self.compute - compute0,
+            waiting: self.waiting - waiting0,
+            flops,
+        });
+    }
 }
 
 impl ParallelParams {

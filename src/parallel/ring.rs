@@ -42,6 +42,11 @@ impl RingInputs<'_> {
         }
     }
 
+    /// Dense forward FLOPs of one block.
+    fn block_flops(&self, n_q: usize, n_k: usize) -> f64 {
+        4.0 * (self.b * self.h_q * self.d) as f64 * n_q as f64 * n_k as f64
+    }
+
     fn kv_len(&self, rank: usize) -> usize {
         self.b * self.pos[rank].len() * self.h_kv * self.d
     }
@@ -100,6 +105,7 @@ pub(crate) fn forward(
     let mut cur: Vec<f32> = [x.k, x.v].concat();
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
+        let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let (send, recv) = if t + 1 < hops {
             (
@@ -109,33 +115,43 @@ pub(crate) fn forward(
         } else {
             (None, None)
         };
+        // Enqueue this hop's block, then wait for the next K/V while it runs.
         let k_pos = &x.pos[src];
-        if block_visible(x.params, q_pos, k_pos)? {
-            let start = Instant::now();
-            let kl = x.kv_len(src);
-            let (ob, lb) = be.forward_block(
-                x.dims(n, k_pos.len()),
-                x.q,
-                &cur[..kl],
-                &cur[kl..],
-                q_pos,
-                k_pos,
-                x.params,
-            )?;
-            merge::merge_into(&mut o, &mut lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
-            stats.compute += start.elapsed();
-            stats.blocks += 1;
-        }
+        let kl = x.kv_len(src);
+        let start = Instant::now();
+        let step = if block_visible(x.params, q_pos, k_pos)? {
+            let dims = x.dims(n, k_pos.len());
+            Some(be.forward_block(dims, x.q, &cur[..kl], &cur[kl..], q_pos, k_pos, x.params)?)
+        } else {
+            None
+        };
+        stats.compute += start.elapsed();
         let start = Instant::now();
         if let Some(h) = send {
             h.wait()?;
         }
-        if let Some(h) = recv {
-            cur = h.wait()?;
-            let from = (src + p - 1) % p;
-            check_len(&cur, 2 * x.kv_len(from), "K/V block", prev)?;
-        }
+        let incoming = match recv {
+            Some(h) => {
+                let got = h.wait()?;
+                check_len(&got, 2 * x.kv_len((src + p - 1) % p), "K/V block", prev)?;
+                Some(got)
+            }
+            None => None,
+        };
         stats.waiting += start.elapsed();
+        if let Some(step) = step {
+            let start = Instant::now();
+            let (ob, lb) = step.wait()?;
+            merge::merge_into(&mut o, &mut lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
+            stats.compute += start.elapsed();
+            stats.blocks += 1;
+            stats.step(c0, w0, x.block_flops(n, k_pos.len()));
+        } else {
+            stats.step(c0, w0, 0.0);
+        }
+        if let Some(next_kv) = incoming {
+            cur = next_kv;
+        }
     }
     Ok((o, lse))
 }
@@ -164,6 +180,7 @@ pub(crate) fn backward(
     let mut acc_recv = None;
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
+        let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let (send, recv) = if t + 1 < hops {
             (
@@ -175,30 +192,31 @@ pub(crate) fn backward(
         };
         let k_pos = &x.pos[src];
         let kl = x.kv_len(src);
-        let mut grads = None;
-        if block_visible(x.params, q_pos, k_pos)? {
-            let start = Instant::now();
+        let start = Instant::now();
+        let step = if block_visible(x.params, q_pos, k_pos)? {
             let (cur_k, cur_v) = cur.split_at(kl);
-            let g = be.backward_block(
-                x.dims(n, k_pos.len()),
-                x.q,
-                cur_k,
-                cur_v,
-                o,
-                lse,
-                d_o,
-                &big_d,
-                q_pos,
-                k_pos,
-                x.params,
-            )?;
-            for (a, b) in dq.iter_mut().zip(&g.0) {
-                *a += b;
+            let dims = x.dims(n, k_pos.len());
+            Some(be.backward_block(dims, x.q, cur_k, cur_v, o, lse, d_o, &big_d, q_pos, k_pos, x.params)?)
+        } else {
+            None
+        };
+        let grads = match step {
+            Some(step) => {
+                let g = step.wait()?;
+                for (a, b) in dq.iter_mut().zip(&g.0) {
+                    *a += b;
+                }
+                stats.blocks += 1;
+                Some(g)
             }
-            grads = Some(g);
-            stats.compute += start.elapsed();
-            stats.blocks += 1;
-        }
+            None => None,
+        };
+        stats.compute += start.elapsed();
+        let step_flops = if grads.is_some() {
+            2.5 * x.block_flops(n, k_pos.len())
+        } else {
+            0.0
+        };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some(h) = acc_recv.take() {
@@ -226,6 +244,7 @@ pub(crate) fn backward(
             check_len(&cur, 2 * x.kv_len((src + p - 1) % p), "K/V block", prev)?;
         }
         stats.waiting += start.elapsed();
+        stats.step(c0, w0, step_flops);
     }
     // After the last hop this rank holds the accumulators of block (r − hops + 1): send them
     // to their owner and receive its own from the rank holding them.
