@@ -452,6 +452,7 @@ fn run_forward(
             let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
             let n = counts[rank % u];
             let (qh, kh) = (plan.q_heads[rank % u].len(), plan.kv_heads[rank % u].len());
+            let a2a = std::time::Instant::now();
             let q = ulysses::seq_to_heads(
                 group.as_ref(),
                 &x.q,
@@ -485,6 +486,7 @@ fn run_forward(
                 },
                 &plan.kv_heads,
             )?;
+            stats.waiting += a2a.elapsed();
             // Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
             let group_pos: Vec<Positions> = (0..world / u)
                 .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
@@ -501,8 +503,10 @@ fn run_forward(
                 params: ap,
             };
             let (o, lse) = ring::forward(ring_comm.as_ref(), be, &ri, stats)?;
+            let a2a = std::time::Instant::now();
             let o = ulysses::heads_to_seq(group.as_ref(), &o, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
             let lse = ulysses::lse_to_seq(group.as_ref(), &lse, x.b, x.h_q, &counts, &plan.q_heads)?;
+            stats.waiting += a2a.elapsed();
             Ok((o, lse))
         }
     }
@@ -566,12 +570,14 @@ fn run_backward(
                 h: x.h_kv,
                 d: x.d,
             };
+            let a2a = std::time::Instant::now();
             let q = ulysses::seq_to_heads(gc, &x.q, qs, &plan.q_heads)?;
             let k = ulysses::seq_to_heads(gc, &x.k, ks, &plan.kv_heads)?;
             let v = ulysses::seq_to_heads(gc, &x.v, ks, &plan.kv_heads)?;
             let oh = ulysses::seq_to_heads(gc, o, qs, &plan.q_heads)?;
             let doh = ulysses::seq_to_heads(gc, d_o, qs, &plan.q_heads)?;
             let lh = ulysses::lse_to_heads(gc, lse, x.b, x.h_q, n, &plan.q_heads)?;
+            stats.waiting += a2a.elapsed();
             let group_pos: Vec<Positions> = (0..world / u)
                 .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
                 .collect();
@@ -587,9 +593,11 @@ fn run_backward(
                 params: ap,
             };
             let (dq, dk, dv) = ring::backward(ring_comm.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
+            let a2a = std::time::Instant::now();
             let dq = ulysses::heads_to_seq(gc, &dq, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
             let dk = ulysses::heads_to_seq(gc, &dk, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
             let dv = ulysses::heads_to_seq(gc, &dv, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
+            stats.waiting += a2a.elapsed();
             Ok((dq, dk, dv))
         }
     }
