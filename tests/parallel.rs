@@ -573,3 +573,20 @@ mod exactly_once {
         }
     }
 }
+
+#[test]
+fn repeated_splits_do_not_accumulate() {
+    use ringattn::comm::{all_gather_v, spmd, Communicator, LocalOptions};
+    // 200 splits of 4 ranks into 2 groups each: every sub-group works and is forgotten by the
+    // parent once all its members have joined (checked indirectly: no deadlock, right sizes).
+    let out = spmd(4, LocalOptions::default(), |c| {
+        for _ in 0..200 {
+            let sub = c.split(c.rank() % 2, c.rank())?;
+            assert_eq!(sub.size(), 2);
+            let got = all_gather_v(sub.as_ref(), vec![c.rank() as f32])?;
+            assert_eq!(got.len(), 2);
+        }
+        Ok(())
+    });
+    assert!(out.iter().all(|r| r.is_ok()));
+}

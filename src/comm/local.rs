@@ -71,7 +71,9 @@ struct Group {
     failure: Arc<Failure>,
     /// Per-root-rank bytes sent.
     bytes: Arc<Vec<AtomicU64>>,
-    splits: Mutex<HashMap<(u64, usize), Arc<Group>>>,
+    /// Sub-groups being formed by `split`, with how many members have joined; an entry is
+    /// removed once all have, so repeated splits do not accumulate.
+    splits: Mutex<HashMap<(u64, usize), (Arc<Group>, usize)>>,
 }
 
 impl Group {
@@ -257,16 +259,21 @@ impl Communicator for LocalComm {
         let global: Vec<usize> = members.iter().map(|&(_, r)| self.group.global[r]).collect();
         let sub = {
             let mut reg = self.group.splits.lock().unwrap_or_else(|e| e.into_inner());
-            reg.entry((seq, color))
-                .or_insert_with(|| {
-                    Arc::new(Group::new(
-                        global,
-                        self.group.options,
-                        self.group.failure.clone(),
-                        self.group.bytes.clone(),
-                    ))
-                })
-                .clone()
+            let entry = reg.entry((seq, color)).or_insert_with(|| {
+                let g = Group::new(
+                    global.clone(),
+                    self.group.options,
+                    self.group.failure.clone(),
+                    self.group.bytes.clone(),
+                );
+                (Arc::new(g), 0)
+            });
+            entry.1 += 1;
+            let sub = entry.0.clone();
+            if entry.1 == global.len() {
+                reg.remove(&(seq, color));
+            }
+            sub
         };
         Ok(Box::new(LocalComm::member(my_index, sub)))
     }

@@ -1,6 +1,7 @@
 //! Arguments shared by the subcommands: masks, execution choices, shapes.
 
 use clap::Args;
+use ringattn::comm::LocalOptions;
 use ringattn::parallel::{ParallelParams, Strategy};
 use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result};
 
@@ -85,9 +86,26 @@ pub struct ExecArgs {
     /// Compute backend. Available today: cpu.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Seconds any rank may wait on another before the run fails with an error naming both.
+    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
+    pub timeout: f64,
 }
 
 impl ExecArgs {
+    /// Options of the in-process ranks.
+    pub fn local_options(&self) -> Result<LocalOptions> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "--timeout {}: must be a positive number of seconds",
+                self.timeout
+            )));
+        }
+        Ok(LocalOptions {
+            deadline: std::time::Duration::from_secs_f64(self.timeout),
+            link: None,
+        })
+    }
+
     /// The parallel parameters these options describe (sequence length filled in later).
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         if self.backend != "cpu" {

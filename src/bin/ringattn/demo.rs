@@ -5,7 +5,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
-use ringattn::comm::LocalOptions;
 use ringattn::parallel::{self, CpuBackend};
 use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result};
 use serde::Serialize;
@@ -119,7 +118,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         let d_o_opt = (!a.forward_only).then_some(&d_o);
         let run = parallel::run_in_process(
             a.exec.world,
-            LocalOptions::default(),
+            a.exec.local_options()?,
             &CpuBackend::default(),
             &q,
             &k,

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use ringattn::comm::LocalOptions;
 use ringattn::parallel::{run_in_process, CpuBackend};
 use ringattn::{cpu, io, Result};
 
@@ -37,7 +36,7 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
         (fwd, grads)
     } else {
         let backend = CpuBackend::default();
-        let options = LocalOptions::default();
+        let options = a.exec.local_options()?;
         let r = run_in_process(
             a.exec.world,
             options,

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use ringattn::comm::LocalOptions;
 use ringattn::parallel::{run_in_process, CpuBackend};
 use ringattn::{io, random::randn, reference, verify, DType, Error, Result};
 
@@ -73,7 +72,7 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         let backend = CpuBackend::default();
         let run = run_in_process(
             a.exec.world,
-            LocalOptions::default(),
+            a.exec.local_options()?,
             &backend,
             &q,
             &k,
