@@ -73,8 +73,11 @@ struct Group {
     bytes: Arc<Vec<AtomicU64>>,
     /// Sub-groups being formed by `split`, with how many members have joined; an entry is
     /// removed once all have, so repeated splits do not accumulate.
-    splits: Mutex<HashMap<(u64, usize), (Arc<Group>, usize)>>,
+    splits: Mutex<HashMap<SplitKey, (Arc<Group>, usize)>>,
 }
+
+/// `(split sequence number, color)`: identifies one sub-group being formed.
+type SplitKey = (u64, usize);
 
 impl Group {
     fn new(global: Vec<usize>, options: LocalOptions, failure: Arc<Failure>, bytes: Arc<Vec<AtomicU64>>) -> Self {
