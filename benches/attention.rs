@@ -10,11 +10,7 @@ use ringattn::{cpu, random::randn, AttentionParams, DType, Mask};
 
 fn shapes() -> Vec<(usize, usize, usize, usize, bool)> {
     // (b, s, h, d, causal)
-    vec![
-        (1, 4096, 8, 64, false),
-        (1, 4096, 8, 64, true),
-        (1, 2048, 8, 128, false),
-    ]
+    vec![(1, 4096, 8, 64, false), (1, 4096, 8, 64, true), (1, 2048, 8, 128, false)]
 }
 
 fn flops(b: usize, s: usize, h: usize, d: usize, causal: bool) -> u64 {
@@ -28,15 +24,9 @@ fn bench(c: &mut Criterion) {
         let q = randn(vec![b, s, h, d], 1, DType::F32);
         let k = randn(vec![b, s, h, d], 2, DType::F32);
         let v = randn(vec![b, s, h, d], 3, DType::F32);
-        let p = AttentionParams {
-            mask: if causal { Mask::Causal } else { Mask::None },
-            ..Default::default()
-        };
+        let p = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
         fwd.throughput(Throughput::Elements(flops(b, s, h, d, causal)));
-        let id = BenchmarkId::from_parameter(format!(
-            "b{b}_s{s}_h{h}_d{d}_{}",
-            if causal { "causal" } else { "full" }
-        ));
+        let id = BenchmarkId::from_parameter(format!("b{b}_s{s}_h{h}_d{d}_{}", if causal { "causal" } else { "full" }));
         fwd.bench_with_input(id, &(), |bench, _| bench.iter(|| cpu::forward(&q, &k, &v, &p).unwrap()));
     }
     fwd.finish();
@@ -48,16 +38,10 @@ fn bench(c: &mut Criterion) {
         let k = randn(vec![b, s, h, d], 2, DType::F32);
         let v = randn(vec![b, s, h, d], 3, DType::F32);
         let d_o = randn(vec![b, s, h, d], 4, DType::F32);
-        let p = AttentionParams {
-            mask: if causal { Mask::Causal } else { Mask::None },
-            ..Default::default()
-        };
+        let p = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
         let f = cpu::forward(&q, &k, &v, &p).unwrap();
         bwd.throughput(Throughput::Elements(flops(b, s, h, d, causal) * 5 / 2));
-        let id = BenchmarkId::from_parameter(format!(
-            "b{b}_s{s}_h{h}_d{d}_{}",
-            if causal { "causal" } else { "full" }
-        ));
+        let id = BenchmarkId::from_parameter(format!("b{b}_s{s}_h{h}_d{d}_{}", if causal { "causal" } else { "full" }));
         bwd.bench_with_input(id, &(), |bench, _| {
             bench.iter(|| cpu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, &p).unwrap())
         });

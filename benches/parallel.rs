@@ -17,10 +17,7 @@ fn bench(c: &mut Criterion) {
     let k = randn(vec![1, s, h, d], 2, DType::F32);
     let v = randn(vec![1, s, h, d], 3, DType::F32);
     // About half the compute time of a ring hop per K/V transfer on the development machine.
-    let link = LinkModel {
-        bandwidth: 200e6,
-        latency: Duration::from_micros(20),
-    };
+    let link = LinkModel { bandwidth: 200e6, latency: Duration::from_micros(20) };
     let flops = (4 * h * s * s * d / 2) as u64;
     let mut g = c.benchmark_group("parallel_forward_flop");
     g.sample_size(10);
@@ -29,10 +26,7 @@ fn bench(c: &mut Criterion) {
         let params = ParallelParams {
             strategy,
             layout: Some(Layout::Zigzag),
-            attention: AttentionParams {
-                mask: Mask::Causal,
-                ..Default::default()
-            },
+            attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
             seq_len: s,
             ulysses_degree: None,
         };
@@ -47,10 +41,7 @@ fn bench(c: &mut Criterion) {
                 100.0 * o.hidden
             );
         }
-        let options = LocalOptions {
-            link: Some(link),
-            ..Default::default()
-        };
+        let options = LocalOptions { link: Some(link), ..Default::default() };
         g.bench_with_input(
             BenchmarkId::new(format!("{strategy:?}"), format!("P{world}_s{s}_h{h}_d{d}")),
             &(),

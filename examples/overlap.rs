@@ -24,17 +24,11 @@ fn main() -> Result<(), ringattn::Error> {
     let params = ParallelParams {
         strategy,
         layout: Some(Layout::Zigzag),
-        attention: AttentionParams {
-            mask: Mask::Causal,
-            ..Default::default()
-        },
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
         seq_len: s,
         ulysses_degree: None,
     };
-    let link = LinkModel {
-        bandwidth: mbps * 1e6,
-        latency: Duration::from_micros(20),
-    };
+    let link = LinkModel { bandwidth: mbps * 1e6, latency: Duration::from_micros(20) };
     let hop_bytes = 2.0 * (s / world) as f64 * (h * d * 4) as f64;
     let o = measure_overlap(world, link, &CpuBackend::default(), &q, &k, &v, None, &params)?;
     println!(

@@ -9,36 +9,23 @@ use ringattn::{cpu, random::randn, AttentionParams, DType, Mask};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let shape: Vec<usize> = args
-        .get(1)
-        .map(String::as_str)
-        .unwrap_or("1,4096,8,8,64")
-        .split(',')
-        .map(|x| x.parse().unwrap())
-        .collect();
+    let shape: Vec<usize> =
+        args.get(1).map(String::as_str).unwrap_or("1,4096,8,8,64").split(',').map(|x| x.parse().unwrap()).collect();
     let causal = args.get(2).map(|s| s == "causal").unwrap_or(false);
     let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5);
     let tiles = args
         .get(4)
         .map(|s| {
             let v: Vec<usize> = s.split(',').map(|x| x.parse().unwrap()).collect();
-            cpu::TileConfig {
-                block_q: v[0],
-                block_k: v[1],
-            }
+            cpu::TileConfig { block_q: v[0], block_k: v[1] }
         })
         .unwrap_or_default();
-    let [b, s, hq, hkv, d] = shape[..] else {
-        panic!("shape is b,s,hq,hkv,d")
-    };
+    let [b, s, hq, hkv, d] = shape[..] else { panic!("shape is b,s,hq,hkv,d") };
     let q = randn(vec![b, s, hq, d], 1, DType::F32);
     let k = randn(vec![b, s, hkv, d], 2, DType::F32);
     let v = randn(vec![b, s, hkv, d], 3, DType::F32);
     let d_o = randn(vec![b, s, hq, d], 4, DType::F32);
-    let params = AttentionParams {
-        mask: if causal { Mask::Causal } else { Mask::None },
-        ..Default::default()
-    };
+    let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     let cfg = cpu::CpuConfig { tiles, progress: None };
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let median = |mut t: Vec<f64>| {

@@ -31,14 +31,9 @@ pub struct AttentionInputs {
 /// [`Error::Io`] when the file cannot be read, [`Error::Format`] when it is not valid
 /// safetensors, [`Error::UnsupportedDtype`] for a tensor that is not F32, BF16 or F16.
 pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| Error::Format {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
@@ -47,12 +42,7 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
             Dtype::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(raw)),
             Dtype::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(raw)),
             Dtype::F16 => TensorData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(raw)),
-            other => {
-                return Err(Error::UnsupportedDtype(format!(
-                    "{other:?} (tensor `{name}` in {})",
-                    path.display()
-                )))
-            }
+            other => return Err(Error::UnsupportedDtype(format!("{other:?} (tensor `{name}` in {})", path.display()))),
         };
         out.insert(name, Tensor::new(shape, data)?);
     }
@@ -66,10 +56,7 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
 pub fn read_inputs(path: &Path) -> Result<AttentionInputs> {
     let mut all = read_tensors(path)?;
     let mut take = |name: &str| {
-        all.remove(name).ok_or_else(|| Error::MissingTensor {
-            path: path.to_path_buf(),
-            name: name.to_string(),
-        })
+        all.remove(name).ok_or_else(|| Error::MissingTensor { path: path.to_path_buf(), name: name.to_string() })
     };
     let (q, k, v) = (take("q")?, take("k")?, take("v")?);
     let d_o = take("do").ok();
@@ -114,16 +101,11 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()> {
             };
             safetensors::tensor::TensorView::new(dtype, t.shape().to_vec(), t.as_bytes())
                 .map(|v| (name.to_string(), v))
-                .map_err(|e| Error::Format {
-                    path: path.to_path_buf(),
-                    detail: e.to_string(),
-                })
+                .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| Error::Format {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
+    let bytes = safetensors::serialize(views, None)
+        .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })?;
     write_atomic(path, &bytes)
 }
 
@@ -142,10 +124,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     };
     write().map_err(|source| {
         let _ = std::fs::remove_file(&tmp);
-        Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.to_path_buf(), source }
     })
 }
 
@@ -154,17 +133,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// # Errors
 /// As [`write_atomic`], plus [`Error::Format`] when serialisation fails.
 pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
-    let json = serde_json::to_vec_pretty(value).map_err(|e| Error::Format {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
+    let json = serde_json::to_vec_pretty(value)
+        .map_err(|e| Error::Format { path: path.to_path_buf(), detail: e.to_string() })?;
     write_atomic(path, &json)
 }
 
 fn temp_path(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }

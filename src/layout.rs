@@ -33,25 +33,16 @@ impl Layout {
     pub fn positions(&self, s: usize, world: usize, rank: usize) -> Positions {
         let p = world.max(1);
         let cut = |i: usize, parts: usize| i * s / parts;
-        let run = |a: usize, b: usize| Segment {
-            start: a as i64,
-            stride: 1,
-            len: b - a,
-        };
+        let run = |a: usize, b: usize| Segment { start: a as i64, stride: 1, len: b - a };
         let segs = match self {
             Layout::Contiguous => vec![run(cut(rank, p), cut(rank + 1, p))],
             Layout::Zigzag => {
                 let (a, b) = (rank, 2 * p - 1 - rank);
-                vec![
-                    run(cut(a, 2 * p), cut(a + 1, 2 * p)),
-                    run(cut(b, 2 * p), cut(b + 1, 2 * p)),
-                ]
+                vec![run(cut(a, 2 * p), cut(a + 1, 2 * p)), run(cut(b, 2 * p), cut(b + 1, 2 * p))]
             }
-            Layout::Striped => vec![Segment {
-                start: rank as i64,
-                stride: p as i64,
-                len: s.saturating_sub(rank).div_ceil(p),
-            }],
+            Layout::Striped => {
+                vec![Segment { start: rank as i64, stride: p as i64, len: s.saturating_sub(rank).div_ceil(p) }]
+            }
         };
         Positions::from_segments(segs.into_iter().filter(|g| g.len > 0).collect()).expect("valid segments")
     }
@@ -74,9 +65,7 @@ impl Layout {
         let [b, s, h, d] = dims4(t)?;
         let pos = positions.to_vec();
         if let Some(p) = pos.iter().find(|&&p| p < 0 || p as usize >= s) {
-            return Err(Error::Positions(format!(
-                "position {p} is outside a sequence of {s} tokens"
-            )));
+            return Err(Error::Positions(format!("position {p} is outside a sequence of {s} tokens")));
         }
         let x = t.as_f32();
         let w = h * d;
@@ -104,9 +93,7 @@ impl Layout {
     /// # Errors
     /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
     pub fn unshard_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
-        let first = shards
-            .first()
-            .ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+        let first = shards.first().ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
         let [b, _, h, d] = dims4(first)?;
         let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
         let w = h * d;
@@ -114,9 +101,7 @@ impl Layout {
         for (r, t) in shards.iter().enumerate() {
             let pos = positions[r].to_vec();
             if pos.iter().any(|&p| p < 0 || p as usize >= s) {
-                return Err(Error::ShapeMismatch(format!(
-                    "unshard: rank {r} holds positions outside 0..{s}"
-                )));
+                return Err(Error::ShapeMismatch(format!("unshard: rank {r} holds positions outside 0..{s}")));
             }
             if t.shape() != [b, pos.len(), h, d] {
                 return Err(Error::ShapeMismatch(format!(
@@ -150,9 +135,7 @@ impl Layout {
     /// # Errors
     /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
     pub fn unshard_lse_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
-        let first = shards
-            .first()
-            .ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+        let first = shards.first().ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
         let [b, h] = match first.shape() {
             [b, h, _] => [*b, *h],
             other => return Err(Error::ShapeMismatch(format!("lse shard has shape {other:?}"))),
@@ -162,15 +145,10 @@ impl Layout {
         for (r, t) in shards.iter().enumerate() {
             let pos = positions[r].to_vec();
             if pos.iter().any(|&p| p < 0 || p as usize >= s) {
-                return Err(Error::ShapeMismatch(format!(
-                    "unshard: rank {r} holds positions outside 0..{s}"
-                )));
+                return Err(Error::ShapeMismatch(format!("unshard: rank {r} holds positions outside 0..{s}")));
             }
             if t.shape() != [b, h, pos.len()] {
-                return Err(Error::ShapeMismatch(format!(
-                    "unshard: lse of rank {r} has shape {:?}",
-                    t.shape()
-                )));
+                return Err(Error::ShapeMismatch(format!("unshard: lse of rank {r} has shape {:?}", t.shape())));
             }
             let x = t.as_f32();
             for bh in 0..b * h {
@@ -190,9 +168,7 @@ impl std::str::FromStr for Layout {
             "contiguous" => Ok(Layout::Contiguous),
             "zigzag" => Ok(Layout::Zigzag),
             "striped" => Ok(Layout::Striped),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown layout `{other}` (contiguous, zigzag, striped)"
-            ))),
+            other => Err(Error::InvalidArgument(format!("unknown layout `{other}` (contiguous, zigzag, striped)"))),
         }
     }
 }

@@ -49,10 +49,7 @@ impl Mask {
         let (left, _) = self.bounds();
         match left {
             None => Mask::Causal,
-            Some(l) => Mask::Window {
-                left: Some(l as u64),
-                right: Some(0),
-            },
+            Some(l) => Mask::Window { left: Some(l as u64), right: Some(0) },
         }
     }
 
@@ -66,15 +63,10 @@ impl Mask {
             match x {
                 -1 => Ok(None),
                 x if x >= 0 => Ok(Some(x as u64)),
-                x => Err(Error::Window(format!(
-                    "{name} side {x}: use -1 for unbounded or a value >= 0"
-                ))),
+                x => Err(Error::Window(format!("{name} side {x}: use -1 for unbounded or a value >= 0"))),
             }
         };
-        Ok(Mask::Window {
-            left: side(left, "left")?,
-            right: side(right, "right")?,
-        })
+        Ok(Mask::Window { left: side(left, "left")?, right: side(right, "right")? })
     }
 
     /// Whether a key at `pk` is visible to a query at `pq` under the positional mask alone.

@@ -26,16 +26,11 @@ use crate::{Error, Result, Tensor};
 pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
     let [b, s, h, d] = bshd;
     let n = b * s * h;
-    for (name, len, want) in [
-        ("o_a", o_a.len(), n * d),
-        ("o_b", o_b.len(), n * d),
-        ("lse_a", lse_a.len(), n),
-        ("lse_b", lse_b.len(), n),
-    ] {
+    for (name, len, want) in
+        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
+    {
         if len != want {
-            return Err(Error::ShapeMismatch(format!(
-                "merge: `{name}` holds {len} values, expected {want}"
-            )));
+            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
         }
     }
     for bi in 0..b {
@@ -95,13 +90,7 @@ pub fn merge(a: &crate::cpu::ForwardOutput, b: &crate::cpu::ForwardOutput) -> Re
     }
     let mut o = a.o.to_f32_vec();
     let mut lse = a.lse.to_f32_vec();
-    merge_into(
-        &mut o,
-        &mut lse,
-        &b.o.as_f32(),
-        &b.lse.as_f32(),
-        [shape[0], shape[1], shape[2], shape[3]],
-    )?;
+    merge_into(&mut o, &mut lse, &b.o.as_f32(), &b.lse.as_f32(), [shape[0], shape[1], shape[2], shape[3]])?;
     Ok(crate::cpu::ForwardOutput {
         o: Tensor::from_f32_owned(shape, o, a.o.dtype())?,
         lse: Tensor::from_f32(a.lse.shape().to_vec(), lse)?,

@@ -86,25 +86,12 @@ impl Dims {
             return Err(Error::ShapeMismatch(format!("k has shape {ks:?} but v has {vs:?}")));
         }
         if qs[0] != ks[0] {
-            return Err(Error::ShapeMismatch(format!(
-                "q has batch {} but k has {}",
-                qs[0], ks[0]
-            )));
+            return Err(Error::ShapeMismatch(format!("q has batch {} but k has {}", qs[0], ks[0])));
         }
         if qs[3] != ks[3] {
-            return Err(Error::ShapeMismatch(format!(
-                "q has head dim {} but k has {}",
-                qs[3], ks[3]
-            )));
+            return Err(Error::ShapeMismatch(format!("q has head dim {} but k has {}", qs[3], ks[3])));
         }
-        let dims = Dims {
-            b: qs[0],
-            s_q: qs[1],
-            h_q: qs[2],
-            s_k: ks[1],
-            h_kv: ks[2],
-            d: qs[3],
-        };
+        let dims = Dims { b: qs[0], s_q: qs[1], h_q: qs[2], s_k: ks[1], h_kv: ks[2], d: qs[3] };
         if dims.h_q == 0 {
             return Err(Error::ZeroHeads { name: "h_q" });
         }
@@ -112,16 +99,10 @@ impl Dims {
             return Err(Error::ZeroHeads { name: "h_kv" });
         }
         if dims.h_q % dims.h_kv != 0 {
-            return Err(Error::HeadRatio {
-                h_q: dims.h_q,
-                h_kv: dims.h_kv,
-            });
+            return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
         if dims.d == 0 || dims.d > MAX_HEAD_DIM {
-            return Err(Error::HeadDim {
-                d: dims.d,
-                max: MAX_HEAD_DIM,
-            });
+            return Err(Error::HeadDim { d: dims.d, max: MAX_HEAD_DIM });
         }
         Ok(dims)
     }
@@ -132,22 +113,14 @@ impl Dims {
     /// [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`].
     pub fn expect(name: &'static str, t: &Tensor, shape: &[usize], like: &Tensor) -> Result<()> {
         if t.shape() != shape {
-            return Err(Error::ShapeMismatch(format!(
-                "`{name}` has shape {:?}, expected {shape:?}",
-                t.shape()
-            )));
+            return Err(Error::ShapeMismatch(format!("`{name}` has shape {:?}, expected {shape:?}", t.shape())));
         }
         same_dtype(like, &[(name, t)])
     }
 }
 
 fn rank4(name: &'static str, t: &Tensor, layout: &'static str) -> Result<[usize; 4]> {
-    <[usize; 4]>::try_from(t.shape()).map_err(|_| Error::Rank {
-        name,
-        expected: 4,
-        layout,
-        shape: t.shape().to_vec(),
-    })
+    <[usize; 4]>::try_from(t.shape()).map_err(|_| Error::Rank { name, expected: 4, layout, shape: t.shape().to_vec() })
 }
 
 fn same_dtype(like: &Tensor, others: &[(&str, &Tensor)]) -> Result<()> {
@@ -189,19 +162,9 @@ impl Visibility {
         let k_pos = k_pos.to_vec();
         let (q_doc, k_doc) = match &params.documents {
             None => (None, None),
-            Some(docs) => (
-                Some(doc_ids(docs, &q_pos, "query")?),
-                Some(doc_ids(docs, &k_pos, "key")?),
-            ),
+            Some(docs) => (Some(doc_ids(docs, &q_pos, "query")?), Some(doc_ids(docs, &k_pos, "key")?)),
         };
-        Ok(Visibility {
-            q_pos,
-            k_pos,
-            q_doc,
-            k_doc,
-            left,
-            right,
-        })
+        Ok(Visibility { q_pos, k_pos, q_doc, k_doc, left, right })
     }
 
     /// For a single-device call: also checks that the documents cover exactly `s_k` tokens.

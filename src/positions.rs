@@ -42,9 +42,7 @@ pub struct Positions {
 impl Positions {
     /// `len` consecutive positions from `start`.
     pub fn contiguous(start: i64, len: usize) -> Self {
-        Positions {
-            segments: vec![Segment { start, stride: 1, len }],
-        }
+        Positions { segments: vec![Segment { start, stride: 1, len }] }
     }
 
     /// `len` positions `start, start + stride, …`.
@@ -101,9 +99,7 @@ impl Positions {
 
     /// Iterates over the positions in row order.
     pub fn iter(&self) -> impl Iterator<Item = i64> + '_ {
-        self.segments
-            .iter()
-            .flat_map(|s| (0..s.len as i64).map(move |i| s.start + i * s.stride))
+        self.segments.iter().flat_map(|s| (0..s.len as i64).map(move |i| s.start + i * s.stride))
     }
 
     /// The positions as a vector.

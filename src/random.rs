@@ -18,9 +18,7 @@ pub fn randn(shape: Vec<usize>, seed: u64, dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
     let mut rng = StdRng::seed_from_u64(seed);
     let data: Vec<f32> = (0..n).map(|_| rng.sample::<f32, _>(StandardNormal)).collect();
-    Tensor::from_f32(shape, data)
-        .expect("length matches shape by construction")
-        .to_dtype(dtype)
+    Tensor::from_f32(shape, data).expect("length matches shape by construction").to_dtype(dtype)
 }
 
 /// `count` distinct indices in `0..n`, sorted, drawn from a seeded generator (all of them

@@ -72,14 +72,7 @@ pub struct Reference {
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(
-        &Inputs::new(dims, q, k, v, None),
-        params,
-        &vis,
-        None,
-        false,
-        &all_rows(dims.s_q),
-    ))
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
 }
 
 /// Oracle forward of a block of queries against a block of keys at arbitrary global
@@ -97,14 +90,7 @@ pub fn forward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(
-        &Inputs::new(dims, q, k, v, None),
-        params,
-        &vis,
-        None,
-        false,
-        &all_rows(dims.s_q),
-    ))
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
 }
 
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
@@ -115,14 +101,7 @@ pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &Atten
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(
-        &Inputs::new(dims, q, k, v, Some(d_o)),
-        params,
-        &vis,
-        None,
-        true,
-        &all_rows(dims.s_q),
-    ))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
 }
 
 /// Oracle backward of a block call at global positions (see [`forward_at`]).
@@ -141,14 +120,7 @@ pub fn backward_at(
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(
-        &Inputs::new(dims, q, k, v, Some(d_o)),
-        params,
-        &vis,
-        None,
-        true,
-        &all_rows(dims.s_q),
-    ))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
 }
 
 /// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
@@ -183,14 +155,7 @@ pub fn rows(
     }
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    let mut r = run(
-        &Inputs::new(dims, q, k, v, d_o),
-        params,
-        &vis,
-        round,
-        d_o.is_some(),
-        rows,
-    );
+    let mut r = run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, d_o.is_some(), rows);
     r.dk.clear();
     r.dv.clear();
     r.dk_mag.clear();
@@ -225,14 +190,7 @@ pub fn naive_rounded(
         Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
     };
     let inputs = Inputs::new(dims, q, k, v, d_o);
-    Ok(run(
-        &inputs,
-        params,
-        &vis,
-        Some(dtype),
-        d_o.is_some(),
-        &all_rows(dims.s_q),
-    ))
+    Ok(run(&inputs, params, &vis, Some(dtype), d_o.is_some(), &all_rows(dims.s_q)))
 }
 
 struct Inputs {
@@ -261,9 +219,7 @@ fn all_rows(n: usize) -> Vec<usize> {
 
 fn check_rows(rows: &[usize], s_q: usize) -> Result<()> {
     match rows.iter().find(|&&r| r >= s_q) {
-        Some(r) => Err(crate::Error::InvalidArgument(format!(
-            "row {r} is out of range for s_q = {s_q}"
-        ))),
+        Some(r) => Err(crate::Error::InvalidArgument(format!("row {r} is out of range for s_q = {s_q}"))),
         None => Ok(()),
     }
 }
@@ -386,12 +342,7 @@ fn run(
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
                 let o_row = &res.o[r * d..(r + 1) * d];
-                let d_rss: f64 = o_row
-                    .iter()
-                    .zip(doi)
-                    .map(|(a, b)| (a * b) * (a * b))
-                    .sum::<f64>()
-                    .sqrt();
+                let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
                 for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
                     let ds = rnd(rnd(p * (g - big_d)) * scale);
                     let ds_mag = (wj * (g.abs() + big_d.abs()) * scale).abs();
@@ -467,13 +418,7 @@ fn run(
             }
         }
     }
-    for m in [
-        &mut out.o_mag,
-        &mut out.dq_mag,
-        &mut out.dk_mag,
-        &mut out.dv_mag,
-        &mut out.dk_mag_o,
-    ] {
+    for m in [&mut out.o_mag, &mut out.dq_mag, &mut out.dk_mag, &mut out.dv_mag, &mut out.dk_mag_o] {
         m.iter_mut().for_each(|x| *x = x.sqrt());
     }
     out.dq_mag_o.iter_mut().for_each(|x| *x = x.abs());

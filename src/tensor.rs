@@ -137,10 +137,7 @@ impl Tensor {
             return self.clone();
         }
         let f = self.as_f32();
-        Tensor {
-            shape: self.shape.clone(),
-            data: f32_to_data(&f, dtype),
-        }
+        Tensor { shape: self.shape.clone(), data: f32_to_data(&f, dtype) }
     }
 
     /// Builds a tensor of `dtype` from f32 values computed elsewhere (rounding when narrowing).

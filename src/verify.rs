@@ -33,10 +33,7 @@ pub struct Tolerance {
 
 impl Default for Tolerance {
     fn default() -> Self {
-        Tolerance {
-            naive_factor: 2.0,
-            roundoff_factor: 4.0,
-        }
+        Tolerance { naive_factor: 2.0, roundoff_factor: 4.0 }
     }
 }
 
@@ -134,25 +131,10 @@ pub fn compare(
 /// relative norm; `magnitude` is the oracle's `lse_mag`.
 pub fn compare_lse(ours: &[f32], oracle: &[f64], naive: &[f64], magnitude: &[f64], tol: &Tolerance) -> Comparison {
     let ninf = f64::NEG_INFINITY;
-    let inf_mismatches = ours
-        .iter()
-        .zip(oracle)
-        .filter(|(&a, &b)| (a == f32::NEG_INFINITY) != (b == ninf))
-        .count();
+    let inf_mismatches = ours.iter().zip(oracle).filter(|(&a, &b)| (a == f32::NEG_INFINITY) != (b == ninf)).count();
     let finite = |x: f64, r: f64| x != ninf && r != ninf;
-    let (err, r) = norms(
-        ours.iter()
-            .map(|&a| a as f64)
-            .zip(oracle.iter().copied())
-            .filter(|&(a, r)| finite(a, r)),
-    );
-    let (naive_err, _) = norms(
-        naive
-            .iter()
-            .copied()
-            .zip(oracle.iter().copied())
-            .filter(|&(a, r)| finite(a, r)),
-    );
+    let (err, r) = norms(ours.iter().map(|&a| a as f64).zip(oracle.iter().copied()).filter(|&(a, r)| finite(a, r)));
+    let (naive_err, _) = norms(naive.iter().copied().zip(oracle.iter().copied()).filter(|&(a, r)| finite(a, r)));
     let bound = tol.bound(naive_err, r, norm(magnitude), 0.0, DType::F32);
     Comparison {
         name: "lse".into(),
@@ -181,17 +163,11 @@ impl Report {
 
     /// The report as an aligned text table.
     pub fn table(&self) -> String {
-        let mut s = format!(
-            "{:<5} {:>12} {:>12} {:>12} {:>6}\n",
-            "out", "rel.err", "naive.err", "bound", "result"
-        );
+        let mut s = format!("{:<5} {:>12} {:>12} {:>12} {:>6}\n", "out", "rel.err", "naive.err", "bound", "result");
         for r in &self.rows {
             let verdict = if r.pass { "pass" } else { "FAIL" };
-            let extra = if r.inf_mismatches > 0 {
-                format!("  ({} -inf mismatches)", r.inf_mismatches)
-            } else {
-                String::new()
-            };
+            let extra =
+                if r.inf_mismatches > 0 { format!("  ({} -inf mismatches)", r.inf_mismatches) } else { String::new() };
             s += &format!(
                 "{:<5} {:>12.3e} {:>12.3e} {:>12.3e} {:>6}{extra}\n",
                 r.name, r.rel_err, r.naive_rel_err, r.bound, verdict
@@ -212,54 +188,15 @@ pub fn report(
     tol: &Tolerance,
 ) -> Report {
     let mut rows = vec![
-        compare(
-            "o",
-            &fwd.o.as_f32(),
-            &oracle.o,
-            &naive.o,
-            &oracle.o_mag,
-            &[],
-            dtype,
-            tol,
-        ),
+        compare("o", &fwd.o.as_f32(), &oracle.o, &naive.o, &oracle.o_mag, &[], dtype, tol),
         compare_lse(&fwd.lse.as_f32(), &oracle.lse, &naive.lse, &oracle.lse_mag, tol),
     ];
     if let Some(g) = grads {
-        rows.push(compare(
-            "dq",
-            &g.dq.as_f32(),
-            &oracle.dq,
-            &naive.dq,
-            &oracle.dq_mag,
-            &oracle.dq_mag_o,
-            dtype,
-            tol,
-        ));
-        rows.push(compare(
-            "dk",
-            &g.dk.as_f32(),
-            &oracle.dk,
-            &naive.dk,
-            &oracle.dk_mag,
-            &oracle.dk_mag_o,
-            dtype,
-            tol,
-        ));
-        rows.push(compare(
-            "dv",
-            &g.dv.as_f32(),
-            &oracle.dv,
-            &naive.dv,
-            &oracle.dv_mag,
-            &[],
-            dtype,
-            tol,
-        ));
+        rows.push(compare("dq", &g.dq.as_f32(), &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, tol));
+        rows.push(compare("dk", &g.dk.as_f32(), &oracle.dk, &naive.dk, &oracle.dk_mag, &oracle.dk_mag_o, dtype, tol));
+        rows.push(compare("dv", &g.dv.as_f32(), &oracle.dv, &naive.dv, &oracle.dv_mag, &[], dtype, tol));
     }
-    Report {
-        dtype: dtype.to_string(),
-        rows,
-    }
+    Report { dtype: dtype.to_string(), rows }
 }
 
 /// Runs the CPU implementation (forward, and backward when `d_o` is given) on a
@@ -298,14 +235,7 @@ pub fn verify_cpu(
         None => reference::forward(q, k, v, params)?,
     };
     let naive = reference::naive_rounded(q, k, v, d_o, None, params, q.dtype())?;
-    Ok(report(
-        q.dtype(),
-        &fwd,
-        grads.as_ref(),
-        &oracle,
-        &naive,
-        &Tolerance::default(),
-    ))
+    Ok(report(q.dtype(), &fwd, grads.as_ref(), &oracle, &naive, &Tolerance::default()))
 }
 
 /// Checks the rows `rows` of a single-device result (`o`, `lse`, and `dq` when `d_o` and
@@ -341,21 +271,9 @@ pub fn check_rows(
         compare_lse(&lse_rows, &oracle.lse, &naive.lse, &oracle.lse_mag, &tol),
     ];
     if let (Some(g), Some(_)) = (grads, d_o) {
-        out.push(compare(
-            "dq",
-            &pick(&g.dq),
-            &oracle.dq,
-            &naive.dq,
-            &oracle.dq_mag,
-            &oracle.dq_mag_o,
-            dtype,
-            &tol,
-        ));
+        out.push(compare("dq", &pick(&g.dq), &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, &tol));
     }
-    Ok(Report {
-        dtype: dtype.to_string(),
-        rows: out,
-    })
+    Ok(Report { dtype: dtype.to_string(), rows: out })
 }
 
 /// Rows `rows` of a `[b, s, width]` buffer, as `[b, rows.len(), width]`.

@@ -7,10 +7,7 @@ use std::process::{Command, Output};
 use ringattn::{cpu, io, random::randn, AttentionParams, DType, Documents, Mask, Tensor};
 
 fn ringattn(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ringattn"))
-        .args(args)
-        .output()
-        .expect("run ringattn")
+    Command::new(env!("CARGO_BIN_EXE_ringattn")).args(args).output().expect("run ringattn")
 }
 
 fn write_inputs(dir: &Path, name: &str, dt: DType, with_do: bool) -> (PathBuf, [Tensor; 4]) {
@@ -33,11 +30,7 @@ fn s(p: &Path) -> &str {
 
 /// Files in `dir` other than `keep`.
 fn others(dir: &Path, keep: &[&Path]) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| !keep.iter().any(|k| k == p))
-        .collect()
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| !keep.iter().any(|k| k == p)).collect()
 }
 
 #[test]
@@ -45,25 +38,10 @@ fn run_forward_round_trip_matches_the_library() {
     let dir = tempfile::tempdir().unwrap();
     let (input, [q, k, v, _]) = write_inputs(dir.path(), "in.safetensors", DType::BF16, false);
     let out = dir.path().join("out.safetensors");
-    let r = ringattn(&[
-        "run",
-        "--input",
-        s(&input),
-        "--output",
-        s(&out),
-        "--causal",
-        "--window",
-        "5,-1",
-    ]);
+    let r = ringattn(&["run", "--input", s(&input), "--output", s(&out), "--causal", "--window", "5,-1"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let got = io::read_tensors(&out).unwrap();
-    let p = AttentionParams {
-        mask: Mask::Window {
-            left: Some(5),
-            right: Some(0),
-        },
-        ..Default::default()
-    };
+    let p = AttentionParams { mask: Mask::Window { left: Some(5), right: Some(0) }, ..Default::default() };
     let want = cpu::forward(&q, &k, &v, &p).unwrap();
     assert_eq!(got["o"], want.o);
     assert_eq!(got["lse"], want.lse);
@@ -76,17 +54,7 @@ fn run_with_do_writes_gradients() {
     let dir = tempfile::tempdir().unwrap();
     let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", DType::F32, true);
     let out = dir.path().join("out.safetensors");
-    let r = ringattn(&[
-        "run",
-        "--input",
-        s(&input),
-        "--output",
-        s(&out),
-        "--seqlens",
-        "17,20",
-        "--scale",
-        "0.2",
-    ]);
+    let r = ringattn(&["run", "--input", s(&input), "--output", s(&out), "--seqlens", "17,20", "--scale", "0.2"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let got = io::read_tensors(&out).unwrap();
     let p = AttentionParams {
@@ -99,11 +67,7 @@ fn run_with_do_writes_gradients() {
     assert_eq!(got["dq"], g.dq);
     assert_eq!(got["dk"], g.dk);
     assert_eq!(got["dv"], g.dv);
-    assert_eq!(
-        others(dir.path(), &[&input, &out]),
-        Vec::<PathBuf>::new(),
-        "no temporary files left"
-    );
+    assert_eq!(others(dir.path(), &[&input, &out]), Vec::<PathBuf>::new(), "no temporary files left");
 }
 
 #[test]
@@ -124,31 +88,10 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
         (vec!["--input", s(&junk)], "malformed"),
         (vec!["--input", s(&no_v)], "missing tensor `v`"),
         (vec!["--input", s(&bad_heads)], "h_kv = 3"),
-        (
-            vec!["--input", s(&input), "--strategy", "spiral"],
-            "unknown strategy `spiral`",
-        ),
-        (
-            vec![
-                "--input",
-                s(&input),
-                "--strategy",
-                "usp",
-                "--world",
-                "2",
-                "--layout",
-                "striped",
-            ],
-            "striped",
-        ),
-        (
-            vec!["--input", s(&input), "--strategy", "ring", "--layout", "diagonal"],
-            "unknown layout `diagonal`",
-        ),
-        (
-            vec!["--input", s(&input), "--strategy", "ulysses", "--world", "3"],
-            "h_q = 4",
-        ),
+        (vec!["--input", s(&input), "--strategy", "spiral"], "unknown strategy `spiral`"),
+        (vec!["--input", s(&input), "--strategy", "usp", "--world", "2", "--layout", "striped"], "striped"),
+        (vec!["--input", s(&input), "--strategy", "ring", "--layout", "diagonal"], "unknown layout `diagonal`"),
+        (vec!["--input", s(&input), "--strategy", "ulysses", "--world", "3"], "h_q = 4"),
         (vec!["--input", s(&input), "--backend", "tpu"], "unknown backend `tpu`"),
         (vec!["--input", s(&input), "--world", "4"], "--world 4"),
         (vec!["--input", s(&input), "--window", "-3,2"], "left side -3"),
@@ -166,20 +109,14 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
         assert_eq!(err.trim_end().lines().count(), 1, "{all:?}: message is one line: {err}");
         assert!(!out.exists(), "{all:?} left an output file");
     }
-    assert_eq!(
-        others(dir.path(), &[&input, &bad_heads, &no_v, &junk]),
-        Vec::<PathBuf>::new()
-    );
+    assert_eq!(others(dir.path(), &[&input, &bad_heads, &no_v, &junk]), Vec::<PathBuf>::new());
 }
 
 #[test]
 fn parallel_strategies_round_trip_in_original_token_order() {
     let dir = tempfile::tempdir().unwrap();
     let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", DType::F32, true);
-    let p = AttentionParams {
-        mask: Mask::Causal,
-        ..Default::default()
-    };
+    let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
     let f = cpu::forward(&q, &k, &v, &p).unwrap();
     let g = cpu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, &p).unwrap();
     for (strategy, world) in [("ring", "3"), ("allgather", "2"), ("ulysses", "4"), ("usp", "4")] {
@@ -198,13 +135,7 @@ fn parallel_strategies_round_trip_in_original_token_order() {
         ]);
         assert!(r.status.success(), "{strategy}: {}", String::from_utf8_lossy(&r.stderr));
         let got = io::read_tensors(&out).unwrap();
-        for (name, want) in [
-            ("o", &f.o),
-            ("lse", &f.lse),
-            ("dq", &g.dq),
-            ("dk", &g.dk),
-            ("dv", &g.dv),
-        ] {
+        for (name, want) in [("o", &f.o), ("lse", &f.lse), ("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
             let w64: Vec<f64> = want.as_f32().iter().map(|&x| x as f64).collect();
             let e = ringattn::verify::rel_err(&got[name].to_f32_vec(), &w64);
             assert!(e < 1e-5, "{strategy} {name}: {e}");
@@ -228,10 +159,7 @@ fn verify_passes_on_random_and_file_inputs() {
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success(), "{stdout}");
     for name in ["o ", "lse", "dq", "dk", "dv"] {
-        assert!(
-            stdout.lines().any(|l| l.starts_with(name) && l.ends_with("pass")),
-            "{name}: {stdout}"
-        );
+        assert!(stdout.lines().any(|l| l.starts_with(name) && l.ends_with("pass")), "{name}: {stdout}");
     }
     let dir = tempfile::tempdir().unwrap();
     let (input, _) = write_inputs(dir.path(), "in.safetensors", DType::BF16, true);
@@ -245,17 +173,7 @@ fn verify_passes_on_random_and_file_inputs() {
 
 #[test]
 fn demo_runs_small() {
-    let r = ringattn(&[
-        "demo",
-        "--seq",
-        "600",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "32",
-    ]);
+    let r = ringattn(&["demo", "--seq", "600", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]);
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success(), "{stdout}");
     assert!(stdout.contains("TFLOP/s") && stdout.contains("demo passed"), "{stdout}");

@@ -12,11 +12,7 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor) -> Error {
 
 #[test]
 fn rank_mismatch_names_the_tensor_and_shape() {
-    let e = fwd(
-        &t(&[1, 4, 2], DType::F32),
-        &t(&[1, 4, 2, 8], DType::F32),
-        &t(&[1, 4, 2, 8], DType::F32),
-    );
+    let e = fwd(&t(&[1, 4, 2], DType::F32), &t(&[1, 4, 2, 8], DType::F32), &t(&[1, 4, 2, 8], DType::F32));
     assert!(matches!(e, Error::Rank { name: "q", .. }), "{e}");
     assert!(e.to_string().contains("[1, 4, 2]"));
 }
@@ -25,10 +21,7 @@ fn rank_mismatch_names_the_tensor_and_shape() {
 fn shape_mismatches() {
     let f = DType::F32;
     let e = fwd(&t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f), &t(&[1, 5, 2, 8], f));
-    assert!(
-        matches!(e, Error::ShapeMismatch(_)) && e.to_string().contains("[1, 5, 2, 8]"),
-        "{e}"
-    );
+    assert!(matches!(e, Error::ShapeMismatch(_)) && e.to_string().contains("[1, 5, 2, 8]"), "{e}");
     let e = fwd(&t(&[2, 4, 2, 8], f), &t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f));
     assert!(e.to_string().contains("batch 2"), "{e}");
     let e = fwd(&t(&[1, 4, 2, 16], f), &t(&[1, 4, 2, 8], f), &t(&[1, 4, 2, 8], f));
@@ -55,35 +48,14 @@ fn head_dim_zero_or_too_large() {
 
 #[test]
 fn dtype_mismatch_names_the_tensor() {
-    let e = fwd(
-        &t(&[1, 4, 1, 8], DType::F32),
-        &t(&[1, 4, 1, 8], DType::BF16),
-        &t(&[1, 4, 1, 8], DType::F32),
-    );
+    let e = fwd(&t(&[1, 4, 1, 8], DType::F32), &t(&[1, 4, 1, 8], DType::BF16), &t(&[1, 4, 1, 8], DType::F32));
     assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "k"), "{e}");
     let q = t(&[1, 4, 1, 8], DType::F32);
     let f = cpu::forward(&q, &q, &q, &AttentionParams::default()).unwrap();
-    let e = cpu::backward(
-        &q,
-        &q,
-        &q,
-        &f.o,
-        &f.lse,
-        &t(&[1, 4, 1, 8], DType::F16),
-        &AttentionParams::default(),
-    )
-    .unwrap_err();
+    let e = cpu::backward(&q, &q, &q, &f.o, &f.lse, &t(&[1, 4, 1, 8], DType::F16), &AttentionParams::default())
+        .unwrap_err();
     assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "do"), "{e}");
-    let e = cpu::backward(
-        &q,
-        &q,
-        &q,
-        &f.o,
-        &f.lse.to_dtype(DType::BF16),
-        &q,
-        &AttentionParams::default(),
-    )
-    .unwrap_err();
+    let e = cpu::backward(&q, &q, &q, &f.o, &f.lse.to_dtype(DType::BF16), &q, &AttentionParams::default()).unwrap_err();
     assert!(matches!(&e, Error::DtypeMismatch { name, .. } if name == "lse"), "{e}");
 }
 
@@ -92,32 +64,11 @@ fn bad_windows_scales_documents_positions() {
     assert!(matches!(Mask::from_signed_window(-2, 0), Err(Error::Window(_))));
     assert!(Mask::from_signed_window(-1, -1).is_ok());
     let q = t(&[1, 4, 1, 8], DType::F32);
-    let e = cpu::forward(
-        &q,
-        &q,
-        &q,
-        &AttentionParams {
-            scale: Some(f32::NAN),
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let e = cpu::forward(&q, &q, &q, &AttentionParams { scale: Some(f32::NAN), ..Default::default() }).unwrap_err();
     assert!(matches!(e, Error::Scale(_)), "{e}");
     let docs = Documents::new(vec![2, 3]).unwrap();
-    let e = cpu::forward(
-        &q,
-        &q,
-        &q,
-        &AttentionParams {
-            documents: Some(docs),
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
-    assert!(
-        matches!(e, Error::Documents(_)) && e.to_string().contains("sum to 5"),
-        "{e}"
-    );
+    let e = cpu::forward(&q, &q, &q, &AttentionParams { documents: Some(docs), ..Default::default() }).unwrap_err();
+    assert!(matches!(e, Error::Documents(_)) && e.to_string().contains("sum to 5"), "{e}");
     assert!(matches!(Documents::new(vec![]), Err(Error::Documents(_))));
     let e = cpu::forward_at(
         &q,
@@ -128,27 +79,14 @@ fn bad_windows_scales_documents_positions() {
         &AttentionParams::default(),
     )
     .unwrap_err();
-    assert!(
-        matches!(e, Error::Positions(_)) && e.to_string().contains("3 query positions"),
-        "{e}"
-    );
+    assert!(matches!(e, Error::Positions(_)) && e.to_string().contains("3 query positions"), "{e}");
     assert!(matches!(Positions::strided(0, 0, 4), Err(Error::Positions(_))));
-    assert!(matches!(
-        Positions::strided(i64::MAX - 1, 5, 4),
-        Err(Error::Positions(_))
-    ));
+    assert!(matches!(Positions::strided(i64::MAX - 1, 5, 4), Err(Error::Positions(_))));
 }
 
 #[test]
 fn tensor_data_length_and_dtype_names() {
-    assert!(matches!(
-        Tensor::from_f32(vec![2, 3], vec![0.0; 5]),
-        Err(Error::DataLength {
-            len: 5,
-            expected: 6,
-            ..
-        })
-    ));
+    assert!(matches!(Tensor::from_f32(vec![2, 3], vec![0.0; 5]), Err(Error::DataLength { len: 5, expected: 6, .. })));
     assert!(matches!("f64".parse::<DType>(), Err(Error::UnsupportedDtype(_))));
 }
 
@@ -176,8 +114,5 @@ fn files_missing_malformed_or_incomplete() {
     io::write_tensors(&mixed, &[("q", &q), ("k", &q), ("v", &q.to_dtype(DType::F16))]).unwrap();
     assert!(matches!(io::read_inputs(&mixed), Err(Error::DtypeMismatch { .. })));
     let unwritable = dir.path().join("no-such-dir").join("out.safetensors");
-    assert!(matches!(
-        io::write_tensors(&unwritable, &[("q", &q)]),
-        Err(Error::Io { .. })
-    ));
+    assert!(matches!(io::write_tensors(&unwritable, &[("q", &q)]), Err(Error::Io { .. })));
 }

@@ -12,10 +12,7 @@ fn forward_memory_is_linear_in_sequence_length() {
     let q = randn(vec![b, s, h, d], 1, DType::F32);
     let k = randn(vec![b, s, h, d], 2, DType::F32);
     let v = randn(vec![b, s, h, d], 3, DType::F32);
-    let p = AttentionParams {
-        mask: Mask::Causal,
-        ..Default::default()
-    };
+    let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
     let base = memory::current_bytes();
     memory::reset_peak();
     let out = cpu::forward(&q, &k, &v, &p).unwrap();
@@ -24,11 +21,7 @@ fn forward_memory_is_linear_in_sequence_length() {
     let v_bytes = v.len() * 4;
     // Allowance: the transposed v, plus 4 MiB of tile scratch per thread.
     let allowed = v_bytes + rayon::current_num_threads() * (4 << 20);
-    assert!(
-        extra - outputs <= allowed,
-        "{} bytes beyond outputs, allowed {allowed}",
-        extra - outputs
-    );
+    assert!(extra - outputs <= allowed, "{} bytes beyond outputs, allowed {allowed}", extra - outputs);
     // One s × s f32 score matrix per head would be this much:
     assert!(extra - outputs < s * s * 4 / 8);
 }

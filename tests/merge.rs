@@ -52,14 +52,7 @@ proptest! {
 fn merge_with_empty_sides_is_stable() {
     // (o, lse) = (x, -inf) on one side contributes nothing, even with NaN values in its o.
     let (mut o, mut lse) = (vec![1.0f32, 2.0], vec![0.5f32]);
-    merge::merge_into(
-        &mut o,
-        &mut lse,
-        &[f32::NAN, f32::NAN],
-        &[f32::NEG_INFINITY],
-        [1, 1, 1, 2],
-    )
-    .unwrap();
+    merge::merge_into(&mut o, &mut lse, &[f32::NAN, f32::NAN], &[f32::NEG_INFINITY], [1, 1, 1, 2]).unwrap();
     assert_eq!((o, lse), (vec![1.0, 2.0], vec![0.5]));
     let (mut o, mut lse) = (vec![f32::NAN], vec![f32::NEG_INFINITY]);
     merge::merge_into(&mut o, &mut lse, &[3.0], &[-2.0], [1, 1, 1, 1]).unwrap();

@@ -16,14 +16,7 @@ const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
 const WORK_CAP: usize = 12_000_000;
 
 fn side() -> impl Strategy<Value = Option<u64>> {
-    prop_oneof![
-        Just(None),
-        Just(Some(0)),
-        Just(Some(1)),
-        Just(Some(5)),
-        Just(Some(40)),
-        Just(Some(150))
-    ]
+    prop_oneof![Just(None), Just(Some(0)), Just(Some(1)), Just(Some(5)), Just(Some(40)), Just(Some(150))]
 }
 
 fn mask() -> impl Strategy<Value = Mask> {
@@ -60,16 +53,8 @@ fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> P
         _ => {
             let a = len / 2;
             vec![
-                Segment {
-                    start,
-                    stride: 1,
-                    len: a,
-                },
-                Segment {
-                    start: start + a as i64 + gap,
-                    stride: 1,
-                    len: len - a,
-                },
+                Segment { start, stride: 1, len: a },
+                Segment { start: start + a as i64 + gap, stride: 1, len: len - a },
             ]
         }
     };

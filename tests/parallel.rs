@@ -30,11 +30,8 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
     let k = randn(vec![c.b, c.s, c.h_kv, c.d], c.seed + 1, c.dtype);
     let v = randn(vec![c.b, c.s, c.h_kv, c.d], c.seed + 2, c.dtype);
     let d_o = randn(vec![c.b, c.s, c.h_q, c.d], c.seed + 3, c.dtype);
-    let attention = AttentionParams {
-        mask: c.mask,
-        documents: c.docs.clone().map(|d| Documents::new(d).unwrap()),
-        scale: None,
-    };
+    let attention =
+        AttentionParams { mask: c.mask, documents: c.docs.clone().map(|d| Documents::new(d).unwrap()), scale: None };
     let params = ParallelParams {
         strategy: c.strategy,
         layout: Some(c.layout),
@@ -42,26 +39,11 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
         seq_len: c.s,
         ulysses_degree: c.ulysses_degree,
     };
-    let run = run_in_process(
-        c.world,
-        LocalOptions::default(),
-        &CpuBackend::default(),
-        &q,
-        &k,
-        &v,
-        Some(&d_o),
-        &params,
-    )?;
+    let run =
+        run_in_process(c.world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)?;
     let oracle = reference::backward(&q, &k, &v, &d_o, &attention)?;
     let naive = reference::naive_rounded(&q, &k, &v, Some(&d_o), None, &attention, c.dtype)?;
-    Ok(verify::report(
-        c.dtype,
-        &run.forward,
-        run.gradients.as_ref(),
-        &oracle,
-        &naive,
-        &verify::Tolerance::default(),
-    ))
+    Ok(verify::report(c.dtype, &run.forward, run.gradients.as_ref(), &oracle, &naive, &verify::Tolerance::default()))
 }
 
 fn strategy_layout() -> impl Strategy<Value = (Strat, Layout)> {
@@ -183,20 +165,13 @@ mod faults {
     }
 
     fn ring(s: usize) -> ParallelParams {
-        ParallelParams {
-            strategy: Strategy::Ring,
-            seq_len: s,
-            ..Default::default()
-        }
+        ParallelParams { strategy: Strategy::Ring, seq_len: s, ..Default::default() }
     }
 
     #[test]
     fn a_failing_rank_fails_its_peers_promptly() {
         let p = ring(64);
-        let opts = LocalOptions {
-            deadline: Duration::from_secs(30),
-            link: None,
-        };
+        let opts = LocalOptions { deadline: Duration::from_secs(30), link: None };
         let start = Instant::now();
         let out = spmd(4, opts, |c| {
             if c.rank() == 2 {
@@ -233,10 +208,7 @@ mod faults {
 
     #[test]
     fn a_silent_peer_times_out_naming_it() {
-        let opts = LocalOptions {
-            deadline: Duration::from_millis(200),
-            link: None,
-        };
+        let opts = LocalOptions { deadline: Duration::from_millis(200), link: None };
         let out = spmd(2, opts, |c| {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_millis(600));
@@ -246,10 +218,7 @@ mod faults {
         });
         let e = out[0].as_ref().unwrap_err();
         assert!(matches!(e, Error::Timeout { peer: 1, .. }), "{e}");
-        assert!(
-            e.to_string().contains("rank 1") && e.to_string().contains("tag 7"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("rank 1") && e.to_string().contains("tag 7"), "{e}");
     }
 
     #[test]
@@ -257,21 +226,14 @@ mod faults {
         let out = spmd(3, LocalOptions::default(), |c| {
             let mut p = ring(30);
             if c.rank() == 1 {
-                p.attention = AttentionParams {
-                    mask: Mask::Causal,
-                    ..Default::default()
-                };
+                p.attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
                 p.layout = Some(Layout::Contiguous);
             }
             let (q, k, v) = shards(30, 3, c.rank(), &p);
             parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
         });
         let msgs: Vec<String> = out.iter().map(|r| r.as_ref().unwrap_err().to_string()).collect();
-        assert!(
-            msgs[0].contains("handshake") && msgs[0].contains("rank 1"),
-            "{}",
-            msgs[0]
-        );
+        assert!(msgs[0].contains("handshake") && msgs[0].contains("rank 1"), "{}", msgs[0]);
         assert!(msgs.iter().all(|m| m == &msgs[0]), "{msgs:?}");
     }
 
@@ -280,43 +242,25 @@ mod faults {
         let p = ring(30);
         let out = spmd(2, LocalOptions::default(), |c| {
             // Rank 0 cuts its shard as if the sequence had 32 tokens.
-            let (q, k, v) = if c.rank() == 0 {
-                shards(32, 2, 0, &ring(32))
-            } else {
-                shards(30, 2, 1, &p)
-            };
+            let (q, k, v) = if c.rank() == 0 { shards(32, 2, 0, &ring(32)) } else { shards(30, 2, 1, &p) };
             parallel::forward(c, &CpuBackend::default(), &q, &k, &v, &p).map(|_| ())
         });
         for r in &out {
             let e = r.as_ref().unwrap_err();
-            assert!(
-                matches!(e, Error::Handshake(_)) && e.to_string().contains("rank 0 holds 16"),
-                "{e}"
-            );
+            assert!(matches!(e, Error::Handshake(_)) && e.to_string().contains("rank 0 holds 16"), "{e}");
         }
     }
 
     #[test]
     fn ulysses_with_indivisible_heads_errors_cleanly() {
-        let p = ParallelParams {
-            strategy: Strategy::Ulysses,
-            seq_len: 30,
-            ..Default::default()
-        };
+        let p = ParallelParams { strategy: Strategy::Ulysses, seq_len: 30, ..Default::default() };
         let e = p.validate(3, 4).unwrap_err();
-        assert!(
-            matches!(e, Error::Parallel(_)) && e.to_string().contains("h_q = 4"),
-            "{e}"
-        );
+        assert!(matches!(e, Error::Parallel(_)) && e.to_string().contains("h_q = 4"), "{e}");
         let q = randn(vec![1, 30, 4, 8], 1, DType::F32);
         let k = randn(vec![1, 30, 2, 8], 1, DType::F32);
         let r = parallel::run_in_process(3, LocalOptions::default(), &CpuBackend::default(), &q, &k, &k, None, &p);
         assert!(matches!(r, Err(Error::Parallel(_))));
-        let usp = ParallelParams {
-            strategy: Strategy::Usp,
-            layout: Some(Layout::Striped),
-            ..Default::default()
-        };
+        let usp = ParallelParams { strategy: Strategy::Usp, layout: Some(Layout::Striped), ..Default::default() };
         assert!(usp.validate(4, 8).unwrap_err().to_string().contains("striped"));
     }
 }
@@ -328,9 +272,8 @@ mod schedules {
 
     /// Causal attention work (visible pairs) per rank, max over mean.
     fn imbalance(layout: Layout, s: usize, world: usize) -> f64 {
-        let work: Vec<f64> = (0..world)
-            .map(|r| layout.positions(s, world, r).iter().map(|q| (q + 1) as f64).sum())
-            .collect();
+        let work: Vec<f64> =
+            (0..world).map(|r| layout.positions(s, world, r).iter().map(|q| (q + 1) as f64).sum()).collect();
         let mean = work.iter().sum::<f64>() / world as f64;
         work.iter().cloned().fold(0.0, f64::max) / mean
     }
@@ -342,10 +285,7 @@ mod schedules {
                 assert!(imbalance(Layout::Zigzag, s, world) <= 1.15, "zigzag P={world} s={s}");
                 assert!(imbalance(Layout::Striped, s, world) <= 1.15, "striped P={world} s={s}");
             }
-            assert!(
-                imbalance(Layout::Contiguous, 16384, world) > 1.15,
-                "contiguous is the unbalanced one"
-            );
+            assert!(imbalance(Layout::Contiguous, 16384, world) > 1.15, "contiguous is the unbalanced one");
         }
     }
 
@@ -358,50 +298,20 @@ mod schedules {
             let p = ParallelParams {
                 strategy: Strategy::Ring,
                 layout: Some(Layout::Contiguous),
-                attention: AttentionParams {
-                    mask,
-                    ..Default::default()
-                },
+                attention: AttentionParams { mask, ..Default::default() },
                 seq_len: s,
                 ulysses_degree: None,
             };
-            run_in_process(
-                world,
-                LocalOptions::default(),
-                &CpuBackend::default(),
-                &q,
-                &k,
-                &k,
-                None,
-                &p,
-            )
-            .unwrap()
+            run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &k, None, &p).unwrap()
         };
         let full = run(Mask::Causal);
-        let window = run(Mask::Window {
-            left: Some(50),
-            right: Some(0),
-        });
+        let window = run(Mask::Window { left: Some(50), right: Some(0) });
         let sent = |r: &ringattn::parallel::ProcessRun| r.stats.iter().map(|x| x.0.bytes_sent).sum::<u64>();
         assert_eq!(full.stats[0].0.hops, 4);
-        assert_eq!(
-            window.stats[0].0.hops, 2,
-            "a 50-token window over 100-token shards needs one hop back"
-        );
-        assert!(
-            sent(&window) * 3 <= sent(&full) + 1000,
-            "{} vs {}",
-            sent(&window),
-            sent(&full)
-        );
+        assert_eq!(window.stats[0].0.hops, 2, "a 50-token window over 100-token shards needs one hop back");
+        assert!(sent(&window) * 3 <= sent(&full) + 1000, "{} vs {}", sent(&window), sent(&full));
         // And it is still exact.
-        let p = AttentionParams {
-            mask: Mask::Window {
-                left: Some(50),
-                right: Some(0),
-            },
-            ..Default::default()
-        };
+        let p = AttentionParams { mask: Mask::Window { left: Some(50), right: Some(0) }, ..Default::default() };
         let oracle = reference::forward(&q, &k, &k, &p).unwrap();
         assert!(verify::rel_err(&window.forward.o.to_f32_vec(), &oracle.o) < 1e-5);
     }
@@ -413,10 +323,7 @@ mod schedules {
         let k = randn(vec![1, s, 2, 32], 2, DType::BF16);
         let v = randn(vec![1, s, 2, 32], 3, DType::BF16);
         let d_o = randn(vec![1, s, hq, 32], 4, DType::BF16);
-        let attention = AttentionParams {
-            mask: Mask::Causal,
-            ..Default::default()
-        };
+        let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
         let oracle = reference::backward(&q, &k, &v, &d_o, &attention).unwrap();
         let errs = |world: usize| {
             let p = ParallelParams {
@@ -425,17 +332,8 @@ mod schedules {
                 seq_len: s,
                 ..Default::default()
             };
-            let r = run_in_process(
-                world,
-                LocalOptions::default(),
-                &CpuBackend::default(),
-                &q,
-                &k,
-                &v,
-                Some(&d_o),
-                &p,
-            )
-            .unwrap();
+            let r = run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p)
+                .unwrap();
             let g = r.gradients.unwrap();
             [
                 verify::rel_err(&r.forward.o.to_f32_vec(), &oracle.o),
@@ -446,12 +344,7 @@ mod schedules {
         };
         let (one, eight) = (errs(1), errs(8));
         for i in 0..4 {
-            assert!(
-                eight[i] <= 1.5 * one[i],
-                "output {i}: P=8 {} vs P=1 {}",
-                eight[i],
-                one[i]
-            );
+            assert!(eight[i] <= 1.5 * one[i], "output {i}: P=8 {} vs P=1 {}", eight[i], one[i]);
         }
     }
 }
@@ -475,9 +368,7 @@ mod exactly_once {
 
     fn visible(mask: Mask, qp: &Positions, kp: &Positions) -> u64 {
         let kv = kp.to_vec();
-        qp.iter()
-            .map(|q| kv.iter().filter(|&&k| mask.allows(q, k)).count() as u64)
-            .sum()
+        qp.iter().map(|q| kv.iter().filter(|&&k| mask.allows(q, k)).count() as u64).sum()
     }
 
     impl Backend for Counting {
@@ -491,10 +382,7 @@ mod exactly_once {
             k_pos: &Positions,
             params: &AttentionParams,
         ) -> Result<Pending<ForwardPartial>> {
-            self.fwd.fetch_add(
-                visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64,
-                Ordering::Relaxed,
-            );
+            self.fwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
             self.inner.forward_block(dims, q, k, v, q_pos, k_pos, params)
         }
 
@@ -512,12 +400,8 @@ mod exactly_once {
             k_pos: &Positions,
             params: &AttentionParams,
         ) -> Result<Pending<GradientPartial>> {
-            self.bwd.fetch_add(
-                visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64,
-                Ordering::Relaxed,
-            );
-            self.inner
-                .backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
+            self.bwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
+            self.inner.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
         }
 
         fn softmax_grad_rowsum(&self, dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
@@ -531,14 +415,7 @@ mod exactly_once {
         let q = randn(vec![b, s, h_q, 8], 1, DType::F32);
         let k = randn(vec![b, s, h_kv, 8], 2, DType::F32);
         let d_o = randn(vec![b, s, h_q, 8], 3, DType::F32);
-        for mask in [
-            Mask::None,
-            Mask::Causal,
-            Mask::Window {
-                left: Some(7),
-                right: Some(2),
-            },
-        ] {
+        for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(7), right: Some(2) }] {
             let all = Positions::contiguous(0, s);
             let total = visible(mask, &all, &all) * (b * h_q) as u64;
             for world in [1, 2, 3, 4] {
@@ -557,10 +434,7 @@ mod exactly_once {
                     let p = ParallelParams {
                         strategy,
                         layout: Some(layout),
-                        attention: AttentionParams {
-                            mask,
-                            ..Default::default()
-                        },
+                        attention: AttentionParams { mask, ..Default::default() },
                         seq_len: s,
                         ulysses_degree: None,
                     };

@@ -30,10 +30,7 @@ pub struct LocalOptions {
 
 impl Default for LocalOptions {
     fn default() -> Self {
-        LocalOptions {
-            deadline: Duration::from_secs(60),
-            link: None,
-        }
+        LocalOptions { deadline: Duration::from_secs(60), link: None }
     }
 }
 
@@ -116,22 +113,12 @@ impl LocalComm {
     /// Creates the `size` ranks of a new group.
     pub fn group(size: usize, options: LocalOptions) -> Vec<LocalComm> {
         let bytes = Arc::new((0..size).map(|_| AtomicU64::new(0)).collect());
-        let g = Arc::new(Group::new(
-            (0..size).collect(),
-            options,
-            Arc::new(Failure::default()),
-            bytes,
-        ));
+        let g = Arc::new(Group::new((0..size).collect(), options, Arc::new(Failure::default()), bytes));
         (0..size).map(|rank| LocalComm::member(rank, g.clone())).collect()
     }
 
     fn member(rank: usize, group: Arc<Group>) -> Self {
-        LocalComm {
-            rank,
-            group,
-            collectives: AtomicU64::new(0),
-            splits: AtomicU64::new(0),
-        }
+        LocalComm { rank, group, collectives: AtomicU64::new(0), splits: AtomicU64::new(0) }
     }
 
     fn check_peer(&self, peer: usize, op: &str) -> Result<()> {
@@ -324,10 +311,7 @@ pub fn spmd<T: Send>(
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::InvalidArgument("rank thread died".into())))
-            })
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("rank thread died".into()))))
             .collect()
     })
 }

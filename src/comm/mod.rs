@@ -103,15 +103,11 @@ pub trait Communicator: Send + Sync {
 pub fn all_to_all_v(comm: &dyn Communicator, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
     let (p, r) = (comm.size(), comm.rank());
     if sends.len() != p {
-        return Err(crate::Error::InvalidArgument(format!(
-            "all_to_all_v: {} buffers for {p} ranks",
-            sends.len()
-        )));
+        return Err(crate::Error::InvalidArgument(format!("all_to_all_v: {} buffers for {p} ranks", sends.len())));
     }
     let tag = comm.next_collective_tag();
-    let recvs: Vec<Option<RecvHandle>> = (0..p)
-        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag).map(Some) })
-        .collect::<Result<_>>()?;
+    let recvs: Vec<Option<RecvHandle>> =
+        (0..p).map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag).map(Some) }).collect::<Result<_>>()?;
     let mut own = None;
     let mut handles = Vec::with_capacity(p);
     for (j, buf) in sends.into_iter().enumerate() {

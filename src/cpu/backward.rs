@@ -148,12 +148,7 @@ struct Scratch {
 
 impl Scratch {
     fn new(bq: usize, bk: usize, d: usize) -> Self {
-        Scratch {
-            dk: vec![0.0; bk * d],
-            dv: vec![0.0; bk * d],
-            p: vec![0.0; bq * bk],
-            dp: vec![0.0; bq * bk],
-        }
+        Scratch { dk: vec![0.0; bk * d], dv: vec![0.0; bk * d], p: vec![0.0; bq * bk], dp: vec![0.0; bq * bk] }
     }
 
     /// Accumulates (unscaled) dK and dV of one key tile into `self.dk`, `self.dv` and the
@@ -203,8 +198,7 @@ impl Scratch {
                 let mut exact = false;
                 if kind == TileKind::Partial {
                     for i in 0..br {
-                        x.vis
-                            .mask_query_row(&mut p[i * bc..(i + 1) * bc], qs.start + i, ks.start);
+                        x.vis.mask_query_row(&mut p[i * bc..(i + 1) * bc], qs.start + i, ks.start);
                     }
                     let kvf = *kv_finite.get_or_insert_with(|| {
                         rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs)
@@ -224,40 +218,18 @@ impl Scratch {
                 }
                 let dq_tile = &mut dq_part[(hl * dm.s_q + qs.start) * d..][..br * d];
                 if exact {
-                    let bases = Bases {
-                        q: q_base,
-                        d_o: do_base,
-                        k: k_base,
-                        v: v_base,
-                        dd,
-                    };
+                    let bases = Bases { q: q_base, d_o: do_base, k: k_base, v: v_base, dd };
                     exact_tile(x, qs, ks, &bases, p, dk, dv, dq_tile);
                     continue;
                 }
-                let p_view = View {
-                    data: p,
-                    rows: br,
-                    cols: bc,
-                    rs: bc,
-                    cs: 1,
-                };
+                let p_view = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
                 matmul(dv, d, p_view.t(), do_tile, 1.0, true);
                 let dp = &mut self.dp[..br * bc];
                 matmul(dp, bc, do_tile, v_tile.t(), 1.0, false);
                 for i in 0..br {
-                    simd::softmax_grad(
-                        &mut p[i * bc..(i + 1) * bc],
-                        &dp[i * bc..(i + 1) * bc],
-                        dd[qs.start + i],
-                    );
+                    simd::softmax_grad(&mut p[i * bc..(i + 1) * bc], &dp[i * bc..(i + 1) * bc], dd[qs.start + i]);
                 }
-                let ds = View {
-                    data: p,
-                    rows: br,
-                    cols: bc,
-                    rs: bc,
-                    cs: 1,
-                };
+                let ds = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
                 matmul(dk, d, ds.t(), q_tile, 1.0, true);
                 matmul(dq_tile, d, ds, k_tile, 1.0, true);
             }

@@ -120,13 +120,7 @@ impl Scratch {
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
         simd::transpose(&q_base[qs.start * q_rs..], q_rs, &mut self.qt[..br * d], br, br, d);
-        let q_tile = View {
-            data: &self.qt[..br * d],
-            rows: br,
-            cols: d,
-            rs: 1,
-            cs: br,
-        };
+        let q_tile = View { data: &self.qt[..br * d], rows: br, cols: d, rs: 1, cs: br };
         let mut q_finite: Option<bool> = None;
         for ks in k_spans {
             let kind = classify(x.vis, qs, ks);
@@ -136,21 +130,14 @@ impl Scratch {
             let bc = ks.len;
             let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
             let vt_head = &vt[(b * dm.h_kv + hk) * d * dm.s_k..][..d * dm.s_k];
-            let v_tile = View {
-                data: &vt_head[ks.start..],
-                rows: bc,
-                cols: d,
-                rs: 1,
-                cs: dm.s_k,
-            };
+            let v_tile = View { data: &vt_head[ks.start..], rows: bc, cols: d, rs: 1, cs: dm.s_k };
             let st = &mut self.st[..br * bc];
             // S (br × bc), column-major: st[j * br + i].
             matmul_strided(st, 1, br, q_tile, k_tile.t(), c, false);
             let mut exact_pv = false;
             if kind == TileKind::Partial {
                 for j in 0..bc {
-                    x.vis
-                        .mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
+                    x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
                 }
                 // Masked entries must not leak NaN/Inf through 0 · NaN in the P·V product.
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
@@ -162,30 +149,13 @@ impl Scratch {
             for j in 0..bc {
                 simd::max_into(tm, &st[j * br..(j + 1) * br]);
             }
-            let rows = tm
-                .iter()
-                .zip(&mut self.m)
-                .zip(&mut self.l)
-                .zip(&mut self.sub)
-                .zip(&mut self.alpha);
+            let rows = tm.iter().zip(&mut self.m).zip(&mut self.l).zip(&mut self.sub).zip(&mut self.alpha);
             for ((((&t, m), l), sub), alpha) in rows {
                 let m_old = *m;
-                let m_new = if t.is_nan() || m_old.is_nan() {
-                    f32::NAN
-                } else {
-                    m_old.max(t)
-                };
+                let m_new = if t.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t) };
                 // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
-                *sub = if m_new == f32::NEG_INFINITY {
-                    f32::INFINITY
-                } else {
-                    m_new
-                };
-                *alpha = if m_new == f32::NEG_INFINITY {
-                    1.0
-                } else {
-                    (m_old - m_new).exp2()
-                };
+                *sub = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
+                *alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
                 *m = m_new;
                 *l *= *alpha;
             }
@@ -208,13 +178,7 @@ impl Scratch {
                     }
                 }
             } else {
-                let p = View {
-                    data: st,
-                    rows: br,
-                    cols: bc,
-                    rs: 1,
-                    cs: br,
-                };
+                let p = View { data: st, rows: br, cols: bc, rs: 1, cs: br };
                 matmul_strided(&mut self.acc[..br * d], 1, br, p, v_tile, 1.0, true);
             }
         }
@@ -224,11 +188,7 @@ impl Scratch {
     /// are left in `self.qt`.
     fn finish(&mut self, d: usize, lse: &mut [f32]) {
         let br = self.rows;
-        let rows = self.m[..br]
-            .iter()
-            .zip(&self.l[..br])
-            .zip(&mut self.alpha[..br])
-            .zip(lse.iter_mut());
+        let rows = self.m[..br].iter().zip(&self.l[..br]).zip(&mut self.alpha[..br]).zip(lse.iter_mut());
         for (((&m, &l), inv), lse) in rows {
             if m == f32::NEG_INFINITY || l == 0.0 {
                 *inv = 0.0; // fully masked row: o = 0

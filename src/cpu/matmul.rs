@@ -13,24 +13,12 @@ pub(crate) struct View<'a> {
 impl<'a> View<'a> {
     /// Rows `r0..r0+rows` of a row-major matrix whose rows are `rs` apart (columns contiguous).
     pub fn rows(data: &'a [f32], r0: usize, rows: usize, cols: usize, rs: usize) -> Self {
-        View {
-            data: &data[r0 * rs..],
-            rows,
-            cols,
-            rs,
-            cs: 1,
-        }
+        View { data: &data[r0 * rs..], rows, cols, rs, cs: 1 }
     }
 
     /// The transpose (no copy).
     pub fn t(self) -> Self {
-        View {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
+        View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
     }
 
     fn check(&self) {
@@ -64,10 +52,7 @@ pub(crate) fn matmul_strided(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        (m - 1) * dst_rs + (n - 1) * dst_cs < dst.len(),
-        "destination out of bounds"
-    );
+    assert!((m - 1) * dst_rs + (n - 1) * dst_cs < dst.len(), "destination out of bounds");
     if k == 0 {
         if !accumulate {
             for r in 0..m {

@@ -171,17 +171,7 @@ pub fn backward_at(
     k_pos: &Positions,
     params: &AttentionParams,
 ) -> Result<Gradients> {
-    backward_with(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        d_o,
-        Some((q_pos, k_pos)),
-        params,
-        &CpuConfig::default(),
-    )
+    backward_with(q, k, v, o, lse, d_o, Some((q_pos, k_pos)), params, &CpuConfig::default())
 }
 
 /// [`backward`] or [`backward_at`] with explicit configuration.
@@ -204,11 +194,7 @@ pub fn backward_with(
     Dims::expect("o", o, &dims.q_shape(), q)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     if lse.dtype() != DType::F32 {
-        return Err(Error::DtypeMismatch {
-            name: "lse".into(),
-            got: lse.dtype().to_string(),
-            expected: "F32".into(),
-        });
+        return Err(Error::DtypeMismatch { name: "lse".into(), got: lse.dtype().to_string(), expected: "F32".into() });
     }
     if lse.shape() != dims.lse_shape() {
         return Err(Error::ShapeMismatch(format!(
@@ -218,14 +204,7 @@ pub fn backward_with(
         )));
     }
     let vis = visibility(&dims, positions, params)?;
-    let (qf, kf, vf, of, lf, df) = (
-        q.as_f32(),
-        k.as_f32(),
-        v.as_f32(),
-        o.as_f32(),
-        lse.as_f32(),
-        d_o.as_f32(),
-    );
+    let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
     let (dq, dk, dv) = backward::backward(&backward::BackwardInputs {
         dims,
         q: &qf,
@@ -326,18 +305,10 @@ pub(crate) fn block_visibility(
     params: &AttentionParams,
 ) -> Result<Visibility> {
     if q_pos.len() != dims.s_q {
-        return Err(Error::Positions(format!(
-            "{} query positions for s_q = {}",
-            q_pos.len(),
-            dims.s_q
-        )));
+        return Err(Error::Positions(format!("{} query positions for s_q = {}", q_pos.len(), dims.s_q)));
     }
     if k_pos.len() != dims.s_k {
-        return Err(Error::Positions(format!(
-            "{} key positions for s_k = {}",
-            k_pos.len(),
-            dims.s_k
-        )));
+        return Err(Error::Positions(format!("{} key positions for s_k = {}", k_pos.len(), dims.s_k)));
     }
     Visibility::new(params, q_pos, k_pos)
 }

@@ -15,10 +15,7 @@ pub struct TileConfig {
 
 impl Default for TileConfig {
     fn default() -> Self {
-        TileConfig {
-            block_q: 256,
-            block_k: 256,
-        }
+        TileConfig { block_q: 256, block_k: 256 }
     }
 }
 
@@ -108,11 +105,7 @@ unsafe impl Sync for DisjointWriter<'_> {}
 
 impl<'a> DisjointWriter<'a> {
     pub fn new(buf: &'a mut [f32]) -> Self {
-        DisjointWriter {
-            ptr: buf.as_mut_ptr(),
-            len: buf.len(),
-            _borrow: std::marker::PhantomData,
-        }
+        DisjointWriter { ptr: buf.as_mut_ptr(), len: buf.len(), _borrow: std::marker::PhantomData }
     }
 
     /// The elements `start..start + len`.

@@ -9,7 +9,15 @@ use super::{concat_positions, LocalData, Stats};
 use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
 
-fn gather_kv(comm: &dyn Communicator, x: &LocalData, stats: &mut Stats) -> Result<(Vec<f32>, Vec<f32>)> {
+/// The whole K/V, gathered, with their positions and the dims of this rank's block.
+struct Gathered {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    all: Positions,
+    dims: Dims,
+}
+
+fn gather(comm: &dyn Communicator, x: &LocalData, pos: &[Positions], stats: &mut Stats) -> Result<Gathered> {
     let start = Instant::now();
     let w = x.h_kv * x.d;
     let ks = all_gather_v(comm, x.k.clone())?;
@@ -17,7 +25,14 @@ fn gather_kv(comm: &dyn Communicator, x: &LocalData, stats: &mut Stats) -> Resul
     stats.waiting += start.elapsed();
     let k = concat_seq(&ks.iter().map(Vec::as_slice).collect::<Vec<_>>(), x.b, w);
     let v = concat_seq(&vs.iter().map(Vec::as_slice).collect::<Vec<_>>(), x.b, w);
-    Ok((k, v))
+    let all = concat_positions(pos);
+    let dims = Dims { b: x.b, s_q: pos[comm.rank()].len(), s_k: all.len(), h_q: x.h_q, h_kv: x.h_kv, d: x.d };
+    Ok(Gathered { k, v, all, dims })
+}
+
+/// Dense forward FLOPs of the local block.
+fn flops(d: &Dims) -> f64 {
+    4.0 * (d.b * d.h_q * d.d) as f64 * (d.s_q * d.s_k) as f64
 }
 
 pub(super) fn forward(
@@ -28,26 +43,12 @@ pub(super) fn forward(
     params: &AttentionParams,
     stats: &mut Stats,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let (k, v) = gather_kv(comm, x, stats)?;
-    let all = concat_positions(pos);
-    let q_pos = &pos[comm.rank()];
-    let dims = Dims {
-        b: x.b,
-        s_q: q_pos.len(),
-        s_k: all.len(),
-        h_q: x.h_q,
-        h_kv: x.h_kv,
-        d: x.d,
-    };
+    let Gathered { k, v, all, dims } = gather(comm, x, pos, stats)?;
     let start = Instant::now();
-    let out = be.forward_block(dims, &x.q, &k, &v, q_pos, &all, params)?.wait()?;
+    let out = be.forward_block(dims, &x.q, &k, &v, &pos[comm.rank()], &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
-    stats.step(
-        Default::default(),
-        Default::default(),
-        4.0 * (x.b * x.h_q * x.d) as f64 * (q_pos.len() * all.len()) as f64,
-    );
+    stats.step(Default::default(), Default::default(), flops(&dims));
     Ok(out)
 }
 
@@ -63,29 +64,12 @@ pub(super) fn backward(
     d_o: &[f32],
     stats: &mut Stats,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let (k, v) = gather_kv(comm, x, stats)?;
-    let all = concat_positions(pos);
+    let Gathered { k, v, all, dims } = gather(comm, x, pos, stats)?;
     let q_pos = &pos[comm.rank()];
-    let dims = Dims {
-        b: x.b,
-        s_q: q_pos.len(),
-        s_k: all.len(),
-        h_q: x.h_q,
-        h_kv: x.h_kv,
-        d: x.d,
-    };
     let start = Instant::now();
-    let big_d = be.softmax_grad_rowsum(
-        Dims {
-            s_k: q_pos.len(),
-            ..dims
-        },
-        o,
-        d_o,
-    );
-    let (dq, dk_all, dv_all) = be
-        .backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?
-        .wait()?;
+    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, o, d_o);
+    let (dq, dk_all, dv_all) =
+        be.backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();
@@ -103,10 +87,6 @@ pub(super) fn backward(
     let dk = reduce_scatter_v(comm, split(&dk_all))?;
     let dv = reduce_scatter_v(comm, split(&dv_all))?;
     stats.waiting += start.elapsed();
-    stats.step(
-        Default::default(),
-        Default::default(),
-        10.0 * (x.b * x.h_q * x.d) as f64 * (q_pos.len() * all.len()) as f64,
-    );
+    stats.step(Default::default(), Default::default(), 2.5 * flops(&dims));
     Ok((dq, dk, dv))
 }

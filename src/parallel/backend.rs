@@ -100,9 +100,7 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial>> {
         let vis = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        Ok(Pending::ready(cpu::forward_f32(
-            dims, q, k, v, &vis, params, self.tiles,
-        )))
+        Ok(Pending::ready(cpu::forward_f32(dims, q, k, v, &vis, params, self.tiles)))
     }
 
     fn backward_block(
@@ -120,19 +118,7 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial>> {
         let vis: Visibility = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        Ok(Pending::ready(cpu::backward_f32(
-            dims,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            d_o,
-            Some(big_d),
-            &vis,
-            params,
-            self.tiles,
-        )))
+        Ok(Pending::ready(cpu::backward_f32(dims, q, k, v, o, lse, d_o, Some(big_d), &vis, params, self.tiles)))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
@@ -178,11 +164,7 @@ impl Backend for NullBackend {
         _params: &AttentionParams,
     ) -> Result<Pending<GradientPartial>> {
         let kv = dims.b * dims.s_k * dims.h_kv * dims.d;
-        Ok(Pending::ready((
-            vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d],
-            vec![0.0; kv],
-            vec![0.0; kv],
-        )))
+        Ok(Pending::ready((vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d], vec![0.0; kv], vec![0.0; kv])))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, _o: &[f32], _d_o: &[f32]) -> Vec<f32> {

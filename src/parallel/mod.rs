@@ -131,11 +131,7 @@ impl Stats {
     /// Records a step from the totals before it.
     pub(crate) fn step(&mut self, compute0: Duration, waiting0: Duration, flops: f64) {
         self.flops += flops;
-        self.steps.push(StepStats {
-            compute: self.compute - compute0,
-            waiting: self.waiting - waiting0,
-            flops,
-        });
+        self.steps.push(StepStats { compute: self.compute - compute0, waiting: self.waiting - waiting0, flops });
     }
 }
 
@@ -154,9 +150,9 @@ impl ParallelParams {
     /// [`Error::Parallel`] when the given degree does not divide the world size.
     pub fn usp_degree(&self, world: usize, h_q: usize) -> Result<usize> {
         match self.ulysses_degree {
-            Some(u) if u == 0 || world % u != 0 => Err(Error::Parallel(format!(
-                "--ulysses-degree {u} does not divide the world size {world}"
-            ))),
+            Some(u) if u == 0 || world % u != 0 => {
+                Err(Error::Parallel(format!("--ulysses-degree {u} does not divide the world size {world}")))
+            }
             Some(u) => Ok(u),
             None => Ok((1..=world).rev().find(|u| world % u == 0 && h_q % u == 0).unwrap_or(1)),
         }
@@ -171,15 +167,15 @@ impl ParallelParams {
             return Err(Error::Parallel("the world size must be at least 1".into()));
         }
         match self.strategy {
-            Strategy::Single if world != 1 => Err(Error::Parallel(format!(
-                "strategy single runs on one rank, not {world}"
-            ))),
+            Strategy::Single if world != 1 => {
+                Err(Error::Parallel(format!("strategy single runs on one rank, not {world}")))
+            }
             Strategy::Ulysses if h_q % world != 0 => Err(Error::Parallel(format!(
                 "ulysses needs h_q divisible by the world size: h_q = {h_q}, world = {world}"
             ))),
-            Strategy::Usp if self.layout() == Layout::Striped => Err(Error::Parallel(
-                "usp works with the contiguous or zigzag layout, not striped".into(),
-            )),
+            Strategy::Usp if self.layout() == Layout::Striped => {
+                Err(Error::Parallel("usp works with the contiguous or zigzag layout, not striped".into()))
+            }
             Strategy::Usp => {
                 let u = self.usp_degree(world, h_q)?;
                 if h_q % u != 0 {
@@ -209,14 +205,7 @@ impl ParallelParams {
         let group = self.layout().positions(s, world / u, g).to_vec();
         let n = group.len();
         let mine = &group[i * n / u..(i + 1) * n / u];
-        let segs = mine
-            .iter()
-            .map(|&p| crate::Segment {
-                start: p,
-                stride: 1,
-                len: 1,
-            })
-            .collect();
+        let segs = mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect();
         Positions::from_segments(segs).expect("unit segments")
     }
 
@@ -295,11 +284,7 @@ fn handshake(comm: &dyn Communicator, params: &ParallelParams, q: &Tensor, k: &T
         return Err(Error::Handshake(format!("rank {i}: {}", &e[6..])));
     }
     if let Some((i, c)) = configs.iter().enumerate().find(|(_, c)| *c != &configs[0]) {
-        return Err(Error::Handshake(format!(
-            "rank {i} has `{}` but rank 0 has `{}`",
-            &c[3..],
-            &configs[0][3..]
-        )));
+        return Err(Error::Handshake(format!("rank {i} has `{}` but rank 0 has `{}`", &c[3..], &configs[0][3..])));
     }
     local
 }
@@ -341,10 +326,7 @@ pub fn forward(
     let start = std::time::Instant::now();
     let dims = handshake(comm, params, q, k, v)?;
     let x = local_data(dims, q, k, v);
-    let mut stats = Stats {
-        hops: 1,
-        ..Default::default()
-    };
+    let mut stats = Stats { hops: 1, ..Default::default() };
     let sent0 = comm.bytes_sent();
     let (o, lse) = run_forward(comm, backend, &x, params, &mut stats)?;
     stats.bytes_sent = comm.bytes_sent() - sent0;
@@ -380,27 +362,13 @@ pub fn backward(
     Dims::expect("o", o, &dims.q_shape(), q)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
-        return Err(Error::ShapeMismatch(format!(
-            "`lse` must be F32 {:?}",
-            dims.lse_shape()
-        )));
+        return Err(Error::ShapeMismatch(format!("`lse` must be F32 {:?}", dims.lse_shape())));
     }
     let x = local_data(dims, q, k, v);
-    let mut stats = Stats {
-        hops: 1,
-        ..Default::default()
-    };
+    let mut stats = Stats { hops: 1, ..Default::default() };
     let sent0 = comm.bytes_sent();
-    let (dq, dk, dv) = run_backward(
-        comm,
-        backend,
-        &x,
-        &o.to_f32_vec(),
-        &lse.to_f32_vec(),
-        &d_o.to_f32_vec(),
-        params,
-        &mut stats,
-    )?;
+    let (dq, dk, dv) =
+        run_backward(comm, backend, &x, &o.to_f32_vec(), &lse.to_f32_vec(), &d_o.to_f32_vec(), params, &mut stats)?;
     stats.bytes_sent = comm.bytes_sent() - sent0;
     stats.total = start.elapsed();
     Ok((
@@ -420,7 +388,7 @@ fn run_forward(
     params: &ParallelParams,
     stats: &mut Stats,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let (world, rank) = (comm.size(), comm.rank());
+    let world = comm.size();
     let ap = &params.attention;
     match params.strategy {
         Strategy::Single | Strategy::Ring => {
@@ -440,72 +408,17 @@ fn run_forward(
         }
         Strategy::AllGather => allgather::forward(comm, be, x, &all_positions(params, world, 1), ap, stats),
         Strategy::Ulysses | Strategy::Usp => {
-            let u = if params.strategy == Strategy::Ulysses {
-                world
-            } else {
-                params.usp_degree(world, x.h_q)?
-            };
-            let pos = all_positions(params, world, u);
-            let (group, ring_comm) = usp_comms(comm, u)?;
-            let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
-            let g0 = rank / u * u;
-            let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
-            let n = counts[rank % u];
-            let (qh, kh) = (plan.q_heads[rank % u].len(), plan.kv_heads[rank % u].len());
+            let m = Mesh::new(comm, params, x)?;
+            let g = m.group.as_ref();
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(
-                group.as_ref(),
-                &x.q,
-                Shape {
-                    b: x.b,
-                    n,
-                    h: x.h_q,
-                    d: x.d,
-                },
-                &plan.q_heads,
-            )?;
-            let k = ulysses::seq_to_heads(
-                group.as_ref(),
-                &x.k,
-                Shape {
-                    b: x.b,
-                    n,
-                    h: x.h_kv,
-                    d: x.d,
-                },
-                &plan.kv_heads,
-            )?;
-            let v = ulysses::seq_to_heads(
-                group.as_ref(),
-                &x.v,
-                Shape {
-                    b: x.b,
-                    n,
-                    h: x.h_kv,
-                    d: x.d,
-                },
-                &plan.kv_heads,
-            )?;
+            let q = ulysses::seq_to_heads(g, &x.q, m.q_shape, &m.plan.q_heads)?;
+            let k = ulysses::seq_to_heads(g, &x.k, m.kv_shape, &m.plan.kv_heads)?;
+            let v = ulysses::seq_to_heads(g, &x.v, m.kv_shape, &m.plan.kv_heads)?;
             stats.waiting += a2a.elapsed();
-            // Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
-            let group_pos: Vec<Positions> = (0..world / u)
-                .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
-                .collect();
-            let ri = ring::RingInputs {
-                b: x.b,
-                h_q: qh,
-                h_kv: kh,
-                d: x.d,
-                q: &q,
-                k: &k,
-                v: &v,
-                pos: &group_pos,
-                params: ap,
-            };
-            let (o, lse) = ring::forward(ring_comm.as_ref(), be, &ri, stats)?;
+            let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, ap), stats)?;
             let a2a = std::time::Instant::now();
-            let o = ulysses::heads_to_seq(group.as_ref(), &o, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
-            let lse = ulysses::lse_to_seq(group.as_ref(), &lse, x.b, x.h_q, &counts, &plan.q_heads)?;
+            let o = ulysses::heads_to_seq(g, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
+            let lse = ulysses::lse_to_seq(g, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
             stats.waiting += a2a.elapsed();
             Ok((o, lse))
         }
@@ -523,7 +436,7 @@ fn run_backward(
     params: &ParallelParams,
     stats: &mut Stats,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let (world, rank) = (comm.size(), comm.rank());
+    let world = comm.size();
     let ap = &params.attention;
     match params.strategy {
         Strategy::Single | Strategy::Ring => {
@@ -545,70 +458,81 @@ fn run_backward(
             allgather::backward(comm, be, x, &all_positions(params, world, 1), ap, o, lse, d_o, stats)
         }
         Strategy::Ulysses | Strategy::Usp => {
-            let u = if params.strategy == Strategy::Ulysses {
-                world
-            } else {
-                params.usp_degree(world, x.h_q)?
-            };
-            let pos = all_positions(params, world, u);
-            let (group, ring_comm) = usp_comms(comm, u)?;
-            let gc = group.as_ref();
-            let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
-            let g0 = rank / u * u;
-            let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
-            let n = counts[rank % u];
-            let (qh, kh) = (plan.q_heads[rank % u].len(), plan.kv_heads[rank % u].len());
-            let qs = Shape {
-                b: x.b,
-                n,
-                h: x.h_q,
-                d: x.d,
-            };
-            let ks = Shape {
-                b: x.b,
-                n,
-                h: x.h_kv,
-                d: x.d,
-            };
+            let m = Mesh::new(comm, params, x)?;
+            let g = m.group.as_ref();
+            let (qs, ks, qh, kh) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads);
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(gc, &x.q, qs, &plan.q_heads)?;
-            let k = ulysses::seq_to_heads(gc, &x.k, ks, &plan.kv_heads)?;
-            let v = ulysses::seq_to_heads(gc, &x.v, ks, &plan.kv_heads)?;
-            let oh = ulysses::seq_to_heads(gc, o, qs, &plan.q_heads)?;
-            let doh = ulysses::seq_to_heads(gc, d_o, qs, &plan.q_heads)?;
-            let lh = ulysses::lse_to_heads(gc, lse, x.b, x.h_q, n, &plan.q_heads)?;
+            let q = ulysses::seq_to_heads(g, &x.q, qs, qh)?;
+            let k = ulysses::seq_to_heads(g, &x.k, ks, kh)?;
+            let v = ulysses::seq_to_heads(g, &x.v, ks, kh)?;
+            let oh = ulysses::seq_to_heads(g, o, qs, qh)?;
+            let doh = ulysses::seq_to_heads(g, d_o, qs, qh)?;
+            let lh = ulysses::lse_to_heads(g, lse, x.b, x.h_q, qs.n, qh)?;
             stats.waiting += a2a.elapsed();
-            let group_pos: Vec<Positions> = (0..world / u)
-                .map(|g| concat_positions(&pos[g * u..(g + 1) * u]))
-                .collect();
-            let ri = ring::RingInputs {
-                b: x.b,
-                h_q: qh,
-                h_kv: kh,
-                d: x.d,
-                q: &q,
-                k: &k,
-                v: &v,
-                pos: &group_pos,
-                params: ap,
-            };
-            let (dq, dk, dv) = ring::backward(ring_comm.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
+            let ri = m.ring_inputs(x, &q, &k, &v, ap);
+            let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
             let a2a = std::time::Instant::now();
-            let dq = ulysses::heads_to_seq(gc, &dq, x.b, x.h_q, x.d, &counts, &plan.q_heads, false)?;
-            let dk = ulysses::heads_to_seq(gc, &dk, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
-            let dv = ulysses::heads_to_seq(gc, &dv, x.b, x.h_kv, x.d, &counts, &plan.kv_heads, true)?;
+            let dq = ulysses::heads_to_seq(g, &dq, x.b, x.h_q, x.d, &m.counts, qh, false)?;
+            let dk = ulysses::heads_to_seq(g, &dk, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
+            let dv = ulysses::heads_to_seq(g, &dv, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
             stats.waiting += a2a.elapsed();
             Ok((dq, dk, dv))
         }
     }
 }
 
-/// The Ulysses group (consecutive ranks) and the ring across groups of a `u × (P/u)` mesh.
-fn usp_comms(comm: &dyn Communicator, u: usize) -> Result<(Box<dyn Communicator>, Box<dyn Communicator>)> {
-    let rank = comm.rank();
-    let group = comm.split(rank / u, rank % u)?;
-    let ring = comm.split(rank % u, rank / u)?;
-    Ok((group, ring))
+/// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
+/// ranks, the ring across groups, the head plan and this rank's token counts.
+struct Mesh {
+    group: Box<dyn Communicator>,
+    ring: Box<dyn Communicator>,
+    plan: ulysses::HeadPlan,
+    /// Token counts of the ranks of this rank's Ulysses group.
+    counts: Vec<usize>,
+    /// Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
+    group_pos: Vec<Positions>,
+    /// This rank's index in its Ulysses group.
+    me: usize,
+    q_shape: Shape,
+    kv_shape: Shape,
+}
+
+impl Mesh {
+    fn new(comm: &dyn Communicator, params: &ParallelParams, x: &LocalData) -> Result<Self> {
+        let (world, rank) = (comm.size(), comm.rank());
+        let u = if params.strategy == Strategy::Ulysses { world } else { params.usp_degree(world, x.h_q)? };
+        let pos = all_positions(params, world, u);
+        let group = comm.split(rank / u, rank % u)?;
+        let ring = comm.split(rank % u, rank / u)?;
+        let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
+        let g0 = rank / u * u;
+        let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
+        let n = counts[rank % u];
+        let group_pos = (0..world / u).map(|g| concat_positions(&pos[g * u..(g + 1) * u])).collect();
+        Ok(Mesh {
+            group,
+            ring,
+            plan,
+            counts,
+            group_pos,
+            me: rank % u,
+            q_shape: Shape { b: x.b, n, h: x.h_q, d: x.d },
+            kv_shape: Shape { b: x.b, n, h: x.h_kv, d: x.d },
+        })
+    }
+
+    /// The ring's view of this rank's head-sharded data.
+    fn ring_inputs<'a>(
+        &'a self,
+        x: &LocalData,
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        params: &'a AttentionParams,
+    ) -> ring::RingInputs<'a> {
+        let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
+        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, params }
+    }
 }
 
 /// Full-sequence results of an in-process run.
@@ -681,32 +605,18 @@ pub fn run_in_process(
     }
     let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
     let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
-    let forward = ForwardOutput {
-        o: p.unshard(&o)?,
-        lse: p.unshard_lse(&lse)?,
-    };
+    let forward = ForwardOutput { o: p.unshard(&o)?, lse: p.unshard_lse(&lse)? };
     let gradients = if d_o.is_some() {
         let pick = |f: &dyn Fn(&Gradients) -> Tensor| -> Result<Tensor> {
-            let ts: Vec<Tensor> = parts
-                .iter()
-                .map(|x| f(&x.2.as_ref().expect("backward ran").0))
-                .collect();
+            let ts: Vec<Tensor> = parts.iter().map(|x| f(&x.2.as_ref().expect("backward ran").0)).collect();
             p.unshard(&ts)
         };
-        Some(Gradients {
-            dq: pick(&|g| g.dq.clone())?,
-            dk: pick(&|g| g.dk.clone())?,
-            dv: pick(&|g| g.dv.clone())?,
-        })
+        Some(Gradients { dq: pick(&|g| g.dq.clone())?, dk: pick(&|g| g.dk.clone())?, dv: pick(&|g| g.dv.clone())? })
     } else {
         None
     };
     let stats = parts.into_iter().map(|x| (x.1, x.2.map(|g| g.1))).collect();
-    Ok(ProcessRun {
-        forward,
-        gradients,
-        stats,
-    })
+    Ok(ProcessRun { forward, gradients, stats })
 }
 
 /// How much of the communication a schedule hides behind compute, from three runs of it:
@@ -750,22 +660,10 @@ pub fn measure_overlap(
             })
             .fold(0.0, f64::max))
     };
-    let linked = LocalOptions {
-        link: Some(link),
-        ..LocalOptions::default()
-    };
+    let linked = LocalOptions { link: Some(link), ..LocalOptions::default() };
     let run = slowest(linked, backend)?;
     let compute_only = slowest(LocalOptions::default(), backend)?;
     let comm_only = slowest(linked, &NullBackend)?;
-    let hidden = if comm_only > 0.0 {
-        (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0)
-    } else {
-        1.0
-    };
-    Ok(Overlap {
-        run,
-        compute_only,
-        comm_only,
-        hidden,
-    })
+    let hidden = if comm_only > 0.0 { (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0) } else { 1.0 };
+    Ok(Overlap { run, compute_only, comm_only, hidden })
 }

@@ -32,14 +32,7 @@ pub(crate) struct RingInputs<'a> {
 
 impl RingInputs<'_> {
     fn dims(&self, s_q: usize, s_k: usize) -> Dims {
-        Dims {
-            b: self.b,
-            s_q,
-            s_k,
-            h_q: self.h_q,
-            h_kv: self.h_kv,
-            d: self.d,
-        }
+        Dims { b: self.b, s_q, s_k, h_q: self.h_q, h_kv: self.h_kv, d: self.d }
     }
 
     /// Dense forward FLOPs of one block.
@@ -80,10 +73,7 @@ pub(crate) fn hops_needed(params: &AttentionParams, pos: &[Positions]) -> Result
 
 fn check_len(got: &[f32], want: usize, what: &str, peer: usize) -> Result<()> {
     if got.len() != want {
-        return Err(Error::ShapeMismatch(format!(
-            "{what} from rank {peer}: {} values, expected {want}",
-            got.len()
-        )));
+        return Err(Error::ShapeMismatch(format!("{what} from rank {peer}: {} values, expected {want}", got.len())));
     }
     Ok(())
 }
@@ -108,10 +98,7 @@ pub(crate) fn forward(
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let (send, recv) = if t + 1 < hops {
-            (
-                Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?),
-                Some(comm.irecv(prev, KV_TAG + t as Tag)?),
-            )
+            (Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?), Some(comm.irecv(prev, KV_TAG + t as Tag)?))
         } else {
             (None, None)
         };
@@ -183,10 +170,7 @@ pub(crate) fn backward(
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let (send, recv) = if t + 1 < hops {
-            (
-                Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?),
-                Some(comm.irecv(prev, KV_TAG + t as Tag)?),
-            )
+            (Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?), Some(comm.irecv(prev, KV_TAG + t as Tag)?))
         } else {
             (None, None)
         };
@@ -212,11 +196,7 @@ pub(crate) fn backward(
             None => None,
         };
         stats.compute += start.elapsed();
-        let step_flops = if grads.is_some() {
-            2.5 * x.block_flops(n, k_pos.len())
-        } else {
-            0.0
-        };
+        let step_flops = if grads.is_some() { 2.5 * x.block_flops(n, k_pos.len()) } else { 0.0 };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some(h) = acc_recv.take() {

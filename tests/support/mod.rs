@@ -55,10 +55,7 @@ pub fn check_case(case: &Case) -> verify::Report {
 
 pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     let p = &case.params;
-    let cfg = cpu::CpuConfig {
-        tiles: case.tiles,
-        ..Default::default()
-    };
+    let cfg = cpu::CpuConfig { tiles: case.tiles, ..Default::default() };
     let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
     let grads = cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
     let oracle = match case.pos() {
@@ -67,22 +64,12 @@ pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     }
     .expect("oracle");
     let naive = reference::naive_rounded(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, case.dtype).expect("naive");
-    verify::report(
-        case.dtype,
-        &fwd,
-        Some(&grads),
-        &oracle,
-        &naive,
-        &verify::Tolerance::default(),
-    )
+    verify::report(case.dtype, &fwd, Some(&grads), &oracle, &naive, &verify::Tolerance::default())
 }
 
 /// Proptest case count: `PROPTEST_CASES` when set, else `default`.
 pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
 /// Rows `r0..r1` (along the sequence axis) of a `[b, s, h, d]` tensor.

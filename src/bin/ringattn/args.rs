@@ -31,9 +31,7 @@ impl MaskArgs {
             Some(w) => {
                 let parts: Vec<&str> = w.split(',').collect();
                 let side = |s: &str| {
-                    s.trim()
-                        .parse::<i64>()
-                        .map_err(|_| Error::Window(format!("`{w}`: `{s}` is not an integer")))
+                    s.trim().parse::<i64>().map_err(|_| Error::Window(format!("`{w}`: `{s}` is not an integer")))
                 };
                 match parts[..] {
                     [l, r] => Mask::from_signed_window(side(l)?, side(r)?)?,
@@ -42,11 +40,7 @@ impl MaskArgs {
             }
         };
         if self.causal {
-            mask = if self.window.is_some() {
-                mask.and_causal()
-            } else {
-                Mask::Causal
-            };
+            mask = if self.window.is_some() { mask.and_causal() } else { Mask::Causal };
         }
         if let Some(s) = self.scale {
             if !s.is_finite() {
@@ -57,11 +51,7 @@ impl MaskArgs {
             None => None,
             Some(list) => Some(Documents::new(parse_list(list, "--seqlens")?)?),
         };
-        Ok(AttentionParams {
-            mask,
-            documents,
-            scale: self.scale,
-        })
+        Ok(AttentionParams { mask, documents, scale: self.scale })
     }
 }
 
@@ -100,10 +90,7 @@ impl ExecArgs {
                 self.timeout
             )));
         }
-        Ok(LocalOptions {
-            deadline: std::time::Duration::from_secs_f64(self.timeout),
-            link: None,
-        })
+        Ok(LocalOptions { deadline: std::time::Duration::from_secs_f64(self.timeout), link: None })
     }
 
     /// The parallel parameters these options describe (sequence length filled in later).
@@ -120,17 +107,9 @@ impl ExecArgs {
             )));
         }
         if self.ulysses_degree.is_some() && strategy != Strategy::Usp {
-            return Err(Error::InvalidArgument(
-                "--ulysses-degree applies to --strategy usp only".into(),
-            ));
+            return Err(Error::InvalidArgument("--ulysses-degree applies to --strategy usp only".into()));
         }
-        Ok(ParallelParams {
-            strategy,
-            layout,
-            attention,
-            seq_len: 0,
-            ulysses_degree: self.ulysses_degree,
-        })
+        Ok(ParallelParams { strategy, layout, attention, seq_len: 0, ulysses_degree: self.ulysses_degree })
     }
 
     /// Whether this is a plain single-device run.

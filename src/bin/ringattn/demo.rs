@@ -76,6 +76,15 @@ struct DemoReport {
     ranks: Vec<(parallel::Stats, Option<parallel::Stats>)>,
 }
 
+/// The query rows the demo checks against the oracle: the first, the last and a seeded sample.
+fn check_rows(s: usize, a: &DemoArgs) -> Vec<usize> {
+    let mut rows = random::sample_indices(s, a.check_rows.saturating_sub(2), a.seed ^ 0x5eed);
+    rows.extend([0, s - 1]);
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
 fn mib(b: usize) -> f64 {
     b as f64 / (1 << 20) as f64
 }
@@ -88,10 +97,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
     let causal = !a.no_causal;
-    let params = AttentionParams {
-        mask: if causal { Mask::Causal } else { Mask::None },
-        ..Default::default()
-    };
+    let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     println!(
         "ringattn demo: cpu backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
         rayon::current_num_threads(),
@@ -108,12 +114,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     if !a.exec.is_single() {
         let mut pp = a.exec.parallel(params.clone())?;
         pp.seq_len = s;
-        println!(
-            "strategy {} over {} in-process ranks, {:?} layout",
-            a.exec.strategy,
-            a.exec.world,
-            pp.layout()
-        );
+        println!("strategy {} over {} in-process ranks, {:?} layout", a.exec.strategy, a.exec.world, pp.layout());
         let t = Instant::now();
         let d_o_opt = (!a.forward_only).then_some(&d_o);
         let run = parallel::run_in_process(
@@ -150,28 +151,11 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
                 }
             }
         }
-        let mut rows = random::sample_indices(s, a.check_rows.saturating_sub(2), a.seed ^ 0x5eed);
-        rows.extend([0, s - 1]);
-        rows.sort_unstable();
-        rows.dedup();
-        let check = verify::check_rows(
-            &q,
-            &k,
-            &v,
-            d_o_opt,
-            &params,
-            &run.forward,
-            run.gradients.as_ref(),
-            &rows,
-        )?;
+        let rows = check_rows(s, a);
+        let check = verify::check_rows(&q, &k, &v, d_o_opt, &params, &run.forward, run.gradients.as_ref(), &rows)?;
         println!("check of {} sampled query rows against the float64 oracle:", rows.len());
         print!("{}", check.table());
-        let phase = Phase {
-            seconds: secs,
-            tflops: work / secs / 1e12,
-            peak_extra_bytes: 0,
-            output_bytes: 0,
-        };
+        let phase = Phase { seconds: secs, tflops: work / secs / 1e12, peak_extra_bytes: 0, output_bytes: 0 };
         ranks = run.stats;
         let pass = check.pass();
         let report = DemoReport {
@@ -189,31 +173,14 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         if let Some(path) = &a.json {
             ringattn::io::write_json(path, &report)?;
         }
-        println!(
-            "{}",
-            if pass {
-                "demo passed"
-            } else {
-                "demo FAILED: sampled rows disagree with the oracle"
-            }
-        );
+        println!("{}", if pass { "demo passed" } else { "demo FAILED: sampled rows disagree with the oracle" });
         return Ok(if pass { ExitCode::SUCCESS } else { ExitCode::from(3) });
     }
     let base = memory::current_bytes();
     memory::reset_peak();
     let t = Instant::now();
     let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
-        cpu::forward_with(
-            &q,
-            &k,
-            &v,
-            None,
-            &params,
-            &cpu::CpuConfig {
-                progress: Some(p),
-                ..Default::default()
-            },
-        )
+        cpu::forward_with(&q, &k, &v, None, &params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
     })?;
     let secs = t.elapsed().as_secs_f64();
     let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
@@ -238,10 +205,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         memory::reset_peak();
         let t = Instant::now();
         let g = with_progress("backward", (b * hkv * s) as u64, |p| {
-            let cfg = cpu::CpuConfig {
-                progress: Some(p),
-                ..Default::default()
-            };
+            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
             cpu::backward_with(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, None, &params, &cfg)
         })?;
         let secs = t.elapsed().as_secs_f64();
@@ -262,20 +226,8 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         grads = Some(g);
     }
 
-    let mut rows = random::sample_indices(s, a.check_rows.saturating_sub(2), a.seed ^ 0x5eed);
-    rows.extend([0, s - 1]);
-    rows.sort_unstable();
-    rows.dedup();
-    let check = verify::check_rows(
-        &q,
-        &k,
-        &v,
-        grads.as_ref().map(|_| &d_o),
-        &params,
-        &fwd,
-        grads.as_ref(),
-        &rows,
-    )?;
+    let rows = check_rows(s, a);
+    let check = verify::check_rows(&q, &k, &v, grads.as_ref().map(|_| &d_o), &params, &fwd, grads.as_ref(), &rows)?;
     println!("check of {} sampled query rows against the float64 oracle:", rows.len());
     print!("{}", check.table());
     let pass = check.pass();

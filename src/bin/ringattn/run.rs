@@ -37,29 +37,14 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
     } else {
         let backend = CpuBackend::default();
         let options = a.exec.local_options()?;
-        let r = run_in_process(
-            a.exec.world,
-            options,
-            &backend,
-            &x.q,
-            &x.k,
-            &x.v,
-            x.d_o.as_ref(),
-            &parallel,
-        )?;
+        let r = run_in_process(a.exec.world, options, &backend, &x.q, &x.k, &x.v, x.d_o.as_ref(), &parallel)?;
         (r.forward, r.gradients)
     };
     match grads {
         None => io::write_tensors(&a.output, &[("o", &fwd.o), ("lse", &fwd.lse)])?,
         Some(g) => io::write_tensors(
             &a.output,
-            &[
-                ("o", &fwd.o),
-                ("lse", &fwd.lse),
-                ("dq", &g.dq),
-                ("dk", &g.dk),
-                ("dv", &g.dv),
-            ],
+            &[("o", &fwd.o), ("lse", &fwd.lse), ("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)],
         )?,
     }
     Ok(ExitCode::SUCCESS)

@@ -41,18 +41,14 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let (q, k, v, d_o, what) = match &a.input {
         Some(path) => {
             let x = io::read_inputs(path)?;
-            let d_o = x
-                .d_o
-                .unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
+            let d_o = x.d_o.unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
             (x.q, x.k, x.v, d_o, path.display().to_string())
         }
         None => {
             let shape = a.shape.as_deref().unwrap_or("2,257,4,2,64");
             let dims = parse_list(shape, "--shape")?;
             let [b, s, hq, hkv, d] = dims[..] else {
-                return Err(Error::InvalidArgument(format!(
-                    "--shape `{shape}`: expected b,s,h_q,h_kv,d"
-                )));
+                return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
             };
             let dtype: DType = a.dtype.as_deref().unwrap_or("f32").parse()?;
             let seed = a.seed.wrapping_mul(4);
@@ -70,40 +66,20 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         verify::verify_cpu(&q, &k, &v, d_o, &params)?
     } else {
         let backend = CpuBackend::default();
-        let run = run_in_process(
-            a.exec.world,
-            a.exec.local_options()?,
-            &backend,
-            &q,
-            &k,
-            &v,
-            d_o,
-            &parallel,
-        )?;
+        let run = run_in_process(a.exec.world, a.exec.local_options()?, &backend, &q, &k, &v, d_o, &parallel)?;
         let oracle = match d_o {
             Some(g) => reference::backward(&q, &k, &v, g, &params)?,
             None => reference::forward(&q, &k, &v, &params)?,
         };
         let naive = reference::naive_rounded(&q, &k, &v, d_o, None, &params, q.dtype())?;
-        verify::report(
-            q.dtype(),
-            &run.forward,
-            run.gradients.as_ref(),
-            &oracle,
-            &naive,
-            &verify::Tolerance::default(),
-        )
+        verify::report(q.dtype(), &run.forward, run.gradients.as_ref(), &oracle, &naive, &verify::Tolerance::default())
     };
     println!(
         "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
         q.shape(),
         k.shape(),
         params.mask,
-        params
-            .documents
-            .as_ref()
-            .map(|d| format!(", documents {:?}", d.lengths()))
-            .unwrap_or_default(),
+        params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
         a.exec.strategy,
         a.exec.world,
         parallel.layout(),
