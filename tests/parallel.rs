@@ -209,7 +209,7 @@ mod faults {
     #[test]
     fn a_silent_peer_times_out_naming_it() {
         let opts = LocalOptions { deadline: Duration::from_millis(200), link: None };
-        let out = spmd(2, opts, |c| {
+        let out = spmd::<Vec<f32>, _>(2, opts, |c| {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_millis(600));
                 return Ok(());
@@ -354,7 +354,8 @@ mod exactly_once {
 
     use ringattn::comm::LocalOptions;
     use ringattn::parallel::{
-        run_in_process, Backend, CpuBackend, ForwardPartial, GradientPartial, ParallelParams, Pending, Strategy,
+        run_in_process, Backend, BufShape, CpuBackend, ForwardPartial, GradientPartial, ParallelParams, Pending,
+        Strategy,
     };
     use ringattn::{random::randn, AttentionParams, DType, Dims, Layout, Mask, Positions, Result};
 
@@ -372,16 +373,68 @@ mod exactly_once {
     }
 
     impl Backend for Counting {
+        type Buf = Vec<f32>;
+
+        fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+            self.inner.upload(host)
+        }
+
+        fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+            self.inner.download(buf)
+        }
+
+        fn filled(&self, len: usize, value: f32) -> Result<Vec<f32>> {
+            self.inner.filled(len, value)
+        }
+
+        fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+            self.inner.add_into(acc, x)
+        }
+
+        fn merge_into(
+            &self,
+            o: &mut Vec<f32>,
+            l: &mut Vec<f32>,
+            ob: &Vec<f32>,
+            lb: &Vec<f32>,
+            s: [usize; 4],
+        ) -> Result<()> {
+            self.inner.merge_into(o, l, ob, lb, s)
+        }
+
+        fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Result<Vec<f32>> {
+            self.inner.concat_seq(parts, b, w)
+        }
+
+        fn seq_slice(&self, x: &Vec<f32>, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
+            self.inner.seq_slice(x, b, s, w, r0, n)
+        }
+
+        fn select_heads(&self, x: &Vec<f32>, shape: BufShape, heads: &[usize]) -> Result<Vec<f32>> {
+            self.inner.select_heads(x, shape, heads)
+        }
+
+        fn scatter_heads(
+            &self,
+            dst: &mut Vec<f32>,
+            sh: BufShape,
+            heads: &[usize],
+            src: &Vec<f32>,
+            assign: bool,
+        ) -> Result<()> {
+            self.inner.scatter_heads(dst, sh, heads, src, assign)
+        }
+
         fn forward_block(
             &self,
             dims: Dims,
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
             q_pos: &Positions,
             k_pos: &Positions,
             params: &AttentionParams,
-        ) -> Result<Pending<ForwardPartial>> {
+        ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
             self.fwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
             self.inner.forward_block(dims, q, k, v, q_pos, k_pos, params)
         }
@@ -389,22 +442,22 @@ mod exactly_once {
         fn backward_block(
             &self,
             dims: Dims,
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            o: &[f32],
-            lse: &[f32],
-            d_o: &[f32],
-            big_d: &[f32],
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
+            o: &Vec<f32>,
+            lse: &Vec<f32>,
+            d_o: &Vec<f32>,
+            big_d: &Vec<f32>,
             q_pos: &Positions,
             k_pos: &Positions,
             params: &AttentionParams,
-        ) -> Result<Pending<GradientPartial>> {
+        ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
             self.bwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
             self.inner.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
         }
 
-        fn softmax_grad_rowsum(&self, dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+        fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
             self.inner.softmax_grad_rowsum(dims, o, d_o)
         }
     }

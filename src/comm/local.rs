@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Communicator, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
+use super::{Communicator, Payload, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
 use crate::{Error, Result};
 
 /// A model of the link between two ranks: a message of `n` bytes occupies the link for
@@ -46,22 +46,33 @@ impl Failure {
     }
 }
 
-struct Message {
+struct Message<B> {
     deliver_at: Instant,
-    data: Vec<f32>,
+    data: B,
 }
 
-#[derive(Default)]
-struct Mailbox {
-    queue: Mutex<HashMap<(usize, Tag), VecDeque<Message>>>,
+/// Messages waiting per (source rank, tag), in arrival order.
+type Queues<B> = HashMap<(usize, Tag), VecDeque<Message<B>>>;
+
+/// Sub-groups being formed, with how many members have joined.
+type Forming<B> = HashMap<SplitKey, (Arc<Group<B>>, usize)>;
+
+struct Mailbox<B> {
+    queue: Mutex<Queues<B>>,
     ready: Condvar,
 }
 
-struct Group {
+impl<B> Default for Mailbox<B> {
+    fn default() -> Self {
+        Mailbox { queue: Mutex::new(HashMap::new()), ready: Condvar::new() }
+    }
+}
+
+struct Group<B> {
     size: usize,
     /// Global (root) rank of each member, for error messages.
     global: Vec<usize>,
-    mailboxes: Vec<Mailbox>,
+    mailboxes: Vec<Mailbox<B>>,
     /// When each directed link (src, dst) is next free.
     link_free: Mutex<Vec<Instant>>,
     options: LocalOptions,
@@ -70,13 +81,15 @@ struct Group {
     bytes: Arc<Vec<AtomicU64>>,
     /// Sub-groups being formed by `split`, with how many members have joined; an entry is
     /// removed once all have, so repeated splits do not accumulate.
-    splits: Mutex<HashMap<SplitKey, (Arc<Group>, usize)>>,
+    splits: Mutex<Forming<B>>,
+    /// Host-vector side group for `split` metadata.
+    meta: Mutex<Option<Arc<Group<Vec<f32>>>>>,
 }
 
 /// `(split sequence number, color)`: identifies one sub-group being formed.
 type SplitKey = (u64, usize);
 
-impl Group {
+impl<B> Group<B> {
     fn new(global: Vec<usize>, options: LocalOptions, failure: Arc<Failure>, bytes: Arc<Vec<AtomicU64>>) -> Self {
         let size = global.len();
         Group {
@@ -88,6 +101,7 @@ impl Group {
             failure,
             bytes,
             splits: Mutex::new(HashMap::new()),
+            meta: Mutex::new(None),
         }
     }
 }
@@ -102,22 +116,22 @@ impl Group {
 /// }
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-pub struct LocalComm {
+pub struct LocalComm<B = Vec<f32>> {
     rank: usize,
-    group: Arc<Group>,
+    group: Arc<Group<B>>,
     collectives: AtomicU64,
     splits: AtomicU64,
 }
 
-impl LocalComm {
+impl<B: Payload> LocalComm<B> {
     /// Creates the `size` ranks of a new group.
-    pub fn group(size: usize, options: LocalOptions) -> Vec<LocalComm> {
+    pub fn group(size: usize, options: LocalOptions) -> Vec<LocalComm<B>> {
         let bytes = Arc::new((0..size).map(|_| AtomicU64::new(0)).collect());
         let g = Arc::new(Group::new((0..size).collect(), options, Arc::new(Failure::default()), bytes));
         (0..size).map(|rank| LocalComm::member(rank, g.clone())).collect()
     }
 
-    fn member(rank: usize, group: Arc<Group>) -> Self {
+    fn member(rank: usize, group: Arc<Group<B>>) -> Self {
         LocalComm { rank, group, collectives: AtomicU64::new(0), splits: AtomicU64::new(0) }
     }
 
@@ -147,7 +161,9 @@ fn describe(tag: Tag) -> String {
     }
 }
 
-impl Communicator for LocalComm {
+impl<B: Payload> Communicator for LocalComm<B> {
+    type Buf = B;
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -160,10 +176,10 @@ impl Communicator for LocalComm {
         self.group.options.deadline
     }
 
-    fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle> {
+    fn isend(&self, to: usize, tag: Tag, data: B) -> Result<SendHandle> {
         self.check_peer(to, "send")?;
         let g = &self.group;
-        let bytes = (data.len() * 4) as u64;
+        let bytes = (data.elements() * 4) as u64;
         g.bytes[g.global[self.rank]].fetch_add(bytes, Ordering::Relaxed);
         let now = Instant::now();
         let deliver_at = match g.options.link {
@@ -187,7 +203,7 @@ impl Communicator for LocalComm {
         Ok(SendHandle::done())
     }
 
-    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle> {
+    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle<B>> {
         self.check_peer(from, "recv")?;
         let g = self.group.clone();
         let me = self.rank;
@@ -200,11 +216,14 @@ impl Communicator for LocalComm {
                 let now = Instant::now();
                 let mut wake = give_up;
                 if let Some(list) = q.get_mut(&(from, tag)) {
-                    if let Some(m) = list.front() {
-                        if m.deliver_at <= now {
-                            return Ok(list.pop_front().map(|m| m.data).unwrap_or_default());
+                    match list.front().map(|m| m.deliver_at) {
+                        Some(at) if at <= now => {
+                            if let Some(m) = list.pop_front() {
+                                return Ok(m.data);
+                            }
                         }
-                        wake = wake.min(m.deliver_at);
+                        Some(at) => wake = wake.min(at),
+                        None => {}
                     }
                 }
                 if let Some((rank, reason)) = g.failure.get() {
@@ -235,8 +254,11 @@ impl Communicator for LocalComm {
         }
     }
 
-    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
-        let all = super::all_gather_v(self, vec![color as f32, key as f32])?;
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = B>>> {
+        // Exchange (color, key) through a side group of host vectors sharing this group's
+        // failure state, so that any payload type can split.
+        let meta = self.meta()?;
+        let all = super::all_gather_v(&meta, vec![color as f32, key as f32])?;
         let seq = self.splits.fetch_add(1, Ordering::Relaxed);
         let mut members: Vec<(usize, usize)> = all
             .iter()
@@ -277,15 +299,38 @@ impl Communicator for LocalComm {
     }
 }
 
+impl<B: Payload> LocalComm<B> {
+    /// A host-vector communicator over the same ranks, deadline and failure state, for the
+    /// metadata of `split`. Every member gets the same side group, created by the first.
+    fn meta(&self) -> Result<LocalComm<Vec<f32>>> {
+        let g = &self.group;
+        let mut slot = g.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let mg = slot
+            .get_or_insert_with(|| {
+                Arc::new(Group::new(
+                    g.global.clone(),
+                    g.options,
+                    g.failure.clone(),
+                    Arc::new((0..g.bytes.len()).map(|_| AtomicU64::new(0)).collect()),
+                ))
+            })
+            .clone();
+        drop(slot);
+        let c = LocalComm::member(self.rank, mg);
+        c.collectives.store(self.splits.load(Ordering::Relaxed), Ordering::Relaxed);
+        Ok(c)
+    }
+}
+
 /// Runs `f` on `world` in-process ranks (one thread each) and returns every rank's result,
 /// indexed by rank. A rank whose closure errors or panics aborts the group, so the others
 /// fail promptly with [`Error::PeerFailed`] instead of waiting for it.
-pub fn spmd<T: Send>(
+pub fn spmd<B: Payload, T: Send>(
     world: usize,
     options: LocalOptions,
-    f: impl Fn(&LocalComm) -> Result<T> + Sync,
+    f: impl Fn(&LocalComm<B>) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
-    let comms = LocalComm::group(world, options);
+    let comms = LocalComm::<B>::group(world, options);
     std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .iter()

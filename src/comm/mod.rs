@@ -1,4 +1,5 @@
-//! The communication seam: a [`Communicator`] moves f32 buffers between ranks with
+//! The communication seam: a [`Communicator`] moves buffers ([`Payload`]: host vectors here,
+//! device memory for device communicators) between ranks with
 //! non-blocking point-to-point operations whose handles are waited on with a deadline;
 //! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`]) are
 //! built from them. [`LocalComm`] runs P ranks as P threads of one process.
@@ -18,6 +19,19 @@ use crate::Result;
 
 /// A message tag. Point-to-point tags chosen by drivers must stay below [`COLLECTIVE_TAG`].
 pub type Tag = u64;
+
+/// What a communicator moves: a buffer of f32 values in some memory (`Vec<f32>` on the
+/// host; a device buffer for device communicators).
+pub trait Payload: Clone + Send + Sync + 'static {
+    /// Number of f32 elements.
+    fn elements(&self) -> usize;
+}
+
+impl Payload for Vec<f32> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
 
 /// Tags at or above this are reserved for collectives.
 pub const COLLECTIVE_TAG: Tag = 1 << 62;
@@ -43,16 +57,16 @@ impl SendHandle {
 }
 
 /// A posted receive; waiting returns the message.
-pub struct RecvHandle(Box<dyn FnOnce() -> Result<Vec<f32>> + Send>);
+pub struct RecvHandle<B = Vec<f32>>(Box<dyn FnOnce() -> Result<B> + Send>);
 
-impl RecvHandle {
+impl<B> RecvHandle<B> {
     /// A receive completed by `f`.
-    pub fn new(f: impl FnOnce() -> Result<Vec<f32>> + Send + 'static) -> Self {
+    pub fn new(f: impl FnOnce() -> Result<B> + Send + 'static) -> Self {
         RecvHandle(Box::new(f))
     }
 
     /// Waits for the message (bounded by the communicator's deadline).
-    pub fn wait(self) -> Result<Vec<f32>> {
+    pub fn wait(self) -> Result<B> {
         (self.0)()
     }
 }
@@ -62,6 +76,8 @@ impl RecvHandle {
 /// Collective operations (the free functions of this module and [`Communicator::split`])
 /// must be called by every rank of the group in the same order.
 pub trait Communicator: Send + Sync {
+    /// The buffers this communicator moves.
+    type Buf: Payload;
     /// This rank, `0..size()`.
     fn rank(&self) -> usize;
     /// Number of ranks.
@@ -73,12 +89,12 @@ pub trait Communicator: Send + Sync {
     /// # Errors
     /// [`crate::Error::InvalidArgument`] for a rank out of range, [`crate::Error::PeerFailed`]
     /// when the group has failed.
-    fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle>;
+    fn isend(&self, to: usize, tag: Tag, data: Self::Buf) -> Result<SendHandle>;
     /// Posts a receive of the next message from rank `from` with `tag`; returns at once.
     ///
     /// # Errors
     /// As [`Communicator::isend`].
-    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle>;
+    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle<Self::Buf>>;
     /// Marks the whole group (and every group split from the same root) as failed, so that
     /// every pending and future wait returns [`crate::Error::PeerFailed`] naming this rank.
     fn abort(&self, reason: &str);
@@ -87,7 +103,7 @@ pub trait Communicator: Send + Sync {
     ///
     /// # Errors
     /// Communication errors of the underlying exchange.
-    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Self::Buf>>>;
     /// The tag of this rank's next collective call (identical across ranks when collectives
     /// are called in the same order).
     fn next_collective_tag(&self) -> Tag;
@@ -100,13 +116,13 @@ pub trait Communicator: Send + Sync {
 ///
 /// # Errors
 /// [`crate::Error::InvalidArgument`] when `sends.len() != size`, or communication errors.
-pub fn all_to_all_v(comm: &dyn Communicator, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+pub fn all_to_all_v<B: Payload>(comm: &dyn Communicator<Buf = B>, sends: Vec<B>) -> Result<Vec<B>> {
     let (p, r) = (comm.size(), comm.rank());
     if sends.len() != p {
         return Err(crate::Error::InvalidArgument(format!("all_to_all_v: {} buffers for {p} ranks", sends.len())));
     }
     let tag = comm.next_collective_tag();
-    let recvs: Vec<Option<RecvHandle>> =
+    let recvs: Vec<Option<RecvHandle<B>>> =
         (0..p).map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag).map(Some) }).collect::<Result<_>>()?;
     let mut own = None;
     let mut handles = Vec::with_capacity(p);
@@ -121,7 +137,9 @@ pub fn all_to_all_v(comm: &dyn Communicator, sends: Vec<Vec<f32>>) -> Result<Vec
     for h in recvs {
         out.push(match h {
             Some(h) => h.wait()?,
-            None => own.take().unwrap_or_default(),
+            None => {
+                own.take().ok_or_else(|| crate::Error::InvalidArgument("all_to_all_v: own buffer missing".into()))?
+            }
         });
     }
     for h in handles {
@@ -134,38 +152,46 @@ pub fn all_to_all_v(comm: &dyn Communicator, sends: Vec<Vec<f32>>) -> Result<Vec
 ///
 /// # Errors
 /// Communication errors.
-pub fn all_gather_v(comm: &dyn Communicator, data: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+pub fn all_gather_v<B: Payload>(comm: &dyn Communicator<Buf = B>, data: B) -> Result<Vec<B>> {
     let p = comm.size();
     all_to_all_v(comm, vec![data; p])
 }
 
-/// Rank `j` receives the sum over all ranks `i` (added in rank order, so the result is
-/// deterministic) of `parts[j]` of rank `i`. All ranks must pass equal lengths for each `j`.
+/// Rank `j` receives the sum over all ranks `i` of `parts[j]` of rank `i`, added in rank
+/// order (so the result is deterministic) by `add(acc, x)`, which adds `x` into `acc` (a
+/// backend's addition for device buffers).
 ///
 /// # Errors
-/// Communication errors, or [`crate::Error::ShapeMismatch`] for unequal lengths.
-pub fn reduce_scatter_v(comm: &dyn Communicator, parts: Vec<Vec<f32>>) -> Result<Vec<f32>> {
-    let got = all_to_all_v(comm, parts)?;
-    let mut sum = vec![0.0f32; got.first().map_or(0, Vec::len)];
-    for (i, g) in got.iter().enumerate() {
-        if g.len() != sum.len() {
-            return Err(crate::Error::ShapeMismatch(format!(
-                "reduce_scatter_v: rank {i} sent {} values, rank 0 sent {}",
-                g.len(),
-                sum.len()
-            )));
-        }
-        for (s, x) in sum.iter_mut().zip(g) {
-            *s += x;
-        }
+/// Communication errors, or those of `add` (unequal lengths).
+pub fn reduce_scatter_v<B: Payload>(
+    comm: &dyn Communicator<Buf = B>,
+    parts: Vec<B>,
+    add: impl Fn(&mut B, &B) -> Result<()>,
+) -> Result<B> {
+    let mut got = all_to_all_v(comm, parts)?.into_iter();
+    let mut sum = got.next().ok_or_else(|| crate::Error::InvalidArgument("reduce_scatter_v: no ranks".into()))?;
+    for g in got {
+        add(&mut sum, &g)?;
     }
     Ok(sum)
 }
 
-/// Returns once every rank has entered.
+/// Adds host vectors element-wise (the `add` of [`reduce_scatter_v`] for `Vec<f32>`).
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] for unequal lengths.
+pub fn add_host(acc: &mut [f32], x: &[f32]) -> Result<()> {
+    if acc.len() != x.len() {
+        return Err(crate::Error::ShapeMismatch(format!("add: {} values and {}", acc.len(), x.len())));
+    }
+    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+    Ok(())
+}
+
+/// Returns once every rank has entered (`token`: any small buffer, e.g. an empty one).
 ///
 /// # Errors
 /// Communication errors.
-pub fn barrier(comm: &dyn Communicator) -> Result<()> {
-    all_gather_v(comm, Vec::new()).map(|_| ())
+pub fn barrier<B: Payload>(comm: &dyn Communicator<Buf = B>, token: B) -> Result<()> {
+    all_gather_v(comm, token).map(|_| ())
 }

@@ -4,27 +4,32 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::seq::{concat_seq, seq_slice};
 use super::{concat_positions, LocalData, Stats};
 use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
 
 /// The whole K/V, gathered, with their positions and the dims of this rank's block.
-struct Gathered {
-    k: Vec<f32>,
-    v: Vec<f32>,
+struct Gathered<B> {
+    k: B,
+    v: B,
     all: Positions,
     dims: Dims,
 }
 
-fn gather(comm: &dyn Communicator, x: &LocalData, pos: &[Positions], stats: &mut Stats) -> Result<Gathered> {
+fn gather<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
+    pos: &[Positions],
+    stats: &mut Stats,
+) -> Result<Gathered<Be::Buf>> {
     let start = Instant::now();
     let w = x.h_kv * x.d;
     let ks = all_gather_v(comm, x.k.clone())?;
     let vs = all_gather_v(comm, x.v.clone())?;
     stats.waiting += start.elapsed();
-    let k = concat_seq(&ks.iter().map(Vec::as_slice).collect::<Vec<_>>(), x.b, w);
-    let v = concat_seq(&vs.iter().map(Vec::as_slice).collect::<Vec<_>>(), x.b, w);
+    let k = be.concat_seq(&ks, x.b, w)?;
+    let v = be.concat_seq(&vs, x.b, w)?;
     let all = concat_positions(pos);
     let dims = Dims { b: x.b, s_q: pos[comm.rank()].len(), s_k: all.len(), h_q: x.h_q, h_kv: x.h_kv, d: x.d };
     Ok(Gathered { k, v, all, dims })
@@ -35,15 +40,15 @@ fn flops(d: &Dims) -> f64 {
     4.0 * (d.b * d.h_q * d.d) as f64 * (d.s_q * d.s_k) as f64
 }
 
-pub(super) fn forward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &LocalData,
+pub(super) fn forward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
     pos: &[Positions],
     params: &AttentionParams,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let Gathered { k, v, all, dims } = gather(comm, x, pos, stats)?;
+) -> Result<(Be::Buf, Be::Buf)> {
+    let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
     let start = Instant::now();
     let out = be.forward_block(dims, &x.q, &k, &v, &pos[comm.rank()], &all, params)?.wait()?;
     stats.compute += start.elapsed();
@@ -53,39 +58,40 @@ pub(super) fn forward(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &LocalData,
+pub(super) fn backward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
     pos: &[Positions],
     params: &AttentionParams,
-    o: &[f32],
-    lse: &[f32],
-    d_o: &[f32],
+    o: &Be::Buf,
+    lse: &Be::Buf,
+    d_o: &Be::Buf,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let Gathered { k, v, all, dims } = gather(comm, x, pos, stats)?;
+) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+    let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
     let q_pos = &pos[comm.rank()];
     let start = Instant::now();
-    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, o, d_o);
+    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, o, d_o)?;
     let (dq, dk_all, dv_all) =
         be.backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();
     let w = x.h_kv * x.d;
-    let split = |t: &[f32]| {
+    let split = |t: &Be::Buf| {
         let mut off = 0;
         pos.iter()
             .map(|p| {
-                let part = seq_slice(t, x.b, all.len(), w, off, p.len());
+                let part = be.seq_slice(t, x.b, all.len(), w, off, p.len());
                 off += p.len();
                 part
             })
-            .collect::<Vec<_>>()
+            .collect::<Result<Vec<_>>>()
     };
-    let dk = reduce_scatter_v(comm, split(&dk_all))?;
-    let dv = reduce_scatter_v(comm, split(&dv_all))?;
+    let add = |acc: &mut Be::Buf, x: &Be::Buf| be.add_into(acc, x);
+    let dk = reduce_scatter_v(comm, split(&dk_all)?, add)?;
+    let dv = reduce_scatter_v(comm, split(&dv_all)?, add)?;
     stats.waiting += start.elapsed();
     stats.step(Default::default(), Default::default(), 2.5 * flops(&dims));
     Ok((dq, dk, dv))

@@ -41,7 +41,7 @@ mod ulysses;
 
 use std::time::Duration;
 
-pub use backend::{Backend, CpuBackend, ForwardPartial, GradientPartial, NullBackend, Pending};
+pub use backend::{Backend, BufShape, CpuBackend, ForwardPartial, GradientPartial, NullBackend, Pending};
 
 use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
@@ -230,20 +230,27 @@ impl ParallelParams {
     }
 }
 
-/// Per-rank local data in f32.
-struct LocalData {
+/// Per-rank local data in the backend's buffers.
+struct LocalData<B> {
     b: usize,
     h_q: usize,
     h_kv: usize,
     d: usize,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    q: B,
+    k: B,
+    v: B,
 }
 
 /// Validates the shards, then compares every rank's configuration: any mismatch or local
-/// error fails every rank with the same message.
-fn handshake(comm: &dyn Communicator, params: &ParallelParams, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+/// error fails every rank with the same message. The texts travel as the backend's buffers.
+fn handshake<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    params: &ParallelParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<Dims> {
     let (world, rank) = (comm.size(), comm.rank());
     let local = Dims::of(q, k, v).and_then(|dims| {
         params.validate(world, dims.h_q)?;
@@ -277,9 +284,12 @@ fn handshake(comm: &dyn Communicator, params: &ParallelParams, q: &Tensor, k: &T
         ),
         Err(e) => format!("error {e}"),
     };
-    let all = all_gather_v(comm, config.bytes().map(|c| c as f32).collect())?;
-    let text = |v: &Vec<f32>| v.iter().map(|&c| c as u8 as char).collect::<String>();
-    let configs: Vec<String> = all.iter().map(text).collect();
+    let text: Vec<f32> = config.bytes().map(|c| c as f32).collect();
+    let all = all_gather_v(comm, be.upload(&text)?)?;
+    let mut configs = Vec::with_capacity(all.len());
+    for buf in &all {
+        configs.push(be.download(buf)?.iter().map(|&c| c as u8 as char).collect::<String>());
+    }
     if let Some((i, e)) = configs.iter().enumerate().find(|(_, c)| c.starts_with("error ")) {
         return Err(Error::Handshake(format!("rank {i}: {}", &e[6..])));
     }
@@ -289,16 +299,16 @@ fn handshake(comm: &dyn Communicator, params: &ParallelParams, q: &Tensor, k: &T
     local
 }
 
-fn local_data(dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor) -> LocalData {
-    LocalData {
+fn local_data<Be: Backend>(be: &Be, dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<LocalData<Be::Buf>> {
+    Ok(LocalData {
         b: dims.b,
         h_q: dims.h_q,
         h_kv: dims.h_kv,
         d: dims.d,
-        q: q.to_f32_vec(),
-        k: k.to_f32_vec(),
-        v: v.to_f32_vec(),
-    }
+        q: be.upload(&q.as_f32())?,
+        k: be.upload(&k.as_f32())?,
+        v: be.upload(&v.as_f32())?,
+    })
 }
 
 fn all_positions(params: &ParallelParams, world: usize, u: usize) -> Vec<Positions> {
@@ -310,22 +320,22 @@ fn concat_positions(pos: &[Positions]) -> Positions {
 }
 
 /// This rank's part of the forward: `o` (input dtype) and `lse` (f32) for the tokens it
-/// holds, with its statistics. Collective over `comm`.
+/// holds, with its statistics. Collective over `comm`, whose buffers are the backend's.
 ///
 /// # Errors
 /// [`Error::Handshake`] when ranks disagree or one holds the wrong shard (on every rank),
 /// [`Error::Parallel`] for an invalid configuration, communication errors.
-pub fn forward(
-    comm: &dyn Communicator,
-    backend: &dyn Backend,
+pub fn forward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    backend: &Be,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     params: &ParallelParams,
 ) -> Result<(ForwardOutput, Stats)> {
     let start = std::time::Instant::now();
-    let dims = handshake(comm, params, q, k, v)?;
-    let x = local_data(dims, q, k, v);
+    let dims = handshake(comm, backend, params, q, k, v)?;
+    let x = local_data(backend, dims, q, k, v)?;
     let mut stats = Stats { hops: 1, ..Default::default() };
     let sent0 = comm.bytes_sent();
     let (o, lse) = run_forward(comm, backend, &x, params, &mut stats)?;
@@ -333,8 +343,8 @@ pub fn forward(
     stats.total = start.elapsed();
     Ok((
         ForwardOutput {
-            o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
-            lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+            o: Tensor::from_f32_owned(dims.q_shape(), backend.download(&o)?, q.dtype())?,
+            lse: Tensor::from_f32(dims.lse_shape(), backend.download(&lse)?)?,
         },
         stats,
     ))
@@ -346,9 +356,9 @@ pub fn forward(
 /// # Errors
 /// As [`forward`].
 #[allow(clippy::too_many_arguments)]
-pub fn backward(
-    comm: &dyn Communicator,
-    backend: &dyn Backend,
+pub fn backward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    backend: &Be,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -358,36 +368,37 @@ pub fn backward(
     params: &ParallelParams,
 ) -> Result<(Gradients, Stats)> {
     let start = std::time::Instant::now();
-    let dims = handshake(comm, params, q, k, v)?;
+    let dims = handshake(comm, backend, params, q, k, v)?;
     Dims::expect("o", o, &dims.q_shape(), q)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
         return Err(Error::ShapeMismatch(format!("`lse` must be F32 {:?}", dims.lse_shape())));
     }
-    let x = local_data(dims, q, k, v);
+    let x = local_data(backend, dims, q, k, v)?;
+    let (o, lse, d_o) = (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
     let mut stats = Stats { hops: 1, ..Default::default() };
     let sent0 = comm.bytes_sent();
-    let (dq, dk, dv) =
-        run_backward(comm, backend, &x, &o.to_f32_vec(), &lse.to_f32_vec(), &d_o.to_f32_vec(), params, &mut stats)?;
+    let (dq, dk, dv) = run_backward(comm, backend, &x, &o, &lse, &d_o, params, &mut stats)?;
     stats.bytes_sent = comm.bytes_sent() - sent0;
     stats.total = start.elapsed();
+    let round = |shape: Vec<usize>, b: &Be::Buf| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
     Ok((
         Gradients {
-            dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
-            dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
-            dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+            dq: round(dims.q_shape(), &dq)?,
+            dk: round(dims.kv_shape(), &dk)?,
+            dv: round(dims.kv_shape(), &dv)?,
         },
         stats,
     ))
 }
 
-fn run_forward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &LocalData,
+fn run_forward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
     params: &ParallelParams,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<(Be::Buf, Be::Buf)> {
     let world = comm.size();
     let ap = &params.attention;
     match params.strategy {
@@ -411,14 +422,14 @@ fn run_forward(
             let m = Mesh::new(comm, params, x)?;
             let g = m.group.as_ref();
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(g, &x.q, m.q_shape, &m.plan.q_heads)?;
-            let k = ulysses::seq_to_heads(g, &x.k, m.kv_shape, &m.plan.kv_heads)?;
-            let v = ulysses::seq_to_heads(g, &x.v, m.kv_shape, &m.plan.kv_heads)?;
+            let q = ulysses::seq_to_heads(g, be, &x.q, m.q_shape, &m.plan.q_heads)?;
+            let k = ulysses::seq_to_heads(g, be, &x.k, m.kv_shape, &m.plan.kv_heads)?;
+            let v = ulysses::seq_to_heads(g, be, &x.v, m.kv_shape, &m.plan.kv_heads)?;
             stats.waiting += a2a.elapsed();
             let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, ap), stats)?;
             let a2a = std::time::Instant::now();
-            let o = ulysses::heads_to_seq(g, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
-            let lse = ulysses::lse_to_seq(g, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
+            let o = ulysses::heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
+            let lse = ulysses::lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
             stats.waiting += a2a.elapsed();
             Ok((o, lse))
         }
@@ -426,16 +437,16 @@ fn run_forward(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_backward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &LocalData,
-    o: &[f32],
-    lse: &[f32],
-    d_o: &[f32],
+fn run_backward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
+    o: &Be::Buf,
+    lse: &Be::Buf,
+    d_o: &Be::Buf,
     params: &ParallelParams,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
     let world = comm.size();
     let ap = &params.attention;
     match params.strategy {
@@ -462,19 +473,19 @@ fn run_backward(
             let g = m.group.as_ref();
             let (qs, ks, qh, kh) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads);
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(g, &x.q, qs, qh)?;
-            let k = ulysses::seq_to_heads(g, &x.k, ks, kh)?;
-            let v = ulysses::seq_to_heads(g, &x.v, ks, kh)?;
-            let oh = ulysses::seq_to_heads(g, o, qs, qh)?;
-            let doh = ulysses::seq_to_heads(g, d_o, qs, qh)?;
-            let lh = ulysses::lse_to_heads(g, lse, x.b, x.h_q, qs.n, qh)?;
+            let q = ulysses::seq_to_heads(g, be, &x.q, qs, qh)?;
+            let k = ulysses::seq_to_heads(g, be, &x.k, ks, kh)?;
+            let v = ulysses::seq_to_heads(g, be, &x.v, ks, kh)?;
+            let oh = ulysses::seq_to_heads(g, be, o, qs, qh)?;
+            let doh = ulysses::seq_to_heads(g, be, d_o, qs, qh)?;
+            let lh = ulysses::lse_to_heads(g, be, lse, x.b, x.h_q, qs.n, qh)?;
             stats.waiting += a2a.elapsed();
             let ri = m.ring_inputs(x, &q, &k, &v, ap);
             let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
             let a2a = std::time::Instant::now();
-            let dq = ulysses::heads_to_seq(g, &dq, x.b, x.h_q, x.d, &m.counts, qh, false)?;
-            let dk = ulysses::heads_to_seq(g, &dk, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
-            let dv = ulysses::heads_to_seq(g, &dv, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
+            let dq = ulysses::heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, &m.counts, qh, false)?;
+            let dk = ulysses::heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
+            let dv = ulysses::heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
             stats.waiting += a2a.elapsed();
             Ok((dq, dk, dv))
         }
@@ -483,9 +494,9 @@ fn run_backward(
 
 /// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
 /// ranks, the ring across groups, the head plan and this rank's token counts.
-struct Mesh {
-    group: Box<dyn Communicator>,
-    ring: Box<dyn Communicator>,
+struct Mesh<B: crate::comm::Payload> {
+    group: Box<dyn Communicator<Buf = B>>,
+    ring: Box<dyn Communicator<Buf = B>>,
     plan: ulysses::HeadPlan,
     /// Token counts of the ranks of this rank's Ulysses group.
     counts: Vec<usize>,
@@ -497,8 +508,8 @@ struct Mesh {
     kv_shape: Shape,
 }
 
-impl Mesh {
-    fn new(comm: &dyn Communicator, params: &ParallelParams, x: &LocalData) -> Result<Self> {
+impl<B: crate::comm::Payload> Mesh<B> {
+    fn new(comm: &dyn Communicator<Buf = B>, params: &ParallelParams, x: &LocalData<B>) -> Result<Self> {
         let (world, rank) = (comm.size(), comm.rank());
         let u = if params.strategy == Strategy::Ulysses { world } else { params.usp_degree(world, x.h_q)? };
         let pos = all_positions(params, world, u);
@@ -524,12 +535,12 @@ impl Mesh {
     /// The ring's view of this rank's head-sharded data.
     fn ring_inputs<'a>(
         &'a self,
-        x: &LocalData,
-        q: &'a [f32],
-        k: &'a [f32],
-        v: &'a [f32],
+        x: &LocalData<B>,
+        q: &'a B,
+        k: &'a B,
+        v: &'a B,
         params: &'a AttentionParams,
-    ) -> ring::RingInputs<'a> {
+    ) -> ring::RingInputs<'a, B> {
         let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
         ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, params }
     }
@@ -553,10 +564,10 @@ pub struct ProcessRun {
 /// # Errors
 /// The first error of any rank (every rank fails with an error when one does).
 #[allow(clippy::too_many_arguments)]
-pub fn run_in_process(
+pub fn run_in_process<Be: Backend>(
     world: usize,
     options: LocalOptions,
-    backend: &dyn Backend,
+    backend: &Be,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -576,7 +587,7 @@ pub fn run_in_process(
     if p.strategy == Strategy::Usp {
         p.ulysses_degree = Some(p.usp_degree(world, dims.h_q)?);
     }
-    let results = spmd(world, options, |comm| {
+    let results = spmd::<Be::Buf, _>(world, options, |comm| {
         let pos = p.positions(world, comm.rank());
         let shard = |t: &Tensor| Layout::shard_rows(t, &pos);
         let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
@@ -640,17 +651,23 @@ pub struct Overlap {
 /// # Errors
 /// As [`run_in_process`].
 #[allow(clippy::too_many_arguments)]
-pub fn measure_overlap(
+pub fn measure_overlap<Be: Backend<Buf = Vec<f32>>>(
     world: usize,
     link: crate::comm::LinkModel,
-    backend: &dyn Backend,
+    backend: &Be,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     d_o: Option<&Tensor>,
     params: &ParallelParams,
 ) -> Result<Overlap> {
-    let slowest = |options: LocalOptions, be: &dyn Backend| -> Result<f64> {
+    fn slowest<B: Backend>(
+        world: usize,
+        options: LocalOptions,
+        be: &B,
+        run: (&Tensor, &Tensor, &Tensor, Option<&Tensor>, &ParallelParams),
+    ) -> Result<f64> {
+        let (q, k, v, d_o, params) = run;
         let r = run_in_process(world, options, be, q, k, v, d_o, params)?;
         Ok(r.stats
             .iter()
@@ -659,11 +676,12 @@ pub fn measure_overlap(
                 _ => f.total.as_secs_f64(),
             })
             .fold(0.0, f64::max))
-    };
+    }
     let linked = LocalOptions { link: Some(link), ..LocalOptions::default() };
-    let run = slowest(linked, backend)?;
-    let compute_only = slowest(LocalOptions::default(), backend)?;
-    let comm_only = slowest(linked, &NullBackend)?;
+    let args = (q, k, v, d_o, params);
+    let run = slowest(world, linked, backend, args)?;
+    let compute_only = slowest(world, LocalOptions::default(), backend, args)?;
+    let comm_only = slowest(world, linked, &NullBackend, args)?;
     let hidden = if comm_only > 0.0 { (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0) } else { 1.0 };
     Ok(Overlap { run, compute_only, comm_only, hidden })
 }

@@ -6,31 +6,33 @@ use std::time::Instant;
 
 use super::backend::Backend;
 use super::Stats;
-use crate::comm::{Communicator, Tag};
+use crate::comm::{Communicator, Payload, RecvHandle, Tag};
 use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
-use crate::{merge, AttentionParams, Dims, Error, Positions, Result};
+use crate::{AttentionParams, Dims, Error, Positions, Result};
 
+/// Tags: K of hop t is `KV_TAG + 2t`, V is `KV_TAG + 2t + 1`; likewise for the dK/dV
+/// accumulators and the final return of each block's accumulators.
 const KV_TAG: Tag = 0;
 const ACC_TAG: Tag = 1 << 20;
 const FINAL_TAG: Tag = 2 << 20;
 
 /// The local data of one ring rank. Every rank's queries and keys are the same tokens, at
 /// positions `pos[rank]`.
-pub(crate) struct RingInputs<'a> {
+pub(crate) struct RingInputs<'a, B> {
     pub b: usize,
     pub h_q: usize,
     pub h_kv: usize,
     pub d: usize,
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub q: &'a B,
+    pub k: &'a B,
+    pub v: &'a B,
     /// Positions of the tokens of every ring rank.
     pub pos: &'a [Positions],
     pub params: &'a AttentionParams,
 }
 
-impl RingInputs<'_> {
+impl<B> RingInputs<'_, B> {
     fn dims(&self, s_q: usize, s_k: usize) -> Dims {
         Dims { b: self.b, s_q, s_k, h_q: self.h_q, h_kv: self.h_kv, d: self.d }
     }
@@ -71,57 +73,78 @@ pub(crate) fn hops_needed(params: &AttentionParams, pos: &[Positions]) -> Result
     Ok(hops)
 }
 
-fn check_len(got: &[f32], want: usize, what: &str, peer: usize) -> Result<()> {
-    if got.len() != want {
-        return Err(Error::ShapeMismatch(format!("{what} from rank {peer}: {} values, expected {want}", got.len())));
+fn check_len<B: Payload>(got: &B, want: usize, what: &str, peer: usize) -> Result<()> {
+    if got.elements() != want {
+        return Err(Error::ShapeMismatch(format!(
+            "{what} from rank {peer}: {} values, expected {want}",
+            got.elements()
+        )));
     }
     Ok(())
 }
 
+/// Receives of a pair of buffers (K and V, or dK and dV).
+type RecvPair<B> = (RecvHandle<B>, RecvHandle<B>);
+
+/// Posts the send of a pair of buffers to `to` and the receive of the next pair from `from`.
+fn exchange<B: Payload>(
+    comm: &dyn Communicator<Buf = B>,
+    to: usize,
+    from: usize,
+    tag: Tag,
+    pair: (&B, &B),
+) -> Result<(crate::comm::SendHandle, crate::comm::SendHandle, RecvHandle<B>, RecvHandle<B>)> {
+    Ok((
+        comm.isend(to, tag, pair.0.clone())?,
+        comm.isend(to, tag + 1, pair.1.clone())?,
+        comm.irecv(from, tag)?,
+        comm.irecv(from, tag + 1)?,
+    ))
+}
+
 /// Ring forward: returns this rank's `(o, lse)` in f32.
-pub(crate) fn forward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &RingInputs,
+pub(crate) fn forward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &RingInputs<Be::Buf>,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<(Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = hops_needed(x.params, x.pos)?;
     stats.hops = hops;
-    let mut o = vec![0.0f32; x.b * n * x.h_q * x.d];
-    let mut lse = vec![f32::NEG_INFINITY; x.b * x.h_q * n];
-    let mut cur: Vec<f32> = [x.k, x.v].concat();
+    let mut o = be.filled(x.b * n * x.h_q * x.d, 0.0)?;
+    let mut lse = be.filled(x.b * x.h_q * n, f32::NEG_INFINITY)?;
+    let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
-        let (send, recv) = if t + 1 < hops {
-            (Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?), Some(comm.irecv(prev, KV_TAG + t as Tag)?))
+        let posted = if t + 1 < hops {
+            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v))?)
         } else {
-            (None, None)
+            None
         };
         // Enqueue this hop's block, then wait for the next K/V while it runs.
         let k_pos = &x.pos[src];
-        let kl = x.kv_len(src);
         let start = Instant::now();
         let step = if block_visible(x.params, q_pos, k_pos)? {
-            let dims = x.dims(n, k_pos.len());
-            Some(be.forward_block(dims, x.q, &cur[..kl], &cur[kl..], q_pos, k_pos, x.params)?)
+            Some(be.forward_block(x.dims(n, k_pos.len()), x.q, &cur_k, &cur_v, q_pos, k_pos, x.params)?)
         } else {
             None
         };
         stats.compute += start.elapsed();
         let start = Instant::now();
-        if let Some(h) = send {
-            h.wait()?;
-        }
-        let incoming = match recv {
-            Some(h) => {
-                let got = h.wait()?;
-                check_len(&got, 2 * x.kv_len((src + p - 1) % p), "K/V block", prev)?;
-                Some(got)
+        let incoming = match posted {
+            Some((sk, sv, rk, rv)) => {
+                sk.wait()?;
+                sv.wait()?;
+                let (k, v) = (rk.wait()?, rv.wait()?);
+                let want = x.kv_len((src + p - 1) % p);
+                check_len(&k, want, "K block", prev)?;
+                check_len(&v, want, "V block", prev)?;
+                Some((k, v))
             }
             None => None,
         };
@@ -129,15 +152,15 @@ pub(crate) fn forward(
         if let Some(step) = step {
             let start = Instant::now();
             let (ob, lb) = step.wait()?;
-            merge::merge_into(&mut o, &mut lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
+            be.merge_into(&mut o, &mut lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
             stats.compute += start.elapsed();
             stats.blocks += 1;
             stats.step(c0, w0, x.block_flops(n, k_pos.len()));
         } else {
             stats.step(c0, w0, 0.0);
         }
-        if let Some(next_kv) = incoming {
-            cur = next_kv;
+        if let Some((k, v)) = incoming {
+            (cur_k, cur_v) = (k, v);
         }
     }
     Ok((o, lse))
@@ -146,82 +169,76 @@ pub(crate) fn forward(
 /// Ring backward: given this rank's final `o`, `lse` (f32) and `d_o`, returns its `(dq, dk,
 /// dv)` in f32. dQ accumulates locally; each K/V block's dK/dV accumulate in f32 as they
 /// travel with it and return to the block's owner at the end.
-pub(crate) fn backward(
-    comm: &dyn Communicator,
-    be: &dyn Backend,
-    x: &RingInputs,
-    o: &[f32],
-    lse: &[f32],
-    d_o: &[f32],
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &RingInputs<Be::Buf>,
+    o: &Be::Buf,
+    lse: &Be::Buf,
+    d_o: &Be::Buf,
     stats: &mut Stats,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = hops_needed(x.params, x.pos)?;
     stats.hops = hops;
-    let big_d = be.softmax_grad_rowsum(x.dims(n, n), o, d_o);
-    let mut dq = vec![0.0f32; x.b * n * x.h_q * x.d];
-    let mut cur: Vec<f32> = [x.k, x.v].concat();
-    let mut acc: Vec<f32> = vec![0.0; cur.len()];
-    let mut acc_recv = None;
+    let big_d = be.softmax_grad_rowsum(x.dims(n, n), o, d_o)?;
+    let mut dq = be.filled(x.b * n * x.h_q * x.d, 0.0)?;
+    let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
+    let mut acc = (be.filled(x.kv_len(r), 0.0)?, be.filled(x.kv_len(r), 0.0)?);
+    let mut acc_recv: Option<RecvPair<Be::Buf>> = None;
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
-        let (send, recv) = if t + 1 < hops {
-            (Some(comm.isend(next, KV_TAG + t as Tag, cur.clone())?), Some(comm.irecv(prev, KV_TAG + t as Tag)?))
+        let posted = if t + 1 < hops {
+            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v))?)
         } else {
-            (None, None)
+            None
         };
         let k_pos = &x.pos[src];
         let kl = x.kv_len(src);
         let start = Instant::now();
-        let step = if block_visible(x.params, q_pos, k_pos)? {
-            let (cur_k, cur_v) = cur.split_at(kl);
+        let grads = if block_visible(x.params, q_pos, k_pos)? {
             let dims = x.dims(n, k_pos.len());
-            Some(be.backward_block(dims, x.q, cur_k, cur_v, o, lse, d_o, &big_d, q_pos, k_pos, x.params)?)
+            let g =
+                be.backward_block(dims, x.q, &cur_k, &cur_v, o, lse, d_o, &big_d, q_pos, k_pos, x.params)?.wait()?;
+            be.add_into(&mut dq, &g.0)?;
+            stats.blocks += 1;
+            Some(g)
         } else {
             None
-        };
-        let grads = match step {
-            Some(step) => {
-                let g = step.wait()?;
-                for (a, b) in dq.iter_mut().zip(&g.0) {
-                    *a += b;
-                }
-                stats.blocks += 1;
-                Some(g)
-            }
-            None => None,
         };
         stats.compute += start.elapsed();
         let step_flops = if grads.is_some() { 2.5 * x.block_flops(n, k_pos.len()) } else { 0.0 };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
-        if let Some(h) = acc_recv.take() {
-            let h: crate::comm::RecvHandle = h;
-            acc = h.wait()?;
-            check_len(&acc, 2 * kl, "dK/dV accumulators", prev)?;
+        if let Some((hk, hv)) = acc_recv.take() {
+            acc = (hk.wait()?, hv.wait()?);
+            check_len(&acc.0, kl, "dK accumulator", prev)?;
+            check_len(&acc.1, kl, "dV accumulator", prev)?;
         }
         if let Some((_, dk, dv)) = grads {
-            for (a, b) in acc[..kl].iter_mut().zip(&dk) {
-                *a += b;
-            }
-            for (a, b) in acc[kl..].iter_mut().zip(&dv) {
-                *a += b;
-            }
+            be.add_into(&mut acc.0, &dk)?;
+            be.add_into(&mut acc.1, &dv)?;
         }
         if t + 1 < hops {
-            comm.isend(next, ACC_TAG + t as Tag, std::mem::take(&mut acc))?.wait()?;
-            acc_recv = Some(comm.irecv(prev, ACC_TAG + t as Tag)?);
+            let tag = ACC_TAG + 2 * t as Tag;
+            let (sk, sv, rk, rv) = exchange(comm, next, prev, tag, (&acc.0, &acc.1))?;
+            sk.wait()?;
+            sv.wait()?;
+            acc_recv = Some((rk, rv));
         }
-        if let Some(h) = send {
-            h.wait()?;
-        }
-        if let Some(h) = recv {
-            cur = h.wait()?;
-            check_len(&cur, 2 * x.kv_len((src + p - 1) % p), "K/V block", prev)?;
+        if let Some((sk, sv, rk, rv)) = posted {
+            sk.wait()?;
+            sv.wait()?;
+            let (k, v) = (rk.wait()?, rv.wait()?);
+            let want = x.kv_len((src + p - 1) % p);
+            check_len(&k, want, "K block", prev)?;
+            check_len(&v, want, "V block", prev)?;
+            (cur_k, cur_v) = (k, v);
         }
         stats.waiting += start.elapsed();
         stats.step(c0, w0, step_flops);
@@ -230,15 +247,16 @@ pub(crate) fn backward(
     // to their owner and receive its own from the rank holding them.
     let holder_of_mine = (r + hops - 1) % p;
     let owner_of_held = (r + p - (hops - 1) % p) % p;
-    let mine = if holder_of_mine == r {
+    let (dk, dv) = if holder_of_mine == r {
         acc
     } else {
-        let h = comm.irecv(holder_of_mine, FINAL_TAG)?;
-        comm.isend(owner_of_held, FINAL_TAG, acc)?.wait()?;
-        let got = h.wait()?;
-        check_len(&got, 2 * x.kv_len(r), "final dK/dV", holder_of_mine)?;
-        got
+        let (rk, rv) = (comm.irecv(holder_of_mine, FINAL_TAG)?, comm.irecv(holder_of_mine, FINAL_TAG + 1)?);
+        comm.isend(owner_of_held, FINAL_TAG, acc.0)?.wait()?;
+        comm.isend(owner_of_held, FINAL_TAG + 1, acc.1)?.wait()?;
+        let (dk, dv) = (rk.wait()?, rv.wait()?);
+        check_len(&dk, x.kv_len(r), "final dK", holder_of_mine)?;
+        check_len(&dv, x.kv_len(r), "final dV", holder_of_mine)?;
+        (dk, dv)
     };
-    let kl = x.kv_len(r);
-    Ok((dq, mine[..kl].to_vec(), mine[kl..].to_vec()))
+    Ok((dq, dk, dv))
 }

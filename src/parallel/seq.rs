@@ -1,19 +1,6 @@
 //! Moving rows and heads between `[b, s, h, d]` f32 buffers.
 
-/// A `[b, n, h, d]` buffer's shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Shape {
-    pub b: usize,
-    pub n: usize,
-    pub h: usize,
-    pub d: usize,
-}
-
-impl Shape {
-    pub fn len(&self) -> usize {
-        self.b * self.n * self.h * self.d
-    }
-}
+pub(crate) use super::backend::BufShape as Shape;
 
 /// Concatenates along the sequence axis buffers of shapes `[b, n_i, h, d]`.
 pub(crate) fn concat_seq(parts: &[&[f32]], b: usize, w: usize) -> Vec<f32> {
@@ -65,15 +52,4 @@ pub(crate) fn scatter_heads(dst: &mut [f32], sh: Shape, heads: &[usize], src: &[
             }
         }
     }
-}
-
-/// The heads `heads` of an LSE buffer `[b, h, n]`, as `[b, heads.len(), n]`.
-pub(crate) fn select_lse_heads(x: &[f32], b: usize, h: usize, n: usize, heads: &[usize]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(b * heads.len() * n);
-    for bi in 0..b {
-        for &hh in heads {
-            out.extend_from_slice(&x[(bi * h + hh) * n..][..n]);
-        }
-    }
-    out
 }

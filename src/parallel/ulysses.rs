@@ -5,7 +5,8 @@
 use crate::comm::{all_to_all_v, Communicator};
 use crate::{Error, Result};
 
-use super::seq::{concat_seq, scatter_heads, select_heads, select_lse_heads, seq_slice, Shape};
+use super::backend::Backend;
+use super::seq::Shape;
 
 /// Which query and kv heads each rank of a Ulysses group computes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,99 +44,92 @@ impl HeadPlan {
 
 /// Sequence-sharded `[b, n_r, h, d]` → this rank's heads `heads[rank]` over the whole group
 /// sequence, `[b, S, |heads[rank]|, d]` (ranks' tokens concatenated in rank order).
-pub(crate) fn seq_to_heads(comm: &dyn Communicator, x: &[f32], sh: Shape, heads: &[Vec<usize>]) -> Result<Vec<f32>> {
-    let sends = heads.iter().map(|hs| select_heads(x, sh, hs)).collect();
+pub(crate) fn seq_to_heads<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &Be::Buf,
+    sh: Shape,
+    heads: &[Vec<usize>],
+) -> Result<Be::Buf> {
+    let sends = heads.iter().map(|hs| be.select_heads(x, sh, hs)).collect::<Result<Vec<_>>>()?;
     let got = all_to_all_v(comm, sends)?;
-    let parts: Vec<&[f32]> = got.iter().map(Vec::as_slice).collect();
-    Ok(concat_seq(&parts, sh.b, heads[comm.rank()].len() * sh.d))
+    be.concat_seq(&got, sh.b, heads[comm.rank()].len() * sh.d)
 }
 
 /// The inverse of [`seq_to_heads`]: `[b, S, |heads[rank]|, d]` → `[b, n_r, h, d]`, where
 /// `counts` are the token counts of the ranks. With `sum`, heads computed by several ranks
 /// (replicas) are added in rank order; otherwise each head is written once.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn heads_to_seq(
-    comm: &dyn Communicator,
-    y: &[f32],
+pub(crate) fn heads_to_seq<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    y: &Be::Buf,
     b: usize,
     h: usize,
     d: usize,
     counts: &[usize],
     heads: &[Vec<usize>],
     sum: bool,
-) -> Result<Vec<f32>> {
+) -> Result<Be::Buf> {
     let r = comm.rank();
     let s: usize = counts.iter().sum();
     let w = heads[r].len() * d;
     let mut off = 0;
     let mut sends = Vec::with_capacity(counts.len());
     for &n in counts {
-        sends.push(seq_slice(y, b, s, w, off, n));
+        sends.push(be.seq_slice(y, b, s, w, off, n)?);
         off += n;
     }
     let got = all_to_all_v(comm, sends)?;
     let sh = Shape { b, n: counts[r], h, d };
-    let mut out = vec![0.0f32; sh.len()];
+    let mut out = be.filled(sh.len(), 0.0)?;
     for (j, part) in got.iter().enumerate() {
-        scatter_heads(&mut out, sh, &heads[j], part, !sum);
+        be.scatter_heads(&mut out, sh, &heads[j], part, !sum)?;
     }
     Ok(out)
 }
 
-/// LSE `[b, h, n_r]` → `[b, |heads[rank]|, S]`.
-pub(crate) fn lse_to_heads(
-    comm: &dyn Communicator,
-    lse: &[f32],
+/// LSE `[b, h, n_r]` → `[b, |heads[rank]|, S]` (an LSE is a `[b, 1, h, n]` buffer to the
+/// head operations and `[b·k, S, 1]` to the sequence operations).
+pub(crate) fn lse_to_heads<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    lse: &Be::Buf,
     b: usize,
     h: usize,
     n: usize,
     heads: &[Vec<usize>],
-) -> Result<Vec<f32>> {
-    let sends = heads.iter().map(|hs| select_lse_heads(lse, b, h, n, hs)).collect();
+) -> Result<Be::Buf> {
+    let sh = Shape { b, n: 1, h, d: n };
+    let sends = heads.iter().map(|hs| be.select_heads(lse, sh, hs)).collect::<Result<Vec<_>>>()?;
     let got = all_to_all_v(comm, sends)?;
-    let k = heads[comm.rank()].len();
-    let mut out = Vec::with_capacity(got.iter().map(Vec::len).sum());
-    for bh in 0..b * k {
-        for part in &got {
-            let ni = part.len() / (b * k).max(1);
-            out.extend_from_slice(&part[bh * ni..(bh + 1) * ni]);
-        }
-    }
-    Ok(out)
+    be.concat_seq(&got, b * heads[comm.rank()].len(), 1)
 }
 
 /// LSE `[b, |heads[rank]|, S]` → `[b, h, n_r]` (each head written once).
-pub(crate) fn lse_to_seq(
-    comm: &dyn Communicator,
-    lse: &[f32],
+pub(crate) fn lse_to_seq<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    lse: &Be::Buf,
     b: usize,
     h: usize,
     counts: &[usize],
     heads: &[Vec<usize>],
-) -> Result<Vec<f32>> {
+) -> Result<Be::Buf> {
     let r = comm.rank();
     let s: usize = counts.iter().sum();
-    let k = heads[r].len();
+    let rows = b * heads[r].len();
     let mut off = 0;
     let mut sends = Vec::with_capacity(counts.len());
     for &n in counts {
-        let mut part = Vec::with_capacity(b * k * n);
-        for bh in 0..b * k {
-            part.extend_from_slice(&lse[bh * s + off..bh * s + off + n]);
-        }
-        sends.push(part);
+        sends.push(be.seq_slice(lse, rows, s, 1, off, n)?);
         off += n;
     }
     let got = all_to_all_v(comm, sends)?;
     let n = counts[r];
-    let mut out = vec![f32::NEG_INFINITY; b * h * n];
+    let mut out = be.filled(b * h * n, f32::NEG_INFINITY)?;
     for (j, part) in got.iter().enumerate() {
-        let kj = heads[j].len();
-        for bi in 0..b {
-            for (i, &hh) in heads[j].iter().enumerate() {
-                out[(bi * h + hh) * n..][..n].copy_from_slice(&part[(bi * kj + i) * n..][..n]);
-            }
-        }
+        be.scatter_heads(&mut out, Shape { b, n: 1, h, d: n }, &heads[j], part, true)?;
     }
     Ok(out)
 }
