@@ -354,7 +354,7 @@ mod exactly_once {
 
     use ringattn::comm::LocalOptions;
     use ringattn::parallel::{
-        run_in_process, Backend, BufShape, CpuBackend, ForwardPartial, GradientPartial, ParallelParams, Pending,
+        run_in_process, Backend, CpuBackend, ForwardPartial, GradientPartial, HostMemory, ParallelParams, Pending,
         Strategy,
     };
     use ringattn::{random::randn, AttentionParams, DType, Dims, Layout, Mask, Positions, Result};
@@ -372,59 +372,9 @@ mod exactly_once {
         qp.iter().map(|q| kv.iter().filter(|&&k| mask.allows(q, k)).count() as u64).sum()
     }
 
+    impl HostMemory for Counting {}
+
     impl Backend for Counting {
-        type Buf = Vec<f32>;
-
-        fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-            self.inner.upload(host)
-        }
-
-        fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
-            self.inner.download(buf)
-        }
-
-        fn filled(&self, len: usize, value: f32) -> Result<Vec<f32>> {
-            self.inner.filled(len, value)
-        }
-
-        fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
-            self.inner.add_into(acc, x)
-        }
-
-        fn merge_into(
-            &self,
-            o: &mut Vec<f32>,
-            l: &mut Vec<f32>,
-            ob: &Vec<f32>,
-            lb: &Vec<f32>,
-            s: [usize; 4],
-        ) -> Result<()> {
-            self.inner.merge_into(o, l, ob, lb, s)
-        }
-
-        fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Result<Vec<f32>> {
-            self.inner.concat_seq(parts, b, w)
-        }
-
-        fn seq_slice(&self, x: &Vec<f32>, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
-            self.inner.seq_slice(x, b, s, w, r0, n)
-        }
-
-        fn select_heads(&self, x: &Vec<f32>, shape: BufShape, heads: &[usize]) -> Result<Vec<f32>> {
-            self.inner.select_heads(x, shape, heads)
-        }
-
-        fn scatter_heads(
-            &self,
-            dst: &mut Vec<f32>,
-            sh: BufShape,
-            heads: &[usize],
-            src: &Vec<f32>,
-            assign: bool,
-        ) -> Result<()> {
-            self.inner.scatter_heads(dst, sh, heads, src, assign)
-        }
-
         fn forward_block(
             &self,
             dims: Dims,

@@ -62,12 +62,11 @@ impl BufShape {
     }
 }
 
-/// A compute backend of the drivers: its own buffer type, the local attention steps, and the
-/// few data movements the strategies need, all in the crate layouts (`[b, s, h, d]` for
-/// q/k/v/o and their gradients, `[b, h_q, s_q]` for the LSE, f32 values). Drivers call
-/// nothing else, so another backend (the emulated or CUDA kernels, with device buffers)
-/// plugs in without touching them. Steps are asynchronous: each returns a [`Pending`] handle.
-pub trait Backend: Sync {
+/// The memory side of a backend: its buffer type and the few data movements the strategies
+/// need, in the crate layouts (`[b, s, h, d]` for q/k/v/o and their gradients, `[b, h_q,
+/// s_q]` for the LSE, f32 values). Backends that keep their data in host vectors get it from
+/// [`HostMemory`].
+pub trait Buffers: Sync {
     /// The buffers this backend computes on (and its communicator moves).
     type Buf: Payload;
 
@@ -132,7 +131,12 @@ pub trait Backend: Sync {
         src: &Self::Buf,
         assign: bool,
     ) -> Result<()>;
+}
 
+/// A compute backend of the drivers: its [`Buffers`] and the local attention steps. Drivers
+/// call nothing else, so another backend (the emulated or CUDA kernels, with device buffers)
+/// plugs in without touching them. Steps are asynchronous: each returns a [`Pending`] handle.
+pub trait Backend: Buffers {
     /// Attention of queries at `q_pos` against keys at `k_pos`: f32 `(o, lse)`, unrounded.
     ///
     /// # Errors
@@ -184,7 +188,11 @@ pub struct CpuBackend {
     pub tiles: TileConfig,
 }
 
-impl Backend for CpuBackend {
+/// Marker of backends whose buffers are host `Vec<f32>`: they get [`Buffers`] from the
+/// implementation below and only write the compute steps.
+pub trait HostMemory: Sync {}
+
+impl<T: HostMemory> Buffers for T {
     type Buf = Vec<f32>;
 
     fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
@@ -237,7 +245,11 @@ impl Backend for CpuBackend {
         seq::scatter_heads(dst, shape, heads, src, assign);
         Ok(())
     }
+}
 
+impl HostMemory for CpuBackend {}
+
+impl Backend for CpuBackend {
     fn forward_block(
         &self,
         dims: Dims,
@@ -281,59 +293,9 @@ impl Backend for CpuBackend {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NullBackend;
 
+impl HostMemory for NullBackend {}
+
 impl Backend for NullBackend {
-    type Buf = Vec<f32>;
-
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        CpuBackend::default().upload(host)
-    }
-
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
-        CpuBackend::default().download(buf)
-    }
-
-    fn filled(&self, len: usize, value: f32) -> Result<Vec<f32>> {
-        CpuBackend::default().filled(len, value)
-    }
-
-    fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
-        CpuBackend::default().add_into(acc, x)
-    }
-
-    fn merge_into(
-        &self,
-        o: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        o_b: &Vec<f32>,
-        lse_b: &Vec<f32>,
-        bshd: [usize; 4],
-    ) -> Result<()> {
-        CpuBackend::default().merge_into(o, lse, o_b, lse_b, bshd)
-    }
-
-    fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Result<Vec<f32>> {
-        CpuBackend::default().concat_seq(parts, b, w)
-    }
-
-    fn seq_slice(&self, x: &Vec<f32>, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
-        CpuBackend::default().seq_slice(x, b, s, w, r0, n)
-    }
-
-    fn select_heads(&self, x: &Vec<f32>, shape: BufShape, heads: &[usize]) -> Result<Vec<f32>> {
-        CpuBackend::default().select_heads(x, shape, heads)
-    }
-
-    fn scatter_heads(
-        &self,
-        dst: &mut Vec<f32>,
-        shape: BufShape,
-        heads: &[usize],
-        src: &Vec<f32>,
-        assign: bool,
-    ) -> Result<()> {
-        CpuBackend::default().scatter_heads(dst, shape, heads, src, assign)
-    }
-
     fn forward_block(
         &self,
         dims: Dims,

@@ -41,7 +41,9 @@ mod ulysses;
 
 use std::time::Duration;
 
-pub use backend::{Backend, BufShape, CpuBackend, ForwardPartial, GradientPartial, NullBackend, Pending};
+pub use backend::{
+    Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
+};
 
 use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
