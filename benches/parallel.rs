@@ -32,7 +32,8 @@ fn bench(c: &mut Criterion) {
         };
         // Only under `cargo bench` (not when `cargo test` runs the bench once as a test).
         if std::env::args().any(|a| a == "--bench") {
-            let o = measure_overlap(world, link, &CpuBackend::default(), &q, &k, &v, None, &params).unwrap();
+            let options = LocalOptions { link: Some(link), ..Default::default() };
+            let o = measure_overlap(world, options, &CpuBackend::default(), &q, &k, &v, None, &params).unwrap();
             println!(
                 "{strategy:?} P={world} s={s}: run {:.3} s, compute only {:.3} s, comm only {:.3} s, hidden {:.1}%",
                 o.run,

@@ -171,7 +171,7 @@ mod faults {
     #[test]
     fn a_failing_rank_fails_its_peers_promptly() {
         let p = ring(64);
-        let opts = LocalOptions { deadline: Duration::from_secs(30), link: None };
+        let opts = LocalOptions { deadline: Duration::from_secs(30), ..Default::default() };
         let start = Instant::now();
         let out = spmd(4, opts, |c| {
             if c.rank() == 2 {
@@ -208,7 +208,7 @@ mod faults {
 
     #[test]
     fn a_silent_peer_times_out_naming_it() {
-        let opts = LocalOptions { deadline: Duration::from_millis(200), link: None };
+        let opts = LocalOptions { deadline: Duration::from_millis(200), ..Default::default() };
         let out = spmd::<Vec<f32>, _>(2, opts, |c| {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_millis(600));

@@ -26,11 +26,16 @@ pub struct LocalOptions {
     pub deadline: Duration,
     /// Link model; `None` delivers at once.
     pub link: Option<LinkModel>,
+    /// Compute threads of each rank ([`spmd`] runs each rank inside its own rayon pool of
+    /// this size); `None` shares the global pool among all ranks. Giving P ranks `cores / P`
+    /// threads each keeps ranks from lending each other cores, which matters when measuring
+    /// overlap on a small machine.
+    pub threads_per_rank: Option<usize>,
 }
 
 impl Default for LocalOptions {
     fn default() -> Self {
-        LocalOptions { deadline: Duration::from_secs(60), link: None }
+        LocalOptions { deadline: Duration::from_secs(300), link: None, threads_per_rank: None }
     }
 }
 
@@ -337,7 +342,15 @@ pub fn spmd<B: Payload, T: Send>(
             .map(|c| {
                 let f = &f;
                 scope.spawn(move || {
-                    let r = catch_unwind(AssertUnwindSafe(|| f(c))).unwrap_or_else(|panic| {
+                    let run = || match options.threads_per_rank {
+                        None => f(c),
+                        Some(n) => rayon::ThreadPoolBuilder::new()
+                            .num_threads(n.max(1))
+                            .build()
+                            .map_err(|e| Error::InvalidArgument(format!("rank {}: thread pool: {e}", c.rank())))?
+                            .install(|| f(c)),
+                    };
+                    let r = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|panic| {
                         let msg = panic
                             .downcast_ref::<&str>()
                             .map(|s| s.to_string())

@@ -647,15 +647,15 @@ pub struct Overlap {
     pub hidden: f64,
 }
 
-/// Measures the forward's (`backward = false`) or backward's communication overlap over
-/// `world` in-process ranks joined by `link`.
+/// Measures the forward's (or, when `d_o` is given, the backward's) communication overlap
+/// over `world` in-process ranks with `options` (whose link model should be set).
 ///
 /// # Errors
 /// As [`run_in_process`].
 #[allow(clippy::too_many_arguments)]
 pub fn measure_overlap<Be: Backend<Buf = Vec<f32>>>(
     world: usize,
-    link: crate::comm::LinkModel,
+    options: LocalOptions,
     backend: &Be,
     q: &Tensor,
     k: &Tensor,
@@ -679,11 +679,10 @@ pub fn measure_overlap<Be: Backend<Buf = Vec<f32>>>(
             })
             .fold(0.0, f64::max))
     }
-    let linked = LocalOptions { link: Some(link), ..LocalOptions::default() };
     let args = (q, k, v, d_o, params);
-    let run = slowest(world, linked, backend, args)?;
-    let compute_only = slowest(world, LocalOptions::default(), backend, args)?;
-    let comm_only = slowest(world, linked, &NullBackend, args)?;
+    let run = slowest(world, options, backend, args)?;
+    let compute_only = slowest(world, LocalOptions { link: None, ..options }, backend, args)?;
+    let comm_only = slowest(world, options, &NullBackend, args)?;
     let hidden = if comm_only > 0.0 { (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0) } else { 1.0 };
     Ok(Overlap { run, compute_only, comm_only, hidden })
 }

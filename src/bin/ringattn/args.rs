@@ -90,7 +90,7 @@ impl ExecArgs {
                 self.timeout
             )));
         }
-        Ok(LocalOptions { deadline: std::time::Duration::from_secs_f64(self.timeout), link: None })
+        Ok(LocalOptions { deadline: std::time::Duration::from_secs_f64(self.timeout), ..Default::default() })
     }
 
     /// The parallel parameters these options describe (sequence length filled in later).
