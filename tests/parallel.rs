@@ -467,3 +467,11 @@ fn repeated_splits_do_not_accumulate() {
     });
     assert!(out.iter().all(|r| r.is_ok()));
 }
+
+#[test]
+fn each_rank_can_have_its_own_thread_pool() {
+    use ringattn::comm::{spmd, LocalOptions};
+    let opts = LocalOptions { threads_per_rank: Some(1), ..Default::default() };
+    let out = spmd::<Vec<f32>, _>(3, opts, |_| Ok(rayon::current_num_threads()));
+    assert!(out.into_iter().all(|r| r.unwrap() == 1));
+}
