@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a machine with only the Rust toolchain, gcc and
-# Python: formatting, lints, unit/integration/property/CLI tests and doc tests. Prints the
-# time of each stage. Usage: scripts/test.sh
+# Python: installs nvcc 13.0 from PyPI (kernels are compiled for sm_80/sm_90a and any spill
+# fails), then formatting, lints, unit/integration/property/CLI tests and doc tests. Prints
+# the time of each stage. Usage: scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,20 @@ cargo --version
 rustc --version
 command -v cargo-clippy >/dev/null 2>&1 || rustup component add clippy rustfmt >/dev/null 2>&1 || true
 done_stage toolchain
+
+stage "CUDA compiler (nvcc 13.0 from PyPI, for compiling every kernel; no GPU needed)"
+nvcc_venv=${RINGATTN_NVCC_VENV:-target/venv-nvcc}
+nvcc_home="$nvcc_venv/lib/python3.11/site-packages/nvidia/cu13"
+if [ ! -x "$nvcc_home/bin/nvcc" ]; then
+  python3 -m venv "$nvcc_venv"
+  "$nvcc_venv/bin/pip" install --quiet nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+fi
+nvcc_home=$(cd "$(dirname "$(ls -d "$nvcc_venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)")/.." && pwd)
+export NVCC="$nvcc_home/bin/nvcc"
+export RINGATTN_DENY_SPILLS=1
+"$NVCC" --version | tail -2
+done_stage nvcc
 
 stage "cargo fmt --check"
 cargo fmt --all -- --check

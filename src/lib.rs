@@ -53,6 +53,7 @@ pub mod cpu;
 mod dtype;
 mod error;
 pub mod io;
+pub mod kernels;
 mod layout;
 mod mask;
 pub mod memory;
