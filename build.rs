@@ -34,6 +34,9 @@ fn main() {
         println!("cargo::rerun-if-env-changed={var}");
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    if env::var_os("CARGO_FEATURE_EMU").is_some() {
+        build_emulator();
+    }
     let sources = cuda_sources();
     for s in &sources {
         println!("cargo::rerun-if-changed={}", s.display());
@@ -102,6 +105,20 @@ fn main() {
     images.push_str("];\n");
     fs::write(out_dir.join("kernel_images.rs"), images).expect("write kernel_images.rs");
     println!("cargo::rustc-cfg=has_nvcc");
+}
+
+/// Compiles the kernels for the host against the emulator (`cuda/emu/`), with the `cc` crate.
+fn build_emulator() {
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .include("cuda")
+        .file("cuda/emu/kernels.cpp")
+        .file("cuda/emu/selftest.cpp")
+        .opt_level(2)
+        .warnings(true)
+        .extra_warnings(true)
+        .compile("ringattn_emu");
 }
 
 /// Every file under `cuda/` (sources and headers), sorted, excluding the emulator's own tree.

@@ -51,6 +51,8 @@
 pub mod comm;
 pub mod cpu;
 mod dtype;
+#[cfg(feature = "emu")]
+pub mod emu;
 mod error;
 pub mod io;
 pub mod kernels;

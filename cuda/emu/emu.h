@@ -1,0 +1,177 @@
+// Host emulator of the CUDA execution model, header-only C++17: runs the kernels of cuda/*.cu
+// unchanged on the CPU inside `cargo test`.
+//
+// * One OS thread runs one block at a time; every CUDA thread of the block is a fiber
+//   (ucontext) with its own stack, so `__syncthreads()` and warp operations suspend it until
+//   its peers arrive.
+// * Builtins: threadIdx, blockIdx, blockDim, gridDim (per fiber); __syncthreads (a barrier
+//   that all live threads of the block must reach: a thread that exits while others wait at
+//   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp).
+// * Errors are collected per launch and returned to the caller; a kernel never aborts the
+//   process.
+//
+// Still to come (issue 4): the fast x86-64 context switch, shared memory and its poison and
+// race shadow, warp shuffles/ballot, atomics, the PTX twins of ptx.cuh, cp.async, schedule
+// perturbation and a thread pool over blocks.
+#pragma once
+
+#include <cmath>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <ucontext.h>
+#include <vector>
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace emu {
+
+struct Block;
+
+enum class Wait { None, Block, Warp };
+
+struct Thread {
+    dim3 tid;
+    unsigned linear = 0;
+    Block* block = nullptr;
+    ucontext_t ctx{};
+    std::vector<char> stack;
+    bool done = false;
+    Wait wait = Wait::None;
+};
+
+struct Block {
+    dim3 bid, bdim, gdim;
+    std::vector<Thread> threads;
+    ucontext_t scheduler{};
+    const std::function<void()>* body = nullptr;
+    std::string error;
+};
+
+inline thread_local Thread* current = nullptr;
+
+inline void fail(const std::string& msg) {
+    if (current && current->block && current->block->error.empty()) {
+        current->block->error = msg;
+    }
+}
+
+// Suspends the calling fiber until the scheduler resumes it.
+inline void yield(Wait w) {
+    Thread* t = current;
+    t->wait = w;
+    swapcontext(&t->ctx, &t->block->scheduler);
+    current = t;
+}
+
+inline void fiber_entry() {
+    Thread* t = current;
+    (*t->block->body)();
+    t->done = true;
+    t->wait = Wait::None;
+    swapcontext(&t->ctx, &t->block->scheduler);
+}
+
+constexpr size_t kStack = 64 * 1024;
+
+// Runs one block: round-robin over fibers until every thread is done; barriers release
+// when every live thread (of the block, or of the warp) waits on them.
+inline void run_block(Block& b) {
+    unsigned n = b.bdim.x * b.bdim.y * b.bdim.z;
+    b.threads.assign(n, Thread{});
+    for (unsigned i = 0; i < n; ++i) {
+        Thread& t = b.threads[i];
+        t.linear = i;
+        t.tid = dim3(i % b.bdim.x, (i / b.bdim.x) % b.bdim.y, i / (b.bdim.x * b.bdim.y));
+        t.block = &b;
+        t.stack.resize(kStack);
+        getcontext(&t.ctx);
+        t.ctx.uc_stack.ss_sp = t.stack.data();
+        t.ctx.uc_stack.ss_size = t.stack.size();
+        t.ctx.uc_link = nullptr;
+        makecontext(&t.ctx, fiber_entry, 0);
+    }
+    for (;;) {
+        bool progressed = false;
+        for (Thread& t : b.threads) {
+            if (t.done || t.wait != Wait::None) continue;
+            current = &t;
+            swapcontext(&b.scheduler, &t.ctx);
+            current = nullptr;
+            progressed = true;
+        }
+        // Release warps whose live lanes all wait at __syncwarp.
+        for (unsigned w0 = 0; w0 < n; w0 += 32) {
+            unsigned w1 = w0 + 32 < n ? w0 + 32 : n;
+            bool any = false, all = true;
+            for (unsigned i = w0; i < w1; ++i) {
+                const Thread& t = b.threads[i];
+                if (t.done) continue;
+                any = true;
+                all = all && t.wait == Wait::Warp;
+            }
+            if (any && all) {
+                for (unsigned i = w0; i < w1; ++i) b.threads[i].wait = Wait::None;
+                progressed = true;
+            }
+        }
+        unsigned live = 0, at_barrier = 0, finished = 0;
+        for (const Thread& t : b.threads) {
+            if (t.done) { ++finished; continue; }
+            ++live;
+            if (t.wait == Wait::Block) ++at_barrier;
+        }
+        if (live == 0) return;
+        if (at_barrier == live) {
+            if (finished > 0) {
+                b.error = "divergent __syncthreads: " + std::to_string(finished) +
+                          " thread(s) of the block exited while others wait at a barrier";
+                return;
+            }
+            for (Thread& t : b.threads) t.wait = Wait::None;
+            continue;
+        }
+        if (!progressed) {
+            b.error = "deadlock: threads wait at barriers that can never complete";
+            return;
+        }
+    }
+}
+
+// Launches `body` (the kernel call) over `grid` × `block`; returns the first error, or "".
+inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                Block b;
+                b.bid = dim3(x, y, z);
+                b.bdim = block;
+                b.gdim = grid;
+                b.body = &body;
+                run_block(b);
+                if (!b.error.empty()) {
+                    return "block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) +
+                           "): " + b.error;
+                }
+            }
+    return "";
+}
+
+}  // namespace emu
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define threadIdx (::emu::current->tid)
+#define blockIdx (::emu::current->block->bid)
+#define blockDim (::emu::current->block->bdim)
+#define gridDim (::emu::current->block->gdim)
+
+inline void __syncthreads() { ::emu::yield(::emu::Wait::Block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::yield(::emu::Wait::Warp); }

@@ -1,0 +1,128 @@
+//! The CUDA kernels of `cuda/*.cu`, compiled for the host against the emulator of
+//! `cuda/emu/` (feature `emu`) and run on the CPU. Each function validates its buffers,
+//! launches the kernel with the geometry the CUDA backend uses, and returns the emulator's
+//! report (divergent barriers, deadlocks) as an error.
+
+use std::ffi::c_char;
+
+use crate::kernels::params::MergeParams;
+use crate::{Error, Result};
+
+extern "C" {
+    fn ringattn_emu_merge_f32(p: MergeParams, msg: *mut c_char, cap: usize) -> i32;
+}
+
+fn check(code: i32, msg: &[u8], kernel: &str) -> Result<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
+    Err(Error::InvalidArgument(format!("emulated kernel {kernel}: {}", String::from_utf8_lossy(&msg[..end]))))
+}
+
+/// [`crate::merge::merge_into`] run by the `merge.cu` kernel under the emulator: merges the
+/// partial `(o_b, lse_b)` into `(o_a, lse_a)` (`o` `[b, s, h, d]`, `lse` `[b, h, s]`, f32).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] for buffer lengths that disagree with `bshd`; the emulator's
+/// report when the kernel misbehaves.
+///
+/// ```
+/// let (mut o, mut lse) = (vec![1.0f32; 4], vec![0.0f32; 2]);
+/// ringattn::emu::merge_f32(&mut o, &mut lse, &[3.0; 4], &[0.0; 2], [1, 2, 1, 2])?;
+/// assert_eq!(o, vec![2.0; 4]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn merge_f32(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
+    let [b, s, h, d] = bshd;
+    let n = b * s * h;
+    for (name, len, want) in
+        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
+    {
+        if len != want {
+            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
+        }
+    }
+    let p = MergeParams {
+        o_acc: o_a.as_mut_ptr() as u64,
+        lse_acc: lse_a.as_mut_ptr() as u64,
+        o_part: o_b.as_ptr() as u64,
+        lse_part: lse_b.as_ptr() as u64,
+        b: b as i64,
+        s: s as i64,
+        h: h as i64,
+        d: d as i64,
+    };
+    let mut msg = [0u8; 512];
+    // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
+    // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
+    let code = unsafe { ringattn_emu_merge_f32(p, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, "merge")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::randn;
+    use crate::DType;
+
+    #[test]
+    fn merge_kernel_matches_the_host_merge() {
+        let (b, s, h, d) = (2, 37, 3, 40);
+        let o_a = randn(vec![b * s * h * d], 1, DType::F32).to_f32_vec();
+        let o_b = randn(vec![b * s * h * d], 2, DType::F32).to_f32_vec();
+        let mut lse_a = randn(vec![b * h * s], 3, DType::F32).to_f32_vec();
+        let mut lse_b = randn(vec![b * h * s], 4, DType::F32).to_f32_vec();
+        // Rows where one side, or both, saw no key.
+        for i in (0..lse_a.len()).step_by(7) {
+            lse_a[i] = f32::NEG_INFINITY;
+        }
+        for i in (0..lse_b.len()).step_by(5) {
+            lse_b[i] = f32::NEG_INFINITY;
+        }
+        let (mut o1, mut l1) = (o_a.clone(), lse_a.clone());
+        crate::merge::merge_into(&mut o1, &mut l1, &o_b, &lse_b, [b, s, h, d]).unwrap();
+        let (mut o2, mut l2) = (o_a, lse_a);
+        merge_f32(&mut o2, &mut l2, &o_b, &lse_b, [b, s, h, d]).unwrap();
+        for (x, y) in o1.iter().zip(&o2).chain(l1.iter().zip(&l2)) {
+            assert!(x == y || (x - y).abs() <= 2e-6 * x.abs().max(1.0), "{x} vs {y}");
+        }
+        assert!(l2.contains(&f32::NEG_INFINITY));
+    }
+
+    extern "C" {
+        fn ringattn_emu_selftest(which: i32, n: u32, buf: *mut f32, out: *mut f32, msg: *mut c_char, cap: usize)
+            -> i32;
+    }
+
+    fn selftest(which: i32, n: u32) -> (i32, Vec<f32>, String) {
+        let (mut buf, mut out, mut msg) = (vec![0.0f32; n as usize], vec![-1.0f32; n as usize], [0u8; 512]);
+        // SAFETY: both buffers hold `n` floats, the kernel's whole range.
+        let code = unsafe {
+            ringattn_emu_selftest(which, n, buf.as_mut_ptr(), out.as_mut_ptr(), msg.as_mut_ptr().cast(), msg.len())
+        };
+        let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
+        (code, out, String::from_utf8_lossy(&msg[..end]).into_owned())
+    }
+
+    #[test]
+    fn syncthreads_orders_every_write_before_every_read() {
+        let (code, out, msg) = selftest(0, 96);
+        assert_eq!(code, 0, "{msg}");
+        let want: Vec<f32> = (0..96).map(|i| ((i + 1) % 96) as f32).collect();
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn a_divergent_barrier_is_reported() {
+        let (code, _, msg) = selftest(1, 64);
+        assert_eq!(code, 1);
+        assert!(msg.contains("divergent __syncthreads"), "{msg}");
+    }
+
+    #[test]
+    fn merge_kernel_rejects_bad_lengths() {
+        let e = merge_f32(&mut [0.0; 3], &mut [0.0; 1], &[0.0; 4], &[0.0; 1], [1, 1, 1, 4]).unwrap_err();
+        assert!(e.to_string().contains("o_a"), "{e}");
+    }
+}
