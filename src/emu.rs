@@ -96,7 +96,7 @@ mod tests {
     }
 
     fn selftest(which: i32, n: u32) -> (i32, Vec<f32>, String) {
-        let (mut buf, mut out, mut msg) = (vec![0.0f32; n as usize], vec![-1.0f32; n as usize], [0u8; 512]);
+        let (mut buf, mut out, mut msg) = (vec![0.0f32; n as usize], vec![-1.0f32; 4 * n as usize], [0u8; 512]);
         // SAFETY: both buffers hold `n` floats, the kernel's whole range.
         let code = unsafe {
             ringattn_emu_selftest(which, n, buf.as_mut_ptr(), out.as_mut_ptr(), msg.as_mut_ptr().cast(), msg.len())
@@ -110,7 +110,23 @@ mod tests {
         let (code, out, msg) = selftest(0, 96);
         assert_eq!(code, 0, "{msg}");
         let want: Vec<f32> = (0..96).map(|i| ((i + 1) % 96) as f32).collect();
-        assert_eq!(out, want);
+        assert_eq!(&out[..96], &want[..]);
+    }
+
+    #[test]
+    fn warp_shuffles_and_ballot_follow_cuda() {
+        let n = 64usize;
+        let (code, out, msg) = selftest(2, n as u32);
+        assert_eq!(code, 0, "{msg}");
+        for i in 0..n {
+            let w0 = i / 32 * 32;
+            let warp_sum: usize = (w0..w0 + 32).sum();
+            assert_eq!(out[i], warp_sum as f32, "xor-sum lane {i}");
+            assert_eq!(out[n + i], (w0 + 3) as f32, "broadcast lane {i}");
+            let down = if i % 32 == 31 { i } else { i + 1 };
+            assert_eq!(out[2 * n + i], down as f32, "shfl_down lane {i}");
+            assert_eq!(out[3 * n + i], 0xaaaa_aaaau32 as f32, "ballot lane {i}");
+        }
     }
 
     #[test]

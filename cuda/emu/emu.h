@@ -6,19 +6,21 @@
 //   its peers arrive.
 // * Builtins: threadIdx, blockIdx, blockDim, gridDim (per fiber); __syncthreads (a barrier
 //   that all live threads of the block must reach: a thread that exits while others wait at
-//   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp).
+//   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp);
+//   __shfl_sync / _xor / _down / _up and __ballot_sync over the live lanes of a warp.
 // * Errors are collected per launch and returned to the caller; a kernel never aborts the
 //   process.
 //
 // Still to come (issue 4): the fast x86-64 context switch, shared memory and its poison and
-// race shadow, warp shuffles/ballot, atomics, the PTX twins of ptx.cuh, cp.async, schedule
-// perturbation and a thread pool over blocks.
+// race shadow, atomics, the PTX twins of ptx.cuh, cp.async, schedule perturbation and a
+// thread pool over blocks.
 #pragma once
 
 #include <cmath>
 #include <math.h>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <ucontext.h>
@@ -38,6 +40,7 @@ enum class Wait { None, Block, Warp };
 struct Thread {
     dim3 tid;
     unsigned linear = 0;
+    unsigned warp_ops = 0;
     Block* block = nullptr;
     ucontext_t ctx{};
     std::vector<char> stack;
@@ -48,6 +51,10 @@ struct Thread {
 struct Block {
     dim3 bid, bdim, gdim;
     std::vector<Thread> threads;
+    // Warp exchange slots for shuffles and ballots, double-buffered by each lane's count of
+    // warp operations so that a fast lane's next exchange cannot overwrite a value a slower
+    // lane has yet to read: slots[parity][thread].
+    std::vector<uint64_t> slots[2];
     ucontext_t scheduler{};
     const std::function<void()>* body = nullptr;
     std::string error;
@@ -84,6 +91,8 @@ constexpr size_t kStack = 64 * 1024;
 inline void run_block(Block& b) {
     unsigned n = b.bdim.x * b.bdim.y * b.bdim.z;
     b.threads.assign(n, Thread{});
+    b.slots[0].assign(n, 0);
+    b.slots[1].assign(n, 0);
     for (unsigned i = 0; i < n; ++i) {
         Thread& t = b.threads[i];
         t.linear = i;
@@ -175,3 +184,82 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
 
 inline void __syncthreads() { ::emu::yield(::emu::Wait::Block); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::yield(::emu::Wait::Warp); }
+
+namespace emu {
+// Publishes this lane's 64-bit word, waits for the warp, returns lane `src`'s word (lanes
+// outside the block read their own value, as CUDA leaves them undefined).
+inline uint64_t warp_exchange(uint64_t mine, unsigned src_lane) {
+    Thread* t = current;
+    Block* b = t->block;
+    const unsigned parity = t->warp_ops++ & 1u;
+    b->slots[parity][t->linear] = mine;
+    yield(Wait::Warp);
+    const unsigned src = (t->linear & ~31u) + (src_lane & 31u);
+    return src < b->threads.size() ? b->slots[parity][src] : mine;
+}
+
+template <typename T>
+inline uint64_t to_word(T v) {
+    static_assert(sizeof(T) <= 8, "shuffle of at most 64 bits");
+    uint64_t w = 0;
+    std::memcpy(&w, &v, sizeof(T));
+    return w;
+}
+
+template <typename T>
+inline T from_word(uint64_t w) {
+    T v;
+    std::memcpy(&v, &w, sizeof(T));
+    return v;
+}
+
+inline unsigned lane_id() { return current->linear & 31u; }
+}  // namespace emu
+
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+    const unsigned lane = ::emu::lane_id();
+    const unsigned base = lane & ~unsigned(width - 1);
+    return ::emu::from_word<T>(::emu::warp_exchange(::emu::to_word(v), base + (unsigned(src) & unsigned(width - 1))));
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+    const unsigned lane = ::emu::lane_id();
+    unsigned src = lane ^ unsigned(mask);
+    if ((src & ~unsigned(width - 1)) != (lane & ~unsigned(width - 1))) src = lane;
+    return ::emu::from_word<T>(::emu::warp_exchange(::emu::to_word(v), src));
+}
+
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+    const unsigned lane = ::emu::lane_id();
+    const unsigned src = lane + delta;
+    const bool inside = (src & ~unsigned(width - 1)) == (lane & ~unsigned(width - 1));
+    return ::emu::from_word<T>(::emu::warp_exchange(::emu::to_word(v), inside ? src : lane));
+}
+
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+    const unsigned lane = ::emu::lane_id();
+    const bool inside = (lane & unsigned(width - 1)) >= delta;
+    return ::emu::from_word<T>(::emu::warp_exchange(::emu::to_word(v), inside ? lane - delta : lane));
+}
+
+// Bit i set when lane i of the warp passes a non-zero predicate. Each lane publishes its
+// predicate stamped with the index of this warp operation, so lanes that exited earlier
+// (whose slots hold older stamps) do not count.
+inline unsigned __ballot_sync(unsigned, int pred) {
+    ::emu::Thread* t = ::emu::current;
+    const uint64_t op = t->warp_ops;
+    const unsigned parity = unsigned(op & 1u);
+    ::emu::warp_exchange((op << 1) | (pred ? 1u : 0u), ::emu::lane_id());
+    ::emu::Block* b = t->block;
+    const unsigned w0 = t->linear & ~31u;
+    unsigned bits = 0;
+    for (unsigned i = 0; i < 32 && w0 + i < b->threads.size(); ++i) {
+        const uint64_t w = b->slots[parity][w0 + i];
+        if ((w >> 1) == op && (w & 1u)) bits |= 1u << i;
+    }
+    return bits;
+}

@@ -23,6 +23,22 @@ __global__ void divergent_barrier(float* out) {
     out[threadIdx.x] = 1.0f;
 }
 
+// Warp sum by butterfly (__shfl_xor_sync), a broadcast from lane 3, a shift down by one
+// and a ballot of odd lanes: out[i] = sum, out[n+i] = broadcast, out[2n+i] = down,
+// out[3n+i] = ballot (as float).
+__global__ void warp_ops(float* out) {
+    const unsigned i = threadIdx.x;
+    const unsigned n = blockDim.x;
+    float v = float(i);
+    for (int m = 16; m > 0; m /= 2) {
+        v += __shfl_xor_sync(0xffffffffu, v, m);
+    }
+    out[i] = v;
+    out[n + i] = __shfl_sync(0xffffffffu, float(i), 3);
+    out[2 * n + i] = __shfl_down_sync(0xffffffffu, float(i), 1);
+    out[3 * n + i] = float(__ballot_sync(0xffffffffu, i % 2));
+}
+
 int report(const std::string& err, char* msg, size_t cap) {
     if (err.empty()) return 0;
     if (msg && cap) std::snprintf(msg, cap, "%s", err.c_str());
@@ -32,13 +48,15 @@ int report(const std::string& err, char* msg, size_t cap) {
 }  // namespace
 
 // which = 0: barrier_order over one block of `n` threads (buf, out hold n floats);
-// which = 1: divergent_barrier.
+// which = 1: divergent_barrier; which = 2: warp_ops (out holds 4n floats).
 extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* out, char* msg, size_t cap) {
     std::function<void()> body;
     if (which == 0) {
         body = [=] { barrier_order(buf, out); };
-    } else {
+    } else if (which == 1) {
         body = [=] { divergent_barrier(out); };
+    } else {
+        body = [=] { warp_ops(out); };
     }
     return report(emu::launch(dim3(1), dim3(n), body), msg, cap);
 }
