@@ -5,7 +5,7 @@
 // two such sides give lse = -inf, o = 0. Same semantics as src/merge.rs.
 //
 // One warp per (batch, head, row); lanes stride over the head dimension.
-#include "params.h"
+#include "common.cuh"
 
 extern "C" __global__ void ringattn_merge_f32(MergeParams p) {
     const int64_t rows = p.b * p.h * p.s;

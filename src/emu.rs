@@ -114,6 +114,16 @@ mod tests {
     }
 
     #[test]
+    fn shared_memory_is_poisoned_per_block_and_atomics_add_up() {
+        let n = 128u32;
+        let (code, out, msg) = selftest(3, n);
+        assert_eq!(code, 0, "{msg}");
+        let block_sum: u32 = (0..n).sum();
+        assert_eq!(out[0], (3 * block_sum) as f32);
+        assert!(out[1..4].iter().all(|x| x.is_nan()), "reads before writes see the poison: {:?}", &out[1..4]);
+    }
+
+    #[test]
     fn warp_shuffles_and_ballot_follow_cuda() {
         let n = 64usize;
         let (code, out, msg) = selftest(2, n as u32);

@@ -7,12 +7,14 @@
 // * Builtins: threadIdx, blockIdx, blockDim, gridDim (per fiber); __syncthreads (a barrier
 //   that all live threads of the block must reach: a thread that exits while others wait at
 //   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp);
-//   __shfl_sync / _xor / _down / _up and __ballot_sync over the live lanes of a warp.
+//   __shfl_sync / _xor / _down / _up and __ballot_sync over the live lanes of a warp;
+//   dynamic shared memory (RINGATTN_DYNAMIC_SMEM(), poisoned with 0xFF bytes at every block
+//   start); atomicAdd on f32, int and unsigned, correct across OS threads.
 // * Errors are collected per launch and returned to the caller; a kernel never aborts the
 //   process.
 //
-// Still to come (issue 4): the fast x86-64 context switch, shared memory and its poison and
-// race shadow, atomics, the PTX twins of ptx.cuh, cp.async, schedule perturbation and a
+// Still to come (issue 4): the fast x86-64 context switch, bounds-checked and race-shadowed
+// shared-memory accesses, the PTX twins of ptx.cuh, cp.async, schedule perturbation and a
 // thread pool over blocks.
 #pragma once
 
@@ -51,6 +53,10 @@ struct Thread {
 struct Block {
     dim3 bid, bdim, gdim;
     std::vector<Thread> threads;
+    // Dynamic shared memory of the block, 64-byte aligned, poisoned (0xFF bytes: NaN as f32,
+    // -1 as integers) at block start so that reads before writes show up.
+    std::vector<unsigned char> smem;
+    size_t smem_offset = 0;
     // Warp exchange slots for shuffles and ballots, double-buffered by each lane's count of
     // warp operations so that a fast lane's next exchange cannot overwrite a value a slower
     // lane has yet to read: slots[parity][thread].
@@ -88,8 +94,10 @@ constexpr size_t kStack = 64 * 1024;
 
 // Runs one block: round-robin over fibers until every thread is done; barriers release
 // when every live thread (of the block, or of the warp) waits on them.
-inline void run_block(Block& b) {
+inline void run_block(Block& b, size_t smem_bytes) {
     unsigned n = b.bdim.x * b.bdim.y * b.bdim.z;
+    b.smem.assign(smem_bytes + 64, 0xFF);
+    b.smem_offset = (64 - reinterpret_cast<uintptr_t>(b.smem.data()) % 64) % 64;
     b.threads.assign(n, Thread{});
     b.slots[0].assign(n, 0);
     b.slots[1].assign(n, 0);
@@ -152,8 +160,9 @@ inline void run_block(Block& b) {
     }
 }
 
-// Launches `body` (the kernel call) over `grid` × `block`; returns the first error, or "".
-inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+// Launches `body` (the kernel call) over `grid` × `block` with `smem_bytes` of dynamic
+// shared memory per block; returns the first error, or "".
+inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0) {
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
@@ -162,7 +171,7 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
                 b.bdim = block;
                 b.gdim = grid;
                 b.body = &body;
-                run_block(b);
+                run_block(b, smem_bytes);
                 if (!b.error.empty()) {
                     return "block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) +
                            "): " + b.error;
@@ -214,7 +223,34 @@ inline T from_word(uint64_t w) {
 }
 
 inline unsigned lane_id() { return current->linear & 31u; }
+
+// The block's dynamic shared memory (what `extern __shared__` names on the device).
+inline unsigned char* dynamic_smem() {
+    Block* b = current->block;
+    return b->smem.data() + b->smem_offset;
+}
 }  // namespace emu
+
+// Dynamic shared memory, the same spelling in device and host builds (kernels use it instead
+// of declaring `extern __shared__` arrays themselves).
+#define RINGATTN_DYNAMIC_SMEM() (::emu::dynamic_smem())
+
+// Atomics: correct across OS threads (blocks may run on several), built on the compiler's
+// __atomic builtins; float adds by compare-and-swap on the bit pattern.
+inline float atomicAdd(float* addr, float v) {
+    uint32_t* p = reinterpret_cast<uint32_t*>(addr);
+    uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    for (;;) {
+        float f;
+        std::memcpy(&f, &old, 4);
+        const float sum = f + v;
+        uint32_t next;
+        std::memcpy(&next, &sum, 4);
+        if (__atomic_compare_exchange_n(p, &old, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f;
+    }
+}
+inline int atomicAdd(int* addr, int v) { return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned* addr, unsigned v) { return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED); }
 
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src, int width = 32) {

@@ -39,6 +39,22 @@ __global__ void warp_ops(float* out) {
     out[3 * n + i] = float(__ballot_sync(0xffffffffu, i % 2));
 }
 
+// Block-wide reduction through dynamic shared memory: out[0] (by atomics over blocks) sums
+// every thread's index; out[1 + blockIdx.x] is the block's first shared slot read before any
+// write (the poison, NaN).
+__global__ void smem_reduce(float* out) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    if (threadIdx.x == 0) out[1 + blockIdx.x] = sm[0];
+    __syncthreads();
+    sm[threadIdx.x] = float(threadIdx.x);
+    __syncthreads();
+    for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) sm[threadIdx.x] += sm[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicAdd(&out[0], sm[0]);
+}
+
 int report(const std::string& err, char* msg, size_t cap) {
     if (err.empty()) return 0;
     if (msg && cap) std::snprintf(msg, cap, "%s", err.c_str());
@@ -48,15 +64,20 @@ int report(const std::string& err, char* msg, size_t cap) {
 }  // namespace
 
 // which = 0: barrier_order over one block of `n` threads (buf, out hold n floats);
-// which = 1: divergent_barrier; which = 2: warp_ops (out holds 4n floats).
+// which = 1: divergent_barrier; which = 2: warp_ops (out holds 4n floats);
+// which = 3: smem_reduce over 3 blocks of n threads (n a power of two; out holds 4 floats).
 extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* out, char* msg, size_t cap) {
     std::function<void()> body;
     if (which == 0) {
         body = [=] { barrier_order(buf, out); };
     } else if (which == 1) {
         body = [=] { divergent_barrier(out); };
-    } else {
+    } else if (which == 2) {
         body = [=] { warp_ops(out); };
+    } else {
+        out[0] = 0.0f;
+        body = [=] { smem_reduce(out); };
+        return report(emu::launch(dim3(3), dim3(n), body, n * sizeof(float)), msg, cap);
     }
     return report(emu::launch(dim3(1), dim3(n), body), msg, cap);
 }
