@@ -14,3 +14,4 @@ __device__ __forceinline__ unsigned char* ringattn_dynamic_smem() {
 #endif
 
 #include "params.h"
+#include "ptx.cuh"

@@ -146,6 +146,100 @@ mod tests {
         assert!(msg.contains("divergent __syncthreads"), "{msg}");
     }
 
+    extern "C" {
+        fn ringattn_emu_selftest_mma(
+            regs: *const u32,
+            c: *const f32,
+            d: *mut f32,
+            bf16: i32,
+            msg: *mut c_char,
+            cap: usize,
+        ) -> i32;
+    }
+
+    /// The m16n8k16 fragment tables of the PTX ISA, written here independently of the C++
+    /// twin: for lane `l`, the (row, col) of each half of each A register, each half of each
+    /// B register (as (k, n)), and each C/D element.
+    fn lane_table(l: usize) -> ([[(usize, usize); 2]; 4], [[(usize, usize); 2]; 2], [(usize, usize); 4]) {
+        let (g, t) = (l / 4, l % 4);
+        let a = [
+            [(g, 2 * t), (g, 2 * t + 1)],
+            [(g + 8, 2 * t), (g + 8, 2 * t + 1)],
+            [(g, 2 * t + 8), (g, 2 * t + 9)],
+            [(g + 8, 2 * t + 8), (g + 8, 2 * t + 9)],
+        ];
+        let b = [[(2 * t, g), (2 * t + 1, g)], [(2 * t + 8, g), (2 * t + 9, g)]];
+        let c = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)];
+        (a, b, c)
+    }
+
+    #[test]
+    fn lane_table_matches_the_ptx_isa_rows() {
+        // Rows copied from the table in ptx-and-emulation.md §1.2 (lanes 0, 5, 13, 31).
+        assert_eq!(lane_table(0).0, [[(0, 0), (0, 1)], [(8, 0), (8, 1)], [(0, 8), (0, 9)], [(8, 8), (8, 9)]]);
+        assert_eq!(lane_table(5).1, [[(2, 1), (3, 1)], [(10, 1), (11, 1)]]);
+        assert_eq!(lane_table(13).2, [(3, 2), (3, 3), (11, 2), (11, 3)]);
+        assert_eq!(lane_table(31).0[3], [(15, 14), (15, 15)]);
+        assert_eq!(lane_table(31).1, [[(6, 7), (7, 7)], [(14, 7), (15, 7)]]);
+    }
+
+    fn check_mma(dtype: crate::DType) {
+        use half::{bf16, f16};
+        let to_bits = |x: f32| -> u16 {
+            match dtype {
+                crate::DType::BF16 => bf16::from_f32(x).to_bits(),
+                _ => f16::from_f32(x).to_bits(),
+            }
+        };
+        let from_bits = |b: u16| -> f64 {
+            match dtype {
+                crate::DType::BF16 => bf16::from_bits(b).to_f64(),
+                _ => f16::from_bits(b).to_f64(),
+            }
+        };
+        let a_vals = randn(vec![16 * 16], 11, crate::DType::F32).to_f32_vec();
+        let b_vals = randn(vec![16 * 8], 12, crate::DType::F32).to_f32_vec();
+        let c_vals = randn(vec![16 * 8], 13, crate::DType::F32).to_f32_vec();
+        let a_bits: Vec<u16> = a_vals.iter().map(|&x| to_bits(x)).collect();
+        let b_bits: Vec<u16> = b_vals.iter().map(|&x| to_bits(x)).collect();
+        let pack = |lo: u16, hi: u16| lo as u32 | (hi as u32) << 16;
+        let mut regs = vec![0u32; 32 * 6];
+        let mut c = vec![0f32; 32 * 4];
+        for l in 0..32 {
+            let (ta, tb, tc) = lane_table(l);
+            for (i, [(r0, c0), (r1, c1)]) in ta.iter().enumerate() {
+                regs[l * 6 + i] = pack(a_bits[r0 * 16 + c0], a_bits[r1 * 16 + c1]);
+            }
+            for (i, [(k0, n0), (k1, n1)]) in tb.iter().enumerate() {
+                regs[l * 6 + 4 + i] = pack(b_bits[k0 * 8 + n0], b_bits[k1 * 8 + n1]);
+            }
+            for (i, &(m, n)) in tc.iter().enumerate() {
+                c[l * 4 + i] = c_vals[m * 8 + n];
+            }
+        }
+        let mut d = vec![0f32; 32 * 4];
+        let mut msg = [0u8; 512];
+        let flag = (dtype == crate::DType::BF16) as i32;
+        // SAFETY: regs, c and d hold 32 lanes' worth of values, as the kernel reads and writes.
+        let code = unsafe {
+            ringattn_emu_selftest_mma(regs.as_ptr(), c.as_ptr(), d.as_mut_ptr(), flag, msg.as_mut_ptr().cast(), 512)
+        };
+        assert_eq!(code, 0);
+        for l in 0..32 {
+            for (i, &(m, n)) in lane_table(l).2.iter().enumerate() {
+                let exact: f64 = (0..16).map(|k| from_bits(a_bits[m * 16 + k]) * from_bits(b_bits[k * 8 + n])).sum();
+                let want = (exact + c_vals[m * 8 + n] as f64) as f32;
+                assert_eq!(d[l * 4 + i], want, "{dtype:?} lane {l} element {i} = D[{m}][{n}]");
+            }
+        }
+    }
+
+    #[test]
+    fn mma_m16n8k16_twin_follows_the_fragment_tables() {
+        check_mma(crate::DType::BF16);
+        check_mma(crate::DType::F16);
+    }
+
     #[test]
     fn merge_kernel_rejects_bad_lengths() {
         let e = merge_f32(&mut [0.0; 3], &mut [0.0; 1], &[0.0; 4], &[0.0; 1], [1, 1, 1, 4]).unwrap_err();

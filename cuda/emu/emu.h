@@ -9,7 +9,8 @@
 //   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp);
 //   __shfl_sync / _xor / _down / _up and __ballot_sync over the live lanes of a warp;
 //   dynamic shared memory (RINGATTN_DYNAMIC_SMEM(), poisoned with 0xFF bytes at every block
-//   start); atomicAdd on f32, int and unsigned, correct across OS threads.
+//   start); atomicAdd on f32, int and unsigned, correct across OS threads; warp_allgather,
+//   on which the PTX twins of ptx.cuh rebuild a warp's fragments.
 // * Errors are collected per launch and returned to the caller; a kernel never aborts the
 //   process.
 //
@@ -18,6 +19,7 @@
 // thread pool over blocks.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
@@ -223,6 +225,20 @@ inline T from_word(uint64_t w) {
 }
 
 inline unsigned lane_id() { return current->linear & 31u; }
+
+// Publishes this lane's word, waits for the warp, returns every lane's word (0 for lanes
+// past the end of the block).
+inline std::array<uint64_t, 32> warp_allgather(uint64_t mine) {
+    Thread* t = current;
+    Block* b = t->block;
+    const unsigned parity = t->warp_ops++ & 1u;
+    b->slots[parity][t->linear] = mine;
+    yield(Wait::Warp);
+    std::array<uint64_t, 32> all{};
+    const unsigned w0 = t->linear & ~31u;
+    for (unsigned i = 0; i < 32 && w0 + i < b->threads.size(); ++i) all[i] = b->slots[parity][w0 + i];
+    return all;
+}
 
 // The block's dynamic shared memory (what `extern __shared__` names on the device).
 inline unsigned char* dynamic_smem() {

@@ -81,3 +81,28 @@ extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* o
     }
     return report(emu::launch(dim3(1), dim3(n), body), msg, cap);
 }
+
+#include "ptx.cuh"
+
+namespace {
+// One warp: lane L takes its registers from regs[L] (a0..a3, b0, b1 as u32) and c[L][0..3],
+// runs the mma and writes d[L][0..3]. The caller lays out the fragments (by the PTX tables).
+__global__ void mma_lanes(const uint32_t* regs, const float* c, float* d, int bf16) {
+    const unsigned L = threadIdx.x;
+    const uint32_t a[4] = {regs[L * 6 + 0], regs[L * 6 + 1], regs[L * 6 + 2], regs[L * 6 + 3]};
+    const uint32_t b[2] = {regs[L * 6 + 4], regs[L * 6 + 5]};
+    float out[4];
+    if (bf16) {
+        mma_m16n8k16_bf16(out, a, b, &c[L * 4]);
+    } else {
+        mma_m16n8k16_f16(out, a, b, &c[L * 4]);
+    }
+    for (int i = 0; i < 4; ++i) d[L * 4 + i] = out[i];
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_mma(const uint32_t* regs, const float* c, float* d, int bf16, char* msg,
+                                         size_t cap) {
+    std::function<void()> body = [=] { mma_lanes(regs, c, d, bf16); };
+    return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
+}

@@ -1,0 +1,110 @@
+// Every inline-PTX wrapper of the kernels, each with its emulated twin: the device path under
+// nvcc (`__CUDACC__`), the emulator's otherwise. No other file holds PTX. Fragment layouts
+// follow the PTX ISA tables (../shared/reference/ptx-and-emulation.md §1).
+#pragma once
+#include <stdint.h>
+
+#ifdef __CUDACC__
+
+// D = A·B + C for one warp: A 16x16 (row), B 16x8 (col), bf16 inputs, f32 accumulate.
+// Lane L (g = L/4, t = L%4): a[0] = {A[g][2t], A[g][2t+1]}, a[1] = {A[g+8][2t], A[g+8][2t+1]},
+// a[2] = {A[g][2t+8], A[g][2t+9]}, a[3] = {A[g+8][2t+8], A[g+8][2t+9]} (low half first);
+// b[0] = {B[2t][g], B[2t+1][g]}, b[1] = {B[2t+8][g], B[2t+9][g]};
+// c, d = {C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]}.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                  const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// The same with f16 inputs.
+__device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                 const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+#else  // the emulated twins
+
+namespace emu {
+
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t man = h & 0x3ffu;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(float(man), -24);  // zero or subnormal
+        if (sign) f = -f;
+        return f;
+    }
+    uint32_t bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Products of bf16 or f16 values are exact in f64; they are summed in f64, C added, and the
+// result rounded once to f32 (PTX leaves the accumulation order unspecified).
+inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], bool bf16) {
+    const auto a01 = warp_allgather(uint64_t(a[0]) | (uint64_t(a[1]) << 32));
+    const auto a23 = warp_allgather(uint64_t(a[2]) | (uint64_t(a[3]) << 32));
+    const auto b01 = warp_allgather(uint64_t(b[0]) | (uint64_t(b[1]) << 32));
+    auto cvt = [bf16](uint32_t reg, int half) {
+        const uint16_t h = uint16_t(half ? reg >> 16 : reg & 0xffffu);
+        return double(bf16 ? bf16_to_float(h) : f16_to_float(h));
+    };
+    double A[16][16], B[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        const unsigned g = lane >> 2, t = lane & 3;
+        const uint32_t r[4] = {uint32_t(a01[lane]), uint32_t(a01[lane] >> 32), uint32_t(a23[lane]),
+                               uint32_t(a23[lane] >> 32)};
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = cvt(r[0], h);
+            A[g + 8][2 * t + h] = cvt(r[1], h);
+            A[g][2 * t + 8 + h] = cvt(r[2], h);
+            A[g + 8][2 * t + 8 + h] = cvt(r[3], h);
+            B[2 * t + h][g] = cvt(uint32_t(b01[lane]), h);
+            B[2 * t + 8 + h][g] = cvt(uint32_t(b01[lane] >> 32), h);
+        }
+    }
+    const unsigned lane = lane_id(), g = lane >> 2, t = lane & 3;
+    const unsigned rows[4] = {g, g, g + 8, g + 8};
+    const unsigned cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    for (int i = 0; i < 4; ++i) {
+        double acc = 0.0;
+        for (int k = 0; k < 16; ++k) acc += A[rows[i]][k] * B[k][cols[i]];
+        d[i] = float(acc + double(c[i]));
+    }
+}
+
+}  // namespace emu
+
+inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+    ::emu::mma_m16n8k16(d, a, b, c, true);
+}
+
+inline void mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+    ::emu::mma_m16n8k16(d, a, b, c, false);
+}
+
+#endif
