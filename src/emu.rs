@@ -160,7 +160,10 @@ mod tests {
     /// The m16n8k16 fragment tables of the PTX ISA, written here independently of the C++
     /// twin: for lane `l`, the (row, col) of each half of each A register, each half of each
     /// B register (as (k, n)), and each C/D element.
-    fn lane_table(l: usize) -> ([[(usize, usize); 2]; 4], [[(usize, usize); 2]; 2], [(usize, usize); 4]) {
+    /// (row, col) positions.
+    type At = (usize, usize);
+
+    fn lane_table(l: usize) -> ([[At; 2]; 4], [[At; 2]; 2], [At; 4]) {
         let (g, t) = (l / 4, l % 4);
         let a = [
             [(g, 2 * t), (g, 2 * t + 1)],
