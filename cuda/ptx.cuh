@@ -32,6 +32,36 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const uint32_t a[4]
           "f"(c[3]));
 }
 
+// ldmatrix: loads 8x8 b16 matrices from shared memory. Threads 8j..8j+7 supply the 16-byte
+// aligned row addresses of matrix j (x1: j = 0; x2: j < 2; x4: j < 4). Without .trans lane L
+// receives in r[j] row L/4, columns 2(L%4) and 2(L%4)+1 of matrix j (low half first); with
+// .trans it receives the elements at rows 2(L%4) and 2(L%4)+1, column L/4.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t r[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_u32(row)));
+}
+
 #else  // the emulated twins
 
 namespace emu {
@@ -97,7 +127,38 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], c
     }
 }
 
+// ldmatrix twin: the warp publishes its row addresses, then each lane gathers its halves.
+inline void ldmatrix(uint32_t* r, int count, bool trans, const void* row) {
+    const auto addr = warp_allgather(reinterpret_cast<uintptr_t>(row));
+    const unsigned lane = lane_id();
+    for (int j = 0; j < count; ++j) {
+        for (int i = 0; i < 8; ++i) {
+            if (addr[8 * j + i] % 16 != 0) {
+                fail("ldmatrix: row address of lane " + std::to_string(8 * j + i) + " is not 16-byte aligned");
+            }
+        }
+        uint16_t h[2];
+        for (int half = 0; half < 2; ++half) {
+            unsigned mrow, mcol;
+            if (trans) {
+                mrow = 2 * (lane % 4) + half;
+                mcol = lane / 4;
+            } else {
+                mrow = lane / 4;
+                mcol = 2 * (lane % 4) + half;
+            }
+            std::memcpy(&h[half], reinterpret_cast<const unsigned char*>(addr[8 * j + mrow]) + 2 * mcol, 2);
+        }
+        r[j] = uint32_t(h[0]) | (uint32_t(h[1]) << 16);
+    }
+}
+
 }  // namespace emu
+
+inline void ldmatrix_x4(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, false, row); }
+inline void ldmatrix_x2(uint32_t r[2], const void* row) { ::emu::ldmatrix(r, 2, false, row); }
+inline void ldmatrix_x4_trans(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, true, row); }
+inline void ldmatrix_x2_trans(uint32_t r[2], const void* row) { ::emu::ldmatrix(r, 2, true, row); }
 
 inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
     ::emu::mma_m16n8k16(d, a, b, c, true);

@@ -243,6 +243,34 @@ mod tests {
         check_mma(crate::DType::F16);
     }
 
+    extern "C" {
+        fn ringattn_emu_selftest_ldmatrix(tile: *const u16, out: *mut u32, msg: *mut c_char, cap: usize) -> i32;
+    }
+
+    #[test]
+    fn ldmatrix_twins_compose_into_mma_fragments() {
+        // Codes identifying each element: tile[r][c] = 16r + c.
+        let tile: Vec<u16> = (0..256).collect();
+        let mut out = vec![0u32; 32 * 6];
+        let mut msg = [0u8; 512];
+        // SAFETY: tile holds 256 values and out 32 lanes × 6 registers, as the kernel uses.
+        let code =
+            unsafe { ringattn_emu_selftest_ldmatrix(tile.as_ptr(), out.as_mut_ptr(), msg.as_mut_ptr().cast(), 512) };
+        assert_eq!(code, 0);
+        let code_of = |(r, c): At| (16 * r + c) as u32;
+        for l in 0..32 {
+            let (a, b, _) = lane_table(l);
+            // ldmatrix.x4 over a row-major 16x16 tile yields the A fragments of m16n8k16.
+            for (i, [lo, hi]) in a.iter().enumerate() {
+                assert_eq!(out[l * 6 + i], code_of(*lo) | code_of(*hi) << 16, "A.R{i} lane {l}");
+            }
+            // ldmatrix.x2.trans over V stored [k][n] yields the B fragments (k, n) for n < 8.
+            for (i, [lo, hi]) in b.iter().enumerate() {
+                assert_eq!(out[l * 6 + 4 + i], code_of(*lo) | code_of(*hi) << 16, "B.R{i} lane {l}");
+            }
+        }
+    }
+
     #[test]
     fn merge_kernel_rejects_bad_lengths() {
         let e = merge_f32(&mut [0.0; 3], &mut [0.0; 1], &[0.0; 4], &[0.0; 1], [1, 1, 1, 4]).unwrap_err();

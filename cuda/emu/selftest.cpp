@@ -106,3 +106,27 @@ extern "C" int ringattn_emu_selftest_mma(const uint32_t* regs, const float* c, f
     std::function<void()> body = [=] { mma_lanes(regs, c, d, bf16); };
     return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
 }
+
+namespace {
+// One warp, a 16x16 row-major b16 tile `tile` copied to shared memory:
+// A-operand composition: ldmatrix_x4 with lane L pointing to row L%16, column 8(L/16);
+// V composition: ldmatrix_x2_trans with lane L pointing to row L%16 (columns 0..7).
+// out[L*6 + 0..3] = the x4 registers, out[L*6 + 4..5] = the x2.trans registers.
+__global__ void ldmatrix_lanes(const uint16_t* tile, uint32_t* out) {
+    uint16_t* sm = reinterpret_cast<uint16_t*>(RINGATTN_DYNAMIC_SMEM());
+    const unsigned L = threadIdx.x;
+    for (unsigned i = L; i < 256; i += 32) sm[i] = tile[i];
+    __syncwarp();
+    uint32_t a[4], v[2];
+    ldmatrix_x4(a, sm + (L % 16) * 16 + 8 * (L / 16));
+    ldmatrix_x2_trans(v, sm + (L % 16) * 16);
+    for (int i = 0; i < 4; ++i) out[L * 6 + i] = a[i];
+    out[L * 6 + 4] = v[0];
+    out[L * 6 + 5] = v[1];
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_ldmatrix(const uint16_t* tile, uint32_t* out, char* msg, size_t cap) {
+    std::function<void()> body = [=] { ldmatrix_lanes(tile, out); };
+    return report(emu::launch(dim3(1), dim3(32), body, 512), msg, cap);
+}
