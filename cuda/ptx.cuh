@@ -62,6 +62,28 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], const void* row
                  : "r"(smem_u32(row)));
 }
 
+// cp.async.cg: copies 16 bytes global -> shared asynchronously, reading only `src_bytes`
+// (0..16) and zero-filling the rest. commit_group closes this thread's pending copies into a
+// group; wait_group<N> returns when at most N of its groups are pending. The data is visible
+// to other threads only after a barrier.
+__device__ __forceinline__ void cp_async_cg16(void* dst_smem, const void* src, unsigned src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst_smem)), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x with ex2.approx (at most 2 ulp; -inf gives +0).
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 #else  // the emulated twins
 
 namespace emu {
@@ -153,7 +175,55 @@ inline void ldmatrix(uint32_t* r, int count, bool trans, const void* row) {
     }
 }
 
+// cp.async twin: the copy is recorded and its destination poisoned at issue; it happens when
+// wait_group retires its group, as a write by the issuing thread.
+inline void cp_async(void* dst, const void* src, unsigned src_bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+        fail("cp.async: 16-byte copy with an address that is not 16-byte aligned");
+        return;
+    }
+    if (src_bytes > 16) {
+        fail("cp.async: src-size " + std::to_string(src_bytes) + " exceeds the 16-byte copy");
+        return;
+    }
+    std::memset(dst, 0xFF, 16);
+    current->uncommitted.push_back(AsyncCopy{dst, src, src_bytes, 16 - src_bytes});
+}
+
+inline void cp_async_commit_group() {
+    Thread* t = current;
+    t->groups.push_back(std::move(t->uncommitted));
+    t->uncommitted.clear();
+}
+
+inline void cp_async_wait_group(int n) {
+    Thread* t = current;
+    while (t->groups.size() > size_t(n)) {
+        for (const AsyncCopy& c : t->groups.front()) {
+            std::memcpy(c.dst, c.src, c.bytes);
+            std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, c.zero_fill);
+        }
+        t->groups.erase(t->groups.begin());
+    }
+}
+
 }  // namespace emu
+
+inline void cp_async_cg16(void* dst_smem, const void* src, unsigned src_bytes) {
+    ::emu::cp_async(dst_smem, src, src_bytes);
+}
+inline void cp_async_commit() { ::emu::cp_async_commit_group(); }
+template <int N>
+inline void cp_async_wait() {
+    ::emu::cp_async_wait_group(N);
+}
+
+// ex2.approx twin: the correctly rounded 2^x (within the instruction's 2 ulp), -inf -> +0,
+// subnormal results flushed to zero as .ftz does.
+inline float ex2_approx(float x) {
+    const float y = std::exp2(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
 
 inline void ldmatrix_x4(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, false, row); }
 inline void ldmatrix_x2(uint32_t r[2], const void* row) { ::emu::ldmatrix(r, 2, false, row); }

@@ -271,6 +271,68 @@ mod tests {
         }
     }
 
+    extern "C" {
+        fn ringattn_emu_selftest_cp_async(
+            unwaited: i32,
+            src: *const f32,
+            out: *mut f32,
+            ex: *mut f32,
+            msg: *mut c_char,
+            cap: usize,
+        ) -> i32;
+    }
+
+    /// A 16-byte aligned buffer of 256 floats (the kernel copies 16-byte pieces).
+    #[repr(C, align(16))]
+    struct Aligned([f32; 256]);
+
+    #[test]
+    fn cp_async_groups_retire_in_order_and_ex2_is_exact() {
+        let src = Aligned(std::array::from_fn(|i| i as f32 + 0.5));
+        let (mut out, mut ex, mut msg) = (vec![0f32; 32 * 12], vec![0f32; 32], [0u8; 512]);
+        // SAFETY: src holds 32 lanes × 8 floats, out 32 × 12, ex 32, as the kernel uses.
+        let code = unsafe {
+            ringattn_emu_selftest_cp_async(
+                0,
+                src.0.as_ptr(),
+                out.as_mut_ptr(),
+                ex.as_mut_ptr(),
+                msg.as_mut_ptr().cast(),
+                512,
+            )
+        };
+        assert_eq!(code, 0);
+        for l in 0..32 {
+            let o = &out[l * 12..(l + 1) * 12];
+            assert!(o[..4].iter().all(|x| x.is_nan()), "lane {l}: destination poisoned before the wait");
+            assert_eq!(&o[4..8], &src.0[l * 8..l * 8 + 4], "lane {l}: first group after wait<1>");
+            assert_eq!(&o[8..10], &src.0[l * 8 + 4..l * 8 + 6], "lane {l}: 8 bytes read");
+            assert_eq!(&o[10..12], &[0.0, 0.0], "lane {l}: the rest zero-filled");
+            assert_eq!(ex[l], 2f32.powi(l as i32 - 20));
+        }
+    }
+
+    #[test]
+    fn an_unwaited_cp_async_is_reported() {
+        let src = Aligned([1.0; 256]);
+        let mut msg = [0u8; 512];
+        // SAFETY: src holds the 32 × 4 floats the kernel reads; out and ex are unused.
+        let code = unsafe {
+            ringattn_emu_selftest_cp_async(
+                1,
+                src.0.as_ptr(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                msg.as_mut_ptr().cast(),
+                512,
+            )
+        };
+        let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
+        let text = String::from_utf8_lossy(&msg[..end]);
+        assert_eq!(code, 1);
+        assert!(text.contains("never waited"), "{text}");
+    }
+
     #[test]
     fn merge_kernel_rejects_bad_lengths() {
         let e = merge_f32(&mut [0.0; 3], &mut [0.0; 1], &[0.0; 4], &[0.0; 1], [1, 1, 1, 4]).unwrap_err();

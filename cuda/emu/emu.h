@@ -41,10 +41,21 @@ struct Block;
 
 enum class Wait { None, Block, Warp };
 
+// One cp.async copy in flight: performed when its group retires.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned bytes;      // bytes read from src
+    unsigned zero_fill;  // bytes of dst after them set to 0
+};
+
 struct Thread {
     dim3 tid;
     unsigned linear = 0;
     unsigned warp_ops = 0;
+    // cp.async: copies not yet committed, and committed groups oldest first.
+    std::vector<AsyncCopy> uncommitted;
+    std::vector<std::vector<AsyncCopy>> groups;
     Block* block = nullptr;
     ucontext_t ctx{};
     std::vector<char> stack;
@@ -87,6 +98,9 @@ inline void yield(Wait w) {
 inline void fiber_entry() {
     Thread* t = current;
     (*t->block->body)();
+    if (!t->uncommitted.empty() || !t->groups.empty()) {
+        fail("thread " + std::to_string(t->linear) + " exited with cp.async copies never waited for");
+    }
     t->done = true;
     t->wait = Wait::None;
     swapcontext(&t->ctx, &t->block->scheduler);

@@ -130,3 +130,45 @@ extern "C" int ringattn_emu_selftest_ldmatrix(const uint16_t* tile, uint32_t* ou
     std::function<void()> body = [=] { ldmatrix_lanes(tile, out); };
     return report(emu::launch(dim3(1), dim3(32), body, 512), msg, cap);
 }
+
+namespace {
+// One warp. Each lane copies two 16-byte pieces of `src` into shared memory in two groups
+// (the second a partial copy of 8 bytes, zero-filled), reading its destination before and
+// between the waits. out[L*12 + 0..3]: first piece seen before any wait (poison);
+// [4..7]: first piece after wait<1>; [8..11]: second piece after wait<0>. ex[L] = 2^(L - 20)
+// through ex2_approx.
+__global__ void cp_async_lanes(const float* src, float* out, float* ex) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    const unsigned L = threadIdx.x;
+    float* first = sm + L * 8;
+    float* second = sm + L * 8 + 4;
+    cp_async_cg16(first, src + L * 8, 16);
+    cp_async_commit();
+    cp_async_cg16(second, src + L * 8 + 4, 8);
+    cp_async_commit();
+    for (int i = 0; i < 4; ++i) out[L * 12 + i] = first[i];
+    cp_async_wait<1>();
+    for (int i = 0; i < 4; ++i) out[L * 12 + 4 + i] = first[i];
+    cp_async_wait<0>();
+    for (int i = 0; i < 4; ++i) out[L * 12 + 8 + i] = second[i];
+    ex[L] = ex2_approx(float(int(L) - 20));
+}
+
+// A thread that issues a cp.async and never waits for it.
+__global__ void cp_async_unwaited(const float* src) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    cp_async_cg16(sm + threadIdx.x * 4, src + threadIdx.x * 4, 16);
+    cp_async_commit();
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_cp_async(int unwaited, const float* src, float* out, float* ex, char* msg,
+                                             size_t cap) {
+    std::function<void()> body;
+    if (unwaited) {
+        body = [=] { cp_async_unwaited(src); };
+    } else {
+        body = [=] { cp_async_lanes(src, out, ex); };
+    }
+    return report(emu::launch(dim3(1), dim3(32), body, 32 * 8 * sizeof(float)), msg, cap);
+}
