@@ -9,7 +9,31 @@ use crate::kernels::params::MergeParams;
 use crate::{Error, Result};
 
 extern "C" {
-    fn ringattn_emu_merge_f32(p: MergeParams, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_merge_f32(p: MergeParams, schedule: i32, seed: u64, msg: *mut c_char, cap: usize) -> i32;
+}
+
+/// The order in which the emulator resumes a block's CUDA threads. Kernels whose results do
+/// not depend on the order of atomics give bit-identical results under every schedule; a
+/// missing barrier shows up as a difference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// Thread 0 first.
+    #[default]
+    Forward,
+    /// The last thread first.
+    Reverse,
+    /// A fresh seeded permutation every round.
+    Random(u64),
+}
+
+impl Schedule {
+    fn code(self) -> (i32, u64) {
+        match self {
+            Schedule::Forward => (0, 0),
+            Schedule::Reverse => (1, 0),
+            Schedule::Random(seed) => (2, seed),
+        }
+    }
 }
 
 fn check(code: i32, msg: &[u8], kernel: &str) -> Result<()> {
@@ -34,6 +58,21 @@ fn check(code: i32, msg: &[u8], kernel: &str) -> Result<()> {
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn merge_f32(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
+    merge_f32_with(o_a, lse_a, o_b, lse_b, bshd, Schedule::Forward)
+}
+
+/// [`merge_f32`] under a given [`Schedule`].
+///
+/// # Errors
+/// As [`merge_f32`].
+pub fn merge_f32_with(
+    o_a: &mut [f32],
+    lse_a: &mut [f32],
+    o_b: &[f32],
+    lse_b: &[f32],
+    bshd: [usize; 4],
+    schedule: Schedule,
+) -> Result<()> {
     let [b, s, h, d] = bshd;
     let n = b * s * h;
     for (name, len, want) in
@@ -56,7 +95,8 @@ pub fn merge_f32(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32],
     let mut msg = [0u8; 512];
     // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
     // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
-    let code = unsafe { ringattn_emu_merge_f32(p, msg.as_mut_ptr().cast(), msg.len()) };
+    let (mode, seed) = schedule.code();
+    let code = unsafe { ringattn_emu_merge_f32(p, mode, seed, msg.as_mut_ptr().cast(), msg.len()) };
     check(code, &msg, "merge")
 }
 
@@ -82,12 +122,20 @@ mod tests {
         }
         let (mut o1, mut l1) = (o_a.clone(), lse_a.clone());
         crate::merge::merge_into(&mut o1, &mut l1, &o_b, &lse_b, [b, s, h, d]).unwrap();
+        let (o_a_copy, lse_a_copy) = (o_a.clone(), lse_a.clone());
         let (mut o2, mut l2) = (o_a, lse_a);
         merge_f32(&mut o2, &mut l2, &o_b, &lse_b, [b, s, h, d]).unwrap();
         for (x, y) in o1.iter().zip(&o2).chain(l1.iter().zip(&l2)) {
             assert!(x == y || (x - y).abs() <= 2e-6 * x.abs().max(1.0), "{x} vs {y}");
         }
         assert!(l2.contains(&f32::NEG_INFINITY));
+        // Bit-identical under every schedule.
+        for schedule in [Schedule::Reverse, Schedule::Random(1), Schedule::Random(99)] {
+            let (mut o3, mut l3) = (o_a_copy.clone(), lse_a_copy.clone());
+            merge_f32_with(&mut o3, &mut l3, &o_b, &lse_b, [b, s, h, d], schedule).unwrap();
+            assert!(o3.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()), "{schedule:?}");
+            assert!(l3.iter().zip(&l2).all(|(x, y)| x.to_bits() == y.to_bits()), "{schedule:?}");
+        }
     }
 
     extern "C" {
@@ -331,6 +379,43 @@ mod tests {
         let text = String::from_utf8_lossy(&msg[..end]);
         assert_eq!(code, 1);
         assert!(text.contains("never waited"), "{text}");
+    }
+
+    extern "C" {
+        fn ringattn_emu_selftest_missing_barrier(
+            schedule: i32,
+            seed: u64,
+            n: u32,
+            buf: *mut f32,
+            out: *mut f32,
+            msg: *mut c_char,
+            cap: usize,
+        ) -> i32;
+    }
+
+    #[test]
+    fn schedule_perturbation_exposes_a_missing_barrier() {
+        let run = |schedule: Schedule| {
+            let (mode, seed) = schedule.code();
+            let (mut buf, mut out, mut msg) = (vec![0f32; 64], vec![0f32; 64], [0u8; 256]);
+            // SAFETY: buf and out hold the 64 floats the one-block kernel touches.
+            let code = unsafe {
+                ringattn_emu_selftest_missing_barrier(
+                    mode,
+                    seed,
+                    64,
+                    buf.as_mut_ptr(),
+                    out.as_mut_ptr(),
+                    msg.as_mut_ptr().cast(),
+                    msg.len(),
+                )
+            };
+            assert_eq!(code, 0);
+            out
+        };
+        let forward = run(Schedule::Forward);
+        assert_ne!(forward, run(Schedule::Reverse), "the race is visible");
+        assert_ne!(forward, run(Schedule::Random(3)));
     }
 
     #[test]

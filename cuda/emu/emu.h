@@ -14,11 +14,14 @@
 // * Errors are collected per launch and returned to the caller; a kernel never aborts the
 //   process.
 //
+// * Schedules: forward, reverse or seeded-random fiber order per round (Schedule), so that a
+//   missing barrier changes results.
+//
 // Still to come (issue 4): the fast x86-64 context switch, bounds-checked and race-shadowed
-// shared-memory accesses, the PTX twins of ptx.cuh, cp.async, schedule perturbation and a
-// thread pool over blocks.
+// shared-memory accesses and a thread pool over blocks.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <math.h>
@@ -63,8 +66,15 @@ struct Thread {
     Wait wait = Wait::None;
 };
 
+// The order in which the scheduler resumes a block's fibers each round. A kernel whose result
+// does not depend on atomic order must give bit-identical results under every schedule;
+// missing barriers show up as differences.
+enum class Schedule { Forward = 0, Reverse = 1, Random = 2 };
+
 struct Block {
     dim3 bid, bdim, gdim;
+    Schedule schedule = Schedule::Forward;
+    uint64_t seed = 0;
     std::vector<Thread> threads;
     // Dynamic shared memory of the block, 64-byte aligned, poisoned (0xFF bytes: NaN as f32,
     // -1 as integers) at block start so that reads before writes show up.
@@ -129,9 +139,22 @@ inline void run_block(Block& b, size_t smem_bytes) {
         t.ctx.uc_link = nullptr;
         makecontext(&t.ctx, fiber_entry, 0);
     }
+    std::vector<unsigned> order(n);
+    uint64_t rng = b.seed ^ (uint64_t(b.bid.x) << 32) ^ (uint64_t(b.bid.y) << 16) ^ b.bid.z;
+    auto next_random = [&rng]() {  // splitmix64
+        uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        return z ^ (z >> 31);
+    };
     for (;;) {
         bool progressed = false;
-        for (Thread& t : b.threads) {
+        for (unsigned i = 0; i < n; ++i) order[i] = b.schedule == Schedule::Reverse ? n - 1 - i : i;
+        if (b.schedule == Schedule::Random) {
+            for (unsigned i = n; i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+        }
+        for (unsigned idx : order) {
+            Thread& t = b.threads[idx];
             if (t.done || t.wait != Wait::None) continue;
             current = &t;
             swapcontext(&b.scheduler, &t.ctx);
@@ -178,7 +201,8 @@ inline void run_block(Block& b, size_t smem_bytes) {
 
 // Launches `body` (the kernel call) over `grid` × `block` with `smem_bytes` of dynamic
 // shared memory per block; returns the first error, or "".
-inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0) {
+inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0,
+                          Schedule schedule = Schedule::Forward, uint64_t seed = 0) {
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
@@ -187,6 +211,8 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
                 b.bdim = block;
                 b.gdim = grid;
                 b.body = &body;
+                b.schedule = schedule;
+                b.seed = seed;
                 run_block(b, smem_bytes);
                 if (!b.error.empty()) {
                     return "block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) +

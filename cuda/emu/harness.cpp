@@ -9,7 +9,7 @@
 
 #include "params.h"
 
-extern "C" int ringattn_emu_merge_f32(MergeParams p, char* msg, size_t cap);
+extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed, char* msg, size_t cap);
 extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* out, char* msg, size_t cap);
 
 static int failures = 0;
@@ -30,7 +30,7 @@ int main() {
         lb[3] = -INFINITY;
         la[3] = -INFINITY;
         MergeParams p{oa.data(), la.data(), ob.data(), lb.data(), b, s, h, d};
-        const int code = ringattn_emu_merge_f32(p, msg, sizeof msg);
+        const int code = ringattn_emu_merge_f32(p, 2, 7, msg, sizeof msg);
         check(code == 0, "merge launches");
         // lse index 0 is (b0, h0, s0): row s0, head h0 in o.
         check(oa[0] == 2.0f, "merge averages equal weights");

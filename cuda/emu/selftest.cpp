@@ -172,3 +172,18 @@ extern "C" int ringattn_emu_selftest_cp_async(int unwaited, const float* src, fl
     }
     return report(emu::launch(dim3(1), dim3(32), body, 32 * 8 * sizeof(float)), msg, cap);
 }
+
+namespace {
+// barrier_order with the barrier forgotten: its result depends on the schedule.
+__global__ void missing_barrier(float* buf, float* out) {
+    const unsigned i = threadIdx.x;
+    buf[i] = float(i);
+    out[i] = buf[(i + 1) % blockDim.x];
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_missing_barrier(int schedule, uint64_t seed, unsigned n, float* buf, float* out,
+                                                    char* msg, size_t cap) {
+    std::function<void()> body = [=] { missing_barrier(buf, out); };
+    return report(emu::launch(dim3(1), dim3(n), body, 0, emu::Schedule(schedule), seed), msg, cap);
+}
