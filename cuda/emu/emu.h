@@ -17,12 +17,16 @@
 // * Schedules: forward, reverse or seeded-random fiber order per round (Schedule), so that a
 //   missing barrier changes results.
 //
-// Still to come (issue 4): the fast x86-64 context switch, bounds-checked and race-shadowed
-// shared-memory accesses and a thread pool over blocks.
+// * Blocks can be spread over a pool of OS threads (launch's `workers`).
+//
+// Still to come (issue 4): the fast x86-64 context switch and bounds-checked, race-shadowed
+// shared-memory accesses.
 #pragma once
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <thread>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
@@ -200,25 +204,38 @@ inline void run_block(Block& b, size_t smem_bytes) {
 }
 
 // Launches `body` (the kernel call) over `grid` × `block` with `smem_bytes` of dynamic
-// shared memory per block; returns the first error, or "".
+// shared memory per block, blocks spread over `workers` OS threads (0: one per core);
+// returns the first error (by block order), or "".
 inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0,
-                          Schedule schedule = Schedule::Forward, uint64_t seed = 0) {
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                Block b;
-                b.bid = dim3(x, y, z);
-                b.bdim = block;
-                b.gdim = grid;
-                b.body = &body;
-                b.schedule = schedule;
-                b.seed = seed;
-                run_block(b, smem_bytes);
-                if (!b.error.empty()) {
-                    return "block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) +
-                           "): " + b.error;
-                }
+                          Schedule schedule = Schedule::Forward, uint64_t seed = 0, unsigned workers = 1) {
+    const uint64_t nblocks = uint64_t(grid.x) * grid.y * grid.z;
+    if (workers == 0) workers = std::max(1u, std::thread::hardware_concurrency());
+    workers = unsigned(std::min<uint64_t>(workers, std::max<uint64_t>(nblocks, 1)));
+    std::vector<std::string> errors(nblocks);
+    std::atomic<uint64_t> next{0};
+    auto work = [&] {
+        for (uint64_t i = next++; i < nblocks; i = next++) {
+            Block b;
+            b.bid = dim3(unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y)));
+            b.bdim = block;
+            b.gdim = grid;
+            b.body = &body;
+            b.schedule = schedule;
+            b.seed = seed;
+            run_block(b, smem_bytes);
+            if (!b.error.empty()) {
+                errors[i] = "block (" + std::to_string(b.bid.x) + "," + std::to_string(b.bid.y) + "," +
+                            std::to_string(b.bid.z) + "): " + b.error;
             }
+        }
+    };
+    std::vector<std::thread> pool;
+    for (unsigned w = 1; w < workers; ++w) pool.emplace_back(work);
+    work();
+    for (std::thread& t : pool) t.join();
+    for (const std::string& e : errors) {
+        if (!e.empty()) return e;
+    }
     return "";
 }
 

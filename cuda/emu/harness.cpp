@@ -1,6 +1,6 @@
 // Standalone check of the emulator and the host-compiled kernels under sanitizers:
 //   g++ -std=c++17 -g -fsanitize=address,undefined -I cuda cuda/emu/harness.cpp \
-//       cuda/emu/kernels.cpp cuda/emu/selftest.cpp -o target/emu-harness && target/emu-harness
+//       cuda/emu/kernels.cpp cuda/emu/selftest.cpp -pthread -o target/emu-harness && target/emu-harness
 // (scripts/test.sh runs it). Exits non-zero on the first failed check.
 #include <cmath>
 #include <cstdio>

@@ -24,6 +24,6 @@ extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed
     const int64_t blocks = (rows * 32 + threads - 1) / threads;
     if (blocks == 0) return 0;
     std::function<void()> body = [p] { ringattn_merge_f32(p); };
-    return report(emu::launch(dim3(unsigned(blocks)), dim3(threads), body, 0, emu::Schedule(schedule), seed), msg,
+    return report(emu::launch(dim3(unsigned(blocks)), dim3(threads), body, 0, emu::Schedule(schedule), seed, 0), msg,
                   cap);
 }
