@@ -73,15 +73,8 @@ pub fn merge_f32_with(
     bshd: [usize; 4],
     schedule: Schedule,
 ) -> Result<()> {
+    crate::merge::check_lengths(o_a, lse_a, o_b, lse_b, bshd)?;
     let [b, s, h, d] = bshd;
-    let n = b * s * h;
-    for (name, len, want) in
-        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
-    {
-        if len != want {
-            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
-        }
-    }
     let p = MergeParams {
         o_acc: o_a.as_mut_ptr() as u64,
         lse_acc: lse_a.as_mut_ptr() as u64,

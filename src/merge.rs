@@ -24,15 +24,8 @@ use crate::{Error, Result, Tensor};
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
+    check_lengths(o_a, lse_a, o_b, lse_b, bshd)?;
     let [b, s, h, d] = bshd;
-    let n = b * s * h;
-    for (name, len, want) in
-        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
-    {
-        if len != want {
-            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
-        }
-    }
     for bi in 0..b {
         for hi in 0..h {
             for si in 0..s {
@@ -60,6 +53,20 @@ pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32]
                 }
                 lse_a[li] = m + sum.ln();
             }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that the four merge buffers fit `[b, s, h, d]` (o) and `[b, h, s]` (lse).
+pub(crate) fn check_lengths(o_a: &[f32], lse_a: &[f32], o_b: &[f32], lse_b: &[f32], bshd: [usize; 4]) -> Result<()> {
+    let [b, s, h, d] = bshd;
+    let n = b * s * h;
+    for (name, len, want) in
+        [("o_a", o_a.len(), n * d), ("o_b", o_b.len(), n * d), ("lse_a", lse_a.len(), n), ("lse_b", lse_b.len(), n)]
+    {
+        if len != want {
+            return Err(Error::ShapeMismatch(format!("merge: `{name}` holds {len} values, expected {want}")));
         }
     }
     Ok(())

@@ -230,12 +230,34 @@ pub fn verify_cpu(
         Some(g) => Some(cpu::backward(q, k, v, &fwd.o, &fwd.lse, g, params)?),
         None => None,
     };
-    let oracle = match d_o {
-        Some(g) => reference::backward(q, k, v, g, params)?,
-        None => reference::forward(q, k, v, params)?,
+    check_results(q, k, v, d_o, None, params, &fwd, grads.as_ref())
+}
+
+/// Checks results computed by any path (CPU, a parallel strategy, a kernel) for the inputs
+/// `q`, `k`, `v` (and `d_o` when `grads` is given) of a single-device call, or of a block call
+/// at `positions`, against the oracle under the default rule.
+///
+/// # Errors
+/// As [`reference::backward`] / [`reference::backward_at`].
+#[allow(clippy::too_many_arguments)]
+pub fn check_results(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    positions: Option<(&crate::Positions, &crate::Positions)>,
+    params: &AttentionParams,
+    fwd: &cpu::ForwardOutput,
+    grads: Option<&cpu::Gradients>,
+) -> Result<Report> {
+    let oracle = match (d_o, positions) {
+        (Some(g), None) => reference::backward(q, k, v, g, params)?,
+        (Some(g), Some((qp, kp))) => reference::backward_at(q, k, v, g, qp, kp, params)?,
+        (None, None) => reference::forward(q, k, v, params)?,
+        (None, Some((qp, kp))) => reference::forward_at(q, k, v, qp, kp, params)?,
     };
-    let naive = reference::naive_rounded(q, k, v, d_o, None, params, q.dtype())?;
-    Ok(report(q.dtype(), &fwd, grads.as_ref(), &oracle, &naive, &Tolerance::default()))
+    let naive = reference::naive_rounded(q, k, v, d_o, positions, params, q.dtype())?;
+    Ok(report(q.dtype(), fwd, grads, &oracle, &naive, &Tolerance::default()))
 }
 
 /// Checks the rows `rows` of a single-device result (`o`, `lse`, and `dq` when `d_o` and

@@ -301,6 +301,23 @@ fn handshake<Be: Backend>(
     local
 }
 
+impl<B> LocalData<B> {
+    /// The ring's view of this rank's own (sequence-sharded) data.
+    fn ring_inputs<'a>(&'a self, pos: &'a [Positions], params: &'a AttentionParams) -> ring::RingInputs<'a, B> {
+        ring::RingInputs {
+            b: self.b,
+            h_q: self.h_q,
+            h_kv: self.h_kv,
+            d: self.d,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            pos,
+            params,
+        }
+    }
+}
+
 fn local_data<Be: Backend>(be: &Be, dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<LocalData<Be::Buf>> {
     Ok(LocalData {
         b: dims.b,
@@ -406,17 +423,7 @@ fn run_forward<Be: Backend>(
     match params.strategy {
         Strategy::Single | Strategy::Ring => {
             let pos = all_positions(params, world, 1);
-            let ri = ring::RingInputs {
-                b: x.b,
-                h_q: x.h_q,
-                h_kv: x.h_kv,
-                d: x.d,
-                q: &x.q,
-                k: &x.k,
-                v: &x.v,
-                pos: &pos,
-                params: ap,
-            };
+            let ri = x.ring_inputs(&pos, ap);
             ring::forward(comm, be, &ri, stats)
         }
         Strategy::AllGather => allgather::forward(comm, be, x, &all_positions(params, world, 1), ap, stats),
@@ -454,17 +461,7 @@ fn run_backward<Be: Backend>(
     match params.strategy {
         Strategy::Single | Strategy::Ring => {
             let pos = all_positions(params, world, 1);
-            let ri = ring::RingInputs {
-                b: x.b,
-                h_q: x.h_q,
-                h_kv: x.h_kv,
-                d: x.d,
-                q: &x.q,
-                k: &x.k,
-                v: &x.v,
-                pos: &pos,
-                params: ap,
-            };
+            let ri = x.ring_inputs(&pos, ap);
             ring::backward(comm, be, &ri, o, lse, d_o, stats)
         }
         Strategy::AllGather => {

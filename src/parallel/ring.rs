@@ -93,13 +93,33 @@ fn exchange<B: Payload>(
     from: usize,
     tag: Tag,
     pair: (&B, &B),
-) -> Result<(crate::comm::SendHandle, crate::comm::SendHandle, RecvHandle<B>, RecvHandle<B>)> {
+) -> Result<Posted<B>> {
     Ok((
         comm.isend(to, tag, pair.0.clone())?,
         comm.isend(to, tag + 1, pair.1.clone())?,
         comm.irecv(from, tag)?,
         comm.irecv(from, tag + 1)?,
     ))
+}
+
+/// A posted [`exchange`]: its sends and the receives of the next pair.
+type Posted<B> = (crate::comm::SendHandle, crate::comm::SendHandle, RecvHandle<B>, RecvHandle<B>);
+
+/// Waits for a posted exchange (if any) and checks that both received buffers hold `want`
+/// values; returns the received pair.
+fn finish_exchange<B: Payload>(
+    posted: Option<Posted<B>>,
+    want: usize,
+    what: &str,
+    peer: usize,
+) -> Result<Option<(B, B)>> {
+    let Some((sk, sv, rk, rv)) = posted else { return Ok(None) };
+    sk.wait()?;
+    sv.wait()?;
+    let (a, b) = (rk.wait()?, rv.wait()?);
+    check_len(&a, want, what, peer)?;
+    check_len(&b, want, what, peer)?;
+    Ok(Some((a, b)))
 }
 
 /// Ring forward: returns this rank's `(o, lse)` in f32.
@@ -136,18 +156,7 @@ pub(crate) fn forward<Be: Backend>(
         };
         stats.compute += start.elapsed();
         let start = Instant::now();
-        let incoming = match posted {
-            Some((sk, sv, rk, rv)) => {
-                sk.wait()?;
-                sv.wait()?;
-                let (k, v) = (rk.wait()?, rv.wait()?);
-                let want = x.kv_len((src + p - 1) % p);
-                check_len(&k, want, "K block", prev)?;
-                check_len(&v, want, "V block", prev)?;
-                Some((k, v))
-            }
-            None => None,
-        };
+        let incoming = finish_exchange(posted, x.kv_len((src + p - 1) % p), "K/V block", prev)?;
         stats.waiting += start.elapsed();
         if let Some(step) = step {
             let start = Instant::now();
@@ -217,8 +226,8 @@ pub(crate) fn backward<Be: Backend>(
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some((hk, hv)) = acc_recv.take() {
             acc = (hk.wait()?, hv.wait()?);
-            check_len(&acc.0, kl, "dK accumulator", prev)?;
-            check_len(&acc.1, kl, "dV accumulator", prev)?;
+            check_len(&acc.0, kl, "dK/dV accumulators", prev)?;
+            check_len(&acc.1, kl, "dK/dV accumulators", prev)?;
         }
         if let Some((_, dk, dv)) = grads {
             be.add_into(&mut acc.0, &dk)?;
@@ -231,13 +240,7 @@ pub(crate) fn backward<Be: Backend>(
             sv.wait()?;
             acc_recv = Some((rk, rv));
         }
-        if let Some((sk, sv, rk, rv)) = posted {
-            sk.wait()?;
-            sv.wait()?;
-            let (k, v) = (rk.wait()?, rv.wait()?);
-            let want = x.kv_len((src + p - 1) % p);
-            check_len(&k, want, "K block", prev)?;
-            check_len(&v, want, "V block", prev)?;
+        if let Some((k, v)) = finish_exchange(posted, x.kv_len((src + p - 1) % p), "K/V block", prev)? {
             (cur_k, cur_v) = (k, v);
         }
         stats.waiting += start.elapsed();

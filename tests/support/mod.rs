@@ -3,7 +3,7 @@
 //! the tests); this module only applies it.
 #![allow(dead_code)]
 
-use ringattn::{cpu, random::randn, reference, verify, AttentionParams, DType, Positions, Tensor};
+use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Positions, Tensor};
 
 /// One generated attention problem.
 #[derive(Debug, Clone)]
@@ -58,13 +58,7 @@ pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     let cfg = cpu::CpuConfig { tiles: case.tiles, ..Default::default() };
     let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
     let grads = cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
-    let oracle = match case.pos() {
-        None => reference::backward(&x.q, &x.k, &x.v, &x.d_o, p),
-        Some((qp, kp)) => reference::backward_at(&x.q, &x.k, &x.v, &x.d_o, qp, kp, p),
-    }
-    .expect("oracle");
-    let naive = reference::naive_rounded(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, case.dtype).expect("naive");
-    verify::report(case.dtype, &fwd, Some(&grads), &oracle, &naive, &verify::Tolerance::default())
+    verify::check_results(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, &fwd, Some(&grads)).expect("oracle")
 }
 
 /// Proptest case count: `PROPTEST_CASES` when set, else `default`.

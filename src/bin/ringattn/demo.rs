@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ringattn::parallel::{self, CpuBackend};
-use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result};
+use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result, Tensor};
 use serde::Serialize;
 
 use crate::args::ExecArgs;
@@ -110,11 +110,12 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     ringattn::Dims::of(&q, &k, &v)?;
     let flops = 4.0 * (b * hq) as f64 * (s as f64) * (s as f64) * d as f64 / if causal { 2.0 } else { 1.0 };
 
-    let mut ranks = Vec::new();
-    if !a.exec.is_single() {
+    let (forward, backward, fwd, grads, ranks) = if !a.exec.is_single() {
         let mut pp = a.exec.parallel(params.clone())?;
         pp.seq_len = s;
         println!("strategy {} over {} in-process ranks, {:?} layout", a.exec.strategy, a.exec.world, pp.layout());
+        let base = memory::current_bytes();
+        memory::reset_peak();
         let t = Instant::now();
         let d_o_opt = (!a.forward_only).then_some(&d_o);
         let run = parallel::run_in_process(
@@ -151,81 +152,20 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
                 }
             }
         }
-        let rows = check_rows(s, a);
-        let check = verify::check_rows(&q, &k, &v, d_o_opt, &params, &run.forward, run.gradients.as_ref(), &rows)?;
-        println!("check of {} sampled query rows against the float64 oracle:", rows.len());
-        print!("{}", check.table());
-        let phase = Phase { seconds: secs, tflops: work / secs / 1e12, peak_extra_bytes: 0, output_bytes: 0 };
-        ranks = run.stats;
-        let pass = check.pass();
-        let report = DemoReport {
-            shape: [b, s, hq, hkv, d],
-            dtype: dtype.to_string(),
-            causal,
-            threads: rayon::current_num_threads(),
-            forward: phase,
-            backward: None,
-            process_peak_rss_bytes: memory::os_peak_rss(),
-            checked_rows: rows,
-            check,
-            ranks,
-        };
-        if let Some(path) = &a.json {
-            ringattn::io::write_json(path, &report)?;
-        }
-        println!("{}", if pass { "demo passed" } else { "demo FAILED: sampled rows disagree with the oracle" });
-        return Ok(if pass { ExitCode::SUCCESS } else { ExitCode::from(3) });
-    }
-    let base = memory::current_bytes();
-    memory::reset_peak();
-    let t = Instant::now();
-    let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
-        cpu::forward_with(&q, &k, &v, None, &params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
-    })?;
-    let secs = t.elapsed().as_secs_f64();
-    let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
-    let forward = Phase {
-        seconds: secs,
-        tflops: flops / secs / 1e12,
-        peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
-        output_bytes: out_bytes,
-    };
-    println!(
-        "forward : {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
-        forward.seconds,
-        forward.tflops,
-        mib(forward.peak_extra_bytes),
-        mib(forward.output_bytes)
-    );
-
-    let mut backward = None;
-    let mut grads = None;
-    if !a.forward_only {
-        let base = memory::current_bytes();
-        memory::reset_peak();
-        let t = Instant::now();
-        let g = with_progress("backward", (b * hkv * s) as u64, |p| {
-            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
-            cpu::backward_with(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, None, &params, &cfg)
-        })?;
-        let secs = t.elapsed().as_secs_f64();
+        // One phase for the whole run (forward and, unless --forward-only, backward), memory
+        // measured across all ranks together.
+        let out = &run.forward;
+        let grad_bytes = run.gradients.as_ref().map_or(0, |g| g.dq.len() + g.dk.len() + g.dv.len());
         let phase = Phase {
             seconds: secs,
-            tflops: 2.5 * flops / secs / 1e12,
+            tflops: work / secs / 1e12,
             peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
-            output_bytes: (g.dq.len() + g.dk.len() + g.dv.len()) * dtype.size_of(),
+            output_bytes: (out.o.len() + grad_bytes) * dtype.size_of() + out.lse.len() * 4,
         };
-        println!(
-            "backward: {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
-            phase.seconds,
-            phase.tflops,
-            mib(phase.peak_extra_bytes),
-            mib(phase.output_bytes)
-        );
-        backward = Some(phase);
-        grads = Some(g);
-    }
-
+        (phase, None, run.forward, run.gradients, run.stats)
+    } else {
+        single(a, &q, &k, &v, &d_o, &params, flops)?
+    };
     let rows = check_rows(s, a);
     let check = verify::check_rows(&q, &k, &v, grads.as_ref().map(|_| &d_o), &params, &fwd, grads.as_ref(), &rows)?;
     println!("check of {} sampled query rows against the float64 oracle:", rows.len());
@@ -254,3 +194,73 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         Ok(ExitCode::from(3))
     }
 }
+
+/// The single-device forward (and backward) with progress bars and memory accounting.
+fn single(
+    a: &DemoArgs,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    params: &AttentionParams,
+    flops: f64,
+) -> Result<Outcome> {
+    let [b, s, hq, _] = q.shape().try_into().map_err(|_| Error::InvalidArgument("q must be 4-D".into()))?;
+    let hkv = k.shape()[2];
+    let dtype = q.dtype();
+    let base = memory::current_bytes();
+    memory::reset_peak();
+    let t = Instant::now();
+    let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
+        cpu::forward_with(q, k, v, None, params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
+    })?;
+    let secs = t.elapsed().as_secs_f64();
+    let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
+    let forward = Phase {
+        seconds: secs,
+        tflops: flops / secs / 1e12,
+        peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
+        output_bytes: out_bytes,
+    };
+    println!(
+        "forward : {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
+        forward.seconds,
+        forward.tflops,
+        mib(forward.peak_extra_bytes),
+        mib(forward.output_bytes)
+    );
+
+    let mut backward = None;
+    let mut grads = None;
+    if !a.forward_only {
+        let base = memory::current_bytes();
+        memory::reset_peak();
+        let t = Instant::now();
+        let g = with_progress("backward", (b * hkv * s) as u64, |p| {
+            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
+            cpu::backward_with(q, k, v, &fwd.o, &fwd.lse, d_o, None, params, &cfg)
+        })?;
+        let secs = t.elapsed().as_secs_f64();
+        let phase = Phase {
+            seconds: secs,
+            tflops: 2.5 * flops / secs / 1e12,
+            peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
+            output_bytes: (g.dq.len() + g.dk.len() + g.dv.len()) * dtype.size_of(),
+        };
+        println!(
+            "backward: {:8.3} s  {:7.3} TFLOP/s  peak memory beyond inputs {:8.1} MiB (outputs {:.1} MiB)",
+            phase.seconds,
+            phase.tflops,
+            mib(phase.peak_extra_bytes),
+            mib(phase.output_bytes)
+        );
+        backward = Some(phase);
+        grads = Some(g);
+    }
+
+    Ok((forward, backward, fwd, grads, Vec::new()))
+}
+
+/// Forward phase, backward phase, outputs, gradients, per-rank statistics.
+type Outcome =
+    (Phase, Option<Phase>, cpu::ForwardOutput, Option<cpu::Gradients>, Vec<(parallel::Stats, Option<parallel::Stats>)>);

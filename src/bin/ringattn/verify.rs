@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use ringattn::parallel::{run_in_process, CpuBackend};
-use ringattn::{io, random::randn, reference, verify, DType, Error, Result};
+use ringattn::{io, random::randn, verify, DType, Error, Result};
 
 use crate::args::{parse_list, ExecArgs, MaskArgs};
 
@@ -67,12 +67,7 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     } else {
         let backend = CpuBackend::default();
         let run = run_in_process(a.exec.world, a.exec.local_options()?, &backend, &q, &k, &v, d_o, &parallel)?;
-        let oracle = match d_o {
-            Some(g) => reference::backward(&q, &k, &v, g, &params)?,
-            None => reference::forward(&q, &k, &v, &params)?,
-        };
-        let naive = reference::naive_rounded(&q, &k, &v, d_o, None, &params, q.dtype())?;
-        verify::report(q.dtype(), &run.forward, run.gradients.as_ref(), &oracle, &naive, &verify::Tolerance::default())
+        verify::check_results(&q, &k, &v, d_o, None, &params, &run.forward, run.gradients.as_ref())?
     };
     println!(
         "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
