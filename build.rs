@@ -115,6 +115,7 @@ fn build_emulator() {
         .include("cuda")
         .file("cuda/emu/kernels.cpp")
         .file("cuda/emu/selftest.cpp")
+        .file("cuda/emu/selftest_ptx.cpp")
         .opt_level(2)
         .warnings(true)
         .extra_warnings(true)

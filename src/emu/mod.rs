@@ -417,3 +417,6 @@ mod tests {
         assert!(e.to_string().contains("o_a"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod ptx_tests;
