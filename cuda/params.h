@@ -19,3 +19,59 @@ struct MergeParams {
 
 static_assert(sizeof(MergeParams) == 64, "MergeParams is mirrored in Rust: 4 pointers + 4 int64");
 static_assert(alignof(MergeParams) == 8, "MergeParams alignment");
+
+// Visibility of (query row i, key row j), evaluated per pair on global positions, the rule of
+// src/mask.rs: visible iff k_pos[j] >= q_pos[i] - window_left (when window_left >= 0),
+// k_pos[j] <= q_pos[i] + window_right (when window_right >= 0) and, with documents,
+// q_doc[i] == k_doc[j]. Causal is window_left = -1, window_right = 0.
+struct MaskParams {
+    const int64_t* q_pos;   // [s_q] global position of each query row
+    const int64_t* k_pos;   // [s_k] global position of each key row
+    const uint32_t* q_doc;  // [s_q] document index, or null without documents
+    const uint32_t* k_doc;  // [s_k] document index, or null without documents
+    int64_t window_left;    // -1: unbounded
+    int64_t window_right;   // -1: unbounded
+};
+
+static_assert(sizeof(MaskParams) == 48, "MaskParams is mirrored in Rust: 4 pointers + 2 int64");
+
+// flash_fwd.cu: o, lse of queries q against keys k, values v. q, k, v hold bf16 or f16 bits
+// (the entry point names the type), o and lse are f32 and unrounded, so that ring hops merge
+// in f32. Rows with no visible key get o = 0, lse = -inf.
+struct FlashFwdParams {
+    const uint16_t* q;  // [b, s_q, h_q, d]
+    const uint16_t* k;  // [b, s_k, h_kv, d]
+    const uint16_t* v;  // [b, s_k, h_kv, d]
+    float* o;           // [b, s_q, h_q, d] written
+    float* lse;         // [b, h_q, s_q] written, natural log
+    MaskParams mask;
+    int64_t b, s_q, s_k, h_q, h_kv, d;  // h_q % h_kv == 0, d % 8 == 0, d <= 256
+    float scale;                        // softmax scale (applied to q.k)
+    float scale_log2;                   // scale * log2(e)
+};
+
+static_assert(sizeof(FlashFwdParams) == 144, "FlashFwdParams is mirrored in Rust");
+static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
+
+// flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
+// delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dq, dk, dv are
+// f32 and unrounded, written (not accumulated).
+struct FlashBwdParams {
+    const uint16_t* q;    // [b, s_q, h_q, d]
+    const uint16_t* k;    // [b, s_k, h_kv, d]
+    const uint16_t* v;    // [b, s_k, h_kv, d]
+    const float* o;       // [b, s_q, h_q, d] the forward output (read by the rowsum kernel)
+    const uint16_t* d_o;  // [b, s_q, h_q, d]
+    const float* lse;     // [b, h_q, s_q] of the whole key set
+    float* delta;         // [b, h_q, s_q] written by the rowsum kernel, read by the others
+    float* dq;            // [b, s_q, h_q, d] written
+    float* dk;            // [b, s_k, h_kv, d] written
+    float* dv;            // [b, s_k, h_kv, d] written
+    MaskParams mask;
+    int64_t b, s_q, s_k, h_q, h_kv, d;
+    float scale;
+    float scale_log2;
+};
+
+static_assert(sizeof(FlashBwdParams) == 184, "FlashBwdParams is mirrored in Rust");
+static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");

@@ -32,6 +32,25 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const uint32_t a[4]
           "f"(c[3]));
 }
 
+// D = A·B + C for one warp: A 16x8 (row), B 8x8 (col), bf16 inputs, f32 accumulate.
+// Lane L (g = L/4, t = L%4): a[0] = {A[g][2t], A[g][2t+1]}, a[1] = {A[g+8][2t], A[g+8][2t+1]}
+// (low half first); b = {B[2t][g], B[2t+1][g]}; c, d as m16n8k16:
+// {C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]}.
+__device__ __forceinline__ void mma_m16n8k8_bf16(float d[4], const uint32_t a[2], uint32_t b, const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// The same with f16 inputs.
+__device__ __forceinline__ void mma_m16n8k8_f16(float d[4], const uint32_t a[2], uint32_t b, const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
 // ldmatrix: loads 8x8 b16 matrices from shared memory. Threads 8j..8j+7 supply the 16-byte
 // aligned row addresses of matrix j (x1: j = 0; x2: j < 2; x4: j < 4). Without .trans lane L
 // receives in r[j] row L/4, columns 2(L%4) and 2(L%4)+1 of matrix j (low half first); with
@@ -62,6 +81,93 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], const void* row
                  : "r"(smem_u32(row)));
 }
 
+__device__ __forceinline__ void ldmatrix_x1(uint32_t& r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r) : "r"(smem_u32(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t& r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r) : "r"(smem_u32(row)));
+}
+
+// stmatrix (sm_90+): the inverse of ldmatrix, with the same address table: threads 8j..8j+7
+// supply the 16-byte aligned row addresses of matrix j (x1: j = 0; x2: j < 2; x4: j < 4), and
+// lane L's r[j] holds row L/4, columns 2(L%4) and 2(L%4)+1 of matrix j (low half first); with
+// .trans it holds the elements at rows 2(L%4) and 2(L%4)+1, column L/4.
+// Device builds for sm_80 have no stmatrix: these are templates whose body fails a
+// static_assert there, so an sm_80 build breaks only if a kernel uses them; kernels must guard
+// every use with `#if __CUDA_ARCH__ >= 900` (the emulator has them all).
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x1(void* row, uint32_t r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r)
+                 : "memory");
+#endif
+}
+
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x2(void* row, const uint32_t r[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1,%2};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r[0]), "r"(r[1])
+                 : "memory");
+#endif
+}
+
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x4(void* row, const uint32_t r[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#endif
+}
+
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x1_trans(void* row, uint32_t r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x1.trans.shared.b16 [%0], {%1};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r)
+                 : "memory");
+#endif
+}
+
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x2_trans(void* row, const uint32_t r[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1,%2};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r[0]), "r"(r[1])
+                 : "memory");
+#endif
+}
+
+template <bool Enable = true>
+__device__ __forceinline__ void stmatrix_x4_trans(void* row, const uint32_t r[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!Enable, "stmatrix needs sm_90: guard its use with #if __CUDA_ARCH__ >= 900");
+#else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :
+                 : "r"(smem_u32(row)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#endif
+}
+
 // cp.async.cg: copies 16 bytes global -> shared asynchronously, reading only `src_bytes`
 // (0..16) and zero-filling the rest. commit_group closes this thread's pending copies into a
 // group; wait_group<N> returns when at most N of its groups are pending. The data is visible
@@ -82,6 +188,48 @@ __device__ __forceinline__ float ex2_approx(float x) {
     float y;
     asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// bf16/f16 conversions, round to nearest even. A packed .bf16x2/.f16x2 register holds the
+// lower-numbered element (`lo`, the one at the lower address) in bits 0..15. PTX cvt puts its
+// FIRST source in the UPPER half, hence the (hi, lo) operand order.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The halves of a packed register as f32 (exact): lo = bits 0..15, hi = bits 16..31.
+__device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
+
+__device__ __forceinline__ float f16_to_f32(uint16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float f16_lo(uint32_t x) { return f16_to_f32(uint16_t(x & 0xffffu)); }
+__device__ __forceinline__ float f16_hi(uint32_t x) { return f16_to_f32(uint16_t(x >> 16)); }
+
+// Single 16-bit elements (bit patterns), for loads and stores of one element.
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+__device__ __forceinline__ uint16_t f32_to_bf16_rn(float x) {
+    uint16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ uint16_t f32_to_f16_rn(float x) {
+    uint16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return h;
 }
 
 #else  // the emulated twins
@@ -115,28 +263,34 @@ inline float f16_to_float(uint16_t h) {
     return f;
 }
 
-// Products of bf16 or f16 values are exact in f64; they are summed in f64, C added, and the
-// result rounded once to f32 (PTX leaves the accumulation order unspecified).
-inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], bool bf16) {
-    const auto a01 = warp_allgather(uint64_t(a[0]) | (uint64_t(a[1]) << 32));
-    const auto a23 = warp_allgather(uint64_t(a[2]) | (uint64_t(a[3]) << 32));
-    const auto b01 = warp_allgather(uint64_t(b[0]) | (uint64_t(b[1]) << 32));
+// mma.m16n8k16 / m16n8k8 twin (K = 16 or 8, f32 accumulate). The warp gathers its K/4 A and
+// K/8 B registers (two per 64-bit word), rebuilds A (16xK) and B (Kx8) from the fragment
+// tables (A register i: row g + 8(i%2), cols 2t + 8(i/2) + {0,1}; B register i: rows
+// 2t + 8i + {0,1}, col g), and each lane computes its four D elements. Products of bf16 or
+// f16 values are exact in f64; they are summed in f64, C added, and the result rounded once
+// to f32 (PTX leaves the accumulation order unspecified).
+template <int K>
+inline void mma_m16n8(float d[4], const uint32_t* a, const uint32_t* b, const float c[4], bool bf16) {
+    static_assert(K == 8 || K == 16, "m16n8k8 or m16n8k16");
+    constexpr int NA = K / 4, NB = K / 8, NR = NA + NB;
+    uint32_t mine[NR + 1] = {};
+    for (int i = 0; i < NA; ++i) mine[i] = a[i];
+    for (int i = 0; i < NB; ++i) mine[NA + i] = b[i];
+    std::array<uint64_t, 32> words[(NR + 1) / 2];
+    for (int w = 0; w < (NR + 1) / 2; ++w) {
+        words[w] = warp_allgather(uint64_t(mine[2 * w]) | (uint64_t(mine[2 * w + 1]) << 32));
+    }
     auto cvt = [bf16](uint32_t reg, int half) {
         const uint16_t h = uint16_t(half ? reg >> 16 : reg & 0xffffu);
         return double(bf16 ? bf16_to_float(h) : f16_to_float(h));
     };
-    double A[16][16], B[16][8];
+    double A[16][K], B[K][8];
     for (unsigned lane = 0; lane < 32; ++lane) {
         const unsigned g = lane >> 2, t = lane & 3;
-        const uint32_t r[4] = {uint32_t(a01[lane]), uint32_t(a01[lane] >> 32), uint32_t(a23[lane]),
-                               uint32_t(a23[lane] >> 32)};
+        auto reg = [&](int i) { return uint32_t(words[i / 2][lane] >> (32 * (i % 2))); };
         for (int h = 0; h < 2; ++h) {
-            A[g][2 * t + h] = cvt(r[0], h);
-            A[g + 8][2 * t + h] = cvt(r[1], h);
-            A[g][2 * t + 8 + h] = cvt(r[2], h);
-            A[g + 8][2 * t + 8 + h] = cvt(r[3], h);
-            B[2 * t + h][g] = cvt(uint32_t(b01[lane]), h);
-            B[2 * t + 8 + h][g] = cvt(uint32_t(b01[lane] >> 32), h);
+            for (int i = 0; i < NA; ++i) A[g + 8 * (i % 2)][2 * t + 8 * (i / 2) + h] = cvt(reg(i), h);
+            for (int i = 0; i < NB; ++i) B[2 * t + 8 * i + h][g] = cvt(reg(NA + i), h);
         }
     }
     const unsigned lane = lane_id(), g = lane >> 2, t = lane & 3;
@@ -144,21 +298,36 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], c
     const unsigned cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
     for (int i = 0; i < 4; ++i) {
         double acc = 0.0;
-        for (int k = 0; k < 16; ++k) acc += A[rows[i]][k] * B[k][cols[i]];
+        for (int k = 0; k < K; ++k) acc += A[rows[i]][k] * B[k][cols[i]];
         d[i] = float(acc + double(c[i]));
     }
+}
+
+// Whether the 8·count row addresses of a warp's ldmatrix/stmatrix lie in shared memory;
+// reports the first that does not. The lane that supplied a row is recorded in the race
+// shadow as the one that reads (or writes) it.
+inline bool matrix_rows_ok(const std::array<uint64_t, 32>& addr, int count, const void* own, bool write,
+                           const char* what) {
+    for (int i = 0; i < 8 * count; ++i) {
+        if (!check_shared(reinterpret_cast<const void*>(addr[i]), 16, what)) return false;
+    }
+    if (lane_id() < unsigned(8 * count)) shadow_access(own, 16, write, what);
+    return true;
 }
 
 // ldmatrix twin: the warp publishes its row addresses, then each lane gathers its halves.
 inline void ldmatrix(uint32_t* r, int count, bool trans, const void* row) {
     const auto addr = warp_allgather(reinterpret_cast<uintptr_t>(row));
     const unsigned lane = lane_id();
-    for (int j = 0; j < count; ++j) {
-        for (int i = 0; i < 8; ++i) {
-            if (addr[8 * j + i] % 16 != 0) {
-                fail("ldmatrix: row address of lane " + std::to_string(8 * j + i) + " is not 16-byte aligned");
-            }
+    for (int j = 0; j < count; ++j) r[j] = 0;
+    for (int i = 0; i < 8 * count; ++i) {
+        if (addr[i] % 16 != 0) {
+            fail("ldmatrix: row address of lane " + std::to_string(i) + " is not 16-byte aligned");
+            return;
         }
+    }
+    if (!matrix_rows_ok(addr, count, row, false, "ldmatrix")) return;
+    for (int j = 0; j < count; ++j) {
         uint16_t h[2];
         for (int half = 0; half < 2; ++half) {
             unsigned mrow, mcol;
@@ -175,8 +344,71 @@ inline void ldmatrix(uint32_t* r, int count, bool trans, const void* row) {
     }
 }
 
-// cp.async twin: the copy is recorded and its destination poisoned at issue; it happens when
-// wait_group retires its group, as a write by the issuing thread.
+// stmatrix twin, the inverse of ldmatrix: the warp publishes its row addresses (checked for
+// 16-byte alignment; a misaligned one fails the launch and nothing is stored), then each lane
+// stores the halves of its own registers into the rows other lanes supplied.
+inline void stmatrix(const uint32_t* r, int count, bool trans, void* row) {
+    const auto addr = warp_allgather(reinterpret_cast<uintptr_t>(row));
+    for (int i = 0; i < 8 * count; ++i) {
+        if (addr[i] % 16 != 0) {
+            fail("stmatrix: row address of lane " + std::to_string(i) + " is not 16-byte aligned");
+            return;
+        }
+    }
+    if (!matrix_rows_ok(addr, count, row, true, "stmatrix")) return;
+    const unsigned lane = lane_id();
+    for (int j = 0; j < count; ++j) {
+        for (int half = 0; half < 2; ++half) {
+            unsigned mrow, mcol;
+            if (trans) {
+                mrow = 2 * (lane % 4) + half;
+                mcol = lane / 4;
+            } else {
+                mrow = lane / 4;
+                mcol = 2 * (lane % 4) + half;
+            }
+            const uint16_t h = uint16_t(half ? r[j] >> 16 : r[j] & 0xffffu);
+            std::memcpy(reinterpret_cast<unsigned char*>(addr[8 * j + mrow]) + 2 * mcol, &h, 2);
+        }
+    }
+}
+
+// f32 -> bf16 / f16 bit patterns, round to nearest even; NaN stays NaN (quiet bit set, sign and
+// leading payload kept), overflow gives inf, f16 subnormals are rounded exactly.
+inline uint16_t f32_to_bf16(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x0040u);
+    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline uint16_t f32_to_f16(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
+    const uint32_t ax = bits & 0x7fffffffu;
+    if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN
+    if (ax >= 0x38800000u) {  // |x| >= 2^-14: normal (or overflow to inf)
+        const uint32_t r = ax - (112u << 23);  // rebias the exponent from 127 to 15
+        const uint32_t h = (r + 0xfffu + ((r >> 13) & 1u)) >> 13;
+        return uint16_t(sign | (h < 0x7c00u ? h : 0x7c00u));
+    }
+    const uint32_t e = ax >> 23;
+    if (e < 102) return sign;  // |x| < 2^-25: rounds to zero
+    // Subnormal: |x| / 2^-24 = mant · 2^(e - 126), rounded to an integer (0x400 is the
+    // smallest normal, which the encoding handles by itself).
+    const uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    const unsigned shift = 126 - e;  // 14..24
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return uint16_t(sign | q);
+}
+
+// cp.async twin: the destination is checked to lie in shared memory and the source in a
+// buffer of the launch; the copy is recorded and its destination poisoned at issue; it
+// happens when wait_group retires its group. Both count as writes by the issuing thread in
+// the race shadow.
 inline void cp_async(void* dst, const void* src, unsigned src_bytes) {
     if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
         fail("cp.async: 16-byte copy with an address that is not 16-byte aligned");
@@ -186,6 +418,9 @@ inline void cp_async(void* dst, const void* src, unsigned src_bytes) {
         fail("cp.async: src-size " + std::to_string(src_bytes) + " exceeds the 16-byte copy");
         return;
     }
+    if (!check_shared(dst, 16, "cp.async destination")) return;
+    if (src_bytes > 0 && !check_global(src, src_bytes, "cp.async source")) return;
+    shadow_access(dst, 16, true, "cp.async (issue)");
     std::memset(dst, 0xFF, 16);
     current->uncommitted.push_back(AsyncCopy{dst, src, src_bytes, 16 - src_bytes});
 }
@@ -200,6 +435,7 @@ inline void cp_async_wait_group(int n) {
     Thread* t = current;
     while (t->groups.size() > size_t(n)) {
         for (const AsyncCopy& c : t->groups.front()) {
+            shadow_access(c.dst, 16, true, "cp.async (completion)");
             std::memcpy(c.dst, c.src, c.bytes);
             std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, c.zero_fill);
         }
@@ -227,15 +463,49 @@ inline float ex2_approx(float x) {
 
 inline void ldmatrix_x4(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, false, row); }
 inline void ldmatrix_x2(uint32_t r[2], const void* row) { ::emu::ldmatrix(r, 2, false, row); }
+inline void ldmatrix_x1(uint32_t& r, const void* row) { ::emu::ldmatrix(&r, 1, false, row); }
 inline void ldmatrix_x4_trans(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, true, row); }
 inline void ldmatrix_x2_trans(uint32_t r[2], const void* row) { ::emu::ldmatrix(r, 2, true, row); }
+inline void ldmatrix_x1_trans(uint32_t& r, const void* row) { ::emu::ldmatrix(&r, 1, true, row); }
+
+// The emulator has stmatrix whatever the architecture a kernel targets.
+inline void stmatrix_x4(void* row, const uint32_t r[4]) { ::emu::stmatrix(r, 4, false, row); }
+inline void stmatrix_x2(void* row, const uint32_t r[2]) { ::emu::stmatrix(r, 2, false, row); }
+inline void stmatrix_x1(void* row, uint32_t r) { ::emu::stmatrix(&r, 1, false, row); }
+inline void stmatrix_x4_trans(void* row, const uint32_t r[4]) { ::emu::stmatrix(r, 4, true, row); }
+inline void stmatrix_x2_trans(void* row, const uint32_t r[2]) { ::emu::stmatrix(r, 2, true, row); }
+inline void stmatrix_x1_trans(void* row, uint32_t r) { ::emu::stmatrix(&r, 1, true, row); }
 
 inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-    ::emu::mma_m16n8k16(d, a, b, c, true);
+    ::emu::mma_m16n8<16>(d, a, b, c, true);
 }
 
 inline void mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-    ::emu::mma_m16n8k16(d, a, b, c, false);
+    ::emu::mma_m16n8<16>(d, a, b, c, false);
 }
+
+inline void mma_m16n8k8_bf16(float d[4], const uint32_t a[2], uint32_t b, const float c[4]) {
+    ::emu::mma_m16n8<8>(d, a, &b, c, true);
+}
+
+inline void mma_m16n8k8_f16(float d[4], const uint32_t a[2], uint32_t b, const float c[4]) {
+    ::emu::mma_m16n8<8>(d, a, &b, c, false);
+}
+
+inline uint16_t f32_to_bf16_rn(float x) { return ::emu::f32_to_bf16(x); }
+inline uint16_t f32_to_f16_rn(float x) { return ::emu::f32_to_f16(x); }
+inline float bf16_to_f32(uint16_t h) { return ::emu::bf16_to_float(h); }
+inline float f16_to_f32(uint16_t h) { return ::emu::f16_to_float(h); }
+
+inline uint32_t pack_bf16x2(float lo, float hi) {
+    return uint32_t(::emu::f32_to_bf16(lo)) | (uint32_t(::emu::f32_to_bf16(hi)) << 16);
+}
+inline uint32_t pack_f16x2(float lo, float hi) {
+    return uint32_t(::emu::f32_to_f16(lo)) | (uint32_t(::emu::f32_to_f16(hi)) << 16);
+}
+inline float bf16_lo(uint32_t x) { return ::emu::bf16_to_float(uint16_t(x & 0xffffu)); }
+inline float bf16_hi(uint32_t x) { return ::emu::bf16_to_float(uint16_t(x >> 16)); }
+inline float f16_lo(uint32_t x) { return ::emu::f16_to_float(uint16_t(x & 0xffffu)); }
+inline float f16_hi(uint32_t x) { return ::emu::f16_to_float(uint16_t(x >> 16)); }
 
 #endif

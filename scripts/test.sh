@@ -41,7 +41,7 @@ done_stage nvcc
 stage "emulator and host-compiled kernels under AddressSanitizer + UBSan (standalone harness)"
 mkdir -p target
 c++ -std=c++17 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -I cuda \
-  cuda/emu/harness.cpp cuda/emu/kernels.cpp cuda/emu/selftest.cpp -pthread -o target/emu-harness
+  cuda/emu/harness.cpp cuda/emu/kernels.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp -pthread -o target/emu-harness
 ASAN_OPTIONS=detect_leaks=1 target/emu-harness
 done_stage sanitizers
 

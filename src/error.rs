@@ -59,6 +59,23 @@ pub enum Error {
         /// The dtype required.
         expected: String,
     },
+    /// A backend cannot run this configuration (the CPU backend can).
+    #[error("backend `{backend}` does not support {what}")]
+    BackendUnsupported {
+        /// The backend.
+        backend: &'static str,
+        /// What it does not support, with the offending value.
+        what: String,
+    },
+    /// A kernel misbehaved (the emulator's report: out-of-bounds access, shared-memory race,
+    /// divergent barrier, deadlock) or failed to launch.
+    #[error("kernel {kernel}: {report}")]
+    Kernel {
+        /// The kernel.
+        kernel: String,
+        /// What went wrong, with block and thread.
+        report: String,
+    },
     /// A dtype the crate does not handle.
     #[error("unsupported dtype {0} (supported: F32, BF16, F16)")]
     UnsupportedDtype(String),

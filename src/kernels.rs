@@ -1,7 +1,7 @@
 //! The CUDA kernel images that `build.rs` compiled from `cuda/*.cu` and embedded: a cubin per
 //! kernel family and architecture of `RINGATTN_CUDA_ARCHS`, plus PTX for newer GPUs. Empty
-//! when the crate was built without nvcc. The CUDA backend loads these; nothing runs them
-//! yet in this release.
+//! when the crate was built without nvcc. The CUDA backend loads these (issue 5); the same
+//! source runs on the CPU under the emulator ([`crate::emu`]).
 //!
 //! ```
 //! for image in ringattn::kernels::images() {
@@ -73,9 +73,202 @@ pub mod params {
         pub d: i64,
     }
 
-    // The same size and alignment as the C struct (static_asserts in cuda/params.h).
+    /// `MaskParams` of `cuda/params.h`: the visibility of (query `i`, key `j`) on global
+    /// positions — visible iff `k_pos[j] >= q_pos[i] - window_left` (when `window_left >= 0`),
+    /// `k_pos[j] <= q_pos[i] + window_right` (when `window_right >= 0`) and, with documents,
+    /// `q_doc[i] == k_doc[j]`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct MaskParams {
+        /// `[s_q]` i64 global positions of the query rows.
+        pub q_pos: u64,
+        /// `[s_k]` i64 global positions of the key rows.
+        pub k_pos: u64,
+        /// `[s_q]` u32 document indices, or 0 without documents.
+        pub q_doc: u64,
+        /// `[s_k]` u32 document indices, or 0 without documents.
+        pub k_doc: u64,
+        /// How far back a query sees; -1: unbounded.
+        pub window_left: i64,
+        /// How far ahead a query sees; -1: unbounded.
+        pub window_right: i64,
+    }
+
+    /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d]`, `k`, `v`
+    /// `[b, s_k, h_kv, d]` as bf16 or f16 bits; `o` `[b, s_q, h_q, d]` and `lse` `[b, h_q,
+    /// s_q]` f32, written.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct FlashFwdParams {
+        /// Queries.
+        pub q: u64,
+        /// Keys.
+        pub k: u64,
+        /// Values.
+        pub v: u64,
+        /// Output, f32.
+        pub o: u64,
+        /// Log-sum-exp, f32, natural log.
+        pub lse: u64,
+        /// Visibility.
+        pub mask: MaskParams,
+        /// Batch.
+        pub b: i64,
+        /// Query rows.
+        pub s_q: i64,
+        /// Key rows.
+        pub s_k: i64,
+        /// Query heads.
+        pub h_q: i64,
+        /// Key/value heads.
+        pub h_kv: i64,
+        /// Head dimension (multiple of 8, at most 256).
+        pub d: i64,
+        /// Softmax scale.
+        pub scale: f32,
+        /// `scale · log2(e)`.
+        pub scale_log2: f32,
+    }
+
+    /// `FlashBwdParams` of `cuda/params.h` (flash backward): as [`FlashFwdParams`] plus the
+    /// forward output `o` (f32), `d_o` (16-bit), the final `lse`, `delta = rowsum(dO∘O)` (f32
+    /// `[b, h_q, s_q]`, written by the rowsum kernel) and the f32 gradients, written.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct FlashBwdParams {
+        /// Queries.
+        pub q: u64,
+        /// Keys.
+        pub k: u64,
+        /// Values.
+        pub v: u64,
+        /// Forward output, f32.
+        pub o: u64,
+        /// Output gradient.
+        pub d_o: u64,
+        /// Log-sum-exp of the whole key set, f32.
+        pub lse: u64,
+        /// `rowsum(dO∘O)`, f32.
+        pub delta: u64,
+        /// Query gradient, f32.
+        pub dq: u64,
+        /// Key gradient, f32.
+        pub dk: u64,
+        /// Value gradient, f32.
+        pub dv: u64,
+        /// Visibility.
+        pub mask: MaskParams,
+        /// Batch.
+        pub b: i64,
+        /// Query rows.
+        pub s_q: i64,
+        /// Key rows.
+        pub s_k: i64,
+        /// Query heads.
+        pub h_q: i64,
+        /// Key/value heads.
+        pub h_kv: i64,
+        /// Head dimension.
+        pub d: i64,
+        /// Softmax scale.
+        pub scale: f32,
+        /// `scale · log2(e)`.
+        pub scale_log2: f32,
+    }
+
+    // The same size and alignment as the C structs (static_asserts in cuda/params.h).
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
+    const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 144);
+    const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 184);
+    const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
+}
+
+/// Launch geometry of the flash kernels (`cuda/flash.cuh` documents the same shared-memory
+/// layouts): one thread per row, `rows` rows per block, inner tiles of [`geometry::TILE`]
+/// rows staged as 16-bit values.
+pub mod geometry {
+    use crate::{Error, Result};
+
+    /// Rows of the other side per inner tile (`kTile`).
+    pub const TILE: usize = 32;
+    /// Largest head dimension of the flash kernels.
+    pub const MAX_HEAD_DIM: usize = 256;
+
+    /// Checks that the kernels handle head dimension `d`: a multiple of 8 (16-byte cp.async
+    /// rows) from 8 to [`MAX_HEAD_DIM`].
+    ///
+    /// # Errors
+    /// [`Error::BackendUnsupported`] naming `d`.
+    pub fn check_head_dim(backend: &'static str, d: usize) -> Result<()> {
+        if d % 8 != 0 || d == 0 || d > MAX_HEAD_DIM {
+            return Err(Error::BackendUnsupported {
+                backend,
+                what: format!("head dim {d} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Threads (rows) per block for head dimension `d`, so that every kernel's shared memory
+    /// stays under 99 KiB (the smallest opt-in limit of sm_80+ GPUs).
+    pub fn rows_per_block(d: usize) -> usize {
+        match d {
+            0..=64 => 64,
+            65..=128 => 32,
+            _ => 16,
+        }
+    }
+
+    fn align16(x: usize) -> usize {
+        x.div_ceil(16) * 16
+    }
+
+    /// `n` f32 accumulator rows of `d + 1` floats per thread.
+    fn rows_bytes(rows: usize, d: usize, n: usize) -> usize {
+        align16(n * rows * (d + 1) * 4)
+    }
+
+    /// Two 16-bit tiles of [`TILE`] rows.
+    fn tiles_bytes(d: usize) -> usize {
+        2 * TILE * d * 2
+    }
+
+    /// Dynamic shared memory of the forward kernel.
+    pub fn forward_smem(rows: usize, d: usize) -> usize {
+        rows_bytes(rows, d, 2) + tiles_bytes(d)
+    }
+
+    /// Dynamic shared memory of the dq kernel.
+    pub fn dq_smem(rows: usize, d: usize) -> usize {
+        rows_bytes(rows, d, 3) + tiles_bytes(d)
+    }
+
+    /// Dynamic shared memory of the dk/dv kernel.
+    pub fn dkdv_smem(rows: usize, d: usize) -> usize {
+        rows_bytes(rows, d, 4) + tiles_bytes(d) + 2 * TILE * 4
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn every_kernel_fits_in_99_kib_of_shared_memory() {
+            for d in (8..=MAX_HEAD_DIM).step_by(8) {
+                let r = rows_per_block(d);
+                for bytes in [forward_smem(r, d), dq_smem(r, d), dkdv_smem(r, d)] {
+                    assert!(bytes <= 99 * 1024, "d = {d}: {bytes} bytes");
+                }
+            }
+            assert!(check_head_dim("emu", 80).is_ok());
+            let e = check_head_dim("emu", 20).unwrap_err().to_string();
+            assert!(e.contains("head dim 20") && e.contains("emu"), "{e}");
+            assert!(check_head_dim("emu", 264).is_err());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -85,6 +278,9 @@ mod tests {
     #[test]
     fn images_match_the_build() {
         if cfg!(has_nvcc) {
+            for family in ["flash_fwd", "flash_bwd"] {
+                assert!(images().iter().any(|i| i.family == family && i.kind == ImageKind::Cubin), "{family}");
+            }
             let merge: Vec<_> = images().iter().filter(|i| i.family == "merge").collect();
             assert!(merge.iter().any(|i| i.kind == ImageKind::Ptx), "PTX for newer GPUs");
             for i in &merge {

@@ -93,6 +93,7 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
         (vec!["--input", s(&input), "--strategy", "ring", "--layout", "diagonal"], "unknown layout `diagonal`"),
         (vec!["--input", s(&input), "--strategy", "ulysses", "--world", "3"], "h_q = 4"),
         (vec!["--input", s(&input), "--backend", "tpu"], "unknown backend `tpu`"),
+        (vec!["--input", s(&input), "--backend", "emu"], "does not support f32 inputs"),
         (vec!["--input", s(&input), "--world", "4"], "--world 4"),
         (vec!["--input", s(&input), "--window", "-3,2"], "left side -3"),
         (vec!["--input", s(&input), "--window", "4"], "expected two values"),
@@ -110,6 +111,33 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
         assert!(!out.exists(), "{all:?} left an output file");
     }
     assert_eq!(others(dir.path(), &[&input, &bad_heads, &no_v, &junk]), Vec::<PathBuf>::new());
+}
+
+/// `ringattn run --backend emu`: the CUDA kernels under the emulator, single device and
+/// ring, forward and backward, checked against the oracle.
+#[test]
+fn run_on_the_emulated_kernels_matches_the_oracle() {
+    let dir = tempfile::tempdir().unwrap();
+    for dt in [DType::BF16, DType::F16] {
+        let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", dt, true);
+        let out = dir.path().join("out.safetensors");
+        for extra in [&[][..], &["--strategy", "ring", "--world", "3"][..]] {
+            let mut args = vec!["run", "--backend", "emu", "--input", s(&input), "--output", s(&out), "--causal"];
+            args.extend(extra);
+            let r = ringattn(&args);
+            assert!(r.status.success(), "{args:?}: {}", String::from_utf8_lossy(&r.stderr));
+            let got = io::read_tensors(&out).unwrap();
+            let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+            let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
+            let grads = cpu::Gradients { dq: got["dq"].clone(), dk: got["dk"].clone(), dv: got["dv"].clone() };
+            assert_eq!(fwd.o.dtype(), dt);
+            let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
+            assert!(report.pass(), "{args:?}\n{}", report.table());
+        }
+    }
+    let r = ringattn(&["verify", "--backend", "emu", "--shape", "1,50,2,1,32", "--window", "7,3"]);
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && text.contains("backend emu") && text.contains("BF16"), "{text}");
 }
 
 #[test]

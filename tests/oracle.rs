@@ -4,8 +4,8 @@
 mod support;
 
 use proptest::prelude::*;
-use ringattn::{AttentionParams, DType, Documents, Mask, Positions, Segment};
-use support::{check_case, Case};
+use ringattn::{AttentionParams, Documents};
+use support::{block_positions, check_case, doc_lengths, dtype, mask, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
 const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
@@ -14,52 +14,6 @@ const TILES: &[(usize, usize)] = &[(7, 13), (16, 32), (64, 48), (256, 256)];
 const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
 /// Upper bound on b·h_q·s_q·s_k·d so that the f64 oracle stays fast.
 const WORK_CAP: usize = 12_000_000;
-
-fn side() -> impl Strategy<Value = Option<u64>> {
-    prop_oneof![Just(None), Just(Some(0)), Just(Some(1)), Just(Some(5)), Just(Some(40)), Just(Some(150))]
-}
-
-fn mask() -> impl Strategy<Value = Mask> {
-    prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        (side(), side()).prop_map(|(left, right)| Mask::Window { left, right }),
-    ]
-}
-
-fn dtype() -> impl Strategy<Value = DType> {
-    prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
-}
-
-/// Splits `n` tokens into 1–4 documents (some possibly empty).
-fn doc_lengths(n: usize, cuts: &[usize]) -> Vec<usize> {
-    let mut c: Vec<usize> = cuts.iter().map(|&x| x % (n + 1)).collect();
-    c.sort_unstable();
-    let mut out = Vec::new();
-    let mut prev = 0;
-    for x in c {
-        out.push(x - prev);
-        prev = x;
-    }
-    out.push(n - prev);
-    out
-}
-
-/// A block's positions: one segment, a strided one, or two segments (zigzag-like).
-fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> Positions {
-    let segs = match mode % 3 {
-        0 => vec![Segment { start, stride: 1, len }],
-        1 => vec![Segment { start, stride, len }],
-        _ => {
-            let a = len / 2;
-            vec![
-                Segment { start, stride: 1, len: a },
-                Segment { start: start + a as i64 + gap, stride: 1, len: len - a },
-            ]
-        }
-    };
-    Positions::from_segments(segs).unwrap()
-}
 
 prop_compose! {
     fn case()(

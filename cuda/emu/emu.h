@@ -1,9 +1,11 @@
 // Host emulator of the CUDA execution model, header-only C++17: runs the kernels of cuda/*.cu
 // unchanged on the CPU inside `cargo test`.
 //
-// * One OS thread runs one block at a time; every CUDA thread of the block is a fiber
-//   (ucontext) with its own stack, so `__syncthreads()` and warp operations suspend it until
-//   its peers arrive.
+// * One OS thread runs one block at a time; every CUDA thread of the block is a fiber with
+//   its own stack (mmap'ed, with a guard page), so `__syncthreads()` and warp operations
+//   suspend it until its peers arrive. On x86-64 fibers switch with a few instructions of
+//   assembly (callee-saved registers, MXCSR and the x87 control word); elsewhere, and under
+//   AddressSanitizer, with ucontext.
 // * Builtins: threadIdx, blockIdx, blockDim, gridDim (per fiber); __syncthreads (a barrier
 //   that all live threads of the block must reach: a thread that exits while others wait at
 //   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp);
@@ -11,18 +13,18 @@
 //   dynamic shared memory (RINGATTN_DYNAMIC_SMEM(), poisoned with 0xFF bytes at every block
 //   start); atomicAdd on f32, int and unsigned, correct across OS threads; warp_allgather,
 //   on which the PTX twins of ptx.cuh rebuild a warp's fragments.
-// * Errors are collected per launch and returned to the caller; a kernel never aborts the
-//   process.
-//
+// * Checks on wrapper-mediated accesses (smem_load/smem_store, gmem_load/gmem_store, and the
+//   PTX twins): shared addresses must lie in the block's arena and global ones in a buffer
+//   registered with the launch (LaunchConfig::globals); a race shadow over the arena reports
+//   two threads touching the same shared word between two barriers when one of them writes
+//   (read after write, write after read, write after write).
 // * Schedules: forward, reverse or seeded-random fiber order per round (Schedule), so that a
 //   missing barrier changes results.
-//
-// * Blocks can be spread over a pool of OS threads (launch's `workers`).
-//
-// Still to come (issue 4): the fast x86-64 context switch and bounds-checked, race-shadowed
-// shared-memory accesses.
+// * Blocks can be spread over a pool of OS threads (LaunchConfig::workers).
+// * Errors are collected per launch and returned to the caller; a kernel never aborts the
+//   process. Limits: weak-memory effects and bank conflicts are invisible, and raw shared
+//   accesses that bypass the helpers are covered only by the schedules and the poison.
 #pragma once
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -34,13 +36,55 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <sys/mman.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define RINGATTN_EMU_ASAN 1
+#endif
 #include <ucontext.h>
+#include <exception>
 #include <vector>
 
 struct dim3 {
     unsigned x, y, z;
     constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(RINGATTN_EMU_UCONTEXT)
+#define RINGATTN_EMU_ASM_SWITCH 1
+// void ringattn_emu_switch(void** save_sp, void* load_sp): saves the callee-saved registers,
+// MXCSR and the x87 control word on the current stack, stores its pointer in *save_sp, then
+// restores the same from load_sp and returns on that stack. Weak, so that every translation
+// unit including this header may define it.
+extern "C" void ringattn_emu_switch(void** save_sp, void* load_sp);
+__asm__(
+    ".text\n"
+    ".weak ringattn_emu_switch\n"
+    ".type ringattn_emu_switch,@function\n"
+    "ringattn_emu_switch:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  subq $8, %rsp\n"
+    "  stmxcsr (%rsp)\n"
+    "  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n"
+    "  fldcw 4(%rsp)\n"
+    "  addq $8, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size ringattn_emu_switch,.-ringattn_emu_switch\n");
+#endif
 
 namespace emu {
 
@@ -56,6 +100,40 @@ struct AsyncCopy {
     unsigned zero_fill;  // bytes of dst after them set to 0
 };
 
+// A fiber's stack: mmap'ed with a PROT_NONE guard page below it, reused across blocks.
+struct Stack {
+    void* base = nullptr;  // the mapping, guard page first
+    size_t bytes = 0;      // mapping size
+    char* lo() const { return static_cast<char*>(base) + 4096; }
+    char* hi() const { return static_cast<char*>(base) + bytes; }
+};
+
+constexpr size_t kStack = 256 * 1024;
+
+// The stacks of one OS thread, unmapped when it exits.
+struct StackPool {
+    std::vector<Stack> stacks;
+    ~StackPool() {
+        for (Stack& s : stacks) munmap(s.base, s.bytes);
+    }
+    // At least `n` stacks (empty when the kernel cannot get them).
+    bool reserve(size_t n) {
+        while (stacks.size() < n) {
+            const size_t bytes = kStack + 4096;
+            void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (p == MAP_FAILED) return false;
+            mprotect(p, 4096, PROT_NONE);
+            stacks.push_back(Stack{p, bytes});
+        }
+        return true;
+    }
+};
+
+inline StackPool& stack_pool() {
+    static thread_local StackPool pool;
+    return pool;
+}
+
 struct Thread {
     dim3 tid;
     unsigned linear = 0;
@@ -64,10 +142,17 @@ struct Thread {
     std::vector<AsyncCopy> uncommitted;
     std::vector<std::vector<AsyncCopy>> groups;
     Block* block = nullptr;
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    void* sp = nullptr;
+#else
     ucontext_t ctx{};
-    std::vector<char> stack;
+#endif
     bool done = false;
     Wait wait = Wait::None;
+#ifdef RINGATTN_EMU_ASAN
+    const void* stack_bottom = nullptr;
+    size_t stack_size = 0;
+#endif
 };
 
 // The order in which the scheduler resumes a block's fibers each round. A kernel whose result
@@ -75,20 +160,61 @@ struct Thread {
 // missing barriers show up as differences.
 enum class Schedule { Forward = 0, Reverse = 1, Random = 2 };
 
+// A global buffer a kernel may access through the checked wrappers.
+struct Range {
+    const void* base;
+    size_t bytes;
+    const char* name;
+};
+
+// Everything about one launch.
+struct LaunchConfig {
+    dim3 grid, block;
+    size_t smem_bytes = 0;
+    Schedule schedule = Schedule::Forward;
+    uint64_t seed = 0;
+    // OS threads the blocks are spread over (0: one per core).
+    unsigned workers = 1;
+    // The global buffers of the launch; when empty, global accesses are not checked.
+    std::vector<Range> globals;
+};
+
+// Race shadow of one 4-byte word of shared memory: its last writer and the readers of the
+// current barrier interval (epoch).
+struct Shadow {
+    uint32_t w_epoch = 0, r_epoch = 0;
+    uint16_t w_thread = 0, r_thread = 0;
+    bool r_many = false;
+};
+
 struct Block {
     dim3 bid, bdim, gdim;
     Schedule schedule = Schedule::Forward;
     uint64_t seed = 0;
+    const LaunchConfig* config = nullptr;
     std::vector<Thread> threads;
     // Dynamic shared memory of the block, 64-byte aligned, poisoned (0xFF bytes: NaN as f32,
     // -1 as integers) at block start so that reads before writes show up.
     std::vector<unsigned char> smem;
     size_t smem_offset = 0;
+    size_t smem_bytes = 0;
+    std::vector<Shadow> shadow;
+    // Barrier intervals completed so far (+1): the race shadow's clock.
+    uint32_t epoch = 1;
     // Warp exchange slots for shuffles and ballots, double-buffered by each lane's count of
     // warp operations so that a fast lane's next exchange cannot overwrite a value a slower
     // lane has yet to read: slots[parity][thread].
     std::vector<uint64_t> slots[2];
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    void* scheduler_sp = nullptr;
+#else
     ucontext_t scheduler{};
+#endif
+#ifdef RINGATTN_EMU_ASAN
+    // The scheduler's stack, for AddressSanitizer's fiber-switch annotations.
+    const void* sched_bottom = nullptr;
+    size_t sched_size = 0;
+#endif
     const std::function<void()>* body = nullptr;
     std::string error;
 };
@@ -97,7 +223,7 @@ inline thread_local Thread* current = nullptr;
 
 inline void fail(const std::string& msg) {
     if (current && current->block && current->block->error.empty()) {
-        current->block->error = msg;
+        current->block->error = "thread " + std::to_string(current->linear) + ": " + msg;
     }
 }
 
@@ -105,22 +231,93 @@ inline void fail(const std::string& msg) {
 inline void yield(Wait w) {
     Thread* t = current;
     t->wait = w;
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    ringattn_emu_switch(&t->sp, t->block->scheduler_sp);
+#else
+#ifdef RINGATTN_EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, t->block->sched_bottom, t->block->sched_size);
+#endif
     swapcontext(&t->ctx, &t->block->scheduler);
+#ifdef RINGATTN_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+#endif
     current = t;
 }
 
-inline void fiber_entry() {
+inline void resume(Block& b, Thread& t) {
+    current = &t;
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    ringattn_emu_switch(&b.scheduler_sp, t.sp);
+#else
+#ifdef RINGATTN_EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, t.stack_bottom, t.stack_size);
+#endif
+    swapcontext(&b.scheduler, &t.ctx);
+#ifdef RINGATTN_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+#endif
+    current = nullptr;
+}
+
+[[noreturn]] inline void fiber_entry() {
     Thread* t = current;
-    (*t->block->body)();
+#ifdef RINGATTN_EMU_ASAN
+    // First entry: learn the scheduler's stack from the switch that got here.
+    __sanitizer_finish_switch_fiber(nullptr, &t->block->sched_bottom, &t->block->sched_size);
+#endif
+    try {
+        (*t->block->body)();
+    } catch (const std::exception& e) {
+        fail(std::string("exception in kernel: ") + e.what());
+    }
     if (!t->uncommitted.empty() || !t->groups.empty()) {
-        fail("thread " + std::to_string(t->linear) + " exited with cp.async copies never waited for");
+        fail("exited with cp.async copies never waited for");
     }
     t->done = true;
     t->wait = Wait::None;
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    ringattn_emu_switch(&t->sp, t->block->scheduler_sp);
+#else
+#ifdef RINGATTN_EMU_ASAN
+    __sanitizer_start_switch_fiber(nullptr, t->block->sched_bottom, t->block->sched_size);  // this fiber ends
+#endif
     swapcontext(&t->ctx, &t->block->scheduler);
+#endif
+    __builtin_unreachable();
 }
 
-constexpr size_t kStack = 64 * 1024;
+// Prepares thread t's fiber to start in fiber_entry on `stack`.
+inline void make_fiber(Thread& t, const Stack& stack) {
+#ifdef RINGATTN_EMU_ASM_SWITCH
+    // The frame ringattn_emu_switch pops: control words, r15..rbp, then fiber_entry as the
+    // return address, 16-byte aligned so that fiber_entry starts as if called.
+    uintptr_t top = reinterpret_cast<uintptr_t>(stack.hi()) & ~uintptr_t(15);
+    uint64_t* a = reinterpret_cast<uint64_t*>(top - 16);
+    a[1] = 0;
+    a[0] = reinterpret_cast<uint64_t>(&fiber_entry);
+    for (int i = 1; i <= 6; ++i) a[-i] = 0;  // rbp, rbx, r12..r15
+    const uint32_t mxcsr = 0x1F80;           // default: round to nearest, exceptions masked
+    const uint16_t fpcw = 0x037F;
+    unsigned char* ctl = reinterpret_cast<unsigned char*>(a - 7);
+    std::memcpy(ctl, &mxcsr, 4);
+    std::memcpy(ctl + 4, &fpcw, 2);
+    t.sp = a - 7;
+#else
+#ifdef RINGATTN_EMU_ASAN
+    t.stack_bottom = stack.lo();
+    t.stack_size = size_t(stack.hi() - stack.lo());
+#endif
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = stack.lo();
+    t.ctx.uc_stack.ss_size = size_t(stack.hi() - stack.lo());
+    t.ctx.uc_link = nullptr;
+    makecontext(&t.ctx, reinterpret_cast<void (*)()>(&fiber_entry), 0);
+#endif
+}
 
 // Runs one block: round-robin over fibers until every thread is done; barriers release
 // when every live thread (of the block, or of the warp) waits on them.
@@ -128,20 +325,23 @@ inline void run_block(Block& b, size_t smem_bytes) {
     unsigned n = b.bdim.x * b.bdim.y * b.bdim.z;
     b.smem.assign(smem_bytes + 64, 0xFF);
     b.smem_offset = (64 - reinterpret_cast<uintptr_t>(b.smem.data()) % 64) % 64;
+    b.smem_bytes = smem_bytes;
+    b.shadow.assign((smem_bytes + 3) / 4, Shadow{});
+    b.epoch = 1;
     b.threads.assign(n, Thread{});
     b.slots[0].assign(n, 0);
     b.slots[1].assign(n, 0);
+    StackPool& pool = stack_pool();
+    if (!pool.reserve(n)) {
+        b.error = "cannot map " + std::to_string(n) + " fiber stacks";
+        return;
+    }
     for (unsigned i = 0; i < n; ++i) {
         Thread& t = b.threads[i];
         t.linear = i;
         t.tid = dim3(i % b.bdim.x, (i / b.bdim.x) % b.bdim.y, i / (b.bdim.x * b.bdim.y));
         t.block = &b;
-        t.stack.resize(kStack);
-        getcontext(&t.ctx);
-        t.ctx.uc_stack.ss_sp = t.stack.data();
-        t.ctx.uc_stack.ss_size = t.stack.size();
-        t.ctx.uc_link = nullptr;
-        makecontext(&t.ctx, fiber_entry, 0);
+        make_fiber(t, pool.stacks[i]);
     }
     std::vector<unsigned> order(n);
     uint64_t rng = b.seed ^ (uint64_t(b.bid.x) << 32) ^ (uint64_t(b.bid.y) << 16) ^ b.bid.z;
@@ -160,9 +360,7 @@ inline void run_block(Block& b, size_t smem_bytes) {
         for (unsigned idx : order) {
             Thread& t = b.threads[idx];
             if (t.done || t.wait != Wait::None) continue;
-            current = &t;
-            swapcontext(&b.scheduler, &t.ctx);
-            current = nullptr;
+            resume(b, t);
             progressed = true;
         }
         // Release warps whose live lanes all wait at __syncwarp.
@@ -194,6 +392,7 @@ inline void run_block(Block& b, size_t smem_bytes) {
                 return;
             }
             for (Thread& t : b.threads) t.wait = Wait::None;
+            ++b.epoch;
             continue;
         }
         if (!progressed) {
@@ -203,29 +402,32 @@ inline void run_block(Block& b, size_t smem_bytes) {
     }
 }
 
-// Launches `body` (the kernel call) over `grid` × `block` with `smem_bytes` of dynamic
-// shared memory per block, blocks spread over `workers` OS threads (0: one per core);
-// returns the first error (by block order), or "".
-inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0,
-                          Schedule schedule = Schedule::Forward, uint64_t seed = 0, unsigned workers = 1) {
+// Runs `body` (the kernel call) over the grid of `config`; returns the first error (by block
+// order), or "".
+inline std::string launch(const LaunchConfig& config, const std::function<void()>& body) {
+    const dim3 grid = config.grid;
     const uint64_t nblocks = uint64_t(grid.x) * grid.y * grid.z;
+    unsigned workers = config.workers;
     if (workers == 0) workers = std::max(1u, std::thread::hardware_concurrency());
     workers = unsigned(std::min<uint64_t>(workers, std::max<uint64_t>(nblocks, 1)));
     std::vector<std::string> errors(nblocks);
     std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
     auto work = [&] {
-        for (uint64_t i = next++; i < nblocks; i = next++) {
+        for (uint64_t i = next++; i < nblocks && !failed; i = next++) {
             Block b;
             b.bid = dim3(unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y)));
-            b.bdim = block;
+            b.bdim = config.block;
             b.gdim = grid;
             b.body = &body;
-            b.schedule = schedule;
-            b.seed = seed;
-            run_block(b, smem_bytes);
+            b.schedule = config.schedule;
+            b.seed = config.seed;
+            b.config = &config;
+            run_block(b, config.smem_bytes);
             if (!b.error.empty()) {
                 errors[i] = "block (" + std::to_string(b.bid.x) + "," + std::to_string(b.bid.y) + "," +
                             std::to_string(b.bid.z) + "): " + b.error;
+                failed = true;
             }
         }
     };
@@ -237,6 +439,19 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
         if (!e.empty()) return e;
     }
     return "";
+}
+
+// The same with positional arguments and no registered global buffers.
+inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& body, size_t smem_bytes = 0,
+                          Schedule schedule = Schedule::Forward, uint64_t seed = 0, unsigned workers = 1) {
+    LaunchConfig c;
+    c.grid = grid;
+    c.block = block;
+    c.smem_bytes = smem_bytes;
+    c.schedule = schedule;
+    c.seed = seed;
+    c.workers = workers;
+    return launch(c, body);
 }
 
 }  // namespace emu
@@ -303,6 +518,117 @@ inline unsigned char* dynamic_smem() {
     return b->smem.data() + b->smem_offset;
 }
 }  // namespace emu
+
+namespace emu {
+// Reports an access of `bytes` at `p` outside the block's shared arena; returns whether it
+// is inside.
+inline bool check_shared(const void* p, size_t bytes, const char* what) {
+    Block* b = current->block;
+    const unsigned char* base = b->smem.data() + b->smem_offset;
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    if (q >= base && q + bytes <= base + b->smem_bytes) return true;
+    fail(std::string(what) + ": " + std::to_string(bytes) + " bytes at shared offset " +
+         std::to_string(q - base) + " outside the block's " + std::to_string(b->smem_bytes) +
+         " bytes of dynamic shared memory");
+    return false;
+}
+
+// Reports an access of `bytes` at `p` that is not inside one of the launch's global
+// buffers (when the launch registered them); returns whether it is inside.
+inline bool check_global(const void* p, size_t bytes, const char* what) {
+    const LaunchConfig* c = current->block->config;
+    if (c == nullptr || c->globals.empty()) return true;
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    const Range* nearest = nullptr;
+    long long best = 0;
+    for (const Range& r : c->globals) {
+        const unsigned char* lo = static_cast<const unsigned char*>(r.base);
+        if (q >= lo && q + bytes <= lo + r.bytes) return true;
+        const long long off = static_cast<long long>(q - lo);
+        const long long dist = off < 0 ? -off : off - static_cast<long long>(r.bytes);
+        if (nearest == nullptr || dist < best) {
+            nearest = &r;
+            best = dist;
+        }
+    }
+    std::string msg = std::string(what) + ": " + std::to_string(bytes) + " bytes at a global address outside every buffer";
+    if (nearest) {
+        msg += " (nearest: `" + std::string(nearest->name) + "` of " + std::to_string(nearest->bytes) +
+               " bytes, at offset " +
+               std::to_string(static_cast<long long>(q - static_cast<const unsigned char*>(nearest->base))) + ")";
+    }
+    fail(msg);
+    return false;
+}
+
+// Race shadow: records that the current thread reads (write = false) or writes the shared
+// bytes [p, p + bytes) and reports a conflict with another thread in the same barrier
+// interval.
+inline void shadow_access(const void* p, size_t bytes, bool write, const char* what) {
+    Block* b = current->block;
+    const size_t off = size_t(static_cast<const unsigned char*>(p) - (b->smem.data() + b->smem_offset));
+    const uint16_t me = uint16_t(current->linear);
+    const uint32_t e = b->epoch;
+    for (size_t w = off / 4; w < (off + bytes + 3) / 4 && w < b->shadow.size(); ++w) {
+        Shadow& s = b->shadow[w];
+        const char* kind = nullptr;
+        unsigned other = 0;
+        if (s.w_epoch == e && s.w_thread != me) {
+            kind = write ? "write after write" : "read after write";
+            other = s.w_thread;
+        } else if (write && s.r_epoch == e && (s.r_many || s.r_thread != me)) {
+            kind = "write after read";
+            other = s.r_thread != me ? s.r_thread : 0xffffu;
+        }
+        if (kind) {
+            fail(std::string("shared-memory race (") + kind + ") in " + what + " at shared offset " +
+                 std::to_string(4 * w) + ": thread " + (other == 0xffffu ? std::string("(several)") : std::to_string(other)) +
+                 " and this thread touch it between the same two barriers");
+            return;
+        }
+        if (write) {
+            s.w_epoch = e;
+            s.w_thread = me;
+        } else if (s.r_epoch != e) {
+            s.r_epoch = e;
+            s.r_thread = me;
+            s.r_many = false;
+        } else if (s.r_thread != me) {
+            s.r_many = true;
+        }
+    }
+}
+
+// Checked accesses: kernels read and write shared and global memory through these (plain
+// loads and stores on the device, see common.cuh).
+template <typename T>
+inline T smem_load(const T* p) {
+    if (!check_shared(p, sizeof(T), "shared load")) return T{};
+    shadow_access(p, sizeof(T), false, "shared load");
+    return *p;
+}
+template <typename T>
+inline void smem_store(T* p, T v) {
+    if (!check_shared(p, sizeof(T), "shared store")) return;
+    shadow_access(p, sizeof(T), true, "shared store");
+    *p = v;
+}
+template <typename T>
+inline T gmem_load(const T* p) {
+    if (!check_global(p, sizeof(T), "global load")) return T{};
+    return *p;
+}
+template <typename T>
+inline void gmem_store(T* p, T v) {
+    if (!check_global(p, sizeof(T), "global store")) return;
+    *p = v;
+}
+}  // namespace emu
+
+using emu::gmem_load;
+using emu::gmem_store;
+using emu::smem_load;
+using emu::smem_store;
 
 // Dynamic shared memory, the same spelling in device and host builds (kernels use it instead
 // of declaring `extern __shared__` arrays themselves).

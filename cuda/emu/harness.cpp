@@ -1,16 +1,44 @@
 // Standalone check of the emulator and the host-compiled kernels under sanitizers:
-//   g++ -std=c++17 -g -fsanitize=address,undefined -I cuda cuda/emu/harness.cpp \
-//       cuda/emu/kernels.cpp cuda/emu/selftest.cpp -pthread -o target/emu-harness && target/emu-harness
+//   g++ -std=c++17 -g -fsanitize=address,undefined -I cuda cuda/emu/harness.cpp
+//       cuda/emu/kernels.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp -pthread
+//       -o target/emu-harness && target/emu-harness
 // (scripts/test.sh runs it). Exits non-zero on the first failed check.
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <cstdint>
 #include <vector>
 
 #include "params.h"
 
 extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed, char* msg, size_t cap);
 extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* out, char* msg, size_t cap);
+extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, size_t cap);
+
+struct EmuLaunch {
+    uint32_t grid[3];
+    uint32_t block;
+    uint64_t smem_bytes;
+    int32_t schedule;
+    uint32_t workers;
+    uint64_t seed;
+};
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, EmuLaunch l, char* msg, size_t cap);
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap);
+
+// bf16 bits of x (truncation is enough for test inputs) and back.
+static uint16_t to_bf16(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return uint16_t(b >> 16);
+}
+static float from_bf16(uint16_t h) {
+    const uint32_t b = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+}
 
 static int failures = 0;
 
@@ -46,6 +74,69 @@ int main() {
         char what[64];
         std::snprintf(what, sizeof what, "selftest %d %s", which, expect_error ? "reports its bug" : "runs clean");
         check(expect_error ? code == 1 : code == 0, what);
+    }
+    for (int which = 0; which < 6; ++which) {
+        const int code = ringattn_emu_selftest_checks(which, 2, msg, sizeof msg);
+        const bool expect_error = which % 2 == 1 || which == 4;
+        char what[64];
+        std::snprintf(what, sizeof what, "planted check %d %s", which, expect_error ? "reports its bug" : "runs clean");
+        check(expect_error ? code == 1 : code == 0, what);
+    }
+    {
+        // Flash forward and backward on a small causal GQA case: forward against a naive
+        // double-precision attention, backward runs clean and writes every gradient.
+        const int64_t b = 1, s = 45, hq = 2, hkv = 1, d = 16;
+        std::vector<uint16_t> q(b * s * hq * d), k(b * s * hkv * d), v(b * s * hkv * d), dout(q.size());
+        for (size_t i = 0; i < q.size(); ++i) q[i] = to_bf16(std::sin(0.37f * i)), dout[i] = to_bf16(std::cos(0.11f * i));
+        for (size_t i = 0; i < k.size(); ++i) k[i] = to_bf16(std::cos(0.23f * i)), v[i] = to_bf16(std::sin(0.71f * i));
+        std::vector<int64_t> pos(s);
+        for (int64_t i = 0; i < s; ++i) pos[i] = i;
+        std::vector<float> o(q.size(), NAN), lse(b * hq * s, NAN);
+        const float scale = 0.25f;
+        MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0};
+        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), m, b, s, s, hq, hkv, d, scale,
+                          scale * 1.4426950408889634f};
+        const unsigned rows = 64;
+        EmuLaunch l{{unsigned((s + rows - 1) / rows), unsigned(hq), unsigned(b)}, rows, 0, 2, 2, 9};
+        l.smem_bytes = uint64_t((2 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2);
+        check(ringattn_emu_flash_fwd(fp, 1, l, msg, sizeof msg) == 0, "flash forward runs clean");
+        double worst = 0.0;
+        for (int64_t h = 0; h < hq; ++h) {
+            for (int64_t i = 0; i < s; ++i) {
+                double mx = -INFINITY, sum = 0.0;
+                std::vector<double> p(s, 0.0), acc(d, 0.0);
+                for (int64_t j = 0; j <= i; ++j) {
+                    double dot = 0.0;
+                    for (int64_t c = 0; c < d; ++c) dot += from_bf16(q[(i * hq + h) * d + c]) * from_bf16(k[j * d + c]);
+                    p[j] = dot * scale;
+                    mx = std::max(mx, p[j]);
+                }
+                for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+                for (int64_t j = 0; j <= i; ++j) {
+                    for (int64_t c = 0; c < d; ++c) acc[c] += std::exp(p[j] - mx) / sum * from_bf16(v[j * d + c]);
+                }
+                for (int64_t c = 0; c < d; ++c) worst = std::max(worst, std::fabs(acc[c] - o[(i * hq + h) * d + c]));
+                worst = std::max(worst, std::fabs(mx + std::log(sum) - lse[h * s + i]));
+            }
+        }
+        check(worst < 1e-4, "flash forward matches a naive attention");
+        std::vector<float> delta(lse.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
+        FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
+                          dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f};
+        EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0};
+        bool ok = ringattn_emu_flash_bwd(bp, 0, 1, rl, msg, sizeof msg) == 0;
+        l.smem_bytes = uint64_t((3 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2);
+        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, l, msg, sizeof msg) == 0;
+        EmuLaunch kl = l;
+        kl.grid[1] = unsigned(hkv);
+        kl.smem_bytes = uint64_t((4 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2 + 2 * 32 * 4);
+        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, kl, msg, sizeof msg) == 0;
+        check(ok, "flash backward runs clean");
+        bool finite = true;
+        for (const std::vector<float>* g : {&delta, &dq, &dk, &dv}) {
+            for (float x : *g) finite = finite && std::isfinite(x);
+        }
+        check(finite, "flash backward writes every gradient");
     }
     std::printf("%d failure(s)\n", failures);
     return failures == 0 ? 0 : 1;

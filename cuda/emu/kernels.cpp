@@ -1,10 +1,25 @@
 // The kernels of cuda/*.cu compiled for the host against the emulator, with one C entry
-// point per kernel that launches it and reports errors (called from src/emu.rs).
+// point per kernel family that launches it with the geometry the caller chose (src/emu/
+// computes it exactly as the CUDA backend does), registers the family's buffers for the
+// bounds checks, and reports errors (called from src/emu/).
 #include "emu/emu.h"
 
+#include "flash_bwd.cu"
+#include "flash_fwd.cu"
 #include "merge.cu"
 
 #include <cstring>
+
+// Launch geometry and emulator options, mirrored in src/emu/mod.rs (`EmuLaunch`).
+struct EmuLaunch {
+    uint32_t grid[3];
+    uint32_t block;
+    uint64_t smem_bytes;
+    int32_t schedule;  // 0 forward, 1 reverse, 2 seeded random fiber order (emu::Schedule)
+    uint32_t workers;  // OS threads for blocks, 0: one per core
+    uint64_t seed;
+};
+static_assert(sizeof(EmuLaunch) == 40, "EmuLaunch is mirrored in Rust");
 
 namespace {
 int report(const std::string& err, char* msg, size_t cap) {
@@ -13,6 +28,26 @@ int report(const std::string& err, char* msg, size_t cap) {
         std::snprintf(msg, cap, "%s", err.c_str());
     }
     return 1;
+}
+
+emu::LaunchConfig config(const EmuLaunch& l) {
+    emu::LaunchConfig c;
+    c.grid = dim3(l.grid[0], l.grid[1], l.grid[2]);
+    c.block = dim3(l.block);
+    c.smem_bytes = l.smem_bytes;
+    c.schedule = emu::Schedule(l.schedule);
+    c.seed = l.seed;
+    c.workers = l.workers;
+    return c;
+}
+
+size_t bytes(int64_t n, size_t elem) { return size_t(n) * elem; }
+
+void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int64_t s_k) {
+    c.globals.push_back({m.q_pos, bytes(s_q, 8), "q_pos"});
+    c.globals.push_back({m.k_pos, bytes(s_k, 8), "k_pos"});
+    if (m.q_doc) c.globals.push_back({m.q_doc, bytes(s_q, 4), "q_doc"});
+    if (m.k_doc) c.globals.push_back({m.k_doc, bytes(s_k, 4), "k_doc"});
 }
 }  // namespace
 
@@ -26,4 +61,35 @@ extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed
     std::function<void()> body = [p] { ringattn_merge_f32(p); };
     return report(emu::launch(dim3(unsigned(blocks)), dim3(threads), body, 0, emu::Schedule(schedule), seed, 0), msg,
                   cap);
+}
+
+// Flash forward; `bf16`: 1 for bf16 inputs, 0 for f16.
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
+    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
+    add_mask(c, p.mask, p.s_q, p.s_k);
+    std::function<void()> body = [p, bf16] { bf16 ? ringattn_flash_fwd_bf16(p) : ringattn_flash_fwd_f16(p); };
+    return report(emu::launch(c, body), msg, cap);
+}
+
+// Flash backward; `kernel`: 0 rowsum (delta), 1 dq, 2 dk and dv; `bf16` as above.
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
+    c.globals = {{p.q, bytes(q, 2), "q"},          {p.k, bytes(kv, 2), "k"},         {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"},          {p.d_o, bytes(q, 2), "d_o"},      {p.lse, bytes(st, 4), "lse"},
+                 {p.delta, bytes(st, 4), "delta"}, {p.dq, bytes(q, 4), "dq"},        {p.dk, bytes(kv, 4), "dk"},
+                 {p.dv, bytes(kv, 4), "dv"}};
+    add_mask(c, p.mask, p.s_q, p.s_k);
+    std::function<void()> body;
+    if (kernel == 0) {
+        body = [p, bf16] { bf16 ? ringattn_flash_bwd_rowsum_bf16(p) : ringattn_flash_bwd_rowsum_f16(p); };
+    } else if (kernel == 1) {
+        body = [p, bf16] { bf16 ? ringattn_flash_bwd_dq_bf16(p) : ringattn_flash_bwd_dq_f16(p); };
+    } else {
+        body = [p, bf16] { bf16 ? ringattn_flash_bwd_dkdv_bf16(p) : ringattn_flash_bwd_dkdv_f16(p); };
+    }
+    return report(emu::launch(c, body), msg, cap);
 }

@@ -187,3 +187,72 @@ extern "C" int ringattn_emu_selftest_missing_barrier(int schedule, uint64_t seed
     std::function<void()> body = [=] { missing_barrier(buf, out); };
     return report(emu::launch(dim3(1), dim3(n), body, 0, emu::Schedule(schedule), seed), msg, cap);
 }
+
+namespace {
+// Planted bugs for the emulator's checks (and their fixed twins, which must run clean).
+// Neighbour exchange through instrumented shared memory, with or without the barrier.
+__global__ void exchange(float* out, bool barrier) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    smem_store(sm + threadIdx.x, float(threadIdx.x));
+    if (barrier) __syncthreads();
+    out[threadIdx.x] = smem_load(sm + (threadIdx.x + 1) % blockDim.x);
+}
+
+// A tile loop that forgets the barrier after the reads: the next tile's cp.async overwrites
+// rows other threads may still read (write after read).
+__global__ void tile_loop(const float* src, float* out, bool second_barrier) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    float acc = 0.0f;
+    for (int t = 0; t < 2; ++t) {
+        cp_async_cg16(sm + 4 * threadIdx.x, src + 128 * t + 4 * threadIdx.x, 16);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        acc += smem_load(sm + 4 * ((threadIdx.x + 1) % blockDim.x));
+        if (second_barrier) __syncthreads();
+    }
+    out[threadIdx.x] = acc;
+}
+
+// cp.async reading 16 bytes past the end of `src` (the last thread), or writing past the end
+// of shared memory.
+__global__ void cp_async_out_of_bounds(const float* src, bool past_smem) {
+    float* sm = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    const unsigned shift = past_smem ? 0u : 1u;
+    float* dst = sm + 4 * (threadIdx.x + (past_smem ? 1u : 0u));
+    cp_async_cg16(dst, src + 4 * (threadIdx.x + shift), 16);
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+}  // namespace
+
+// which: 0 exchange with its barrier (clean), 1 exchange without (race), 2 tile loop with
+// both barriers (clean), 3 tile loop without the second (race), 4 cp.async past the end of
+// its source buffer, 5 cp.async past the end of shared memory. One block of 32 threads.
+extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, size_t cap) {
+    alignas(16) static thread_local float src[256];
+    alignas(16) static thread_local float out[32];
+    for (int i = 0; i < 256; ++i) src[i] = float(i);
+    emu::LaunchConfig c;
+    c.grid = dim3(1);
+    c.block = dim3(32);
+    c.schedule = emu::Schedule(schedule);
+    c.smem_bytes = 32 * 4 * sizeof(float);
+    std::function<void()> body;
+    switch (which) {
+        case 0:
+        case 1:
+            body = [which] { exchange(out, which == 0); };
+            break;
+        case 2:
+        case 3:
+            body = [which] { tile_loop(src, out, which == 2); };
+            break;
+        default:
+            // The source is the first 128 floats only: thread 31 of case 4 reads past them.
+            c.globals = {{src, 128 * sizeof(float), "src"}, {out, sizeof out, "out"}};
+            body = [which] { cp_async_out_of_bounds(src, which == 5); };
+            break;
+    }
+    return report(emu::launch(c, body), msg, cap);
+}

@@ -2,3 +2,140 @@
 // stmatrix, bf16/f16 conversions). Driven by src/emu/ptx_tests.rs.
 #include "emu/emu.h"
 #include "ptx.cuh"
+
+#include <string>
+
+namespace {
+
+int report(const std::string& err, char* msg, size_t cap) {
+    if (err.empty()) return 0;
+    if (msg && cap) std::snprintf(msg, cap, "%s", err.c_str());
+    return 1;
+}
+
+// One warp: lane L takes its registers from regs[L*3 ..] (a0, a1, b) and c[L*4 ..], runs
+// m16n8k8 and writes d[L*4 ..]. The caller lays out the fragments (by the PTX tables).
+__global__ void mma_k8_lanes(const uint32_t* regs, const float* c, float* d, int bf16) {
+    const unsigned L = threadIdx.x;
+    const uint32_t a[2] = {regs[L * 3 + 0], regs[L * 3 + 1]};
+    float out[4];
+    if (bf16) {
+        mma_m16n8k8_bf16(out, a, regs[L * 3 + 2], &c[L * 4]);
+    } else {
+        mma_m16n8k8_f16(out, a, regs[L * 3 + 2], &c[L * 4]);
+    }
+    for (int i = 0; i < 4; ++i) d[L * 4 + i] = out[i];
+}
+
+// One warp; `tile` (256 b16 values) is copied to shared memory. Lanes 0-7 point to the
+// elements at offsets[0..7] (16-byte aligned rows); the other lanes point one element past
+// the start, a misaligned address that x1 must ignore. out[L*2] = ldmatrix_x1,
+// out[L*2+1] = ldmatrix_x1_trans.
+__global__ void ldmatrix_x1_lanes(const uint16_t* tile, const uint32_t* offsets, uint32_t* out) {
+    uint16_t* sm = reinterpret_cast<uint16_t*>(RINGATTN_DYNAMIC_SMEM());
+    const unsigned L = threadIdx.x;
+    for (unsigned i = L; i < 256; i += 32) sm[i] = tile[i];
+    __syncwarp();
+    const uint16_t* row = L < 8 ? sm + offsets[L] : sm + 1;
+    uint32_t r, rt;
+    ldmatrix_x1(r, row);
+    ldmatrix_x1_trans(rt, row);
+    out[L * 2] = r;
+    out[L * 2 + 1] = rt;
+}
+
+constexpr unsigned kStmatrixElems = 1024;  // b16 elements of shared memory (2 KiB)
+
+// One warp. Shared memory (kStmatrixElems b16) is filled with `sentinel`; lane L points to
+// the element at offsets[L] and stores regs[L*4 .. L*4+count) with stmatrix x`count`
+// (.trans if `trans`), then loads them back with the matching ldmatrix into back[L*4 ..].
+// image receives the whole shared memory after the store.
+__global__ void stmatrix_lanes(int count, int trans, const uint32_t* regs, const uint32_t* offsets, uint16_t sentinel,
+                               uint16_t* image, uint32_t* back) {
+    uint16_t* sm = reinterpret_cast<uint16_t*>(RINGATTN_DYNAMIC_SMEM());
+    const unsigned L = threadIdx.x;
+    for (unsigned i = L; i < kStmatrixElems; i += 32) sm[i] = sentinel;
+    __syncwarp();
+    uint16_t* row = sm + offsets[L];
+    const uint32_t r[4] = {regs[L * 4], regs[L * 4 + 1], regs[L * 4 + 2], regs[L * 4 + 3]};
+    uint32_t b[4] = {0, 0, 0, 0};
+    if (count == 1) {
+        trans ? stmatrix_x1_trans(row, r[0]) : stmatrix_x1(row, r[0]);
+        __syncwarp();
+        trans ? ldmatrix_x1_trans(b[0], row) : ldmatrix_x1(b[0], row);
+    } else if (count == 2) {
+        trans ? stmatrix_x2_trans(row, r) : stmatrix_x2(row, r);
+        __syncwarp();
+        trans ? ldmatrix_x2_trans(b, row) : ldmatrix_x2(b, row);
+    } else {
+        trans ? stmatrix_x4_trans(row, r) : stmatrix_x4(row, r);
+        __syncwarp();
+        trans ? ldmatrix_x4_trans(b, row) : ldmatrix_x4(b, row);
+    }
+    __syncwarp();
+    for (unsigned i = L; i < kStmatrixElems; i += 32) image[i] = sm[i];
+    for (int i = 0; i < 4; ++i) back[L * 4 + i] = b[i];
+}
+
+// One warp over n inputs x (element i by lane i % 32):
+//   bf[i] = f32_to_bf16_rn(x[i]), hf[i] = f32_to_f16_rn(x[i]),
+//   packed[2i] = pack_bf16x2(x[i], x[i+1]), packed[2i+1] = pack_f16x2(x[i], x[i+1])
+//     (x[n] taken as x[0]),
+//   unpacked[6i ..] = bf16_lo, bf16_hi of packed[2i], f16_lo, f16_hi of packed[2i+1],
+//     bf16_to_f32(bf[i]), f16_to_f32(hf[i]);
+// and, for every 16-bit pattern h, all_bf[h] = bf16_to_f32(h), all_hf[h] = f16_to_f32(h).
+__global__ void convert_lanes(const float* x, unsigned n, uint16_t* bf, uint16_t* hf, uint32_t* packed,
+                              float* unpacked, float* all_bf, float* all_hf) {
+    const unsigned L = threadIdx.x;
+    for (unsigned i = L; i < n; i += 32) {
+        const float lo = x[i], hi = x[(i + 1) % n];
+        bf[i] = f32_to_bf16_rn(lo);
+        hf[i] = f32_to_f16_rn(lo);
+        const uint32_t pb = pack_bf16x2(lo, hi), ph = pack_f16x2(lo, hi);
+        packed[2 * i] = pb;
+        packed[2 * i + 1] = ph;
+        float* u = unpacked + 6 * size_t(i);
+        u[0] = bf16_lo(pb);
+        u[1] = bf16_hi(pb);
+        u[2] = f16_lo(ph);
+        u[3] = f16_hi(ph);
+        u[4] = bf16_to_f32(bf[i]);
+        u[5] = f16_to_f32(hf[i]);
+    }
+    for (unsigned h = L; h < 65536; h += 32) {
+        all_bf[h] = bf16_to_f32(uint16_t(h));
+        all_hf[h] = f16_to_f32(uint16_t(h));
+    }
+}
+
+}  // namespace
+
+// regs: 32 lanes × (a0, a1, b); c, d: 32 lanes × 4 floats; bf16 != 0 for bf16 inputs.
+extern "C" int ringattn_emu_selftest_mma_k8(const uint32_t* regs, const float* c, float* d, int bf16, char* msg,
+                                            size_t cap) {
+    std::function<void()> body = [=] { mma_k8_lanes(regs, c, d, bf16); };
+    return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
+}
+
+// tile: 256 b16 values; offsets: 8 element offsets (multiples of 8, < 256 - 8); out: 64 u32.
+extern "C" int ringattn_emu_selftest_ldmatrix_x1(const uint16_t* tile, const uint32_t* offsets, uint32_t* out,
+                                                 char* msg, size_t cap) {
+    std::function<void()> body = [=] { ldmatrix_x1_lanes(tile, offsets, out); };
+    return report(emu::launch(dim3(1), dim3(32), body, 512), msg, cap);
+}
+
+// count: 1, 2 or 4; regs: 32 × 4 u32; offsets: 32 element offsets (< 1024 - 8); image: 1024
+// b16; back: 32 × 4 u32.
+extern "C" int ringattn_emu_selftest_stmatrix(int count, int trans, const uint32_t* regs, const uint32_t* offsets,
+                                              uint16_t sentinel, uint16_t* image, uint32_t* back, char* msg,
+                                              size_t cap) {
+    std::function<void()> body = [=] { stmatrix_lanes(count, trans, regs, offsets, sentinel, image, back); };
+    return report(emu::launch(dim3(1), dim3(32), body, kStmatrixElems * 2), msg, cap);
+}
+
+// x: n floats; bf, hf: n b16; packed: 2n u32; unpacked: 6n floats; all_bf, all_hf: 65536 floats.
+extern "C" int ringattn_emu_selftest_convert(const float* x, unsigned n, uint16_t* bf, uint16_t* hf, uint32_t* packed,
+                                             float* unpacked, float* all_bf, float* all_hf, char* msg, size_t cap) {
+    std::function<void()> body = [=] { convert_lanes(x, n, bf, hf, packed, unpacked, all_bf, all_hf); };
+    return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
+}

@@ -1,12 +1,50 @@
 //! The CUDA kernels of `cuda/*.cu`, compiled for the host against the emulator of
 //! `cuda/emu/` (feature `emu`) and run on the CPU. Each function validates its buffers,
 //! launches the kernel with the geometry the CUDA backend uses, and returns the emulator's
-//! report (divergent barriers, deadlocks) as an error.
+//! report (out-of-bounds accesses, shared-memory races, divergent barriers, deadlocks,
+//! unwaited cp.async copies) as an error.
+//!
+//! * [`forward`] and [`backward`]: single-device attention through `flash_fwd.cu` and
+//!   `flash_bwd.cu` (bf16 and f16 inputs; f32 is refused with
+//!   [`Error::BackendUnsupported`]: the kernels compute on 16-bit inputs, and converting
+//!   silently would change the precision the caller asked for).
+//! * [`EmuBackend`]: the same kernels as a [`crate::parallel::Backend`], so every strategy
+//!   runs on them (`ringattn run --backend emu`).
+//! * [`merge_f32`]: the merge kernel.
 
 use std::ffi::c_char;
 
 use crate::kernels::params::MergeParams;
 use crate::{Error, Result};
+
+mod backend;
+mod flash;
+
+pub use backend::EmuBackend;
+pub use flash::{backward, forward};
+
+/// Options of the emulated launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EmuOptions {
+    /// Fiber order within each block.
+    pub schedule: Schedule,
+    /// OS threads the blocks of a launch are spread over; 0: one per core.
+    pub workers: usize,
+}
+
+/// Launch geometry and emulator options, mirrored from `EmuLaunch` in `cuda/emu/kernels.cpp`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EmuLaunch {
+    pub grid: [u32; 3],
+    pub block: u32,
+    pub smem_bytes: u64,
+    pub schedule: i32,
+    pub workers: u32,
+    pub seed: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<EmuLaunch>() == 40);
 
 extern "C" {
     fn ringattn_emu_merge_f32(p: MergeParams, schedule: i32, seed: u64, msg: *mut c_char, cap: usize) -> i32;
@@ -41,7 +79,7 @@ fn check(code: i32, msg: &[u8], kernel: &str) -> Result<()> {
         return Ok(());
     }
     let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
-    Err(Error::InvalidArgument(format!("emulated kernel {kernel}: {}", String::from_utf8_lossy(&msg[..end]))))
+    Err(Error::Kernel { kernel: kernel.to_string(), report: String::from_utf8_lossy(&msg[..end]).into_owned() })
 }
 
 /// [`crate::merge::merge_into`] run by the `merge.cu` kernel under the emulator: merges the
@@ -409,6 +447,44 @@ mod tests {
         let forward = run(Schedule::Forward);
         assert_ne!(forward, run(Schedule::Reverse), "the race is visible");
         assert_ne!(forward, run(Schedule::Random(3)));
+    }
+
+    extern "C" {
+        fn ringattn_emu_selftest_checks(which: i32, schedule: i32, msg: *mut c_char, cap: usize) -> i32;
+    }
+
+    /// Runs planted-bug kernel `which` of `selftest.cpp`; returns the emulator's report.
+    fn planted(which: i32, schedule: Schedule) -> Option<String> {
+        let mut msg = [0u8; 512];
+        // SAFETY: the kernel uses its own buffers; msg holds 512 bytes.
+        let code = unsafe { ringattn_emu_selftest_checks(which, schedule.code().0, msg.as_mut_ptr().cast(), 512) };
+        let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
+        (code != 0).then(|| String::from_utf8_lossy(&msg[..end]).into_owned())
+    }
+
+    #[test]
+    fn the_race_shadow_reports_missing_barriers_and_passes_their_fixes() {
+        for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Random(5)] {
+            assert_eq!(planted(0, schedule), None, "exchange with its barrier");
+            assert_eq!(planted(2, schedule), None, "tile loop with both barriers");
+            let race = planted(1, schedule).expect("missing barrier reported");
+            assert!(race.contains("shared-memory race"), "{race}");
+            let war = planted(3, schedule).expect("missing second barrier reported");
+            assert!(war.contains("shared-memory race"), "{war}");
+            if schedule == Schedule::Forward {
+                // Thread 0 reads thread 1's row, then thread 1 issues the next tile's copy.
+                assert!(war.contains("(write after read) in cp.async (issue)"), "{war}");
+            }
+        }
+    }
+
+    #[test]
+    fn out_of_bounds_cp_async_is_reported_with_the_buffer() {
+        let src = planted(4, Schedule::Forward).expect("source overrun reported");
+        assert!(src.contains("thread 31") && src.contains("cp.async source") && src.contains("`src`"), "{src}");
+        assert!(src.contains("offset 512"), "{src}");
+        let dst = planted(5, Schedule::Forward).expect("shared overrun reported");
+        assert!(dst.contains("cp.async destination") && dst.contains("512 bytes of dynamic shared memory"), "{dst}");
     }
 
     #[test]

@@ -1,2 +1,458 @@
 //! Tests of the PTX twins added for issue 4 (m16n8k8, ldmatrix x1, stmatrix, conversions)
 //! against the lane tables of the PTX ISA.
+//!
+//! The tables here are written independently from the PTX text
+//! (`shared/reference/ptx-and-emulation.md` §1.1, §1.3–1.5), not from the C++ twins, and the
+//! conversions are checked against the `half` crate (round to nearest even).
+
+use super::*;
+use crate::random::randn;
+use crate::DType;
+use half::{bf16, f16};
+
+extern "C" {
+    fn ringattn_emu_selftest_mma_k8(
+        regs: *const u32,
+        c: *const f32,
+        d: *mut f32,
+        bf16: i32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_selftest_ldmatrix_x1(
+        tile: *const u16,
+        offsets: *const u32,
+        out: *mut u32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_selftest_stmatrix(
+        count: i32,
+        trans: i32,
+        regs: *const u32,
+        offsets: *const u32,
+        sentinel: u16,
+        image: *mut u16,
+        back: *mut u32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_selftest_convert(
+        x: *const f32,
+        n: u32,
+        bf: *mut u16,
+        hf: *mut u16,
+        packed: *mut u32,
+        unpacked: *mut f32,
+        all_bf: *mut f32,
+        all_hf: *mut f32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+/// The emulator's message, up to its NUL.
+fn text(msg: &[u8]) -> String {
+    let end = msg.iter().position(|&c| c == 0).unwrap_or(msg.len());
+    String::from_utf8_lossy(&msg[..end]).into_owned()
+}
+
+/// A small deterministic generator (splitmix64) for bit patterns.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// (row, col) of a matrix element.
+type At = (usize, usize);
+
+/// The m16n8k8 fragments (PTX ISA "mma.m16n8k8", §1.3) of lane `l`, g = l/4, t = l%4: the
+/// (row, col) of the low and high half of A's two registers (A is 16x8), the (k, n) of the
+/// halves of B's register (B is 8x8), and the (m, n) of c0..c3 / d0..d3.
+fn k8_lane_table(l: usize) -> ([[At; 2]; 2], [At; 2], [At; 4]) {
+    let (g, t) = (l / 4, l % 4);
+    let a = [[(g, 2 * t), (g, 2 * t + 1)], [(g + 8, 2 * t), (g + 8, 2 * t + 1)]];
+    let b = [(2 * t, g), (2 * t + 1, g)];
+    let c = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)];
+    (a, b, c)
+}
+
+#[test]
+fn k8_lane_table_matches_the_ptx_isa_and_covers_each_element_once() {
+    assert_eq!(
+        k8_lane_table(0),
+        ([[(0, 0), (0, 1)], [(8, 0), (8, 1)]], [(0, 0), (1, 0)], [(0, 0), (0, 1), (8, 0), (8, 1)])
+    );
+    assert_eq!(
+        k8_lane_table(31),
+        ([[(7, 6), (7, 7)], [(15, 6), (15, 7)]], [(6, 7), (7, 7)], [(7, 6), (7, 7), (15, 6), (15, 7)])
+    );
+    assert_eq!(k8_lane_table(13).1, [(2, 3), (3, 3)]);
+    let (mut a, mut b, mut c) = ([[0; 8]; 16], [[0; 8]; 8], [[0; 8]; 16]);
+    for l in 0..32 {
+        let (ta, tb, tc) = k8_lane_table(l);
+        ta.iter().flatten().for_each(|&(r, k)| a[r][k] += 1);
+        tb.iter().for_each(|&(k, n)| b[k][n] += 1);
+        tc.iter().for_each(|&(m, n)| c[m][n] += 1);
+    }
+    assert!(a.iter().chain(&c).flatten().chain(b.iter().flatten()).all(|&n| n == 1));
+}
+
+/// Runs the m16n8k8 twin on random inputs laid out by [`k8_lane_table`] and compares every
+/// lane's D with the exact product sum (f64) plus C, rounded once to f32.
+fn check_mma_k8(dtype: DType, seed: u64) {
+    let to_bits = |x: f32| if dtype == DType::BF16 { bf16::from_f32(x).to_bits() } else { f16::from_f32(x).to_bits() };
+    let value = |b: u16| if dtype == DType::BF16 { bf16::from_bits(b).to_f64() } else { f16::from_bits(b).to_f64() };
+    let a_bits: Vec<u16> = randn(vec![16 * 8], seed, DType::F32).to_f32_vec().into_iter().map(to_bits).collect();
+    let b_bits: Vec<u16> = randn(vec![8 * 8], seed + 1, DType::F32).to_f32_vec().into_iter().map(to_bits).collect();
+    let c_vals = randn(vec![16 * 8], seed + 2, DType::F32).to_f32_vec();
+    let pack = |lo: u16, hi: u16| lo as u32 | (hi as u32) << 16;
+    let (mut regs, mut c) = (vec![0u32; 32 * 3], vec![0f32; 32 * 4]);
+    for l in 0..32 {
+        let (ta, [(k0, n0), (k1, n1)], tc) = k8_lane_table(l);
+        for (i, [(r0, c0), (r1, c1)]) in ta.iter().enumerate() {
+            regs[l * 3 + i] = pack(a_bits[r0 * 8 + c0], a_bits[r1 * 8 + c1]);
+        }
+        regs[l * 3 + 2] = pack(b_bits[k0 * 8 + n0], b_bits[k1 * 8 + n1]);
+        for (i, &(m, n)) in tc.iter().enumerate() {
+            c[l * 4 + i] = c_vals[m * 8 + n];
+        }
+    }
+    let (mut d, mut msg) = (vec![0f32; 32 * 4], [0u8; 512]);
+    let flag = (dtype == DType::BF16) as i32;
+    // SAFETY: regs holds 32 lanes × 3 registers, c and d 32 lanes × 4 floats, as the kernel uses.
+    let code = unsafe {
+        ringattn_emu_selftest_mma_k8(regs.as_ptr(), c.as_ptr(), d.as_mut_ptr(), flag, msg.as_mut_ptr().cast(), 512)
+    };
+    assert_eq!(code, 0, "{}", text(&msg));
+    for l in 0..32 {
+        for (i, &(m, n)) in k8_lane_table(l).2.iter().enumerate() {
+            let exact: f64 = (0..8).map(|k| value(a_bits[m * 8 + k]) * value(b_bits[k * 8 + n])).sum();
+            let want = (exact + c_vals[m * 8 + n] as f64) as f32;
+            assert_eq!(d[l * 4 + i], want, "{dtype:?} lane {l} element {i} = D[{m}][{n}]");
+        }
+    }
+}
+
+#[test]
+fn mma_m16n8k8_bf16_twin_follows_the_fragment_tables() {
+    check_mma_k8(DType::BF16, 21);
+    check_mma_k8(DType::BF16, 37);
+}
+
+#[test]
+fn mma_m16n8k8_f16_twin_follows_the_fragment_tables() {
+    check_mma_k8(DType::F16, 41);
+    check_mma_k8(DType::F16, 57);
+}
+
+/// The ldmatrix/stmatrix fragment of lane `l` (§1.4, §1.5), for the low and high half of each
+/// register: (memory row, column) within its 8x8 matrix, where memory row i is the one whose
+/// address thread 8j + i supplies. Non-trans: row l/4, columns 2(l%4) + h; .trans: rows
+/// 2(l%4) + h, column l/4.
+fn ldsm_lane(l: usize, trans: bool) -> [At; 2] {
+    if trans {
+        [(2 * (l % 4), l / 4), (2 * (l % 4) + 1, l / 4)]
+    } else {
+        [(l / 4, 2 * (l % 4)), (l / 4, 2 * (l % 4) + 1)]
+    }
+}
+
+#[test]
+fn ldmatrix_x1_and_x1_trans_follow_the_ptx_table() {
+    // Codes identifying each element: tile[r][c] = 16r + c, a 16x16 tile.
+    let tile: Vec<u16> = (0..256).collect();
+    // Rows 16-byte aligned, out of order and not contiguous; lanes 8..31 hold a misaligned
+    // address (the kernel's choice) that x1 must ignore.
+    let offsets: Vec<u32> = (0..8).map(|i| 16 * ((5 * i + 3) % 16) + 8 * (i % 2)).collect();
+    let (mut out, mut msg) = (vec![0u32; 64], [0u8; 512]);
+    // SAFETY: tile holds 256 values, offsets 8, out 32 lanes × 2 registers, as the kernel uses.
+    let code = unsafe {
+        ringattn_emu_selftest_ldmatrix_x1(
+            tile.as_ptr(),
+            offsets.as_ptr(),
+            out.as_mut_ptr(),
+            msg.as_mut_ptr().cast(),
+            512,
+        )
+    };
+    assert_eq!(code, 0, "{}", text(&msg));
+    let code_at = |(row, col): At| tile[offsets[row] as usize + col] as u32;
+    for l in 0..32 {
+        for (k, trans) in [false, true].into_iter().enumerate() {
+            let [lo, hi] = ldsm_lane(l, trans);
+            assert_eq!(out[l * 2 + k], code_at(lo) | code_at(hi) << 16, "lane {l} trans {trans}");
+        }
+    }
+    // Spot checks straight from the PTX text: lane 5 gets row 1, columns 2 and 3; with
+    // .trans, rows 2 and 3 of column 1.
+    assert_eq!(out[10], code_at((1, 2)) | code_at((1, 3)) << 16);
+    assert_eq!(out[11], code_at((2, 1)) | code_at((3, 1)) << 16);
+}
+
+const SMEM_ELEMS: usize = 1024;
+const SENTINEL: u16 = 0xa5a5;
+
+struct Stored {
+    code: i32,
+    msg: String,
+    image: Vec<u16>,
+    back: Vec<u32>,
+}
+
+fn run_stmatrix(count: i32, trans: bool, regs: &[u32], offsets: &[u32]) -> Stored {
+    assert!(regs.len() == 32 * 4 && offsets.len() == 32);
+    assert!(offsets.iter().all(|&o| (o as usize) + 8 <= SMEM_ELEMS));
+    let (mut image, mut back, mut msg) = (vec![0u16; SMEM_ELEMS], vec![0u32; 32 * 4], [0u8; 512]);
+    // SAFETY: regs holds 32 × 4 registers, offsets 32 row offsets inside the kernel's 1024
+    // elements of shared memory (checked above), image 1024 elements and back 32 × 4.
+    let code = unsafe {
+        ringattn_emu_selftest_stmatrix(
+            count,
+            trans as i32,
+            regs.as_ptr(),
+            offsets.as_ptr(),
+            SENTINEL,
+            image.as_mut_ptr(),
+            back.as_mut_ptr(),
+            msg.as_mut_ptr().cast(),
+            msg.len(),
+        )
+    };
+    Stored { code, msg: text(&msg), image, back }
+}
+
+/// Row addresses (element offsets) of the 32 lanes: lane 8j + i supplies row i of matrix j,
+/// rows 48 bytes apart in a scrambled order, matrices 512 bytes apart; lanes past `count`
+/// matrices hold misaligned addresses, which stmatrix and ldmatrix must ignore.
+fn stmatrix_offsets(count: usize) -> Vec<u32> {
+    (0..32)
+        .map(|l| {
+            let (j, i) = (l / 8, l % 8);
+            if j < count {
+                (256 * j + 24 * ((3 * i + 1) % 8) + 8 * (j % 2)) as u32
+            } else {
+                3 + l as u32
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn stmatrix_round_trips_with_ldmatrix_and_writes_only_its_positions() {
+    let mut rng = SplitMix(5);
+    for count in [1usize, 2, 4] {
+        for trans in [false, true] {
+            let regs: Vec<u32> = (0..32 * 4).map(|_| rng.next() as u32).collect();
+            let offsets = stmatrix_offsets(count);
+            let got = run_stmatrix(count as i32, trans, &regs, &offsets);
+            assert_eq!(got.code, 0, "x{count} trans {trans}: {}", got.msg);
+            // The documented image: the sentinel everywhere but at each lane's positions.
+            let mut want = vec![SENTINEL; SMEM_ELEMS];
+            let mut written = 0;
+            for l in 0..32 {
+                for j in 0..count {
+                    let reg = regs[l * 4 + j];
+                    for (h, (row, col)) in ldsm_lane(l, trans).into_iter().enumerate() {
+                        want[offsets[8 * j + row] as usize + col] = (reg >> (16 * h)) as u16;
+                        written += 1;
+                    }
+                }
+            }
+            assert_eq!(written, 64 * count);
+            for (e, (&g, &w)) in got.image.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "x{count} trans {trans}: element {e}");
+            }
+            // ldmatrix of the same kind gives every lane its registers back.
+            for l in 0..32 {
+                assert_eq!(
+                    &got.back[l * 4..l * 4 + count],
+                    &regs[l * 4..l * 4 + count],
+                    "x{count} trans {trans} lane {l}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn stmatrix_trans_stores_the_transpose() {
+    // Element codes 0x100·r + c in the non-trans layout: lane l's register holds matrix row
+    // l/4, columns 2(l%4) and 2(l%4)+1. Stored with .trans, memory row r must read as column
+    // r of that matrix.
+    let mut regs = vec![0u32; 32 * 4];
+    for l in 0..32 {
+        let (r, c) = (l / 4, 2 * (l % 4));
+        regs[l * 4] = (0x100 * r + c) as u32 | ((0x100 * r + c + 1) as u32) << 16;
+    }
+    let offsets = stmatrix_offsets(1);
+    let got = run_stmatrix(1, true, &regs, &offsets);
+    assert_eq!(got.code, 0, "{}", got.msg);
+    for (mem_row, &start) in offsets[..8].iter().enumerate() {
+        let row = &got.image[start as usize..start as usize + 8];
+        let want: Vec<u16> = (0..8).map(|col| (0x100 * col + mem_row) as u16).collect();
+        assert_eq!(row, &want[..], "memory row {mem_row}");
+    }
+}
+
+#[test]
+fn a_misaligned_stmatrix_address_is_reported_and_nothing_is_stored() {
+    let regs = vec![0x1234_5678u32; 32 * 4];
+    let mut offsets = stmatrix_offsets(4);
+    offsets[13] += 4; // 8 bytes off a 16-byte boundary
+    let got = run_stmatrix(4, false, &regs, &offsets);
+    assert_eq!(got.code, 1);
+    assert!(got.msg.contains("stmatrix: row address of lane 13 is not 16-byte aligned"), "{}", got.msg);
+    assert!(got.image.iter().all(|&e| e == SENTINEL), "a faulting stmatrix stores nothing");
+}
+
+/// Inputs for the conversions: special values, both formats' rounding ties (and their
+/// neighbours), every f16 subnormal tie, and random bit patterns. Starts with 1.0, 2.0.
+fn conversion_inputs() -> Vec<f32> {
+    let mut x = vec![1.0f32, 2.0, 0.0, -0.0, -1.5, 1.0 / 3.0];
+    let bits = [
+        0x0000_0001u32, // smallest f32 subnormal
+        0x807f_ffff,    // largest negative f32 subnormal
+        0x0080_0000,    // f32::MIN_POSITIVE
+        0x7f7f_ffff,    // f32::MAX: bf16 overflow to inf
+        0xff7f_ffff,
+        0x7f7f_0000, // bf16 max
+        0x7f7f_7fff, // just under the bf16 overflow tie
+        0x7f7f_8000, // bf16 overflow tie: odd 0x7f7f rounds up to inf
+        0x7f80_0000, // inf
+        0xff80_0000, // -inf
+        0x7fc0_0000, // quiet NaN
+        0xffc0_0000,
+        0x7f80_0001, // signalling NaNs whose payload would round to inf if not caught
+        0xff80_0001,
+        0x7fbf_ffff,
+        0x7fff_ffff,
+        0x477f_e000, // 65504, f16 max
+        0x477f_efff, // just under the f16 overflow tie
+        0x477f_f000, // 65520: f16 overflow tie, rounds to inf
+        0xc77f_f000,
+        0x4780_0000, // 65536
+        0x3880_0000, // 2^-14, smallest f16 normal
+        0x387f_e000, // 2^-14 - 2^-25: tie between 1023·2^-24 and 2^-14
+        0x3380_0000, // 2^-24, smallest f16 subnormal
+        0x3300_0000, // 2^-25: tie, rounds to 0
+        0x3300_0001, // just above: rounds to 2^-24
+        0xb300_0000,
+        0x32ff_ffff,
+        0x33c0_0000, // 3·2^-25: tie, rounds to 2·2^-24
+        0x2f80_0000, // 2^-32
+    ];
+    x.extend(bits.iter().map(|&b| f32::from_bits(b)));
+    // Every f16 subnormal and every tie between neighbouring ones: k·2^-25.
+    x.extend((0..2050).flat_map(|k| [(k as f32) * 2f32.powi(-25), -(k as f32) * 2f32.powi(-25)]));
+    let mut rng = SplitMix(77);
+    for _ in 0..3000 {
+        // A finite f16 and the exact midpoint to its successor, with f32 neighbours.
+        let h = (rng.next() % 0x7bff) as u16;
+        let (v, next) = (f16::from_bits(h).to_f64(), f16::from_bits(h + 1).to_f64());
+        let mid = ((v + next) / 2.0) as f32;
+        assert_eq!(mid as f64, (v + next) / 2.0, "f16 midpoints are exact in f32");
+        let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+        for m in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), v as f32] {
+            x.push(sign * m);
+        }
+        // A finite bf16 tie (low 16 bits exactly 0x8000) and its neighbours.
+        let b = (rng.next() as u32) & 0xff7f_0000 | 0x8000; // exponent never all ones
+        x.extend([b, b - 1, b + 1].map(f32::from_bits));
+    }
+    // Arbitrary bit patterns (NaNs among them).
+    x.extend((0..20000).map(|_| f32::from_bits(rng.next() as u32)));
+    x
+}
+
+/// `got` is the RNE conversion of `x`: bit-identical to `want` (from the `half` crate), or a
+/// quiet NaN (quiet bit `quiet`) when `x` is NaN.
+fn same_conversion(got: u16, want: u16, x: f32, quiet: u16, what: &str) {
+    if x.is_nan() {
+        let exp_mask = if quiet == 0x0040 { 0x7f80 } else { 0x7c00 };
+        assert!(
+            got & exp_mask == exp_mask && got & quiet != 0,
+            "{what}({:#010x}) = {got:#06x}: not a quiet NaN",
+            x.to_bits()
+        );
+    } else {
+        assert_eq!(got, want, "{what}({x:e} = {:#010x})", x.to_bits());
+    }
+}
+
+fn same_f32(got: f32, want: f32, what: &str) {
+    if want.is_nan() {
+        assert!(got.is_nan() && got.is_sign_negative() == want.is_sign_negative(), "{what}: {got} vs NaN");
+    } else {
+        assert_eq!(got.to_bits(), want.to_bits(), "{what}: {got:e} vs {want:e}");
+    }
+}
+
+#[test]
+fn conversions_round_to_nearest_even_like_the_half_crate() {
+    let x = conversion_inputs();
+    let n = x.len();
+    let (mut bf, mut hf, mut packed, mut unpacked) =
+        (vec![0u16; n], vec![0u16; n], vec![0u32; 2 * n], vec![0f32; 6 * n]);
+    let (mut all_bf, mut all_hf, mut msg) = (vec![0f32; 65536], vec![0f32; 65536], [0u8; 512]);
+    // SAFETY: every buffer has the length the kernel addresses for n inputs (see
+    // selftest_ptx.cpp): bf, hf n; packed 2n; unpacked 6n; all_bf, all_hf 65536.
+    let code = unsafe {
+        ringattn_emu_selftest_convert(
+            x.as_ptr(),
+            n as u32,
+            bf.as_mut_ptr(),
+            hf.as_mut_ptr(),
+            packed.as_mut_ptr(),
+            unpacked.as_mut_ptr(),
+            all_bf.as_mut_ptr(),
+            all_hf.as_mut_ptr(),
+            msg.as_mut_ptr().cast(),
+            msg.len(),
+        )
+    };
+    assert_eq!(code, 0, "{}", text(&msg));
+    // Packing order (§1.1): the first (lo) argument in bits 0..15.
+    assert_eq!(packed[0], 0x4000_3f80, "pack_bf16x2(1, 2)");
+    assert_eq!(packed[1], 0x4000_3c00, "pack_f16x2(1, 2)");
+    for i in 0..n {
+        let (lo, hi) = (x[i], x[(i + 1) % n]);
+        same_conversion(bf[i], bf16::from_f32(lo).to_bits(), lo, 0x0040, "f32_to_bf16_rn");
+        same_conversion(hf[i], f16::from_f32(lo).to_bits(), lo, 0x0200, "f32_to_f16_rn");
+        let (pb, ph) = (packed[2 * i], packed[2 * i + 1]);
+        same_conversion(pb as u16, bf16::from_f32(lo).to_bits(), lo, 0x0040, "pack_bf16x2 lo");
+        same_conversion((pb >> 16) as u16, bf16::from_f32(hi).to_bits(), hi, 0x0040, "pack_bf16x2 hi");
+        same_conversion(ph as u16, f16::from_f32(lo).to_bits(), lo, 0x0200, "pack_f16x2 lo");
+        same_conversion((ph >> 16) as u16, f16::from_f32(hi).to_bits(), hi, 0x0200, "pack_f16x2 hi");
+        let u = &unpacked[6 * i..6 * i + 6];
+        same_f32(u[0], bf16::from_bits(pb as u16).to_f32(), "bf16_lo");
+        same_f32(u[1], bf16::from_bits((pb >> 16) as u16).to_f32(), "bf16_hi");
+        same_f32(u[2], f16::from_bits(ph as u16).to_f32(), "f16_lo");
+        same_f32(u[3], f16::from_bits((ph >> 16) as u16).to_f32(), "f16_hi");
+        same_f32(u[4], bf16::from_bits(bf[i]).to_f32(), "bf16_to_f32");
+        same_f32(u[5], f16::from_bits(hf[i]).to_f32(), "f16_to_f32");
+    }
+    // Every 16-bit pattern widens exactly (f16 subnormals included).
+    for h in 0..=u16::MAX {
+        same_f32(all_bf[h as usize], bf16::from_bits(h).to_f32(), &format!("bf16_to_f32({h:#06x})"));
+        same_f32(all_hf[h as usize], f16::from_bits(h).to_f32(), &format!("f16_to_f32({h:#06x})"));
+    }
+    // Landmarks, spelled out.
+    let find = |bits: u32| x.iter().position(|v| v.to_bits() == bits).unwrap();
+    assert_eq!(hf[find(0x477f_f000)], 0x7c00, "65520 overflows f16 to inf");
+    assert_eq!(hf[find(0x477f_efff)], 0x7bff, "just under 65520 stays at 65504");
+    assert_eq!(hf[find(0x3300_0000)], 0x0000, "2^-25 ties to even: 0");
+    assert_eq!(hf[find(0x33c0_0000)], 0x0002, "3·2^-25 ties to even: 2·2^-24");
+    assert_eq!(hf[find(0x387f_e000)], 0x0400, "the subnormal/normal tie rounds to 2^-14");
+    assert_eq!(bf[find(0x7f7f_8000)], 0x7f80, "bf16 overflow tie to inf");
+    assert_eq!(bf[find(0x7f80_0001)], 0x7fc0, "a signalling NaN stays NaN, quieted");
+    assert_eq!(bf[find(0x8000_0000)], 0x8000, "-0 keeps its sign");
+    assert_eq!(hf[find(0x8000_0000)], 0x8000, "-0 keeps its sign");
+}

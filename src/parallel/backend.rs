@@ -137,6 +137,16 @@ pub trait Buffers: Sync {
 /// call nothing else, so another backend (the emulated or CUDA kernels, with device buffers)
 /// plugs in without touching them. Steps are asynchronous: each returns a [`Pending`] handle.
 pub trait Backend: Buffers {
+    /// Checks that this backend computes on `dtype` inputs of `dims` (called by the drivers
+    /// before any step, so that every rank reports the same error). The CPU backend takes
+    /// everything.
+    ///
+    /// # Errors
+    /// [`crate::Error::BackendUnsupported`] or a dtype error naming the offending value.
+    fn supports(&self, _dims: &Dims, _dtype: crate::DType) -> Result<()> {
+        Ok(())
+    }
+
     /// Attention of queries at `q_pos` against keys at `k_pos`: f32 `(o, lse)`, unrounded.
     ///
     /// # Errors

@@ -255,6 +255,7 @@ fn handshake<Be: Backend>(
 ) -> Result<Dims> {
     let (world, rank) = (comm.size(), comm.rank());
     let local = Dims::of(q, k, v).and_then(|dims| {
+        be.supports(&dims, q.dtype())?;
         params.validate(world, dims.h_q)?;
         let mut p = params.clone();
         if p.strategy == Strategy::Usp {

@@ -3,7 +3,8 @@
 //! the tests); this module only applies it.
 #![allow(dead_code)]
 
-use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Positions, Tensor};
+use proptest::prelude::*;
+use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Mask, Positions, Segment, Tensor};
 
 /// One generated attention problem.
 #[derive(Debug, Clone)]
@@ -75,4 +76,52 @@ pub fn seq_rows(t: &Tensor, r0: usize, r1: usize) -> Tensor {
         out.extend_from_slice(&x[(bi * s + r0) * h * d..(bi * s + r1) * h * d]);
     }
     Tensor::from_f32(vec![b, r1 - r0, h, d], out).unwrap()
+}
+
+// Generators shared by the property tests.
+
+pub fn side() -> impl Strategy<Value = Option<u64>> {
+    prop_oneof![Just(None), Just(Some(0)), Just(Some(1)), Just(Some(5)), Just(Some(40)), Just(Some(150))]
+}
+
+pub fn mask() -> impl Strategy<Value = Mask> {
+    prop_oneof![
+        Just(Mask::None),
+        Just(Mask::Causal),
+        (side(), side()).prop_map(|(left, right)| Mask::Window { left, right }),
+    ]
+}
+
+pub fn dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
+}
+
+/// Splits `n` tokens into 1–4 documents (some possibly empty).
+pub fn doc_lengths(n: usize, cuts: &[usize]) -> Vec<usize> {
+    let mut c: Vec<usize> = cuts.iter().map(|&x| x % (n + 1)).collect();
+    c.sort_unstable();
+    let mut out = Vec::new();
+    let mut prev = 0;
+    for x in c {
+        out.push(x - prev);
+        prev = x;
+    }
+    out.push(n - prev);
+    out
+}
+
+/// A block's positions: one segment, a strided one, or two segments (zigzag-like).
+pub fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> Positions {
+    let segs = match mode % 3 {
+        0 => vec![Segment { start, stride: 1, len }],
+        1 => vec![Segment { start, stride, len }],
+        _ => {
+            let a = len / 2;
+            vec![
+                Segment { start, stride: 1, len: a },
+                Segment { start: start + a as i64 + gap, stride: 1, len: len - a },
+            ]
+        }
+    };
+    Positions::from_segments(segs).unwrap()
 }

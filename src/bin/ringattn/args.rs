@@ -2,8 +2,9 @@
 
 use clap::Args;
 use ringattn::comm::LocalOptions;
-use ringattn::parallel::{ParallelParams, Strategy};
-use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result};
+use ringattn::cpu::{self, ForwardOutput, Gradients};
+use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
+use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result, Tensor};
 
 /// Mask and scale options.
 #[derive(Args, Debug, Clone, Default)]
@@ -73,7 +74,9 @@ pub struct ExecArgs {
     /// the query heads].
     #[arg(long)]
     pub ulysses_degree: Option<usize>,
-    /// Compute backend. Available today: cpu.
+    /// Compute backend: cpu (the CPU flash attention, every dtype) or emu (the CUDA kernels of
+    /// cuda/ run by the host emulator; bf16 and f16 inputs, head dims that are multiples of 8
+    /// up to 256, small shapes: it is a correctness tool, not a fast path).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.
@@ -93,11 +96,19 @@ impl ExecArgs {
         Ok(LocalOptions { deadline: std::time::Duration::from_secs_f64(self.timeout), ..Default::default() })
     }
 
+    /// The backend named by --backend.
+    pub fn backend(&self) -> Result<BackendKind> {
+        match self.backend.as_str() {
+            "cpu" => Ok(BackendKind::Cpu),
+            "emu" if cfg!(feature = "emu") => Ok(BackendKind::Emu),
+            "emu" => Err(Error::InvalidArgument("--backend emu: this build lacks the `emu` feature".into())),
+            other => Err(Error::UnknownBackend(other.to_string())),
+        }
+    }
+
     /// The parallel parameters these options describe (sequence length filled in later).
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
-        if self.backend != "cpu" {
-            return Err(Error::UnknownBackend(self.backend.clone()));
-        }
+        self.backend()?;
         let strategy: Strategy = self.strategy.parse()?;
         let layout = self.layout.as_deref().map(str::parse::<Layout>).transpose()?;
         if strategy == Strategy::Single && self.world != 1 {
@@ -115,6 +126,55 @@ impl ExecArgs {
     /// Whether this is a plain single-device run.
     pub fn is_single(&self) -> bool {
         self.strategy == "single"
+    }
+}
+
+/// The compute backends of the CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The CPU flash attention.
+    Cpu,
+    /// The CUDA kernels under the host emulator.
+    Emu,
+}
+
+/// Forward (and backward when `d_o` is given) of full tensors as `exec` says: one device or
+/// in-process ranks, on the chosen backend.
+pub fn compute(
+    exec: &ExecArgs,
+    params: &AttentionParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+) -> Result<(ForwardOutput, Option<Gradients>)> {
+    let parallel = exec.parallel(params.clone())?;
+    match (exec.backend()?, exec.is_single()) {
+        (BackendKind::Cpu, true) => {
+            let fwd = cpu::forward(q, k, v, params)?;
+            let grads = d_o.map(|g| cpu::backward(q, k, v, &fwd.o, &fwd.lse, g, params)).transpose()?;
+            Ok((fwd, grads))
+        }
+        (BackendKind::Cpu, false) => {
+            let r = run_in_process(exec.world, exec.local_options()?, &CpuBackend::default(), q, k, v, d_o, &parallel)?;
+            Ok((r.forward, r.gradients))
+        }
+        #[cfg(feature = "emu")]
+        (BackendKind::Emu, true) => {
+            let opts = ringattn::emu::EmuOptions { workers: 0, ..Default::default() };
+            let fwd = ringattn::emu::forward(q, k, v, None, params, &opts)?;
+            let grads =
+                d_o.map(|g| ringattn::emu::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
+            Ok((fwd, grads))
+        }
+        #[cfg(feature = "emu")]
+        (BackendKind::Emu, false) => {
+            let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), ..Default::default() };
+            let r = run_in_process(exec.world, exec.local_options()?, &backend, q, k, v, d_o, &parallel)?;
+            Ok((r.forward, r.gradients))
+        }
+        #[cfg(not(feature = "emu"))]
+        (BackendKind::Emu, _) => unreachable!("backend() refuses emu without the feature"),
     }
 }
 

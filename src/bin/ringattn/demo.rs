@@ -96,6 +96,12 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     if s == 0 || b == 0 {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
+    if a.exec.backend()? != crate::args::BackendKind::Cpu {
+        return Err(Error::InvalidArgument(format!(
+            "--backend {}: the demo's long sequence runs on the cpu backend; the emulator is for `run` and `verify` on small shapes",
+            a.exec.backend
+        )));
+    }
     let causal = !a.no_causal;
     let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     println!(

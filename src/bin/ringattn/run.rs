@@ -4,10 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use ringattn::parallel::{run_in_process, CpuBackend};
-use ringattn::{cpu, io, Result};
+use ringattn::{io, Result};
 
-use crate::args::{ExecArgs, MaskArgs};
+use crate::args::{compute, ExecArgs, MaskArgs};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -25,21 +24,9 @@ pub struct RunArgs {
 
 pub fn run(a: &RunArgs) -> Result<ExitCode> {
     let params = a.mask.params()?;
-    let parallel = a.exec.parallel(params.clone())?;
+    a.exec.parallel(params.clone())?;
     let x = io::read_inputs(&a.input)?;
-    let (fwd, grads) = if a.exec.is_single() {
-        let fwd = cpu::forward(&x.q, &x.k, &x.v, &params)?;
-        let grads = match &x.d_o {
-            Some(d_o) => Some(cpu::backward(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o, &params)?),
-            None => None,
-        };
-        (fwd, grads)
-    } else {
-        let backend = CpuBackend::default();
-        let options = a.exec.local_options()?;
-        let r = run_in_process(a.exec.world, options, &backend, &x.q, &x.k, &x.v, x.d_o.as_ref(), &parallel)?;
-        (r.forward, r.gradients)
-    };
+    let (fwd, grads) = compute(&a.exec, &params, &x.q, &x.k, &x.v, x.d_o.as_ref())?;
     match grads {
         None => io::write_tensors(&a.output, &[("o", &fwd.o), ("lse", &fwd.lse)])?,
         Some(g) => io::write_tensors(

@@ -4,10 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use ringattn::parallel::{run_in_process, CpuBackend};
 use ringattn::{io, random::randn, verify, DType, Error, Result};
 
-use crate::args::{parse_list, ExecArgs, MaskArgs};
+use crate::args::{compute, parse_list, BackendKind, ExecArgs, MaskArgs};
 
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
@@ -17,7 +16,7 @@ pub struct VerifyArgs {
     /// Shape of seeded random inputs: b,s,h_q,h_kv,d (s_q = s_k = s) [default: 2,257,4,2,64].
     #[arg(long, value_name = "B,S,HQ,HKV,D")]
     pub shape: Option<String>,
-    /// Dtype of the random inputs: f32, bf16 or f16 [default: f32].
+    /// Dtype of the random inputs: f32, bf16 or f16 [default: f32; bf16 with --backend emu].
     #[arg(long)]
     pub dtype: Option<String>,
     /// Seed of the random inputs.
@@ -50,7 +49,9 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
             let [b, s, hq, hkv, d] = dims[..] else {
                 return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
             };
-            let dtype: DType = a.dtype.as_deref().unwrap_or("f32").parse()?;
+            // The emulated kernels take 16-bit inputs only.
+            let default = if a.exec.backend()? == BackendKind::Emu { "bf16" } else { "f32" };
+            let dtype: DType = a.dtype.as_deref().unwrap_or(default).parse()?;
             let seed = a.seed.wrapping_mul(4);
             (
                 randn(vec![b, s, hq, d], seed, dtype),
@@ -62,13 +63,8 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         }
     };
     let d_o = (!a.forward_only).then_some(&d_o);
-    let report = if a.exec.is_single() {
-        verify::verify_cpu(&q, &k, &v, d_o, &params)?
-    } else {
-        let backend = CpuBackend::default();
-        let run = run_in_process(a.exec.world, a.exec.local_options()?, &backend, &q, &k, &v, d_o, &parallel)?;
-        verify::check_results(&q, &k, &v, d_o, None, &params, &run.forward, run.gradients.as_ref())?
-    };
+    let (fwd, grads) = compute(&a.exec, &params, &q, &k, &v, d_o)?;
+    let report = verify::check_results(&q, &k, &v, d_o, None, &params, &fwd, grads.as_ref())?;
     println!(
         "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
         q.shape(),

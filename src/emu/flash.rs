@@ -1,0 +1,373 @@
+//! The flash kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu` run under the emulator:
+//! validation, buffers in the kernels' layouts, geometry from [`crate::kernels::geometry`]
+//! (the same the CUDA backend uses), launches, and the public tensor API.
+
+use std::ffi::c_char;
+
+use half::{bf16, f16};
+
+use super::{check, EmuLaunch, EmuOptions};
+use crate::cpu::{ForwardOutput, Gradients};
+use crate::kernels::geometry;
+use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
+use crate::params::Visibility;
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
+
+extern "C" {
+    fn ringattn_emu_flash_fwd(p: FlashFwdParams, bf16: i32, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_flash_bwd(
+        p: FlashBwdParams,
+        kernel: i32,
+        bf16: i32,
+        l: EmuLaunch,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+/// Name of this backend in errors.
+pub(crate) const BACKEND: &str = "emu";
+
+/// Checks what the kernels take: bf16 or f16 and a head dimension they handle.
+pub(crate) fn check_supported(dims: &Dims, dtype: DType) -> Result<()> {
+    if dtype == DType::F32 {
+        return Err(Error::BackendUnsupported {
+            backend: BACKEND,
+            what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
+        });
+    }
+    geometry::check_head_dim(BACKEND, dims.d)
+}
+
+/// Values as 16-bit patterns of `dtype` (bf16 or f16), rounding to nearest even.
+pub(crate) fn to_bits(x: &[f32], dtype: DType) -> Vec<u16> {
+    match dtype {
+        DType::F16 => x.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+        _ => x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+    }
+}
+
+/// The mask of `vis` in the kernels' form; it borrows `vis`'s vectors.
+fn mask_params(vis: &Visibility) -> MaskParams {
+    let doc = |d: &Option<Vec<u32>>| d.as_ref().map_or(0, |v| v.as_ptr() as u64);
+    MaskParams {
+        q_pos: vis.q_pos.as_ptr() as u64,
+        k_pos: vis.k_pos.as_ptr() as u64,
+        q_doc: doc(&vis.q_doc),
+        k_doc: doc(&vis.k_doc),
+        window_left: vis.left.unwrap_or(-1),
+        window_right: vis.right.unwrap_or(-1),
+    }
+}
+
+fn launch(grid: [usize; 3], block: usize, smem: usize, opts: &EmuOptions) -> Result<EmuLaunch> {
+    let dim = |x: usize| {
+        u32::try_from(x).map_err(|_| Error::InvalidArgument(format!("grid dimension {x} exceeds the launch limit")))
+    };
+    let (schedule, seed) = opts.schedule.code();
+    Ok(EmuLaunch {
+        grid: [dim(grid[0])?, dim(grid[1])?, dim(grid[2])?],
+        block: dim(block)?,
+        smem_bytes: smem as u64,
+        schedule,
+        workers: opts.workers as u32,
+        seed,
+    })
+}
+
+/// The inputs of [`forward_bits`]: 16-bit `q`, `k`, `v` (`[b, s, h, d]` bit patterns of
+/// `dtype`) and the visibility of their rows.
+pub(crate) struct ForwardBits<'a> {
+    pub dims: Dims,
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    pub dtype: DType,
+}
+
+/// Forward of one block: f32 `(o, lse)`, unrounded.
+pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>)> {
+    let ForwardBits { dims, q, k, v, vis, scale, dtype } = *x;
+    check_supported(&dims, dtype)?;
+    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
+    let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
+    if q.len() != nq || k.len() != nkv || v.len() != nkv || vis.q_pos.len() != dims.s_q || vis.k_pos.len() != dims.s_k {
+        return Err(Error::ShapeMismatch(format!("flash forward buffers disagree with {dims:?}")));
+    }
+    // Outputs start as NaN, so an element the kernel fails to write shows up.
+    let mut o = vec![f32::NAN; nq];
+    let mut lse = vec![f32::NAN; dims.b * dims.h_q * dims.s_q];
+    if nq == 0 {
+        lse.fill(f32::NEG_INFINITY);
+        return Ok((o, lse));
+    }
+    let p = FlashFwdParams {
+        q: q.as_ptr() as u64,
+        k: k.as_ptr() as u64,
+        v: v.as_ptr() as u64,
+        o: o.as_mut_ptr() as u64,
+        lse: lse.as_mut_ptr() as u64,
+        mask: mask_params(vis),
+        b: dims.b as i64,
+        s_q: dims.s_q as i64,
+        s_k: dims.s_k as i64,
+        h_q: dims.h_q as i64,
+        h_kv: dims.h_kv as i64,
+        d: dims.d as i64,
+        scale,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+    };
+    let rows = geometry::rows_per_block(dims.d);
+    let l = launch([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::forward_smem(rows, dims.d), opts)?;
+    let mut msg = [0u8; 1024];
+    // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
+    // the call; o and lse are exclusively borrowed; the emulator runs synchronously.
+    let code =
+        unsafe { ringattn_emu_flash_fwd(p, (dtype == DType::BF16) as i32, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, "flash_fwd")?;
+    Ok((o, lse))
+}
+
+/// The inputs of [`backward_bits`]: 16-bit `q`, `k`, `v`, `d_o`, f32 `o` and `lse`.
+pub(crate) struct BackwardBits<'a> {
+    pub dims: Dims,
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub o: &'a [f32],
+    pub d_o: &'a [u16],
+    pub lse: &'a [f32],
+    /// `rowsum(dO∘O)` when known; computed by the rowsum kernel otherwise.
+    pub delta: Option<&'a [f32]>,
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    pub dtype: DType,
+}
+
+/// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.
+pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let dims = x.dims;
+    check_supported(&dims, x.dtype)?;
+    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
+    let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
+    let nst = dims.b * dims.h_q * dims.s_q;
+    let lengths_ok = x.q.len() == nq
+        && x.o.len() == nq
+        && x.d_o.len() == nq
+        && x.k.len() == nkv
+        && x.v.len() == nkv
+        && x.lse.len() == nst
+        && x.delta.is_none_or(|d| d.len() == nst)
+        && x.vis.q_pos.len() == dims.s_q
+        && x.vis.k_pos.len() == dims.s_k;
+    if !lengths_ok {
+        return Err(Error::ShapeMismatch(format!("flash backward buffers disagree with {dims:?}")));
+    }
+    let mut dq = vec![f32::NAN; nq];
+    let mut dk = vec![f32::NAN; nkv];
+    let mut dv = vec![f32::NAN; nkv];
+    let mut delta = match x.delta {
+        Some(d) => d.to_vec(),
+        None => vec![f32::NAN; nst],
+    };
+    if nq == 0 && nkv == 0 {
+        return Ok((dq, dk, dv));
+    }
+    let p = FlashBwdParams {
+        q: x.q.as_ptr() as u64,
+        k: x.k.as_ptr() as u64,
+        v: x.v.as_ptr() as u64,
+        o: x.o.as_ptr() as u64,
+        d_o: x.d_o.as_ptr() as u64,
+        lse: x.lse.as_ptr() as u64,
+        delta: delta.as_mut_ptr() as u64,
+        dq: dq.as_mut_ptr() as u64,
+        dk: dk.as_mut_ptr() as u64,
+        dv: dv.as_mut_ptr() as u64,
+        mask: mask_params(x.vis),
+        b: dims.b as i64,
+        s_q: dims.s_q as i64,
+        s_k: dims.s_k as i64,
+        h_q: dims.h_q as i64,
+        h_kv: dims.h_kv as i64,
+        d: dims.d as i64,
+        scale: x.scale,
+        scale_log2: x.scale * std::f32::consts::LOG2_E,
+    };
+    let rows = geometry::rows_per_block(dims.d);
+    let bf = (x.dtype == DType::BF16) as i32;
+    let mut kernels = Vec::new();
+    if x.delta.is_none() {
+        kernels.push((0, launch([nst.div_ceil(256), 1, 1], 256, 0, opts)?, "flash_bwd_rowsum"));
+    }
+    kernels.push((
+        1,
+        launch([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::dq_smem(rows, dims.d), opts)?,
+        "flash_bwd_dq",
+    ));
+    kernels.push((
+        2,
+        launch([dims.s_k.div_ceil(rows), dims.h_kv, dims.b], rows, geometry::dkdv_smem(rows, dims.d), opts)?,
+        "flash_bwd_dkdv",
+    ));
+    for (kernel, l, name) in kernels {
+        let mut msg = [0u8; 1024];
+        // SAFETY: as in forward_bits; delta, dq, dk and dv are exclusively owned here.
+        let code = unsafe { ringattn_emu_flash_bwd(p, kernel, bf, l, msg.as_mut_ptr().cast(), msg.len()) };
+        check(code, &msg, name)?;
+    }
+    Ok((dq, dk, dv))
+}
+
+/// `delta = rowsum(dO∘O)` `[b, h_q, s_q]` by the rowsum kernel, from f32 `o` and 16-bit
+/// `d_o`.
+pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &EmuOptions) -> Result<Vec<f32>> {
+    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
+    let nst = dims.b * dims.h_q * dims.s_q;
+    if o.len() != nq || d_o.len() != nq {
+        return Err(Error::ShapeMismatch(format!("rowsum buffers disagree with {dims:?}")));
+    }
+    let mut delta = vec![f32::NAN; nst];
+    if nst == 0 {
+        return Ok(delta);
+    }
+    let p = FlashBwdParams {
+        o: o.as_ptr() as u64,
+        d_o: d_o.as_ptr() as u64,
+        delta: delta.as_mut_ptr() as u64,
+        b: dims.b as i64,
+        s_q: dims.s_q as i64,
+        s_k: dims.s_k as i64,
+        h_q: dims.h_q as i64,
+        h_kv: dims.h_kv as i64,
+        d: dims.d as i64,
+        ..Default::default()
+    };
+    let l = launch([nst.div_ceil(256), 1, 1], 256, 0, opts)?;
+    let mut msg = [0u8; 1024];
+    // SAFETY: o and d_o hold the nq elements the kernel reads, delta the nst it writes; the
+    // other pointers are null and not read by the rowsum kernel.
+    let code =
+        unsafe { ringattn_emu_flash_bwd(p, 0, (dtype == DType::BF16) as i32, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, "flash_bwd_rowsum")?;
+    Ok(delta)
+}
+
+fn bits_of(t: &Tensor) -> Vec<u16> {
+    to_bits(&t.as_f32(), t.dtype())
+}
+
+/// Single-device forward through the emulated `flash_fwd.cu` kernel: the same contract as
+/// [`crate::cpu::forward`] (`o` in the input dtype, `lse` f32 `[b, h_q, s_q]`), for bf16 or
+/// f16 inputs with head dimensions that are multiples of 8 up to 256. Positions default to
+/// `0..s`; pass `positions` for a block at global offsets, as [`crate::cpu::forward_at`].
+///
+/// # Errors
+/// Shape and parameter errors as the CPU path; [`Error::BackendUnsupported`] for f32 inputs
+/// or an unsupported head dimension; the emulator's report if the kernel misbehaves (an
+/// out-of-bounds access, a race, a divergent barrier).
+///
+/// ```
+/// use ringattn::{emu, random::randn, AttentionParams, DType, Mask};
+/// let q = randn(vec![1, 40, 2, 16], 1, DType::BF16);
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let out = emu::forward(&q, &q, &q, None, &p, &emu::EmuOptions::default())?;
+/// let cpu = ringattn::cpu::forward(&q, &q, &q, &p)?;
+/// let diff = out.o.to_f32_vec().iter().zip(cpu.o.to_f32_vec()).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+/// assert!(diff < 0.02);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    opts: &EmuOptions,
+) -> Result<ForwardOutput> {
+    let dims = Dims::of(q, k, v)?;
+    check_supported(&dims, q.dtype())?;
+    let vis = visibility(&dims, positions, params)?;
+    let (qb, kb, vb) = (bits_of(q), bits_of(k), bits_of(v));
+    let x =
+        ForwardBits { dims, q: &qb, k: &kb, v: &vb, vis: &vis, scale: params.softmax_scale(dims.d), dtype: q.dtype() };
+    let (o, lse) = forward_bits(&x, opts)?;
+    Ok(ForwardOutput {
+        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+    })
+}
+
+/// Single-device backward through the emulated `flash_bwd.cu` kernels: the contract of
+/// [`crate::cpu::backward`] (gradients in the input dtype) for bf16 or f16 inputs.
+///
+/// # Errors
+/// As [`forward`], plus shape or dtype errors for `o`, `lse` (f32 `[b, h_q, s_q]`) and
+/// `d_o`.
+///
+/// ```
+/// use ringattn::{emu, random::randn, AttentionParams, DType};
+/// let x = randn(vec![1, 24, 1, 8], 3, DType::F16);
+/// let (p, opts) = (AttentionParams::default(), emu::EmuOptions::default());
+/// let f = emu::forward(&x, &x, &x, None, &p, &opts)?;
+/// let g = emu::backward(&x, &x, &x, &f.o, &f.lse, &x, None, &p, &opts)?;
+/// assert_eq!(g.dk.shape(), &[1, 24, 1, 8]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    opts: &EmuOptions,
+) -> Result<Gradients> {
+    let dims = Dims::of(q, k, v)?;
+    check_supported(&dims, q.dtype())?;
+    Dims::expect("o", o, &dims.q_shape(), q)?;
+    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
+        return Err(Error::ShapeMismatch(format!("`lse` must be F32 {:?}", dims.lse_shape())));
+    }
+    let vis = visibility(&dims, positions, params)?;
+    let (qb, kb, vb, dob) = (bits_of(q), bits_of(k), bits_of(v), bits_of(d_o));
+    let (of, lf) = (o.as_f32(), lse.as_f32());
+    let (dq, dk, dv) = backward_bits(
+        &BackwardBits {
+            dims,
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            o: &of,
+            d_o: &dob,
+            lse: &lf,
+            delta: None,
+            vis: &vis,
+            scale: params.softmax_scale(dims.d),
+            dtype: q.dtype(),
+        },
+        opts,
+    )?;
+    Ok(Gradients {
+        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+    })
+}
+
+fn visibility(
+    dims: &Dims,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+) -> Result<Visibility> {
+    match positions {
+        None => Visibility::single_device(params, dims.s_q, dims.s_k),
+        Some((qp, kp)) => crate::cpu::block_visibility(dims, qp, kp, params),
+    }
+}

@@ -1,0 +1,182 @@
+//! The CUDA kernels of `cuda/` run by the host emulator against the float64 oracle: forward
+//! and backward, every mask, documents, GQA, block positions at global offsets, bf16 and f16,
+//! head dims 8–256, with bit-identical results under the three fiber schedules; and the emu
+//! backend under every parallel strategy.
+#![cfg(feature = "emu")]
+
+mod support;
+
+use proptest::prelude::*;
+use ringattn::comm::LocalOptions;
+use ringattn::cpu::{ForwardOutput, Gradients};
+use ringattn::emu::{self, EmuBackend, EmuOptions, Schedule};
+use ringattn::parallel::{run_in_process, ParallelParams, Strategy};
+use ringattn::{random::randn, verify, AttentionParams, DType, Documents, Error, Mask, Tensor};
+use support::{block_positions, doc_lengths, mask, Case};
+
+/// Lengths around the kernels' 32-row inner tiles and their 16/32/64-row blocks.
+const LENGTHS: &[usize] = &[1, 2, 7, 16, 31, 32, 33, 63, 64, 65, 97, 130, 200];
+const HEAD_DIMS: &[usize] = &[8, 16, 32, 64, 80, 128, 256];
+/// Upper bound on b·h_q·s_q·s_k·d so that the emulator and the oracle stay fast.
+const WORK_CAP: usize = 2_500_000;
+
+fn run(case: &Case, schedule: Schedule) -> (ForwardOutput, Gradients) {
+    let x = case.inputs();
+    let opts = EmuOptions { schedule, workers: 1 };
+    let f = emu::forward(&x.q, &x.k, &x.v, case.pos(), &case.params, &opts).expect("emulated forward");
+    let g = emu::backward(&x.q, &x.k, &x.v, &f.o, &f.lse, &x.d_o, case.pos(), &case.params, &opts)
+        .expect("emulated backward");
+    (f, g)
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.as_f32().iter().map(|x| x.to_bits()).collect()
+}
+
+prop_compose! {
+    fn case()(
+        b in 1usize..=2,
+        s_q in prop::sample::select(LENGTHS),
+        s_k in prop::sample::select(LENGTHS),
+        same_len in any::<bool>(),
+        ratio in prop::sample::select(&[1usize, 2, 4][..]),
+        h_kv in 1usize..=2,
+        d in prop::sample::select(HEAD_DIMS),
+        bf16 in any::<bool>(),
+        mask in mask(),
+        block in any::<bool>(),
+        q_mode in 0u8..3, k_mode in 0u8..3,
+        q_start in 0i64..200, k_start in 0i64..200,
+        q_stride in 1i64..4, k_stride in 1i64..4,
+        gap in 0i64..100,
+        docs in any::<bool>(),
+        cuts in prop::collection::vec(0usize..1000, 0..4),
+        scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
+        seed in 0u64..1_000_000,
+    ) -> Case {
+        let s_k = if same_len { s_q } else { s_k };
+        let (mut b, mut h_kv, mut s_q, mut s_k) = (b, h_kv, s_q, s_k);
+        let work = |b: usize, h_kv: usize, s_q: usize, s_k: usize| b * h_kv * ratio * s_q * s_k * d;
+        if work(b, h_kv, s_q, s_k) > WORK_CAP { b = 1; h_kv = 1; }
+        while work(b, h_kv, s_q, s_k) > WORK_CAP { s_q = s_q.div_ceil(2); s_k = s_k.div_ceil(2); }
+        let positions = block.then(|| {
+            (block_positions(s_q, q_mode, q_start, q_stride, gap), block_positions(s_k, k_mode, k_start, k_stride, gap))
+        });
+        let documents = docs.then(|| {
+            let total = match &positions {
+                None => s_k,
+                Some((qp, kp)) => (qp.iter().chain(kp.iter()).max().unwrap_or(0) + 1) as usize,
+            };
+            Documents::new(doc_lengths(total, &cuts)).unwrap()
+        });
+        let documents = documents.filter(|_| positions.is_some() || s_q <= s_k);
+        Case {
+            b, s_q, s_k, h_q: h_kv * ratio, h_kv, d,
+            dtype: if bf16 { DType::BF16 } else { DType::F16 },
+            params: AttentionParams { mask, documents, scale },
+            positions, seed, tiles: Default::default(),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(support::cases(24)))]
+
+    /// Forward and backward against the oracle; the same bits under reverse and random fiber
+    /// orders (the kernels use no atomics, so any difference would be a race).
+    #[test]
+    fn emulated_kernels_match_the_oracle_under_every_schedule(case in case(), sched_seed in any::<u64>()) {
+        let x = case.inputs();
+        let (f, g) = run(&case, Schedule::Forward);
+        let report = verify::check_results(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), &case.params, &f, Some(&g))
+            .unwrap();
+        prop_assert!(report.pass(), "{case:?}\n{}", report.table());
+        for schedule in [Schedule::Reverse, Schedule::Random(sched_seed)] {
+            let (f2, g2) = run(&case, schedule);
+            for (name, a, b) in [("o", &f.o, &f2.o), ("lse", &f.lse, &f2.lse), ("dq", &g.dq, &g2.dq),
+                                 ("dk", &g.dk, &g2.dk), ("dv", &g.dv, &g2.dv)] {
+                prop_assert!(bits(a) == bits(b), "{name} differs under {schedule:?}: {case:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn fully_masked_rows_give_zero_and_minus_infinity() {
+    // Queries before every key under a causal mask see nothing.
+    let q = randn(vec![1, 5, 1, 16], 1, DType::BF16);
+    let k = randn(vec![1, 5, 1, 16], 2, DType::BF16);
+    let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let (qp, kp) = (ringattn::Positions::contiguous(0, 5), ringattn::Positions::contiguous(3, 5));
+    let f = emu::forward(&q, &k, &k, Some((&qp, &kp)), &p, &EmuOptions::default()).unwrap();
+    let lse = f.lse.to_f32_vec();
+    assert_eq!(&lse[..3], &[f32::NEG_INFINITY; 3]);
+    assert!(lse[3..].iter().all(|x| x.is_finite()));
+    assert!(f.o.to_f32_vec()[..3 * 16].iter().all(|&x| x == 0.0));
+    let g = emu::backward(&q, &k, &k, &f.o, &f.lse, &q, Some((&qp, &kp)), &p, &EmuOptions::default()).unwrap();
+    assert!(g.dq.to_f32_vec()[..3 * 16].iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn unsupported_inputs_get_clear_errors() {
+    let opts = EmuOptions::default();
+    let p = AttentionParams::default();
+    let x = randn(vec![1, 8, 1, 16], 1, DType::F32);
+    let e = emu::forward(&x, &x, &x, None, &p, &opts).unwrap_err();
+    assert!(matches!(e, Error::BackendUnsupported { .. }) && e.to_string().contains("f32"), "{e}");
+    let x = randn(vec![1, 8, 1, 20], 1, DType::BF16);
+    let e = emu::forward(&x, &x, &x, None, &p, &opts).unwrap_err();
+    assert!(e.to_string().contains("head dim 20"), "{e}");
+    let x = randn(vec![1, 8, 1, 264], 1, DType::BF16);
+    assert!(emu::forward(&x, &x, &x, None, &p, &opts).is_err());
+}
+
+#[test]
+fn blocks_spread_over_worker_threads_give_the_same_bits() {
+    let q = randn(vec![2, 97, 4, 32], 7, DType::F16);
+    let k = randn(vec![2, 97, 2, 32], 8, DType::F16);
+    let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let one = emu::forward(&q, &k, &k, None, &p, &EmuOptions { workers: 1, ..Default::default() }).unwrap();
+    let many = emu::forward(&q, &k, &k, None, &p, &EmuOptions { workers: 3, ..Default::default() }).unwrap();
+    assert_eq!(bits(&one.o), bits(&many.o));
+    assert_eq!(bits(&one.lse), bits(&many.lse));
+}
+
+/// Every strategy with 1–4 in-process ranks on the emulated kernels, forward and backward,
+/// against the oracle.
+#[test]
+fn every_strategy_runs_on_the_emulated_kernels() {
+    let (b, s, hq, hkv, d) = (1, 77, 4, 2, 16);
+    let dtype = DType::BF16;
+    let q = randn(vec![b, s, hq, d], 11, dtype);
+    let k = randn(vec![b, s, hkv, d], 12, dtype);
+    let v = randn(vec![b, s, hkv, d], 13, dtype);
+    let d_o = randn(vec![b, s, hq, d], 14, dtype);
+    let backend = EmuBackend { dtype, options: EmuOptions { workers: 1, ..Default::default() } };
+    for (strategy, world) in [
+        (Strategy::Single, 1),
+        (Strategy::Ring, 3),
+        (Strategy::AllGather, 2),
+        (Strategy::Ulysses, 2),
+        (Strategy::Usp, 4),
+    ] {
+        for mask in [Mask::None, Mask::Causal] {
+            let attention = AttentionParams { mask, ..Default::default() };
+            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+            let r = run_in_process(world, LocalOptions::default(), &backend, &q, &k, &v, Some(&d_o), &params)
+                .unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
+            let report =
+                verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
+                    .unwrap();
+            assert!(report.pass(), "{strategy:?} x{world} {mask:?}\n{}", report.table());
+        }
+    }
+}
+
+#[test]
+fn the_emu_backend_refuses_f32_on_every_rank() {
+    let x = randn(vec![1, 16, 2, 16], 1, DType::F32);
+    let params = ParallelParams { strategy: Strategy::Ring, ..Default::default() };
+    let e = run_in_process(2, LocalOptions::default(), &EmuBackend::default(), &x, &x, &x, None, &params).unwrap_err();
+    assert!(e.to_string().contains("f32"), "{e}");
+}
