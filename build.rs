@@ -181,23 +181,34 @@ fn run(cmd: &mut Command) -> Result<String, String> {
     }
 }
 
-/// Forwards the ptxas report; fails on spills when asked to.
+/// Forwards the ptxas report, one line per kernel (registers, stack, spills, shared memory);
+/// fails on spills when asked to, naming the kernels.
 fn check_report(text: &str, family: &str, arch: &str, deny_spills: bool) {
-    let mut spills = false;
+    let numbers = |l: &str| -> Vec<u64> { l.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect() };
+    let mut entry = String::from("?");
+    let mut frame = (0, 0, 0);
+    let mut spilling = Vec::new();
     for line in text.lines() {
         let l = line.trim();
-        if l.contains("Used") && l.contains("registers") || l.contains("spill") {
-            println!("cargo::warning=ptxas {family} {arch}: {l}");
-        }
-        if l.contains("bytes spill stores") {
-            let nums: Vec<u64> = l.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
+        if let Some(rest) = l.split("Compiling entry function '").nth(1) {
+            entry = rest.split('\'').next().unwrap_or("?").to_string();
+        } else if l.contains("bytes spill stores") {
             // "N bytes stack frame, S bytes spill stores, L bytes spill loads"
-            if nums.len() >= 3 && (nums[1] > 0 || nums[2] > 0) {
-                spills = true;
+            let n = numbers(l);
+            frame = (n.first().copied().unwrap_or(0), n.get(1).copied().unwrap_or(0), n.get(2).copied().unwrap_or(0));
+            if frame.1 > 0 || frame.2 > 0 {
+                spilling.push(entry.clone());
             }
+        } else if l.contains("Used") && l.contains("registers") {
+            let regs = l.split("Used ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("?");
+            let smem = l.split(", ").find(|x| x.ends_with("smem")).unwrap_or("0 bytes smem");
+            println!(
+                "cargo::warning=ptxas {family} {arch} {entry}: {regs} registers, {} bytes stack, {} + {} bytes spilled, {smem} static",
+                frame.0, frame.1, frame.2
+            );
         }
     }
-    if spills && deny_spills {
-        panic!("ptxas reports register spills in {family} for {arch} (RINGATTN_DENY_SPILLS=1):\n{text}");
+    if !spilling.is_empty() && deny_spills {
+        panic!("ptxas reports register spills for {arch} in {} (RINGATTN_DENY_SPILLS=1):\n{text}", spilling.join(", "));
     }
 }

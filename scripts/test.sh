@@ -40,6 +40,10 @@ done_stage nvcc
 
 stage "emulator and host-compiled kernels under AddressSanitizer + UBSan (standalone harness)"
 mkdir -p target
+# Each kernel family compiles on its own for the host (through the emulator), as for nvcc.
+for cu in cuda/*.cu; do
+  c++ -x c++ -std=c++17 -Wall -Wextra -Werror -I cuda -fsyntax-only "$cu"
+done
 c++ -std=c++17 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -I cuda \
   cuda/emu/harness.cpp cuda/emu/kernels.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp -pthread -o target/emu-harness
 ASAN_OPTIONS=detect_leaks=1 target/emu-harness
