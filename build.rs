@@ -184,7 +184,8 @@ fn run(cmd: &mut Command) -> Result<String, String> {
 /// Forwards the ptxas report, one line per kernel (registers, stack, spills, shared memory);
 /// fails on spills when asked to, naming the kernels.
 fn check_report(text: &str, family: &str, arch: &str, deny_spills: bool) {
-    let numbers = |l: &str| -> Vec<u64> { l.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect() };
+    let numbers =
+        |l: &str| -> Vec<u64> { l.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect() };
     let mut entry = String::from("?");
     let mut frame = (0, 0, 0);
     let mut spilling = Vec::new();

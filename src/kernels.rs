@@ -192,6 +192,14 @@ pub mod params {
 pub mod geometry {
     use crate::{Error, Result};
 
+    /// Threads per block of the merge kernel (one warp per LSE row).
+    pub const MERGE_THREADS: usize = 256;
+
+    /// Blocks of the merge kernel for `rows` LSE rows.
+    pub fn merge_blocks(rows: usize) -> usize {
+        (rows * 32).div_ceil(MERGE_THREADS)
+    }
+
     /// Rows of the other side per inner tile (`kTile`).
     pub const TILE: usize = 32;
     /// Largest head dimension of the flash kernels.

@@ -107,6 +107,31 @@ impl Dims {
         Ok(dims)
     }
 
+    /// Checks the forward results a backward takes: `o` and `d_o` shaped and typed like `q`,
+    /// `lse` f32 `[b, h_q, s_q]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`] naming the tensor.
+    pub fn expect_backward_inputs(&self, q: &Tensor, o: &Tensor, lse: &Tensor, d_o: &Tensor) -> Result<()> {
+        Dims::expect("o", o, &self.q_shape(), q)?;
+        Dims::expect("do", d_o, &self.q_shape(), q)?;
+        if lse.dtype() != crate::DType::F32 {
+            return Err(Error::DtypeMismatch {
+                name: "lse".into(),
+                got: lse.dtype().to_string(),
+                expected: "F32".into(),
+            });
+        }
+        if lse.shape() != self.lse_shape() {
+            return Err(Error::ShapeMismatch(format!(
+                "`lse` has shape {:?}, expected {:?}",
+                lse.shape(),
+                self.lse_shape()
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks that a tensor has exactly `shape` and the dtype of `like`.
     ///
     /// # Errors

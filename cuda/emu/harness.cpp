@@ -10,20 +10,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "emu/launch.h"
 #include "params.h"
 
-extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed, char* msg, size_t cap);
 extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* out, char* msg, size_t cap);
 extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, size_t cap);
 
-struct EmuLaunch {
-    uint32_t grid[3];
-    uint32_t block;
-    uint64_t smem_bytes;
-    int32_t schedule;
-    uint32_t workers;
-    uint64_t seed;
-};
+extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, EmuLaunch l, char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap);
 
@@ -58,7 +51,8 @@ int main() {
         lb[3] = -INFINITY;
         la[3] = -INFINITY;
         MergeParams p{oa.data(), la.data(), ob.data(), lb.data(), b, s, h, d};
-        const int code = ringattn_emu_merge_f32(p, 2, 7, msg, sizeof msg);
+        const EmuLaunch l{{unsigned((b * h * s * 32 + 255) / 256), 1, 1}, 256, 0, 2, 0, 7};
+        const int code = ringattn_emu_merge_f32(p, l, msg, sizeof msg);
         check(code == 0, "merge launches");
         // lse index 0 is (b0, h0, s0): row s0, head h0 in o.
         check(oa[0] == 2.0f, "merge averages equal weights");

@@ -3,6 +3,7 @@
 // computes it exactly as the CUDA backend does), registers the family's buffers for the
 // bounds checks, and reports errors (called from src/emu/).
 #include "emu/emu.h"
+#include "emu/launch.h"
 
 #include "flash_bwd.cu"
 #include "flash_fwd.cu"
@@ -10,16 +11,6 @@
 
 #include <cstring>
 
-// Launch geometry and emulator options, mirrored in src/emu/mod.rs (`EmuLaunch`).
-struct EmuLaunch {
-    uint32_t grid[3];
-    uint32_t block;
-    uint64_t smem_bytes;
-    int32_t schedule;  // 0 forward, 1 reverse, 2 seeded random fiber order (emu::Schedule)
-    uint32_t workers;  // OS threads for blocks, 0: one per core
-    uint64_t seed;
-};
-static_assert(sizeof(EmuLaunch) == 40, "EmuLaunch is mirrored in Rust");
 
 namespace {
 int report(const std::string& err, char* msg, size_t cap) {
@@ -51,16 +42,16 @@ void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int64_t s_
 }
 }  // namespace
 
-// Same launch geometry as the CUDA backend will use: one warp per LSE row, 256 threads.
-// `schedule`: 0 forward, 1 reverse, 2 seeded random fiber order (see emu::Schedule).
-extern "C" int ringattn_emu_merge_f32(MergeParams p, int schedule, uint64_t seed, char* msg, size_t cap) {
-    const int64_t rows = p.b * p.h * p.s;
-    const unsigned threads = 256;
-    const int64_t blocks = (rows * 32 + threads - 1) / threads;
-    if (blocks == 0) return 0;
+// Merge; geometry from the caller (src/kernels.rs: one warp per LSE row).
+extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t o = p.b * p.s * p.h * p.d, st = p.b * p.h * p.s;
+    c.globals = {{p.o_acc, bytes(o, 4), "o_acc"},
+                 {p.lse_acc, bytes(st, 4), "lse_acc"},
+                 {p.o_part, bytes(o, 4), "o_part"},
+                 {p.lse_part, bytes(st, 4), "lse_part"}};
     std::function<void()> body = [p] { ringattn_merge_f32(p); };
-    return report(emu::launch(dim3(unsigned(blocks)), dim3(threads), body, 0, emu::Schedule(schedule), seed, 0), msg,
-                  cap);
+    return report(emu::launch(c, body), msg, cap);
 }
 
 // Flash forward; `bf16`: 1 for bf16 inputs, 0 for f16.

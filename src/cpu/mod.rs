@@ -18,7 +18,7 @@ use std::sync::atomic::AtomicU64;
 pub use tiles::TileConfig;
 
 use crate::params::Visibility;
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
+use crate::{AttentionParams, Dims, Error, Positions, Result, Tensor};
 
 /// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
 /// in f32 (natural log; `-inf` for rows that see no key).
@@ -191,18 +191,7 @@ pub fn backward_with(
     config: &CpuConfig,
 ) -> Result<Gradients> {
     let dims = Dims::of(q, k, v)?;
-    Dims::expect("o", o, &dims.q_shape(), q)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
-    if lse.dtype() != DType::F32 {
-        return Err(Error::DtypeMismatch { name: "lse".into(), got: lse.dtype().to_string(), expected: "F32".into() });
-    }
-    if lse.shape() != dims.lse_shape() {
-        return Err(Error::ShapeMismatch(format!(
-            "`lse` has shape {:?}, expected {:?}",
-            lse.shape(),
-            dims.lse_shape()
-        )));
-    }
+    dims.expect_backward_inputs(q, o, lse, d_o)?;
     let vis = visibility(&dims, positions, params)?;
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
     let (dq, dk, dv) = backward::backward(&backward::BackwardInputs {

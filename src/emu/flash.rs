@@ -60,21 +60,6 @@ fn mask_params(vis: &Visibility) -> MaskParams {
     }
 }
 
-fn launch(grid: [usize; 3], block: usize, smem: usize, opts: &EmuOptions) -> Result<EmuLaunch> {
-    let dim = |x: usize| {
-        u32::try_from(x).map_err(|_| Error::InvalidArgument(format!("grid dimension {x} exceeds the launch limit")))
-    };
-    let (schedule, seed) = opts.schedule.code();
-    Ok(EmuLaunch {
-        grid: [dim(grid[0])?, dim(grid[1])?, dim(grid[2])?],
-        block: dim(block)?,
-        smem_bytes: smem as u64,
-        schedule,
-        workers: opts.workers as u32,
-        seed,
-    })
-}
-
 /// The inputs of [`forward_bits`]: 16-bit `q`, `k`, `v` (`[b, s, h, d]` bit patterns of
 /// `dtype`) and the visibility of their rows.
 pub(crate) struct ForwardBits<'a> {
@@ -120,7 +105,8 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
     let rows = geometry::rows_per_block(dims.d);
-    let l = launch([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::forward_smem(rows, dims.d), opts)?;
+    let l =
+        EmuLaunch::new([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::forward_smem(rows, dims.d), opts)?;
     let mut msg = [0u8; 1024];
     // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
     // the call; o and lse are exclusively borrowed; the emulator runs synchronously.
@@ -200,16 +186,16 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
     let bf = (x.dtype == DType::BF16) as i32;
     let mut kernels = Vec::new();
     if x.delta.is_none() {
-        kernels.push((0, launch([nst.div_ceil(256), 1, 1], 256, 0, opts)?, "flash_bwd_rowsum"));
+        kernels.push((0, EmuLaunch::new([nst.div_ceil(256), 1, 1], 256, 0, opts)?, "flash_bwd_rowsum"));
     }
     kernels.push((
         1,
-        launch([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::dq_smem(rows, dims.d), opts)?,
+        EmuLaunch::new([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::dq_smem(rows, dims.d), opts)?,
         "flash_bwd_dq",
     ));
     kernels.push((
         2,
-        launch([dims.s_k.div_ceil(rows), dims.h_kv, dims.b], rows, geometry::dkdv_smem(rows, dims.d), opts)?,
+        EmuLaunch::new([dims.s_k.div_ceil(rows), dims.h_kv, dims.b], rows, geometry::dkdv_smem(rows, dims.d), opts)?,
         "flash_bwd_dkdv",
     ));
     for (kernel, l, name) in kernels {
@@ -245,7 +231,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
         d: dims.d as i64,
         ..Default::default()
     };
-    let l = launch([nst.div_ceil(256), 1, 1], 256, 0, opts)?;
+    let l = EmuLaunch::new([nst.div_ceil(256), 1, 1], 256, 0, opts)?;
     let mut msg = [0u8; 1024];
     // SAFETY: o and d_o hold the nq elements the kernel reads, delta the nst it writes; the
     // other pointers are null and not read by the rowsum kernel.
@@ -330,11 +316,7 @@ pub fn backward(
 ) -> Result<Gradients> {
     let dims = Dims::of(q, k, v)?;
     check_supported(&dims, q.dtype())?;
-    Dims::expect("o", o, &dims.q_shape(), q)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
-    if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
-        return Err(Error::ShapeMismatch(format!("`lse` must be F32 {:?}", dims.lse_shape())));
-    }
+    dims.expect_backward_inputs(q, o, lse, d_o)?;
     let vis = visibility(&dims, positions, params)?;
     let (qb, kb, vb, dob) = (bits_of(q), bits_of(k), bits_of(v), bits_of(d_o));
     let (of, lf) = (o.as_f32(), lse.as_f32());

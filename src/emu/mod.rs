@@ -32,7 +32,7 @@ pub struct EmuOptions {
     pub workers: usize,
 }
 
-/// Launch geometry and emulator options, mirrored from `EmuLaunch` in `cuda/emu/kernels.cpp`.
+/// Launch geometry and emulator options, mirrored from `cuda/emu/launch.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EmuLaunch {
@@ -46,8 +46,30 @@ pub(crate) struct EmuLaunch {
 
 const _: () = assert!(std::mem::size_of::<EmuLaunch>() == 40);
 
+impl EmuLaunch {
+    /// A launch of `grid` blocks of `block` threads with `smem` bytes of dynamic shared
+    /// memory under `opts`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a dimension beyond `u32`.
+    pub(crate) fn new(grid: [usize; 3], block: usize, smem: usize, opts: &EmuOptions) -> Result<Self> {
+        let dim = |x: usize| {
+            u32::try_from(x).map_err(|_| Error::InvalidArgument(format!("grid dimension {x} exceeds the launch limit")))
+        };
+        let (schedule, seed) = opts.schedule.code();
+        Ok(EmuLaunch {
+            grid: [dim(grid[0])?, dim(grid[1])?, dim(grid[2])?],
+            block: dim(block)?,
+            smem_bytes: smem as u64,
+            schedule,
+            workers: opts.workers as u32,
+            seed,
+        })
+    }
+}
+
 extern "C" {
-    fn ringattn_emu_merge_f32(p: MergeParams, schedule: i32, seed: u64, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_merge_f32(p: MergeParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
 }
 
 /// The order in which the emulator resumes a block's CUDA threads. Kernels whose results do
@@ -123,11 +145,16 @@ pub fn merge_f32_with(
         h: h as i64,
         d: d as i64,
     };
+    let blocks = crate::kernels::geometry::merge_blocks(b * h * s);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let opts = EmuOptions { schedule, workers: 0 };
+    let l = EmuLaunch::new([blocks, 1, 1], crate::kernels::geometry::MERGE_THREADS, 0, &opts)?;
     let mut msg = [0u8; 512];
     // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
     // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
-    let (mode, seed) = schedule.code();
-    let code = unsafe { ringattn_emu_merge_f32(p, mode, seed, msg.as_mut_ptr().cast(), msg.len()) };
+    let code = unsafe { ringattn_emu_merge_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
     check(code, &msg, "merge")
 }
 

@@ -47,7 +47,7 @@ pub use backend::{
 
 use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::{AttentionParams, DType, Dims, Error, Layout, Mask, Positions, Result, Tensor};
+use crate::{AttentionParams, Dims, Error, Layout, Mask, Positions, Result, Tensor};
 use seq::Shape;
 
 /// How the sequence is spread over ranks.
@@ -389,11 +389,7 @@ pub fn backward<Be: Backend>(
 ) -> Result<(Gradients, Stats)> {
     let start = std::time::Instant::now();
     let dims = handshake(comm, backend, params, q, k, v)?;
-    Dims::expect("o", o, &dims.q_shape(), q)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
-    if lse.shape() != dims.lse_shape() || lse.dtype() != DType::F32 {
-        return Err(Error::ShapeMismatch(format!("`lse` must be F32 {:?}", dims.lse_shape())));
-    }
+    dims.expect_backward_inputs(q, o, lse, d_o)?;
     let x = local_data(backend, dims, q, k, v)?;
     let (o, lse, d_o) = (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
     let mut stats = Stats { hops: 1, ..Default::default() };
