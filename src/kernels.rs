@@ -190,15 +190,10 @@ pub mod params {
 /// layouts): one thread per row, `rows` rows per block, inner tiles of [`geometry::TILE`]
 /// rows staged as 16-bit values.
 pub mod geometry {
-    use crate::{Error, Result};
+    use crate::{Dims, Error, Result};
 
     /// Threads per block of the merge kernel (one warp per LSE row).
     pub const MERGE_THREADS: usize = 256;
-
-    /// Blocks of the merge kernel for `rows` LSE rows.
-    pub fn merge_blocks(rows: usize) -> usize {
-        (rows * 32).div_ceil(MERGE_THREADS)
-    }
 
     /// Rows of the other side per inner tile (`kTile`).
     pub const TILE: usize = 32;
@@ -218,6 +213,24 @@ pub mod geometry {
             });
         }
         Ok(())
+    }
+
+    /// A kernel launch: grid, threads per block, dynamic shared memory.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Launch {
+        /// Blocks along x, y, z.
+        pub grid: [usize; 3],
+        /// Threads per block (x only).
+        pub block: usize,
+        /// Dynamic shared memory per block, bytes.
+        pub smem_bytes: usize,
+    }
+
+    impl Launch {
+        /// Whether the launch has no block (an empty problem: nothing to run).
+        pub fn is_empty(&self) -> bool {
+            self.grid.contains(&0)
+        }
     }
 
     /// Threads (rows) per block for head dimension `d`, so that every kernel's shared memory
@@ -244,19 +257,44 @@ pub mod geometry {
         2 * TILE * d * 2
     }
 
-    /// Dynamic shared memory of the forward kernel.
-    pub fn forward_smem(rows: usize, d: usize) -> usize {
-        rows_bytes(rows, d, 2) + tiles_bytes(d)
+    /// The forward kernel (`ringattn_flash_fwd_*`) for `dims`.
+    pub fn forward(dims: &Dims) -> Launch {
+        let rows = rows_per_block(dims.d);
+        Launch {
+            grid: [dims.s_q.div_ceil(rows), dims.h_q, dims.b],
+            block: rows,
+            smem_bytes: rows_bytes(rows, dims.d, 2) + tiles_bytes(dims.d),
+        }
     }
 
-    /// Dynamic shared memory of the dq kernel.
-    pub fn dq_smem(rows: usize, d: usize) -> usize {
-        rows_bytes(rows, d, 3) + tiles_bytes(d)
+    /// The rowsum kernel (`ringattn_flash_bwd_rowsum_*`, delta = rowsum(dO∘O)).
+    pub fn rowsum(dims: &Dims) -> Launch {
+        Launch { grid: [(dims.b * dims.h_q * dims.s_q).div_ceil(256), 1, 1], block: 256, smem_bytes: 0 }
     }
 
-    /// Dynamic shared memory of the dk/dv kernel.
-    pub fn dkdv_smem(rows: usize, d: usize) -> usize {
-        rows_bytes(rows, d, 4) + tiles_bytes(d) + 2 * TILE * 4
+    /// The dq kernel (`ringattn_flash_bwd_dq_*`).
+    pub fn dq(dims: &Dims) -> Launch {
+        let rows = rows_per_block(dims.d);
+        Launch {
+            grid: [dims.s_q.div_ceil(rows), dims.h_q, dims.b],
+            block: rows,
+            smem_bytes: rows_bytes(rows, dims.d, 3) + tiles_bytes(dims.d),
+        }
+    }
+
+    /// The dk/dv kernel (`ringattn_flash_bwd_dkdv_*`).
+    pub fn dkdv(dims: &Dims) -> Launch {
+        let rows = rows_per_block(dims.d);
+        Launch {
+            grid: [dims.s_k.div_ceil(rows), dims.h_kv, dims.b],
+            block: rows,
+            smem_bytes: rows_bytes(rows, dims.d, 4) + tiles_bytes(dims.d) + 2 * TILE * 4,
+        }
+    }
+
+    /// The merge kernel (`ringattn_merge_f32`) for `rows` LSE rows: one warp per row.
+    pub fn merge(rows: usize) -> Launch {
+        Launch { grid: [(rows * 32).div_ceil(MERGE_THREADS), 1, 1], block: MERGE_THREADS, smem_bytes: 0 }
     }
 
     #[cfg(test)]
@@ -266,9 +304,10 @@ pub mod geometry {
         #[test]
         fn every_kernel_fits_in_99_kib_of_shared_memory() {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
-                let r = rows_per_block(d);
-                for bytes in [forward_smem(r, d), dq_smem(r, d), dkdv_smem(r, d)] {
-                    assert!(bytes <= 99 * 1024, "d = {d}: {bytes} bytes");
+                let dims = Dims { b: 2, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
+                for l in [forward(&dims), dq(&dims), dkdv(&dims)] {
+                    assert!(l.smem_bytes <= 99 * 1024, "d = {d}: {l:?}");
+                    assert!(!l.is_empty());
                 }
             }
             assert!(check_head_dim("emu", 80).is_ok());

@@ -104,9 +104,7 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
         scale,
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
-    let rows = geometry::rows_per_block(dims.d);
-    let l =
-        EmuLaunch::new([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::forward_smem(rows, dims.d), opts)?;
+    let l = EmuLaunch::new(geometry::forward(&dims), opts)?;
     let mut msg = [0u8; 1024];
     // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
     // the call; o and lse are exclusively borrowed; the emulator runs synchronously.
@@ -182,22 +180,13 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         scale: x.scale,
         scale_log2: x.scale * std::f32::consts::LOG2_E,
     };
-    let rows = geometry::rows_per_block(dims.d);
     let bf = (x.dtype == DType::BF16) as i32;
     let mut kernels = Vec::new();
     if x.delta.is_none() {
-        kernels.push((0, EmuLaunch::new([nst.div_ceil(256), 1, 1], 256, 0, opts)?, "flash_bwd_rowsum"));
+        kernels.push((0, EmuLaunch::new(geometry::rowsum(&dims), opts)?, "flash_bwd_rowsum"));
     }
-    kernels.push((
-        1,
-        EmuLaunch::new([dims.s_q.div_ceil(rows), dims.h_q, dims.b], rows, geometry::dq_smem(rows, dims.d), opts)?,
-        "flash_bwd_dq",
-    ));
-    kernels.push((
-        2,
-        EmuLaunch::new([dims.s_k.div_ceil(rows), dims.h_kv, dims.b], rows, geometry::dkdv_smem(rows, dims.d), opts)?,
-        "flash_bwd_dkdv",
-    ));
+    kernels.push((1, EmuLaunch::new(geometry::dq(&dims), opts)?, "flash_bwd_dq"));
+    kernels.push((2, EmuLaunch::new(geometry::dkdv(&dims), opts)?, "flash_bwd_dkdv"));
     for (kernel, l, name) in kernels {
         let mut msg = [0u8; 1024];
         // SAFETY: as in forward_bits; delta, dq, dk and dv are exclusively owned here.
@@ -231,7 +220,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
         d: dims.d as i64,
         ..Default::default()
     };
-    let l = EmuLaunch::new([nst.div_ceil(256), 1, 1], 256, 0, opts)?;
+    let l = EmuLaunch::new(geometry::rowsum(&dims), opts)?;
     let mut msg = [0u8; 1024];
     // SAFETY: o and d_o hold the nq elements the kernel reads, delta the nst it writes; the
     // other pointers are null and not read by the rowsum kernel.

@@ -14,6 +14,7 @@
 
 use std::ffi::c_char;
 
+use crate::kernels::geometry::Launch;
 use crate::kernels::params::MergeParams;
 use crate::{Error, Result};
 
@@ -52,7 +53,8 @@ impl EmuLaunch {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a dimension beyond `u32`.
-    pub(crate) fn new(grid: [usize; 3], block: usize, smem: usize, opts: &EmuOptions) -> Result<Self> {
+    pub(crate) fn new(l: Launch, opts: &EmuOptions) -> Result<Self> {
+        let Launch { grid, block, smem_bytes: smem } = l;
         let dim = |x: usize| {
             u32::try_from(x).map_err(|_| Error::InvalidArgument(format!("grid dimension {x} exceeds the launch limit")))
         };
@@ -145,12 +147,11 @@ pub fn merge_f32_with(
         h: h as i64,
         d: d as i64,
     };
-    let blocks = crate::kernels::geometry::merge_blocks(b * h * s);
-    if blocks == 0 {
+    let launch = crate::kernels::geometry::merge(b * h * s);
+    if launch.is_empty() {
         return Ok(());
     }
-    let opts = EmuOptions { schedule, workers: 0 };
-    let l = EmuLaunch::new([blocks, 1, 1], crate::kernels::geometry::MERGE_THREADS, 0, &opts)?;
+    let l = EmuLaunch::new(launch, &EmuOptions { schedule, workers: 0 })?;
     let mut msg = [0u8; 512];
     // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
     // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
