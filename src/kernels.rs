@@ -292,6 +292,41 @@ pub mod geometry {
         }
     }
 
+    /// A backward kernel of `flash_bwd.cu`: the entry point is
+    /// `ringattn_flash_bwd_{name}_{bf16|f16}`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum BackwardKernel {
+        /// `delta = rowsum(dO∘O)`.
+        Rowsum,
+        /// `dq`.
+        Dq,
+        /// `dk`, `dv`.
+        DkDv,
+    }
+
+    impl BackwardKernel {
+        /// The entry point's middle name (`rowsum`, `dq`, `dkdv`).
+        pub fn name(self) -> &'static str {
+            match self {
+                BackwardKernel::Rowsum => "rowsum",
+                BackwardKernel::Dq => "dq",
+                BackwardKernel::DkDv => "dkdv",
+            }
+        }
+    }
+
+    /// The kernels of a backward, in launch order, with their launches; `with_rowsum` is
+    /// false when the caller already has `delta` (the ring computes it once per query block).
+    pub fn backward(dims: &Dims, with_rowsum: bool) -> Vec<(BackwardKernel, Launch)> {
+        let mut v = Vec::with_capacity(3);
+        if with_rowsum {
+            v.push((BackwardKernel::Rowsum, rowsum(dims)));
+        }
+        v.push((BackwardKernel::Dq, dq(dims)));
+        v.push((BackwardKernel::DkDv, dkdv(dims)));
+        v
+    }
+
     /// The merge kernel (`ringattn_merge_f32`) for `rows` LSE rows: one warp per row.
     pub fn merge(rows: usize) -> Launch {
         Launch { grid: [(rows * 32).div_ceil(MERGE_THREADS), 1, 1], block: MERGE_THREADS, smem_bytes: 0 }

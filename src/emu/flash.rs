@@ -8,7 +8,7 @@ use half::{bf16, f16};
 
 use super::{check, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::kernels::geometry;
+use crate::kernels::geometry::{self, BackwardKernel};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
@@ -181,17 +181,17 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         scale_log2: x.scale * std::f32::consts::LOG2_E,
     };
     let bf = (x.dtype == DType::BF16) as i32;
-    let mut kernels = Vec::new();
-    if x.delta.is_none() {
-        kernels.push((0, EmuLaunch::new(geometry::rowsum(&dims), opts)?, "flash_bwd_rowsum"));
-    }
-    kernels.push((1, EmuLaunch::new(geometry::dq(&dims), opts)?, "flash_bwd_dq"));
-    kernels.push((2, EmuLaunch::new(geometry::dkdv(&dims), opts)?, "flash_bwd_dkdv"));
-    for (kernel, l, name) in kernels {
+    for (kernel, launch) in geometry::backward(&dims, x.delta.is_none()) {
+        let code = match kernel {
+            BackwardKernel::Rowsum => 0,
+            BackwardKernel::Dq => 1,
+            BackwardKernel::DkDv => 2,
+        };
+        let l = EmuLaunch::new(launch, opts)?;
         let mut msg = [0u8; 1024];
         // SAFETY: as in forward_bits; delta, dq, dk and dv are exclusively owned here.
-        let code = unsafe { ringattn_emu_flash_bwd(p, kernel, bf, l, msg.as_mut_ptr().cast(), msg.len()) };
-        check(code, &msg, name)?;
+        let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, l, msg.as_mut_ptr().cast(), msg.len()) };
+        check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
     }
     Ok((dq, dk, dv))
 }
