@@ -1,86 +1,214 @@
-// Flash attention forward (first generation: simple tiled, no tensor cores). For query rows
-// i and visible key rows j: s_ij = scale q_i.k_j, lse_i = log sum_j exp(s_ij),
-// o_i = sum_j exp(s_ij - lse_i) v_j, with the online softmax over key tiles (in base 2, the
-// scale times log2(e) folded into q). Masks from global positions, GQA (query head h reads
-// key/value head h / (h_q / h_kv)), f32 accumulation, unrounded f32 o and lse out; rows with
-// no visible key give o = 0, lse = -inf.
+// Flash attention forward on tensor cores (FlashAttention-2 style). For query rows i and
+// visible key rows j: s_ij = scale q_i.k_j, lse_i = log sum_j exp(s_ij),
+// o_i = sum_j exp(s_ij - lse_i) v_j.
 //
-// Launch: grid (ceil(s_q / rows), h_q, b), block (rows), dynamic shared memory
-// flash_rows_bytes(rows, d, 2) + flash_tiles_bytes(d) (src/kernels.rs `geometry`).
-#include "flash.cuh"
+// A block owns kBlockM = 64 query rows of one (batch, query head); each of its 4 warps owns
+// 16 rows. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async (the
+// next tile loads while this one computes). Per tile, each warp: evaluates the mask on
+// global positions for its 16 x kBlockN scores (a warp whose scores are all masked skips
+// the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments; the online softmax on
+// the accumulator fragments (base 2, scale·log2 e folded in, row max by quad shuffles, row
+// sums kept per thread and reduced once at the end); P, rounded to the input type, reused
+// from registers as the A operand of O += P V, with V fragments by ldmatrix.trans. GQA: the
+// query head h reads key/value head h / (h_q / h_kv). Output: f32 o and lse (unrounded, so
+// ring hops merge in f32); rows with no visible key get o = 0, lse = -inf.
+//
+// Entry points ringattn_flash_fwd_{bf16,f16}_d{32,64,96,128,192,256}: the head-dim class
+// is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
+// grid (ceil(s_q / 64), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
+//
+// Note: as in FlashAttention, a masked key whose value row holds NaN or Inf inside a tile
+// that is partly visible to a warp reaches P V as 0 * NaN; the CPU path isolates such
+// values, these kernels do not.
+#include "flash_tc.cuh"
 
-template <typename T>
-__device__ void flash_fwd(const FlashFwdParams& p) {
-    const int64_t rows = blockDim.x, d = p.d, ld = d + 1;
+template <typename T, int D>
+__device__ void flash_fwd_tc(const FlashFwdParams& p) {
+    using Tr = FwdTraits<D>;
+    constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
+    const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
-    const int64_t i = int64_t(blockIdx.x) * rows + threadIdx.x;
-    const bool active = i < p.s_q;
+    const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
-    float* qs = reinterpret_cast<float*>(smem) + threadIdx.x * ld;
-    float* os = reinterpret_cast<float*>(smem) + (rows + threadIdx.x) * ld;
-    uint16_t* kt = reinterpret_cast<uint16_t*>(smem + flash_rows_bytes(rows, d, 2));
-    uint16_t* vt = kt + kTile * d;
+    uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+    uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
+    uint16_t* vs = ks + 2 * kN * Tr::kStride;                        // [2][kN][kStride]
 
-    const uint16_t* qrow = p.q + ((bi * p.s_q + (active ? i : 0)) * p.h_q + hq) * d;
-    for (int64_t c = 0; c < d; ++c) {
-        smem_store(qs + c, active ? T::to_float(gmem_load(qrow + c)) * p.scale_log2 : 0.0f);
-        smem_store(os + c, 0.0f);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d,
+                                                                                      q0);
+    cp_async_commit();
+    auto stage_kv = [&](int buf, int64_t k0) {
+        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(ks + buf * kN * Tr::kStride, p.k, bi,
+                                                                                p.s_k, p.h_kv, hk, d, k0);
+        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(vs + buf * kN * Tr::kStride, p.v, bi,
+                                                                                p.s_k, p.h_kv, hk, d, k0);
+    };
+    const int64_t ntiles = (p.s_k + kN - 1) / kN;
+    if (ntiles > 0) stage_kv(0, 0);
+    cp_async_commit();
+
+    // This thread's two query rows (g and g + 8 of the warp's 16): positions and documents.
+    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    int64_t qpos[2];
+    uint32_t qdoc[2] = {0, 0};
+    for (int r = 0; r < 2; ++r) {
+        const int64_t i = row[r] < p.s_q ? row[r] : p.s_q - 1;
+        qpos[r] = gmem_load(p.mask.q_pos + i);
+        if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
     }
-    float m = -INFINITY, l = 0.0f;  // running max (base 2) and sum
-    for (int64_t k0 = 0; k0 < p.s_k; k0 += kTile) {
-        flash_stage_tile(kt, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-        flash_stage_tile(vt, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
+
+    float acc[kDT][4];
+    RINGATTN_UNROLL
+    for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    uint32_t qf[Tr::kQInRegs ? D / 16 : 1][4];
+
+    for (int64_t tile = 0; tile < ntiles; ++tile) {
+        const int buf = int(tile & 1);
+        if (tile + 1 < ntiles) stage_kv(buf ^ 1, (tile + 1) * kN);
         cp_async_commit();
-        cp_async_wait<0>();
+        cp_async_wait<1>();  // Q and this tile have landed; the next one may still be in flight
         __syncthreads();
-        if (active) {
-            float s[kTile];
-RINGATTN_UNROLL
-            for (int j = 0; j < kTile; ++j) s[j] = 0.0f;
-            for (int64_t c = 0; c < d; ++c) {
-                const float qc = smem_load(qs + c);
-RINGATTN_UNROLL
-                for (int j = 0; j < kTile; ++j) s[j] += qc * T::to_float(smem_load(kt + j * d + c));
-            }
-            uint32_t visible = 0;
-            float mt = -INFINITY;
-RINGATTN_UNROLL
-            for (int j = 0; j < kTile; ++j) {
-                if (k0 + j < p.s_k && flash_visible(p.mask, i, k0 + j)) {
-                    visible |= 1u << j;
-                    mt = fmaxf(mt, s[j]);
-                }
-            }
-            if (visible != 0) {
-                const float m_new = fmaxf(m, mt);
-                const float alpha = m == -INFINITY ? 0.0f : ex2_approx(m - m_new);
-                l *= alpha;
-RINGATTN_UNROLL
-                for (int j = 0; j < kTile; ++j) {
-                    s[j] = (visible >> j & 1u) ? ex2_approx(s[j] - m_new) : 0.0f;
-                    l += s[j];
-                }
-                for (int64_t c = 0; c < d; ++c) {
-                    float acc = smem_load(os + c) * alpha;
-RINGATTN_UNROLL
-                    for (int j = 0; j < kTile; ++j) {
-                        if (visible >> j & 1u) acc += s[j] * T::to_float(smem_load(vt + j * d + c));
-                    }
-                    smem_store(os + c, acc);
-                }
-                m = m_new;
+        const uint16_t* kt = ks + buf * kN * Tr::kStride;
+        const uint16_t* vt = vs + buf * kN * Tr::kStride;
+        if (tile == 0 && Tr::kQInRegs) {
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < D / 16; ++kk) {
+                ldmatrix_x4(qf[Tr::kQInRegs ? kk : 0],
+                            qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
             }
         }
-        __syncthreads();
+        // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
+        // g + 8, g + 8; columns 2t, 2t + 1).
+        const int64_t k0 = tile * kN;
+        uint32_t vis = 0;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kNT; ++n) {
+            RINGATTN_UNROLL
+            for (int c = 0; c < 2; ++c) {
+                const int64_t j = k0 + n * 8 + 2 * t + c;
+                if (j >= p.s_k) continue;
+                const int64_t pk = gmem_load(p.mask.k_pos + j);
+                const uint32_t kd = p.mask.k_doc != nullptr ? gmem_load(p.mask.k_doc + j) : 0;
+                RINGATTN_UNROLL
+                for (int r = 0; r < 2; ++r) {
+                    const bool ok = row[r] < p.s_q && (p.mask.window_left < 0 || pk >= qpos[r] - p.mask.window_left) &&
+                                    (p.mask.window_right < 0 || pk <= qpos[r] + p.mask.window_right) &&
+                                    kd == qdoc[r];
+                    vis |= uint32_t(ok) << (4 * n + 2 * r + c);
+                }
+            }
+        }
+        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+            float s[kNT][4];
+            RINGATTN_UNROLL
+            for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4];
+                if (Tr::kQInRegs) {
+                    a[0] = qf[Tr::kQInRegs ? kk : 0][0], a[1] = qf[Tr::kQInRegs ? kk : 0][1];
+                    a[2] = qf[Tr::kQInRegs ? kk : 0][2], a[3] = qf[Tr::kQInRegs ? kk : 0][3];
+                } else {
+                    ldmatrix_x4(a, qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                }
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; n += 2) {
+                    uint32_t b[4];  // K rows n*8 .. n*8 + 15, k chunks 2kk, 2kk + 1
+                    ldmatrix_x4(b, kt + swz<Tr::kStride, Tr::kSwizzle>(n * 8 + (lane / 16) * 8 + lane % 8,
+                                                                       2 * kk + (lane / 8) % 2));
+                    mma_16816<T>(s[n], a, b);
+                    mma_16816<T>(s[n + 1], a, b + 2);
+                }
+            }
+            // Online softmax on the fragments (rows g: elements 0, 1; g + 8: elements 2, 3).
+            float mt[2] = {-INFINITY, -INFINITY};
+            RINGATTN_UNROLL
+            for (int n = 0; n < kNT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] = (vis >> (4 * n + e) & 1u) ? s[n][e] * p.scale_log2 : -INFINITY;
+                    mt[e / 2] = fmaxf(mt[e / 2], s[n][e]);
+                }
+            }
+            float alpha[2], base[2];
+            RINGATTN_UNROLL
+            for (int r = 0; r < 2; ++r) {
+                mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+                mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+                const float m_new = fmaxf(m[r], mt[r]);
+                base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+                alpha[r] = ex2_approx(m[r] - base[r]);         // -inf - x gives 0
+                m[r] = m_new;
+                l[r] *= alpha[r];
+            }
+            RINGATTN_UNROLL
+            for (int n = 0; n < kNT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] = ex2_approx(s[n][e] - base[e / 2]);
+                    l[e / 2] += s[n][e];
+                }
+            }
+            RINGATTN_UNROLL
+            for (int n = 0; n < kDT; ++n) {
+                acc[n][0] *= alpha[0], acc[n][1] *= alpha[0], acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
+            }
+            // O += P V: P from registers (two S n-tiles make one A operand of 16 keys).
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < kN / 16; ++kk) {
+                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                RINGATTN_UNROLL
+                for (int n = 0; n < kDT; n += 2) {
+                    uint32_t b[4];  // V rows kk*16 .. +15 (keys), columns n*8 .. n*8 + 15
+                    ldmatrix_x4_trans(b, vt + swz<Tr::kStride, Tr::kSwizzle>(kk * 16 + (lane / 8) % 2 * 8 + lane % 8,
+                                                                             n + lane / 16));
+                    mma_16816<T>(acc[n], a, b);
+                    mma_16816<T>(acc[n + 1], a, b + 2);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
-    if (active) {
-        float* orow = p.o + ((bi * p.s_q + i) * p.h_q + hq) * d;
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t c = 0; c < d; ++c) gmem_store(orow + c, smem_load(os + c) * inv);
-        // lse = ln(2) (m + log2 l)
-        gmem_store(p.lse + (bi * p.h_q + hq) * p.s_q + i, l > 0.0f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY);
+    cp_async_wait<0>();
+
+    // Epilogue: row sums across the quad, then o = acc / l and lse = ln 2 (m + log2 l).
+    RINGATTN_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    RINGATTN_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        if (row[r] >= p.s_q) continue;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        float* orow = p.o + ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kDT; ++n) {
+            const int64_t c = n * 8 + 2 * t;
+            if (c < d) {
+                gmem_store(orow + c, acc[n][2 * r] * inv);
+                gmem_store(orow + c + 1, acc[n][2 * r + 1] * inv);
+            }
+        }
+        if (t == 0) {
+            gmem_store(p.lse + (bi * p.h_q + hq) * p.s_q + row[r],
+                       l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY);
+        }
     }
 }
 
-extern "C" __global__ void ringattn_flash_fwd_bf16(FlashFwdParams p) { flash_fwd<Bf16>(p); }
-extern "C" __global__ void ringattn_flash_fwd_f16(FlashFwdParams p) { flash_fwd<F16>(p); }
+#define RINGATTN_FWD_ENTRY(TY, NAME, D) \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D(FlashFwdParams p) { \
+        flash_fwd_tc<TY, D>(p); \
+    }
+#define RINGATTN_FWD_ENTRIES(D) RINGATTN_FWD_ENTRY(Bf16, bf16, D) RINGATTN_FWD_ENTRY(F16, f16, D)
+RINGATTN_FWD_ENTRIES(32)
+RINGATTN_FWD_ENTRIES(64)
+RINGATTN_FWD_ENTRIES(96)
+RINGATTN_FWD_ENTRIES(128)
+RINGATTN_FWD_ENTRIES(192)
+RINGATTN_FWD_ENTRIES(256)

@@ -284,21 +284,22 @@ inline void mma_m16n8(float d[4], const uint32_t* a, const uint32_t* b, const fl
         const uint16_t h = uint16_t(half ? reg >> 16 : reg & 0xffffu);
         return double(bf16 ? bf16_to_float(h) : f16_to_float(h));
     };
-    double A[16][K], B[K][8];
-    for (unsigned lane = 0; lane < 32; ++lane) {
-        const unsigned g = lane >> 2, t = lane & 3;
-        auto reg = [&](int i) { return uint32_t(words[i / 2][lane] >> (32 * (i % 2))); };
+    auto reg = [&](unsigned src, int i) { return uint32_t(words[i / 2][src] >> (32 * (i % 2))); };
+    // This lane's D elements need A rows g and g + 8 (held by lanes 4g..4g+3) and B columns
+    // 2t and 2t + 1 (held by lanes 4n..4n+3 for n = 2t, 2t + 1).
+    const unsigned lane = lane_id(), g = lane >> 2, t = lane & 3;
+    double Ar[2][K], Bc[2][K];
+    for (unsigned q = 0; q < 4; ++q) {
         for (int h = 0; h < 2; ++h) {
-            for (int i = 0; i < NA; ++i) A[g + 8 * (i % 2)][2 * t + 8 * (i / 2) + h] = cvt(reg(i), h);
-            for (int i = 0; i < NB; ++i) B[2 * t + 8 * i + h][g] = cvt(reg(NA + i), h);
+            for (int i = 0; i < NA; ++i) Ar[i % 2][2 * q + 8 * (i / 2) + h] = cvt(reg(4 * g + q, i), h);
+            for (unsigned cn = 0; cn < 2; ++cn) {
+                for (int i = 0; i < NB; ++i) Bc[cn][2 * q + 8 * i + h] = cvt(reg(4 * (2 * t + cn) + q, NA + i), h);
+            }
         }
     }
-    const unsigned lane = lane_id(), g = lane >> 2, t = lane & 3;
-    const unsigned rows[4] = {g, g, g + 8, g + 8};
-    const unsigned cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
     for (int i = 0; i < 4; ++i) {
         double acc = 0.0;
-        for (int k = 0; k < K; ++k) acc += A[rows[i]][k] * B[k][cols[i]];
+        for (int k = 0; k < K; ++k) acc += Ar[i / 2][k] * Bc[i % 2][k];
         d[i] = float(acc + double(c[i]));
     }
 }

@@ -215,7 +215,8 @@ pub mod geometry {
         Ok(())
     }
 
-    /// A kernel launch: grid, threads per block, dynamic shared memory.
+    /// A kernel launch: grid, threads per block, dynamic shared memory, and the head-dim
+    /// class of the entry point for kernels instantiated per class.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Launch {
         /// Blocks along x, y, z.
@@ -224,6 +225,8 @@ pub mod geometry {
         pub block: usize,
         /// Dynamic shared memory per block, bytes.
         pub smem_bytes: usize,
+        /// Head-dim class `D` of the entry point (`..._d{D}`), 0 for kernels without classes.
+        pub head_dim_class: usize,
     }
 
     impl Launch {
@@ -257,19 +260,57 @@ pub mod geometry {
         2 * TILE * d * 2
     }
 
-    /// The forward kernel (`ringattn_flash_fwd_*`) for `dims`.
+    /// Head-dim classes of the tensor-core kernels: the head dim rounded up to one of these
+    /// (columns past it are zero-filled).
+    pub const HEAD_DIM_CLASSES: [usize; 6] = [32, 64, 96, 128, 192, 256];
+
+    /// The class of head dimension `d` (at most [`MAX_HEAD_DIM`]).
+    pub fn head_dim_class(d: usize) -> usize {
+        HEAD_DIM_CLASSES.into_iter().find(|&c| d <= c).unwrap_or(MAX_HEAD_DIM)
+    }
+
+    /// Shared-memory row stride (elements) of the swizzled 16-bit tiles of class `dc`
+    /// (`FwdTraits::kStride` in `cuda/flash_tc.cuh`): rows of more than 8 chunks of 16 bytes
+    /// are padded to a multiple of 8 chunks.
+    fn tc_stride(dc: usize) -> usize {
+        let chunks = dc / 8;
+        if chunks <= 8 {
+            dc
+        } else {
+            chunks.div_ceil(8) * 64
+        }
+    }
+
+    /// Keys per tile of the tensor-core forward (`FwdTraits::kBlockN`).
+    fn tc_block_n(dc: usize) -> usize {
+        if dc <= 128 {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`) for `dims`: 4 warps of
+    /// 16 query rows, K/V double-buffered (`FwdTraits<D>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
-        let rows = rows_per_block(dims.d);
+        let dc = head_dim_class(dims.d);
+        let stride = tc_stride(dc);
         Launch {
-            grid: [dims.s_q.div_ceil(rows), dims.h_q, dims.b],
-            block: rows,
-            smem_bytes: rows_bytes(rows, dims.d, 2) + tiles_bytes(dims.d),
+            grid: [dims.s_q.div_ceil(64), dims.h_q, dims.b],
+            block: 128,
+            smem_bytes: 64 * stride * 2 + 4 * tc_block_n(dc) * stride * 2,
+            head_dim_class: dc,
         }
     }
 
     /// The rowsum kernel (`ringattn_flash_bwd_rowsum_*`, delta = rowsum(dO∘O)).
     pub fn rowsum(dims: &Dims) -> Launch {
-        Launch { grid: [(dims.b * dims.h_q * dims.s_q).div_ceil(256), 1, 1], block: 256, smem_bytes: 0 }
+        Launch {
+            grid: [(dims.b * dims.h_q * dims.s_q).div_ceil(256), 1, 1],
+            block: 256,
+            smem_bytes: 0,
+            head_dim_class: 0,
+        }
     }
 
     /// The dq kernel (`ringattn_flash_bwd_dq_*`).
@@ -279,6 +320,7 @@ pub mod geometry {
             grid: [dims.s_q.div_ceil(rows), dims.h_q, dims.b],
             block: rows,
             smem_bytes: rows_bytes(rows, dims.d, 3) + tiles_bytes(dims.d),
+            head_dim_class: 0,
         }
     }
 
@@ -289,6 +331,7 @@ pub mod geometry {
             grid: [dims.s_k.div_ceil(rows), dims.h_kv, dims.b],
             block: rows,
             smem_bytes: rows_bytes(rows, dims.d, 4) + tiles_bytes(dims.d) + 2 * TILE * 4,
+            head_dim_class: 0,
         }
     }
 
@@ -329,7 +372,12 @@ pub mod geometry {
 
     /// The merge kernel (`ringattn_merge_f32`) for `rows` LSE rows: one warp per row.
     pub fn merge(rows: usize) -> Launch {
-        Launch { grid: [(rows * 32).div_ceil(MERGE_THREADS), 1, 1], block: MERGE_THREADS, smem_bytes: 0 }
+        Launch {
+            grid: [(rows * 32).div_ceil(MERGE_THREADS), 1, 1],
+            block: MERGE_THREADS,
+            smem_bytes: 0,
+            head_dim_class: 0,
+        }
     }
 
     #[cfg(test)]

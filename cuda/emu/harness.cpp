@@ -17,7 +17,7 @@ extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* o
 extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, size_t cap);
 
 extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap);
-extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, EmuLaunch l, char* msg, size_t cap);
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap);
 
 // bf16 bits of x (truncation is enough for test inputs) and back.
@@ -90,10 +90,12 @@ int main() {
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0};
         FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), m, b, s, s, hq, hkv, d, scale,
                           scale * 1.4426950408889634f};
+        // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 16 rows,
+        // 64-key tiles double-buffered (src/kernels.rs `geometry::forward`).
+        EmuLaunch fl{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 64 * 32 * 2 + 4 * 64 * 32 * 2, 2, 2, 9};
+        check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
         const unsigned rows = 64;
         EmuLaunch l{{unsigned((s + rows - 1) / rows), unsigned(hq), unsigned(b)}, rows, 0, 2, 2, 9};
-        l.smem_bytes = uint64_t((2 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2);
-        check(ringattn_emu_flash_fwd(fp, 1, l, msg, sizeof msg) == 0, "flash forward runs clean");
         double worst = 0.0;
         for (int64_t h = 0; h < hq; ++h) {
             for (int64_t i = 0; i < s; ++i) {
@@ -113,7 +115,9 @@ int main() {
                 worst = std::max(worst, std::fabs(mx + std::log(sum) - lse[h * s + i]));
             }
         }
-        check(worst < 1e-4, "flash forward matches a naive attention");
+        // P is rounded to bf16 for the P V product (as on tensor cores): a few bf16 ulps.
+        std::printf("     flash forward: largest difference from naive attention %.3g\n", worst);
+        check(worst < 5e-3, "flash forward matches a naive attention");
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
         FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
                           dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f};

@@ -14,7 +14,14 @@ use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
 extern "C" {
-    fn ringattn_emu_flash_fwd(p: FlashFwdParams, bf16: i32, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_flash_fwd(
+        p: FlashFwdParams,
+        bf16: i32,
+        dclass: i32,
+        l: EmuLaunch,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
     fn ringattn_emu_flash_bwd(
         p: FlashBwdParams,
         kernel: i32,
@@ -104,12 +111,21 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
         scale,
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
-    let l = EmuLaunch::new(geometry::forward(&dims), opts)?;
+    let launch = geometry::forward(&dims);
+    let l = EmuLaunch::new(launch, opts)?;
     let mut msg = [0u8; 1024];
     // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
     // the call; o and lse are exclusively borrowed; the emulator runs synchronously.
-    let code =
-        unsafe { ringattn_emu_flash_fwd(p, (dtype == DType::BF16) as i32, l, msg.as_mut_ptr().cast(), msg.len()) };
+    let code = unsafe {
+        ringattn_emu_flash_fwd(
+            p,
+            (dtype == DType::BF16) as i32,
+            launch.head_dim_class as i32,
+            l,
+            msg.as_mut_ptr().cast(),
+            msg.len(),
+        )
+    };
     check(code, &msg, "flash_fwd")?;
     Ok((o, lse))
 }

@@ -54,7 +54,7 @@ impl EmuLaunch {
     /// # Errors
     /// [`Error::InvalidArgument`] for a dimension beyond `u32`.
     pub(crate) fn new(l: Launch, opts: &EmuOptions) -> Result<Self> {
-        let Launch { grid, block, smem_bytes: smem } = l;
+        let Launch { grid, block, smem_bytes: smem, .. } = l;
         let dim = |x: usize| {
             u32::try_from(x).map_err(|_| Error::InvalidArgument(format!("grid dimension {x} exceeds the launch limit")))
         };
