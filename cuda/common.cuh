@@ -4,8 +4,14 @@
 
 #ifdef __CUDACC__
 #define RINGATTN_UNROLL _Pragma("unroll")
+#define RINGATTN_ROLLED _Pragma("unroll 1")
+// Unrolled `n` times (an integral constant expression, e.g. a constexpr of the kernel).
+#define RINGATTN_UNROLL_BY(n) _Pragma(RINGATTN_STR(unroll(n)))
+#define RINGATTN_STR(x) #x
 #else
 #define RINGATTN_UNROLL  // the emulator gains nothing from unrolling
+#define RINGATTN_ROLLED
+#define RINGATTN_UNROLL_BY(n) (void)(n);
 #endif
 
 #ifdef __CUDACC__

@@ -1,16 +1,14 @@
-// Shared pieces of the flash attention kernels (flash_fwd.cu, flash_bwd.cu): element types,
-// the visibility rule, K/V tile loads with cp.async, and the shared-memory layouts that the
-// launchers mirror (src/kernels.rs, `kernels::geometry`).
-//
-// This first generation is a simple tiled kernel without tensor cores: one CUDA thread owns
-// one query row (forward, dq) or one key row (dk, dv), keeps its row and its f32 accumulators
-// in shared memory (rows padded by one float against bank conflicts), and loops over tiles of
-// 32 rows of the other side, staged in shared memory as 16-bit values by cp.async.
+// Shared pieces of the flash kernels (flash_fwd.cu, flash_bwd.cu; FlashAttention-2 style on
+// tensor cores): element types, tile configurations, swizzled cp.async staging, mma and
+// packing helpers. Per head-dim class D (the head dim rounded up: 32, 64, 96, 128, 192,
+// 256) a traits struct fixes the tiles, the shared-memory layout and the register budget,
+// with static asserts. Tiles live in shared memory as 16-bit rows of 16-byte chunks whose chunk
+// index is XOR-swizzled by the row (so that ldmatrix's eight row addresses hit distinct
+// banks); columns past the real head dim are zero-filled by cp.async.
 #pragma once
-#include "common.cuh"
+#include <type_traits>
 
-// Rows of the other side per inner tile (the per-thread score arrays are this long).
-constexpr int kTile = 32;
+#include "common.cuh"
 
 // Element types: 16-bit storage, f32 arithmetic.
 struct Bf16 {
@@ -20,40 +18,125 @@ struct F16 {
     __device__ static float to_float(uint16_t h) { return f16_to_f32(h); }
 };
 
-// Whether key row j is visible to query row i (see MaskParams).
-__device__ __forceinline__ bool flash_visible(const MaskParams& m, int64_t i, int64_t j) {
-    const int64_t pq = gmem_load(m.q_pos + i);
-    const int64_t pk = gmem_load(m.k_pos + j);
-    if (m.window_left >= 0 && pk < pq - m.window_left) return false;
-    if (m.window_right >= 0 && pk > pq + m.window_right) return false;
-    if (m.q_doc != nullptr && gmem_load(m.q_doc + i) != gmem_load(m.k_doc + j)) return false;
-    return true;
+template <int D>
+struct FwdTraits {
+    static_assert(D % 32 == 0 || D == 96, "head-dim classes: 32, 64, 96, 128, 192, 256");
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kBlockM = 16 * kWarps;          // query rows per block, 16 per warp
+    static constexpr int kBlockN = D <= 128 ? 64 : 32;   // keys per tile
+    static constexpr int kChunks = D / 8;                // 16-byte chunks per row
+    static constexpr int kRowChunks = kChunks <= 8 ? kChunks : (kChunks + 7) / 8 * 8;
+    static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
+    static constexpr int kStride = kRowChunks * 8;       // elements per shared row
+    static constexpr bool kQInRegs = D <= 128;           // Q fragments kept in registers
+    static constexpr int kSmemQ = kBlockM * kStride * 2;
+    static constexpr int kSmemKV = kBlockN * kStride * 2;  // one K or V stage
+    static constexpr int kSmem = kSmemQ + 4 * kSmemKV;     // Q, K and V double-buffered
+    static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
+    // f32 registers per thread for the O and S accumulators (+ Q fragments when kept).
+    static constexpr int kAccRegs = D / 2 + kBlockN / 2 + (kQInRegs ? D / 4 : 0);
+    static_assert(kAccRegs <= 176, "accumulators leave room for addressing within 255 registers");
+    static_assert(kBlockN / 2 <= 32, "one visibility bit per S element in a 32-bit mask");
+};
+
+// Element offset of chunk c of row r in a swizzled tile.
+template <int kStride, int kSwizzle>
+__device__ __forceinline__ int swz(int r, int c) {
+    return r * kStride + ((c ^ (r & kSwizzle)) << 3);
 }
 
-// Rounds a byte offset up to 16 (cp.async and ldmatrix need 16-byte aligned rows).
-__device__ __host__ __forceinline__ int64_t flash_align16(int64_t x) { return (x + 15) / 16 * 16; }
-
-// Stages rows r0 .. r0 + kTile of a [b, s, h, d] 16-bit tensor (batch bi, head hi) into
-// `tile` ([kTile][d], row-major, 16-byte aligned) with cp.async, 16 bytes per copy; rows past
-// s are zero-filled. The caller commits and waits.
-__device__ __forceinline__ void flash_stage_tile(uint16_t* tile, const uint16_t* x, int64_t bi, int64_t s, int64_t h,
-                                                 int64_t hi, int64_t d, int64_t r0) {
-    const int64_t chunks = d / 8;
-    for (int64_t c = threadIdx.x; c < kTile * chunks; c += blockDim.x) {
-        const int64_t r = c / chunks, col = (c % chunks) * 8;
+// Stages rows r0 .. r0 + rows of a [b, s, h, d] 16-bit tensor (batch bi, head hi) into the
+// swizzled `tile` with cp.async; rows past s and columns past d are zero-filled.
+template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+__device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x, int64_t bi, int64_t s, int64_t h,
+                                               int64_t hi, int64_t d, int64_t r0) {
+    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+        const int r = c / kChunks, col = c % kChunks;
         const int64_t row = r0 + r;
-        const int64_t src_row = row < s ? row : s - 1;  // a valid address even when nothing is read
-        cp_async_cg16(tile + r * d + col, x + ((bi * s + src_row) * h + hi) * d + col, row < s ? 16u : 0u);
+        const bool in = row < s && col * 8 < d;
+        const uint16_t* src = in ? x + ((bi * s + row) * h + hi) * d + col * 8 : x;
+        cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), src, in ? 16u : 0u);
     }
 }
 
-// Shared-memory layouts, in bytes, for `rows` threads per block and head dimension d (the
-// launchers compute the same; src/kernels.rs tests the mirror):
-//   forward:  q, o accumulators [rows][d+1] f32, then K and V tiles [kTile][d] 16-bit;
-//   dq:       q, d_o, dq accumulators [rows][d+1] f32, then K and V tiles;
-//   dk, dv:   k, v, dk, dv accumulators [rows][d+1] f32, then q and d_o tiles [kTile][d]
-//             16-bit, then lse*log2(e) and delta of the tile's rows [kTile] f32.
-__device__ __host__ __forceinline__ int64_t flash_rows_bytes(int64_t rows, int64_t d, int64_t n) {
-    return flash_align16(n * rows * (d + 1) * 4);
+template <typename T>
+__device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    if constexpr (std::is_same<T, Bf16>::value) {
+        mma_m16n8k16_bf16(d, a, b, d);
+    } else {
+        mma_m16n8k16_f16(d, a, b, d);
+    }
 }
-__device__ __host__ __forceinline__ int64_t flash_tiles_bytes(int64_t d) { return 2 * kTile * d * 2; }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (std::is_same<T, Bf16>::value) {
+        return pack_bf16x2(lo, hi);
+    } else {
+        return pack_f16x2(lo, hi);
+    }
+}
+
+// Swizzled-tile geometry of head-dim class D (shared by the traits below).
+template <int D>
+struct TileGeom {
+    static constexpr int kChunks = D / 8;
+    static constexpr int kRowChunks = kChunks <= 8 ? kChunks : (kChunks + 7) / 8 * 8;
+    static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
+    static constexpr int kStride = kRowChunks * 8;
+    static constexpr int kRowBytes = kStride * 2;
+};
+
+#ifndef DQ_BLOCK_N
+#define DQ_BLOCK_N(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
+#endif
+#ifndef DKDV_BLOCK_M
+#define DKDV_BLOCK_M(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
+#endif
+
+// Backward dq kernel: like the forward, 4 warps of 16 query rows; Q and dO tiles stay, K/V
+// tiles of kBlockN keys stream through kStages buffers (two when they fit in 99 KiB).
+template <int D>
+struct DqTraits : TileGeom<D> {
+    using G = TileGeom<D>;
+    static constexpr int kWarps = 4, kThreads = 128, kBlockM = 64;
+    static constexpr int kBlockN = DQ_BLOCK_N(D);
+    static constexpr int kSmemQ = kBlockM * G::kRowBytes;  // one of Q, dO
+    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V, one stage
+    static constexpr int kStages = 2 * kSmemQ + 4 * kSmemKV <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmem = 2 * kSmemQ + 2 * kStages * kSmemKV;
+    static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
+    static_assert(D / 2 + kBlockN <= 160, "dq, S and dP accumulators within the register budget");
+};
+
+// Backward dk/dv kernel: 4 warps of 16 key rows (K and V tiles stay); query tiles of
+// kBlockM rows (Q, dO, lse, delta) stream through kStages buffers. Head dims above 128 are
+// split in kSplits column ranges of kDOut columns (one block per range), so that the dk and
+// dv accumulators fit in registers.
+template <int D>
+struct DkDvTraits : TileGeom<D> {
+    using G = TileGeom<D>;
+    static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
+    static constexpr int kBlockM = DKDV_BLOCK_M(D);
+    static constexpr int kSplits = D > 128 ? 2 : 1;
+    static constexpr int kDOut = D / kSplits;
+    static constexpr int kSmemKV = kBlockN * G::kRowBytes;                         // one of K, V
+    static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
+    static constexpr int kStages = 2 * kSmemKV + 2 * kSmemStage <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmem = 2 * kSmemKV + kStages * kSmemStage;
+    static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
+    static_assert(kDOut % 16 == 0, "column ranges in whole n-tile pairs");
+    static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");
+};
+
+// Visibility bits of a thread's 16 x N accumulator fragments (bit 4n + 2r + c: n-tile n,
+// row g + 8r of the warp's 16, column 2t + c), rows and columns given as global positions
+// and documents; `row_ok`/`col_ok` mark rows and columns that exist.
+struct MaskEval {
+    const MaskParams& m;
+    __device__ bool visible(int64_t pq, uint32_t dq, int64_t pk, uint32_t dk) const {
+        return (m.window_left < 0 || pk >= pq - m.window_left) && (m.window_right < 0 || pk <= pq + m.window_right) &&
+               dq == dk;
+    }
+};

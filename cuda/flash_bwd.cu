@@ -1,20 +1,23 @@
-// Flash attention backward (first generation: simple tiled, no tensor cores), for one block
-// of keys given the final o and lse of the queries:
+// Flash attention backward on tensor cores (FlashAttention-2 style), for one block of keys
+// given the final o and lse of the queries:
 //   p_ij = exp(scale q_i.k_j - lse_i) for visible pairs, 0 otherwise;
 //   delta_i = sum_c d_o[i][c] o[i][c];   ds_ij = p_ij (d_o_i.v_j - delta_i);
 //   dv_j = sum_i p_ij d_o_i;   dk_j = scale sum_i ds_ij q_i;   dq_i = scale sum_j ds_ij k_j.
 // Three kernels, none with atomics, so the gradients are bit-identical run to run:
-//   ringattn_flash_bwd_rowsum_* one thread per (b, h_q, i): delta;
-//   ringattn_flash_bwd_dq_*     one thread per query row, looping over key tiles;
-//   ringattn_flash_bwd_dkdv_*   one thread per key row, looping over the query heads of its
-//                               GQA group and over query tiles in a fixed order.
-// Launch (src/kernels.rs `geometry`):
-//   rowsum: grid ceil(b h_q s_q / 256), block 256, no shared memory;
-//   dq:     grid (ceil(s_q / rows), h_q, b), block rows, flash_rows_bytes(rows, d, 3) +
-//           flash_tiles_bytes(d);
-//   dkdv:   grid (ceil(s_k / rows), h_kv, b), block rows, flash_rows_bytes(rows, d, 4) +
-//           flash_tiles_bytes(d) + 2 kTile f32.
+//   ringattn_flash_bwd_rowsum_{bf16,f16}        one thread per (b, h_q, i): delta;
+//   ringattn_flash_bwd_dq_{bf16,f16}_d{D}       a block per 64 query rows (4 warps x 16),
+//       streaming K/V tiles: S = Q K^T and dP = dO V^T on mma.sync, P and dS on the
+//       fragments, dq += dS K with dS reused from registers and K by ldmatrix.trans;
+//   ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}     a block per 64 key rows (4 warps x 16) and
+//       column range, streaming the query tiles of every query head of its GQA group in a
+//       fixed order: S^T = K Q^T and dP^T = V dO^T, then dv += P^T dO and dk += dS^T Q.
+// dq is recomputed by its own kernel instead of atomics: the price of determinism is one
+// more pass over S and dP. P and dS are rounded to the input type as mma operands.
+// Launch (src/kernels.rs `geometry::backward`): rowsum grid ceil(b h_q s_q / 256) x 256
+// threads; dq grid (ceil(s_q / 64), h_q, b) x 128, DqTraits<D>::kSmem; dkdv grid
+// (ceil(s_k / 64) kSplits, h_kv, b) x 128, DkDvTraits<D>::kSmem.
 #include "flash.cuh"
+
 
 // delta_i = sum_c d_o[i][c] o[i][c], one thread per row.
 template <typename T>
@@ -28,158 +31,334 @@ __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
     gmem_store(p.delta + row, acc);
 }
 
-template <typename T>
-__device__ void flash_bwd_dq(const FlashBwdParams& p) {
-    const int64_t rows = blockDim.x, d = p.d, ld = d + 1;
-    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
-    const int64_t i = int64_t(blockIdx.x) * rows + threadIdx.x;
-    const bool active = i < p.s_q;
-    unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
-    float* qs = reinterpret_cast<float*>(smem) + threadIdx.x * ld;
-    float* dos = reinterpret_cast<float*>(smem) + (rows + threadIdx.x) * ld;
-    float* dqs = reinterpret_cast<float*>(smem) + (2 * rows + threadIdx.x) * ld;
-    uint16_t* kt = reinterpret_cast<uint16_t*>(smem + flash_rows_bytes(rows, d, 3));
-    uint16_t* vt = kt + kTile * d;
 
-    const int64_t base = ((bi * p.s_q + (active ? i : 0)) * p.h_q + hq) * d;
-    for (int64_t c = 0; c < d; ++c) {
-        smem_store(qs + c, active ? T::to_float(gmem_load(p.q + base + c)) * p.scale_log2 : 0.0f);
-        smem_store(dos + c, active ? T::to_float(gmem_load(p.d_o + base + c)) : 0.0f);
-        smem_store(dqs + c, 0.0f);
+template <typename T, int D>
+__device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
+    using Tr = DqTraits<D>;
+    constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
+    constexpr int kUnrollK = D >= 96 ? 1 : D / 16;  // rolled for large heads: shorter live ranges
+    const int64_t d = p.d;
+    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
+    const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
+    uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+    uint16_t* dos = qs + Tr::kBlockM * S;
+    uint16_t* ks = dos + Tr::kBlockM * S;      // [kStages][kN][S]
+    uint16_t* vs = ks + Tr::kStages * kN * S;  // [kStages][kN][S]
+
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+    cp_async_commit();
+    auto stage_kv = [&](int buf, int64_t k0) {
+        stage_swizzled<kN, Tr::kChunks, S, W, Tr::kThreads>(ks + buf * kN * S, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
+        stage_swizzled<kN, Tr::kChunks, S, W, Tr::kThreads>(vs + buf * kN * S, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
+    };
+    const int64_t ntiles = (p.s_k + kN - 1) / kN;
+
+    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    int64_t qpos[2];
+    uint32_t qdoc[2] = {0, 0};
+    float lse2[2], delta[2];
+    for (int r = 0; r < 2; ++r) {
+        const bool in = row[r] < p.s_q;
+        const int64_t i = in ? row[r] : p.s_q - 1;
+        qpos[r] = gmem_load(p.mask.q_pos + i);
+        if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
+        const int64_t st = (bi * p.h_q + hq) * p.s_q + i;
+        lse2[r] = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
+        delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
     }
-    const int64_t stat = (bi * p.h_q + hq) * p.s_q + (active ? i : 0);
-    const float lse = active ? gmem_load(p.lse + stat) : -INFINITY;
-    const float lse2 = lse * 1.4426950408889634f;
-    const float delta = active ? gmem_load(p.delta + stat) : 0.0f;
-    for (int64_t k0 = 0; k0 < p.s_k; k0 += kTile) {
-        flash_stage_tile(kt, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-        flash_stage_tile(vt, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
-        cp_async_commit();
-        cp_async_wait<0>();
+    const MaskEval mask{p.mask};
+
+    float acc[kDT][4];
+    RINGATTN_UNROLL
+    for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    for (int64_t tile = 0; tile < ntiles; ++tile) {
+        const int buf = Tr::kStages == 2 ? int(tile & 1) : 0;
+        if (Tr::kStages == 2) {
+            if (tile == 0) stage_kv(0, 0);
+            cp_async_commit();
+            if (tile + 1 < ntiles) stage_kv(buf ^ 1, (tile + 1) * kN);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage_kv(0, tile * kN);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        if (active && lse != -INFINITY) {
-            float s[kTile], dp[kTile];
-RINGATTN_UNROLL
-            for (int j = 0; j < kTile; ++j) s[j] = dp[j] = 0.0f;
-            for (int64_t c = 0; c < d; ++c) {
-                const float qc = smem_load(qs + c), doc = smem_load(dos + c);
-RINGATTN_UNROLL
-                for (int j = 0; j < kTile; ++j) {
-                    s[j] += qc * T::to_float(smem_load(kt + j * d + c));
-                    dp[j] += doc * T::to_float(smem_load(vt + j * d + c));
-                }
-            }
-            uint32_t visible = 0;
-RINGATTN_UNROLL
-            for (int j = 0; j < kTile; ++j) {
-                const bool vis = k0 + j < p.s_k && flash_visible(p.mask, i, k0 + j);
-                visible |= uint32_t(vis) << j;
-                s[j] = vis ? ex2_approx(s[j] - lse2) * (dp[j] - delta) : 0.0f;  // ds
-            }
-            if (visible != 0) {
-                for (int64_t c = 0; c < d; ++c) {
-                    float acc = smem_load(dqs + c);
-RINGATTN_UNROLL
-                    for (int j = 0; j < kTile; ++j) {
-                        if (visible >> j & 1u) acc += s[j] * T::to_float(smem_load(kt + j * d + c));
-                    }
-                    smem_store(dqs + c, acc);
+        const uint16_t* kt = ks + buf * kN * S;
+        const uint16_t* vt = vs + buf * kN * S;
+        const int64_t k0 = tile * kN;
+        uint32_t vis = 0;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kNT; ++n) {
+            RINGATTN_UNROLL
+            for (int c = 0; c < 2; ++c) {
+                const int64_t j = k0 + n * 8 + 2 * t + c;
+                if (j >= p.s_k) continue;
+                const int64_t pk = gmem_load(p.mask.k_pos + j);
+                const uint32_t kd = p.mask.k_doc != nullptr ? gmem_load(p.mask.k_doc + j) : 0;
+                RINGATTN_UNROLL
+                for (int r = 0; r < 2; ++r) {
+                    const bool ok = lse2[r] != -INFINITY && mask.visible(qpos[r], qdoc[r], pk, kd);
+                    vis |= uint32_t(ok) << (4 * n + 2 * r + c);
                 }
             }
         }
-        __syncthreads();
+        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+            float s[kNT][4], dp[kNT][4];
+            RINGATTN_UNROLL
+            for (int n = 0; n < kNT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+            }
+            RINGATTN_UNROLL_BY(kUnrollK)
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4], ad[4];
+                ldmatrix_x4(a, qs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                ldmatrix_x4(ad, dos + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; n += 2) {
+                    uint32_t b[4], bv[4];
+                    const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
+                    ldmatrix_x4(b, kt + swz<S, W>(r, c));
+                    ldmatrix_x4(bv, vt + swz<S, W>(r, c));
+                    mma_16816<T>(s[n], a, b);
+                    mma_16816<T>(s[n + 1], a, b + 2);
+                    mma_16816<T>(dp[n], ad, bv);
+                    mma_16816<T>(dp[n + 1], ad, bv + 2);
+                }
+            }
+            // dS = P (dP - delta), in place of s.
+            RINGATTN_UNROLL
+            for (int n = 0; n < kNT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = vis >> (4 * n + e) & 1u;
+                    s[n][e] = ok ? ex2_approx(s[n][e] * p.scale_log2 - lse2[e / 2]) * (dp[n][e] - delta[e / 2]) : 0.0f;
+                }
+            }
+            // dq += dS K: dS from registers, K [key][d] by ldmatrix.trans.
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < kN / 16; ++kk) {
+                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                RINGATTN_UNROLL
+                for (int n = 0; n < kDT; n += 2) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, kt + swz<S, W>(kk * 16 + (lane / 8) % 2 * 8 + lane % 8, n + lane / 16));
+                    mma_16816<T>(acc[n], a, b);
+                    mma_16816<T>(acc[n + 1], a, b + 2);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
-    if (active) {
-        for (int64_t c = 0; c < d; ++c) gmem_store(p.dq + base + c, smem_load(dqs + c) * p.scale);
+    cp_async_wait<0>();
+    RINGATTN_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        if (row[r] >= p.s_q) continue;
+        float* out = p.dq + ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kDT; ++n) {
+            const int64_t c = n * 8 + 2 * t;
+            if (c < d) {
+                gmem_store(out + c, acc[n][2 * r] * p.scale);
+                gmem_store(out + c + 1, acc[n][2 * r + 1] * p.scale);
+            }
+        }
     }
 }
 
-template <typename T>
-__device__ void flash_bwd_dkdv(const FlashBwdParams& p) {
-    const int64_t rows = blockDim.x, d = p.d, ld = d + 1, group = p.h_q / p.h_kv;
+template <typename T, int D>
+__device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
+    using Tr = DkDvTraits<D>;
+    constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
+    constexpr int kUnrollK = D >= 96 ? 1 : D / 16;  // rolled for large heads: shorter live ranges
+    const int64_t d = p.d, group = p.h_q / p.h_kv;
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
-    const int64_t j = int64_t(blockIdx.x) * rows + threadIdx.x;
-    const bool active = j < p.s_k;
+    const int split = int(blockIdx.x % Tr::kSplits);
+    const int64_t k0 = int64_t(blockIdx.x / Tr::kSplits) * Tr::kBlockN;
+    const int c0 = split * (Tr::kDOut / 8);  // first chunk of this block's column range
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
-    float* ks = reinterpret_cast<float*>(smem) + threadIdx.x * ld;
-    float* vs = reinterpret_cast<float*>(smem) + (rows + threadIdx.x) * ld;
-    float* dks = reinterpret_cast<float*>(smem) + (2 * rows + threadIdx.x) * ld;
-    float* dvs = reinterpret_cast<float*>(smem) + (3 * rows + threadIdx.x) * ld;
-    uint16_t* qt = reinterpret_cast<uint16_t*>(smem + flash_rows_bytes(rows, d, 4));
-    uint16_t* dot = qt + kTile * d;
-    float* lse2t = reinterpret_cast<float*>(smem + flash_rows_bytes(rows, d, 4) + flash_tiles_bytes(d));
-    float* deltat = lse2t + kTile;
+    uint16_t* ks = reinterpret_cast<uint16_t*>(smem);
+    uint16_t* vs = ks + Tr::kBlockN * S;
+    unsigned char* stages = smem + 2 * Tr::kSmemKV;
+    auto q_tile = [&](int buf) { return reinterpret_cast<uint16_t*>(stages + buf * Tr::kSmemStage); };
+    auto do_tile = [&](int buf) { return q_tile(buf) + kM * S; };
+    auto lse_tile = [&](int buf) { return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + 2 * kM * Tr::kRowBytes); };
+    auto delta_tile = [&](int buf) { return lse_tile(buf) + kM; };
 
-    const int64_t base = ((bi * p.s_k + (active ? j : 0)) * p.h_kv + hk) * d;
-    for (int64_t c = 0; c < d; ++c) {
-        smem_store(ks + c, active ? T::to_float(gmem_load(p.k + base + c)) * p.scale_log2 : 0.0f);
-        smem_store(vs + c, active ? T::to_float(gmem_load(p.v + base + c)) : 0.0f);
-        smem_store(dks + c, 0.0f);
-        smem_store(dvs + c, 0.0f);
-    }
-    for (int64_t hq = hk * group; hq < (hk + 1) * group; ++hq) {
-        for (int64_t q0 = 0; q0 < p.s_q; q0 += kTile) {
-            flash_stage_tile(qt, p.q, bi, p.s_q, p.h_q, hq, d, q0);
-            flash_stage_tile(dot, p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
-            cp_async_commit();
-            for (int64_t r = threadIdx.x; r < kTile; r += rows) {
-                const int64_t stat = (bi * p.h_q + hq) * p.s_q + q0 + r;
-                const bool in = q0 + r < p.s_q;
-                smem_store(lse2t + r, in ? gmem_load(p.lse + stat) * 1.4426950408889634f : -INFINITY);
-                smem_store(deltat + r, in ? gmem_load(p.delta + stat) : 0.0f);
-            }
-            cp_async_wait<0>();
-            __syncthreads();
-            if (active) {
-                float s[kTile], dp[kTile];
-RINGATTN_UNROLL
-                for (int r = 0; r < kTile; ++r) s[r] = dp[r] = 0.0f;
-                for (int64_t c = 0; c < d; ++c) {
-                    const float kc = smem_load(ks + c), vc = smem_load(vs + c);
-RINGATTN_UNROLL
-                    for (int r = 0; r < kTile; ++r) {
-                        s[r] += kc * T::to_float(smem_load(qt + r * d + c));
-                        dp[r] += vc * T::to_float(smem_load(dot + r * d + c));
-                    }
-                }
-                uint32_t visible = 0;
-RINGATTN_UNROLL
-                for (int r = 0; r < kTile; ++r) {
-                    const float lse2 = smem_load(lse2t + r);
-                    const bool vis = q0 + r < p.s_q && lse2 != -INFINITY && flash_visible(p.mask, q0 + r, j);
-                    visible |= uint32_t(vis) << r;
-                    s[r] = vis ? ex2_approx(s[r] - lse2) : 0.0f;          // p
-                    dp[r] = vis ? s[r] * (dp[r] - smem_load(deltat + r)) : 0.0f;  // ds
-                }
-                if (visible != 0) {
-                    for (int64_t c = 0; c < d; ++c) {
-                        float acc_v = smem_load(dvs + c), acc_k = smem_load(dks + c);
-RINGATTN_UNROLL
-                        for (int r = 0; r < kTile; ++r) {
-                            if (visible >> r & 1u) {
-                                acc_v += s[r] * T::to_float(smem_load(dot + r * d + c));
-                                acc_k += dp[r] * T::to_float(smem_load(qt + r * d + c));
-                            }
-                        }
-                        smem_store(dvs + c, acc_v);
-                        smem_store(dks + c, acc_k);
-                    }
-                }
-            }
-            __syncthreads();
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
+    cp_async_commit();
+    const int64_t qtiles = (p.s_q + kM - 1) / kM, steps = group * qtiles;
+    // Step `it` covers query head hk * group + it / qtiles, query rows (it % qtiles) * kM.
+    auto stage_q = [&](int buf, int64_t it) {
+        const int64_t hq = hk * group + it / qtiles, q0 = (it % qtiles) * kM;
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+        for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
+            const bool in = q0 + r < p.s_q;
+            const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
+            smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
+            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) : 0.0f);
         }
+    };
+
+    // This thread's two key rows (g and g + 8 of the warp's 16).
+    const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+    int64_t kpos[2];
+    uint32_t kdoc[2] = {0, 0};
+    for (int r = 0; r < 2; ++r) {
+        const int64_t j = krow[r] < p.s_k ? krow[r] : p.s_k - 1;
+        kpos[r] = gmem_load(p.mask.k_pos + j);
+        if (p.mask.k_doc != nullptr) kdoc[r] = gmem_load(p.mask.k_doc + j);
     }
-    if (active) {
-        for (int64_t c = 0; c < d; ++c) {
-            gmem_store(p.dk + base + c, smem_load(dks + c) * p.scale);
-            gmem_store(p.dv + base + c, smem_load(dvs + c));
+    const MaskEval mask{p.mask};
+
+    float dk[kOT][4], dv[kOT][4];
+    RINGATTN_UNROLL
+    for (int n = 0; n < kOT; ++n) {
+        RINGATTN_UNROLL
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+    }
+
+    for (int64_t it = 0; it < steps; ++it) {
+        const int buf = Tr::kStages == 2 ? int(it & 1) : 0;
+        if (Tr::kStages == 2) {
+            if (it == 0) stage_q(0, 0);
+            cp_async_commit();
+            if (it + 1 < steps) stage_q(buf ^ 1, it + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage_q(0, it);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint16_t* qt = q_tile(buf);
+        const uint16_t* dot = do_tile(buf);
+        const float* lt = lse_tile(buf);
+        const float* dt = delta_tile(buf);
+        const int64_t hq = hk * group + it / qtiles, q0 = (it % qtiles) * kM;
+        (void)hq;
+        // Visibility of S^T fragments: rows are keys, columns queries.
+        uint32_t vis = 0;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kMT; ++n) {
+            RINGATTN_UNROLL
+            for (int c = 0; c < 2; ++c) {
+                const int col = n * 8 + 2 * t + c;
+                const int64_t i = q0 + col;
+                if (i >= p.s_q || smem_load(lt + col) == -INFINITY) continue;
+                const int64_t pq = gmem_load(p.mask.q_pos + i);
+                const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + i) : 0;
+                RINGATTN_UNROLL
+                for (int r = 0; r < 2; ++r) {
+                    const bool ok = krow[r] < p.s_k && mask.visible(pq, qd, kpos[r], kdoc[r]);
+                    vis |= uint32_t(ok) << (4 * n + 2 * r + c);
+                }
+            }
+        }
+        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+            float s[kMT][4], dp[kMT][4];
+            RINGATTN_UNROLL
+            for (int n = 0; n < kMT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+            }
+            RINGATTN_UNROLL_BY(kUnrollK)
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4], av[4];
+                ldmatrix_x4(a, ks + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                ldmatrix_x4(av, vs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                RINGATTN_UNROLL
+                for (int n = 0; n < kMT; n += 2) {
+                    uint32_t b[4], bd[4];
+                    const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
+                    ldmatrix_x4(b, qt + swz<S, W>(r, c));
+                    ldmatrix_x4(bd, dot + swz<S, W>(r, c));
+                    mma_16816<T>(s[n], a, b);
+                    mma_16816<T>(s[n + 1], a, b + 2);
+                    mma_16816<T>(dp[n], av, bd);
+                    mma_16816<T>(dp[n + 1], av, bd + 2);
+                }
+            }
+            // P^T in s, dS^T in dp.
+            RINGATTN_UNROLL
+            for (int n = 0; n < kMT; ++n) {
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * t + (e & 1);
+                    const bool ok = vis >> (4 * n + e) & 1u;
+                    const float pv = ok ? ex2_approx(s[n][e] * p.scale_log2 - smem_load(lt + col)) : 0.0f;
+                    dp[n][e] = ok ? pv * (dp[n][e] - smem_load(dt + col)) : 0.0f;
+                    s[n][e] = pv;
+                }
+            }
+            // dv += P^T dO and dk += dS^T Q over this block's columns; dO and Q by ldmatrix.trans.
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < kM / 16; ++kk) {
+                const uint32_t ap[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                        pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                const uint32_t as[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                                        pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                        pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+                RINGATTN_UNROLL
+                for (int n = 0; n < kOT; n += 2) {
+                    uint32_t bd[4], bq[4];
+                    const int r = kk * 16 + (lane / 8) % 2 * 8 + lane % 8, c = c0 + n + lane / 16;
+                    ldmatrix_x4_trans(bd, dot + swz<S, W>(r, c));
+                    ldmatrix_x4_trans(bq, qt + swz<S, W>(r, c));
+                    mma_16816<T>(dv[n], ap, bd);
+                    mma_16816<T>(dv[n + 1], ap, bd + 2);
+                    mma_16816<T>(dk[n], as, bq);
+                    mma_16816<T>(dk[n + 1], as, bq + 2);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+    cp_async_wait<0>();
+    RINGATTN_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        if (krow[r] >= p.s_k) continue;
+        const int64_t base = ((bi * p.s_k + krow[r]) * p.h_kv + hk) * d;
+        RINGATTN_UNROLL
+        for (int n = 0; n < kOT; ++n) {
+            const int64_t c = int64_t(c0 + n) * 8 + 2 * t;
+            if (c < d) {
+                gmem_store(p.dk + base + c, dk[n][2 * r] * p.scale);
+                gmem_store(p.dk + base + c + 1, dk[n][2 * r + 1] * p.scale);
+                gmem_store(p.dv + base + c, dv[n][2 * r]);
+                gmem_store(p.dv + base + c + 1, dv[n][2 * r + 1]);
+            }
         }
     }
 }
 
 extern "C" __global__ void ringattn_flash_bwd_rowsum_bf16(FlashBwdParams p) { flash_bwd_rowsum<Bf16>(p); }
 extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { flash_bwd_rowsum<F16>(p); }
-extern "C" __global__ void ringattn_flash_bwd_dq_bf16(FlashBwdParams p) { flash_bwd_dq<Bf16>(p); }
-extern "C" __global__ void ringattn_flash_bwd_dq_f16(FlashBwdParams p) { flash_bwd_dq<F16>(p); }
-extern "C" __global__ void ringattn_flash_bwd_dkdv_bf16(FlashBwdParams p) { flash_bwd_dkdv<Bf16>(p); }
-extern "C" __global__ void ringattn_flash_bwd_dkdv_f16(FlashBwdParams p) { flash_bwd_dkdv<F16>(p); }
+
+#define RINGATTN_BWD_ENTRY(TY, NAME, D)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) {   \
+        flash_bwd_dq_tc<TY, D>(p);                                                                              \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \
+        flash_bwd_dkdv_tc<TY, D>(p);                                                                            \
+    }
+#define RINGATTN_BWD_ENTRIES(D) RINGATTN_BWD_ENTRY(Bf16, bf16, D) RINGATTN_BWD_ENTRY(F16, f16, D)
+RINGATTN_BWD_ENTRIES(32)
+RINGATTN_BWD_ENTRIES(64)
+RINGATTN_BWD_ENTRIES(96)
+RINGATTN_BWD_ENTRIES(128)
+RINGATTN_BWD_ENTRIES(192)
+RINGATTN_BWD_ENTRIES(256)

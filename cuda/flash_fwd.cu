@@ -20,7 +20,7 @@
 // Note: as in FlashAttention, a masked key whose value row holds NaN or Inf inside a tile
 // that is partly visible to a warp reaches P V as 0 * NaN; the CPU path isolates such
 // values, these kernels do not.
-#include "flash_tc.cuh"
+#include "flash.cuh"
 
 template <typename T, int D>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {

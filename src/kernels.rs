@@ -195,8 +195,6 @@ pub mod geometry {
     /// Threads per block of the merge kernel (one warp per LSE row).
     pub const MERGE_THREADS: usize = 256;
 
-    /// Rows of the other side per inner tile (`kTile`).
-    pub const TILE: usize = 32;
     /// Largest head dimension of the flash kernels.
     pub const MAX_HEAD_DIM: usize = 256;
 
@@ -236,29 +234,9 @@ pub mod geometry {
         }
     }
 
-    /// Threads (rows) per block for head dimension `d`, so that every kernel's shared memory
-    /// stays under 99 KiB (the smallest opt-in limit of sm_80+ GPUs).
-    pub fn rows_per_block(d: usize) -> usize {
-        match d {
-            0..=64 => 64,
-            65..=128 => 32,
-            _ => 16,
-        }
-    }
-
-    fn align16(x: usize) -> usize {
-        x.div_ceil(16) * 16
-    }
-
-    /// `n` f32 accumulator rows of `d + 1` floats per thread.
-    fn rows_bytes(rows: usize, d: usize, n: usize) -> usize {
-        align16(n * rows * (d + 1) * 4)
-    }
-
-    /// Two 16-bit tiles of [`TILE`] rows.
-    fn tiles_bytes(d: usize) -> usize {
-        2 * TILE * d * 2
-    }
+    /// The dynamic shared memory every kernel stays under: the smallest opt-in limit of the
+    /// sm_80+ GPUs (99 KiB on sm_86/sm_89).
+    pub const SMEM_LIMIT: usize = 99 * 1024;
 
     /// Head-dim classes of the tensor-core kernels: the head dim rounded up to one of these
     /// (columns past it are zero-filled).
@@ -313,25 +291,48 @@ pub mod geometry {
         }
     }
 
-    /// The dq kernel (`ringattn_flash_bwd_dq_*`).
-    pub fn dq(dims: &Dims) -> Launch {
-        let rows = rows_per_block(dims.d);
-        Launch {
-            grid: [dims.s_q.div_ceil(rows), dims.h_q, dims.b],
-            block: rows,
-            smem_bytes: rows_bytes(rows, dims.d, 3) + tiles_bytes(dims.d),
-            head_dim_class: 0,
+    /// Rows of the streamed side per tile in the backward kernels (`DQ_BLOCK_N`,
+    /// `DKDV_BLOCK_M` in `cuda/flash.cuh`): smaller for large heads, within 255 registers.
+    fn bwd_tile(dc: usize) -> usize {
+        match dc {
+            0..=64 => 64,
+            65..=128 => 32,
+            _ => 16,
         }
     }
 
-    /// The dk/dv kernel (`ringattn_flash_bwd_dkdv_*`).
-    pub fn dkdv(dims: &Dims) -> Launch {
-        let rows = rows_per_block(dims.d);
+    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`): 4 warps of 16
+    /// query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
+    pub fn dq(dims: &Dims) -> Launch {
+        let dc = head_dim_class(dims.d);
+        let row = tc_stride(dc) * 2;
+        let block_n = bwd_tile(dc);
+        let two = 2 * 64 * row + 4 * block_n * row;
+        let stages = if two <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
-            grid: [dims.s_k.div_ceil(rows), dims.h_kv, dims.b],
-            block: rows,
-            smem_bytes: rows_bytes(rows, dims.d, 4) + tiles_bytes(dims.d) + 2 * TILE * 4,
-            head_dim_class: 0,
+            grid: [dims.s_q.div_ceil(64), dims.h_q, dims.b],
+            block: 128,
+            smem_bytes: 2 * 64 * row + 2 * stages * block_n * row,
+            head_dim_class: dc,
+        }
+    }
+
+    /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`): 4 warps of
+    /// 16 key rows, one block per 64 keys and column range (two ranges above d = 128); query
+    /// tiles stream (`DkDvTraits<D>::kSmem`).
+    pub fn dkdv(dims: &Dims) -> Launch {
+        let dc = head_dim_class(dims.d);
+        let row = tc_stride(dc) * 2;
+        let block_m = bwd_tile(dc);
+        let splits = if dc > 128 { 2 } else { 1 };
+        let kv = 64 * row;
+        let stage = 2 * block_m * row + 2 * block_m * 4;
+        let stages = if 2 * kv + 2 * stage <= SMEM_LIMIT { 2 } else { 1 };
+        Launch {
+            grid: [dims.s_k.div_ceil(64) * splits, dims.h_kv, dims.b],
+            block: 128,
+            smem_bytes: 2 * kv + stages * stage,
+            head_dim_class: dc,
         }
     }
 

@@ -18,7 +18,8 @@ extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, 
 
 extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap);
-extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap);
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
+                                      size_t cap);
 
 // bf16 bits of x (truncation is enough for test inputs) and back.
 static uint16_t to_bf16(float x) {
@@ -94,8 +95,6 @@ int main() {
         // 64-key tiles double-buffered (src/kernels.rs `geometry::forward`).
         EmuLaunch fl{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 64 * 32 * 2 + 4 * 64 * 32 * 2, 2, 2, 9};
         check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
-        const unsigned rows = 64;
-        EmuLaunch l{{unsigned((s + rows - 1) / rows), unsigned(hq), unsigned(b)}, rows, 0, 2, 2, 9};
         double worst = 0.0;
         for (int64_t h = 0; h < hq; ++h) {
             for (int64_t i = 0; i < s; ++i) {
@@ -121,14 +120,14 @@ int main() {
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
         FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
                           dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f};
+        // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32.
         EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0};
-        bool ok = ringattn_emu_flash_bwd(bp, 0, 1, rl, msg, sizeof msg) == 0;
-        l.smem_bytes = uint64_t((3 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2);
-        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, l, msg, sizeof msg) == 0;
-        EmuLaunch kl = l;
-        kl.grid[1] = unsigned(hkv);
-        kl.smem_bytes = uint64_t((4 * rows * (d + 1) * 4 + 15) / 16 * 16 + 2 * 32 * d * 2 + 2 * 32 * 4);
-        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, kl, msg, sizeof msg) == 0;
+        bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, rl, msg, sizeof msg) == 0;
+        EmuLaunch ql{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 2 * 64 * 64 + 2 * 2 * 64 * 64, 2, 2, 9};
+        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 32, ql, msg, sizeof msg) == 0;
+        EmuLaunch kl{{unsigned((s + 63) / 64), unsigned(hkv), unsigned(b)}, 128, 2 * 64 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 4),
+                     2, 2, 9};
+        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 32, kl, msg, sizeof msg) == 0;
         check(ok, "flash backward runs clean");
         bool finite = true;
         for (const std::vector<float>* g : {&delta, &dq, &dk, &dv}) {

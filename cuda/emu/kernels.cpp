@@ -82,8 +82,10 @@ extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, Em
     return report(emu::launch(c, body), msg, cap);
 }
 
-// Flash backward; `kernel`: 0 rowsum (delta), 1 dq, 2 dk and dv; `bf16` as above.
-extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, EmuLaunch l, char* msg, size_t cap) {
+// Flash backward; `kernel`: 0 rowsum (delta), 1 dq, 2 dk and dv; `bf16` as above; `dclass`
+// the head-dim class of the dq and dkdv entry points.
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
+                                      size_t cap) {
     emu::LaunchConfig c = config(l);
     const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
     c.globals = {{p.q, bytes(q, 2), "q"},          {p.k, bytes(kv, 2), "k"},         {p.v, bytes(kv, 2), "v"},
@@ -91,13 +93,30 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, Em
                  {p.delta, bytes(st, 4), "delta"}, {p.dq, bytes(q, 4), "dq"},        {p.dk, bytes(kv, 4), "dk"},
                  {p.dv, bytes(kv, 4), "dv"}};
     add_mask(c, p.mask, p.s_q, p.s_k);
-    std::function<void()> body;
+    void (*fn)(FlashBwdParams) = nullptr;
     if (kernel == 0) {
-        body = [p, bf16] { bf16 ? ringattn_flash_bwd_rowsum_bf16(p) : ringattn_flash_bwd_rowsum_f16(p); };
-    } else if (kernel == 1) {
-        body = [p, bf16] { bf16 ? ringattn_flash_bwd_dq_bf16(p) : ringattn_flash_bwd_dq_f16(p); };
+        fn = bf16 ? ringattn_flash_bwd_rowsum_bf16 : ringattn_flash_bwd_rowsum_f16;
     } else {
-        body = [p, bf16] { bf16 ? ringattn_flash_bwd_dkdv_bf16(p) : ringattn_flash_bwd_dkdv_f16(p); };
+#define RINGATTN_EMU_BWD_CASE(D)                                                                         \
+    case D:                                                                                              \
+        if (kernel == 1) {                                                                               \
+            fn = bf16 ? ringattn_flash_bwd_dq_bf16_d##D : ringattn_flash_bwd_dq_f16_d##D;              \
+        } else {                                                                                         \
+            fn = bf16 ? ringattn_flash_bwd_dkdv_bf16_d##D : ringattn_flash_bwd_dkdv_f16_d##D;          \
+        }                                                                                                \
+        break;
+        switch (dclass) {
+            RINGATTN_EMU_BWD_CASE(32)
+            RINGATTN_EMU_BWD_CASE(64)
+            RINGATTN_EMU_BWD_CASE(96)
+            RINGATTN_EMU_BWD_CASE(128)
+            RINGATTN_EMU_BWD_CASE(192)
+            RINGATTN_EMU_BWD_CASE(256)
+            default:
+                return report("no backward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+        }
+#undef RINGATTN_EMU_BWD_CASE
     }
+    std::function<void()> body = [p, fn] { fn(p); };
     return report(emu::launch(c, body), msg, cap);
 }

@@ -26,6 +26,7 @@ extern "C" {
         p: FlashBwdParams,
         kernel: i32,
         bf16: i32,
+        dclass: i32,
         l: EmuLaunch,
         msg: *mut c_char,
         cap: usize,
@@ -206,7 +207,8 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         let l = EmuLaunch::new(launch, opts)?;
         let mut msg = [0u8; 1024];
         // SAFETY: as in forward_bits; delta, dq, dk and dv are exclusively owned here.
-        let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, l, msg.as_mut_ptr().cast(), msg.len()) };
+        let dclass = launch.head_dim_class as i32;
+        let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
     }
     Ok((dq, dk, dv))
@@ -240,8 +242,9 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
     let mut msg = [0u8; 1024];
     // SAFETY: o and d_o hold the nq elements the kernel reads, delta the nst it writes; the
     // other pointers are null and not read by the rowsum kernel.
-    let code =
-        unsafe { ringattn_emu_flash_bwd(p, 0, (dtype == DType::BF16) as i32, l, msg.as_mut_ptr().cast(), msg.len()) };
+    let code = unsafe {
+        ringattn_emu_flash_bwd(p, 0, (dtype == DType::BF16) as i32, 0, l, msg.as_mut_ptr().cast(), msg.len())
+    };
     check(code, &msg, "flash_bwd_rowsum")?;
     Ok(delta)
 }
