@@ -62,4 +62,8 @@ cargo test --all-targets
 cargo test --doc
 done_stage test
 
+stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"
+scripts/sass-gates.sh
+done_stage sass-gates
+
 printf '\n=== all stages passed in %ss\n' "$(($(date +%s) - total_start))"

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Static SASS gates (issue 5, item 6): compiles every cuda/*.cu as build.rs does, disassembles
+# the cubins and checks, per function of every cubin:
+#   * spills   ptxas reports 0 bytes spill stores and 0 bytes spill loads;
+#   * local    the SASS holds no LDL / STL (local memory: spills or indexed register arrays);
+#   * tensor   the main attention kernels (MAIN_KERNELS below), in the cubins of TC_ARCHS,
+#              hold each instruction their entry names (HMMA = mma.sync, LDSM = ldmatrix,
+#              LDGSTS = cp.async; "A|B" accepts either).
+# Prints a table (kernel, arch, registers, stack, spills, LDL/STL, HMMA, HGMMA, LDSM, LDGSTS,
+# verdict) and exits 1 naming each failing kernel and rule; 2 when a tool or a compile fails.
+# Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
+# scripts/test.sh (${RINGATTN_NVCC_VENV:-target/venv-nvcc}), installed on first use.
+#
+# Usage: scripts/sass-gates.sh [--report-only] [--archs sm_80,sm_90a] [--tc-archs sm_90a]
+#                              [--main 'GLOB:OP,OP|OP']... [--out DIR] [FILE.cu ...]
+#   --report-only  print the table, exit 0 whatever the verdicts
+#   --main         replaces MAIN_KERNELS (repeatable), e.g. --main 'my_kernel*:HMMA,LDSM'
+#   FILE.cu        compile these instead of cuda/*.cu (always with -I cuda, as build.rs)
+# Outputs under --out (default target/sass-gates): ARCH/FAMILY.{cubin,ptxas.txt,sass},
+# table.txt and report.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The main attention kernels: a glob over the kernel name, then the SASS instructions it must
+# contain in the cubins of TC_ARCHS. Each pattern must match at least one kernel there.
+MAIN_KERNELS=(
+  "ringattn_flash_fwd_*:HMMA,LDSM,LDGSTS"
+  "ringattn_flash_bwd_dq_*:HMMA,LDSM"
+  "ringattn_flash_bwd_dkdv_*:HMMA,LDSM"
+)
+TC_ARCHS="sm_90a"
+ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a}"
+# PyPI has no nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm 13.0.* (the oldest 13.x is 13.2.51);
+# a newer disassembler reads the cubins of nvcc 13.0. cuobjdump --dump-sass runs nvdisasm,
+# which it looks for beside itself.
+DISASM_VERSION=13.2.86
+
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+
+report_only=0
+out=target/sass-gates
+main_override=()
+sources=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --report-only) report_only=1 ;;
+    --archs) ARCHS=$2; shift ;;
+    --tc-archs) TC_ARCHS=$2; shift ;;
+    --main) main_override+=("$2"); shift ;;
+    --out) out=$2; shift ;;
+    -h | --help) usage; exit 0 ;;
+    -*) echo "sass-gates: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *) sources+=("$1") ;;
+  esac
+  shift
+done
+if [ ${#main_override[@]} -gt 0 ]; then MAIN_KERNELS=("${main_override[@]}"); fi
+if [ ${#sources[@]} -eq 0 ]; then sources=(cuda/*.cu); fi
+
+# --- tools (same pins as scripts/test.sh for nvcc) ---
+nvcc_venv=${RINGATTN_NVCC_VENV:-target/venv-nvcc}
+if ! ls "$nvcc_venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc >/dev/null 2>&1; then
+  echo "sass-gates: installing nvcc 13.0 from PyPI into $nvcc_venv"
+  python3 -m venv "$nvcc_venv"
+  "$nvcc_venv/bin/pip" install --quiet nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+fi
+nvccs=("$nvcc_venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)
+bin=$(cd "$(dirname "${nvccs[0]}")" && pwd)
+if [ ! -x "$bin/cuobjdump" ] || [ ! -x "$bin/nvdisasm" ]; then
+  echo "sass-gates: installing cuobjdump and nvdisasm $DISASM_VERSION from PyPI into $nvcc_venv"
+  "$nvcc_venv/bin/pip" install --quiet "nvidia-cuda-cuobjdump==$DISASM_VERSION" "nvidia-cuda-nvdisasm==$DISASM_VERSION"
+fi
+nvcc=${NVCC:-$bin/nvcc}
+cuobjdump=$bin/cuobjdump
+python=$nvcc_venv/bin/python
+for tool in "$nvcc" "$cuobjdump" "$bin/nvdisasm"; do
+  if ! "$tool" --version >/dev/null 2>&1; then
+    echo "sass-gates: $tool does not run" >&2
+    exit 2
+  fi
+done
+echo "sass-gates: $("$nvcc" --version | grep -o 'release [0-9.]*'), cuobjdump $("$cuobjdump" --version | grep -o 'release [0-9.]*')"
+
+# --- compile (as build.rs: nvcc -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda -arch=ARCH) ---
+mkdir -p "$out"
+rm -rf "$out"/sm_* "$out/table.txt" "$out/report.json"
+IFS=',' read -r -a archs <<<"$ARCHS"
+pids=()
+jobs_desc=()
+for arch in "${archs[@]}"; do
+  arch=${arch// /}
+  case "$arch" in sm_*) ;; *) arch=sm_$arch ;; esac
+  mkdir -p "$out/$arch"
+  for cu in "${sources[@]}"; do
+    family=$(basename "$cu" .cu)
+    (
+      "$nvcc" -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda "-arch=$arch" "$cu" -o "$out/$arch/$family.cubin" \
+        >"$out/$arch/$family.ptxas.txt" 2>&1 &&
+        "$cuobjdump" --dump-sass "$out/$arch/$family.cubin" >"$out/$arch/$family.sass" 2>"$out/$arch/$family.cuobjdump.err"
+    ) &
+    pids+=($!)
+    jobs_desc+=("$cu for $arch")
+  done
+done
+failed=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "sass-gates: compiling or disassembling ${jobs_desc[$i]} failed:" >&2
+    failed=1
+  fi
+done
+if [ $failed -ne 0 ]; then
+  for f in "$out"/*/*.ptxas.txt "$out"/*/*.cuobjdump.err; do
+    [ -s "$f" ] && grep -qiE 'error|fatal' "$f" && { echo "--- $f" >&2; cat "$f" >&2; }
+  done
+  exit 2
+fi
+
+# --- gates ---
+REPORT_ONLY=$report_only TC_ARCHS=$TC_ARCHS OUT_DIR=$out "$python" - "${MAIN_KERNELS[@]}" <<'PY'
+import fnmatch, glob, json, os, re, sys
+from collections import Counter
+
+out = os.environ["OUT_DIR"]
+report_only = os.environ["REPORT_ONLY"] == "1"
+tc_archs = {a.strip() for a in os.environ["TC_ARCHS"].split(",") if a.strip()}
+main = []
+for spec in sys.argv[1:]:
+    pattern, _, ops = spec.partition(":")
+    main.append((pattern, [alt.split("|") for alt in ops.split(",") if alt]))
+COUNTED = ["LDL", "STL", "HMMA", "HGMMA", "LDSM", "LDGSTS"]
+
+def ptxas_report(text):
+    """Per function: registers, stack frame, spill stores, spill loads; and the entry names."""
+    funcs, entries, entry, cur = {}, [], None, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            entry = m.group(1); entries.append(entry)
+            funcs.setdefault(entry, {})
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            cur = m.group(1); funcs.setdefault(cur, {})
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and cur:
+            funcs[cur].update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and entry:
+            funcs[entry]["regs"] = int(m.group(1))
+    return funcs, entries
+
+INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+def sass_counts(text):
+    """Per `Function : name` section: counts of the opcodes of COUNTED (base name before '.')."""
+    counts, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = m.group(1); counts[cur] = Counter()
+            continue
+        if cur is None:
+            continue
+        m = INSN.search(line)
+        if m and m.group(1) in COUNTED:
+            counts[cur][m.group(1)] += 1
+    return counts
+
+rows, failures = [], []
+matched = {p: 0 for p, _ in main}
+for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
+    arch = os.path.basename(os.path.dirname(ptxas))
+    family = os.path.basename(ptxas)[: -len(".ptxas.txt")]
+    funcs, entries = ptxas_report(open(ptxas).read())
+    sass = sass_counts(open(os.path.join(out, arch, family + ".sass")).read())
+    for name in entries + sorted(set(funcs) - set(entries)) + sorted(set(sass) - set(funcs)):
+        f, c = funcs.get(name, {}), sass.get(name, Counter())
+        rules = []
+        if f.get("spill_st", 0) or f.get("spill_ld", 0):
+            rules.append(f"spills ({f['spill_st']} B stores, {f['spill_ld']} B loads)")
+        if name not in sass:
+            rules.append("no SASS section")
+        if c["LDL"] or c["STL"]:
+            rules.append(f"local memory ({c['LDL']} LDL, {c['STL']} STL)")
+        if arch in tc_archs:
+            for pattern, needs in main:
+                if fnmatch.fnmatchcase(name, pattern):
+                    matched[pattern] += 1
+                    for alts in needs:
+                        if not any(c[op] for op in alts):
+                            rules.append(f"no {'/'.join(alts)}")
+        row = dict(kernel=name, family=family, arch=arch, entry=name in entries,
+                   registers=f.get("regs"), stack=f.get("stack", 0),
+                   spill_stores=f.get("spill_st", 0), spill_loads=f.get("spill_ld", 0),
+                   **{op: c[op] for op in COUNTED}, failures=rules)
+        rows.append(row)
+        failures += [f"{name} [{arch}]: {r}" for r in rules]
+for pattern, n in matched.items():
+    if tc_archs and n == 0:
+        failures.append(f"main kernel pattern {pattern!r}: matches no kernel in {','.join(sorted(tc_archs))}")
+
+head = f"{'kernel':<34} {'arch':<7} {'regs':>4} {'stack':>5} {'spill st/ld':>11} {'LDL/STL':>7} {'HMMA':>5} {'HGMMA':>5} {'LDSM':>5} {'LDGSTS':>6}  verdict"
+lines = [head, "-" * len(head)]
+for r in rows:
+    verdict = "pass" if not r["failures"] else "FAIL: " + "; ".join(r["failures"])
+    lines.append(f"{r['kernel']:<34} {r['arch']:<7} {r['registers'] if r['registers'] is not None else '-':>4} "
+                 f"{r['stack']:>5} {str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} "
+                 f"{str(r['LDL']) + '/' + str(r['STL']):>7} {r['HMMA']:>5} {r['HGMMA']:>5} {r['LDSM']:>5} "
+                 f"{r['LDGSTS']:>6}  {verdict}")
+table = "\n".join(lines)
+print(table)
+open(os.path.join(out, "table.txt"), "w").write(table + "\n")
+json.dump(dict(main_kernels=[p for p, _ in main], tc_archs=sorted(tc_archs), rows=rows, failures=failures),
+          open(os.path.join(out, "report.json"), "w"), indent=1)
+if failures:
+    print(f"\nsass-gates: {len(failures)} failure(s){' (--report-only: not failing)' if report_only else ''}:")
+    for f in failures:
+        print(f"  {f}")
+    sys.exit(0 if report_only else 1)
+print(f"\nsass-gates: all {len(rows)} functions pass")
+PY
