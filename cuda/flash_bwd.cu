@@ -70,6 +70,8 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
     }
     const MaskEval mask{p.mask};
+    // No window and no documents: every existing pair is visible, no position is read.
+    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
 
     float acc[kDT][4];
     RINGATTN_UNROLL
@@ -99,11 +101,11 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             for (int c = 0; c < 2; ++c) {
                 const int64_t j = k0 + n * 8 + 2 * t + c;
                 if (j >= p.s_k) continue;
-                const int64_t pk = gmem_load(p.mask.k_pos + j);
+                const int64_t pk = unmasked ? 0 : gmem_load(p.mask.k_pos + j);
                 const uint32_t kd = p.mask.k_doc != nullptr ? gmem_load(p.mask.k_doc + j) : 0;
                 RINGATTN_UNROLL
                 for (int r = 0; r < 2; ++r) {
-                    const bool ok = lse2[r] != -INFINITY && mask.visible(qpos[r], qdoc[r], pk, kd);
+                    const bool ok = lse2[r] != -INFINITY && (unmasked || mask.visible(qpos[r], qdoc[r], pk, kd));
                     vis |= uint32_t(ok) << (4 * n + 2 * r + c);
                 }
             }
@@ -221,6 +223,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         if (p.mask.k_doc != nullptr) kdoc[r] = gmem_load(p.mask.k_doc + j);
     }
     const MaskEval mask{p.mask};
+    // No window and no documents: every existing pair is visible, no position is read.
+    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
 
     float dk[kOT][4], dv[kOT][4];
     RINGATTN_UNROLL
@@ -258,11 +262,11 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 const int col = n * 8 + 2 * t + c;
                 const int64_t i = q0 + col;
                 if (i >= p.s_q || smem_load(lt + col) == -INFINITY) continue;
-                const int64_t pq = gmem_load(p.mask.q_pos + i);
+                const int64_t pq = unmasked ? 0 : gmem_load(p.mask.q_pos + i);
                 const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + i) : 0;
                 RINGATTN_UNROLL
                 for (int r = 0; r < 2; ++r) {
-                    const bool ok = krow[r] < p.s_k && mask.visible(pq, qd, kpos[r], kdoc[r]);
+                    const bool ok = krow[r] < p.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
                     vis |= uint32_t(ok) << (4 * n + 2 * r + c);
                 }
             }

@@ -26,6 +26,8 @@ template <typename T, int D>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     using Tr = FwdTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
+    // Q fragments in registers need the loop unrolled; otherwise keep it rolled (live ranges).
+    constexpr int kUnrollK = Tr::kQInRegs ? D / 16 : 1;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
@@ -58,6 +60,10 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
     }
 
+    const MaskEval mask{p.mask};
+    // No window and no documents: every existing pair is visible, no position is read.
+    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -89,13 +95,11 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             for (int c = 0; c < 2; ++c) {
                 const int64_t j = k0 + n * 8 + 2 * t + c;
                 if (j >= p.s_k) continue;
-                const int64_t pk = gmem_load(p.mask.k_pos + j);
+                const int64_t pk = unmasked ? 0 : gmem_load(p.mask.k_pos + j);
                 const uint32_t kd = p.mask.k_doc != nullptr ? gmem_load(p.mask.k_doc + j) : 0;
                 RINGATTN_UNROLL
                 for (int r = 0; r < 2; ++r) {
-                    const bool ok = row[r] < p.s_q && (p.mask.window_left < 0 || pk >= qpos[r] - p.mask.window_left) &&
-                                    (p.mask.window_right < 0 || pk <= qpos[r] + p.mask.window_right) &&
-                                    kd == qdoc[r];
+                    const bool ok = row[r] < p.s_q && (unmasked || mask.visible(qpos[r], qdoc[r], pk, kd));
                     vis |= uint32_t(ok) << (4 * n + 2 * r + c);
                 }
             }
@@ -104,7 +108,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             float s[kNT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            RINGATTN_UNROLL
+            RINGATTN_UNROLL_BY(kUnrollK)
             for (int kk = 0; kk < D / 16; ++kk) {
                 uint32_t a[4];
                 if (Tr::kQInRegs) {
