@@ -11,7 +11,8 @@
 // sums kept per thread and reduced once at the end); P, rounded to the input type, reused
 // from registers as the A operand of O += P V, with V fragments by ldmatrix.trans. GQA: the
 // query head h reads key/value head h / (h_q / h_kv). Output: f32 o and lse (unrounded, so
-// ring hops merge in f32); rows with no visible key get o = 0, lse = -inf.
+// ring hops merge in f32), or o rounded to the input type into o16 when it is set; rows
+// with no visible key get o = 0, lse = -inf.
 //
 // Entry points ringattn_flash_fwd_{bf16,f16}_d{32,64,96,128,192,256}: the head-dim class
 // is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
@@ -189,13 +190,17 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     for (int r = 0; r < 2; ++r) {
         if (row[r] >= p.s_q) continue;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        float* orow = p.o + ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
+        const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
-            if (c < d) {
-                gmem_store(orow + c, acc[n][2 * r] * inv);
-                gmem_store(orow + c + 1, acc[n][2 * r + 1] * inv);
+            if (c >= d) continue;
+            const float x = acc[n][2 * r] * inv, y = acc[n][2 * r + 1] * inv;
+            if (p.o16 != nullptr) {
+                gmem_store(reinterpret_cast<uint32_t*>(p.o16 + base + c), pack2<T>(x, y));
+            } else {
+                gmem_store(p.o + base + c, x);
+                gmem_store(p.o + base + c + 1, y);
             }
         }
         if (t == 0) {

@@ -36,21 +36,23 @@ struct MaskParams {
 static_assert(sizeof(MaskParams) == 48, "MaskParams is mirrored in Rust: 4 pointers + 2 int64");
 
 // flash_fwd.cu: o, lse of queries q against keys k, values v. q, k, v hold bf16 or f16 bits
-// (the entry point names the type), o and lse are f32 and unrounded, so that ring hops merge
-// in f32. Rows with no visible key get o = 0, lse = -inf.
+// (the entry point names the type); o and lse are f32 and unrounded, so that ring hops merge
+// in f32, or o goes to o16 rounded to the input type (the single-device training path).
+// Rows with no visible key get o = 0, lse = -inf.
 struct FlashFwdParams {
     const uint16_t* q;  // [b, s_q, h_q, d]
     const uint16_t* k;  // [b, s_k, h_kv, d]
     const uint16_t* v;  // [b, s_k, h_kv, d]
-    float* o;           // [b, s_q, h_q, d] written
+    float* o;           // [b, s_q, h_q, d] f32, written (unless o16 is set)
     float* lse;         // [b, h_q, s_q] written, natural log
+    uint16_t* o16;      // [b, s_q, h_q, d] in the input type, written instead of o when non-null
     MaskParams mask;
     int64_t b, s_q, s_k, h_q, h_kv, d;  // h_q % h_kv == 0, d % 8 == 0, d <= 256
     float scale;                        // softmax scale (applied to q.k)
     float scale_log2;                   // scale * log2(e)
 };
 
-static_assert(sizeof(FlashFwdParams) == 144, "FlashFwdParams is mirrored in Rust");
+static_assert(sizeof(FlashFwdParams) == 152, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.

@@ -96,7 +96,7 @@ pub mod params {
 
     /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d]`, `k`, `v`
     /// `[b, s_k, h_kv, d]` as bf16 or f16 bits; `o` `[b, s_q, h_q, d]` and `lse` `[b, h_q,
-    /// s_q]` f32, written.
+    /// s_q]` f32, written (or `o16`, the output in the input type, instead of `o`).
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashFwdParams {
@@ -110,6 +110,8 @@ pub mod params {
         pub o: u64,
         /// Log-sum-exp, f32, natural log.
         pub lse: u64,
+        /// When non-zero: the output in the input type (16-bit), written instead of `o`.
+        pub o16: u64,
         /// Visibility.
         pub mask: MaskParams,
         /// Batch.
@@ -180,7 +182,7 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
-    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 144);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 152);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 184);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);

@@ -89,7 +89,7 @@ int main() {
         std::vector<float> o(q.size(), NAN), lse(b * hq * s, NAN);
         const float scale = 0.25f;
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0};
-        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), m, b, s, s, hq, hkv, d, scale,
+        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, scale,
                           scale * 1.4426950408889634f};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 16 rows,
         // 64-key tiles double-buffered (src/kernels.rs `geometry::forward`).

@@ -72,6 +72,7 @@ impl Backend for EmuBackend {
             vis: &vis,
             scale: params.softmax_scale(dims.d),
             dtype: self.dtype,
+            round_o: false,
         };
         Ok(Pending::ready(flash::forward_bits(&x, &self.options)?))
     }

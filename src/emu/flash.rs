@@ -78,11 +78,14 @@ pub(crate) struct ForwardBits<'a> {
     pub vis: &'a Visibility,
     pub scale: f32,
     pub dtype: DType,
+    /// Let the kernel round `o` to `dtype` (its 16-bit output); `o` is then exactly
+    /// representable in `dtype`.
+    pub round_o: bool,
 }
 
-/// Forward of one block: f32 `(o, lse)`, unrounded.
+/// Forward of one block: f32 `(o, lse)`, unrounded unless `x.round_o`.
 pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>)> {
-    let ForwardBits { dims, q, k, v, vis, scale, dtype } = *x;
+    let ForwardBits { dims, q, k, v, vis, scale, dtype, round_o } = *x;
     check_supported(&dims, dtype)?;
     let nq = dims.b * dims.s_q * dims.h_q * dims.d;
     let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
@@ -96,12 +99,15 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
         lse.fill(f32::NEG_INFINITY);
         return Ok((o, lse));
     }
+    // 0xFFFF is NaN in bf16 and f16: unwritten elements show up.
+    let mut o16 = if round_o { vec![0xFFFFu16; nq] } else { Vec::new() };
     let p = FlashFwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
         v: v.as_ptr() as u64,
         o: o.as_mut_ptr() as u64,
         lse: lse.as_mut_ptr() as u64,
+        o16: if round_o { o16.as_mut_ptr() as u64 } else { 0 },
         mask: mask_params(vis),
         b: dims.b as i64,
         s_q: dims.s_q as i64,
@@ -128,6 +134,12 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
         )
     };
     check(code, &msg, "flash_fwd")?;
+    if round_o {
+        o = match dtype {
+            DType::F16 => o16.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+            _ => o16.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+        };
+    }
     Ok((o, lse))
 }
 
@@ -285,8 +297,16 @@ pub fn forward(
     check_supported(&dims, q.dtype())?;
     let vis = visibility(&dims, positions, params)?;
     let (qb, kb, vb) = (bits_of(q), bits_of(k), bits_of(v));
-    let x =
-        ForwardBits { dims, q: &qb, k: &kb, v: &vb, vis: &vis, scale: params.softmax_scale(dims.d), dtype: q.dtype() };
+    let x = ForwardBits {
+        dims,
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        vis: &vis,
+        scale: params.softmax_scale(dims.d),
+        dtype: q.dtype(),
+        round_o: true,
+    };
     let (o, lse) = forward_bits(&x, opts)?;
     Ok(ForwardOutput {
         o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
