@@ -62,6 +62,12 @@ cargo test --all-targets
 cargo test --doc
 done_stage test
 
+stage "feature cuda (cudarc, libcuda loaded at run time): lints, and clean failure without a GPU"
+cargo clippy --all-targets --features cuda -- -D warnings
+cargo test --features cuda --lib cuda
+cargo test --features cuda --test cuda --test cli
+done_stage cuda-feature
+
 stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"
 scripts/sass-gates.sh
 done_stage sass-gates

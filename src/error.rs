@@ -76,6 +76,11 @@ pub enum Error {
         /// What went wrong, with block and thread.
         report: String,
     },
+    /// The CUDA backend (feature `cuda`) cannot run: no driver library, no GPU, a driver too
+    /// old for the embedded kernels, a build without kernels, or a driver call that failed
+    /// (allocation, copy, launch), with the call and the driver's error code.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// A dtype the crate does not handle.
     #[error("unsupported dtype {0} (supported: F32, BF16, F16)")]
     UnsupportedDtype(String),
@@ -123,7 +128,7 @@ pub enum Error {
     #[error("unknown strategy `{0}` (available: single)")]
     UnknownStrategy(String),
     /// An unknown or not-yet-available backend.
-    #[error("unknown backend `{0}` (available: cpu)")]
+    #[error("unknown backend `{0}` (available: cpu, emu, cuda)")]
     UnknownBackend(String),
     /// A wait on a peer passed its deadline.
     #[error("timed out after {after:?} waiting for {op} with rank {peer}")]

@@ -3,7 +3,8 @@
 //! Exact attention for long sequences: flash-attention (tiled, online softmax, never an
 //! `s × s` matrix) forward and backward, a float64 oracle to check it against, and — in
 //! later releases — ring and Ulysses drivers that split one sequence across devices.
-//! This release runs on the CPU ([`cpu`]).
+//! This release runs on the CPU ([`cpu`]) and, with the `cuda` feature, on NVIDIA GPUs
+//! (`cuda`: the kernels of `cuda/` through cudarc, loaded at run time).
 //!
 //! ## Conventions
 //!
@@ -50,6 +51,8 @@
 
 pub mod comm;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 #[cfg(feature = "emu")]
 pub mod emu;

@@ -218,3 +218,120 @@ fn help_reads_well() {
     let r = ringattn(&["run", "--help"]);
     assert!(String::from_utf8_lossy(&r.stdout).contains("--window <L,R>"));
 }
+
+/// `--backend cuda`: on a build without the `cuda` feature, or on a machine without a driver
+/// or GPU, a one-line error and no output file; with a GPU, results that pass the oracle.
+#[test]
+fn run_on_the_cuda_backend_fails_cleanly_without_a_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", DType::BF16, true);
+    let out = dir.path().join("out.safetensors");
+    let r = ringattn(&["run", "--backend", "cuda", "--input", s(&input), "--output", s(&out), "--causal"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    if r.status.success() {
+        let got = io::read_tensors(&out).unwrap();
+        let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
+        let grads = cpu::Gradients { dq: got["dq"].clone(), dk: got["dk"].clone(), dv: got["dv"].clone() };
+        let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
+        assert!(report.pass(), "{}", report.table());
+        return;
+    }
+    assert_eq!(r.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("this build lacks the `cuda` feature (cargo build --features cuda)")
+            || err.contains("no CUDA driver found")
+            || err.contains("no CUDA GPU found"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!out.exists());
+    assert_eq!(others(dir.path(), &[&input]), Vec::<PathBuf>::new(), "no temporary files left");
+}
+
+/// `ringattn bench`: one line per pass and the JSON the device-check scripts read.
+#[test]
+fn bench_times_the_cpu_backend_and_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let r = ringattn(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--seq",
+        "256",
+        "--heads",
+        "2",
+        "--head-dim",
+        "32",
+        "--dtype",
+        "f32",
+        "--iters",
+        "2",
+        "--json",
+        s(&json),
+    ]);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{stdout}{}", String::from_utf8_lossy(&r.stderr));
+    for pass in ["forward", "backward"] {
+        assert!(stdout.lines().any(|l| l.starts_with(pass) && l.contains("ms") && l.ends_with("TFLOP/s")), "{stdout}");
+    }
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["backend"], "cpu");
+    assert_eq!(report["device"], "cpu");
+    assert_eq!(report["dtype"], "f32");
+    for (key, want) in [("b", 1), ("s", 256), ("h_q", 2), ("h_kv", 2), ("d", 32)] {
+        assert_eq!(report[key], want, "{key}");
+    }
+    assert_eq!(report["causal"], false);
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results.iter().map(|r| r["pass"].as_str().unwrap()).collect::<Vec<_>>(), ["forward", "backward"]);
+    for r in results {
+        let samples = r["samples_ms"].as_array().unwrap();
+        assert_eq!(samples.len(), 2);
+        let (median, min, tflops) =
+            (r["median_ms"].as_f64().unwrap(), r["min_ms"].as_f64().unwrap(), r["tflops"].as_f64().unwrap());
+        assert!(min > 0.0 && min <= median && tflops > 0.0, "{r}");
+        assert!(samples.iter().all(|x| x.as_f64().unwrap() >= min));
+    }
+    assert_eq!(others(dir.path(), &[&json]), Vec::<PathBuf>::new());
+
+    // One pass, causal, GQA; bad arguments fail with one line and write nothing.
+    let r = ringattn(&[
+        "bench",
+        "--seq",
+        "100",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--causal",
+        "--pass",
+        "forward",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.contains("causal") && !stdout.contains("backward"), "{stdout}");
+    let bad = dir.path().join("bad.json");
+    for (args, needle) in [
+        (&["--pass", "sideways"][..], "--pass `sideways`"),
+        (&["--iters", "0"][..], "--iters"),
+        (&["--heads", "3", "--kv-heads", "2"][..], "h_kv = 2"),
+        (&["--backend", "tpu"][..], "unknown backend `tpu`"),
+        (&["--backend", "emu", "--dtype", "f32"][..], "f32"),
+    ] {
+        let mut all = vec!["bench", "--seq", "16", "--head-dim", "16", "--json", s(&bad)];
+        all.extend(args);
+        let r = ringattn(&all);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(1), "{all:?}: {err}");
+        assert!(err.contains(needle), "{all:?}: `{err}` lacks `{needle}`");
+        assert_eq!(err.trim_end().lines().count(), 1, "{all:?}: {err}");
+        assert!(!bad.exists());
+    }
+}

@@ -74,9 +74,10 @@ pub struct ExecArgs {
     /// the query heads].
     #[arg(long)]
     pub ulysses_degree: Option<usize>,
-    /// Compute backend: cpu (the CPU flash attention, every dtype) or emu (the CUDA kernels of
+    /// Compute backend: cpu (the CPU flash attention, every dtype), emu (the CUDA kernels of
     /// cuda/ run by the host emulator; bf16 and f16 inputs, head dims that are multiples of 8
-    /// up to 256, small shapes: it is a correctness tool, not a fast path).
+    /// up to 256, small shapes: it is a correctness tool, not a fast path) or cuda (the same
+    /// kernels on GPU 0; needs a build with --features cuda, an NVIDIA driver and a GPU).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.
@@ -98,12 +99,7 @@ impl ExecArgs {
 
     /// The backend named by --backend.
     pub fn backend(&self) -> Result<BackendKind> {
-        match self.backend.as_str() {
-            "cpu" => Ok(BackendKind::Cpu),
-            "emu" if cfg!(feature = "emu") => Ok(BackendKind::Emu),
-            "emu" => Err(Error::InvalidArgument("--backend emu: this build lacks the `emu` feature".into())),
-            other => Err(Error::UnknownBackend(other.to_string())),
-        }
+        parse_backend(&self.backend)
     }
 
     /// The parallel parameters these options describe (sequence length filled in later).
@@ -136,6 +132,22 @@ pub enum BackendKind {
     Cpu,
     /// The CUDA kernels under the host emulator.
     Emu,
+    /// The CUDA kernels on a GPU (feature `cuda`).
+    Cuda,
+}
+
+/// The backend named `name` (`--backend`), refusing those this build lacks.
+pub fn parse_backend(name: &str) -> Result<BackendKind> {
+    match name {
+        "cpu" => Ok(BackendKind::Cpu),
+        "emu" if cfg!(feature = "emu") => Ok(BackendKind::Emu),
+        "emu" => Err(Error::InvalidArgument("--backend emu: this build lacks the `emu` feature".into())),
+        "cuda" if cfg!(feature = "cuda") => Ok(BackendKind::Cuda),
+        "cuda" => Err(Error::InvalidArgument(
+            "--backend cuda: this build lacks the `cuda` feature (cargo build --features cuda)".into(),
+        )),
+        other => Err(Error::UnknownBackend(other.to_string())),
+    }
 }
 
 /// Forward (and backward when `d_o` is given) of full tensors as `exec` says: one device or
@@ -175,6 +187,22 @@ pub fn compute(
         }
         #[cfg(not(feature = "emu"))]
         (BackendKind::Emu, _) => unreachable!("backend() refuses emu without the feature"),
+        #[cfg(feature = "cuda")]
+        (BackendKind::Cuda, true) => {
+            let opts = ringattn::cuda::CudaOptions::default();
+            let fwd = ringattn::cuda::forward(q, k, v, None, params, &opts)?;
+            let grads =
+                d_o.map(|g| ringattn::cuda::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
+            Ok((fwd, grads))
+        }
+        #[cfg(feature = "cuda")]
+        (BackendKind::Cuda, false) => {
+            let backend = ringattn::cuda::CudaBackend::new(0, q.dtype())?;
+            let r = run_in_process(exec.world, exec.local_options()?, &backend, q, k, v, d_o, &parallel)?;
+            Ok((r.forward, r.gradients))
+        }
+        #[cfg(not(feature = "cuda"))]
+        (BackendKind::Cuda, _) => unreachable!("backend() refuses cuda without the feature"),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `ringattn`: run, verify and demo exact long-context attention from the command line.
 
 mod args;
+mod bench;
 mod demo;
 mod progress;
 mod run;
@@ -43,6 +44,12 @@ enum Command {
     /// Forward and backward on a long causal sequence, with time, TFLOP/s, peak memory and
     /// a spot check of sampled rows against the oracle.
     Demo(demo::DemoArgs),
+    /// Time the single-device kernels of a backend: median and minimum milliseconds and
+    /// TFLOP/s per pass (forward 4·b·h_q·s²·d FLOPs, halved when causal; backward 2.5×).
+    ///
+    /// cuda times device-resident inputs with CUDA events (no host copies in the timed
+    /// region); cpu and emu time whole calls with the host clock.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -51,6 +58,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::run(&a),
         Command::Verify(a) => verify::verify(&a),
         Command::Demo(a) => demo::demo(&a),
+        Command::Bench(a) => bench::bench(&a),
     };
     match result {
         Ok(code) => code,

@@ -16,7 +16,7 @@ pub struct VerifyArgs {
     /// Shape of seeded random inputs: b,s,h_q,h_kv,d (s_q = s_k = s) [default: 2,257,4,2,64].
     #[arg(long, value_name = "B,S,HQ,HKV,D")]
     pub shape: Option<String>,
-    /// Dtype of the random inputs: f32, bf16 or f16 [default: f32; bf16 with --backend emu].
+    /// Dtype of the random inputs: f32, bf16 or f16 [default: f32; bf16 with --backend emu or cuda].
     #[arg(long)]
     pub dtype: Option<String>,
     /// Seed of the random inputs.
@@ -49,8 +49,8 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
             let [b, s, hq, hkv, d] = dims[..] else {
                 return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
             };
-            // The emulated kernels take 16-bit inputs only.
-            let default = if a.exec.backend()? == BackendKind::Emu { "bf16" } else { "f32" };
+            // The CUDA kernels (emulated or on a GPU) take 16-bit inputs only.
+            let default = if a.exec.backend()? == BackendKind::Cpu { "f32" } else { "bf16" };
             let dtype: DType = a.dtype.as_deref().unwrap_or(default).parse()?;
             let seed = a.seed.wrapping_mul(4);
             (

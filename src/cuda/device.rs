@@ -1,0 +1,801 @@
+//! One GPU: its context and stream, the kernel modules loaded for its architecture, and the
+//! launches of the flash forward, backward and merge kernels on device-resident buffers.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::buffers::{
+    kv_len, lse_len, q_len, Delta, DeviceGradients, FlashBackwardArgs, FlashForwardArgs, SavedContext,
+};
+use super::images;
+use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
+use crate::kernels::geometry::{self, Launch};
+use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams, MergeParams};
+use crate::kernels::{self, ImageKind, KernelImage};
+use crate::{DType, Dims, Error, Result};
+
+// SAFETY (all four): `#[repr(C)]` structs of plain integers and floats with the size and
+// alignment of their C twins in cuda/params.h (asserted in src/kernels.rs), passed by value as
+// a kernel's single parameter; cuLaunchKernel copies them at launch.
+unsafe impl DeviceRepr for FlashFwdParams {}
+unsafe impl DeviceRepr for FlashBwdParams {}
+unsafe impl DeviceRepr for MergeParams {}
+unsafe impl DeviceRepr for MaskParams {}
+
+/// The kernel families of `cuda/` (one module each), with an entry point checked when the
+/// device opens where the family has one without a head-dim class; the others load on first
+/// launch.
+const FAMILIES: [(&str, Option<&str>); 3] =
+    [("flash_fwd", None), ("flash_bwd", Some("ringattn_flash_bwd_rowsum_bf16")), ("merge", Some("ringattn_merge_f32"))];
+
+/// Dynamic shared memory a kernel may use without opting in.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+struct Kernel {
+    func: CudaFunction,
+    /// The largest dynamic shared memory this function has been allowed so far
+    /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`); only grows.
+    smem_allowed: Mutex<usize>,
+}
+
+/// One GPU with the kernels of `cuda/` loaded: a CUDA context (the device's primary
+/// context), a stream for the host-convenience paths, and one module per kernel family, from
+/// the embedded image that suits the GPU (the cubin of its architecture, `sm_90a` on H100/H200
+/// and `sm_80` on A100 and other 8.x GPUs, else the PTX, JIT-compiled by the driver).
+///
+/// The launch methods ([`CudaDevice::forward_into`], [`CudaDevice::backward_into`], ...)
+/// take the caller's device buffers and stream and return once the kernels are enqueued;
+/// nothing is copied to or from the host. Buffers allocated on other streams of the same
+/// context are ordered by cudarc's events. `CudaDevice` is `Send + Sync`: threads may launch
+/// on it concurrently (each on its own stream, or sharing one).
+///
+/// ```no_run
+/// use ringattn::cuda::{to_bits, CudaDevice, FlashForwardArgs};
+/// use ringattn::{random::randn, AttentionParams, DType, Dims, Mask};
+///
+/// let dev = CudaDevice::new(0)?;
+/// let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d: 64 };
+/// let x = randn(vec![1, 4096, 8, 64], 0, DType::BF16).to_f32_vec();
+/// let q = dev.upload_bits(&to_bits(&x, DType::BF16))?;
+/// let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let mask = dev.mask(&dims, None, &params)?;
+/// let args = FlashForwardArgs { dims, dtype: DType::BF16, q: &q, k: &q, v: &q, mask: &mask, scale: params.softmax_scale(64) };
+/// let saved = dev.forward(dev.stream(), &args)?; // o and lse stay on the GPU
+/// let lse = dev.download_f32(&saved.lse, 8 * 4096)?;
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    name: String,
+    cc: (i32, i32),
+    smem_optin: usize,
+    driver: DriverInfo,
+    /// One module per family, with the image it came from.
+    modules: Vec<(&'static str, Arc<CudaModule>, &'static KernelImage)>,
+    /// Entry points loaded so far, by name (loaded on first launch: the flash kernels are
+    /// instantiated per dtype and head-dim class).
+    functions: Mutex<HashMap<String, Arc<Kernel>>>,
+    loaded: Vec<String>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("compute_capability", &self.cc)
+            .field("driver", &self.driver.version())
+            .field("images", &self.loaded)
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` and loads the kernels.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: no driver or no GPU (see [`super::probe`]), an ordinal beyond the
+    /// GPUs present, a build without kernels (nvcc was not found when the crate was
+    /// compiled), no embedded image that runs on this GPU, or a driver too old for the
+    /// images (the message lists what the build embedded and the driver's CUDA version).
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        let driver = probe()?;
+        if ordinal >= driver.device_count {
+            return Err(Error::Cuda(format!(
+                "CUDA device {ordinal} does not exist: the driver reports {} GPU(s)",
+                driver.device_count
+            )));
+        }
+        if !kernels::compiled() {
+            return Err(Error::Cuda(
+                "this build embedded no CUDA kernels: nvcc was not found when ringattn was compiled \
+                 (set NVCC or CUDA_HOME and rebuild with --features cuda; see cuda/README.md)"
+                    .into(),
+            ));
+        }
+        let ctx = guard("creating the CUDA context", || CudaContext::new(ordinal))?;
+        let cc = guard("reading the compute capability", || ctx.compute_capability())?;
+        let name = guard("reading the device name", || ctx.name())?;
+        let smem_optin = guard("reading the shared-memory limit", || {
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        })?;
+        let stream = guard("creating a stream", || ctx.new_stream())?;
+        let mut dev = CudaDevice {
+            ctx,
+            stream,
+            ordinal,
+            name,
+            cc,
+            smem_optin: smem_optin.max(0) as usize,
+            driver,
+            modules: Vec::new(),
+            functions: Mutex::new(HashMap::new()),
+            loaded: Vec::new(),
+        };
+        for (family, probe_entry) in FAMILIES {
+            let (module, image) = dev.load_family(family)?;
+            dev.loaded.push(format!("{family}: {} {}", image.target, kind_name(image.kind)));
+            dev.modules.push((family, module, image));
+            if let Some(entry) = probe_entry {
+                dev.kernel(family, entry)?;
+            }
+        }
+        Ok(dev)
+    }
+
+    /// The process-wide device for `ordinal`, opened on first use and shared afterwards (the
+    /// host-convenience functions and [`super::CudaBackend`] use it, so that modules are
+    /// loaded, and PTX compiled, once per process).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::new`] (a failure is not cached: a later call tries again).
+    pub fn shared(ordinal: usize) -> Result<Arc<CudaDevice>> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+        let mut map = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(CudaDevice::new(ordinal)?);
+        map.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    /// Tries each image of `family` that can run on this GPU, best first.
+    fn load_family(&self, family: &str) -> Result<(Arc<CudaModule>, &'static KernelImage)> {
+        let all = kernels::images();
+        let (major, minor) = self.cc;
+        let candidates = images::candidates(all, family, self.cc);
+        let context = || {
+            format!(
+                "{} (compute capability {major}.{minor}, driver for CUDA {}); this build embedded {}",
+                self.name,
+                self.driver.version(),
+                images::embedded(all, family)
+            )
+        };
+        if candidates.is_empty() {
+            return Err(Error::Cuda(format!(
+                "no `{family}` kernel image runs on {}: rebuild with RINGATTN_CUDA_ARCHS=sm_{major}{minor} (or a \
+                 lower architecture of the same major version)",
+                context()
+            )));
+        }
+        let mut failures = Vec::new();
+        for image in candidates {
+            let ptx = match image.kind {
+                ImageKind::Cubin => Ptx::from_binary(image.bytes.to_vec()),
+                ImageKind::Ptx => match ptx_text(image.bytes) {
+                    Ok(text) => Ptx::from_src(text),
+                    Err(e) => {
+                        failures.push(format!("{} PTX: {e}", image.target));
+                        continue;
+                    }
+                },
+            };
+            let what = format!("loading the {family} {} {}", image.target, kind_name(image.kind));
+            match super::probe::unwind(&what, || self.ctx.load_module(ptx))? {
+                Ok(module) => return Ok((module, image)),
+                Err(e) => failures.push(format!("{} {}: {}", image.target, kind_name(image.kind), self.load_hint(e))),
+            }
+        }
+        Err(Error::Cuda(format!("cannot load the `{family}` kernels on {}: {}", context(), failures.join("; "))))
+    }
+
+    fn load_hint(&self, e: cudarc::driver::DriverError) -> String {
+        use sys::cudaError_enum as E;
+        let old = self.driver.driver_version < 13000;
+        let why = match e.0 {
+            E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+                "the driver is too old for this PTX (nvcc 13.0 writes PTX ISA 9.0: it needs a CUDA 13.0 driver, \
+                 R580 or newer)"
+                    .to_string()
+            }
+            E::CUDA_ERROR_NO_BINARY_FOR_GPU | E::CUDA_ERROR_INVALID_IMAGE | E::CUDA_ERROR_INVALID_PTX if old => {
+                format!(
+                    "the image does not load with a CUDA {} driver (the kernels were built by nvcc 13.0 and need a \
+                     CUDA 13.0 driver, R580 or newer)",
+                    version_string(self.driver.driver_version)
+                )
+            }
+            E::CUDA_ERROR_NO_BINARY_FOR_GPU => "the image does not cover this GPU".to_string(),
+            E::CUDA_ERROR_JIT_COMPILER_NOT_FOUND => "the driver's PTX JIT compiler is missing".to_string(),
+            _ => String::new(),
+        };
+        if why.is_empty() {
+            driver_error(e)
+        } else {
+            format!("{} — {why}", driver_error(e))
+        }
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The GPU's name (`NVIDIA H200`, ...).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compute capability `(major, minor)`: `(9, 0)` on H100/H200.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// The driver [`super::probe`] found.
+    pub fn driver(&self) -> DriverInfo {
+        self.driver
+    }
+
+    /// The image loaded per kernel family (`flash_fwd: sm_90a cubin`, ...).
+    pub fn loaded_images(&self) -> &[String] {
+        &self.loaded
+    }
+
+    /// The CUDA context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// This device's own stream (used by the host-convenience paths; callers may use it or
+    /// their own streams of [`CudaDevice::context`]).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Entry point `name` of `family`'s module, loaded on first use.
+    fn kernel(&self, family: &str, name: &str) -> Result<Arc<Kernel>> {
+        let mut map = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = map.get(name) {
+            return Ok(k.clone());
+        }
+        let (_, module, image) = self
+            .modules
+            .iter()
+            .find(|m| m.0 == family)
+            .ok_or_else(|| Error::Cuda(format!("kernel family {family} is not loaded")))?;
+        let what = format!("loading kernel {name} from the {family} {} {}", image.target, kind_name(image.kind));
+        let func = guard(&what, || module.load_function(name))?;
+        let k = Arc::new(Kernel { func, smem_allowed: Mutex::new(DEFAULT_SMEM) });
+        map.insert(name.to_string(), k.clone());
+        Ok(k)
+    }
+
+    /// Enqueues `family`'s entry point `base` — with the `_d{D}` suffix of the launch's
+    /// head-dim class, if it has one — on `stream` with `p` as its single by-value parameter.
+    fn launch<P: DeviceRepr>(&self, stream: &CudaStream, family: &str, base: &str, l: Launch, p: &P) -> Result<()> {
+        if l.is_empty() {
+            return Ok(());
+        }
+        guard("making the context current", || self.ctx.bind_to_thread())?;
+        let name = entry_name(base, &l);
+        let name = name.as_str();
+        let k = self.kernel(family, name)?;
+        let fail = |report: String| Error::Kernel { kernel: name.to_string(), report };
+        if l.smem_bytes > self.smem_optin {
+            return Err(fail(format!(
+                "needs {} bytes of shared memory per block; {} allows {}",
+                l.smem_bytes, self.name, self.smem_optin
+            )));
+        }
+        if l.smem_bytes > DEFAULT_SMEM {
+            let mut allowed = k.smem_allowed.lock().unwrap_or_else(|e| e.into_inner());
+            if l.smem_bytes > *allowed {
+                let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                guard(&format!("allowing {name} {} bytes of shared memory", l.smem_bytes), || {
+                    k.func.set_attribute(attr, l.smem_bytes as i32)
+                })?;
+                *allowed = l.smem_bytes;
+            }
+        }
+        let dim = |x: usize, max: u32, what: &str| {
+            u32::try_from(x)
+                .ok()
+                .filter(|&v| v <= max)
+                .ok_or_else(|| fail(format!("{what} {x} exceeds the launch limit {max} (launch {l:?})")))
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                dim(l.grid[0], i32::MAX as u32, "grid.x")?,
+                dim(l.grid[1], 65535, "grid.y")?,
+                dim(l.grid[2], 65535, "grid.z")?,
+            ),
+            block_dim: (dim(l.block, 1024, "block")?, 1, 1),
+            shared_mem_bytes: l.smem_bytes as u32,
+        };
+        let mut builder = stream.launch_builder(&k.func);
+        builder.arg(p);
+        // SAFETY: the entry point takes exactly one parameter, of type `P` (each caller pairs a
+        // family's entry points with that family's params struct, mirrored from
+        // cuda/params.h); every device address in `p` was taken from a live buffer of this
+        // context holding at least what the launch's dims address (checked by the callers),
+        // and the callers keep those buffers borrowed, with their event guards, until the
+        // launch is enqueued.
+        unsafe { builder.launch(cfg) }.map_err(|e| fail(format!("launch failed: {}", driver_error(e))))?;
+        Ok(())
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        if **stream.context() != *self.ctx {
+            return Err(Error::Cuda(format!("the stream belongs to another context than device {}", self.ordinal)));
+        }
+        Ok(())
+    }
+
+    fn check_forward(&self, stream: &CudaStream, x: &FlashForwardArgs<'_>) -> Result<()> {
+        self.check_stream(stream)?;
+        let dims = x.dims;
+        check_supported(&dims, x.dtype)?;
+        if dims.h_kv == 0 || dims.h_q == 0 || dims.h_q % dims.h_kv != 0 {
+            return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
+        }
+        if !x.scale.is_finite() {
+            return Err(Error::Scale(x.scale));
+        }
+        need(self, "q", x.q, q_len(&dims))?;
+        need(self, "k", x.k, kv_len(&dims))?;
+        need(self, "v", x.v, kv_len(&dims))?;
+        need(self, "mask.q_pos", &x.mask.q_pos, dims.s_q)?;
+        need(self, "mask.k_pos", &x.mask.k_pos, dims.s_k)?;
+        match (&x.mask.q_doc, &x.mask.k_doc) {
+            (Some(qd), Some(kd)) => {
+                need(self, "mask.q_doc", qd, dims.s_q)?;
+                need(self, "mask.k_doc", kd, dims.s_k)?;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::Documents("the device mask has document ids on one side only".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues the flash forward (`ringattn_flash_fwd_{bf16,f16}`) on `stream`, writing
+    /// every element of `out.o` `[b, s_q, h_q, d]` and `out.lse` `[b, h_q, s_q]` (f32):
+    /// `o_i = Σ_j softmax_j(scale · q_i·k_j) v_j` over the keys visible to query `i`, `lse_i
+    /// = ln Σ_j exp(scale · q_i·k_j)`; a row that sees no key gets `o = 0`, `lse = -inf`.
+    /// Returns once enqueued.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnsupported`] for a dtype other than bf16/f16 or a head dimension the
+    /// kernels do not take (multiples of 8 up to 256); [`Error::ShapeMismatch`] for a buffer
+    /// shorter than `dims` needs; [`Error::Cuda`] for buffers or a stream of another device;
+    /// [`Error::Kernel`] when the launch fails.
+    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
+    pub fn forward_into(
+        &self,
+        stream: &Arc<CudaStream>,
+        args: &FlashForwardArgs<'_>,
+        out: &mut SavedContext,
+    ) -> Result<()> {
+        self.check_forward(stream, args)?;
+        let dims = args.dims;
+        need(self, "o", &out.o, q_len(&dims))?;
+        need(self, "lse", &out.lse, lse_len(&dims))?;
+        {
+            let (q, _gq) = args.q.device_ptr(stream);
+            let (k, _gk) = args.k.device_ptr(stream);
+            let (v, _gv) = args.v.device_ptr(stream);
+            let (mask, _gm) = mask_params(args.mask, stream);
+            let (o, _go) = out.o.device_ptr_mut(stream);
+            let (lse, _gl) = out.lse.device_ptr_mut(stream);
+            let p = FlashFwdParams {
+                q,
+                k,
+                v,
+                o,
+                lse,
+                mask,
+                b: dims.b as i64,
+                s_q: dims.s_q as i64,
+                s_k: dims.s_k as i64,
+                h_q: dims.h_q as i64,
+                h_kv: dims.h_kv as i64,
+                d: dims.d as i64,
+                scale: args.scale,
+                scale_log2: args.scale * std::f32::consts::LOG2_E,
+                ..Default::default()
+            };
+            self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&dims), &p)?;
+        }
+        guard("a deferred driver call", || self.ctx.check_err())
+    }
+
+    /// [`CudaDevice::forward_into`] into new buffers ([`SavedContext::alloc`], stream
+    /// ordered).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::forward_into`], and [`Error::Cuda`] when the allocation fails.
+    pub fn forward(&self, stream: &Arc<CudaStream>, args: &FlashForwardArgs<'_>) -> Result<SavedContext> {
+        self.check_forward(stream, args)?;
+        let mut out = SavedContext::alloc(stream, &args.dims)?;
+        self.forward_into(stream, args, &mut out)?;
+        Ok(out)
+    }
+
+    /// Enqueues the flash backward on `stream`: `delta = rowsum(dO∘O)` (the rowsum kernel,
+    /// with [`Delta::Compute`]), then `dq` (`ringattn_flash_bwd_dq_*`, one thread per query
+    /// row over the key tiles) and `dk`, `dv` (`ringattn_flash_bwd_dkdv_*`, one thread per
+    /// key row over the query tiles of its GQA group). With `P_ij = exp(scale · q_i·k_j −
+    /// lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j = Σ_i P_ij
+    /// dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element of
+    /// `grads` is written (f32, no accumulation, no atomics: deterministic). Returns once
+    /// enqueued.
+    ///
+    /// # Errors
+    /// As [`CudaDevice::forward_into`], for every buffer of `args`, `delta` and `grads`.
+    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
+    pub fn backward_into(
+        &self,
+        stream: &Arc<CudaStream>,
+        args: &FlashBackwardArgs<'_>,
+        delta: Delta<'_>,
+        grads: &mut DeviceGradients,
+    ) -> Result<()> {
+        let x = &args.forward;
+        self.check_forward(stream, x)?;
+        let dims = x.dims;
+        need(self, "saved.o", &args.saved.o, q_len(&dims))?;
+        need(self, "saved.lse", &args.saved.lse, lse_len(&dims))?;
+        need(self, "d_o", args.d_o, q_len(&dims))?;
+        need(self, "dq", &grads.dq, q_len(&dims))?;
+        need(self, "dk", &grads.dk, kv_len(&dims))?;
+        need(self, "dv", &grads.dv, kv_len(&dims))?;
+        let compute_delta = matches!(delta, Delta::Compute(_));
+        match &delta {
+            Delta::Compute(d) => need(self, "delta", &**d, lse_len(&dims))?,
+            Delta::Given(d) => need(self, "delta", *d, lse_len(&dims))?,
+        }
+        {
+            let (q, _gq) = x.q.device_ptr(stream);
+            let (k, _gk) = x.k.device_ptr(stream);
+            let (v, _gv) = x.v.device_ptr(stream);
+            let (mask, _gm) = mask_params(x.mask, stream);
+            let (o, _go) = args.saved.o.device_ptr(stream);
+            let (lse, _gl) = args.saved.lse.device_ptr(stream);
+            let (d_o, _gdo) = args.d_o.device_ptr(stream);
+            let (delta, _gd) = match delta {
+                Delta::Compute(d) => d.device_ptr_mut(stream),
+                Delta::Given(d) => d.device_ptr(stream),
+            };
+            let (dq, _gdq) = grads.dq.device_ptr_mut(stream);
+            let (dk, _gdk) = grads.dk.device_ptr_mut(stream);
+            let (dv, _gdv) = grads.dv.device_ptr_mut(stream);
+            let p = FlashBwdParams {
+                q,
+                k,
+                v,
+                o,
+                d_o,
+                lse,
+                delta,
+                dq,
+                dk,
+                dv,
+                mask,
+                b: dims.b as i64,
+                s_q: dims.s_q as i64,
+                s_k: dims.s_k as i64,
+                h_q: dims.h_q as i64,
+                h_kv: dims.h_kv as i64,
+                d: dims.d as i64,
+                scale: x.scale,
+                scale_log2: x.scale * std::f32::consts::LOG2_E,
+                ..Default::default()
+            };
+            for (kernel, launch) in geometry::backward(&dims, compute_delta) {
+                let name = entry(&format!("flash_bwd_{}", kernel.name()), x.dtype);
+                self.launch(stream, "flash_bwd", &name, launch, &p)?;
+            }
+        }
+        guard("a deferred driver call", || self.ctx.check_err())
+    }
+
+    /// [`CudaDevice::backward_into`] into new gradient buffers, computing `delta` in a new
+    /// workspace (both stream ordered).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::backward_into`], and [`Error::Cuda`] when an allocation fails.
+    pub fn backward(&self, stream: &Arc<CudaStream>, args: &FlashBackwardArgs<'_>) -> Result<DeviceGradients> {
+        self.check_forward(stream, &args.forward)?;
+        let dims = args.forward.dims;
+        let mut delta = super::buffers::alloc_nan(stream, lse_len(&dims))?;
+        let mut grads = DeviceGradients::alloc(stream, &dims)?;
+        self.backward_into(stream, args, Delta::Compute(&mut delta), &mut grads)?;
+        Ok(grads)
+    }
+
+    /// Enqueues `delta = rowsum(dO∘O)` `[b, h_q, s_q]` (f32) from the f32 `o` and 16-bit
+    /// `d_o` (`[b, s_q, h_q, d]`, `dtype`): the rowsum kernel alone.
+    ///
+    /// # Errors
+    /// As [`CudaDevice::forward_into`] for `o`, `d_o` and `delta`.
+    #[allow(clippy::needless_update)] // `..Default::default()`: pointers the kernel does not read stay null.
+    pub fn rowsum_into(
+        &self,
+        stream: &Arc<CudaStream>,
+        dims: &Dims,
+        dtype: DType,
+        o: &CudaSlice<f32>,
+        d_o: &CudaSlice<u16>,
+        delta: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        check_supported(dims, dtype)?;
+        need(self, "o", o, q_len(dims))?;
+        need(self, "d_o", d_o, q_len(dims))?;
+        need(self, "delta", delta, lse_len(dims))?;
+        {
+            let (o, _go) = o.device_ptr(stream);
+            let (d_o, _gdo) = d_o.device_ptr(stream);
+            let (delta, _gd) = delta.device_ptr_mut(stream);
+            let p = FlashBwdParams {
+                o,
+                d_o,
+                delta,
+                b: dims.b as i64,
+                s_q: dims.s_q as i64,
+                s_k: dims.s_k as i64,
+                h_q: dims.h_q as i64,
+                h_kv: dims.h_kv as i64,
+                d: dims.d as i64,
+                ..Default::default()
+            };
+            self.launch(stream, "flash_bwd", &entry("flash_bwd_rowsum", dtype), geometry::rowsum(dims), &p)?;
+        }
+        guard("a deferred driver call", || self.ctx.check_err())
+    }
+
+    /// Enqueues the merge kernel (`ringattn_merge_f32`): merges the partial `(o_part,
+    /// lse_part)` over a disjoint key set into `(o_acc, lse_acc)` as [`crate::merge::merge`]
+    /// does (`o` `[b, s, h, d]`, `lse` `[b, h, s]`, f32, `-inf` safe); `bshd` is `[b, s, h,
+    /// d]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a buffer shorter than `bshd` needs; [`Error::Kernel`]
+    /// when the launch fails.
+    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
+    pub fn merge_into(
+        &self,
+        stream: &Arc<CudaStream>,
+        o_acc: &mut CudaSlice<f32>,
+        lse_acc: &mut CudaSlice<f32>,
+        o_part: &CudaSlice<f32>,
+        lse_part: &CudaSlice<f32>,
+        bshd: [usize; 4],
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let [b, s, h, d] = bshd;
+        need(self, "o_acc", o_acc, b * s * h * d)?;
+        need(self, "o_part", o_part, b * s * h * d)?;
+        need(self, "lse_acc", lse_acc, b * h * s)?;
+        need(self, "lse_part", lse_part, b * h * s)?;
+        {
+            let (o_acc, _g1) = o_acc.device_ptr_mut(stream);
+            let (lse_acc, _g2) = lse_acc.device_ptr_mut(stream);
+            let (o_part, _g3) = o_part.device_ptr(stream);
+            let (lse_part, _g4) = lse_part.device_ptr(stream);
+            let p = MergeParams {
+                o_acc,
+                lse_acc,
+                o_part,
+                lse_part,
+                b: b as i64,
+                s: s as i64,
+                h: h as i64,
+                d: d as i64,
+                ..Default::default()
+            };
+            self.launch(stream, "merge", "ringattn_merge_f32", geometry::merge(b * h * s), &p)?;
+        }
+        guard("a deferred driver call", || self.ctx.check_err())
+    }
+
+    /// Times `step` (which enqueues work on `stream`, e.g. a [`CudaDevice::forward_into`])
+    /// with CUDA events: `warmup` untimed calls, then `iters` calls each between two events
+    /// recorded on `stream`; returns each call's GPU time in milliseconds. Nothing is copied
+    /// to or from the host inside the timed region; the stream is synchronised once, at the
+    /// end.
+    ///
+    /// # Errors
+    /// The first error of `step`; [`Error::Cuda`] when an event fails.
+    pub fn time_iterations(
+        &self,
+        stream: &Arc<CudaStream>,
+        warmup: usize,
+        iters: usize,
+        mut step: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        self.check_stream(stream)?;
+        for _ in 0..warmup {
+            step()?;
+        }
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::with_capacity(2 * iters);
+        for _ in 0..2 * iters {
+            events.push(guard("creating an event", || self.ctx.new_event(flags))?);
+        }
+        for pair in events.chunks_exact(2) {
+            guard("recording an event", || pair[0].record(stream))?;
+            step()?;
+            guard("recording an event", || pair[1].record(stream))?;
+        }
+        guard("synchronising the stream", || stream.synchronize())?;
+        events
+            .chunks_exact(2)
+            .map(|pair| guard("reading an event's time", || pair[0].elapsed_ms(&pair[1])).map(f64::from))
+            .collect()
+    }
+}
+
+/// Checks what the kernels take: bf16 or f16 and a head dimension they handle.
+pub(crate) fn check_supported(dims: &Dims, dtype: DType) -> Result<()> {
+    if dtype == DType::F32 {
+        return Err(Error::BackendUnsupported {
+            backend: super::BACKEND,
+            what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
+        });
+    }
+    geometry::check_head_dim(super::BACKEND, dims.d)
+}
+
+/// `ringattn_{family}_{bf16|f16}` (the launch adds the head-dim class suffix, `_d64`).
+fn entry(family: &str, dtype: DType) -> String {
+    format!("ringattn_{family}_{}", if dtype == DType::F16 { "f16" } else { "bf16" })
+}
+
+/// The entry point a launch of `base` calls: `base`, or `base_d{D}` for a kernel instantiated
+/// per head-dim class.
+fn entry_name(base: &str, l: &Launch) -> String {
+    match l.head_dim_class {
+        0 => base.to_string(),
+        dc => format!("{base}_d{dc}"),
+    }
+}
+
+/// Every (family, entry point) that a forward and backward of `dims` launch.
+#[cfg(test)]
+fn entry_points(dims: &Dims, dtype: DType) -> Vec<(&'static str, String)> {
+    let mut v = vec![("flash_fwd", entry_name(&entry("flash_fwd", dtype), &geometry::forward(dims)))];
+    for (kernel, launch) in geometry::backward(dims, true) {
+        v.push(("flash_bwd", entry_name(&entry(&format!("flash_bwd_{}", kernel.name()), dtype), &launch)));
+    }
+    v.push(("merge", "ringattn_merge_f32".into()));
+    v
+}
+
+fn kind_name(kind: ImageKind) -> &'static str {
+    match kind {
+        ImageKind::Cubin => "cubin",
+        ImageKind::Ptx => "PTX",
+    }
+}
+
+/// PTX bytes as the text `cuModuleLoadData` takes (without trailing NULs; cudarc appends one).
+fn ptx_text(bytes: &[u8]) -> std::result::Result<String, String> {
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    let text = std::str::from_utf8(&bytes[..end]).map_err(|e| format!("not UTF-8 text: {e}"))?;
+    if text.contains('\0') {
+        return Err("holds a NUL byte".into());
+    }
+    Ok(text.to_string())
+}
+
+/// Checks that `buf` belongs to `dev`'s context and holds at least `n` elements.
+fn need<T>(dev: &CudaDevice, name: &str, buf: &CudaSlice<T>, n: usize) -> Result<()> {
+    if **buf.context() != *dev.ctx {
+        return Err(Error::Cuda(format!("`{name}` was allocated on another device than {}", dev.ordinal)));
+    }
+    if buf.len() < n {
+        return Err(Error::ShapeMismatch(format!("`{name}` holds {} elements, the call needs {n}", buf.len())));
+    }
+    Ok(())
+}
+
+/// The mask in the kernels' form, with the event guards of its buffers.
+fn mask_params<'a>(
+    m: &'a super::DeviceMask,
+    stream: &'a CudaStream,
+) -> (MaskParams, Vec<cudarc::driver::SyncOnDrop<'a>>) {
+    let mut guards = Vec::with_capacity(4);
+    let mut ptr = |s: &'a CudaSlice<_>| {
+        let (p, g) = s.device_ptr(stream);
+        guards.push(g);
+        p
+    };
+    let q_pos = ptr(&m.q_pos);
+    let k_pos = ptr(&m.k_pos);
+    let mut doc = |d: &'a Option<CudaSlice<u32>>| {
+        d.as_ref().map_or(0, |s| {
+            let (p, g) = s.device_ptr(stream);
+            guards.push(g);
+            p
+        })
+    };
+    let q_doc = doc(&m.q_doc);
+    let k_doc = doc(&m.k_doc);
+    let side = |w: i64| if w < 0 { -1 } else { w };
+    (
+        MaskParams { q_pos, k_pos, q_doc, k_doc, window_left: side(m.window_left), window_right: side(m.window_right) },
+        guards,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_text_strips_trailing_nuls() {
+        assert_eq!(ptx_text(b".version 9.0\0\0").unwrap(), ".version 9.0");
+        assert!(ptx_text(b"a\0b").is_err());
+        assert!(ptx_text(b"\xff").is_err());
+        assert_eq!(entry("flash_bwd_dq", DType::F16), "ringattn_flash_bwd_dq_f16");
+        assert_eq!(entry("flash_fwd", DType::BF16), "ringattn_flash_fwd_bf16");
+    }
+
+    /// Every entry point a launch names exists in every embedded image of its family, for
+    /// every head dimension and dtype the kernels take (checked without a GPU: PTX lists
+    /// `.entry NAME(`, a cubin's string table holds `NAME\0`).
+    #[test]
+    fn every_launched_entry_point_is_in_the_images() {
+        let mut checked = 0;
+        for d in (8..=geometry::MAX_HEAD_DIM).step_by(8) {
+            let dims = Dims { b: 1, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
+            for dtype in [DType::BF16, DType::F16] {
+                for (family, name) in entry_points(&dims, dtype) {
+                    for image in kernels::images().iter().filter(|i| i.family == family) {
+                        let needle = match image.kind {
+                            ImageKind::Ptx => format!(".entry {name}("),
+                            ImageKind::Cubin => format!("{name}\0"),
+                        };
+                        let has = |needle: &str| image.bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+                        assert!(has(&needle), "{name} (d = {d}) is missing from the {family} {} image", image.target);
+                        if image.kind == ImageKind::Ptx {
+                            // One by-value parameter of the params struct's size.
+                            let size = match family {
+                                "flash_fwd" => std::mem::size_of::<FlashFwdParams>(),
+                                "flash_bwd" => std::mem::size_of::<FlashBwdParams>(),
+                                _ => std::mem::size_of::<MergeParams>(),
+                            };
+                            assert!(has(&format!("{name}_param_0[{size}]")), "{name}: parameter of {size} bytes");
+                            assert!(!has(&format!("{name}_param_1")), "{name}: one parameter");
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked > 0, kernels::compiled());
+    }
+}

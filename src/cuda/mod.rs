@@ -1,0 +1,288 @@
+//! The CUDA backend (feature `cuda`): the kernels of `cuda/` (flash forward, flash backward,
+//! merge) launched on a GPU through cudarc's driver API, with `libcuda` loaded at run time —
+//! a build with the feature runs everywhere, and reports a machine without a driver or GPU
+//! as [`Error::Cuda`] instead of panicking ([`probe`]).
+//!
+//! Three levels:
+//!
+//! * **GPU-resident** — [`CudaDevice`]: [`CudaDevice::forward_into`] /
+//!   [`CudaDevice::backward_into`] enqueue the kernels on the caller's stream over the
+//!   caller's device buffers ([`FlashForwardArgs`], [`FlashBackwardArgs`], [`DeviceMask`],
+//!   [`SavedContext`], [`DeviceGradients`]; q, k, v and `d_o` as 16-bit patterns in
+//!   `CudaSlice<u16>`, everything else f32), with no host copies; [`workspace_bytes`] says
+//!   what else the caller allocates; [`CudaDevice::time_iterations`] times launches with
+//!   CUDA events (`ringattn bench --backend cuda`).
+//! * **Host tensors** — [`forward`] and [`backward`]: the contract of `emu::forward`
+//!   / [`crate::cpu::forward`] (outputs rounded to the input dtype; `lse` f32), each call
+//!   uploading, launching and downloading.
+//! * **Every strategy** — [`CudaBackend`], a [`crate::parallel::Backend`] over host buffers:
+//!   each step uploads, launches and downloads, so ring, all-gather, Ulysses and USP run on
+//!   the GPU unchanged (`ringattn run --backend cuda`). Device-resident drivers, with
+//!   communication on device buffers, come with the NCCL communicator (issue 6).
+//!
+//! What the kernels take: bf16 or f16 inputs (f32 is refused with
+//! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
+//! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
+//! global-position blocks; arithmetic and accumulation in f32, no atomics (deterministic).
+//!
+//! The embedded image is chosen per GPU: the cubin of its architecture (`sm_90a` on
+//! H100/H200, `sm_80` on A100 and, binary compatible, other 8.x GPUs), else the PTX JIT-compiled
+//! by the driver (newer GPUs; CUDA 13.0's PTX needs a CUDA 13.0 driver, R580 or newer).
+//!
+//! ```
+//! use ringattn::{cuda, random::randn, AttentionParams, DType};
+//! let q = randn(vec![1, 64, 2, 32], 0, DType::BF16);
+//! match cuda::forward(&q, &q, &q, None, &AttentionParams::default(), &cuda::CudaOptions::default()) {
+//!     Ok(out) => assert_eq!(out.o.shape(), &[1, 64, 2, 32]),
+//!     Err(e) => assert!(e.to_string().contains("CUDA"), "{e}"), // no GPU on this machine
+//! }
+//! ```
+
+mod backend;
+mod buffers;
+mod device;
+mod images;
+mod probe;
+
+pub use backend::CudaBackend;
+pub use buffers::{
+    to_bits, workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
+};
+/// cudarc's context, stream and buffer types, as the GPU-resident API takes them (cudarc
+/// 0.19).
+pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+pub use device::CudaDevice;
+pub use probe::{probe, DriverInfo};
+
+use crate::cpu::{ForwardOutput, Gradients};
+use crate::params::Visibility;
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor, TensorData};
+
+/// Name of this backend in errors.
+pub(crate) const BACKEND: &str = "cuda";
+
+/// Options of the host-tensor functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaOptions {
+    /// GPU ordinal (`CUDA_VISIBLE_DEVICES` applies).
+    pub device: usize,
+}
+
+/// The 16-bit patterns of a bf16 or f16 tensor (borrowed when the tensor already holds that
+/// dtype).
+fn tensor_bits(t: &Tensor) -> std::borrow::Cow<'_, [u16]> {
+    match t.data() {
+        TensorData::BF16(v) => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
+        TensorData::F16(v) => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
+        TensorData::F32(v) => std::borrow::Cow::Owned(to_bits(v, t.dtype())),
+    }
+}
+
+/// The host inputs of one forward, as the kernels take them.
+pub(crate) struct HostForward<'a> {
+    pub dims: Dims,
+    pub dtype: DType,
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+}
+
+/// The host inputs of one backward.
+pub(crate) struct HostBackward<'a> {
+    pub fwd: HostForward<'a>,
+    pub o: &'a [f32],
+    pub lse: &'a [f32],
+    pub d_o: &'a [u16],
+    /// `rowsum(dO∘O)` when known; computed by the rowsum kernel otherwise.
+    pub delta: Option<&'a [f32]>,
+}
+
+fn host_len<T>(name: &str, x: &[T], n: usize) -> Result<()> {
+    if x.len() != n {
+        return Err(Error::ShapeMismatch(format!("cuda: `{name}` holds {} elements, expected {n}", x.len())));
+    }
+    Ok(())
+}
+
+impl CudaDevice {
+    /// Forward of host buffers on this device's stream: upload, launch, download; f32 `(o,
+    /// lse)`, unrounded.
+    pub(crate) fn forward_host(&self, x: &HostForward<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+        let dims = x.dims;
+        device::check_supported(&dims, x.dtype)?;
+        host_len("q", x.q, buffers::q_len(&dims))?;
+        host_len("k", x.k, buffers::kv_len(&dims))?;
+        host_len("v", x.v, buffers::kv_len(&dims))?;
+        let s = self.stream();
+        let (q, k, v) = (self.upload_bits(x.q)?, self.upload_bits(x.k)?, self.upload_bits(x.v)?);
+        let mask = DeviceMask::upload(s, x.vis)?;
+        let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale };
+        let saved = self.forward(s, &args)?;
+        Ok((
+            buffers::download(s, &saved.o, buffers::q_len(&dims))?,
+            buffers::download(s, &saved.lse, buffers::lse_len(&dims))?,
+        ))
+    }
+
+    /// Backward of host buffers: f32 `(dq, dk, dv)`, unrounded.
+    pub(crate) fn backward_host(&self, x: &HostBackward<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let f = &x.fwd;
+        let dims = f.dims;
+        device::check_supported(&dims, f.dtype)?;
+        let (nq, nkv, nst) = (buffers::q_len(&dims), buffers::kv_len(&dims), buffers::lse_len(&dims));
+        host_len("q", f.q, nq)?;
+        host_len("k", f.k, nkv)?;
+        host_len("v", f.v, nkv)?;
+        host_len("o", x.o, nq)?;
+        host_len("lse", x.lse, nst)?;
+        host_len("do", x.d_o, nq)?;
+        if let Some(d) = x.delta {
+            host_len("delta", d, nst)?;
+        }
+        let s = self.stream();
+        let (q, k, v, d_o) =
+            (self.upload_bits(f.q)?, self.upload_bits(f.k)?, self.upload_bits(f.v)?, self.upload_bits(x.d_o)?);
+        let saved = SavedContext { o: buffers::upload(s, x.o)?, lse: buffers::upload(s, x.lse)? };
+        let mask = DeviceMask::upload(s, f.vis)?;
+        let args = FlashBackwardArgs {
+            forward: FlashForwardArgs { dims, dtype: f.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: f.scale },
+            saved: &saved,
+            d_o: &d_o,
+        };
+        let mut grads = DeviceGradients::alloc(s, &dims)?;
+        match x.delta {
+            Some(d) => {
+                let d = buffers::upload(s, d)?;
+                self.backward_into(s, &args, Delta::Given(&d), &mut grads)?;
+            }
+            None => {
+                let mut d = buffers::alloc_nan(s, nst)?;
+                self.backward_into(s, &args, Delta::Compute(&mut d), &mut grads)?;
+            }
+        }
+        Ok((
+            buffers::download(s, &grads.dq, nq)?,
+            buffers::download(s, &grads.dk, nkv)?,
+            buffers::download(s, &grads.dv, nkv)?,
+        ))
+    }
+
+    /// `rowsum(dO∘O)` of host buffers.
+    pub(crate) fn rowsum_host(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
+        device::check_supported(dims, dtype)?;
+        host_len("o", o, buffers::q_len(dims))?;
+        host_len("do", d_o, buffers::q_len(dims))?;
+        let s = self.stream();
+        let (o, d_o) = (buffers::upload(s, o)?, self.upload_bits(d_o)?);
+        let n = buffers::lse_len(dims);
+        let mut delta = buffers::alloc_nan(s, n)?;
+        self.rowsum_into(s, dims, dtype, &o, &d_o, &mut delta)?;
+        buffers::download(s, &delta, n)
+    }
+}
+
+/// Single-device forward on GPU `opts.device`: the contract of [`crate::cpu::forward`] (`o`
+/// `[b, s_q, h_q, d]` in the input dtype, `lse` f32 `[b, h_q, s_q]`) for bf16 or f16 inputs
+/// with head dimensions that are multiples of 8 up to 256. Positions default to
+/// single-device (bottom-right aligned); pass `positions` for a block at global offsets, as
+/// [`crate::cpu::forward_at`]. Each call uploads the inputs, launches, and downloads the
+/// outputs (the device and its kernels are opened once per process:
+/// [`CudaDevice::shared`]).
+///
+/// # Errors
+/// Shape and parameter errors as the CPU path (checked before the GPU is touched);
+/// [`Error::BackendUnsupported`] for f32 inputs or an unsupported head dimension;
+/// [`Error::Cuda`] when there is no driver or GPU (`no CUDA driver found` / `no CUDA GPU
+/// found`), no kernel image for this GPU, or a driver call fails; [`Error::Kernel`] when a
+/// launch fails.
+///
+/// ```no_run
+/// use ringattn::{cuda, random::randn, verify, AttentionParams, DType, Mask};
+/// let q = randn(vec![1, 1000, 8, 64], 1, DType::BF16);
+/// let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let out = cuda::forward(&q, &q, &q, None, &p, &cuda::CudaOptions::default())?;
+/// let report = verify::check_results(&q, &q, &q, None, None, &p, &out, None)?;
+/// assert!(report.pass(), "{}", report.table());
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    opts: &CudaOptions,
+) -> Result<ForwardOutput> {
+    let dims = Dims::of(q, k, v)?;
+    device::check_supported(&dims, q.dtype())?;
+    let vis = buffers::visibility(&dims, positions, params)?;
+    let dev = CudaDevice::shared(opts.device)?;
+    let (qb, kb, vb) = (tensor_bits(q), tensor_bits(k), tensor_bits(v));
+    let x =
+        HostForward { dims, dtype: q.dtype(), q: &qb, k: &kb, v: &vb, vis: &vis, scale: params.softmax_scale(dims.d) };
+    let (o, lse) = dev.forward_host(&x)?;
+    Ok(ForwardOutput {
+        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+    })
+}
+
+/// Single-device backward on GPU `opts.device`: the contract of [`crate::cpu::backward`]
+/// (`dq`, `dk`, `dv` in the input dtype) for bf16 or f16 inputs, given the forward's `o`
+/// (input dtype, as [`forward`] returns it) and `lse` (f32 `[b, h_q, s_q]`).
+///
+/// # Errors
+/// As [`forward`], plus shape or dtype errors for `o`, `lse` and `d_o`.
+///
+/// ```no_run
+/// use ringattn::{cuda, random::randn, AttentionParams, DType};
+/// let x = randn(vec![1, 256, 4, 64], 3, DType::F16);
+/// let (p, opts) = (AttentionParams::default(), cuda::CudaOptions::default());
+/// let f = cuda::forward(&x, &x, &x, None, &p, &opts)?;
+/// let g = cuda::backward(&x, &x, &x, &f.o, &f.lse, &x, None, &p, &opts)?;
+/// assert_eq!(g.dk.shape(), &[1, 256, 4, 64]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    opts: &CudaOptions,
+) -> Result<Gradients> {
+    let dims = Dims::of(q, k, v)?;
+    device::check_supported(&dims, q.dtype())?;
+    dims.expect_backward_inputs(q, o, lse, d_o)?;
+    let vis = buffers::visibility(&dims, positions, params)?;
+    let dev = CudaDevice::shared(opts.device)?;
+    let (qb, kb, vb, dob) = (tensor_bits(q), tensor_bits(k), tensor_bits(v), tensor_bits(d_o));
+    let (of, lf) = (o.as_f32(), lse.as_f32());
+    let x = HostBackward {
+        fwd: HostForward {
+            dims,
+            dtype: q.dtype(),
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            vis: &vis,
+            scale: params.softmax_scale(dims.d),
+        },
+        o: &of,
+        lse: &lf,
+        d_o: &dob,
+        delta: None,
+    };
+    let (dq, dk, dv) = dev.backward_host(&x)?;
+    Ok(Gradients {
+        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+    })
+}
