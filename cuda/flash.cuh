@@ -113,13 +113,14 @@ struct DqTraits : TileGeom<D> {
 // Backward dk/dv kernel: 4 warps of 16 key rows (K and V tiles stay); query tiles of
 // kBlockM rows (Q, dO, lse, delta) stream through kStages buffers. Head dims above 128 are
 // split in kSplits column ranges of kDOut columns (one block per range), so that the dk and
-// dv accumulators fit in registers.
-template <int D>
+// dv accumulators fit in registers. The atomic-dq variant (kAtomicDq) also adds dS K into dq;
+// it streams 16-row query tiles and splits d = 128 too, to leave registers for that product.
+template <int D, bool kAtomicDq = false>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
     static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
-    static constexpr int kBlockM = DKDV_BLOCK_M(D);
-    static constexpr int kSplits = D > 128 ? 2 : 1;
+    static constexpr int kBlockM = kAtomicDq && D > 32 ? 16 : DKDV_BLOCK_M(D);
+    static constexpr int kSplits = D > 128 || (kAtomicDq && D == 128) ? 2 : 1;
     static constexpr int kDOut = D / kSplits;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;                         // one of K, V
     static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta

@@ -8,11 +8,13 @@
 //   ringattn_flash_bwd_dq_{bf16,f16}_d{D}       a block per 64 query rows (4 warps x 16),
 //       streaming K/V tiles: S = Q K^T and dP = dO V^T on mma.sync, P and dS on the
 //       fragments, dq += dS K with dS reused from registers and K by ldmatrix.trans;
-//   ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}     a block per 64 key rows (4 warps x 16) and
+//   ringattn_flash_bwd_dkdv[q]_{bf16,f16}_d{D}  a block per 64 key rows (4 warps x 16) and
 //       column range, streaming the query tiles of every query head of its GQA group in a
 //       fixed order: S^T = K Q^T and dP^T = V dO^T, then dv += P^T dO and dk += dS^T Q.
-// dq is recomputed by its own kernel instead of atomics: the price of determinism is one
-// more pass over S and dP. P and dS are rounded to the input type as mma operands.
+// By default dq is recomputed by its own kernel instead of atomics: the price of determinism
+// is one more pass over S and dP. The atomic variant ringattn_flash_bwd_dkdvq_*_d{D} also
+// adds scale dS K into a zeroed dq with f32 atomics (dS transposed in registers by
+// movmatrix), and the dq kernel is not launched. P and dS are rounded to the input type as mma operands.
 // Launch (src/kernels.rs `geometry::backward`): rowsum grid ceil(b h_q s_q / 256) x 256
 // threads; dq grid (ceil(s_q / 64), h_q, b) x 128, DqTraits<D>::kSmem; dkdv grid
 // (ceil(s_k / 64) kSplits, h_kv, b) x 128, DkDvTraits<D>::kSmem.
@@ -176,11 +178,12 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kAtomicDq>
 __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
-    using Tr = DkDvTraits<D>;
+    using Tr = DkDvTraits<D, kAtomicDq>;
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
-    constexpr int kUnrollK = D >= 96 ? 1 : D / 16;  // rolled for large heads: shorter live ranges
+    constexpr int kUnrollK = D >= 96 ? 1 : D / 16;   // rolled for large heads: shorter live ranges
+    constexpr int kUnrollDq = D <= 64 ? D / 16 : 1;  // the atomic dq columns, likewise
     const int64_t d = p.d, group = p.h_q / p.h_kv;
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int split = int(blockIdx.x % Tr::kSplits);
@@ -252,7 +255,6 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         const float* lt = lse_tile(buf);
         const float* dt = delta_tile(buf);
         const int64_t hq = hk * group + it / qtiles, q0 = (it % qtiles) * kM;
-        (void)hq;
         // Visibility of S^T fragments: rows are keys, columns queries.
         uint32_t vis = 0;
         RINGATTN_UNROLL
@@ -328,6 +330,36 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dk[n + 1], as, bq + 2);
                 }
             }
+            // Atomic dq mode (after the dv/dk products, so P^T is dead): dq += scale dS K, dS (queries x this warp's 16 keys) transposed
+            // from the dS^T fragments by movmatrix, K by ldmatrix.trans; one column range adds.
+            if (kAtomicDq && split == 0) {
+                RINGATTN_UNROLL
+                for (int mt = 0; mt < kM / 16; ++mt) {
+                    const uint32_t a[4] = {movmatrix_trans(pack2<T>(dp[2 * mt][0], dp[2 * mt][1])),
+                                           movmatrix_trans(pack2<T>(dp[2 * mt + 1][0], dp[2 * mt + 1][1])),
+                                           movmatrix_trans(pack2<T>(dp[2 * mt][2], dp[2 * mt][3])),
+                                           movmatrix_trans(pack2<T>(dp[2 * mt + 1][2], dp[2 * mt + 1][3]))};
+                    RINGATTN_UNROLL_BY(kUnrollDq)
+                    for (int n = 0; n < D / 8; n += 2) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, ks + swz<S, W>(warp * 16 + (lane / 8) % 2 * 8 + lane % 8, n + lane / 16));
+                        float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                        mma_16816<T>(c[0], a, b);
+                        mma_16816<T>(c[1], a, b + 2);
+                        RINGATTN_UNROLL
+                        for (int h = 0; h < 2; ++h) {
+                            RINGATTN_UNROLL
+                            for (int e = 0; e < 4; ++e) {
+                                const int64_t i = q0 + mt * 16 + g + 8 * (e / 2);
+                                const int64_t col = int64_t(n + h) * 8 + 2 * t + (e & 1);
+                                if (i < p.s_q && col < d && c[h][e] != 0.0f) {
+                                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[h][e] * p.scale);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
@@ -357,7 +389,10 @@ extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { fla
         flash_bwd_dq_tc<TY, D>(p);                                                                              \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D>(p);                                                                            \
+        flash_bwd_dkdv_tc<TY, D, false>(p);                                                                     \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
+        flash_bwd_dkdv_tc<TY, D, true>(p);                                                                      \
     }
 #define RINGATTN_BWD_ENTRIES(D) RINGATTN_BWD_ENTRY(Bf16, bf16, D) RINGATTN_BWD_ENTRY(F16, f16, D)
 RINGATTN_BWD_ENTRIES(32)

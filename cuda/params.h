@@ -57,7 +57,7 @@ static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
 // delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dq, dk, dv are
-// f32 and unrounded, written (not accumulated).
+// f32 and unrounded, written (not accumulated), except dq under dq_atomic, which is added to.
 struct FlashBwdParams {
     const uint16_t* q;    // [b, s_q, h_q, d]
     const uint16_t* k;    // [b, s_k, h_kv, d]
@@ -73,7 +73,10 @@ struct FlashBwdParams {
     int64_t b, s_q, s_k, h_q, h_kv, d;
     float scale;
     float scale_log2;
+    int32_t dq_atomic;  // informational: 1 when the dkdvq kernels add into a zeroed dq (no dq
+                        // kernel), 0 when the dq kernel writes it (deterministic)
+    int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 184, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 192, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");

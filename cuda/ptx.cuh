@@ -232,6 +232,15 @@ __device__ __forceinline__ uint16_t f32_to_f16_rn(float x) {
     return h;
 }
 
+// movmatrix.trans (sm_75+): transposes an 8x8 b16 matrix held by the warp in the layout of
+// one m16n8 accumulator quadrant packed to 16 bits: source element [r][c] sits in lane
+// 4r + c/2, half c%2; lane L receives in half h the element src[2(L%4) + h][L/4].
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+    uint32_t d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+    return d;
+}
+
 #else  // the emulated twins
 
 namespace emu {
@@ -508,5 +517,20 @@ inline float bf16_lo(uint32_t x) { return ::emu::bf16_to_float(uint16_t(x & 0xff
 inline float bf16_hi(uint32_t x) { return ::emu::bf16_to_float(uint16_t(x >> 16)); }
 inline float f16_lo(uint32_t x) { return ::emu::f16_to_float(uint16_t(x & 0xffffu)); }
 inline float f16_hi(uint32_t x) { return ::emu::f16_to_float(uint16_t(x >> 16)); }
+
+// movmatrix.trans twin: the warp publishes its registers; lane L takes, for half h, the
+// element at row 2(L%4) + h, column L/4 of the source (held by lane 4 row + col/2).
+inline uint32_t movmatrix_trans(uint32_t a) {
+    const auto all = ::emu::warp_allgather(a);
+    const unsigned lane = ::emu::lane_id();
+    uint32_t out = 0;
+    for (unsigned h = 0; h < 2; ++h) {
+        const unsigned row = 2 * (lane % 4) + h, col = lane / 4;
+        const uint32_t src = uint32_t(all[4 * row + col / 2]);
+        const uint32_t half = (col % 2) ? src >> 16 : src & 0xffffu;
+        out |= half << (16 * h);
+    }
+    return out;
+}
 
 #endif

@@ -176,6 +176,11 @@ pub mod params {
         pub scale: f32,
         /// `scale · log2(e)`.
         pub scale_log2: f32,
+        /// 1: the dk/dv kernel adds dq into a zeroed `dq` with f32 atomics and no dq kernel
+        /// runs ([`super::geometry::DqMode::Atomic`]); 0: the dq kernel writes it.
+        pub dq_atomic: i32,
+        /// Zero.
+        pub reserved: i32,
     }
 
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
@@ -184,7 +189,7 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
     const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 152);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 184);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 192);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
 }
 
@@ -319,14 +324,16 @@ pub mod geometry {
         }
     }
 
-    /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`): 4 warps of
-    /// 16 key rows, one block per 64 keys and column range (two ranges above d = 128); query
-    /// tiles stream (`DkDvTraits<D>::kSmem`).
-    pub fn dkdv(dims: &Dims) -> Launch {
+    /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`, or under
+    /// [`DqMode::Atomic`] `ringattn_flash_bwd_dkdvq_*`, which also adds dq): 4 warps of 16 key
+    /// rows, one block per 64 keys and column range (two ranges above d = 128, and at 128 in
+    /// the atomic variant); query tiles stream (`DkDvTraits<D, atomic>::kSmem`).
+    pub fn dkdv(dims: &Dims, mode: DqMode) -> Launch {
         let dc = head_dim_class(dims.d);
+        let atomic = mode == DqMode::Atomic;
         let row = tc_stride(dc) * 2;
-        let block_m = bwd_tile(dc);
-        let splits = if dc > 128 { 2 } else { 1 };
+        let block_m = if atomic && dc > 32 { 16 } else { bwd_tile(dc) };
+        let splits = if dc > 128 || (atomic && dc == 128) { 2 } else { 1 };
         let kv = 64 * row;
         let stage = 2 * block_m * row + 2 * block_m * 4;
         let stages = if 2 * kv + 2 * stage <= SMEM_LIMIT { 2 } else { 1 };
@@ -348,6 +355,8 @@ pub mod geometry {
         Dq,
         /// `dk`, `dv`.
         DkDv,
+        /// `dk`, `dv`, and `dq` added with atomics ([`DqMode::Atomic`]).
+        DkDvDq,
     }
 
     impl BackwardKernel {
@@ -357,19 +366,38 @@ pub mod geometry {
                 BackwardKernel::Rowsum => "rowsum",
                 BackwardKernel::Dq => "dq",
                 BackwardKernel::DkDv => "dkdv",
+                BackwardKernel::DkDvDq => "dkdvq",
             }
         }
     }
 
+    /// How the backward computes dq.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum DqMode {
+        /// A dq kernel per query tile recomputes S and dP and writes dq: bit-identical run to
+        /// run, one more pass over S and dP.
+        #[default]
+        Deterministic,
+        /// The dk/dv kernel adds its dS·K into a zeroed f32 dq with atomics (no dq kernel):
+        /// less work, but the order of the additions, hence the last bits of dq, varies.
+        Atomic,
+    }
+
     /// The kernels of a backward, in launch order, with their launches; `with_rowsum` is
     /// false when the caller already has `delta` (the ring computes it once per query block).
-    pub fn backward(dims: &Dims, with_rowsum: bool) -> Vec<(BackwardKernel, Launch)> {
+    /// Under [`DqMode::Atomic`] the caller zeroes dq first (and sets `dq_atomic`).
+    pub fn backward(dims: &Dims, with_rowsum: bool, mode: DqMode) -> Vec<(BackwardKernel, Launch)> {
         let mut v = Vec::with_capacity(3);
         if with_rowsum {
             v.push((BackwardKernel::Rowsum, rowsum(dims)));
         }
-        v.push((BackwardKernel::Dq, dq(dims)));
-        v.push((BackwardKernel::DkDv, dkdv(dims)));
+        match mode {
+            DqMode::Deterministic => {
+                v.push((BackwardKernel::Dq, dq(dims)));
+                v.push((BackwardKernel::DkDv, dkdv(dims, mode)));
+            }
+            DqMode::Atomic => v.push((BackwardKernel::DkDvDq, dkdv(dims, mode))),
+        }
         v
     }
 
@@ -391,7 +419,7 @@ pub mod geometry {
         fn every_kernel_fits_in_99_kib_of_shared_memory() {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
                 let dims = Dims { b: 2, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
-                for l in [forward(&dims), dq(&dims), dkdv(&dims)] {
+                for l in [forward(&dims), dq(&dims), dkdv(&dims, DqMode::Deterministic), dkdv(&dims, DqMode::Atomic)] {
                     assert!(l.smem_bytes <= 99 * 1024, "d = {d}: {l:?}");
                     assert!(!l.is_empty());
                 }

@@ -235,7 +235,8 @@ fn the_device_resident_api_matches_the_host_path() {
     assert!(o.iter().chain(&lse).all(|x| !x.is_nan()), "every output element written");
     let host = cuda::forward(&x.q, &x.k, &x.v, None, &c.params, &CudaOptions::default()).unwrap();
     assert_eq!(lse, host.lse.to_f32_vec());
-    let bargs = ringattn::cuda::FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o };
+    let bargs =
+        ringattn::cuda::FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o, dq_mode: Default::default() };
     let grads = dev.backward(&stream, &bargs).unwrap();
     let mut delta = dev.alloc_f32(dims.b * dims.h_q * dims.s_q).unwrap();
     dev.rowsum_into(&stream, &dims, DType::BF16, &saved.o, &d_o, &mut delta).unwrap();

@@ -1,8 +1,7 @@
 // Standalone check of the emulator and the host-compiled kernels under sanitizers:
-//   g++ -std=c++17 -g -fsanitize=address,undefined -I cuda cuda/emu/harness.cpp
-//       cuda/emu/kernels.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp -pthread
-//       -o target/emu-harness && target/emu-harness
-// (scripts/test.sh runs it). Exits non-zero on the first failed check.
+//   scripts/test.sh compiles this file with cuda/emu/kernels*.cpp and selftest*.cpp under
+//   -fsanitize=address,undefined (-I cuda) and runs it.
+// Exits non-zero on the first failed check.
 #include <cmath>
 #include <cstdio>
 #include <algorithm>
@@ -119,7 +118,7 @@ int main() {
         check(worst < 5e-3, "flash forward matches a naive attention");
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
         FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
-                          dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f};
+                          dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f, 0, 0};
         // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32.
         EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0};
         bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, rl, msg, sizeof msg) == 0;

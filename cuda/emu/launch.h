@@ -1,6 +1,7 @@
-// The launch record the Rust side passes to the emulated entry points of kernels.cpp:
-// geometry (computed in Rust, as the CUDA backend does) and emulator options. Mirrored in
-// src/emu/mod.rs (`EmuLaunch`).
+// The launch record the Rust side passes to the emulated entry points (kernels*.cpp):
+// geometry (computed in Rust, as the CUDA backend does) and emulator options, mirrored in
+// src/emu/mod.rs (`EmuLaunch`); and the entry points' shared helpers (only where the
+// emulator is included: define RINGATTN_EMU_ENTRY_HELPERS first).
 #pragma once
 #include <stdint.h>
 
@@ -13,3 +14,41 @@ struct EmuLaunch {
     uint64_t seed;
 };
 static_assert(sizeof(EmuLaunch) == 40, "EmuLaunch is mirrored in Rust");
+
+#ifdef RINGATTN_EMU_ENTRY_HELPERS
+#include <cstdio>
+#include <string>
+
+#include "params.h"
+
+namespace emu_entry {
+inline int report(const std::string& err, char* msg, size_t cap) {
+    if (err.empty()) return 0;
+    if (msg && cap) {
+        std::snprintf(msg, cap, "%s", err.c_str());
+    }
+    return 1;
+}
+
+inline emu::LaunchConfig config(const EmuLaunch& l) {
+    emu::LaunchConfig c;
+    c.grid = dim3(l.grid[0], l.grid[1], l.grid[2]);
+    c.block = dim3(l.block);
+    c.smem_bytes = l.smem_bytes;
+    c.schedule = emu::Schedule(l.schedule);
+    c.seed = l.seed;
+    c.workers = l.workers;
+    return c;
+}
+
+inline size_t bytes(int64_t n, size_t elem) { return size_t(n) * elem; }
+
+inline void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int64_t s_k) {
+    c.globals.push_back({m.q_pos, bytes(s_q, 8), "q_pos"});
+    c.globals.push_back({m.k_pos, bytes(s_k, 8), "k_pos"});
+    if (m.q_doc) c.globals.push_back({m.q_doc, bytes(s_q, 4), "q_doc"});
+    if (m.k_doc) c.globals.push_back({m.k_doc, bytes(s_k, 4), "k_doc"});
+}
+}  // namespace emu_entry
+using namespace emu_entry;
+#endif

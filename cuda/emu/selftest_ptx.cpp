@@ -139,3 +139,16 @@ extern "C" int ringattn_emu_selftest_convert(const float* x, unsigned n, uint16_
     std::function<void()> body = [=] { convert_lanes(x, n, bf, hf, packed, unpacked, all_bf, all_hf); };
     return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
 }
+
+namespace {
+// One warp: out[L] = movmatrix_trans(in[L]).
+__global__ void movmatrix_lanes(const uint32_t* in, uint32_t* out) {
+    out[threadIdx.x] = movmatrix_trans(in[threadIdx.x]);
+}
+}  // namespace
+
+// in, out: 32 registers (one per lane).
+extern "C" int ringattn_emu_selftest_movmatrix(const uint32_t* in, uint32_t* out, char* msg, size_t cap) {
+    std::function<void()> body = [=] { movmatrix_lanes(in, out); };
+    return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
+}

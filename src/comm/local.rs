@@ -140,6 +140,9 @@ impl<B: Payload> LocalComm<B> {
         LocalComm { rank, group, collectives: AtomicU64::new(0), splits: AtomicU64::new(0) }
     }
 
+    /// Range check only: a failed group is reported by the waits, after they have looked for
+    /// the message, so that data already sent before a peer failed is still delivered (every
+    /// rank of a failed handshake then reports the same error).
     fn check_peer(&self, peer: usize, op: &str) -> Result<()> {
         if peer >= self.group.size {
             return Err(Error::InvalidArgument(format!(
@@ -147,14 +150,7 @@ impl<B: Payload> LocalComm<B> {
                 self.group.size
             )));
         }
-        self.check_failed()
-    }
-
-    fn check_failed(&self) -> Result<()> {
-        match self.group.failure.get() {
-            Some((rank, reason)) => Err(Error::PeerFailed { rank, reason }),
-            None => Ok(()),
-        }
+        Ok(())
     }
 }
 
@@ -329,7 +325,8 @@ impl<B: Payload> LocalComm<B> {
 
 /// Runs `f` on `world` in-process ranks (one thread each) and returns every rank's result,
 /// indexed by rank. A rank whose closure errors or panics aborts the group, so the others
-/// fail promptly with [`Error::PeerFailed`] instead of waiting for it.
+/// fail promptly with [`Error::PeerFailed`] instead of waiting for it (except for
+/// [`Error::Handshake`], which every rank finds by itself).
 pub fn spmd<B: Payload, T: Send>(
     world: usize,
     options: LocalOptions,
@@ -358,8 +355,10 @@ pub fn spmd<B: Payload, T: Send>(
                             .unwrap_or_else(|| "panic".into());
                         Err(Error::InvalidArgument(format!("rank {} panicked: {msg}", c.rank())))
                     });
+                    // A handshake error is found by every rank from the same gathered data, so
+                    // it needs no abort (which could cut a slower rank's gather short).
                     if let Err(e) = &r {
-                        if !matches!(e, Error::PeerFailed { .. }) {
+                        if !matches!(e, Error::PeerFailed { .. } | Error::Handshake(_)) {
                             c.abort(&e.to_string());
                         }
                     }

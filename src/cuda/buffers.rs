@@ -148,6 +148,9 @@ pub struct FlashBackwardArgs<'a> {
     pub saved: &'a SavedContext,
     /// Output gradient.
     pub d_o: &'a CudaSlice<u16>,
+    /// How dq is computed: by its own kernel (deterministic, the default) or added with
+    /// atomics by the dk/dv kernel ([`crate::kernels::geometry::DqMode`]).
+    pub dq_mode: crate::kernels::geometry::DqMode,
 }
 
 /// `delta = rowsum(dO∘O)` `[b, h_q, s_q]` (f32) of a backward.

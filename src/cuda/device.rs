@@ -16,7 +16,7 @@ use super::buffers::{
 };
 use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
-use crate::kernels::geometry::{self, Launch};
+use crate::kernels::geometry::{self, DqMode, Launch};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams, MergeParams};
 use crate::kernels::{self, ImageKind, KernelImage};
 use crate::{DType, Dims, Error, Result};
@@ -488,6 +488,10 @@ impl CudaDevice {
                 Delta::Compute(d) => d.device_ptr_mut(stream),
                 Delta::Given(d) => d.device_ptr(stream),
             };
+            if args.dq_mode == DqMode::Atomic {
+                // The dk/dv kernel adds into dq.
+                guard("zeroing dq", || stream.memset_zeros(&mut grads.dq))?;
+            }
             let (dq, _gdq) = grads.dq.device_ptr_mut(stream);
             let (dk, _gdk) = grads.dk.device_ptr_mut(stream);
             let (dv, _gdv) = grads.dv.device_ptr_mut(stream);
@@ -511,9 +515,10 @@ impl CudaDevice {
                 d: dims.d as i64,
                 scale: x.scale,
                 scale_log2: x.scale * std::f32::consts::LOG2_E,
+                dq_atomic: (args.dq_mode == DqMode::Atomic) as i32,
                 ..Default::default()
             };
-            for (kernel, launch) in geometry::backward(&dims, compute_delta) {
+            for (kernel, launch) in geometry::backward(&dims, compute_delta, args.dq_mode) {
                 let name = entry(&format!("flash_bwd_{}", kernel.name()), x.dtype);
                 self.launch(stream, "flash_bwd", &name, launch, &p)?;
             }
@@ -687,7 +692,9 @@ fn entry_name(base: &str, l: &Launch) -> String {
 #[cfg(test)]
 fn entry_points(dims: &Dims, dtype: DType) -> Vec<(&'static str, String)> {
     let mut v = vec![("flash_fwd", entry_name(&entry("flash_fwd", dtype), &geometry::forward(dims)))];
-    for (kernel, launch) in geometry::backward(dims, true) {
+    for (kernel, launch) in
+        [DqMode::Deterministic, DqMode::Atomic].into_iter().flat_map(|m| geometry::backward(dims, true, m))
+    {
         v.push(("flash_bwd", entry_name(&entry(&format!("flash_bwd_{}", kernel.name()), dtype), &launch)));
     }
     v.push(("merge", "ringattn_merge_f32".into()));

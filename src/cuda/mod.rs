@@ -150,6 +150,7 @@ impl CudaDevice {
             forward: FlashForwardArgs { dims, dtype: f.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: f.scale },
             saved: &saved,
             d_o: &d_o,
+            dq_mode: Default::default(),
         };
         let mut grads = DeviceGradients::alloc(s, &dims)?;
         match x.delta {

@@ -106,6 +106,7 @@ impl Backend for EmuBackend {
             vis: &vis,
             scale: params.softmax_scale(dims.d),
             dtype: self.dtype,
+            dq_mode: self.options.dq_mode,
         };
         Ok(Pending::ready(flash::backward_bits(&x, &self.options)?))
     }

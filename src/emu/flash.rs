@@ -8,7 +8,7 @@ use half::{bf16, f16};
 
 use super::{check, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::kernels::geometry::{self, BackwardKernel};
+use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
@@ -157,6 +157,7 @@ pub(crate) struct BackwardBits<'a> {
     pub vis: &'a Visibility,
     pub scale: f32,
     pub dtype: DType,
+    pub dq_mode: DqMode,
 }
 
 /// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.
@@ -178,7 +179,9 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
     if !lengths_ok {
         return Err(Error::ShapeMismatch(format!("flash backward buffers disagree with {dims:?}")));
     }
-    let mut dq = vec![f32::NAN; nq];
+    // Atomic dq adds into zeros; otherwise every output starts as NaN, so an element the
+    // kernels fail to write shows up.
+    let mut dq = vec![if x.dq_mode == DqMode::Atomic { 0.0 } else { f32::NAN }; nq];
     let mut dk = vec![f32::NAN; nkv];
     let mut dv = vec![f32::NAN; nkv];
     let mut delta = match x.delta {
@@ -208,13 +211,16 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         d: dims.d as i64,
         scale: x.scale,
         scale_log2: x.scale * std::f32::consts::LOG2_E,
+        dq_atomic: (x.dq_mode == DqMode::Atomic) as i32,
+        reserved: 0,
     };
     let bf = (x.dtype == DType::BF16) as i32;
-    for (kernel, launch) in geometry::backward(&dims, x.delta.is_none()) {
+    for (kernel, launch) in geometry::backward(&dims, x.delta.is_none(), x.dq_mode) {
         let code = match kernel {
             BackwardKernel::Rowsum => 0,
             BackwardKernel::Dq => 1,
             BackwardKernel::DkDv => 2,
+            BackwardKernel::DkDvDq => 3,
         };
         let l = EmuLaunch::new(launch, opts)?;
         let mut msg = [0u8; 1024];
@@ -361,6 +367,7 @@ pub fn backward(
             vis: &vis,
             scale: params.softmax_scale(dims.d),
             dtype: q.dtype(),
+            dq_mode: opts.dq_mode,
         },
         opts,
     )?;

@@ -31,6 +31,8 @@ pub struct EmuOptions {
     pub schedule: Schedule,
     /// OS threads the blocks of a launch are spread over; 0: one per core.
     pub workers: usize,
+    /// How the backward computes dq (deterministic by default).
+    pub dq_mode: crate::kernels::geometry::DqMode,
 }
 
 /// Launch geometry and emulator options, mirrored from `cuda/emu/launch.h`.
@@ -151,7 +153,7 @@ pub fn merge_f32_with(
     if launch.is_empty() {
         return Ok(());
     }
-    let l = EmuLaunch::new(launch, &EmuOptions { schedule, workers: 0 })?;
+    let l = EmuLaunch::new(launch, &EmuOptions { schedule, workers: 0, ..Default::default() })?;
     let mut msg = [0u8; 512];
     // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
     // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.

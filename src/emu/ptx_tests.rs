@@ -456,3 +456,28 @@ fn conversions_round_to_nearest_even_like_the_half_crate() {
     assert_eq!(bf[find(0x8000_0000)], 0x8000, "-0 keeps its sign");
     assert_eq!(hf[find(0x8000_0000)], 0x8000, "-0 keeps its sign");
 }
+
+extern "C" {
+    fn ringattn_emu_selftest_movmatrix(input: *const u32, out: *mut u32, msg: *mut c_char, cap: usize) -> i32;
+}
+
+/// movmatrix.trans (PTX ISA §9.7.14.5.17, ptx-and-emulation.md §1.5): source element [r][c]
+/// in lane 4r + c/2, half c%2; lane L half h receives src[2(L%4) + h][L/4].
+#[test]
+fn movmatrix_trans_transposes_the_quadrant_layout() {
+    // Code of element [r][c] = 8r + c, packed in the source layout.
+    let code = |r: usize, c: usize| (8 * r + c) as u32;
+    let input: Vec<u32> = (0..32).map(|l| code(l / 4, 2 * (l % 4)) | code(l / 4, 2 * (l % 4) + 1) << 16).collect();
+    let mut out = vec![0u32; 32];
+    let mut msg = [0u8; 256];
+    // SAFETY: both buffers hold the 32 registers of the warp.
+    let rc = unsafe { ringattn_emu_selftest_movmatrix(input.as_ptr(), out.as_mut_ptr(), msg.as_mut_ptr().cast(), 256) };
+    assert_eq!(rc, 0, "{}", text(&msg));
+    for (l, &got) in out.iter().enumerate() {
+        let want = code(2 * (l % 4), l / 4) | code(2 * (l % 4) + 1, l / 4) << 16;
+        assert_eq!(got, want, "lane {l}");
+        // The result is the source layout of the transposed matrix: lane 4r + c/2 holds T[r][c].
+        let (r, c) = (l / 4, 2 * (l % 4));
+        assert_eq!(got & 0xffff, code(c, r), "lane {l} low half is src[{c}][{r}]");
+    }
+}

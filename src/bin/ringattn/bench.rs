@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// GPU ordinal of --backend cuda.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// How the cuda backward computes dq: deterministic (its own kernel) or atomic (added by
+    /// the dk/dv kernel with f32 atomics).
+    #[arg(long, default_value = "deterministic")]
+    pub dq_mode: String,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -290,7 +294,16 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
             }
             Pass::Backward => {
                 dev.forward_into(&stream, &args, &mut saved)?;
-                let bargs = FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o };
+                let dq_mode = match a.dq_mode.as_str() {
+                    "deterministic" => ringattn::kernels::geometry::DqMode::Deterministic,
+                    "atomic" => ringattn::kernels::geometry::DqMode::Atomic,
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "--dq-mode `{other}`: expected deterministic or atomic"
+                        )))
+                    }
+                };
+                let bargs = FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o, dq_mode };
                 let mut delta = dev.alloc_f32(dims.b * dims.h_q * dims.s_q)?;
                 let mut grads = DeviceGradients::alloc(&stream, &dims)?;
                 dev.time_iterations(&stream, a.warmup, a.iters, || {

@@ -1,0 +1,38 @@
+// The flash forward kernels of cuda/flash_fwd.cu compiled for the host against the emulator, with its C entry point: it
+// launches the kernel with the geometry the caller chose (src/emu/ computes it exactly as the
+// CUDA backend does), registers the family's buffers for the bounds checks, and reports
+// errors. One translation unit per family, so that they compile in parallel.
+#include "emu/emu.h"
+#define RINGATTN_EMU_ENTRY_HELPERS
+#include "emu/launch.h"
+
+#include "flash_fwd.cu"
+
+// Flash forward; `bf16`: 1 for bf16 inputs, 0 for f16; `dclass` the head-dim class of the
+// entry point (src/kernels.rs `geometry::forward`).
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
+    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
+    if (p.o16) c.globals.push_back({p.o16, bytes(q, 2), "o16"});
+    add_mask(c, p.mask, p.s_q, p.s_k);
+    void (*kernel)(FlashFwdParams) = nullptr;
+#define RINGATTN_EMU_FWD_CASE(D)                                                       \
+    case D:                                                                            \
+        kernel = bf16 ? ringattn_flash_fwd_bf16_d##D : ringattn_flash_fwd_f16_d##D; \
+        break;
+    switch (dclass) {
+        RINGATTN_EMU_FWD_CASE(32)
+        RINGATTN_EMU_FWD_CASE(64)
+        RINGATTN_EMU_FWD_CASE(96)
+        RINGATTN_EMU_FWD_CASE(128)
+        RINGATTN_EMU_FWD_CASE(192)
+        RINGATTN_EMU_FWD_CASE(256)
+        default:
+            return report("no forward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+    }
+#undef RINGATTN_EMU_FWD_CASE
+    std::function<void()> body = [p, kernel] { kernel(p); };
+    return report(emu::launch(c, body), msg, cap);
+}
