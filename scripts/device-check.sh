@@ -24,6 +24,11 @@
 #   device-check.json, device-check.log, and (with $OUT) work.tar.gz holding every step's log
 #   and JSON (the device tool brings back at most 8 files from $OUT, hence one archive).
 #
+# Build here first, with nvcc 13.0 (scripts/test.sh installs it; the device's driver is CUDA
+# 13.0) and without debug info, so the carried binary stays well under the 64 MiB limit
+# (about 27 MiB, 18 of them the embedded cubins and PTX):
+#   NVCC=$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13)/bin/nvcc \
+#     CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda && strip target/release/ringattn
 # Device tool call (the lead's), e.g.:
 #   run(command="bash scripts/device-check.sh", carry=["target/release/ringattn"], timeout_s=300)
 set -uo pipefail # no -e: every step's failure is recorded and the script continues
