@@ -27,6 +27,7 @@ MAIN_KERNELS=(
   "ringattn_flash_fwd_*:HMMA,LDSM,LDGSTS"
   "ringattn_flash_bwd_dq_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdv_*:HMMA,LDSM"
+  "ringattn_flash_bwd_dkdvq_*:HMMA,LDSM"
 )
 TC_ARCHS="sm_90a"
 ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a}"
