@@ -68,6 +68,8 @@ mod params;
 mod positions;
 pub mod random;
 pub mod reference;
+#[cfg(any(feature = "emu", feature = "cuda"))]
+mod runner;
 mod tensor;
 pub mod verify;
 

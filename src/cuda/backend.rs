@@ -2,8 +2,10 @@
 
 use std::sync::Arc;
 
-use super::{device, to_bits, CudaDevice, HostBackward, HostForward};
+use super::CudaDevice;
+use crate::kernels::geometry::DqMode;
 use crate::parallel::{Backend, ForwardPartial, GradientPartial, HostMemory, Pending};
+use crate::runner::{self, BlockBackward};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
 
 /// The kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu` on a GPU as a [`Backend`], so
@@ -64,15 +66,7 @@ impl HostMemory for CudaBackend {}
 
 impl Backend for CudaBackend {
     fn supports(&self, dims: &Dims, dtype: DType) -> Result<()> {
-        device::check_supported(dims, dtype)?;
-        if dtype != self.dtype {
-            return Err(Error::DtypeMismatch {
-                name: "q".into(),
-                got: dtype.to_string(),
-                expected: format!("{} (the dtype of the cuda backend)", self.dtype),
-            });
-        }
-        Ok(())
+        runner::supports(super::BACKEND, self.dtype, dims, dtype)
     }
 
     fn forward_block(
@@ -85,19 +79,8 @@ impl Backend for CudaBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let bits = |x: &[f32]| to_bits(x, self.dtype);
-        let (qb, kb, vb) = (bits(q), bits(k), bits(v));
-        let x = HostForward {
-            dims,
-            dtype: self.dtype,
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            vis: &vis,
-            scale: params.softmax_scale(dims.d),
-        };
-        Ok(Pending::ready(self.device.forward_host(&x)?))
+        let e = &*self.device;
+        Ok(Pending::ready(runner::forward_block(e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
 
     fn backward_block(
@@ -114,28 +97,11 @@ impl Backend for CudaBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let bits = |x: &[f32]| to_bits(x, self.dtype);
-        let (qb, kb, vb, dob) = (bits(q), bits(k), bits(v), bits(d_o));
-        let x = HostBackward {
-            fwd: HostForward {
-                dims,
-                dtype: self.dtype,
-                q: &qb,
-                k: &kb,
-                v: &vb,
-                vis: &vis,
-                scale: params.softmax_scale(dims.d),
-            },
-            o,
-            lse,
-            d_o: &dob,
-            delta: Some(big_d),
-        };
-        Ok(Pending::ready(self.device.backward_host(&x)?))
+        let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
+        Ok(Pending::ready(runner::backward_block(&*self.device, self.dtype, DqMode::default(), &x)?))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
-        self.device.rowsum_host(&dims, self.dtype, o, &to_bits(d_o, self.dtype))
+        runner::rowsum_block(&*self.device, self.dtype, dims, o, d_o)
     }
 }

@@ -52,7 +52,7 @@ impl DeviceMask {
         positions: Option<(&Positions, &Positions)>,
         params: &AttentionParams,
     ) -> Result<DeviceMask> {
-        DeviceMask::upload(stream, &visibility(dims, positions, params)?)
+        DeviceMask::upload(stream, &crate::runner::visibility(dims, positions, params)?)
     }
 
     pub(crate) fn upload(stream: &Arc<CudaStream>, vis: &Visibility) -> Result<DeviceMask> {
@@ -117,7 +117,7 @@ impl DeviceGradients {
 
 /// The inputs of a forward on the device: `q` `[b, s_q, h_q, d]`, `k` and `v` `[b, s_k,
 /// h_kv, d]`, each as the 16-bit patterns of `dtype` ([`DType::BF16`] or [`DType::F16`]; see
-/// [`to_bits`]), the mask, and the softmax scale (`params.softmax_scale(d)` for the usual
+/// [`super::to_bits`]), the mask, and the softmax scale (`params.softmax_scale(d)` for the usual
 /// `1/sqrt(d)`). Buffers may be longer than `dims` needs; the kernels address the prefix.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashForwardArgs<'a> {
@@ -176,21 +176,6 @@ pub fn workspace_bytes(dims: &Dims) -> usize {
     8 * (dims.s_q + dims.s_k) + 4 * (dims.s_q + dims.s_k) + 4 * lse_len(dims)
 }
 
-/// Values as the 16-bit patterns of `dtype` (bf16 or f16), rounding to nearest even: the
-/// element type of the kernels' q, k, v and `d_o`.
-///
-/// ```
-/// use ringattn::{cuda::to_bits, DType};
-/// assert_eq!(to_bits(&[1.0, -2.0], DType::BF16), vec![0x3f80, 0xc000]);
-/// assert_eq!(to_bits(&[1.0], DType::F16), vec![0x3c00]);
-/// ```
-pub fn to_bits(x: &[f32], dtype: DType) -> Vec<u16> {
-    match dtype {
-        DType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
-        _ => x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
-    }
-}
-
 pub(crate) fn q_len(dims: &Dims) -> usize {
     dims.b * dims.s_q * dims.h_q * dims.d
 }
@@ -201,17 +186,6 @@ pub(crate) fn kv_len(dims: &Dims) -> usize {
 
 pub(crate) fn lse_len(dims: &Dims) -> usize {
     dims.b * dims.h_q * dims.s_q
-}
-
-pub(crate) fn visibility(
-    dims: &Dims,
-    positions: Option<(&Positions, &Positions)>,
-    params: &AttentionParams,
-) -> Result<Visibility> {
-    match positions {
-        None => Visibility::single_device(params, dims.s_q, dims.s_k),
-        Some((qp, kp)) => crate::cpu::block_visibility(dims, qp, kp, params),
-    }
 }
 
 /// A device copy of `host` (one zero element when `host` is empty: the driver refuses empty
@@ -261,7 +235,7 @@ impl CudaDevice {
         DeviceMask::new(self.stream(), dims, positions, params)
     }
 
-    /// A device copy of 16-bit values (q, k, v, `d_o` as [`to_bits`] gives them) on this
+    /// A device copy of 16-bit values (q, k, v, `d_o` as [`super::to_bits`] gives them) on this
     /// device's stream. Synchronous.
     ///
     /// # Errors

@@ -355,7 +355,7 @@ impl CudaDevice {
     fn check_forward(&self, stream: &CudaStream, x: &FlashForwardArgs<'_>) -> Result<()> {
         self.check_stream(stream)?;
         let dims = x.dims;
-        check_supported(&dims, x.dtype)?;
+        crate::runner::check_supported(super::BACKEND, &dims, x.dtype)?;
         if dims.h_kv == 0 || dims.h_q == 0 || dims.h_q % dims.h_kv != 0 {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
@@ -556,7 +556,7 @@ impl CudaDevice {
         delta: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.check_stream(stream)?;
-        check_supported(dims, dtype)?;
+        crate::runner::check_supported(super::BACKEND, dims, dtype)?;
         need(self, "o", o, q_len(dims))?;
         need(self, "d_o", d_o, q_len(dims))?;
         need(self, "delta", delta, lse_len(dims))?;
@@ -661,17 +661,6 @@ impl CudaDevice {
             .map(|pair| guard("reading an event's time", || pair[0].elapsed_ms(&pair[1])).map(f64::from))
             .collect()
     }
-}
-
-/// Checks what the kernels take: bf16 or f16 and a head dimension they handle.
-pub(crate) fn check_supported(dims: &Dims, dtype: DType) -> Result<()> {
-    if dtype == DType::F32 {
-        return Err(Error::BackendUnsupported {
-            backend: super::BACKEND,
-            what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
-        });
-    }
-    geometry::check_head_dim(super::BACKEND, dims.d)
 }
 
 /// `ringattn_{family}_{bf16|f16}` (the launch adds the head-dim class suffix, `_d64`).

@@ -44,9 +44,10 @@ mod device;
 mod images;
 mod probe;
 
+pub use crate::runner::to_bits;
 pub use backend::CudaBackend;
 pub use buffers::{
-    to_bits, workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
+    workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
 };
 /// cudarc's context, stream and buffer types, as the GPU-resident API takes them (cudarc
 /// 0.19).
@@ -55,8 +56,8 @@ pub use device::CudaDevice;
 pub use probe::{probe, DriverInfo};
 
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::params::Visibility;
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor, TensorData};
+use crate::runner::{self, BackwardJob, Executor, ForwardJob};
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
 /// Name of this backend in errors.
 pub(crate) const BACKEND: &str = "cuda";
@@ -66,37 +67,24 @@ pub(crate) const BACKEND: &str = "cuda";
 pub struct CudaOptions {
     /// GPU ordinal (`CUDA_VISIBLE_DEVICES` applies).
     pub device: usize,
+    /// How the backward computes dq (deterministic by default).
+    pub dq_mode: crate::kernels::geometry::DqMode,
 }
 
-/// The 16-bit patterns of a bf16 or f16 tensor (borrowed when the tensor already holds that
-/// dtype).
-fn tensor_bits(t: &Tensor) -> std::borrow::Cow<'_, [u16]> {
-    match t.data() {
-        TensorData::BF16(v) => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
-        TensorData::F16(v) => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
-        TensorData::F32(v) => std::borrow::Cow::Owned(to_bits(v, t.dtype())),
+impl Executor for CudaDevice {
+    const NAME: &'static str = BACKEND;
+
+    fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.forward_host(x)
     }
-}
 
-/// The host inputs of one forward, as the kernels take them.
-pub(crate) struct HostForward<'a> {
-    pub dims: Dims,
-    pub dtype: DType,
-    pub q: &'a [u16],
-    pub k: &'a [u16],
-    pub v: &'a [u16],
-    pub vis: &'a Visibility,
-    pub scale: f32,
-}
+    fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        self.backward_host(x)
+    }
 
-/// The host inputs of one backward.
-pub(crate) struct HostBackward<'a> {
-    pub fwd: HostForward<'a>,
-    pub o: &'a [f32],
-    pub lse: &'a [f32],
-    pub d_o: &'a [u16],
-    /// `rowsum(dO∘O)` when known; computed by the rowsum kernel otherwise.
-    pub delta: Option<&'a [f32]>,
+    fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
+        self.rowsum_host(dims, dtype, o, d_o)
+    }
 }
 
 fn host_len<T>(name: &str, x: &[T], n: usize) -> Result<()> {
@@ -109,9 +97,9 @@ fn host_len<T>(name: &str, x: &[T], n: usize) -> Result<()> {
 impl CudaDevice {
     /// Forward of host buffers on this device's stream: upload, launch, download; f32 `(o,
     /// lse)`, unrounded.
-    pub(crate) fn forward_host(&self, x: &HostForward<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub(crate) fn forward_host(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
         let dims = x.dims;
-        device::check_supported(&dims, x.dtype)?;
+        runner::check_supported(BACKEND, &dims, x.dtype)?;
         host_len("q", x.q, buffers::q_len(&dims))?;
         host_len("k", x.k, buffers::kv_len(&dims))?;
         host_len("v", x.v, buffers::kv_len(&dims))?;
@@ -127,10 +115,10 @@ impl CudaDevice {
     }
 
     /// Backward of host buffers: f32 `(dq, dk, dv)`, unrounded.
-    pub(crate) fn backward_host(&self, x: &HostBackward<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pub(crate) fn backward_host(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let f = &x.fwd;
         let dims = f.dims;
-        device::check_supported(&dims, f.dtype)?;
+        runner::check_supported(BACKEND, &dims, f.dtype)?;
         let (nq, nkv, nst) = (buffers::q_len(&dims), buffers::kv_len(&dims), buffers::lse_len(&dims));
         host_len("q", f.q, nq)?;
         host_len("k", f.k, nkv)?;
@@ -150,7 +138,7 @@ impl CudaDevice {
             forward: FlashForwardArgs { dims, dtype: f.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: f.scale },
             saved: &saved,
             d_o: &d_o,
-            dq_mode: Default::default(),
+            dq_mode: x.dq_mode,
         };
         let mut grads = DeviceGradients::alloc(s, &dims)?;
         match x.delta {
@@ -172,7 +160,7 @@ impl CudaDevice {
 
     /// `rowsum(dO∘O)` of host buffers.
     pub(crate) fn rowsum_host(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
-        device::check_supported(dims, dtype)?;
+        runner::check_supported(BACKEND, dims, dtype)?;
         host_len("o", o, buffers::q_len(dims))?;
         host_len("do", d_o, buffers::q_len(dims))?;
         let s = self.stream();
@@ -216,18 +204,11 @@ pub fn forward(
     params: &AttentionParams,
     opts: &CudaOptions,
 ) -> Result<ForwardOutput> {
+    // Validate before touching the GPU, so that bad input gets its own error on any machine.
     let dims = Dims::of(q, k, v)?;
-    device::check_supported(&dims, q.dtype())?;
-    let vis = buffers::visibility(&dims, positions, params)?;
-    let dev = CudaDevice::shared(opts.device)?;
-    let (qb, kb, vb) = (tensor_bits(q), tensor_bits(k), tensor_bits(v));
-    let x =
-        HostForward { dims, dtype: q.dtype(), q: &qb, k: &kb, v: &vb, vis: &vis, scale: params.softmax_scale(dims.d) };
-    let (o, lse) = dev.forward_host(&x)?;
-    Ok(ForwardOutput {
-        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
-        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
-    })
+    runner::check_supported(BACKEND, &dims, q.dtype())?;
+    runner::visibility(&dims, positions, params)?;
+    runner::forward_tensors(&*CudaDevice::shared(opts.device)?, q, k, v, positions, params)
 }
 
 /// Single-device backward on GPU `opts.device`: the contract of [`crate::cpu::backward`]
@@ -259,31 +240,9 @@ pub fn backward(
     opts: &CudaOptions,
 ) -> Result<Gradients> {
     let dims = Dims::of(q, k, v)?;
-    device::check_supported(&dims, q.dtype())?;
+    runner::check_supported(BACKEND, &dims, q.dtype())?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
-    let vis = buffers::visibility(&dims, positions, params)?;
+    runner::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
-    let (qb, kb, vb, dob) = (tensor_bits(q), tensor_bits(k), tensor_bits(v), tensor_bits(d_o));
-    let (of, lf) = (o.as_f32(), lse.as_f32());
-    let x = HostBackward {
-        fwd: HostForward {
-            dims,
-            dtype: q.dtype(),
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            vis: &vis,
-            scale: params.softmax_scale(dims.d),
-        },
-        o: &of,
-        lse: &lf,
-        d_o: &dob,
-        delta: None,
-    };
-    let (dq, dk, dv) = dev.backward_host(&x)?;
-    Ok(Gradients {
-        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
-        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
-        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
-    })
+    runner::backward_tensors(&*dev, q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
 }

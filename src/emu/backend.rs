@@ -1,8 +1,9 @@
 //! The emulated kernels as a backend of the sequence-parallel drivers.
 
-use super::flash::{self, BackwardBits, ForwardBits};
+use super::flash::{Emulator, BACKEND};
 use super::EmuOptions;
 use crate::parallel::{Backend, ForwardPartial, GradientPartial, HostMemory, Pending};
+use crate::runner::{self, BlockBackward};
 use crate::{AttentionParams, DType, Dims, Positions, Result};
 
 /// The kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu`, run by the host emulator, as a
@@ -40,15 +41,7 @@ impl HostMemory for EmuBackend {}
 
 impl Backend for EmuBackend {
     fn supports(&self, dims: &Dims, dtype: DType) -> Result<()> {
-        flash::check_supported(dims, dtype)?;
-        if dtype != self.dtype {
-            return Err(crate::Error::DtypeMismatch {
-                name: "q".into(),
-                got: dtype.to_string(),
-                expected: format!("{} (the dtype of the emu backend)", self.dtype),
-            });
-        }
-        Ok(())
+        runner::supports(BACKEND, self.dtype, dims, dtype)
     }
 
     fn forward_block(
@@ -61,20 +54,8 @@ impl Backend for EmuBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let bits = |x: &[f32]| flash::to_bits(x, self.dtype);
-        let (qb, kb, vb) = (bits(q), bits(k), bits(v));
-        let x = ForwardBits {
-            dims,
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            vis: &vis,
-            scale: params.softmax_scale(dims.d),
-            dtype: self.dtype,
-            round_o: false,
-        };
-        Ok(Pending::ready(flash::forward_bits(&x, &self.options)?))
+        let e = Emulator(&self.options);
+        Ok(Pending::ready(runner::forward_block(&e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
 
     fn backward_block(
@@ -91,27 +72,12 @@ impl Backend for EmuBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let bits = |x: &[f32]| flash::to_bits(x, self.dtype);
-        let (qb, kb, vb, dob) = (bits(q), bits(k), bits(v), bits(d_o));
-        let x = BackwardBits {
-            dims,
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            o,
-            d_o: &dob,
-            lse,
-            delta: Some(big_d),
-            vis: &vis,
-            scale: params.softmax_scale(dims.d),
-            dtype: self.dtype,
-            dq_mode: self.options.dq_mode,
-        };
-        Ok(Pending::ready(flash::backward_bits(&x, &self.options)?))
+        let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
+        let e = Emulator(&self.options);
+        Ok(Pending::ready(runner::backward_block(&e, self.dtype, self.options.dq_mode, &x)?))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
-        flash::rowsum(dims, o, &flash::to_bits(d_o, self.dtype), self.dtype, &self.options)
+        runner::rowsum_block(&Emulator(&self.options), self.dtype, dims, o, d_o)
     }
 }

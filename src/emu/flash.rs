@@ -11,6 +11,7 @@ use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
 use crate::params::Visibility;
+use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
 extern "C" {
@@ -36,22 +37,22 @@ extern "C" {
 /// Name of this backend in errors.
 pub(crate) const BACKEND: &str = "emu";
 
-/// Checks what the kernels take: bf16 or f16 and a head dimension they handle.
-pub(crate) fn check_supported(dims: &Dims, dtype: DType) -> Result<()> {
-    if dtype == DType::F32 {
-        return Err(Error::BackendUnsupported {
-            backend: BACKEND,
-            what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
-        });
-    }
-    geometry::check_head_dim(BACKEND, dims.d)
-}
+/// The emulator as an executor of the kernels, with its options.
+pub(crate) struct Emulator<'a>(pub &'a EmuOptions);
 
-/// Values as 16-bit patterns of `dtype` (bf16 or f16), rounding to nearest even.
-pub(crate) fn to_bits(x: &[f32], dtype: DType) -> Vec<u16> {
-    match dtype {
-        DType::F16 => x.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
-        _ => x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+impl Executor for Emulator<'_> {
+    const NAME: &'static str = BACKEND;
+
+    fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+        forward_job(x, self.0)
+    }
+
+    fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        backward_job(x, self.0)
+    }
+
+    fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
+        rowsum(*dims, o, d_o, dtype, self.0)
     }
 }
 
@@ -68,25 +69,10 @@ fn mask_params(vis: &Visibility) -> MaskParams {
     }
 }
 
-/// The inputs of [`forward_bits`]: 16-bit `q`, `k`, `v` (`[b, s, h, d]` bit patterns of
-/// `dtype`) and the visibility of their rows.
-pub(crate) struct ForwardBits<'a> {
-    pub dims: Dims,
-    pub q: &'a [u16],
-    pub k: &'a [u16],
-    pub v: &'a [u16],
-    pub vis: &'a Visibility,
-    pub scale: f32,
-    pub dtype: DType,
-    /// Let the kernel round `o` to `dtype` (its 16-bit output); `o` is then exactly
-    /// representable in `dtype`.
-    pub round_o: bool,
-}
-
 /// Forward of one block: f32 `(o, lse)`, unrounded unless `x.round_o`.
-pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>)> {
-    let ForwardBits { dims, q, k, v, vis, scale, dtype, round_o } = *x;
-    check_supported(&dims, dtype)?;
+fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>)> {
+    let ForwardJob { dims, dtype, q, k, v, vis, scale, round_o } = *x;
+    check_supported(BACKEND, &dims, dtype)?;
     let nq = dims.b * dims.s_q * dims.h_q * dims.d;
     let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
     if q.len() != nq || k.len() != nkv || v.len() != nkv || vis.q_pos.len() != dims.s_q || vis.k_pos.len() != dims.s_k {
@@ -143,39 +129,23 @@ pub(crate) fn forward_bits(x: &ForwardBits<'_>, opts: &EmuOptions) -> Result<(Ve
     Ok((o, lse))
 }
 
-/// The inputs of [`backward_bits`]: 16-bit `q`, `k`, `v`, `d_o`, f32 `o` and `lse`.
-pub(crate) struct BackwardBits<'a> {
-    pub dims: Dims,
-    pub q: &'a [u16],
-    pub k: &'a [u16],
-    pub v: &'a [u16],
-    pub o: &'a [f32],
-    pub d_o: &'a [u16],
-    pub lse: &'a [f32],
-    /// `rowsum(dO∘O)` when known; computed by the rowsum kernel otherwise.
-    pub delta: Option<&'a [f32]>,
-    pub vis: &'a Visibility,
-    pub scale: f32,
-    pub dtype: DType,
-    pub dq_mode: DqMode,
-}
-
 /// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.
-pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let dims = x.dims;
-    check_supported(&dims, x.dtype)?;
+fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let f = &x.fwd;
+    let dims = f.dims;
+    check_supported(BACKEND, &dims, f.dtype)?;
     let nq = dims.b * dims.s_q * dims.h_q * dims.d;
     let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
     let nst = dims.b * dims.h_q * dims.s_q;
-    let lengths_ok = x.q.len() == nq
+    let lengths_ok = f.q.len() == nq
         && x.o.len() == nq
         && x.d_o.len() == nq
-        && x.k.len() == nkv
-        && x.v.len() == nkv
+        && f.k.len() == nkv
+        && f.v.len() == nkv
         && x.lse.len() == nst
         && x.delta.is_none_or(|d| d.len() == nst)
-        && x.vis.q_pos.len() == dims.s_q
-        && x.vis.k_pos.len() == dims.s_k;
+        && f.vis.q_pos.len() == dims.s_q
+        && f.vis.k_pos.len() == dims.s_k;
     if !lengths_ok {
         return Err(Error::ShapeMismatch(format!("flash backward buffers disagree with {dims:?}")));
     }
@@ -192,9 +162,9 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         return Ok((dq, dk, dv));
     }
     let p = FlashBwdParams {
-        q: x.q.as_ptr() as u64,
-        k: x.k.as_ptr() as u64,
-        v: x.v.as_ptr() as u64,
+        q: f.q.as_ptr() as u64,
+        k: f.k.as_ptr() as u64,
+        v: f.v.as_ptr() as u64,
         o: x.o.as_ptr() as u64,
         d_o: x.d_o.as_ptr() as u64,
         lse: x.lse.as_ptr() as u64,
@@ -202,19 +172,19 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         dq: dq.as_mut_ptr() as u64,
         dk: dk.as_mut_ptr() as u64,
         dv: dv.as_mut_ptr() as u64,
-        mask: mask_params(x.vis),
+        mask: mask_params(f.vis),
         b: dims.b as i64,
         s_q: dims.s_q as i64,
         s_k: dims.s_k as i64,
         h_q: dims.h_q as i64,
         h_kv: dims.h_kv as i64,
         d: dims.d as i64,
-        scale: x.scale,
-        scale_log2: x.scale * std::f32::consts::LOG2_E,
+        scale: f.scale,
+        scale_log2: f.scale * std::f32::consts::LOG2_E,
         dq_atomic: (x.dq_mode == DqMode::Atomic) as i32,
         reserved: 0,
     };
-    let bf = (x.dtype == DType::BF16) as i32;
+    let bf = (f.dtype == DType::BF16) as i32;
     for (kernel, launch) in geometry::backward(&dims, x.delta.is_none(), x.dq_mode) {
         let code = match kernel {
             BackwardKernel::Rowsum => 0,
@@ -224,7 +194,7 @@ pub(crate) fn backward_bits(x: &BackwardBits<'_>, opts: &EmuOptions) -> Result<(
         };
         let l = EmuLaunch::new(launch, opts)?;
         let mut msg = [0u8; 1024];
-        // SAFETY: as in forward_bits; delta, dq, dk and dv are exclusively owned here.
+        // SAFETY: as in forward_job; delta, dq, dk and dv are exclusively owned here.
         let dclass = launch.head_dim_class as i32;
         let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
@@ -267,10 +237,6 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
     Ok(delta)
 }
 
-fn bits_of(t: &Tensor) -> Vec<u16> {
-    to_bits(&t.as_f32(), t.dtype())
-}
-
 /// Single-device forward through the emulated `flash_fwd.cu` kernel: the same contract as
 /// [`crate::cpu::forward`] (`o` in the input dtype, `lse` f32 `[b, h_q, s_q]`), for bf16 or
 /// f16 inputs with head dimensions that are multiples of 8 up to 256. Positions default to
@@ -299,25 +265,7 @@ pub fn forward(
     params: &AttentionParams,
     opts: &EmuOptions,
 ) -> Result<ForwardOutput> {
-    let dims = Dims::of(q, k, v)?;
-    check_supported(&dims, q.dtype())?;
-    let vis = visibility(&dims, positions, params)?;
-    let (qb, kb, vb) = (bits_of(q), bits_of(k), bits_of(v));
-    let x = ForwardBits {
-        dims,
-        q: &qb,
-        k: &kb,
-        v: &vb,
-        vis: &vis,
-        scale: params.softmax_scale(dims.d),
-        dtype: q.dtype(),
-        round_o: true,
-    };
-    let (o, lse) = forward_bits(&x, opts)?;
-    Ok(ForwardOutput {
-        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
-        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
-    })
+    runner::forward_tensors(&Emulator(opts), q, k, v, positions, params)
 }
 
 /// Single-device backward through the emulated `flash_bwd.cu` kernels: the contract of
@@ -348,43 +296,5 @@ pub fn backward(
     params: &AttentionParams,
     opts: &EmuOptions,
 ) -> Result<Gradients> {
-    let dims = Dims::of(q, k, v)?;
-    check_supported(&dims, q.dtype())?;
-    dims.expect_backward_inputs(q, o, lse, d_o)?;
-    let vis = visibility(&dims, positions, params)?;
-    let (qb, kb, vb, dob) = (bits_of(q), bits_of(k), bits_of(v), bits_of(d_o));
-    let (of, lf) = (o.as_f32(), lse.as_f32());
-    let (dq, dk, dv) = backward_bits(
-        &BackwardBits {
-            dims,
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            o: &of,
-            d_o: &dob,
-            lse: &lf,
-            delta: None,
-            vis: &vis,
-            scale: params.softmax_scale(dims.d),
-            dtype: q.dtype(),
-            dq_mode: opts.dq_mode,
-        },
-        opts,
-    )?;
-    Ok(Gradients {
-        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
-        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
-        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
-    })
-}
-
-fn visibility(
-    dims: &Dims,
-    positions: Option<(&Positions, &Positions)>,
-    params: &AttentionParams,
-) -> Result<Visibility> {
-    match positions {
-        None => Visibility::single_device(params, dims.s_q, dims.s_k),
-        Some((qp, kp)) => crate::cpu::block_visibility(dims, qp, kp, params),
-    }
+    runner::backward_tensors(&Emulator(opts), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
 }

@@ -1,0 +1,276 @@
+//! The host side of the `cuda/` kernels, shared by the executors that run them (the host
+//! emulator, [`crate::emu`], and a GPU, `crate::cuda`): jobs in the kernels' form (16-bit
+//! inputs, f32 statistics, resolved visibility), the checks of what the kernels take, and —
+//! written once over any [`Executor`] — the tensor-level entry points and the steps of the
+//! [`crate::parallel::Backend`] seam.
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+
+use crate::cpu::{ForwardOutput, Gradients};
+use crate::kernels::geometry::{self, DqMode};
+use crate::params::Visibility;
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor, TensorData};
+
+/// One forward as the kernels take it: q `[b, s_q, h_q, d]`, k and v `[b, s_k, h_kv, d]` as
+/// 16-bit patterns of `dtype`, the visibility of their rows.
+#[derive(Clone, Copy)]
+pub(crate) struct ForwardJob<'a> {
+    pub dims: Dims,
+    pub dtype: DType,
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    /// Let the kernel round `o` to `dtype` (it is then exactly representable in `dtype`).
+    pub round_o: bool,
+}
+
+/// One backward: the forward's inputs, its f32 `o` and `lse`, the 16-bit `d_o`.
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardJob<'a> {
+    pub fwd: ForwardJob<'a>,
+    pub o: &'a [f32],
+    pub lse: &'a [f32],
+    pub d_o: &'a [u16],
+    /// `rowsum(dO∘O)` when known; computed by the rowsum kernel otherwise.
+    pub delta: Option<&'a [f32]>,
+    pub dq_mode: DqMode,
+}
+
+/// Something that runs the kernels of `cuda/` on host buffers (uploading and downloading as
+/// it needs): f32 results, unrounded unless a job asks otherwise.
+pub(crate) trait Executor: Sync {
+    /// Name in errors (`emu`, `cuda`).
+    const NAME: &'static str;
+    /// Forward: `(o, lse)`.
+    fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)>;
+    /// Backward: `(dq, dk, dv)`.
+    fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+    /// `rowsum(dO∘O)` `[b, h_q, s_q]` from f32 `o` and 16-bit `d_o`.
+    fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>>;
+}
+
+/// What the kernels take: bf16 or f16 inputs (f32 is refused rather than converted, which
+/// would silently change the precision asked for) and head dims that are multiples of 8 up
+/// to 256.
+///
+/// # Errors
+/// [`Error::BackendUnsupported`] naming the value and `backend`.
+pub(crate) fn check_supported(backend: &'static str, dims: &Dims, dtype: DType) -> Result<()> {
+    if dtype == DType::F32 {
+        return Err(Error::BackendUnsupported {
+            backend,
+            what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
+        });
+    }
+    geometry::check_head_dim(backend, dims.d)
+}
+
+/// Values as the 16-bit patterns of `dtype` (bf16 or f16), rounding to nearest even: the
+/// element type of the kernels' q, k, v and `d_o`.
+///
+/// ```
+/// # #[cfg(feature = "cuda")] {
+/// use ringattn::{cuda::to_bits, DType};
+/// assert_eq!(to_bits(&[1.0, -2.0], DType::BF16), vec![0x3f80, 0xc000]);
+/// assert_eq!(to_bits(&[1.0], DType::F16), vec![0x3c00]);
+/// # }
+/// ```
+pub fn to_bits(x: &[f32], dtype: DType) -> Vec<u16> {
+    match dtype {
+        DType::F16 => x.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+        _ => x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+    }
+}
+
+/// The 16-bit patterns of a tensor (borrowed when it holds bf16 or f16).
+pub(crate) fn tensor_bits(t: &Tensor) -> Cow<'_, [u16]> {
+    match t.data() {
+        TensorData::BF16(v) => Cow::Borrowed(bytemuck::cast_slice(v)),
+        TensorData::F16(v) => Cow::Borrowed(bytemuck::cast_slice(v)),
+        TensorData::F32(v) => Cow::Owned(to_bits(v, t.dtype())),
+    }
+}
+
+/// Visibility of a single-device call (`positions` None) or of a block at global positions.
+pub(crate) fn visibility(
+    dims: &Dims,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+) -> Result<Visibility> {
+    match positions {
+        None => Visibility::single_device(params, dims.s_q, dims.s_k),
+        Some((qp, kp)) => crate::cpu::block_visibility(dims, qp, kp, params),
+    }
+}
+
+/// The tensor-level forward of `cpu::forward` / `cpu::forward_at` on executor `e`.
+pub(crate) fn forward_tensors<E: Executor>(
+    e: &E,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+) -> Result<ForwardOutput> {
+    let dims = Dims::of(q, k, v)?;
+    check_supported(E::NAME, &dims, q.dtype())?;
+    let vis = visibility(&dims, positions, params)?;
+    let (qb, kb, vb) = (tensor_bits(q), tensor_bits(k), tensor_bits(v));
+    let x = ForwardJob {
+        dims,
+        dtype: q.dtype(),
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        vis: &vis,
+        scale: params.softmax_scale(dims.d),
+        round_o: true,
+    };
+    let (o, lse) = e.forward(&x)?;
+    Ok(ForwardOutput {
+        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+    })
+}
+
+/// The tensor-level backward of `cpu::backward` / `cpu::backward_at` on executor `e`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_tensors<E: Executor>(
+    e: &E,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    positions: Option<(&Positions, &Positions)>,
+    params: &AttentionParams,
+    dq_mode: DqMode,
+) -> Result<Gradients> {
+    let dims = Dims::of(q, k, v)?;
+    check_supported(E::NAME, &dims, q.dtype())?;
+    dims.expect_backward_inputs(q, o, lse, d_o)?;
+    let vis = visibility(&dims, positions, params)?;
+    let (qb, kb, vb, dob) = (tensor_bits(q), tensor_bits(k), tensor_bits(v), tensor_bits(d_o));
+    let (of, lf) = (o.as_f32(), lse.as_f32());
+    let x = BackwardJob {
+        fwd: ForwardJob {
+            dims,
+            dtype: q.dtype(),
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            vis: &vis,
+            scale: params.softmax_scale(dims.d),
+            round_o: false,
+        },
+        o: &of,
+        lse: &lf,
+        d_o: &dob,
+        delta: None,
+        dq_mode,
+    };
+    let (dq, dk, dv) = e.backward(&x)?;
+    Ok(Gradients {
+        dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+    })
+}
+
+/// `Backend::supports` of a kernel backend for inputs of `dtype` (its own is `own`).
+///
+/// # Errors
+/// As [`check_supported`]; [`Error::DtypeMismatch`] when `dtype` is not `own`.
+pub(crate) fn supports(backend: &'static str, own: DType, dims: &Dims, dtype: DType) -> Result<()> {
+    check_supported(backend, dims, dtype)?;
+    if dtype != own {
+        return Err(Error::DtypeMismatch {
+            name: "q".into(),
+            got: dtype.to_string(),
+            expected: format!("{own} (the dtype of the {backend} backend)"),
+        });
+    }
+    Ok(())
+}
+
+/// `Backend::forward_block` of a kernel backend: f32 host buffers holding `dtype` values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_block<E: Executor>(
+    e: &E,
+    dtype: DType,
+    dims: Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos: &Positions,
+    k_pos: &Positions,
+    params: &AttentionParams,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    let (qb, kb, vb) = (to_bits(q, dtype), to_bits(k, dtype), to_bits(v, dtype));
+    e.forward(&ForwardJob {
+        dims,
+        dtype,
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        vis: &vis,
+        scale: params.softmax_scale(dims.d),
+        round_o: false,
+    })
+}
+
+/// The buffers of one `Backend::backward_block` step (f32 host buffers holding `dtype`
+/// values, except the f32 statistics).
+pub(crate) struct BlockBackward<'a> {
+    pub dims: Dims,
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+    pub lse: &'a [f32],
+    pub d_o: &'a [f32],
+    pub delta: &'a [f32],
+    pub q_pos: &'a Positions,
+    pub k_pos: &'a Positions,
+    pub params: &'a AttentionParams,
+}
+
+/// `Backend::backward_block` of a kernel backend.
+pub(crate) fn backward_block<E: Executor>(
+    e: &E,
+    dtype: DType,
+    dq_mode: DqMode,
+    x: &BlockBackward<'_>,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let dims = x.dims;
+    let vis = crate::cpu::block_visibility(&dims, x.q_pos, x.k_pos, x.params)?;
+    let (qb, kb, vb, dob) = (to_bits(x.q, dtype), to_bits(x.k, dtype), to_bits(x.v, dtype), to_bits(x.d_o, dtype));
+    e.backward(&BackwardJob {
+        fwd: ForwardJob {
+            dims,
+            dtype,
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            vis: &vis,
+            scale: x.params.softmax_scale(dims.d),
+            round_o: false,
+        },
+        o: x.o,
+        lse: x.lse,
+        d_o: &dob,
+        delta: Some(x.delta),
+        dq_mode,
+    })
+}
+
+/// `Backend::softmax_grad_rowsum` of a kernel backend.
+pub(crate) fn rowsum_block<E: Executor>(e: &E, dtype: DType, dims: Dims, o: &[f32], d_o: &[f32]) -> Result<Vec<f32>> {
+    e.rowsum(&dims, dtype, o, &to_bits(d_o, dtype))
+}
