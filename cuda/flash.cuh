@@ -141,3 +141,31 @@ struct MaskEval {
                dq == dk;
     }
 };
+
+// Visibility bits of a thread's query-row fragments against kNT n-tiles of keys k0 ..
+// (bit 4n + 2r + c: n-tile n, query row g + 8r of the warp, key k0 + 8n + 2t + c), for rows
+// that exist (`row_ok`) at positions `qpos` in documents `qdoc`; without window or documents
+// (`unmasked`) no position is read.
+template <int kNT>
+__device__ __forceinline__ uint32_t query_row_visibility(const MaskParams& m, bool unmasked, const bool row_ok[2],
+                                                         const int64_t qpos[2], const uint32_t qdoc[2], int64_t k0,
+                                                         int64_t s_k, int t) {
+    const MaskEval mask{m};
+    uint32_t vis = 0;
+    RINGATTN_UNROLL
+    for (int n = 0; n < kNT; ++n) {
+        RINGATTN_UNROLL
+        for (int c = 0; c < 2; ++c) {
+            const int64_t j = k0 + n * 8 + 2 * t + c;
+            if (j >= s_k) continue;
+            const int64_t pk = unmasked ? 0 : gmem_load(m.k_pos + j);
+            const uint32_t kd = m.k_doc != nullptr ? gmem_load(m.k_doc + j) : 0;
+            RINGATTN_UNROLL
+            for (int r = 0; r < 2; ++r) {
+                const bool ok = row_ok[r] && (unmasked || mask.visible(qpos[r], qdoc[r], pk, kd));
+                vis |= uint32_t(ok) << (4 * n + 2 * r + c);
+            }
+        }
+    }
+    return vis;
+}

@@ -61,7 +61,6 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
     }
 
-    const MaskEval mask{p.mask};
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
 
@@ -89,22 +88,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
         // g + 8, g + 8; columns 2t, 2t + 1).
         const int64_t k0 = tile * kN;
-        uint32_t vis = 0;
-        RINGATTN_UNROLL
-        for (int n = 0; n < kNT; ++n) {
-            RINGATTN_UNROLL
-            for (int c = 0; c < 2; ++c) {
-                const int64_t j = k0 + n * 8 + 2 * t + c;
-                if (j >= p.s_k) continue;
-                const int64_t pk = unmasked ? 0 : gmem_load(p.mask.k_pos + j);
-                const uint32_t kd = p.mask.k_doc != nullptr ? gmem_load(p.mask.k_doc + j) : 0;
-                RINGATTN_UNROLL
-                for (int r = 0; r < 2; ++r) {
-                    const bool ok = row[r] < p.s_q && (unmasked || mask.visible(qpos[r], qdoc[r], pk, kd));
-                    vis |= uint32_t(ok) << (4 * n + 2 * r + c);
-                }
-            }
-        }
+        const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
+        const uint32_t vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
         if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
             float s[kNT][4];
             RINGATTN_UNROLL
