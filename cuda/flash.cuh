@@ -18,20 +18,27 @@ struct F16 {
     __device__ static float to_float(uint16_t h) { return f16_to_f32(h); }
 };
 
+// Swizzled-tile geometry of head-dim class D (shared by the traits below).
 template <int D>
-struct FwdTraits {
-    static_assert(D % 32 == 0 || D == 96, "head-dim classes: 32, 64, 96, 128, 192, 256");
-    static constexpr int kWarps = 4;
-    static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kBlockM = 16 * kWarps;          // query rows per block, 16 per warp
-    static constexpr int kBlockN = D <= 128 ? 64 : 32;   // keys per tile
-    static constexpr int kChunks = D / 8;                // 16-byte chunks per row
+struct TileGeom {
+    static constexpr int kChunks = D / 8;
     static constexpr int kRowChunks = kChunks <= 8 ? kChunks : (kChunks + 7) / 8 * 8;
     static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
-    static constexpr int kStride = kRowChunks * 8;       // elements per shared row
+    static constexpr int kStride = kRowChunks * 8;
+    static constexpr int kRowBytes = kStride * 2;
+};
+
+template <int D>
+struct FwdTraits : TileGeom<D> {
+    static_assert(D % 32 == 0 || D == 96, "head-dim classes: 32, 64, 96, 128, 192, 256");
+    using G = TileGeom<D>;
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kBlockM = 16 * kWarps;         // query rows per block, 16 per warp
+    static constexpr int kBlockN = D <= 128 ? 64 : 32;  // keys per tile
     static constexpr bool kQInRegs = D <= 128;           // Q fragments kept in registers
-    static constexpr int kSmemQ = kBlockM * kStride * 2;
-    static constexpr int kSmemKV = kBlockN * kStride * 2;  // one K or V stage
+    static constexpr int kSmemQ = kBlockM * G::kRowBytes;
+    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one K or V stage
     static constexpr int kSmem = kSmemQ + 4 * kSmemKV;     // Q, K and V double-buffered
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     // f32 registers per thread for the O and S accumulators (+ Q fragments when kept).
@@ -78,15 +85,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     }
 }
 
-// Swizzled-tile geometry of head-dim class D (shared by the traits below).
-template <int D>
-struct TileGeom {
-    static constexpr int kChunks = D / 8;
-    static constexpr int kRowChunks = kChunks <= 8 ? kChunks : (kChunks + 7) / 8 * 8;
-    static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
-    static constexpr int kStride = kRowChunks * 8;
-    static constexpr int kRowBytes = kStride * 2;
-};
 
 #ifndef DQ_BLOCK_N
 #define DQ_BLOCK_N(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)

@@ -183,6 +183,49 @@ pub mod params {
         pub reserved: i32,
     }
 
+    /// `b, s_q, s_k, h_q, h_kv, d` of `dims` as the structs hold them.
+    fn shape(dims: &crate::Dims) -> [i64; 6] {
+        [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d].map(|x| x as i64)
+    }
+
+    impl FlashFwdParams {
+        /// The shape of `dims` and the softmax `scale` (with `scale · log2 e`), every buffer
+        /// null and no mask: callers fill in their addresses (`..FlashFwdParams::for_shape(..)`).
+        pub fn for_shape(dims: &crate::Dims, scale: f32) -> Self {
+            let [b, s_q, s_k, h_q, h_kv, d] = shape(dims);
+            FlashFwdParams {
+                b,
+                s_q,
+                s_k,
+                h_q,
+                h_kv,
+                d,
+                scale,
+                scale_log2: scale * std::f32::consts::LOG2_E,
+                ..Default::default()
+            }
+        }
+    }
+
+    impl FlashBwdParams {
+        /// As [`FlashFwdParams::for_shape`], with the dq mode.
+        pub fn for_shape(dims: &crate::Dims, scale: f32, dq_mode: super::geometry::DqMode) -> Self {
+            let [b, s_q, s_k, h_q, h_kv, d] = shape(dims);
+            FlashBwdParams {
+                b,
+                s_q,
+                s_k,
+                h_q,
+                h_kv,
+                d,
+                scale,
+                scale_log2: scale * std::f32::consts::LOG2_E,
+                dq_atomic: (dq_mode == super::geometry::DqMode::Atomic) as i32,
+                ..Default::default()
+            }
+        }
+    }
+
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);

@@ -391,7 +391,6 @@ impl CudaDevice {
     /// kernels do not take (multiples of 8 up to 256); [`Error::ShapeMismatch`] for a buffer
     /// shorter than `dims` needs; [`Error::Cuda`] for buffers or a stream of another device;
     /// [`Error::Kernel`] when the launch fails.
-    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
     pub fn forward_into(
         &self,
         stream: &Arc<CudaStream>,
@@ -409,23 +408,7 @@ impl CudaDevice {
             let (mask, _gm) = mask_params(args.mask, stream);
             let (o, _go) = out.o.device_ptr_mut(stream);
             let (lse, _gl) = out.lse.device_ptr_mut(stream);
-            let p = FlashFwdParams {
-                q,
-                k,
-                v,
-                o,
-                lse,
-                mask,
-                b: dims.b as i64,
-                s_q: dims.s_q as i64,
-                s_k: dims.s_k as i64,
-                h_q: dims.h_q as i64,
-                h_kv: dims.h_kv as i64,
-                d: dims.d as i64,
-                scale: args.scale,
-                scale_log2: args.scale * std::f32::consts::LOG2_E,
-                ..Default::default()
-            };
+            let p = FlashFwdParams { q, k, v, o, lse, mask, ..FlashFwdParams::for_shape(&dims, args.scale) };
             self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&dims), &p)?;
         }
         guard("a deferred driver call", || self.ctx.check_err())
@@ -454,7 +437,6 @@ impl CudaDevice {
     ///
     /// # Errors
     /// As [`CudaDevice::forward_into`], for every buffer of `args`, `delta` and `grads`.
-    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
     pub fn backward_into(
         &self,
         stream: &Arc<CudaStream>,
@@ -507,16 +489,7 @@ impl CudaDevice {
                 dk,
                 dv,
                 mask,
-                b: dims.b as i64,
-                s_q: dims.s_q as i64,
-                s_k: dims.s_k as i64,
-                h_q: dims.h_q as i64,
-                h_kv: dims.h_kv as i64,
-                d: dims.d as i64,
-                scale: x.scale,
-                scale_log2: x.scale * std::f32::consts::LOG2_E,
-                dq_atomic: (args.dq_mode == DqMode::Atomic) as i32,
-                ..Default::default()
+                ..FlashBwdParams::for_shape(&dims, x.scale, args.dq_mode)
             };
             for (kernel, launch) in geometry::backward(&dims, compute_delta, args.dq_mode) {
                 let name = entry(&format!("flash_bwd_{}", kernel.name()), x.dtype);
@@ -545,7 +518,6 @@ impl CudaDevice {
     ///
     /// # Errors
     /// As [`CudaDevice::forward_into`] for `o`, `d_o` and `delta`.
-    #[allow(clippy::needless_update)] // `..Default::default()`: pointers the kernel does not read stay null.
     pub fn rowsum_into(
         &self,
         stream: &Arc<CudaStream>,
@@ -564,18 +536,7 @@ impl CudaDevice {
             let (o, _go) = o.device_ptr(stream);
             let (d_o, _gdo) = d_o.device_ptr(stream);
             let (delta, _gd) = delta.device_ptr_mut(stream);
-            let p = FlashBwdParams {
-                o,
-                d_o,
-                delta,
-                b: dims.b as i64,
-                s_q: dims.s_q as i64,
-                s_k: dims.s_k as i64,
-                h_q: dims.h_q as i64,
-                h_kv: dims.h_kv as i64,
-                d: dims.d as i64,
-                ..Default::default()
-            };
+            let p = FlashBwdParams { o, d_o, delta, ..FlashBwdParams::for_shape(dims, 0.0, DqMode::default()) };
             self.launch(stream, "flash_bwd", &entry("flash_bwd_rowsum", dtype), geometry::rowsum(dims), &p)?;
         }
         guard("a deferred driver call", || self.ctx.check_err())
@@ -589,7 +550,6 @@ impl CudaDevice {
     /// # Errors
     /// [`Error::ShapeMismatch`] for a buffer shorter than `bshd` needs; [`Error::Kernel`]
     /// when the launch fails.
-    #[allow(clippy::needless_update)] // `..Default::default()`: fields added to the C struct later stay zero.
     pub fn merge_into(
         &self,
         stream: &Arc<CudaStream>,
@@ -610,17 +570,8 @@ impl CudaDevice {
             let (lse_acc, _g2) = lse_acc.device_ptr_mut(stream);
             let (o_part, _g3) = o_part.device_ptr(stream);
             let (lse_part, _g4) = lse_part.device_ptr(stream);
-            let p = MergeParams {
-                o_acc,
-                lse_acc,
-                o_part,
-                lse_part,
-                b: b as i64,
-                s: s as i64,
-                h: h as i64,
-                d: d as i64,
-                ..Default::default()
-            };
+            let p =
+                MergeParams { o_acc, lse_acc, o_part, lse_part, b: b as i64, s: s as i64, h: h as i64, d: d as i64 };
             self.launch(stream, "merge", "ringattn_merge_f32", geometry::merge(b * h * s), &p)?;
         }
         guard("a deferred driver call", || self.ctx.check_err())

@@ -95,14 +95,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
         lse: lse.as_mut_ptr() as u64,
         o16: if round_o { o16.as_mut_ptr() as u64 } else { 0 },
         mask: mask_params(vis),
-        b: dims.b as i64,
-        s_q: dims.s_q as i64,
-        s_k: dims.s_k as i64,
-        h_q: dims.h_q as i64,
-        h_kv: dims.h_kv as i64,
-        d: dims.d as i64,
-        scale,
-        scale_log2: scale * std::f32::consts::LOG2_E,
+        ..FlashFwdParams::for_shape(&dims, scale)
     };
     let launch = geometry::forward(&dims);
     let l = EmuLaunch::new(launch, opts)?;
@@ -173,16 +166,7 @@ fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec
         dk: dk.as_mut_ptr() as u64,
         dv: dv.as_mut_ptr() as u64,
         mask: mask_params(f.vis),
-        b: dims.b as i64,
-        s_q: dims.s_q as i64,
-        s_k: dims.s_k as i64,
-        h_q: dims.h_q as i64,
-        h_kv: dims.h_kv as i64,
-        d: dims.d as i64,
-        scale: f.scale,
-        scale_log2: f.scale * std::f32::consts::LOG2_E,
-        dq_atomic: (x.dq_mode == DqMode::Atomic) as i32,
-        reserved: 0,
+        ..FlashBwdParams::for_shape(&dims, f.scale, x.dq_mode)
     };
     let bf = (f.dtype == DType::BF16) as i32;
     for (kernel, launch) in geometry::backward(&dims, x.delta.is_none(), x.dq_mode) {
@@ -218,13 +202,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
         o: o.as_ptr() as u64,
         d_o: d_o.as_ptr() as u64,
         delta: delta.as_mut_ptr() as u64,
-        b: dims.b as i64,
-        s_q: dims.s_q as i64,
-        s_k: dims.s_k as i64,
-        h_q: dims.h_q as i64,
-        h_kv: dims.h_kv as i64,
-        d: dims.d as i64,
-        ..Default::default()
+        ..FlashBwdParams::for_shape(&dims, 0.0, DqMode::default())
     };
     let l = EmuLaunch::new(geometry::rowsum(&dims), opts)?;
     let mut msg = [0u8; 1024];
