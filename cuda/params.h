@@ -80,3 +80,29 @@ struct FlashBwdParams {
 
 static_assert(sizeof(FlashBwdParams) == 192, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
+
+// ops.cu: the f32 data movements of the sequence-parallel drivers on device buffers (the
+// `Buffers` operations of src/parallel/backend.rs). One struct for the family; each kernel
+// reads the fields its comment in ops.cu names and ignores the others (zero them).
+struct OpsParams {
+    float* dst;             // fill, add (acc), copy_rows, select_heads, scatter_heads: written
+    const float* src;       // add (x), to_bf16/to_f16, copy_rows, select_heads, scatter_heads
+    uint16_t* dst16;        // to_bf16/to_f16: the 16-bit patterns, written
+    const int64_t* heads;   // select_heads/scatter_heads: [k] head indices (each < h)
+    int64_t len;            // fill, add, to_bf16/to_f16: elements
+    int64_t b;              // copy_rows: outer count; select/scatter_heads: b * n (rows of heads)
+    int64_t n;              // copy_rows: rows copied per outer index
+    int64_t w;              // copy_rows: elements per row
+    int64_t src_rows;       // copy_rows: rows per outer index of src
+    int64_t src_off;        // copy_rows: first row read
+    int64_t dst_rows;       // copy_rows: rows per outer index of dst
+    int64_t dst_off;        // copy_rows: first row written
+    int64_t h;              // select/scatter_heads: heads of the full buffer
+    int64_t k;              // select/scatter_heads: heads listed
+    int64_t d;              // select/scatter_heads: elements per head
+    float value;            // fill
+    int32_t assign;         // scatter_heads: 1 writes, 0 adds
+};
+
+static_assert(sizeof(OpsParams) == 128, "OpsParams is mirrored in Rust: 4 pointers + 11 int64 + f32 + i32");
+static_assert(alignof(OpsParams) == 8, "OpsParams alignment");

@@ -7,11 +7,18 @@
 #      torch) and `ringattn bench --backend cuda` (scripts/device_bench.py ringattn), on
 #      b*s = 16k tokens, s in {4k, 16k} (quick) or {1k, 2k, 4k, 8k, 16k, 32k} (--full),
 #      d in {64, 128} (h = 32 / 16), causal and not, bf16, forward and backward;
-#   4. $OUT/device-check.json with everything (facts, verify reports, timings, ratios), and a
-#      short table printed last.
+#   4. sequence parallelism on the one GPU (issue 6): every strategy with 2, 4 and 8 ranks
+#      (threads sharing the GPU, device-resident buffers, sends as device copies) against the
+#      float64 oracle (`verify --backend cuda --strategy S --world W`), and the overlap of the
+#      ring, contiguous and zigzag, 4 ranks x 32k tokens, bf16, d=128, causal, forward and
+#      backward (`bench --backend cuda --strategies ring --world 4`): wall time against the
+#      GPU time of the attention kernels, and the hidden share from the runs with instant
+#      communication and without kernels;
+#   5. $OUT/device-check.json with everything (facts, verify reports, timings, ratios,
+#      overlap), and short tables printed last.
 # Every step runs under `timeout`; a failed step is recorded and the script goes on. A global
-# deadline bounds the whole run: quick mode (the default) ends within 4 minutes of its start
-# (230 s deadline + at most 10 s kill grace + the summary; typically 1.5-3 minutes), --full
+# deadline bounds the whole run: quick mode (the default) ends within 5.5 minutes of its start
+# (310 s deadline + at most 10 s kill grace + the summary; typically 2.5-4 minutes), --full
 # within 9.5 minutes (540 s deadline; a call of its own with timeout_s=600).
 #
 # Usage (repo root, release binary at target/release/ringattn, python3 with torch):
@@ -30,7 +37,7 @@
 #   NVCC=$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13)/bin/nvcc \
 #     CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda && strip target/release/ringattn
 # Device tool call (the lead's), e.g.:
-#   run(command="bash scripts/device-check.sh", carry=["target/release/ringattn"], timeout_s=300)
+#   run(command="bash scripts/device-check.sh", carry=["target/release/ringattn"], timeout_s=400)
 set -uo pipefail # no -e: every step's failure is recorded and the script continues
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
@@ -61,11 +68,15 @@ done
 
 # --- budgets (seconds) ---
 if [ "$mode" = full ]; then
-  total=${budget:-540} verify_budget=200 verify_case=90 torch_budget=150 ra_budget=230 ra_max_run=90
+  total=${budget:-540} verify_budget=150 verify_case=90 torch_budget=120 ra_budget=150 ra_max_run=90
+  par_budget=60 overlap_budget=60
   seqs=1024,2048,4096,8192,16384,32768
+  par_cases="ring:2 ring:4 ring:8 allgather:2 allgather:4 allgather:8 ulysses:2 ulysses:4 ulysses:8 usp:4 usp:8"
 else
-  total=${budget:-230} verify_budget=70 verify_case=40 torch_budget=80 ra_budget=90 ra_max_run=45
+  total=${budget:-310} verify_budget=60 verify_case=40 torch_budget=70 ra_budget=80 ra_max_run=45
+  par_budget=40 overlap_budget=50
   seqs=4096,16384
+  par_cases="ring:2 ring:4 ring:8 allgather:4 ulysses:4 usp:8"
 fi
 seqs=${seqs_arg:-$seqs}
 dims=64,128
@@ -182,9 +193,25 @@ if [ "$dry" = 1 ]; then
 else
   run_step bench-ringattn $((ra_budget + 15)) "${ra_cmd[@]}"
 fi
+
+# --- 4. sequence parallelism on one GPU: correctness, then the ring's overlap ---
+par_deadline=$(($(date +%s) + par_budget))
+for case in $par_cases; do
+  IFS=':' read -r strategy world <<<"$case"
+  left=$((par_deadline - $(date +%s)))
+  limit=30
+  [ "$limit" -gt "$left" ] && limit=$left
+  run_step "verify-par-$strategy-x$world" "$limit" "$bin" verify --backend cuda --strategy "$strategy" --world "$world" \
+    --shape 1,2048,16,4,128 --dtype bf16 --causal --json "$work/verify-par-$strategy-x$world.json"
+done
+for layout in zigzag contiguous; do
+  run_step "overlap-ring-$layout" "$overlap_budget" "$bin" bench --backend cuda --strategies ring --world 4 \
+    --layout "$layout" --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal --iters 1 \
+    --warmup 0 --out "$work/overlap-ring-$layout"
+done
 run_step facts-query-after 30 nvidia-smi --query-gpu=$query --format=csv
 
-# --- 4. summary (the table last) ---
+# --- 5. summary (the tables last) ---
 if [ -n "${OUT:-}" ]; then
   tar -czf "$out/work.tar.gz" -C "$work" . 2>/dev/null || echo "device-check: could not archive $work"
 fi

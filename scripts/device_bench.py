@@ -348,12 +348,21 @@ def cmd_summarize(args):
                 row[f"ringattn_over_{be}"] = a_ / b_ if a_ and b_ else None
             rows.append(row)
     n_pass = sum(v["status"] == "pass" for v in verify)
+    # Sequence parallelism on one GPU: the ring's overlap runs (ringattn bench sweeps).
+    overlap = []
+    for s in steps:
+        if s["name"].startswith("overlap-"):
+            rep = load(os.path.join(w, s["name"], "bench.json"))
+            for r in (rep or {}).get("records", []):
+                overlap.append(dict(name=s["name"], **r))
+            if not rep:
+                overlap.append(dict(name=s["name"], status=s["status"]))
     summary = dict(
         mode=args.mode, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), elapsed_s=args.elapsed,
         machine=machine, steps=[{k: v for k, v in s.items() if k != "log_tail" or s["status"] != "pass"}
                                 for s in steps],
         verify=verify, verify_summary=dict(total=len(verify), passed=n_pass, failed=len(verify) - n_pass),
-        torch=torch_res, ringattn=ra_res, comparison=rows,
+        torch=torch_res, ringattn=ra_res, comparison=rows, parallel_overlap=overlap,
         flop_model="forward 4*b*h*s^2*d (halved when causal), backward 2.5x forward; ratios = ringattn TFLOP/s "
                    "over torch TFLOP/s (> 1: ringattn faster)",
     )
@@ -386,6 +395,17 @@ def cmd_summarize(args):
         print(f"{label:<26} {r['pass']:<8} {fmt(r['ringattn_tflops'], 8, 2)} "
               + " ".join(fmt(r[f"{be}_tflops"], 7, 1) for be in backends) + " "
               + " ".join(fmt(r[f"ringattn_over_{be}"], 6, 3) for be in backends) + f"  {note[:70]}")
+    print("\n== sequence parallelism on one GPU (ranks = threads; time = slowest rank, forward + backward; "
+          "hidden = 1 - (run - compute only) / comm only)")
+    print(f"{'run':<26} {'world':>5} {'seq':>8} {'ms':>10} {'compute-only ms':>16} {'comm-only ms':>13} {'hidden':>7}")
+    for o in overlap:
+        if "seconds" not in o:
+            print(f"{o['name']:<26} {o.get('status', 'not run')}")
+            continue
+        ms = lambda x: fmt(x * 1e3 if x is not None else None, 10, 1)
+        hid = f"{o['hidden'] * 100:6.1f}%" if o.get("hidden") is not None else "      -"
+        print(f"{o['name']:<26} {o['world']:>5} {o['seq']:>8} {ms(o['seconds'])} {ms(o.get('compute_only_s')):>16} "
+              f"{ms(o.get('comm_only_s')):>13} {hid}")
     return 0
 
 

@@ -5,7 +5,9 @@
 #   * local    the SASS holds no LDL / STL (local memory: spills or indexed register arrays);
 #   * tensor   the main attention kernels (MAIN_KERNELS below), in the cubins of TC_ARCHS,
 #              hold each instruction their entry names (HMMA = mma.sync, LDSM = ldmatrix,
-#              LDGSTS = cp.async; "A|B" accepts either).
+#              LDGSTS = cp.async; "A|B" accepts either). The small kernels (merge.cu, and
+#              the element-wise data movements of ops.cu, ringattn_ops_*) need none of
+#              these: they are held to the spill and local-memory rules only.
 # Prints a table (kernel, arch, registers, stack, spills, LDL/STL, HMMA, HGMMA, LDSM, LDGSTS,
 # verdict) and exits 1 naming each failing kernel and rule; 2 when a tool or a compile fails.
 # Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
@@ -36,7 +38,7 @@ ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a}"
 # which it looks for beside itself.
 DISASM_VERSION=13.2.86
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 
 report_only=0
 out=target/sass-gates

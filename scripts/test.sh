@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a machine with only the Rust toolchain, gcc and
 # Python: installs nvcc 13.0 from PyPI (kernels are compiled for sm_80/sm_90a and any spill
-# fails), then formatting, lints, unit/integration/property/CLI tests and doc tests. Prints
+# fails) and Open MPI from the distribution's packages (apt), then formatting, lints, unit/integration/property/CLI tests and doc tests. Prints
 # the time of each stage. Usage: scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,16 @@ export RINGATTN_DENY_SPILLS=1
 "$NVCC" --version | tail -2
 done_stage nvcc
 
+stage "Open MPI from the distribution's packages (the multi-process tests run under mpirun)"
+if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev >/dev/null
+fi
+mpirun --version | head -1
+done_stage open-mpi
+
 stage "emulator and host-compiled kernels under AddressSanitizer + UBSan (standalone harness)"
 mkdir -p target
 # Each kernel family compiles on its own for the host (through the emulator), as for nvcc.
@@ -67,11 +77,11 @@ cargo test --all-targets
 cargo test --doc
 done_stage test
 
-stage "feature cuda (cudarc, libcuda loaded at run time): lints, and clean failure without a GPU"
-cargo clippy --all-targets --features cuda -- -D warnings
-cargo test --features cuda --lib cuda
-cargo test --features cuda --test cuda --test cli
-done_stage cuda-feature
+stage "features cuda + mpi: lints; clean failure without a GPU; 4-rank mpirun jobs (every strategy, killed and silent ranks)"
+cargo clippy --all-targets --features cuda,mpi -- -D warnings
+cargo test --features cuda,mpi --lib cuda
+cargo test --features cuda,mpi --test cuda --test cli --test mpi --bin ringattn
+done_stage cuda-mpi-features
 
 stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"
 scripts/sass-gates.sh

@@ -125,7 +125,7 @@ pub enum Error {
         name: String,
     },
     /// An unknown or not-yet-available parallel strategy.
-    #[error("unknown strategy `{0}` (available: single)")]
+    #[error("unknown strategy `{0}` (available: single, ring, allgather, ulysses, usp)")]
     UnknownStrategy(String),
     /// An unknown or not-yet-available backend.
     #[error("unknown backend `{0}` (available: cpu, emu, cuda)")]
@@ -148,6 +148,9 @@ pub enum Error {
         /// Its error message.
         reason: String,
     },
+    /// An MPI call failed, or MPI cannot be used as asked (feature `mpi`).
+    #[error("MPI: {0}")]
+    Mpi(String),
     /// Ranks disagree on the configuration of a collective call.
     #[error("handshake mismatch: {0}")]
     Handshake(String),

@@ -226,8 +226,120 @@ pub mod params {
         }
     }
 
+    /// `OpsParams` of `cuda/params.h` (the data movements of `cuda/ops.cu`, one struct for
+    /// the family): device addresses and sizes, each kernel reading the fields its
+    /// constructor below sets (the others are zero). Element types: f32 except `dst16`
+    /// (16-bit patterns) and `heads` (i64).
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct OpsParams {
+        /// f32 output (fill, add's accumulator, copy_rows, select_heads, scatter_heads).
+        pub dst: u64,
+        /// f32 input (add, the conversions, copy_rows, select_heads, scatter_heads).
+        pub src: u64,
+        /// 16-bit output of the conversions.
+        pub dst16: u64,
+        /// `[k]` i64 head indices (select_heads, scatter_heads), each `< h`.
+        pub heads: u64,
+        /// Elements (fill, add, conversions).
+        pub len: i64,
+        /// copy_rows: outer count; select/scatter_heads: rows of heads (`b · n`).
+        pub b: i64,
+        /// copy_rows: rows copied per outer index.
+        pub n: i64,
+        /// copy_rows: elements per row.
+        pub w: i64,
+        /// copy_rows: rows per outer index of `src`.
+        pub src_rows: i64,
+        /// copy_rows: first row read.
+        pub src_off: i64,
+        /// copy_rows: rows per outer index of `dst`.
+        pub dst_rows: i64,
+        /// copy_rows: first row written.
+        pub dst_off: i64,
+        /// select/scatter_heads: heads of the full buffer.
+        pub h: i64,
+        /// select/scatter_heads: heads listed.
+        pub k: i64,
+        /// select/scatter_heads: elements per head.
+        pub d: i64,
+        /// fill: the value.
+        pub value: f32,
+        /// scatter_heads: 1 writes, 0 adds.
+        pub assign: i32,
+    }
+
+    impl OpsParams {
+        /// `dst[i] = value` for `i < len` (`ringattn_ops_fill_f32`).
+        pub fn fill(dst: u64, len: usize, value: f32) -> Self {
+            OpsParams { dst, len: len as i64, value, ..Default::default() }
+        }
+
+        /// `dst[i] += src[i]` for `i < len` (`ringattn_ops_add_f32`).
+        pub fn add(dst: u64, src: u64, len: usize) -> Self {
+            OpsParams { dst, src, len: len as i64, ..Default::default() }
+        }
+
+        /// `dst16[i] = bits(src[i])` for `i < len` (`ringattn_ops_to_bf16` / `_to_f16`).
+        pub fn convert(dst16: u64, src: u64, len: usize) -> Self {
+            OpsParams { dst16, src, len: len as i64, ..Default::default() }
+        }
+
+        /// Rows `src_off..src_off + n` of each of the `b` outer blocks of `src` (`[b,
+        /// src_rows, w]`) to rows `dst_off..dst_off + n` of `dst` (`[b, dst_rows, w]`)
+        /// (`ringattn_ops_copy_rows_f32`).
+        pub fn copy_rows(dst: u64, dst_rows: usize, dst_off: usize, src: u64, src_rows: usize, src_off: usize) -> Self {
+            OpsParams {
+                dst,
+                src,
+                dst_rows: dst_rows as i64,
+                dst_off: dst_off as i64,
+                src_rows: src_rows as i64,
+                src_off: src_off as i64,
+                ..Default::default()
+            }
+        }
+
+        /// With `b` outer blocks, `n` rows, `w` elements per row (for [`OpsParams::copy_rows`]).
+        pub fn rows(self, b: usize, n: usize, w: usize) -> Self {
+            OpsParams { b: b as i64, n: n as i64, w: w as i64, ..self }
+        }
+
+        /// select_heads (`full` = `src` `[rows, h, d]` → `part` = `dst` `[rows, k, d]`) or
+        /// scatter_heads (`part` = `src` → `full` = `dst`, written when `assign`, else added)
+        /// over the `k` head indices at `heads` (`ringattn_ops_select_heads_f32`,
+        /// `ringattn_ops_scatter_heads_f32`).
+        #[allow(clippy::too_many_arguments)]
+        pub fn heads(
+            select: bool,
+            full: u64,
+            part: u64,
+            heads: u64,
+            rows: usize,
+            h: usize,
+            k: usize,
+            d: usize,
+            assign: bool,
+        ) -> Self {
+            let (dst, src) = if select { (part, full) } else { (full, part) };
+            OpsParams {
+                dst,
+                src,
+                heads,
+                b: rows as i64,
+                h: h as i64,
+                k: k as i64,
+                d: d as i64,
+                assign: assign as i32,
+                ..Default::default()
+            }
+        }
+    }
+
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
+    const _: () = assert!(std::mem::size_of::<OpsParams>() == 128);
+    const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
     const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 152);
@@ -442,6 +554,101 @@ pub mod geometry {
             DqMode::Atomic => v.push((BackwardKernel::DkDvDq, dkdv(dims, mode))),
         }
         v
+    }
+
+    /// Threads per block of the ops kernels (`cuda/ops.cu`).
+    pub const OPS_THREADS: usize = 256;
+
+    /// Most blocks of an ops launch: the kernels loop over their work items (grid stride),
+    /// so a capped grid covers any size.
+    pub const OPS_MAX_BLOCKS: usize = 4096;
+
+    /// A kernel of `cuda/ops.cu`. The discriminant is the kernel's number in the emulator's
+    /// entry point (`ringattn_emu_ops` in `cuda/emu/kernels.cpp`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum OpsKernel {
+        /// `ringattn_ops_fill_f32`.
+        Fill = 0,
+        /// `ringattn_ops_add_f32`.
+        Add = 1,
+        /// `ringattn_ops_to_bf16`.
+        ToBf16 = 2,
+        /// `ringattn_ops_to_f16`.
+        ToF16 = 3,
+        /// `ringattn_ops_copy_rows_f32`.
+        CopyRows = 4,
+        /// `ringattn_ops_select_heads_f32`.
+        SelectHeads = 5,
+        /// `ringattn_ops_scatter_heads_f32`.
+        ScatterHeads = 6,
+    }
+
+    impl OpsKernel {
+        /// Every ops kernel.
+        pub const ALL: [OpsKernel; 7] = [
+            OpsKernel::Fill,
+            OpsKernel::Add,
+            OpsKernel::ToBf16,
+            OpsKernel::ToF16,
+            OpsKernel::CopyRows,
+            OpsKernel::SelectHeads,
+            OpsKernel::ScatterHeads,
+        ];
+
+        /// The entry point.
+        pub fn entry(self) -> &'static str {
+            match self {
+                OpsKernel::Fill => "ringattn_ops_fill_f32",
+                OpsKernel::Add => "ringattn_ops_add_f32",
+                OpsKernel::ToBf16 => "ringattn_ops_to_bf16",
+                OpsKernel::ToF16 => "ringattn_ops_to_f16",
+                OpsKernel::CopyRows => "ringattn_ops_copy_rows_f32",
+                OpsKernel::SelectHeads => "ringattn_ops_select_heads_f32",
+                OpsKernel::ScatterHeads => "ringattn_ops_scatter_heads_f32",
+            }
+        }
+
+        /// The conversion to the 16-bit patterns of `dtype` (f16 for [`crate::DType::F16`],
+        /// bf16 otherwise).
+        pub fn convert_to(dtype: crate::DType) -> OpsKernel {
+            if dtype == crate::DType::F16 {
+                OpsKernel::ToF16
+            } else {
+                OpsKernel::ToBf16
+            }
+        }
+
+        /// Work items of a launch with `p` (one per thread per grid-stride iteration):
+        /// `len` for fill, add and the conversions, `b·n·w` for copy_rows, `b·k·d` for
+        /// select_heads, `b·d` for scatter_heads (each thread walks the `k` heads).
+        pub fn work(self, p: &super::params::OpsParams) -> usize {
+            let n = match self {
+                OpsKernel::Fill | OpsKernel::Add | OpsKernel::ToBf16 | OpsKernel::ToF16 => p.len,
+                OpsKernel::CopyRows => p.b * p.n * p.w,
+                OpsKernel::SelectHeads => p.b * p.k * p.d,
+                OpsKernel::ScatterHeads => {
+                    if p.k == 0 {
+                        0
+                    } else {
+                        p.b * p.d
+                    }
+                }
+            };
+            n.max(0) as usize
+        }
+    }
+
+    /// The launch of ops kernel `kernel` with `p`: [`OPS_THREADS`] threads per block, one
+    /// work item per thread, at most [`OPS_MAX_BLOCKS`] blocks (grid stride beyond); empty
+    /// when there is no work.
+    pub fn ops(kernel: OpsKernel, p: &super::params::OpsParams) -> Launch {
+        let work = kernel.work(p);
+        Launch {
+            grid: [work.div_ceil(OPS_THREADS).min(OPS_MAX_BLOCKS), 1, 1],
+            block: OPS_THREADS,
+            smem_bytes: 0,
+            head_dim_class: 0,
+        }
     }
 
     /// The merge kernel (`ringattn_merge_f32`) for `rows` LSE rows: one warp per row.

@@ -65,6 +65,7 @@ pub mod memory;
 pub mod merge;
 pub mod parallel;
 mod params;
+pub mod plan;
 mod positions;
 pub mod random;
 pub mod reference;

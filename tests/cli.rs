@@ -335,3 +335,56 @@ fn bench_times_the_cpu_backend_and_writes_json() {
         assert!(!bad.exists());
     }
 }
+
+#[test]
+fn bench_sweeps_write_a_table_json_csv_and_plots() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let r = ringattn(&[
+        "bench",
+        "--seq",
+        "64,128",
+        "--world",
+        "1,2",
+        "--strategies",
+        "ring,ulysses",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--causal",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        s(&out),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let table = String::from_utf8_lossy(&r.stdout);
+    assert!(table.contains("ulysses") && table.contains("hidden"), "{table}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("bench.json")).unwrap()).expect("bench.json parses");
+    // 2 lengths × (single + ring + ulysses at 2 ranks)
+    assert_eq!(json["records"].as_array().map(Vec::len), Some(6));
+    assert_eq!(std::fs::read_to_string(out.join("bench.csv")).unwrap().lines().count(), 7);
+    for f in ["throughput.png", "throughput.svg", "hidden.png", "hidden.svg"] {
+        assert!(std::fs::metadata(out.join(f)).map(|m| m.len() > 1000).unwrap_or(false), "{f} missing or empty");
+    }
+    // A bad list is refused with the option named.
+    let r = ringattn(&["bench", "--seq", "64,x", "--out", s(&out)]);
+    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("--seq"));
+}
+
+#[test]
+fn pingpong_measures_the_in_process_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("pp.json");
+    let r = ringattn(&["pingpong", "--sizes", "4,4096,65536", "--reps", "3", "--json", s(&json)]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let text = std::fs::read_to_string(&json).unwrap();
+    let pp = ringattn::plan::PingPong::from_json(&text).expect("the plan reads it");
+    assert_eq!(pp.samples.len(), 3);
+    let r = ringattn(&["pingpong", "--sizes", "5"]);
+    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("multiple of 4"));
+}

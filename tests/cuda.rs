@@ -297,3 +297,76 @@ fn every_strategy_runs_on_the_gpu() {
     let e = run_in_process(2, LocalOptions::default(), &backend, &x, &x, &x, None, &params).unwrap_err();
     assert!(e.to_string().contains("F16"), "{e}");
 }
+
+/// The device-resident drivers (issue 6): constructors fail cleanly without a GPU.
+#[test]
+fn without_a_gpu_the_device_resident_api_fails_cleanly() {
+    if cuda::probe().is_ok() {
+        eprintln!("SKIPPED without_a_gpu_the_device_resident_api_fails_cleanly: this machine has a GPU");
+        return;
+    }
+    let e = cuda::DeviceBackend::open(0, DType::BF16).unwrap_err();
+    assert!(is_no_gpu(&e), "{e}");
+    let e = cuda::DeviceComm::open(2, LocalOptions::default(), 0).unwrap_err();
+    assert!(is_no_gpu(&e), "{e}");
+    let x = randn(vec![1, 64, 2, 32], 1, DType::BF16);
+    let params = ParallelParams { strategy: Strategy::Ring, ..Default::default() };
+    let run = cuda::DeviceRunOptions::default();
+    let e = cuda::run_on_device(2, LocalOptions::default(), &run, &x, &x, &x, Some(&x), &params).unwrap_err();
+    assert!(is_no_gpu(&e), "{e}");
+    let e = cuda::measure_device_overlap(2, LocalOptions::default(), &run, &x, &x, &x, None, &params).unwrap_err();
+    assert!(is_no_gpu(&e), "{e}");
+    let e = cuda::NcclComm::init(0, 1, [0; 128], 0, std::time::Duration::from_secs(1)).unwrap_err();
+    assert!(matches!(e, Error::Cuda(_)), "{e}");
+    assert!(cuda::new_unique_id().is_err());
+    // Inputs the kernels do not take are refused before the GPU is looked for.
+    let f = randn(vec![1, 64, 2, 32], 1, DType::F32);
+    let e = cuda::run_on_device(2, LocalOptions::default(), &run, &f, &f, &f, None, &params).unwrap_err();
+    assert!(matches!(e, Error::BackendUnsupported { .. }), "{e}");
+    assert!(matches!(cuda::DeviceBackend::open(0, DType::F32).unwrap_err(), Error::BackendUnsupported { .. }));
+}
+
+/// Every strategy on device-resident buffers (DeviceBackend + DeviceComm), forward and
+/// backward, against the oracle; and the overlap measurement's shape.
+#[test]
+fn every_strategy_runs_device_resident() {
+    if !gpu("every_strategy_runs_device_resident") {
+        return;
+    }
+    let (b, s, hq, hkv, d) = (1, 777, 6, 3, 64);
+    let dtype = DType::BF16;
+    let q = randn(vec![b, s, hq, d], 21, dtype);
+    let k = randn(vec![b, s, hkv, d], 22, dtype);
+    let v = randn(vec![b, s, hkv, d], 23, dtype);
+    let d_o = randn(vec![b, s, hq, d], 24, dtype);
+    let run = cuda::DeviceRunOptions::default();
+    for (strategy, world) in [
+        (Strategy::Single, 1),
+        (Strategy::Ring, 3),
+        (Strategy::AllGather, 2),
+        (Strategy::Ulysses, 2),
+        (Strategy::Ulysses, 3),
+        (Strategy::Usp, 4),
+    ] {
+        for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(100), right: Some(0) }] {
+            let attention = AttentionParams { mask, ..Default::default() };
+            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+            let r = cuda::run_on_device(world, LocalOptions::default(), &run, &q, &k, &v, Some(&d_o), &params)
+                .unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
+            let report =
+                verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
+                    .unwrap();
+            assert!(report.pass(), "{strategy:?} x{world} {mask:?}\n{}", report.table());
+        }
+    }
+    let params = ParallelParams {
+        strategy: Strategy::Ring,
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let o = cuda::measure_device_overlap(3, LocalOptions::default(), &run, &q, &k, &v, Some(&d_o), &params).unwrap();
+    assert_eq!(o.forward.steps.len(), 3);
+    assert!(o.forward.max_compute_ms > 0.0 && o.forward.max_wall_ms > 0.0, "{o:?}");
+    assert!(o.backward.as_ref().is_some_and(|b| b.steps.iter().all(|&n| n >= 1)), "{o:?}");
+    eprintln!("{}", serde_json::to_string(&o).unwrap());
+}

@@ -116,3 +116,31 @@ fn files_missing_malformed_or_incomplete() {
     let unwritable = dir.path().join("no-such-dir").join("out.safetensors");
     assert!(matches!(io::write_tensors(&unwritable, &[("q", &q)]), Err(Error::Io { .. })));
 }
+
+#[test]
+fn partial_reads_check_the_file_and_the_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("x.safetensors");
+    let x = ringattn::random::randn(vec![2, 9, 3, 4], 7, DType::BF16);
+    io::write_tensors(&path, &[("q", &x), ("k", &x), ("v", &x)]).unwrap();
+    let f = io::TensorFile::open(&path).unwrap();
+    // Rows read piecewise equal the same rows sharded from the whole tensor.
+    let pos = Positions::from_segments(vec![
+        ringattn::Segment { start: 7, stride: 1, len: 2 },
+        ringattn::Segment { start: 0, stride: 3, len: 3 },
+    ])
+    .unwrap();
+    assert_eq!(f.read_rows("q", &pos).unwrap(), ringattn::Layout::shard_rows(&x, &pos).unwrap());
+    assert!(f.read_input_rows(&pos).unwrap().d_o.is_none());
+    let e = f.read_rows("q", &Positions::contiguous(5, 5)).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch(_)) && e.to_string().contains("9 rows"), "{e}");
+    assert!(matches!(f.read_rows("do", &pos).unwrap_err(), Error::MissingTensor { .. }));
+    // A truncated file is refused when opened, naming the file.
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.path().join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() - 10]).unwrap();
+    let e = io::TensorFile::open(&cut).unwrap_err();
+    assert!(matches!(e, Error::Format { .. }) && e.to_string().contains("cut.safetensors"), "{e}");
+    std::fs::write(&cut, &bytes[..4]).unwrap();
+    assert!(matches!(io::TensorFile::open(&cut).unwrap_err(), Error::Format { .. }));
+}

@@ -212,11 +212,24 @@ mod faults {
                 std::thread::sleep(Duration::from_millis(600));
                 return Ok(());
             }
-            c.irecv(1, 7)?.wait().map(|_| ())
+            c.irecv(1, 7, 4)?.wait().map(|_| ())
         });
         let e = out[0].as_ref().unwrap_err();
         assert!(matches!(e, Error::Timeout { peer: 1, .. }), "{e}");
         assert!(e.to_string().contains("rank 1") && e.to_string().contains("tag 7"), "{e}");
+    }
+
+    #[test]
+    fn a_message_of_the_wrong_length_is_an_error_naming_the_peer() {
+        let out = spmd::<Vec<f32>, _>(2, LocalOptions::default(), |c| {
+            if c.rank() == 1 {
+                return c.isend(0, 3, vec![1.0; 5])?.wait();
+            }
+            c.irecv(1, 3, 4)?.wait().map(|_| ())
+        });
+        let e = out[0].as_ref().unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch(_)), "{e}");
+        assert!(e.to_string().contains("rank 1") && e.to_string().contains("5 values, expected 4"), "{e}");
     }
 
     #[test]
@@ -451,14 +464,14 @@ mod exactly_once {
 
 #[test]
 fn repeated_splits_form_correct_groups() {
-    use ringattn::comm::{all_gather_v, spmd, Communicator, LocalOptions};
+    use ringattn::comm::{all_gather, spmd, Communicator, LocalOptions};
     // 200 successive splits of 4 ranks into 2 groups: each split's sub-groups have the right
     // size and exchange data without mixing with earlier splits.
     let out = spmd(4, LocalOptions::default(), |c| {
         for _ in 0..200 {
             let sub = c.split(c.rank() % 2, c.rank())?;
             assert_eq!(sub.size(), 2);
-            let got = all_gather_v(sub.as_ref(), vec![c.rank() as f32])?;
+            let got = all_gather(sub.as_ref(), vec![c.rank() as f32])?;
             assert_eq!(got.len(), 2);
         }
         Ok(())

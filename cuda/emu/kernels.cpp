@@ -1,12 +1,14 @@
-// The merge kernel of cuda/merge.cu compiled for the host against the emulator, with its C entry point: it
-// launches the kernel with the geometry the caller chose (src/emu/ computes it exactly as the
-// CUDA backend does), registers the family's buffers for the bounds checks, and reports
-// errors. One translation unit per family, so that they compile in parallel.
+// The merge kernel of cuda/merge.cu and the data movements of cuda/ops.cu compiled for the host against the emulator, with
+// their C entry points: each launches its kernel with the geometry the caller chose (src/emu/
+// and src/kernels.rs compute it exactly as the CUDA backend does), registers the family's
+// buffers for the bounds checks, and reports errors. One translation unit per big family,
+// so that they compile in parallel; the two small families share this one.
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
 
 #include "merge.cu"
+#include "ops.cu"
 
 // Merge; geometry from the caller (src/kernels.rs: one warp per LSE row).
 extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap) {
@@ -17,5 +19,46 @@ extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, siz
                  {p.o_part, bytes(o, 4), "o_part"},
                  {p.lse_part, bytes(st, 4), "lse_part"}};
     std::function<void()> body = [p] { ringattn_merge_f32(p); };
+    return report(emu::launch(c, body), msg, cap);
+}
+
+// The ops kernels; `kernel` numbers them as src/kernels.rs `geometry::OpsKernel` (0 fill,
+// 1 add, 2 to_bf16, 3 to_f16, 4 copy_rows, 5 select_heads, 6 scatter_heads). Registers
+// exactly the buffers the kernel addresses, with the sizes its fields give.
+extern "C" int ringattn_emu_ops(int kernel, OpsParams p, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    void (*fn)(OpsParams) = nullptr;
+    switch (kernel) {
+        case 0:
+            fn = ringattn_ops_fill_f32;
+            c.globals = {{p.dst, bytes(p.len, 4), "dst"}};
+            break;
+        case 1:
+            fn = ringattn_ops_add_f32;
+            c.globals = {{p.dst, bytes(p.len, 4), "dst"}, {p.src, bytes(p.len, 4), "src"}};
+            break;
+        case 2:
+        case 3:
+            fn = kernel == 2 ? ringattn_ops_to_bf16 : ringattn_ops_to_f16;
+            c.globals = {{p.src, bytes(p.len, 4), "src"}, {p.dst16, bytes(p.len, 2), "dst16"}};
+            break;
+        case 4:
+            fn = ringattn_ops_copy_rows_f32;
+            c.globals = {{p.src, bytes(p.b * p.src_rows * p.w, 4), "src"},
+                         {p.dst, bytes(p.b * p.dst_rows * p.w, 4), "dst"}};
+            break;
+        case 5:
+        case 6: {
+            fn = kernel == 5 ? ringattn_ops_select_heads_f32 : ringattn_ops_scatter_heads_f32;
+            const int64_t full = p.b * p.h * p.d, part = p.b * p.k * p.d;
+            c.globals = {{p.heads, bytes(p.k, 8), "heads"},
+                         {kernel == 5 ? static_cast<const void*>(p.src) : p.dst, bytes(full, 4), "full"},
+                         {kernel == 5 ? static_cast<const void*>(p.dst) : p.src, bytes(part, 4), "part"}};
+            break;
+        }
+        default:
+            return report("no ops kernel " + std::to_string(kernel), msg, cap);
+    }
+    std::function<void()> body = [p, fn] { fn(p); };
     return report(emu::launch(c, body), msg, cap);
 }

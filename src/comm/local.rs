@@ -115,7 +115,7 @@ impl<B> Group<B> {
 ///
 /// ```
 /// use ringattn::comm::{all_gather_v, spmd, Communicator, LocalOptions};
-/// let out = spmd(3, LocalOptions::default(), |c| all_gather_v(c, vec![c.rank() as f32]));
+/// let out = spmd(3, LocalOptions::default(), |c| all_gather_v(c, vec![c.rank() as f32], &[1, 1, 1]));
 /// for r in out {
 ///     assert_eq!(r?, vec![vec![0.0], vec![1.0], vec![2.0]]);
 /// }
@@ -204,7 +204,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
         Ok(SendHandle::done())
     }
 
-    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle<B>> {
+    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<B>> {
         self.check_peer(from, "recv")?;
         let g = self.group.clone();
         let me = self.rank;
@@ -220,6 +220,14 @@ impl<B: Payload> Communicator for LocalComm<B> {
                     match list.front().map(|m| m.deliver_at) {
                         Some(at) if at <= now => {
                             if let Some(m) = list.pop_front() {
+                                if m.data.elements() != len {
+                                    return Err(Error::ShapeMismatch(format!(
+                                        "recv ({}) from rank {}: {} values, expected {len}",
+                                        describe(tag),
+                                        g.global[from],
+                                        m.data.elements()
+                                    )));
+                                }
                                 return Ok(m.data);
                             }
                         }
@@ -259,7 +267,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
         // Exchange (color, key) through a side group of host vectors sharing this group's
         // failure state, so that any payload type can split.
         let meta = self.meta()?;
-        let all = super::all_gather_v(&meta, vec![color as f32, key as f32])?;
+        let all = super::all_gather(&meta, vec![color as f32, key as f32])?;
         let seq = self.splits.fetch_add(1, Ordering::Relaxed);
         let mut members: Vec<(usize, usize)> = all
             .iter()

@@ -10,10 +10,14 @@
 //! [`crate::Error::PeerFailed`] instead of waiting.
 
 mod local;
+#[cfg(feature = "mpi")]
+mod mpi_comm;
 
 use std::time::Duration;
 
 pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
+#[cfg(feature = "mpi")]
+pub use mpi_comm::{MpiComm, MpiOptions};
 
 use crate::Result;
 
@@ -90,11 +94,14 @@ pub trait Communicator: Send + Sync {
     /// [`crate::Error::InvalidArgument`] for a rank out of range, [`crate::Error::PeerFailed`]
     /// when the group has failed.
     fn isend(&self, to: usize, tag: Tag, data: Self::Buf) -> Result<SendHandle>;
-    /// Posts a receive of the next message from rank `from` with `tag`; returns at once.
+    /// Posts a receive of the next message from rank `from` with `tag`, which must hold `len`
+    /// f32 elements (the receiver always knows the size: NCCL and MPI post receives into
+    /// buffers of that size); returns at once.
     ///
     /// # Errors
-    /// As [`Communicator::isend`].
-    fn irecv(&self, from: usize, tag: Tag) -> Result<RecvHandle<Self::Buf>>;
+    /// As [`Communicator::isend`]; the wait fails with [`crate::Error::ShapeMismatch`] naming
+    /// the peer and tag when the message holds another number of elements.
+    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Self::Buf>>;
     /// Marks the whole group (and every group split from the same root) as failed, so that
     /// every pending and future wait returns [`crate::Error::PeerFailed`] naming this rank.
     fn abort(&self, reason: &str);
@@ -112,18 +119,37 @@ pub trait Communicator: Send + Sync {
 }
 
 /// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all) and
-/// returns what each rank sent to it, indexed by source rank.
+/// returns what each rank sent to it, indexed by source rank; rank `j`'s message holds
+/// `recv_lens[j]` elements.
 ///
 /// # Errors
-/// [`crate::Error::InvalidArgument`] when `sends.len() != size`, or communication errors.
-pub fn all_to_all_v<B: Payload>(comm: &dyn Communicator<Buf = B>, sends: Vec<B>) -> Result<Vec<B>> {
+/// [`crate::Error::InvalidArgument`] when `sends.len()` or `recv_lens.len()` is not the
+/// group size or this rank's own buffer disagrees with `recv_lens[rank]`;
+/// [`crate::Error::ShapeMismatch`] when a message has another length; communication errors.
+pub fn all_to_all_v<B: Payload>(
+    comm: &dyn Communicator<Buf = B>,
+    sends: Vec<B>,
+    recv_lens: &[usize],
+) -> Result<Vec<B>> {
     let (p, r) = (comm.size(), comm.rank());
-    if sends.len() != p {
-        return Err(crate::Error::InvalidArgument(format!("all_to_all_v: {} buffers for {p} ranks", sends.len())));
+    if sends.len() != p || recv_lens.len() != p {
+        return Err(crate::Error::InvalidArgument(format!(
+            "all_to_all_v: {} buffers and {} receive lengths for {p} ranks",
+            sends.len(),
+            recv_lens.len()
+        )));
+    }
+    if sends[r].elements() != recv_lens[r] {
+        return Err(crate::Error::InvalidArgument(format!(
+            "all_to_all_v: rank {r} keeps {} values of its own but expects {}",
+            sends[r].elements(),
+            recv_lens[r]
+        )));
     }
     let tag = comm.next_collective_tag();
-    let recvs: Vec<Option<RecvHandle<B>>> =
-        (0..p).map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag).map(Some) }).collect::<Result<_>>()?;
+    let recvs: Vec<Option<RecvHandle<B>>> = (0..p)
+        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag, recv_lens[j]).map(Some) })
+        .collect::<Result<_>>()?;
     let mut own = None;
     let mut handles = Vec::with_capacity(p);
     for (j, buf) in sends.into_iter().enumerate() {
@@ -148,18 +174,29 @@ pub fn all_to_all_v<B: Payload>(comm: &dyn Communicator<Buf = B>, sends: Vec<B>)
     Ok(out)
 }
 
-/// Every rank contributes `data`; returns every rank's contribution, indexed by rank.
+/// Every rank contributes `data`; returns every rank's contribution, indexed by rank; rank
+/// `j`'s holds `lens[j]` elements.
 ///
 /// # Errors
-/// Communication errors.
-pub fn all_gather_v<B: Payload>(comm: &dyn Communicator<Buf = B>, data: B) -> Result<Vec<B>> {
+/// As [`all_to_all_v`].
+pub fn all_gather_v<B: Payload>(comm: &dyn Communicator<Buf = B>, data: B, lens: &[usize]) -> Result<Vec<B>> {
     let p = comm.size();
-    all_to_all_v(comm, vec![data; p])
+    all_to_all_v(comm, vec![data; p], lens)
+}
+
+/// [`all_gather_v`] of equal-length contributions.
+///
+/// # Errors
+/// As [`all_to_all_v`] (a rank contributing another length fails with
+/// [`crate::Error::ShapeMismatch`]).
+pub fn all_gather<B: Payload>(comm: &dyn Communicator<Buf = B>, data: B) -> Result<Vec<B>> {
+    let lens = vec![data.elements(); comm.size()];
+    all_gather_v(comm, data, &lens)
 }
 
 /// Rank `j` receives the sum over all ranks `i` of `parts[j]` of rank `i`, added in rank
 /// order (so the result is deterministic) by `add(acc, x)`, which adds `x` into `acc` (a
-/// backend's addition for device buffers).
+/// backend's addition for device buffers). `parts[j]` has the same length on every rank.
 ///
 /// # Errors
 /// Communication errors, or those of `add` (unequal lengths).
@@ -168,7 +205,9 @@ pub fn reduce_scatter_v<B: Payload>(
     parts: Vec<B>,
     add: impl Fn(&mut B, &B) -> Result<()>,
 ) -> Result<B> {
-    let mut got = all_to_all_v(comm, parts)?.into_iter();
+    let own = parts.get(comm.rank()).map_or(0, Payload::elements);
+    let lens = vec![own; comm.size()];
+    let mut got = all_to_all_v(comm, parts, &lens)?.into_iter();
     let mut sum = got.next().ok_or_else(|| crate::Error::InvalidArgument("reduce_scatter_v: no ranks".into()))?;
     for g in got {
         add(&mut sum, &g)?;
@@ -188,10 +227,11 @@ pub fn add_host(acc: &mut [f32], x: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// Returns once every rank has entered (`token`: any small buffer, e.g. an empty one).
+/// Returns once every rank has entered (`token`: any small buffer of the same length on
+/// every rank, e.g. an empty one).
 ///
 /// # Errors
 /// Communication errors.
 pub fn barrier<B: Payload>(comm: &dyn Communicator<Buf = B>, token: B) -> Result<()> {
-    all_gather_v(comm, token).map(|_| ())
+    all_gather(comm, token).map(|_| ())
 }

@@ -16,24 +16,29 @@ use super::buffers::{
 };
 use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
-use crate::kernels::geometry::{self, DqMode, Launch};
-use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams, MergeParams};
+use crate::kernels::geometry::{self, DqMode, Launch, OpsKernel};
+use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams, MergeParams, OpsParams};
 use crate::kernels::{self, ImageKind, KernelImage};
 use crate::{DType, Dims, Error, Result};
 
-// SAFETY (all four): `#[repr(C)]` structs of plain integers and floats with the size and
+// SAFETY (all five): `#[repr(C)]` structs of plain integers and floats with the size and
 // alignment of their C twins in cuda/params.h (asserted in src/kernels.rs), passed by value as
 // a kernel's single parameter; cuLaunchKernel copies them at launch.
 unsafe impl DeviceRepr for FlashFwdParams {}
 unsafe impl DeviceRepr for FlashBwdParams {}
 unsafe impl DeviceRepr for MergeParams {}
 unsafe impl DeviceRepr for MaskParams {}
+unsafe impl DeviceRepr for OpsParams {}
 
 /// The kernel families of `cuda/` (one module each), with an entry point checked when the
 /// device opens where the family has one without a head-dim class; the others load on first
 /// launch.
-const FAMILIES: [(&str, Option<&str>); 3] =
-    [("flash_fwd", None), ("flash_bwd", Some("ringattn_flash_bwd_rowsum_bf16")), ("merge", Some("ringattn_merge_f32"))];
+const FAMILIES: [(&str, Option<&str>); 4] = [
+    ("flash_fwd", None),
+    ("flash_bwd", Some("ringattn_flash_bwd_rowsum_bf16")),
+    ("merge", Some("ringattn_merge_f32")),
+    ("ops", Some("ringattn_ops_fill_f32")),
+];
 
 /// Dynamic shared memory a kernel may use without opting in.
 const DEFAULT_SMEM: usize = 48 * 1024;
@@ -444,12 +449,29 @@ impl CudaDevice {
         delta: Delta<'_>,
         grads: &mut DeviceGradients,
     ) -> Result<()> {
-        let x = &args.forward;
+        let saved = (&args.saved.o, &args.saved.lse);
+        self.backward_parts(stream, &args.forward, saved, args.d_o, args.dq_mode, delta, grads)
+    }
+
+    /// [`CudaDevice::backward_into`] with the forward's saved `o` and `lse` as separate
+    /// buffers (the device backend keeps them in shared buffers, not a [`SavedContext`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward_parts(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &FlashForwardArgs<'_>,
+        saved: (&CudaSlice<f32>, &CudaSlice<f32>),
+        d_o: &CudaSlice<u16>,
+        dq_mode: DqMode,
+        delta: Delta<'_>,
+        grads: &mut DeviceGradients,
+    ) -> Result<()> {
         self.check_forward(stream, x)?;
         let dims = x.dims;
-        need(self, "saved.o", &args.saved.o, q_len(&dims))?;
-        need(self, "saved.lse", &args.saved.lse, lse_len(&dims))?;
-        need(self, "d_o", args.d_o, q_len(&dims))?;
+        let (saved_o, saved_lse) = saved;
+        need(self, "saved.o", saved_o, q_len(&dims))?;
+        need(self, "saved.lse", saved_lse, lse_len(&dims))?;
+        need(self, "d_o", d_o, q_len(&dims))?;
         need(self, "dq", &grads.dq, q_len(&dims))?;
         need(self, "dk", &grads.dk, kv_len(&dims))?;
         need(self, "dv", &grads.dv, kv_len(&dims))?;
@@ -463,14 +485,14 @@ impl CudaDevice {
             let (k, _gk) = x.k.device_ptr(stream);
             let (v, _gv) = x.v.device_ptr(stream);
             let (mask, _gm) = mask_params(x.mask, stream);
-            let (o, _go) = args.saved.o.device_ptr(stream);
-            let (lse, _gl) = args.saved.lse.device_ptr(stream);
-            let (d_o, _gdo) = args.d_o.device_ptr(stream);
+            let (o, _go) = saved_o.device_ptr(stream);
+            let (lse, _gl) = saved_lse.device_ptr(stream);
+            let (d_o, _gdo) = d_o.device_ptr(stream);
             let (delta, _gd) = match delta {
                 Delta::Compute(d) => d.device_ptr_mut(stream),
                 Delta::Given(d) => d.device_ptr(stream),
             };
-            if args.dq_mode == DqMode::Atomic {
+            if dq_mode == DqMode::Atomic {
                 // The dk/dv kernel adds into dq.
                 guard("zeroing dq", || stream.memset_zeros(&mut grads.dq))?;
             }
@@ -489,9 +511,9 @@ impl CudaDevice {
                 dk,
                 dv,
                 mask,
-                ..FlashBwdParams::for_shape(&dims, x.scale, args.dq_mode)
+                ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode)
             };
-            for (kernel, launch) in geometry::backward(&dims, compute_delta, args.dq_mode) {
+            for (kernel, launch) in geometry::backward(&dims, compute_delta, dq_mode) {
                 let name = entry(&format!("flash_bwd_{}", kernel.name()), x.dtype);
                 self.launch(stream, "flash_bwd", &name, launch, &p)?;
             }
@@ -575,6 +597,19 @@ impl CudaDevice {
             self.launch(stream, "merge", "ringattn_merge_f32", geometry::merge(b * h * s), &p)?;
         }
         guard("a deferred driver call", || self.ctx.check_err())
+    }
+
+    /// Enqueues ops kernel `kernel` of `cuda/ops.cu` on `stream` with `p` (whose addresses
+    /// the caller took from live buffers of this context, with their event guards held
+    /// until this returns) and the geometry of [`geometry::ops`]; nothing when there is no
+    /// work.
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the launch fails; [`Error::Cuda`] for a stream of another
+    /// device.
+    pub(crate) fn launch_ops(&self, stream: &Arc<CudaStream>, kernel: OpsKernel, p: &OpsParams) -> Result<()> {
+        self.check_stream(stream)?;
+        self.launch(stream, "ops", kernel.entry(), geometry::ops(kernel, p), p)
     }
 
     /// Times `step` (which enqueues work on `stream`, e.g. a [`CudaDevice::forward_into`])
@@ -744,5 +779,22 @@ mod tests {
             }
         }
         assert_eq!(checked > 0, kernels::compiled());
+        // The ops kernels: one parameter of OpsParams' size each.
+        for image in kernels::images().iter().filter(|i| i.family == "ops") {
+            for k in OpsKernel::ALL {
+                let name = k.entry();
+                let has = |needle: &str| image.bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+                match image.kind {
+                    ImageKind::Ptx => {
+                        assert!(has(&format!(".entry {name}(")), "{name} in the ops PTX");
+                        let size = std::mem::size_of::<OpsParams>();
+                        assert!(has(&format!("{name}_param_0[{size}]")), "{name}: parameter of {size} bytes");
+                        assert!(!has(&format!("{name}_param_1")), "{name}: one parameter");
+                    }
+                    ImageKind::Cubin => assert!(has(&format!("{name}\0")), "{name} in the {} cubin", image.target),
+                }
+            }
+        }
+        assert_eq!(kernels::images().iter().any(|i| i.family == "ops"), kernels::compiled());
     }
 }

@@ -15,10 +15,17 @@
 //! * **Host tensors** — [`forward`] and [`backward`]: the contract of `emu::forward`
 //!   / [`crate::cpu::forward`] (outputs rounded to the input dtype; `lse` f32), each call
 //!   uploading, launching and downloading.
-//! * **Every strategy** — [`CudaBackend`], a [`crate::parallel::Backend`] over host buffers:
-//!   each step uploads, launches and downloads, so ring, all-gather, Ulysses and USP run on
-//!   the GPU unchanged (`ringattn run --backend cuda`). Device-resident drivers, with
-//!   communication on device buffers, come with the NCCL communicator (issue 6).
+//! * **Every strategy, host buffers** — [`CudaBackend`], a [`crate::parallel::Backend`] over
+//!   host buffers: each step uploads, launches and downloads, so ring, all-gather, Ulysses
+//!   and USP run on the GPU unchanged (`ringattn run --backend cuda`).
+//! * **Every strategy, device-resident** — [`DeviceBackend`] (buffers are [`DeviceBuf`]s;
+//!   the drivers' data movements run as the kernels of `cuda/ops.cu`, the steps on a
+//!   compute stream per rank, completed by events) with a device communicator:
+//!   [`DeviceComm`] (ranks as threads sharing one GPU, device-to-device copies on a copy
+//!   stream per rank; [`run_on_device`], [`measure_device_overlap`]) or [`NcclComm`] (one
+//!   rank per GPU over NCCL, any number of processes; unique id from the launcher's
+//!   environment over TCP, [`BootstrapEnv`], or from a host communicator,
+//!   [`broadcast_unique_id`]).
 //!
 //! What the kernels take: bf16 or f16 inputs (f32 is refused with
 //! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
@@ -41,7 +48,11 @@
 mod backend;
 mod buffers;
 mod device;
+mod device_backend;
+mod device_buf;
+mod device_comm;
 mod images;
+mod nccl;
 mod probe;
 
 pub use crate::runner::to_bits;
@@ -53,6 +64,15 @@ pub use buffers::{
 /// 0.19).
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::CudaDevice;
+pub use device_backend::DeviceBackend;
+pub use device_buf::DeviceBuf;
+pub use device_comm::{
+    measure_device_overlap, run_on_device, DeviceComm, DeviceOverlap, DeviceRunMode, DeviceRunOptions, PassTiming,
+};
+pub use nccl::{
+    broadcast_unique_id, exchange_unique_id, fetch_unique_id, new_unique_id, serve_unique_id, BootstrapEnv, NcclComm,
+    UniqueId, UNIQUE_ID_BYTES,
+};
 pub use probe::{probe, DriverInfo};
 
 use crate::cpu::{ForwardOutput, Gradients};

@@ -20,6 +20,8 @@ use crate::{Error, Result};
 
 mod backend;
 mod flash;
+#[cfg(test)]
+mod ops;
 
 pub use backend::EmuBackend;
 pub use flash::{backward, forward};

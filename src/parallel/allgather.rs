@@ -25,8 +25,9 @@ fn gather<Be: Backend>(
 ) -> Result<Gathered<Be::Buf>> {
     let start = Instant::now();
     let w = x.h_kv * x.d;
-    let ks = all_gather_v(comm, x.k.clone())?;
-    let vs = all_gather_v(comm, x.v.clone())?;
+    let lens: Vec<usize> = pos.iter().map(|p| x.b * p.len() * w).collect();
+    let ks = all_gather_v(comm, x.k.clone(), &lens)?;
+    let vs = all_gather_v(comm, x.v.clone(), &lens)?;
     stats.waiting += start.elapsed();
     let k = be.concat_seq(&ks, x.b, w)?;
     let v = be.concat_seq(&vs, x.b, w)?;

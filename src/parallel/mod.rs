@@ -45,7 +45,7 @@ pub use backend::{
     Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
 };
 
-use crate::comm::{all_gather_v, spmd, Communicator, LocalOptions};
+use crate::comm::{all_gather, spmd, Communicator, LocalOptions};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, Dims, Error, Layout, Mask, Positions, Result, Tensor};
 use seq::Shape;
@@ -243,6 +243,9 @@ struct LocalData<B> {
     v: B,
 }
 
+/// Length of the configuration text ranks exchange in the handshake (longer texts are cut).
+const HANDSHAKE_BYTES: usize = 1024;
+
 /// Validates the shards, then compares every rank's configuration: any mismatch or local
 /// error fails every rank with the same message. The texts travel as the backend's buffers.
 fn handshake<Be: Backend>(
@@ -287,11 +290,14 @@ fn handshake<Be: Backend>(
         ),
         Err(e) => format!("error {e}"),
     };
-    let text: Vec<f32> = config.bytes().map(|c| c as f32).collect();
-    let all = all_gather_v(comm, be.upload(&text)?)?;
+    // Fixed-length texts (receivers post receives of a known size); zero bytes pad.
+    let mut text: Vec<f32> = config.bytes().take(HANDSHAKE_BYTES).map(|c| c as f32).collect();
+    text.resize(HANDSHAKE_BYTES, 0.0);
+    let all = all_gather(comm, be.upload(&text)?)?;
     let mut configs = Vec::with_capacity(all.len());
     for buf in &all {
-        configs.push(be.download(buf)?.iter().map(|&c| c as u8 as char).collect::<String>());
+        let bytes: Vec<u8> = be.download(buf)?.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+        configs.push(String::from_utf8_lossy(&bytes).into_owned());
     }
     if let Some((i, e)) = configs.iter().enumerate().find(|(_, c)| c.starts_with("error ")) {
         return Err(Error::Handshake(format!("rank {i}: {}", &e[6..])));
@@ -428,9 +434,9 @@ fn run_forward<Be: Backend>(
             let m = Mesh::new(comm, params, x)?;
             let g = m.group.as_ref();
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(g, be, &x.q, m.q_shape, &m.plan.q_heads)?;
-            let k = ulysses::seq_to_heads(g, be, &x.k, m.kv_shape, &m.plan.kv_heads)?;
-            let v = ulysses::seq_to_heads(g, be, &x.v, m.kv_shape, &m.plan.kv_heads)?;
+            let q = ulysses::seq_to_heads(g, be, &x.q, m.q_shape, &m.counts, &m.plan.q_heads)?;
+            let k = ulysses::seq_to_heads(g, be, &x.k, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
+            let v = ulysses::seq_to_heads(g, be, &x.v, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
             stats.waiting += a2a.elapsed();
             let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, ap), stats)?;
             let a2a = std::time::Instant::now();
@@ -469,12 +475,13 @@ fn run_backward<Be: Backend>(
             let g = m.group.as_ref();
             let (qs, ks, qh, kh) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads);
             let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(g, be, &x.q, qs, qh)?;
-            let k = ulysses::seq_to_heads(g, be, &x.k, ks, kh)?;
-            let v = ulysses::seq_to_heads(g, be, &x.v, ks, kh)?;
-            let oh = ulysses::seq_to_heads(g, be, o, qs, qh)?;
-            let doh = ulysses::seq_to_heads(g, be, d_o, qs, qh)?;
-            let lh = ulysses::lse_to_heads(g, be, lse, x.b, x.h_q, qs.n, qh)?;
+            let c = &m.counts;
+            let q = ulysses::seq_to_heads(g, be, &x.q, qs, c, qh)?;
+            let k = ulysses::seq_to_heads(g, be, &x.k, ks, c, kh)?;
+            let v = ulysses::seq_to_heads(g, be, &x.v, ks, c, kh)?;
+            let oh = ulysses::seq_to_heads(g, be, o, qs, c, qh)?;
+            let doh = ulysses::seq_to_heads(g, be, d_o, qs, c, qh)?;
+            let lh = ulysses::lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
             stats.waiting += a2a.elapsed();
             let ri = m.ring_inputs(x, &q, &k, &v, ap);
             let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
@@ -540,6 +547,73 @@ impl<B: crate::comm::Payload> Mesh<B> {
         let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
         ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, params }
     }
+}
+
+/// Gathers every rank's part of the results to rank `root`, which reassembles them in the
+/// original token order (`params` with its `seq_len` and, for USP, its Ulysses degree set):
+/// what a multi-process run does before rank `root` writes the output file. Returns the
+/// whole results on `root` and `None` elsewhere. The parts travel as `buffers`' buffers
+/// (host vectors, or device buffers for device communicators). Collective; `grads` must be
+/// given on every rank or on none.
+///
+/// # Errors
+/// Communication errors; [`Error::ShapeMismatch`] when a part does not fit the layout.
+pub fn gather_results<Bu: Buffers>(
+    comm: &dyn Communicator<Buf = Bu::Buf>,
+    buffers: &Bu,
+    forward: &ForwardOutput,
+    grads: Option<&Gradients>,
+    params: &ParallelParams,
+    root: usize,
+) -> Result<Option<(ForwardOutput, Option<Gradients>)>> {
+    let (world, rank) = (comm.size(), comm.rank());
+    if root >= world {
+        return Err(Error::InvalidArgument(format!("gather: root {root} out of range for {world} ranks")));
+    }
+    let pos: Vec<Positions> = (0..world).map(|r| params.positions(world, r)).collect();
+    let mut tensors = vec![&forward.o, &forward.lse];
+    if let Some(g) = grads {
+        tensors.extend([&g.dq, &g.dk, &g.dv]);
+    }
+    // Part shapes of rank r: rows [b, n_r, h, d]; the LSE [b, h, n_r].
+    let shape_of = |i: usize, t: &Tensor, r: usize| -> Vec<usize> {
+        let mut sh = t.shape().to_vec();
+        sh[if i == 1 { 2 } else { 1 }] = pos[r].len();
+        sh
+    };
+    let tag = comm.next_collective_tag();
+    if rank != root {
+        let sends =
+            tensors.iter().map(|t| comm.isend(root, tag, buffers.upload(&t.as_f32())?)).collect::<Result<Vec<_>>>()?;
+        for s in sends {
+            s.wait()?;
+        }
+        return Ok(None);
+    }
+    let mut whole = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        let mut parts = Vec::with_capacity(world);
+        for r in 0..world {
+            if r == rank {
+                parts.push((*t).clone());
+                continue;
+            }
+            let sh = shape_of(i, t, r);
+            let data = comm.irecv(r, tag, sh.iter().product())?.wait()?;
+            parts.push(Tensor::from_f32_as(sh, buffers.download(&data)?, t.dtype())?);
+        }
+        whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, &pos)? } else { Layout::unshard_rows(&parts, &pos)? });
+    }
+    let mut it = whole.into_iter();
+    let (o, lse) = (it.next(), it.next());
+    let (Some(o), Some(lse)) = (o, lse) else {
+        return Err(Error::InvalidArgument("gather: missing outputs".into()));
+    };
+    let grads = match (it.next(), it.next(), it.next()) {
+        (Some(dq), Some(dk), Some(dv)) => Some(Gradients { dq, dk, dv }),
+        _ => None,
+    };
+    Ok(Some((ForwardOutput { o, lse }, grads)))
 }
 
 /// Full-sequence results of an in-process run.

@@ -87,18 +87,20 @@ fn check_len<B: Payload>(got: &B, want: usize, what: &str, peer: usize) -> Resul
 type RecvPair<B> = (RecvHandle<B>, RecvHandle<B>);
 
 /// Posts the send of a pair of buffers to `to` and the receive of the next pair from `from`.
+/// `want` is the length of each buffer of the incoming pair.
 fn exchange<B: Payload>(
     comm: &dyn Communicator<Buf = B>,
     to: usize,
     from: usize,
     tag: Tag,
     pair: (&B, &B),
+    want: usize,
 ) -> Result<Posted<B>> {
     Ok((
         comm.isend(to, tag, pair.0.clone())?,
         comm.isend(to, tag + 1, pair.1.clone())?,
-        comm.irecv(from, tag)?,
-        comm.irecv(from, tag + 1)?,
+        comm.irecv(from, tag, want)?,
+        comm.irecv(from, tag + 1, want)?,
     ))
 }
 
@@ -141,8 +143,9 @@ pub(crate) fn forward<Be: Backend>(
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
+        let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v))?)
+            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
         } else {
             None
         };
@@ -156,7 +159,7 @@ pub(crate) fn forward<Be: Backend>(
         };
         stats.compute += start.elapsed();
         let start = Instant::now();
-        let incoming = finish_exchange(posted, x.kv_len((src + p - 1) % p), "K/V block", prev)?;
+        let incoming = finish_exchange(posted, incoming_len, "K/V block", prev)?;
         stats.waiting += start.elapsed();
         if let Some(step) = step {
             let start = Instant::now();
@@ -202,8 +205,9 @@ pub(crate) fn backward<Be: Backend>(
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
+        let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v))?)
+            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
         } else {
             None
         };
@@ -235,12 +239,13 @@ pub(crate) fn backward<Be: Backend>(
         }
         if t + 1 < hops {
             let tag = ACC_TAG + 2 * t as Tag;
-            let (sk, sv, rk, rv) = exchange(comm, next, prev, tag, (&acc.0, &acc.1))?;
+            // The next block's accumulators are the size of the next block.
+            let (sk, sv, rk, rv) = exchange(comm, next, prev, tag, (&acc.0, &acc.1), incoming_len)?;
             sk.wait()?;
             sv.wait()?;
             acc_recv = Some((rk, rv));
         }
-        if let Some((k, v)) = finish_exchange(posted, x.kv_len((src + p - 1) % p), "K/V block", prev)? {
+        if let Some((k, v)) = finish_exchange(posted, incoming_len, "K/V block", prev)? {
             (cur_k, cur_v) = (k, v);
         }
         stats.waiting += start.elapsed();
@@ -253,7 +258,8 @@ pub(crate) fn backward<Be: Backend>(
     let (dk, dv) = if holder_of_mine == r {
         acc
     } else {
-        let (rk, rv) = (comm.irecv(holder_of_mine, FINAL_TAG)?, comm.irecv(holder_of_mine, FINAL_TAG + 1)?);
+        let mine = x.kv_len(r);
+        let (rk, rv) = (comm.irecv(holder_of_mine, FINAL_TAG, mine)?, comm.irecv(holder_of_mine, FINAL_TAG + 1, mine)?);
         comm.isend(owner_of_held, FINAL_TAG, acc.0)?.wait()?;
         comm.isend(owner_of_held, FINAL_TAG + 1, acc.1)?.wait()?;
         let (dk, dv) = (rk.wait()?, rv.wait()?);

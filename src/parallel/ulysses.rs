@@ -43,16 +43,20 @@ impl HeadPlan {
 }
 
 /// Sequence-sharded `[b, n_r, h, d]` → this rank's heads `heads[rank]` over the whole group
-/// sequence, `[b, S, |heads[rank]|, d]` (ranks' tokens concatenated in rank order).
+/// sequence, `[b, S, |heads[rank]|, d]` (ranks' tokens concatenated in rank order); `counts`
+/// are the token counts of the ranks.
 pub(crate) fn seq_to_heads<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
     be: &Be,
     x: &Be::Buf,
     sh: Shape,
+    counts: &[usize],
     heads: &[Vec<usize>],
 ) -> Result<Be::Buf> {
     let sends = heads.iter().map(|hs| be.select_heads(x, sh, hs)).collect::<Result<Vec<_>>>()?;
-    let got = all_to_all_v(comm, sends)?;
+    let mine = heads[comm.rank()].len();
+    let lens: Vec<usize> = counts.iter().map(|&n| sh.b * n * mine * sh.d).collect();
+    let got = all_to_all_v(comm, sends, &lens)?;
     be.concat_seq(&got, sh.b, heads[comm.rank()].len() * sh.d)
 }
 
@@ -80,7 +84,8 @@ pub(crate) fn heads_to_seq<Be: Backend>(
         sends.push(be.seq_slice(y, b, s, w, off, n)?);
         off += n;
     }
-    let got = all_to_all_v(comm, sends)?;
+    let lens: Vec<usize> = heads.iter().map(|hs| b * counts[r] * hs.len() * d).collect();
+    let got = all_to_all_v(comm, sends, &lens)?;
     let sh = Shape { b, n: counts[r], h, d };
     let mut out = be.filled(sh.len(), 0.0)?;
     for (j, part) in got.iter().enumerate() {
@@ -90,19 +95,23 @@ pub(crate) fn heads_to_seq<Be: Backend>(
 }
 
 /// LSE `[b, h, n_r]` → `[b, |heads[rank]|, S]` (an LSE is a `[b, 1, h, n]` buffer to the
-/// head operations and `[b·k, S, 1]` to the sequence operations).
+/// head operations and `[b·k, S, 1]` to the sequence operations); `counts` are the token
+/// counts of the ranks.
 pub(crate) fn lse_to_heads<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
     be: &Be,
     lse: &Be::Buf,
     b: usize,
     h: usize,
-    n: usize,
+    counts: &[usize],
     heads: &[Vec<usize>],
 ) -> Result<Be::Buf> {
+    let n = counts[comm.rank()];
     let sh = Shape { b, n: 1, h, d: n };
     let sends = heads.iter().map(|hs| be.select_heads(lse, sh, hs)).collect::<Result<Vec<_>>>()?;
-    let got = all_to_all_v(comm, sends)?;
+    let mine = heads[comm.rank()].len();
+    let lens: Vec<usize> = counts.iter().map(|&c| b * mine * c).collect();
+    let got = all_to_all_v(comm, sends, &lens)?;
     be.concat_seq(&got, b * heads[comm.rank()].len(), 1)
 }
 
@@ -125,7 +134,8 @@ pub(crate) fn lse_to_seq<Be: Backend>(
         sends.push(be.seq_slice(lse, rows, s, 1, off, n)?);
         off += n;
     }
-    let got = all_to_all_v(comm, sends)?;
+    let lens: Vec<usize> = heads.iter().map(|hs| b * hs.len() * counts[r]).collect();
+    let got = all_to_all_v(comm, sends, &lens)?;
     let n = counts[r];
     let mut out = be.filled(b * h * n, f32::NEG_INFINITY)?;
     for (j, part) in got.iter().enumerate() {

@@ -3,7 +3,7 @@
 use clap::Args;
 use ringattn::comm::LocalOptions;
 use ringattn::cpu::{self, ForwardOutput, Gradients};
-use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
+use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, ProcessRun, Strategy};
 use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result, Tensor};
 
 /// Mask and scale options.
@@ -59,13 +59,21 @@ impl MaskArgs {
 /// How to execute: strategy, layout, world size, backend.
 #[derive(Args, Debug, Clone)]
 pub struct ExecArgs {
-    /// Parallel strategy: single, ring, allgather, ulysses or usp (ranks run as threads of
-    /// this process).
+    /// Parallel strategy: single, ring, allgather, ulysses or usp.
     #[arg(long, default_value = "single")]
     pub strategy: String,
-    /// Number of ranks the sequence is split over.
-    #[arg(long, default_value_t = 1)]
-    pub world: usize,
+    /// Number of ranks the sequence is split over [default: 1, or the MPI job's size with
+    /// --comm mpi, which it must equal when given].
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// How ranks communicate: local (ranks are threads of this process), mpi (ranks are the
+    /// processes of an MPI job: `mpirun -n P ringattn run --comm mpi ...`; a build with
+    /// --features mpi) or nccl (one process per GPU, --backend cuda, device buffers through
+    /// NCCL; launched by mpirun with --features mpi, or by a launcher setting RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). With mpi and nccl each rank reads
+    /// only its own rows of --input and rank 0 writes --output.
+    #[arg(long, default_value = "local")]
+    pub comm: String,
     /// How tokens are spread over ranks: contiguous, zigzag or striped [default: zigzag for
     /// causal or windowed masks, contiguous otherwise].
     #[arg(long)]
@@ -77,7 +85,8 @@ pub struct ExecArgs {
     /// Compute backend: cpu (the CPU flash attention, every dtype), emu (the CUDA kernels of
     /// cuda/ run by the host emulator; bf16 and f16 inputs, head dims that are multiples of 8
     /// up to 256, small shapes: it is a correctness tool, not a fast path) or cuda (the same
-    /// kernels on GPU 0; needs a build with --features cuda, an NVIDIA driver and a GPU).
+    /// kernels on GPU 0; needs a build with --features cuda, an NVIDIA driver and a GPU;
+    /// in-process ranks then share the GPU, their buffers resident on it).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.
@@ -86,15 +95,41 @@ pub struct ExecArgs {
 }
 
 impl ExecArgs {
-    /// Options of the in-process ranks.
-    pub fn local_options(&self) -> Result<LocalOptions> {
+    /// The deadline of every wait (--timeout).
+    pub fn deadline(&self) -> Result<std::time::Duration> {
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "--timeout {}: must be a positive number of seconds",
                 self.timeout
             )));
         }
-        Ok(LocalOptions { deadline: std::time::Duration::from_secs_f64(self.timeout), ..Default::default() })
+        Ok(std::time::Duration::from_secs_f64(self.timeout))
+    }
+
+    /// Options of the in-process ranks.
+    pub fn local_options(&self) -> Result<LocalOptions> {
+        Ok(LocalOptions { deadline: self.deadline()?, ..Default::default() })
+    }
+
+    /// The number of in-process ranks (--world, default 1).
+    pub fn world(&self) -> usize {
+        self.world.unwrap_or(1)
+    }
+
+    /// The communicator named by --comm, refusing those this build lacks.
+    pub fn comm_kind(&self) -> Result<CommKind> {
+        match self.comm.as_str() {
+            "local" => Ok(CommKind::Local),
+            "mpi" if cfg!(feature = "mpi") => Ok(CommKind::Mpi),
+            "mpi" => Err(Error::InvalidArgument(
+                "--comm mpi: this build lacks the `mpi` feature (cargo build --release --features mpi)".into(),
+            )),
+            "nccl" if cfg!(feature = "cuda") => Ok(CommKind::Nccl),
+            "nccl" => Err(Error::InvalidArgument(
+                "--comm nccl: this build lacks the `cuda` feature (cargo build --release --features cuda)".into(),
+            )),
+            other => Err(Error::InvalidArgument(format!("--comm `{other}`: expected local, mpi or nccl"))),
+        }
     }
 
     /// The backend named by --backend.
@@ -105,12 +140,13 @@ impl ExecArgs {
     /// The parallel parameters these options describe (sequence length filled in later).
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         self.backend()?;
+        self.comm_kind()?;
         let strategy: Strategy = self.strategy.parse()?;
         let layout = self.layout.as_deref().map(str::parse::<Layout>).transpose()?;
-        if strategy == Strategy::Single && self.world != 1 {
+        if strategy == Strategy::Single && self.world.is_some_and(|w| w != 1) {
             return Err(Error::InvalidArgument(format!(
                 "--world {}: strategy `single` runs on exactly one rank",
-                self.world
+                self.world()
             )));
         }
         if self.ulysses_degree.is_some() && strategy != Strategy::Usp {
@@ -123,6 +159,17 @@ impl ExecArgs {
     pub fn is_single(&self) -> bool {
         self.strategy == "single"
     }
+}
+
+/// The communicators of the CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommKind {
+    /// Ranks as threads of this process.
+    Local,
+    /// Ranks as the processes of an MPI job (feature `mpi`).
+    Mpi,
+    /// Ranks as processes with one GPU each, exchanging through NCCL (feature `cuda`).
+    Nccl,
 }
 
 /// The compute backends of the CLI.
@@ -160,49 +207,65 @@ pub fn compute(
     v: &Tensor,
     d_o: Option<&Tensor>,
 ) -> Result<(ForwardOutput, Option<Gradients>)> {
-    let parallel = exec.parallel(params.clone())?;
-    match (exec.backend()?, exec.is_single()) {
-        (BackendKind::Cpu, true) => {
+    if !exec.is_single() {
+        let mut parallel = exec.parallel(params.clone())?;
+        parallel.seq_len = q.shape().get(1).copied().unwrap_or(0);
+        let r = run_parallel(exec, q, k, v, d_o, &parallel)?;
+        return Ok((r.forward, r.gradients));
+    }
+    match exec.backend()? {
+        BackendKind::Cpu => {
             let fwd = cpu::forward(q, k, v, params)?;
             let grads = d_o.map(|g| cpu::backward(q, k, v, &fwd.o, &fwd.lse, g, params)).transpose()?;
             Ok((fwd, grads))
         }
-        (BackendKind::Cpu, false) => {
-            let r = run_in_process(exec.world, exec.local_options()?, &CpuBackend::default(), q, k, v, d_o, &parallel)?;
-            Ok((r.forward, r.gradients))
-        }
         #[cfg(feature = "emu")]
-        (BackendKind::Emu, true) => {
+        BackendKind::Emu => {
             let opts = ringattn::emu::EmuOptions { workers: 0, ..Default::default() };
             let fwd = ringattn::emu::forward(q, k, v, None, params, &opts)?;
             let grads =
                 d_o.map(|g| ringattn::emu::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
             Ok((fwd, grads))
         }
-        #[cfg(feature = "emu")]
-        (BackendKind::Emu, false) => {
-            let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), ..Default::default() };
-            let r = run_in_process(exec.world, exec.local_options()?, &backend, q, k, v, d_o, &parallel)?;
-            Ok((r.forward, r.gradients))
-        }
-        #[cfg(not(feature = "emu"))]
-        (BackendKind::Emu, _) => unreachable!("backend() refuses emu without the feature"),
         #[cfg(feature = "cuda")]
-        (BackendKind::Cuda, true) => {
+        BackendKind::Cuda => {
             let opts = ringattn::cuda::CudaOptions::default();
             let fwd = ringattn::cuda::forward(q, k, v, None, params, &opts)?;
             let grads =
                 d_o.map(|g| ringattn::cuda::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
             Ok((fwd, grads))
         }
-        #[cfg(feature = "cuda")]
-        (BackendKind::Cuda, false) => {
-            let backend = ringattn::cuda::CudaBackend::new(0, q.dtype())?;
-            let r = run_in_process(exec.world, exec.local_options()?, &backend, q, k, v, d_o, &parallel)?;
-            Ok((r.forward, r.gradients))
+        #[allow(unreachable_patterns)]
+        other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
+    }
+}
+
+/// The full tensors sharded over `exec.world()` in-process ranks running `parallel` on the
+/// chosen backend, results gathered in the original token order.
+pub fn run_parallel(
+    exec: &ExecArgs,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    parallel: &ParallelParams,
+) -> Result<ProcessRun> {
+    let (world, options) = (exec.world(), exec.local_options()?);
+    match exec.backend()? {
+        BackendKind::Cpu => run_in_process(world, options, &CpuBackend::default(), q, k, v, d_o, parallel),
+        #[cfg(feature = "emu")]
+        BackendKind::Emu => {
+            let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), ..Default::default() };
+            run_in_process(world, options, &backend, q, k, v, d_o, parallel)
         }
-        #[cfg(not(feature = "cuda"))]
-        (BackendKind::Cuda, _) => unreachable!("backend() refuses cuda without the feature"),
+        // Device-resident: every rank's buffers on GPU 0, exchanges by device copies.
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let run = ringattn::cuda::DeviceRunOptions::default();
+            ringattn::cuda::run_on_device(world, options, &run, q, k, v, d_o, parallel)
+        }
+        #[allow(unreachable_patterns)]
+        other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
     }
 }
 

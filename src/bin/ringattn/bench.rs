@@ -1,4 +1,6 @@
-//! `ringattn bench`: timing of the single-device kernels of a backend.
+//! `ringattn bench`: timing of the single-device kernels of a backend, or (with
+//! `--strategies`, `--world`, several `--seq` or `--out`) a sweep over strategies, world
+//! sizes and sequence lengths ([`crate::sweep`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,9 +21,10 @@ pub struct BenchArgs {
     /// Batch size.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Sequence length (s_q = s_k).
-    #[arg(long, default_value_t = 4096)]
-    pub seq: usize,
+    /// Sequence length (s_q = s_k); a comma-separated list sweeps [default: 4096; 1024,2048,4096
+    /// in sweeps].
+    #[arg(long)]
+    pub seq: Option<String>,
     /// Query heads.
     #[arg(long, default_value_t = 8)]
     pub heads: usize,
@@ -31,9 +34,10 @@ pub struct BenchArgs {
     /// Head dimension.
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
-    /// Dtype: bf16, f16 or f32 (f32: cpu only; the kernels take 16-bit inputs).
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// Dtype: bf16, f16 or f32 (f32: cpu only; the kernels take 16-bit inputs) [default:
+    /// bf16; f32 for cpu sweeps].
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Causal mask (FLOPs halved).
     #[arg(long)]
     pub causal: bool,
@@ -41,12 +45,34 @@ pub struct BenchArgs {
     /// both.
     #[arg(long, default_value = "both")]
     pub pass: String,
-    /// Untimed iterations before the timed ones.
-    #[arg(long, default_value_t = 3)]
-    pub warmup: usize,
-    /// Timed iterations (at least 1).
-    #[arg(long, default_value_t = 10)]
-    pub iters: usize,
+    /// Untimed iterations before the timed ones [default: 3; 1 per configuration in sweeps].
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Timed iterations, at least 1 [default: 10; 3 per configuration in sweeps].
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Sweep: strategies to run with more than one rank, comma-separated (ring, allgather,
+    /// ulysses, usp; single is the one-rank baseline) [default: all four].
+    #[arg(long, value_name = "LIST")]
+    pub strategies: Option<String>,
+    /// Sweep: world sizes, comma-separated (1 = the single-device baseline) [default: 1,2,4].
+    #[arg(long, value_name = "LIST")]
+    pub world: Option<String>,
+    /// Sweep: token layout over ranks, contiguous, zigzag or striped [default: zigzag when
+    /// causal, contiguous otherwise].
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Sweep: folder for bench.json, bench.csv and the plots (throughput, hidden, weak
+    /// scaling; PNG and SVG) [default: bench-out].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Sweep: bandwidth of the link model between in-process ranks, GB/s (0: instant, no
+    /// hidden share measured) [default: 2].
+    #[arg(long)]
+    pub link_gbps: Option<f64>,
+    /// Sweep: one-way latency of the link model, microseconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub link_latency_us: f64,
     /// GPU ordinal of --backend cuda.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
@@ -123,7 +149,7 @@ fn passes(s: &str) -> Result<Vec<Pass>> {
 }
 
 /// Median of `x` (the mean of the middle two for an even count).
-fn median(x: &[f64]) -> f64 {
+pub fn median(x: &[f64]) -> f64 {
     let mut v = x.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -135,15 +161,20 @@ fn median(x: &[f64]) -> f64 {
 }
 
 pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
+    let seqs = crate::args::parse_list(a.seq.as_deref().unwrap_or("4096"), "--seq")?;
+    if seqs.len() != 1 || a.strategies.is_some() || a.world.is_some() || a.out.is_some() {
+        return crate::sweep::sweep(a);
+    }
     let backend = parse_backend(&a.backend)?;
     let passes = passes(&a.pass)?;
-    let dtype: DType = a.dtype.parse()?;
-    let (b, s, hq, d) = (a.batch, a.seq, a.heads, a.head_dim);
+    let dtype: DType = a.dtype.as_deref().unwrap_or("bf16").parse()?;
+    let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
+    let (b, s, hq, d) = (a.batch, seqs[0], a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(hq);
     if s == 0 || b == 0 {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
-    if a.iters == 0 {
+    if iters == 0 {
         return Err(Error::InvalidArgument("--iters must be at least 1".into()));
     }
     let seed = a.seed.wrapping_mul(4);
@@ -166,8 +197,8 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
         "ringattn bench: {} ({device}) b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}, {} warmup + {} timed iterations",
         a.backend,
         if a.causal { "causal" } else { "full" },
-        a.warmup,
-        a.iters
+        warmup,
+        iters
     );
     let mut results = Vec::new();
     for (pass, samples_ms) in samples {
@@ -211,11 +242,12 @@ fn cpu_backward(x: &Inputs, f: &cpu::ForwardOutput) -> Result<cpu::Gradients> {
 /// Host-clock timing of whole calls (inputs on the host, as the cpu and emu backends take
 /// them).
 fn host_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass], fwd: Fwd, bwd: Bwd) -> Result<Samples> {
+    let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<Vec<f64>> {
-        for _ in 0..a.warmup {
+        for _ in 0..warmup {
             f()?;
         }
-        (0..a.iters)
+        (0..iters)
             .map(|_| {
                 let t = Instant::now();
                 f()?;
@@ -289,9 +321,9 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
     let mut out = Vec::new();
     for &pass in passes {
         let samples = match pass {
-            Pass::Forward => {
-                dev.time_iterations(&stream, a.warmup, a.iters, || dev.forward_into(&stream, &args, &mut saved))?
-            }
+            Pass::Forward => dev.time_iterations(&stream, a.warmup.unwrap_or(3), a.iters.unwrap_or(10), || {
+                dev.forward_into(&stream, &args, &mut saved)
+            })?,
             Pass::Backward => {
                 dev.forward_into(&stream, &args, &mut saved)?;
                 let dq_mode = match a.dq_mode.as_str() {
@@ -306,7 +338,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
                 let bargs = FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o, dq_mode };
                 let mut delta = dev.alloc_f32(dims.b * dims.h_q * dims.s_q)?;
                 let mut grads = DeviceGradients::alloc(&stream, &dims)?;
-                dev.time_iterations(&stream, a.warmup, a.iters, || {
+                dev.time_iterations(&stream, a.warmup.unwrap_or(3), a.iters.unwrap_or(10), || {
                     dev.backward_into(&stream, &bargs, Delta::Compute(&mut delta), &mut grads)
                 })?
             }

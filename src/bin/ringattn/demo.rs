@@ -5,18 +5,19 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
-use ringattn::parallel::{self, CpuBackend};
+use ringattn::parallel;
 use ringattn::{cpu, memory, random, verify, AttentionParams, DType, Error, Mask, Result, Tensor};
 use serde::Serialize;
 
-use crate::args::ExecArgs;
+use crate::args::{compute, run_parallel, BackendKind, ExecArgs};
 use crate::progress::with_progress;
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
-    /// Sequence length.
-    #[arg(long, default_value_t = 32768)]
-    pub seq: usize,
+    /// Sequence length [default: 32768; 512 with --backend emu, whose emulated kernels are
+    /// a few hundred times slower than the cpu backend].
+    #[arg(long)]
+    pub seq: Option<usize>,
     /// Batch size.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -29,9 +30,10 @@ pub struct DemoArgs {
     /// Head dimension.
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
-    /// Dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// Dtype: f32, bf16 or f16 [default: f32 on cpu; bf16 on emu and cuda, whose kernels
+    /// take 16-bit inputs].
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Full (bidirectional) attention instead of causal.
     #[arg(long)]
     pub no_causal: bool,
@@ -90,22 +92,20 @@ fn mib(b: usize) -> f64 {
 }
 
 pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
-    let dtype: DType = a.dtype.parse()?;
-    let (b, s, hq, d) = (a.batch, a.seq, a.heads, a.head_dim);
+    let backend = a.exec.backend()?;
+    let on_cpu = backend == BackendKind::Cpu;
+    let dtype: DType = a.dtype.as_deref().unwrap_or(if on_cpu { "f32" } else { "bf16" }).parse()?;
+    let s = a.seq.unwrap_or(if backend == BackendKind::Emu { 512 } else { 32768 });
+    let (b, hq, d) = (a.batch, a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(hq);
     if s == 0 || b == 0 {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
-    if a.exec.backend()? != crate::args::BackendKind::Cpu {
-        return Err(Error::InvalidArgument(format!(
-            "--backend {}: the demo's long sequence runs on the cpu backend; the emulator is for `run` and `verify` on small shapes",
-            a.exec.backend
-        )));
-    }
     let causal = !a.no_causal;
     let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     println!(
-        "ringattn demo: cpu backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
+        "ringattn demo: {} backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
+        a.exec.backend,
         rayon::current_num_threads(),
         if causal { "causal" } else { "full" }
     );
@@ -119,21 +119,12 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     let (forward, backward, fwd, grads, ranks) = if !a.exec.is_single() {
         let mut pp = a.exec.parallel(params.clone())?;
         pp.seq_len = s;
-        println!("strategy {} over {} in-process ranks, {:?} layout", a.exec.strategy, a.exec.world, pp.layout());
+        println!("strategy {} over {} in-process ranks, {:?} layout", a.exec.strategy, a.exec.world(), pp.layout());
         let base = memory::current_bytes();
         memory::reset_peak();
         let t = Instant::now();
         let d_o_opt = (!a.forward_only).then_some(&d_o);
-        let run = parallel::run_in_process(
-            a.exec.world,
-            a.exec.local_options()?,
-            &CpuBackend::default(),
-            &q,
-            &k,
-            &v,
-            d_o_opt,
-            &pp,
-        )?;
+        let run = run_parallel(&a.exec, &q, &k, &v, d_o_opt, &pp)?;
         let secs = t.elapsed().as_secs_f64();
         let work = flops * if a.forward_only { 1.0 } else { 3.5 };
         println!(
@@ -169,8 +160,10 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
             output_bytes: (out.o.len() + grad_bytes) * dtype.size_of() + out.lse.len() * 4,
         };
         (phase, None, run.forward, run.gradients, run.stats)
-    } else {
+    } else if on_cpu {
         single(a, &q, &k, &v, &d_o, &params, flops)?
+    } else {
+        single_kernels(a, &q, &k, &v, &d_o, &params, flops)?
     };
     let rows = check_rows(s, a);
     let check = verify::check_rows(&q, &k, &v, grads.as_ref().map(|_| &d_o), &params, &fwd, grads.as_ref(), &rows)?;
@@ -265,6 +258,46 @@ fn single(
     }
 
     Ok((forward, backward, fwd, grads, Vec::new()))
+}
+
+/// The single-device forward (and backward) on the emulated or GPU kernels, timed as whole
+/// calls (host copies included; `ringattn bench` times the kernels alone).
+fn single_kernels(
+    a: &DemoArgs,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    params: &AttentionParams,
+    flops: f64,
+) -> Result<Outcome> {
+    let exec = &a.exec;
+    let t = Instant::now();
+    let (fwd, _) = compute(exec, params, q, k, v, None)?;
+    let secs = t.elapsed().as_secs_f64();
+    let bytes = |ts: &[&Tensor]| ts.iter().map(|t| t.len() * t.dtype().size_of()).sum::<usize>();
+    let forward = Phase {
+        seconds: secs,
+        tflops: flops / secs / 1e12,
+        peak_extra_bytes: 0,
+        output_bytes: bytes(&[&fwd.o, &fwd.lse]),
+    };
+    println!("forward : {:8.3} s  {:7.3} TFLOP/s (whole call, host copies included)", forward.seconds, forward.tflops);
+    if a.forward_only {
+        return Ok((forward, None, fwd, None, Vec::new()));
+    }
+    let t = Instant::now();
+    let (fwd2, grads) = compute(exec, params, q, k, v, Some(d_o))?;
+    let secs = t.elapsed().as_secs_f64() - forward.seconds;
+    let g = grads.ok_or_else(|| Error::InvalidArgument("the backward returned no gradients".into()))?;
+    let backward = Phase {
+        seconds: secs,
+        tflops: 2.5 * flops / secs / 1e12,
+        peak_extra_bytes: 0,
+        output_bytes: bytes(&[&g.dq, &g.dk, &g.dv]),
+    };
+    println!("backward: {:8.3} s  {:7.3} TFLOP/s (whole call less a forward)", backward.seconds, backward.tflops);
+    Ok((forward, Some(backward), fwd2, Some(g), Vec::new()))
 }
 
 /// Forward phase, backward phase, outputs, gradients, per-rank statistics.

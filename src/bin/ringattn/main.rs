@@ -3,8 +3,15 @@
 mod args;
 mod bench;
 mod demo;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+mod distributed;
+mod pingpong;
+mod plan;
+mod plot;
 mod progress;
 mod run;
+mod sweep;
+mod validate;
 mod verify;
 
 use std::process::ExitCode;
@@ -50,6 +57,21 @@ enum Command {
     /// cuda times device-resident inputs with CUDA events (no host copies in the timed
     /// region); cpu and emu time whole calls with the host clock.
     Bench(bench::BenchArgs),
+    /// Rank every way to split one attention layer over a cluster (ring, Ulysses, USP
+    /// degrees and placements, all-gather) by the analytic model's predicted step time, with
+    /// communication volume, exposed communication and memory per rank, and recommend one.
+    Plan(plan::PlanArgs),
+    /// Predicted step time of each strategy over GPU counts and sequence lengths: a table,
+    /// and with --out, JSON, CSV and plots (PNG, SVG).
+    Simulate(plan::SimulateArgs),
+    /// Measure the link between ranks 0 and 1: one-way time of messages of several sizes,
+    /// fitted to latency + bytes / bandwidth (`mpirun -n 2 ringattn pingpong --comm mpi`);
+    /// its JSON calibrates `plan --calibration`.
+    Pingpong(pingpong::PingPongArgs),
+    /// Check the planner's cost model against measured MPI runs: calibrate from a ping-pong
+    /// and single-rank kernel runs, run each configuration under mpirun, print predicted
+    /// against measured (needs a build with --features mpi and Open MPI).
+    Validate(validate::ValidateArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +81,10 @@ fn main() -> ExitCode {
         Command::Verify(a) => verify::verify(&a),
         Command::Demo(a) => demo::demo(&a),
         Command::Bench(a) => bench::bench(&a),
+        Command::Plan(a) => plan::plan(&a),
+        Command::Simulate(a) => plan::simulate(&a),
+        Command::Pingpong(a) => pingpong::pingpong(&a),
+        Command::Validate(a) => validate::validate(&a),
     };
     match result {
         Ok(code) => code,

@@ -72,7 +72,7 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
         params.mask,
         params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
         a.exec.strategy,
-        a.exec.world,
+        a.exec.world(),
         parallel.layout(),
         a.exec.backend
     );

@@ -1,0 +1,517 @@
+//! [`DeviceBackend`]: the sequence-parallel drivers' [`Backend`] on device-resident buffers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
+
+use super::buffers::{self, kv_len, lse_len, q_len, Delta, DeviceGradients, FlashForwardArgs, SavedContext};
+use super::device_buf::{wait_event, write_ptr, DeviceBuf};
+use super::probe::guard;
+use super::{CudaDevice, DeviceMask};
+use crate::kernels::geometry::{DqMode, OpsKernel};
+use crate::kernels::params::OpsParams;
+use crate::parallel::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, Pending};
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
+
+/// The kernels of `cuda/` as a [`Backend`] whose buffers stay on the GPU ([`DeviceBuf`]): the
+/// drivers of [`crate::parallel`] (ring, all-gather, Ulysses, USP) run unchanged, with every
+/// data movement ([`Buffers`]) done by the kernels of `cuda/ops.cu` and the attention steps
+/// by the flash kernels, all on this backend's own **compute stream**; nothing goes through
+/// the host except the small position/head-index uploads.
+///
+/// * Buffers hold f32 values. The steps convert q, k, v and `d_o` to the 16-bit patterns of
+///   the backend's dtype on the device (`ringattn_ops_to_bf16` / `_to_f16`, round to nearest
+///   even, as [`super::to_bits`]); partial results (o, lse, gradients) are f32, unrounded.
+/// * Steps are asynchronous: [`Backend::forward_block`] / [`Backend::backward_block`]
+///   enqueue the kernels and return a [`Pending`] completed by polling an event recorded
+///   after them (never a device-wide synchronisation), bounded by
+///   [`DeviceBackend::step_deadline`]. Their outputs carry that event, so a communicator
+///   may send them before the step is waited on.
+/// * One backend per rank (thread): each has its own compute stream; the ranks share the
+///   [`CudaDevice`] (context and modules).
+/// * [`DeviceBackend::record_step_times`] brackets each step's kernels with timing events
+///   on the compute stream, for [`super::run_on_device`]'s overlap measurement.
+///
+/// ```no_run
+/// use ringattn::cuda::{CudaDevice, DeviceBackend};
+/// use ringattn::parallel::Buffers;
+/// use ringattn::DType;
+/// let be = DeviceBackend::new(CudaDevice::shared(0)?, DType::BF16)?;
+/// let mut acc = be.filled(4, 1.0)?;
+/// let x = be.upload(&[1.0, 2.0, 3.0, 4.0])?;
+/// be.add_into(&mut acc, &x)?;
+/// assert_eq!(be.download(&acc)?, vec![2.0, 3.0, 4.0, 5.0]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub struct DeviceBackend {
+    device: Arc<CudaDevice>,
+    stream: Arc<CudaStream>,
+    dtype: DType,
+    dq_mode: DqMode,
+    step_deadline: Duration,
+    /// Head-index lists on the device, by list (the Ulysses plans reuse a few).
+    heads: Mutex<HashMap<Vec<usize>, Arc<CudaSlice<i64>>>>,
+    /// Timing events around each step's kernels, when recording.
+    timing: Mutex<Option<Vec<(CudaEvent, CudaEvent)>>>,
+    /// Skip the attention kernels (for measuring a schedule's communication alone).
+    skip_compute: bool,
+}
+
+impl std::fmt::Debug for DeviceBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBackend")
+            .field("device", &self.device)
+            .field("dtype", &self.dtype)
+            .field("dq_mode", &self.dq_mode)
+            .field("step_deadline", &self.step_deadline)
+            .finish()
+    }
+}
+
+impl DeviceBackend {
+    /// A backend on `device` for inputs of `dtype`, with a new compute stream.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnsupported`] for f32 (the kernels take bf16 or f16); [`Error::Cuda`]
+    /// when the stream cannot be created.
+    pub fn new(device: Arc<CudaDevice>, dtype: DType) -> Result<DeviceBackend> {
+        if dtype == DType::F32 {
+            return Err(f32_unsupported());
+        }
+        let stream = guard("creating a compute stream", || device.context().new_stream())?;
+        Ok(DeviceBackend {
+            device,
+            stream,
+            dtype,
+            dq_mode: DqMode::default(),
+            step_deadline: Duration::from_secs(300),
+            heads: Mutex::new(HashMap::new()),
+            timing: Mutex::new(None),
+            skip_compute: false,
+        })
+    }
+
+    /// [`DeviceBackend::new`] on GPU `ordinal`, opened once per process
+    /// ([`CudaDevice::shared`]).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::new`] (no driver, no GPU: [`Error::Cuda`]) and [`DeviceBackend::new`].
+    pub fn open(ordinal: usize, dtype: DType) -> Result<DeviceBackend> {
+        if dtype == DType::F32 {
+            return Err(f32_unsupported());
+        }
+        DeviceBackend::new(CudaDevice::shared(ordinal)?, dtype)
+    }
+
+    /// Without attention: every step returns outputs of the right sizes at once (o and
+    /// gradients zero, LSE −∞) and launches no attention kernel — the device twin of
+    /// [`crate::parallel::NullBackend`], to time a schedule's communication alone. Data
+    /// movements (merges, additions, head and sequence copies) still run.
+    pub fn without_compute(mut self) -> Self {
+        self.skip_compute = true;
+        self
+    }
+
+    /// With the backward's dq mode (deterministic by default).
+    pub fn with_dq_mode(mut self, dq_mode: DqMode) -> Self {
+        self.dq_mode = dq_mode;
+        self
+    }
+
+    /// With the longest a [`Pending`] step may wait for its kernels (default 300 s).
+    pub fn with_step_deadline(mut self, deadline: Duration) -> Self {
+        self.step_deadline = deadline;
+        self
+    }
+
+    /// The GPU.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// This backend's compute stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Element type the kernels read.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// How long a step may take before its [`Pending`] fails.
+    pub fn step_deadline(&self) -> Duration {
+        self.step_deadline
+    }
+
+    /// Starts (`true`) or stops recording the GPU time of each attention step (the kernels
+    /// of [`Backend::forward_block`] and [`Backend::backward_block`], input conversions
+    /// included) with timing events on the compute stream; starting clears earlier records.
+    pub fn record_step_times(&self, on: bool) {
+        *self.timing.lock().unwrap_or_else(|e| e.into_inner()) = on.then(Vec::new);
+    }
+
+    /// The GPU milliseconds of each step recorded since [`DeviceBackend::record_step_times`]
+    /// (waits for the steps' end events), in enqueue order; recording continues afresh.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when an event fails; [`Error::Timeout`] when a step has not finished
+    /// within [`DeviceBackend::step_deadline`].
+    pub fn step_times_ms(&self) -> Result<Vec<f64>> {
+        let events = {
+            let mut t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
+            match t.as_mut() {
+                Some(v) => std::mem::take(v),
+                None => Vec::new(),
+            }
+        };
+        let mut out = Vec::with_capacity(events.len());
+        for (start, end) in &events {
+            wait_event(end, "timing a device step", 0, self.step_deadline)?;
+            out.push(f64::from(guard("reading an event's time", || start.elapsed_ms(end))?));
+        }
+        Ok(out)
+    }
+
+    /// Records the start event of a timed step, when recording.
+    fn step_start(&self) -> Result<Option<CudaEvent>> {
+        if self.timing.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+            return Ok(None);
+        }
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        Ok(Some(guard("recording an event", || self.stream.record_event(flags))?))
+    }
+
+    fn step_end(&self, start: Option<CudaEvent>) -> Result<()> {
+        if let Some(start) = start {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let end = guard("recording an event", || self.stream.record_event(flags))?;
+            if let Some(v) = self.timing.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                v.push((start, end));
+            }
+        }
+        Ok(())
+    }
+
+    /// An event after everything enqueued so far on the compute stream.
+    fn done_event(&self) -> Result<Arc<CudaEvent>> {
+        Ok(Arc::new(guard("recording an event", || self.stream.record_event(None))?))
+    }
+
+    fn launch(&self, kernel: OpsKernel, p: &OpsParams) -> Result<()> {
+        self.device.launch_ops(&self.stream, kernel, p)
+    }
+
+    /// `buf` as the 16-bit patterns of the backend's dtype, converted on the compute stream.
+    fn bits(&self, buf: &DeviceBuf) -> Result<CudaSlice<u16>> {
+        // SAFETY: the conversion writes all `len` values before any use (stream ordered); the
+        // extra element of an empty buffer is never read.
+        let mut out = guard("cuMemAlloc", || unsafe { self.stream.alloc::<u16>(buf.len().max(1)) })?;
+        {
+            let (src, _gs) = buf.read_ptr(&self.stream)?;
+            let (dst, _gd) = write_ptr(&mut out, &self.stream);
+            self.launch(OpsKernel::convert_to(self.dtype), &OpsParams::convert(dst, src, buf.len()))?;
+        }
+        Ok(out)
+    }
+
+    /// The device list of `heads` (each `< h`), cached.
+    fn head_list(&self, heads: &[usize], h: usize) -> Result<Arc<CudaSlice<i64>>> {
+        if let Some(&bad) = heads.iter().find(|&&x| x >= h) {
+            return Err(Error::InvalidArgument(format!("head {bad} out of range for a buffer of {h} heads")));
+        }
+        let mut cache = self.heads.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(list) = cache.get(heads) {
+            return Ok(list.clone());
+        }
+        let idx: Vec<i64> = heads.iter().map(|&x| x as i64).collect();
+        let list = Arc::new(buffers::upload(&self.stream, &idx)?);
+        cache.insert(heads.to_vec(), list.clone());
+        Ok(list)
+    }
+}
+
+fn f32_unsupported() -> Error {
+    Error::BackendUnsupported {
+        backend: super::BACKEND,
+        what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
+    }
+}
+
+fn expect_len(name: &str, buf: &DeviceBuf, want: usize) -> Result<()> {
+    if buf.len() != want {
+        return Err(Error::ShapeMismatch(format!("`{name}` holds {} values, expected {want}", buf.len())));
+    }
+    Ok(())
+}
+
+impl Buffers for DeviceBackend {
+    type Buf = DeviceBuf;
+
+    fn upload(&self, host: &[f32]) -> Result<DeviceBuf> {
+        DeviceBuf::upload(&self.stream, host)
+    }
+
+    fn download(&self, buf: &DeviceBuf) -> Result<Vec<f32>> {
+        buf.download(&self.stream)
+    }
+
+    fn filled(&self, len: usize, value: f32) -> Result<DeviceBuf> {
+        let mut out = DeviceBuf::alloc(&self.stream, len)?;
+        {
+            let (dst, _g) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
+            self.launch(OpsKernel::Fill, &OpsParams::fill(dst, len, value))?;
+        }
+        Ok(out)
+    }
+
+    fn add_into(&self, acc: &mut DeviceBuf, x: &DeviceBuf) -> Result<()> {
+        if acc.len() != x.len() {
+            return Err(Error::ShapeMismatch(format!("add: {} values and {}", acc.len(), x.len())));
+        }
+        let n = x.len();
+        let (src, _gs) = x.read_ptr(&self.stream)?;
+        let (dst, _gd) = write_ptr(acc.make_mut(&self.stream)?, &self.stream);
+        self.launch(OpsKernel::Add, &OpsParams::add(dst, src, n))
+    }
+
+    fn merge_into(
+        &self,
+        o: &mut DeviceBuf,
+        lse: &mut DeviceBuf,
+        o_b: &DeviceBuf,
+        lse_b: &DeviceBuf,
+        bshd: [usize; 4],
+    ) -> Result<()> {
+        let [b, s, h, d] = bshd;
+        expect_len("o", o, b * s * h * d)?;
+        expect_len("o_part", o_b, b * s * h * d)?;
+        expect_len("lse", lse, b * h * s)?;
+        expect_len("lse_part", lse_b, b * h * s)?;
+        o_b.wait_on(&self.stream)?;
+        lse_b.wait_on(&self.stream)?;
+        let o_acc = o.make_mut(&self.stream)?;
+        let lse_acc = lse.make_mut(&self.stream)?;
+        self.device.merge_into(&self.stream, o_acc, lse_acc, o_b.slice(), lse_b.slice(), bshd)
+    }
+
+    fn concat_seq(&self, parts: &[DeviceBuf], b: usize, w: usize) -> Result<DeviceBuf> {
+        let row = b * w;
+        let mut rows = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            if row == 0 {
+                expect_len(&format!("part {i}"), p, 0)?;
+                rows.push(0);
+            } else if p.len() % row != 0 {
+                return Err(Error::ShapeMismatch(format!(
+                    "concat: part {i} holds {} values, not a whole number of [{b}, n, {w}] rows",
+                    p.len()
+                )));
+            } else {
+                rows.push(p.len() / row);
+            }
+        }
+        let total: usize = rows.iter().sum();
+        let mut out = DeviceBuf::alloc(&self.stream, row * total)?;
+        let mut off = 0;
+        for (p, &n) in parts.iter().zip(&rows) {
+            if n > 0 {
+                let (src, _gs) = p.read_ptr(&self.stream)?;
+                let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
+                self.launch(OpsKernel::CopyRows, &OpsParams::copy_rows(dst, total, off, src, n, 0).rows(b, n, w))?;
+            }
+            off += n;
+        }
+        Ok(out)
+    }
+
+    fn seq_slice(&self, x: &DeviceBuf, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<DeviceBuf> {
+        expect_len("x", x, b * s * w)?;
+        if r0 + n > s {
+            return Err(Error::ShapeMismatch(format!("rows {r0}..{} of a sequence of {s}", r0 + n)));
+        }
+        let mut out = DeviceBuf::alloc(&self.stream, b * n * w)?;
+        {
+            let (src, _gs) = x.read_ptr(&self.stream)?;
+            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
+            self.launch(OpsKernel::CopyRows, &OpsParams::copy_rows(dst, n, 0, src, s, r0).rows(b, n, w))?;
+        }
+        Ok(out)
+    }
+
+    fn select_heads(&self, x: &DeviceBuf, shape: BufShape, heads: &[usize]) -> Result<DeviceBuf> {
+        expect_len("x", x, shape.len())?;
+        let list = self.head_list(heads, shape.h)?;
+        let rows = shape.b * shape.n;
+        let mut out = DeviceBuf::alloc(&self.stream, rows * heads.len() * shape.d)?;
+        {
+            let (src, _gs) = x.read_ptr(&self.stream)?;
+            let (idx, _gi) = cudarc::driver::DevicePtr::device_ptr(&*list, &self.stream);
+            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
+            let p = OpsParams::heads(true, src, dst, idx, rows, shape.h, heads.len(), shape.d, false);
+            self.launch(OpsKernel::SelectHeads, &p)?;
+        }
+        Ok(out)
+    }
+
+    fn scatter_heads(
+        &self,
+        dst: &mut DeviceBuf,
+        shape: BufShape,
+        heads: &[usize],
+        src: &DeviceBuf,
+        assign: bool,
+    ) -> Result<()> {
+        expect_len("dst", dst, shape.len())?;
+        let rows = shape.b * shape.n;
+        expect_len("src", src, rows * heads.len() * shape.d)?;
+        let list = self.head_list(heads, shape.h)?;
+        let (s, _gs) = src.read_ptr(&self.stream)?;
+        let (idx, _gi) = cudarc::driver::DevicePtr::device_ptr(&*list, &self.stream);
+        let (d, _gd) = write_ptr(dst.make_mut(&self.stream)?, &self.stream);
+        let p = OpsParams::heads(false, d, s, idx, rows, shape.h, heads.len(), shape.d, assign);
+        self.launch(OpsKernel::ScatterHeads, &p)
+    }
+}
+
+/// What a step keeps alive until its kernels have run (16-bit inputs, the mask).
+struct StepInputs {
+    _bits: Vec<CudaSlice<u16>>,
+    _mask: DeviceMask,
+}
+
+impl Backend for DeviceBackend {
+    fn supports(&self, dims: &Dims, dtype: DType) -> Result<()> {
+        crate::runner::supports(super::BACKEND, self.dtype, dims, dtype)
+    }
+
+    fn forward_block(
+        &self,
+        dims: Dims,
+        q: &DeviceBuf,
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        q_pos: &Positions,
+        k_pos: &Positions,
+        params: &AttentionParams,
+    ) -> Result<Pending<ForwardPartial<DeviceBuf>>> {
+        crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
+        expect_len("q", q, q_len(&dims))?;
+        expect_len("k", k, kv_len(&dims))?;
+        expect_len("v", v, kv_len(&dims))?;
+        if self.skip_compute {
+            let o = self.filled(q_len(&dims), 0.0)?;
+            return Ok(Pending::ready((o, self.filled(lse_len(&dims), f32::NEG_INFINITY)?)));
+        }
+        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        let mask = DeviceMask::upload(&self.stream, &vis)?;
+        let mut out = SavedContext::alloc(&self.stream, &dims)?;
+        let start = self.step_start()?;
+        let (q16, k16, v16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?);
+        let args = FlashForwardArgs {
+            dims,
+            dtype: self.dtype,
+            q: &q16,
+            k: &k16,
+            v: &v16,
+            mask: &mask,
+            scale: params.softmax_scale(dims.d),
+        };
+        self.device.forward_into(&self.stream, &args, &mut out)?;
+        self.step_end(start)?;
+        let done = self.done_event()?;
+        let keep = StepInputs { _bits: vec![q16, k16, v16], _mask: mask };
+        let mut o = DeviceBuf::from_slice(out.o, q_len(&dims), None)?;
+        let mut lse = DeviceBuf::from_slice(out.lse, lse_len(&dims), None)?;
+        o.set_ready(Some(done.clone()));
+        lse.set_ready(Some(done.clone()));
+        let deadline = self.step_deadline;
+        Ok(Pending::new(move || {
+            wait_event(&done, "forward step on the device", 0, deadline)?;
+            drop(keep);
+            Ok((o, lse))
+        }))
+    }
+
+    fn backward_block(
+        &self,
+        dims: Dims,
+        q: &DeviceBuf,
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        o: &DeviceBuf,
+        lse: &DeviceBuf,
+        d_o: &DeviceBuf,
+        big_d: &DeviceBuf,
+        q_pos: &Positions,
+        k_pos: &Positions,
+        params: &AttentionParams,
+    ) -> Result<Pending<GradientPartial<DeviceBuf>>> {
+        crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
+        expect_len("q", q, q_len(&dims))?;
+        expect_len("k", k, kv_len(&dims))?;
+        expect_len("v", v, kv_len(&dims))?;
+        expect_len("o", o, q_len(&dims))?;
+        expect_len("d_o", d_o, q_len(&dims))?;
+        expect_len("lse", lse, lse_len(&dims))?;
+        expect_len("delta", big_d, lse_len(&dims))?;
+        if self.skip_compute {
+            let dq = self.filled(q_len(&dims), 0.0)?;
+            return Ok(Pending::ready((dq, self.filled(kv_len(&dims), 0.0)?, self.filled(kv_len(&dims), 0.0)?)));
+        }
+        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        let mask = DeviceMask::upload(&self.stream, &vis)?;
+        let mut grads = DeviceGradients::alloc(&self.stream, &dims)?;
+        let start = self.step_start()?;
+        let (q16, k16, v16, do16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?, self.bits(d_o)?);
+        for b in [o, lse, big_d] {
+            b.wait_on(&self.stream)?;
+        }
+        let args = FlashForwardArgs {
+            dims,
+            dtype: self.dtype,
+            q: &q16,
+            k: &k16,
+            v: &v16,
+            mask: &mask,
+            scale: params.softmax_scale(dims.d),
+        };
+        let saved = (o.slice(), lse.slice());
+        let delta = Delta::Given(big_d.slice());
+        self.device.backward_parts(&self.stream, &args, saved, &do16, self.dq_mode, delta, &mut grads)?;
+        self.step_end(start)?;
+        let done = self.done_event()?;
+        let keep = StepInputs { _bits: vec![q16, k16, v16, do16], _mask: mask };
+        let mut out = (
+            DeviceBuf::from_slice(grads.dq, q_len(&dims), None)?,
+            DeviceBuf::from_slice(grads.dk, kv_len(&dims), None)?,
+            DeviceBuf::from_slice(grads.dv, kv_len(&dims), None)?,
+        );
+        for b in [&mut out.0, &mut out.1, &mut out.2] {
+            b.set_ready(Some(done.clone()));
+        }
+        let deadline = self.step_deadline;
+        Ok(Pending::new(move || {
+            wait_event(&done, "backward step on the device", 0, deadline)?;
+            drop(keep);
+            Ok(out)
+        }))
+    }
+
+    fn softmax_grad_rowsum(&self, dims: Dims, o: &DeviceBuf, d_o: &DeviceBuf) -> Result<DeviceBuf> {
+        crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
+        expect_len("o", o, q_len(&dims))?;
+        expect_len("d_o", d_o, q_len(&dims))?;
+        if self.skip_compute {
+            return self.filled(lse_len(&dims), 0.0);
+        }
+        let do16 = self.bits(d_o)?;
+        o.wait_on(&self.stream)?;
+        let n = lse_len(&dims);
+        let mut delta = buffers::alloc_nan(&self.stream, n)?;
+        self.device.rowsum_into(&self.stream, &dims, self.dtype, o.slice(), &do16, &mut delta)?;
+        DeviceBuf::from_slice(delta, n, None)
+    }
+}

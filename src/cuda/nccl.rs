@@ -1,0 +1,1124 @@
+//! [`NcclComm`]: a [`Communicator`] of [`DeviceBuf`]s over NCCL (one rank per GPU, any
+//! number of processes and nodes), through cudarc's raw `nccl::sys` layer; and the
+//! bootstrap of its 128-byte unique id (from the environment over TCP, or from any host
+//! communicator).
+//!
+//! Nothing here has run on a GPU with NCCL in this repository's CI (no GPU there): the
+//! library-free parts (environment parsing, the TCP id exchange, the id broadcast over a
+//! host communicator, clean failure without libcuda/libnccl) are tested; the NCCL calls are
+//! written against NCCL 2.30's documented non-blocking API.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
+use cudarc::nccl::sys;
+
+use super::device_buf::DeviceBuf;
+use super::probe::{guard, probe, unwind};
+use crate::comm::{Communicator, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
+use crate::{Error, Result};
+
+/// Bytes of an NCCL unique id (`ncclUniqueId`).
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// An NCCL unique id as bytes: created by rank 0 (`ncclGetUniqueId`), given to every rank
+/// before [`NcclComm::init`].
+pub type UniqueId = [u8; UNIQUE_ID_BYTES];
+
+/// `NCCL_CONFIG_UNDEF_INT`.
+const UNDEF_INT: c_int = c_int::MIN;
+/// The config struct version the bindings describe (`ncclConfig_v22800`: NCCL 2.28).
+const CONFIG_VERSION: u32 = 22800;
+/// First bytes of the id server's reply.
+const ID_MAGIC: &[u8; 8] = b"RAIDv001";
+
+/// The launcher's environment of one rank (`torchrun`, `srun` wrappers, ...): `RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK` (the GPU, default 0), `MASTER_ADDR`, `MASTER_PORT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapEnv {
+    /// This rank, `0..world`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// GPU ordinal of this rank on its node.
+    pub local_rank: usize,
+    /// Host of rank 0 (which serves the unique id).
+    pub master_addr: String,
+    /// Port rank 0 listens on.
+    pub master_port: u16,
+}
+
+impl BootstrapEnv {
+    /// Reads the process environment.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming a missing or malformed variable, or a rank outside
+    /// the world.
+    ///
+    /// ```
+    /// // Outside a launcher the variables are missing: an error, not a panic.
+    /// if std::env::var_os("RANK").is_none() {
+    ///     assert!(ringattn::cuda::BootstrapEnv::from_env().is_err());
+    /// }
+    /// ```
+    pub fn from_env() -> Result<BootstrapEnv> {
+        BootstrapEnv::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the variables through `var` (the environment, or a test's map).
+    ///
+    /// # Errors
+    /// As [`BootstrapEnv::from_env`].
+    ///
+    /// ```
+    /// use ringattn::cuda::BootstrapEnv;
+    /// let vars = [("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")];
+    /// let env = BootstrapEnv::from_vars(|k| vars.iter().find(|v| v.0 == k).map(|v| v.1.to_string()))?;
+    /// assert_eq!((env.rank, env.world, env.local_rank, env.master_port), (1, 4, 0, 29500));
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<BootstrapEnv> {
+        let get =
+            |name: &str| var(name).ok_or_else(|| Error::InvalidArgument(format!("NCCL bootstrap: ${name} is not set")));
+        fn num<T: std::str::FromStr>(name: &str, v: String) -> Result<T> {
+            v.trim()
+                .parse()
+                .map_err(|_| Error::InvalidArgument(format!("NCCL bootstrap: ${name} = `{v}` is not a valid number")))
+        }
+        let rank: usize = num("RANK", get("RANK")?)?;
+        let world: usize = num("WORLD_SIZE", get("WORLD_SIZE")?)?;
+        let local_rank: usize = match var("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", v)?,
+            None => 0,
+        };
+        let master_addr = get("MASTER_ADDR")?;
+        let master_port: u16 = num("MASTER_PORT", get("MASTER_PORT")?)?;
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "NCCL bootstrap: RANK = {rank} is outside WORLD_SIZE = {world}"
+            )));
+        }
+        Ok(BootstrapEnv { rank, world, local_rank, master_addr, master_port })
+    }
+}
+
+/// Serves `id` to `clients` connections on `listener` (rank 0's side of the TCP bootstrap):
+/// each connection receives an 8-byte magic and the id, then is closed.
+///
+/// # Errors
+/// [`Error::Timeout`] when fewer than `clients` ranks connected within `deadline`;
+/// [`Error::InvalidArgument`] for socket errors.
+pub fn serve_unique_id(listener: &TcpListener, id: &UniqueId, clients: usize, deadline: Duration) -> Result<()> {
+    let io = |e: std::io::Error| Error::InvalidArgument(format!("NCCL bootstrap: serving the unique id: {e}"));
+    listener.set_nonblocking(true).map_err(io)?;
+    let start = Instant::now();
+    let mut served = 0;
+    while served < clients {
+        match listener.accept() {
+            Ok((mut s, _)) => {
+                s.set_nonblocking(false).map_err(io)?;
+                s.set_write_timeout(Some(deadline.max(Duration::from_millis(1)))).map_err(io)?;
+                // A client that went away is its own problem (it retries or times out).
+                if s.write_all(ID_MAGIC).and_then(|_| s.write_all(id)).and_then(|_| s.flush()).is_ok() {
+                    served += 1;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if start.elapsed() >= deadline {
+                    return Err(Error::Timeout {
+                        op: format!("NCCL bootstrap: serving the unique id ({served} of {clients} ranks connected)"),
+                        peer: 0,
+                        after: deadline,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Fetches the unique id from rank 0's server at `addr` (`host:port`), retrying the
+/// connection until `deadline` (rank 0 may not be listening yet).
+///
+/// # Errors
+/// [`Error::Timeout`] when no server answered within `deadline`; [`Error::InvalidArgument`]
+/// when the address does not resolve or the server's reply is not an id.
+pub fn fetch_unique_id(addr: &str, deadline: Duration) -> Result<UniqueId> {
+    let start = Instant::now();
+    let mut last = String::from("no attempt");
+    loop {
+        let left = deadline.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                op: format!("NCCL bootstrap: fetching the unique id from {addr} (last error: {last})"),
+                peer: 0,
+                after: deadline,
+            });
+        }
+        let addrs: Vec<_> = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::InvalidArgument(format!("NCCL bootstrap: cannot resolve {addr}: {e}")))?
+            .collect();
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, left.min(Duration::from_secs(2))) {
+                Ok(mut s) => {
+                    let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+                    let mut reply = [0u8; 8 + UNIQUE_ID_BYTES];
+                    match s.read_exact(&mut reply) {
+                        Ok(()) if &reply[..8] == ID_MAGIC => {
+                            let mut id = [0u8; UNIQUE_ID_BYTES];
+                            id.copy_from_slice(&reply[8..]);
+                            return Ok(id);
+                        }
+                        Ok(()) => {
+                            return Err(Error::InvalidArgument(format!(
+                                "NCCL bootstrap: {addr} answered something other than a ringattn unique id"
+                            )))
+                        }
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The TCP bootstrap of `env`: rank 0 creates the id with `make_id` and serves it on
+/// `MASTER_PORT` (all interfaces) to the other `world − 1` ranks; the others fetch it from
+/// `MASTER_ADDR:MASTER_PORT`, retrying until `deadline`.
+///
+/// # Errors
+/// Those of `make_id`, [`serve_unique_id`] (including a port that cannot be bound) and
+/// [`fetch_unique_id`].
+pub fn exchange_unique_id(
+    env: &BootstrapEnv,
+    make_id: impl FnOnce() -> Result<UniqueId>,
+    deadline: Duration,
+) -> Result<UniqueId> {
+    if env.rank == 0 {
+        let id = make_id()?;
+        if env.world > 1 {
+            let listener = TcpListener::bind(("0.0.0.0", env.master_port)).map_err(|e| {
+                Error::InvalidArgument(format!("NCCL bootstrap: cannot listen on port {}: {e}", env.master_port))
+            })?;
+            serve_unique_id(&listener, &id, env.world - 1, deadline)?;
+        }
+        Ok(id)
+    } else {
+        fetch_unique_id(&format!("{}:{}", env.master_addr, env.master_port), deadline)
+    }
+}
+
+/// Broadcasts the unique id from rank 0 of a host communicator (MPI, in-process ranks):
+/// rank 0 creates it with `make_id` and sends its bytes (one per f32 value) to every other
+/// rank. Collective over `comm`.
+///
+/// # Errors
+/// Those of `make_id` (rank 0) and the communication; [`Error::InvalidArgument`] when a
+/// received value is not a byte.
+///
+/// ```
+/// use ringattn::comm::{spmd, LocalOptions};
+/// use ringattn::cuda::broadcast_unique_id;
+/// let ids = spmd(3, LocalOptions::default(), |c| broadcast_unique_id(c, || Ok([7u8; 128])));
+/// for id in ids {
+///     assert_eq!(id?, [7u8; 128]);
+/// }
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn broadcast_unique_id(
+    comm: &dyn Communicator<Buf = Vec<f32>>,
+    make_id: impl FnOnce() -> Result<UniqueId>,
+) -> Result<UniqueId> {
+    let tag = comm.next_collective_tag();
+    if comm.rank() == 0 {
+        let id = make_id()?;
+        let values: Vec<f32> = id.iter().map(|&b| f32::from(b)).collect();
+        let sends = (1..comm.size()).map(|r| comm.isend(r, tag, values.clone())).collect::<Result<Vec<_>>>()?;
+        for s in sends {
+            s.wait()?;
+        }
+        Ok(id)
+    } else {
+        let values = comm.irecv(0, tag, UNIQUE_ID_BYTES)?.wait()?;
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        for (b, &v) in id.iter_mut().zip(&values) {
+            if !(0.0..=255.0).contains(&v) || v.fract() != 0.0 {
+                return Err(Error::InvalidArgument(format!("NCCL unique id: received {v}, not a byte")));
+            }
+            *b = v as u8;
+        }
+        Ok(id)
+    }
+}
+
+/// Checks that libnccl loads (cudarc panics on first use otherwise).
+fn nccl_present() -> Result<()> {
+    // SAFETY: dlopens each candidate name of libnccl and closes it again.
+    let present = unwind("loading libnccl", || unsafe { sys::is_culib_present() })?;
+    if !present {
+        return Err(Error::Cuda(
+            "no NCCL library found: libnccl.so.2 could not be loaded; install NCCL (e.g. the nvidia-nccl-cu13 \
+             wheel or the libnccl2 package) or add its directory to LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates a unique id (`ncclGetUniqueId`): what rank 0 of a bootstrap calls.
+///
+/// # Errors
+/// [`Error::Cuda`] without libcuda/libnccl, or when NCCL fails.
+///
+/// ```
+/// // Without NCCL (or a GPU) this is an error, never a panic.
+/// if let Err(e) = ringattn::cuda::new_unique_id() {
+///     assert!(e.to_string().contains("CUDA") || e.to_string().contains("NCCL"), "{e}");
+/// }
+/// ```
+pub fn new_unique_id() -> Result<UniqueId> {
+    probe()?;
+    nccl_present()?;
+    let mut raw = sys::ncclUniqueId { internal: [0 as c_char; UNIQUE_ID_BYTES] };
+    // SAFETY: ncclGetUniqueId writes one ncclUniqueId through the pointer, which is valid.
+    nccl_call("ncclGetUniqueId", || unsafe { sys::ncclGetUniqueId(&mut raw) })?;
+    let mut id = [0u8; UNIQUE_ID_BYTES];
+    for (b, &c) in id.iter_mut().zip(raw.internal.iter()) {
+        *b = c as u8;
+    }
+    Ok(id)
+}
+
+/// The text of an NCCL result code.
+fn nccl_text(r: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string (or null).
+    let p = unwind("ncclGetErrorString", || unsafe { sys::ncclGetErrorString(r) }).ok();
+    match p {
+        Some(p) if !p.is_null() => {
+            // SAFETY: non-null, NUL-terminated, static.
+            format!("{r:?} ({})", unsafe { CStr::from_ptr(p) }.to_string_lossy())
+        }
+        _ => format!("{r:?}"),
+    }
+}
+
+/// Runs an NCCL call, turning a failure (or a panic of the bindings) into [`Error::Cuda`];
+/// returns whether the call is still in progress (non-blocking communicators).
+fn nccl_call(what: &str, f: impl FnOnce() -> sys::ncclResult_t) -> Result<bool> {
+    let r = unwind(what, f)?;
+    match r {
+        sys::ncclResult_t::ncclSuccess => Ok(false),
+        sys::ncclResult_t::ncclInProgress => Ok(true),
+        e => Err(Error::Cuda(format!("NCCL {what}: {}", nccl_text(e)))),
+    }
+}
+
+/// A raw communicator handle (NCCL allows its use from any thread; calls on it are
+/// serialised by [`Inner::comm`]'s lock).
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: an ncclComm_t is an opaque handle NCCL allows any host thread to use; every call
+// through it here holds the `Inner::comm` mutex, so none are concurrent.
+unsafe impl Send for RawComm {}
+
+/// How a group failed (shared by a root communicator and its splits).
+#[derive(Clone)]
+enum Failure {
+    /// A rank called `abort`.
+    Aborted { rank: usize, reason: String },
+    /// NCCL reported an error (watchdog).
+    Nccl(String),
+    /// An operation did not complete within the deadline (watchdog).
+    Timeout { op: String, peer: usize, after: Duration },
+}
+
+impl Failure {
+    fn error(&self) -> Error {
+        match self.clone() {
+            Failure::Aborted { rank, reason } => Error::PeerFailed { rank, reason },
+            Failure::Nccl(m) => Error::Cuda(m),
+            Failure::Timeout { op, peer, after } => Error::Timeout { op, peer, after },
+        }
+    }
+}
+
+/// State shared by a root communicator and everything split from it.
+#[derive(Default)]
+struct Root {
+    failure: Mutex<Option<Failure>>,
+    members: Mutex<Vec<Weak<Inner>>>,
+    bytes: AtomicU64,
+}
+
+impl Root {
+    fn failure(&self) -> Option<Failure> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records the first failure and aborts every member's NCCL communicator.
+    fn fail(&self, f: Failure) {
+        {
+            let mut slot = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.is_none() {
+                *slot = Some(f);
+            }
+        }
+        let members: Vec<_> = self.members.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for m in members.iter().filter_map(Weak::upgrade) {
+            m.abort_comm();
+        }
+    }
+}
+
+/// A posted operation's completion.
+#[derive(Clone)]
+enum Slot {
+    /// Not yet handed to NCCL.
+    Posted,
+    /// In a group whose end event is this.
+    Flushed(Arc<CudaEvent>),
+}
+
+enum Kind {
+    Send(DeviceBuf),
+    Recv(DeviceBuf),
+}
+
+struct Op {
+    peer: usize,
+    tag: Tag,
+    kind: Kind,
+    slot: Arc<Mutex<Slot>>,
+}
+
+/// A flushed group: its end event, when it was enqueued, the buffers it uses (kept alive
+/// until it has run), and a description for a timeout.
+struct Flight {
+    done: Arc<CudaEvent>,
+    at: Instant,
+    _bufs: Vec<DeviceBuf>,
+    what: (String, usize),
+}
+
+#[derive(Default)]
+struct State {
+    pending: Vec<Op>,
+    flights: Vec<Flight>,
+}
+
+struct Inner {
+    comm: Mutex<Option<RawComm>>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    state: Mutex<State>,
+    root: Arc<Root>,
+    deadline: Duration,
+    /// This rank in the root group (errors name it).
+    global_rank: usize,
+    stop: AtomicBool,
+}
+
+impl Inner {
+    /// `ncclCommAbort`, once; later calls find no communicator.
+    fn abort_comm(&self) {
+        let taken = self.comm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = taken {
+            let _ = guard("binding the context", || self.ctx.bind_to_thread());
+            // SAFETY: `c` is a live communicator taken out of the lock: nothing else uses it.
+            let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(c.0) });
+        }
+    }
+
+    /// Runs `f` with the communicator (bound context), or the group's failure.
+    fn with_comm<T>(&self, f: impl FnOnce(sys::ncclComm_t) -> Result<T>) -> Result<T> {
+        if let Some(fail) = self.root.failure() {
+            return Err(fail.error());
+        }
+        let lock = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        match lock.as_ref() {
+            Some(c) => {
+                guard("binding the context", || self.ctx.bind_to_thread())?;
+                f(c.0)
+            }
+            None => {
+                Err(self.root.failure().map_or_else(|| Error::Cuda("NCCL communicator closed".into()), |f| f.error()))
+            }
+        }
+    }
+
+    /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
+    fn settle(&self, what: &str) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let busy = self.with_comm(|c| {
+                let mut state = sys::ncclResult_t::ncclSuccess;
+                // SAFETY: `c` is live (held under the lock); one result is written.
+                nccl_call("ncclCommGetAsyncError", || unsafe { sys::ncclCommGetAsyncError(c, &mut state) })?;
+                match state {
+                    sys::ncclResult_t::ncclSuccess => Ok(false),
+                    sys::ncclResult_t::ncclInProgress => Ok(true),
+                    e => Err(Error::Cuda(format!("NCCL {what}: {}", nccl_text(e)))),
+                }
+            })?;
+            if !busy {
+                return Ok(());
+            }
+            if start.elapsed() >= self.deadline {
+                return Err(Error::Timeout { op: format!("NCCL {what}"), peer: 0, after: self.deadline });
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Hands every posted operation to NCCL as one group on the stream and records its end
+    /// event; the operations' slots point at it.
+    fn flush(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // Drop the buffers of groups that have run.
+        st.flights.retain(|f| !f.done.is_complete());
+        if st.pending.is_empty() {
+            return Ok(());
+        }
+        let ops = std::mem::take(&mut st.pending);
+        let result = self.enqueue(&ops);
+        let done = match result {
+            Ok(done) => done,
+            Err(e) => {
+                self.root.fail(Failure::Nccl(e.to_string()));
+                return Err(e);
+            }
+        };
+        let first = ops.first().map(|o| (o.tag, o.peer)).unwrap_or((0, 0));
+        let what = format!(
+            "NCCL group of {} sends and receives, the first ({}) with rank {}",
+            ops.len(),
+            describe(first.0),
+            first.1
+        );
+        let mut bufs = Vec::with_capacity(ops.len());
+        for op in ops {
+            *op.slot.lock().unwrap_or_else(|e| e.into_inner()) = Slot::Flushed(done.clone());
+            bufs.push(match op.kind {
+                Kind::Send(b) | Kind::Recv(b) => b,
+            });
+        }
+        st.flights.push(Flight { done, at: Instant::now(), _bufs: bufs, what: (what, first.1) });
+        Ok(())
+    }
+
+    fn enqueue(&self, ops: &[Op]) -> Result<Arc<CudaEvent>> {
+        let s = &self.stream;
+        for op in ops {
+            if let Kind::Send(b) = &op.kind {
+                b.wait_on(s)?;
+            }
+        }
+        let raw = s.cu_stream() as sys::cudaStream_t;
+        self.with_comm(|c| {
+            nccl_call("ncclGroupStart", || unsafe { sys::ncclGroupStart() })?;
+            let mut posted = Ok(());
+            for op in ops {
+                let peer = op.peer as c_int;
+                let r = match &op.kind {
+                    Kind::Send(b) if !b.is_empty() => {
+                        let (p, _g) = b.slice().device_ptr(s);
+                        // SAFETY: `p` addresses `b.len()` f32 of a live buffer (kept alive
+                        // by the flight until the group has run); the stream belongs to
+                        // the communicator's device.
+                        nccl_call("ncclSend", || unsafe {
+                            sys::ncclSend(p as *const _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                        })
+                    }
+                    Kind::Recv(b) if !b.is_empty() => {
+                        // The buffer was allocated on this stream for this receive; its
+                        // handle gives it out only after the group's event, carried as its
+                        // readiness event (every use waits on that), so the address is
+                        // taken without cudarc's write tracking.
+                        let (p, _g) = b.slice().device_ptr(s);
+                        // SAFETY: as for the send; `p` holds `b.len()` f32 to be written.
+                        nccl_call("ncclRecv", || unsafe {
+                            sys::ncclRecv(p as *mut _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                        })
+                    }
+                    _ => Ok(false),
+                };
+                if let Err(e) = r {
+                    posted = Err(e);
+                    break;
+                }
+            }
+            let end = nccl_call("ncclGroupEnd", || unsafe { sys::ncclGroupEnd() });
+            posted?;
+            end.map(|_| ())
+        })?;
+        self.settle("group of sends and receives")?;
+        Ok(Arc::new(guard("recording an event", || s.record_event(None))?))
+    }
+}
+
+fn describe(tag: Tag) -> String {
+    if tag >= COLLECTIVE_TAG {
+        format!("collective #{}", tag - COLLECTIVE_TAG)
+    } else {
+        format!("message tag {tag}")
+    }
+}
+
+/// Watches a communicator: polls `ncclCommGetAsyncError` and the age of the flushed groups
+/// every 10 ms; on an NCCL error or a group older than the deadline it fails the root group
+/// (which aborts every NCCL communicator of it), so that every wait returns an error.
+fn watchdog(inner: Weak<Inner>) {
+    if let Some(me) = inner.upgrade() {
+        // Event queries below need the context current on this thread.
+        let _ = guard("binding the context", || me.ctx.bind_to_thread());
+    }
+    loop {
+        std::thread::sleep(Duration::from_millis(10));
+        let Some(me) = inner.upgrade() else { return };
+        if me.stop.load(Ordering::Relaxed) || me.root.failure().is_some() {
+            return;
+        }
+        let status = me.with_comm(|c| {
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: `c` is live under the lock; one result is written.
+            nccl_call("ncclCommGetAsyncError", || unsafe { sys::ncclCommGetAsyncError(c, &mut state) })?;
+            Ok(state)
+        });
+        match status {
+            Ok(sys::ncclResult_t::ncclSuccess) | Ok(sys::ncclResult_t::ncclInProgress) => {}
+            Ok(e) => {
+                me.root.fail(Failure::Nccl(format!(
+                    "NCCL reported an error on rank {}: {}",
+                    me.global_rank,
+                    nccl_text(e)
+                )));
+                return;
+            }
+            Err(e) => {
+                me.root.fail(Failure::Nccl(e.to_string()));
+                return;
+            }
+        }
+        let late = {
+            let st = me.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.flights.iter().find(|f| f.at.elapsed() > me.deadline && !f.done.is_complete()).map(|f| f.what.clone())
+        };
+        if let Some((op, peer)) = late {
+            me.root.fail(Failure::Timeout { op, peer, after: me.deadline });
+            return;
+        }
+    }
+}
+
+/// One rank of a group over NCCL, moving [`DeviceBuf`]s between GPUs (one rank per GPU; any
+/// number of processes and nodes).
+///
+/// * **Initialisation** is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`,
+///   `ncclCommGetAsyncError` polled until success or the deadline): a rank whose peers never
+///   come fails with [`Error::Timeout`] instead of hanging. The unique id comes from the
+///   launcher's environment ([`NcclComm::from_env`], TCP from rank 0) or from any host
+///   communicator ([`NcclComm::from_host_comm`], e.g. MPI).
+/// * **Point-to-point**: [`Communicator::isend`] / [`Communicator::irecv`] only post; the
+///   first wait of a receive hands every posted operation to NCCL as one group
+///   (`ncclGroupStart` / `ncclSend` / `ncclRecv` / `ncclGroupEnd`) on the communicator's own
+///   stream — NCCL matches sends and receives in issue order per peer (tags are only named
+///   in errors; both sides must post in the same order, as the drivers do), and grouping
+///   keeps a send from waiting for a receive queued behind it. A receive completes when
+///   the group's event has (polled, bounded by the deadline) and its buffer carries that
+///   event. A send's wait returns once posted: the buffer is captured (a [`DeviceBuf`] is
+///   never written while shared) and kept alive until its group has run.
+/// * **Failure**: a watchdog thread polls `ncclCommGetAsyncError` and the age of the flushed
+///   groups; on an NCCL error or a group older than the deadline it aborts
+///   (`ncclCommAbort`) every communicator of the group and its splits, so every wait
+///   returns an error ([`Error::Cuda`] naming NCCL's error, [`Error::Timeout`]); a rank's
+///   [`Communicator::abort`] does the same locally, and its peers see their operations fail
+///   or time out.
+/// * **Split**: `ncclCommSplit` (non-blocking, collective).
+///
+/// The receive length must equal what the peer sends: NCCL cannot check it.
+///
+/// ```no_run
+/// // torchrun --nproc-per-node 8 ... (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+/// use std::time::Duration;
+/// use ringattn::comm::{all_gather, Communicator};
+/// use ringattn::cuda::{DeviceBuf, NcclComm};
+/// let comm = NcclComm::from_env(Duration::from_secs(120))?;
+/// let mine = DeviceBuf::upload(comm.stream(), &[comm.rank() as f32])?;
+/// let all = all_gather(&comm, mine)?;
+/// assert_eq!(all.len(), comm.size());
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub struct NcclComm {
+    inner: Arc<Inner>,
+    rank: usize,
+    size: usize,
+    collectives: AtomicU64,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm").field("rank", &self.rank).field("size", &self.size).finish()
+    }
+}
+
+fn config() -> sys::ncclConfig_t {
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: CONFIG_VERSION,
+        blocking: 0,
+        cgaClusterSize: UNDEF_INT,
+        minCTAs: UNDEF_INT,
+        maxCTAs: UNDEF_INT,
+        netName: std::ptr::null(),
+        splitShare: UNDEF_INT,
+        trafficClass: UNDEF_INT,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+        graphUsageMode: UNDEF_INT,
+        numRmaCtx: UNDEF_INT,
+        maxP2pPeers: UNDEF_INT,
+    }
+}
+
+impl NcclComm {
+    /// Rank `rank` of `world` on GPU `device` (its primary context), joining the group of
+    /// `id`. Every wait of the communicator, and its initialisation, is bounded by
+    /// `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] without libcuda, a GPU or libnccl (checked before any NCCL call), or
+    /// when NCCL fails; [`Error::Timeout`] when the other ranks do not join within
+    /// `deadline`; [`Error::InvalidArgument`] for a rank outside the world.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// // No GPU or NCCL here: an error, not a panic.
+    /// let r = ringattn::cuda::NcclComm::init(0, 1, [0; 128], 0, Duration::from_secs(1));
+    /// if let Err(e) = r {
+    ///     println!("{e}");
+    /// }
+    /// ```
+    pub fn init(rank: usize, world: usize, id: UniqueId, device: usize, deadline: Duration) -> Result<NcclComm> {
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!("NCCL: rank {rank} outside a world of {world}")));
+        }
+        let dev = super::CudaDevice::shared(device)?;
+        nccl_present()?;
+        let ctx = dev.context().clone();
+        let stream = guard("creating the NCCL stream", || ctx.new_stream())?;
+        let mut raw = sys::ncclUniqueId { internal: [0 as c_char; UNIQUE_ID_BYTES] };
+        for (c, &b) in raw.internal.iter_mut().zip(id.iter()) {
+            *c = b as c_char;
+        }
+        guard("binding the context", || ctx.bind_to_thread())?;
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        // SAFETY: `comm` and `cfg` are valid for the call; NCCL copies the config.
+        let started = nccl_call("ncclCommInitRankConfig", || unsafe {
+            sys::ncclCommInitRankConfig(&mut comm, world as c_int, raw, rank as c_int, &mut cfg)
+        });
+        if let Err(e) = started {
+            if !comm.is_null() {
+                // SAFETY: a communicator NCCL returned despite the error, owned here.
+                let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(comm) });
+            }
+            return Err(e);
+        }
+        let root = Arc::new(Root::default());
+        NcclComm::start(comm, ctx, stream, root, rank, world, rank, deadline, "initialisation")
+    }
+
+    /// Wraps a communicator being initialised: waits for it (deadline), then starts its
+    /// watchdog. On failure the communicator is aborted.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        comm: sys::ncclComm_t,
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        root: Arc<Root>,
+        rank: usize,
+        size: usize,
+        global_rank: usize,
+        deadline: Duration,
+        what: &str,
+    ) -> Result<NcclComm> {
+        if comm.is_null() {
+            return Err(Error::Cuda(format!("NCCL {what}: no communicator was created")));
+        }
+        let inner = Arc::new(Inner {
+            comm: Mutex::new(Some(RawComm(comm))),
+            ctx,
+            stream,
+            state: Mutex::new(State::default()),
+            root: root.clone(),
+            deadline,
+            global_rank,
+            stop: AtomicBool::new(false),
+        });
+        if let Err(e) = inner.settle(what) {
+            inner.abort_comm();
+            return Err(e);
+        }
+        root.members.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&inner));
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{global_rank}"))
+            .spawn(move || watchdog(weak))
+            .map_err(|e| Error::Cuda(format!("NCCL: cannot start the watchdog thread: {e}")))?;
+        Ok(NcclComm { inner, rank, size, collectives: AtomicU64::new(0) })
+    }
+
+    /// The communicator of a rank started by a launcher: reads [`BootstrapEnv::from_env`],
+    /// exchanges the unique id over TCP ([`exchange_unique_id`]) and joins on GPU
+    /// `LOCAL_RANK`.
+    ///
+    /// # Errors
+    /// As [`BootstrapEnv::from_env`], [`exchange_unique_id`] and [`NcclComm::init`].
+    pub fn from_env(deadline: Duration) -> Result<NcclComm> {
+        let env = BootstrapEnv::from_env()?;
+        // Fail before the exchange when this rank cannot use NCCL at all.
+        probe()?;
+        nccl_present()?;
+        let id = exchange_unique_id(&env, new_unique_id, deadline)?;
+        NcclComm::init(env.rank, env.world, id, env.local_rank, deadline)
+    }
+
+    /// The communicator over the ranks of a host communicator (MPI, ...): the unique id is
+    /// broadcast through it ([`broadcast_unique_id`]); this rank joins on GPU `device`.
+    /// Collective over `host`.
+    ///
+    /// # Errors
+    /// As [`broadcast_unique_id`] and [`NcclComm::init`].
+    pub fn from_host_comm(
+        host: &dyn Communicator<Buf = Vec<f32>>,
+        device: usize,
+        deadline: Duration,
+    ) -> Result<NcclComm> {
+        let id = broadcast_unique_id(host, new_unique_id)?;
+        NcclComm::init(host.rank(), host.size(), id, device, deadline)
+    }
+
+    /// The stream NCCL runs on (upload buffers to send on it, or on any stream of the same
+    /// context).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// Hands every posted operation to NCCL now (receives do it on their first wait).
+    ///
+    /// # Errors
+    /// NCCL errors, or the group's failure.
+    pub fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+
+    fn post(&self, peer: usize, tag: Tag, kind: Kind) -> Result<Arc<Mutex<Slot>>> {
+        if peer >= self.size {
+            return Err(Error::InvalidArgument(format!("NCCL: rank {peer} out of range for {} ranks", self.size)));
+        }
+        if let Some(f) = self.inner.root.failure() {
+            return Err(f.error());
+        }
+        let slot = Arc::new(Mutex::new(Slot::Posted));
+        let op = Op { peer, tag, kind, slot: slot.clone() };
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).pending.push(op);
+        Ok(slot)
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        inner.stop.store(true, Ordering::Relaxed);
+        // Hand over what is still posted, let the groups run (bounded), then release the
+        // communicator; anything unfinished is aborted instead. Errors cannot be returned
+        // here: they were (or will be) reported by the waits.
+        let _ = inner.flush();
+        let _ = guard("binding the context", || inner.ctx.bind_to_thread());
+        let start = Instant::now();
+        let finished = loop {
+            let st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            if st.flights.iter().all(|f| f.done.is_complete()) {
+                break true;
+            }
+            drop(st);
+            if start.elapsed() > inner.deadline || inner.root.failure().is_some() {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        if !finished {
+            inner.abort_comm();
+            return;
+        }
+        let taken = inner.comm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = taken {
+            let _ = guard("binding the context", || inner.ctx.bind_to_thread());
+            // SAFETY: `c` is live and no longer reachable by anyone else.
+            let destroyed = nccl_call("ncclCommDestroy", || unsafe { sys::ncclCommDestroy(c.0) });
+            if destroyed.is_err() {
+                // SAFETY: as above; abort releases what destroy could not.
+                let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(c.0) });
+            }
+        }
+    }
+}
+
+impl Communicator for NcclComm {
+    type Buf = DeviceBuf;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn deadline(&self) -> Duration {
+        self.inner.deadline
+    }
+
+    fn isend(&self, to: usize, tag: Tag, data: DeviceBuf) -> Result<SendHandle> {
+        let bytes = (data.len() * 4) as u64;
+        self.post(to, tag, Kind::Send(data))?;
+        self.inner.root.bytes.fetch_add(bytes, Ordering::Relaxed);
+        let inner = self.inner.clone();
+        Ok(SendHandle::new(move || match inner.root.failure() {
+            Some(f) => Err(f.error()),
+            None => Ok(()),
+        }))
+    }
+
+    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<DeviceBuf>> {
+        let buf = DeviceBuf::alloc(&self.inner.stream, len)?;
+        let slot = self.post(from, tag, Kind::Recv(buf.clone()))?;
+        let inner = self.inner.clone();
+        Ok(RecvHandle::new(move || {
+            let start = Instant::now();
+            let mut buf = buf;
+            loop {
+                if let Some(f) = inner.root.failure() {
+                    return Err(f.error());
+                }
+                let state = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                match state {
+                    Slot::Posted => inner.flush()?,
+                    Slot::Flushed(done) => {
+                        // SAFETY: the event is alive (held); cuEventQuery only reads it.
+                        let q = unwind("cuEventQuery", || unsafe {
+                            cudarc::driver::result::event::query(done.cu_event())
+                        })?;
+                        match q {
+                            Ok(()) => {
+                                buf.set_ready(Some(done));
+                                return Ok(buf);
+                            }
+                            Err(e) if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+                            Err(e) => {
+                                return Err(Error::Cuda(format!(
+                                    "NCCL recv ({}) from rank {from}: {}",
+                                    describe(tag),
+                                    super::probe::driver_error(e)
+                                )))
+                            }
+                        }
+                        if start.elapsed() >= inner.deadline {
+                            let op = format!("NCCL recv ({})", describe(tag));
+                            inner.root.fail(Failure::Timeout { op: op.clone(), peer: from, after: inner.deadline });
+                            return Err(Error::Timeout { op, peer: from, after: inner.deadline });
+                        }
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
+                }
+            }
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.root.fail(Failure::Aborted { rank: self.inner.global_rank, reason: reason.to_string() });
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = DeviceBuf>>> {
+        // Operations posted before the split belong to the parent: hand them over first.
+        self.inner.flush()?;
+        let mut newcomm: sys::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        let (color, key) = (
+            c_int::try_from(color).map_err(|_| Error::InvalidArgument(format!("NCCL split: color {color}")))?,
+            c_int::try_from(key).map_err(|_| Error::InvalidArgument(format!("NCCL split: key {key}")))?,
+        );
+        self.inner.with_comm(|c| {
+            // SAFETY: `c` is live under the lock; `newcomm` and `cfg` are valid for the call.
+            nccl_call("ncclCommSplit", || unsafe { sys::ncclCommSplit(c, color, key, &mut newcomm, &mut cfg) })
+                .map(|_| ())
+        })?;
+        self.inner.settle("split")?;
+        let ctx = self.inner.ctx.clone();
+        let stream = guard("creating the NCCL stream", || ctx.new_stream())?;
+        // The sub-communicator's rank and size.
+        let (mut r, mut n): (c_int, c_int) = (0, 0);
+        if newcomm.is_null() {
+            return Err(Error::Cuda("NCCL split: no communicator was created".into()));
+        }
+        // SAFETY: `newcomm` is live (split completed); one int written each.
+        let queried = nccl_call("ncclCommUserRank", || unsafe { sys::ncclCommUserRank(newcomm, &mut r) })
+            .and_then(|_| nccl_call("ncclCommCount", || unsafe { sys::ncclCommCount(newcomm, &mut n) }));
+        if let Err(e) = queried {
+            // SAFETY: `newcomm` is live and owned here.
+            let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(newcomm) });
+            return Err(e);
+        }
+        let sub = NcclComm::start(
+            newcomm,
+            ctx,
+            stream,
+            self.inner.root.clone(),
+            r.max(0) as usize,
+            n.max(0) as usize,
+            self.inner.global_rank,
+            self.inner.deadline,
+            "split",
+        )?;
+        Ok(Box::new(sub))
+    }
+
+    fn next_collective_tag(&self) -> Tag {
+        COLLECTIVE_TAG + self.collectives.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.inner.root.bytes.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(rank: usize, port: u16) -> BootstrapEnv {
+        BootstrapEnv { rank, world: 3, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port }
+    }
+
+    #[test]
+    fn environment_is_parsed_with_clear_errors() {
+        fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+            move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| p.1.to_string())
+        }
+        let full =
+            [("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let e = BootstrapEnv::from_vars(vars(&full[..])).unwrap();
+        assert_eq!(e, BootstrapEnv { rank: 2, world: 4, local_rank: 1, master_addr: "h".into(), master_port: 1 });
+        let err = BootstrapEnv::from_vars(vars(&full[1..])).unwrap_err().to_string();
+        assert!(err.contains("$RANK is not set"), "{err}");
+        let bad = [("RANK", "x"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        assert!(BootstrapEnv::from_vars(vars(&bad[..])).unwrap_err().to_string().contains("`x`"));
+        let out = [("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        assert!(BootstrapEnv::from_vars(vars(&out[..])).unwrap_err().to_string().contains("outside"));
+        let port = [("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "70000")];
+        assert!(BootstrapEnv::from_vars(vars(&port[..])).is_err());
+    }
+
+    #[test]
+    fn unique_id_travels_over_tcp_to_every_rank() {
+        // A free port: bind, read, release (rank 0 binds it again).
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut fake = [0u8; UNIQUE_ID_BYTES];
+        fake.iter_mut().enumerate().for_each(|(i, b)| *b = (i * 7 + 3) as u8);
+        let deadline = Duration::from_secs(20);
+        let ids: Vec<Result<UniqueId>> = std::thread::scope(|s| {
+            // Clients first: they retry until rank 0 listens.
+            let hs: Vec<_> = [1, 2, 0]
+                .into_iter()
+                .map(|r| {
+                    let e = env(r, port);
+                    s.spawn(move || {
+                        if r == 0 {
+                            std::thread::sleep(Duration::from_millis(200));
+                        }
+                        exchange_unique_id(&e, || Ok(fake), deadline)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for id in ids {
+            assert_eq!(id.unwrap(), fake);
+        }
+    }
+
+    #[test]
+    fn bootstrap_failures_are_errors_within_the_deadline() {
+        // Nobody serves: the client gives up at its deadline.
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let t = Instant::now();
+        let e = fetch_unique_id(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(10));
+        // Nobody connects: the server gives up too.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let e = serve_unique_id(&l, &[0; UNIQUE_ID_BYTES], 2, Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }) && e.to_string().contains("0 of 2"), "{e}");
+        // A server that is not ours.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(&[b'x'; 8 + UNIQUE_ID_BYTES]).unwrap();
+        });
+        let e = fetch_unique_id(&addr.to_string(), Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("other than"), "{e}");
+        h.join().unwrap();
+        // The id maker's error is rank 0's error.
+        let e = exchange_unique_id(&env(0, 1), || Err(Error::Cuda("no NCCL".into())), Duration::from_secs(1));
+        assert!(e.unwrap_err().to_string().contains("no NCCL"));
+    }
+
+    #[test]
+    fn unique_id_broadcasts_over_a_host_communicator() {
+        use crate::comm::{spmd, LocalOptions};
+        let mut fake = [0u8; UNIQUE_ID_BYTES];
+        fake.iter_mut().enumerate().for_each(|(i, b)| *b = 255 - i as u8);
+        let ids = spmd(4, LocalOptions::default(), |c| broadcast_unique_id(c, || Ok(fake)));
+        for id in ids {
+            assert_eq!(id.unwrap(), fake);
+        }
+        // Rank 0 failing to make the id fails every rank (the others through the abort).
+        let opts = LocalOptions { deadline: Duration::from_secs(5), ..Default::default() };
+        let r = spmd(3, opts, |c| broadcast_unique_id(c, || Err(Error::Cuda("no NCCL".into()))));
+        assert!(r.iter().all(|x| x.is_err()));
+    }
+
+    #[test]
+    fn without_nccl_or_a_gpu_everything_is_an_error() {
+        if crate::cuda::probe().is_ok() && nccl_present().is_ok() {
+            eprintln!("SKIPPED: a GPU and NCCL are present");
+            return;
+        }
+        assert!(new_unique_id().is_err());
+        let e = NcclComm::init(0, 1, [0; UNIQUE_ID_BYTES], 0, Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(e, Error::Cuda(_)), "{e}");
+        assert!(NcclComm::init(3, 2, [0; UNIQUE_ID_BYTES], 0, Duration::from_secs(1)).is_err());
+        let r = crate::comm::spmd(2, Default::default(), |c| NcclComm::from_host_comm(c, 0, Duration::from_secs(1)));
+        assert!(r.iter().all(|x| x.is_err()));
+        let size = std::mem::size_of::<sys::ncclConfig_t>();
+        assert_eq!(config().size, size);
+        assert_eq!(config().blocking, 0);
+    }
+}

@@ -1,0 +1,266 @@
+//! The data movements of `cuda/ops.cu` under the emulator against the host semantics of the
+//! drivers' `Buffers` operations (the `HostMemory` implementation, i.e. `parallel/seq.rs`):
+//! the device backend composes the same kernels with the same [`OpsParams`] constructors.
+
+use std::ffi::c_char;
+
+use super::{check, EmuLaunch, EmuOptions, Schedule};
+use crate::kernels::geometry::{self, Launch, OpsKernel};
+use crate::kernels::params::OpsParams;
+use crate::parallel::{BufShape, Buffers, CpuBackend};
+use crate::random::randn;
+use crate::{DType, Result};
+
+extern "C" {
+    fn ringattn_emu_ops(kernel: i32, p: OpsParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
+}
+
+/// Launches `kernel` with `p` under the emulator: the device geometry, or `grid` blocks of
+/// `block` threads (to exercise the grid-stride loops with few threads).
+fn launch(kernel: OpsKernel, p: OpsParams, small: Option<(usize, usize)>, schedule: Schedule) -> Result<()> {
+    let mut l: Launch = geometry::ops(kernel, &p);
+    if l.is_empty() {
+        return Ok(());
+    }
+    if let Some((grid, block)) = small {
+        l.grid = [grid, 1, 1];
+        l.block = block;
+    }
+    let l = EmuLaunch::new(l, &EmuOptions { schedule, ..Default::default() })?;
+    let mut msg = [0u8; 512];
+    // SAFETY: every test below passes addresses of live host buffers holding at least what
+    // `p` addresses (the emulator registers exactly those ranges and reports any access
+    // outside them); the launch is synchronous.
+    let code = unsafe { ringattn_emu_ops(kernel as i32, p, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, kernel.entry())
+}
+
+fn addr(x: &[f32]) -> u64 {
+    x.as_ptr() as u64
+}
+
+fn addr_mut(x: &mut [f32]) -> u64 {
+    x.as_mut_ptr() as u64
+}
+
+/// The emulated twin of the device backend's compositions.
+struct Emu {
+    small: Option<(usize, usize)>,
+    schedule: Schedule,
+}
+
+impl Emu {
+    fn run(&self, kernel: OpsKernel, p: OpsParams) {
+        launch(kernel, p, self.small, self.schedule).unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
+    }
+
+    fn filled(&self, len: usize, value: f32) -> Vec<f32> {
+        let mut out = vec![f32::NAN; len];
+        self.run(OpsKernel::Fill, OpsParams::fill(addr_mut(&mut out), len, value));
+        out
+    }
+
+    fn add_into(&self, acc: &mut [f32], x: &[f32]) {
+        assert_eq!(acc.len(), x.len());
+        self.run(OpsKernel::Add, OpsParams::add(addr_mut(acc), addr(x), x.len()));
+    }
+
+    fn convert(&self, x: &[f32], dtype: DType) -> Vec<u16> {
+        let mut out = vec![0xdeadu16; x.len()];
+        self.run(OpsKernel::convert_to(dtype), OpsParams::convert(out.as_mut_ptr() as u64, addr(x), x.len()));
+        out
+    }
+
+    fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Vec<f32> {
+        let rows: Vec<usize> = parts.iter().map(|p| p.len() / (b * w)).collect();
+        let total: usize = rows.iter().sum();
+        let mut out = vec![f32::NAN; b * total * w];
+        let mut off = 0;
+        for (p, &n) in parts.iter().zip(&rows) {
+            let params = OpsParams::copy_rows(addr_mut(&mut out), total, off, addr(p), n, 0).rows(b, n, w);
+            self.run(OpsKernel::CopyRows, params);
+            off += n;
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn seq_slice(&self, x: &[f32], b: usize, s: usize, w: usize, r0: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; b * n * w];
+        self.run(OpsKernel::CopyRows, OpsParams::copy_rows(addr_mut(&mut out), n, 0, addr(x), s, r0).rows(b, n, w));
+        out
+    }
+
+    fn select_heads(&self, x: &[f32], sh: BufShape, heads: &[usize]) -> Vec<f32> {
+        let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+        let mut out = vec![f32::NAN; sh.b * sh.n * heads.len() * sh.d];
+        let p = OpsParams::heads(
+            true,
+            addr(x),
+            addr_mut(&mut out),
+            idx.as_ptr() as u64,
+            sh.b * sh.n,
+            sh.h,
+            heads.len(),
+            sh.d,
+            false,
+        );
+        self.run(OpsKernel::SelectHeads, p);
+        out
+    }
+
+    fn scatter_heads(&self, dst: &mut [f32], sh: BufShape, heads: &[usize], src: &[f32], assign: bool) {
+        let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+        let p = OpsParams::heads(
+            false,
+            addr_mut(dst),
+            addr(src),
+            idx.as_ptr() as u64,
+            sh.b * sh.n,
+            sh.h,
+            heads.len(),
+            sh.d,
+            assign,
+        );
+        self.run(OpsKernel::ScatterHeads, p);
+    }
+}
+
+fn bits_eq(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+fn vals(n: usize, seed: u64) -> Vec<f32> {
+    randn(vec![n.max(1)], seed, DType::F32).to_f32_vec()[..n].to_vec()
+}
+
+/// Every configuration the ops run under: the device geometry, and few threads (grid
+/// stride) under reversed and random fiber orders.
+fn emus() -> [Emu; 3] {
+    [
+        Emu { small: None, schedule: Schedule::Forward },
+        Emu { small: Some((2, 32)), schedule: Schedule::Reverse },
+        Emu { small: Some((1, 7)), schedule: Schedule::Random(5) },
+    ]
+}
+
+#[test]
+fn fill_and_add_match_the_host() {
+    let host = CpuBackend::default();
+    for e in emus() {
+        for (len, value) in [(1, 2.5f32), (1023, -3.25), (0, 1.0), (777, f32::NEG_INFINITY)] {
+            assert!(bits_eq(&e.filled(len, value), &host.filled(len, value).unwrap()), "fill {len}");
+        }
+        let (a, x) = (vals(1031, 1), vals(1031, 2));
+        let (mut got, mut want) = (a.clone(), a);
+        e.add_into(&mut got, &x);
+        host.add_into(&mut want, &x).unwrap();
+        assert!(bits_eq(&got, &want));
+    }
+}
+
+#[test]
+fn conversions_round_like_the_half_crate() {
+    let mut x = vals(517, 3);
+    x.iter_mut().enumerate().for_each(|(i, v)| *v *= [1.0, 1e-5, 1e4, 1e-8, 7e4][i % 5]);
+    // Specials, boundaries and exact halfway cases of both formats.
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffc1_2345),
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::from_bits(1),
+        65504.0,
+        65520.0,
+        65519.99,
+        6.0e-8,
+        2.98e-8,
+        5.96e-8,
+        6.1e-5,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x3f80_8001),
+        -1.0e30,
+    ]);
+    for dtype in [DType::BF16, DType::F16] {
+        let want = crate::runner::to_bits(&x, dtype);
+        for e in emus() {
+            let got = e.convert(&x, dtype);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "{dtype}: {} ({:#010x}): {g:#06x} vs {w:#06x}", x[i], x[i].to_bits());
+            }
+        }
+    }
+}
+
+#[test]
+fn concat_and_slice_along_the_sequence_match_the_host() {
+    let host = CpuBackend::default();
+    let (b, w) = (3, 7);
+    let parts: Vec<Vec<f32>> =
+        [3usize, 0, 5, 1].iter().enumerate().map(|(i, n)| vals(b * n * w, 10 + i as u64)).collect();
+    let x = vals(2 * 11 * 5, 20);
+    for e in emus() {
+        assert!(bits_eq(&e.concat_seq(&parts, b, w), &host.concat_seq(&parts, b, w).unwrap()));
+        // An LSE as the Ulysses drivers see it: [b·k, S, 1].
+        let lse_parts = vec![vals(6 * 2, 30), vals(6 * 3, 31)];
+        assert!(bits_eq(&e.concat_seq(&lse_parts, 6, 1), &host.concat_seq(&lse_parts, 6, 1).unwrap()));
+        for (r0, n) in [(3, 6), (0, 11), (10, 1), (11, 0), (4, 0)] {
+            let got = e.seq_slice(&x, 2, 11, 5, r0, n);
+            assert!(bits_eq(&got, &host.seq_slice(&x, 2, 11, 5, r0, n).unwrap()), "slice {r0}+{n}");
+        }
+    }
+}
+
+#[test]
+fn select_and_scatter_heads_match_the_host() {
+    let host = CpuBackend::default();
+    // Odd shapes; head lists with repeats (the replicas of uneven GQA) and in any order; an
+    // LSE as a [b, 1, h, n] buffer.
+    let shapes = [BufShape { b: 2, n: 3, h: 5, d: 3 }, BufShape { b: 1, n: 1, h: 4, d: 13 }];
+    let lists: [&[usize]; 5] = [&[3, 0, 0, 2], &[1], &[3, 2, 1, 0], &[], &[2, 2, 2]];
+    for e in emus() {
+        for (si, sh) in shapes.iter().enumerate() {
+            let x = vals(sh.len(), 40 + si as u64);
+            for heads in lists {
+                let part_shape = BufShape { h: heads.len(), ..*sh };
+                let want = host.select_heads(&x, *sh, heads).unwrap();
+                assert!(bits_eq(&e.select_heads(&x, *sh, heads), &want), "select {heads:?}");
+                let src = vals(part_shape.len(), 50);
+                for assign in [true, false] {
+                    let (mut got, mut want) = (x.clone(), x.clone());
+                    e.scatter_heads(&mut got, *sh, heads, &src, assign);
+                    host.scatter_heads(&mut want, *sh, heads, &src, assign).unwrap();
+                    assert!(bits_eq(&got, &want), "scatter {heads:?} assign {assign}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn out_of_range_accesses_are_reported() {
+    // A head index past the buffer: the emulator names the access instead of reading it.
+    let x = vec![0.0f32; 12];
+    let mut out = vec![0.0f32; 3];
+    let idx = [7i64];
+    let p = OpsParams::heads(true, addr(&x), addr_mut(&mut out), idx.as_ptr() as u64, 1, 4, 1, 3, false);
+    let e = launch(OpsKernel::SelectHeads, p, None, Schedule::Forward).unwrap_err().to_string();
+    assert!(e.contains("outside every buffer") && e.contains("ringattn_ops_select_heads_f32"), "{e}");
+    for k in OpsKernel::ALL {
+        assert!(k.entry().starts_with("ringattn_ops_"));
+        assert_eq!(geometry::ops(k, &OpsParams::default()).grid[0], 0, "{k:?}: no work, no launch");
+    }
+    let big = OpsParams::fill(0, 1 << 30, 0.0);
+    assert_eq!(geometry::ops(OpsKernel::Fill, &big).grid[0], geometry::OPS_MAX_BLOCKS);
+}

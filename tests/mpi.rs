@@ -1,0 +1,198 @@
+//! Multi-process runs under `mpirun` (feature `mpi`): `ringattn run --comm mpi` with 4 ranks
+//! (oversubscribed on small machines) for every strategy, forward and backward, on an
+//! uneven sequence length, against the float64 oracle and against the same strategy over
+//! in-process ranks; a rank that dies or stops answering ends the job within the deadline
+//! with a non-zero exit and a message naming what failed, and leaves no output file.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use ringattn::comm::LocalOptions;
+use ringattn::cpu::{ForwardOutput, Gradients};
+use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
+use ringattn::{io, random::randn, verify, AttentionParams, DType, Mask, Tensor};
+
+/// `mpirun -n {ranks} ringattn {args}`, allowed to run as root and oversubscribed.
+fn mpirun(ranks: usize, args: &[&str]) -> Output {
+    let launcher = std::env::var("RINGATTN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    Command::new(&launcher)
+        .args(["-n", &ranks.to_string(), env!("CARGO_BIN_EXE_ringattn")])
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start `{launcher}` ({e}): install Open MPI (scripts/test.sh does)"))
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// q, k, v, do of an uneven length (37 tokens over 4 ranks), GQA 4:2.
+fn inputs(dir: &Path, dtype: DType) -> (PathBuf, [Tensor; 4]) {
+    let q = randn(vec![2, 37, 4, 16], 11, dtype);
+    let k = randn(vec![2, 37, 2, 16], 12, dtype);
+    let v = randn(vec![2, 37, 2, 16], 13, dtype);
+    let d_o = randn(vec![2, 37, 4, 16], 14, dtype);
+    let path = dir.join(format!("in-{dtype}.safetensors"));
+    io::write_tensors(&path, &[("q", &q), ("k", &k), ("v", &v), ("do", &d_o)]).expect("write inputs");
+    (path, [q, k, v, d_o])
+}
+
+fn outputs(path: &Path) -> (ForwardOutput, Gradients) {
+    let mut t = io::read_tensors(path).expect("read outputs");
+    let mut take = |n: &str| t.remove(n).unwrap_or_else(|| panic!("output lacks {n}"));
+    let f = ForwardOutput { o: take("o"), lse: take("lse") };
+    (f, Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv") })
+}
+
+#[test]
+fn every_strategy_over_four_processes_matches_the_oracle_and_the_in_process_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, [q, k, v, d_o]) = inputs(dir.path(), DType::F32);
+    let cases: &[(&str, Option<usize>, bool)] = &[
+        ("ring", None, true),
+        ("ring", None, false),
+        ("allgather", None, true),
+        ("ulysses", None, false),
+        ("ulysses", None, true),
+        ("usp", Some(2), true),
+    ];
+    for &(strategy, degree, causal) in cases {
+        let out = dir.path().join(format!("out-{strategy}-{causal}.safetensors"));
+        let mut args = vec!["run", "--comm", "mpi", "--strategy", strategy, "--input", s(&input), "--output", s(&out)];
+        let deg = degree.map(|d| d.to_string());
+        if let Some(d) = &deg {
+            args.extend(["--ulysses-degree", d]);
+        }
+        if causal {
+            args.push("--causal");
+        }
+        let r = mpirun(4, &args);
+        assert!(r.status.success(), "{strategy} causal={causal}: {}", text(&r));
+        let (fwd, grads) = outputs(&out);
+        let attention = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
+        let report =
+            verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &fwd, Some(&grads)).expect("oracle check");
+        assert!(report.pass(), "{strategy} causal={causal}:\n{}", report.table());
+        // The same strategy over in-process ranks gives the same bits.
+        let params = ParallelParams {
+            strategy: strategy.parse::<Strategy>().expect("strategy"),
+            attention,
+            ulysses_degree: degree,
+            ..Default::default()
+        };
+        let local = run_in_process(4, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)
+            .expect("in-process run");
+        let lg = local.gradients.expect("gradients");
+        assert_eq!(fwd.o, local.forward.o, "{strategy}: o differs from the in-process run");
+        assert_eq!(fwd.lse, local.forward.lse, "{strategy}: lse differs");
+        assert_eq!((grads.dq, grads.dk, grads.dv), (lg.dq, lg.dk, lg.dv), "{strategy}: gradients differ");
+    }
+}
+
+#[test]
+fn the_emulated_kernels_run_across_processes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, [q, k, v, d_o]) = inputs(dir.path(), DType::BF16);
+    let out = dir.path().join("out.safetensors");
+    let r = mpirun(
+        3,
+        &[
+            "run",
+            "--comm",
+            "mpi",
+            "--backend",
+            "emu",
+            "--strategy",
+            "ring",
+            "--causal",
+            "--input",
+            s(&input),
+            "--output",
+            s(&out),
+        ],
+    );
+    assert!(r.status.success(), "{}", text(&r));
+    let (fwd, grads) = outputs(&out);
+    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let report =
+        verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &fwd, Some(&grads)).expect("oracle check");
+    assert!(report.pass(), "{}", report.table());
+}
+
+/// Runs a ring with a planted fault and checks the job ends promptly, with a non-zero exit,
+/// a message containing every `needles` entry, and no output file.
+fn failing_run(fault: &str, timeout: &str, needles: &[&str], within: Duration) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, _) = inputs(dir.path(), DType::F32);
+    let out = dir.path().join("out.safetensors");
+    let start = Instant::now();
+    let r = mpirun(
+        4,
+        &[
+            "run",
+            "--comm",
+            "mpi",
+            "--strategy",
+            "ring",
+            "--causal",
+            "--timeout",
+            timeout,
+            "--fault",
+            fault,
+            "--input",
+            s(&input),
+            "--output",
+            s(&out),
+        ],
+    );
+    let took = start.elapsed();
+    let msg = text(&r);
+    assert!(!r.status.success(), "the job succeeded despite fault {fault}: {msg}");
+    assert!(took < within, "fault {fault}: the job took {took:?} to end (limit {within:?}): {msg}");
+    for n in needles {
+        assert!(msg.contains(n), "fault {fault}: the message lacks `{n}`: {msg}");
+    }
+    assert!(!out.exists(), "fault {fault}: an output file was left");
+}
+
+#[test]
+fn a_rank_killed_mid_run_ends_the_job_promptly() {
+    // Rank 1 dies at its 5th send (inside the forward ring); the launcher notices and ends
+    // the job long before the 120 s deadline.
+    failing_run("1:die:5", "120", &["rank 1", "signal"], Duration::from_secs(60));
+}
+
+#[test]
+fn a_rank_that_stops_answering_is_named_when_the_deadline_expires() {
+    // Rank 2 stops at its 5th send; its peers' waits expire after 3 s and abort the job
+    // naming rank 2 and the operation.
+    failing_run(
+        "2:stall:5",
+        "3",
+        &["timed out after 3s", "with rank 2", "aborts the MPI job"],
+        Duration::from_secs(60),
+    );
+}
+
+#[test]
+fn a_world_size_that_disagrees_with_the_job_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, _) = inputs(dir.path(), DType::F32);
+    let out = dir.path().join("out.safetensors");
+    let r = mpirun(
+        2,
+        &["run", "--comm", "mpi", "--strategy", "ring", "--world", "3", "--input", s(&input), "--output", s(&out)],
+    );
+    assert!(!r.status.success());
+    assert!(text(&r).contains("--world 3, but the job has 2 ranks"), "{}", text(&r));
+    assert!(!out.exists());
+}
