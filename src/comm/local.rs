@@ -340,14 +340,24 @@ pub fn spmd<B: Payload, T: Send>(
     options: LocalOptions,
     f: impl Fn(&LocalComm<B>) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
-    let comms = LocalComm::<B>::group(world, options);
+    run_each(&LocalComm::<B>::group(world, options), options.threads_per_rank, f)
+}
+
+/// The SPMD core of [`spmd`] over any communicators of one group, one thread each (in a
+/// rayon pool of `threads_per_rank` threads when given): a rank that errors or panics
+/// aborts the group (handshake errors excepted: every rank finds them).
+pub(crate) fn run_each<C: Communicator + Sync, T: Send>(
+    comms: &[C],
+    threads_per_rank: Option<usize>,
+    f: impl Fn(&C) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .iter()
             .map(|c| {
                 let f = &f;
                 scope.spawn(move || {
-                    let run = || match options.threads_per_rank {
+                    let run = || match threads_per_rank {
                         None => f(c),
                         Some(n) => rayon::ThreadPoolBuilder::new()
                             .num_threads(n.max(1))

@@ -15,6 +15,7 @@ mod mpi_comm;
 
 use std::time::Duration;
 
+pub(crate) use local::run_each;
 pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};

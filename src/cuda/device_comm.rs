@@ -2,7 +2,6 @@
 //! device-to-device copies on a copy stream per rank; and [`run_on_device`], the drivers of
 //! [`crate::parallel`] on it with [`DeviceBackend`].
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -471,66 +470,14 @@ fn run_ranks(
         be.record_step_times(false);
         Ok((f, fs, g, fwd_steps, bwd_steps))
     };
-    let results: Vec<Result<RankResult>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = comms
-            .iter()
-            .zip(&backends)
-            .map(|(c, be)| {
-                let f = &rank_fn;
-                scope.spawn(move || {
-                    let r = catch_unwind(AssertUnwindSafe(|| f(c, be))).unwrap_or_else(|panic| {
-                        let msg = panic
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| panic.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "panic".into());
-                        Err(Error::InvalidArgument(format!("rank {} panicked: {msg}", c.rank())))
-                    });
-                    if let Err(e) = &r {
-                        if !matches!(e, Error::PeerFailed { .. } | Error::Handshake(_)) {
-                            c.abort(&e.to_string());
-                        }
-                    }
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("rank thread died".into()))))
-            .collect()
-    });
-    let mut first_err = None;
-    let mut parts = Vec::with_capacity(world);
-    for r in results {
-        match r {
-            Ok(x) => parts.push(x),
-            Err(e) => {
-                if first_err.is_none() || matches!(first_err, Some(Error::PeerFailed { .. })) {
-                    first_err = Some(e);
-                }
-            }
-        }
-    }
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
-    let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
-    let forward = ForwardOutput { o: p.unshard(&o)?, lse: p.unshard_lse(&lse)? };
-    let gradients = match parts.iter().map(|x| x.2.as_ref().map(|g| &g.0)).collect::<Option<Vec<_>>>() {
-        Some(gs) if d_o.is_some() => {
-            let pick = |f: &dyn Fn(&Gradients) -> Tensor| p.unshard(&gs.iter().map(|g| f(g)).collect::<Vec<_>>());
-            Some(Gradients { dq: pick(&|g| g.dq.clone())?, dk: pick(&|g| g.dk.clone())?, dv: pick(&|g| g.dv.clone())? })
-        }
-        _ => None,
-    };
+    let results = crate::comm::run_each(&comms, None, |c| rank_fn(c, &backends[c.rank()]));
+    let parts = parallel::collect_ranks(results)?;
     let timings = (
         parts.iter().map(|x| (x.1.total, x.3.clone())).collect(),
         parts.iter().map(|x| (x.2.as_ref().map_or(Duration::ZERO, |g| g.1.total), x.4.clone())).collect(),
     );
-    let stats = parts.into_iter().map(|x| (x.1, x.2.map(|g| g.1))).collect();
-    Ok((ProcessRun { forward, gradients, stats }, timings))
+    let runs = parts.into_iter().map(|x| (x.0, x.1, x.2)).collect();
+    Ok((parallel::assemble(&p, d_o.is_some(), runs)?, timings))
 }
 
 #[cfg(test)]

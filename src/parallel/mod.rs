@@ -668,33 +668,44 @@ pub fn run_in_process<Be: Backend>(
         };
         Ok((f, fs, g))
     });
+    assemble(&p, d_o.is_some(), collect_ranks(results)?)
+}
+
+/// Every rank's result, or the first error — preferring a root cause over the peers'
+/// "rank N failed" echoes.
+pub(crate) fn collect_ranks<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
     let mut first_err = None;
-    let mut parts = Vec::with_capacity(world);
+    let mut parts = Vec::with_capacity(results.len());
     for r in results {
         match r {
             Ok(x) => parts.push(x),
             Err(e) => {
-                // Prefer the root cause over the peers' "rank N failed" echoes.
                 if first_err.is_none() || matches!(first_err, Some(Error::PeerFailed { .. })) {
                     first_err = Some(e);
                 }
             }
         }
     }
-    if let Some(e) = first_err {
-        return Err(e);
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(parts),
     }
+}
+
+/// One rank's results: forward output and statistics, and the backward's when run.
+pub(crate) type RankRun = (ForwardOutput, Stats, Option<(Gradients, Stats)>);
+
+/// The ranks' parts (indexed by rank) reassembled in the original token order.
+pub(crate) fn assemble(p: &ParallelParams, with_grads: bool, parts: Vec<RankRun>) -> Result<ProcessRun> {
     let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
     let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
     let forward = ForwardOutput { o: p.unshard(&o)?, lse: p.unshard_lse(&lse)? };
-    let gradients = if d_o.is_some() {
-        let pick = |f: &dyn Fn(&Gradients) -> Tensor| -> Result<Tensor> {
-            let ts: Vec<Tensor> = parts.iter().map(|x| f(&x.2.as_ref().expect("backward ran").0)).collect();
-            p.unshard(&ts)
-        };
-        Some(Gradients { dq: pick(&|g| g.dq.clone())?, dk: pick(&|g| g.dk.clone())?, dv: pick(&|g| g.dv.clone())? })
-    } else {
-        None
+    let gradients = match parts.iter().map(|x| x.2.as_ref().map(|g| &g.0)).collect::<Option<Vec<_>>>() {
+        Some(gs) if with_grads => {
+            let pick = |f: &dyn Fn(&Gradients) -> Tensor| p.unshard(&gs.iter().map(|g| f(g)).collect::<Vec<_>>());
+            Some(Gradients { dq: pick(&|g| g.dq.clone())?, dk: pick(&|g| g.dk.clone())?, dv: pick(&|g| g.dv.clone())? })
+        }
+        _ => None,
     };
     let stats = parts.into_iter().map(|x| (x.1, x.2.map(|g| g.1))).collect();
     Ok(ProcessRun { forward, gradients, stats })
