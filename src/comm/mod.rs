@@ -117,6 +117,15 @@ pub trait Communicator: Send + Sync {
     fn next_collective_tag(&self) -> Tag;
     /// Bytes this rank has sent so far through this communicator and its splits' root.
     fn bytes_sent(&self) -> u64;
+    /// Hands every posted operation to the transport now. Communicators that post lazily
+    /// (NCCL groups its operations until a receive is waited on) need it when a rank only
+    /// sends before it stops communicating; for the others it does nothing.
+    ///
+    /// # Errors
+    /// Transport errors, or the group's failure.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all) and

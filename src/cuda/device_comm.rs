@@ -221,6 +221,10 @@ impl Communicator for DeviceComm {
     fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent()
     }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Options of [`run_on_device`].

@@ -1006,6 +1006,10 @@ impl Communicator for NcclComm {
     fn bytes_sent(&self) -> u64 {
         self.inner.root.bytes.load(Ordering::Relaxed)
     }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

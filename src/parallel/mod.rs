@@ -585,6 +585,8 @@ pub fn gather_results<Bu: Buffers>(
     if rank != root {
         let sends =
             tensors.iter().map(|t| comm.isend(root, tag, buffers.upload(&t.as_f32())?)).collect::<Result<Vec<_>>>()?;
+        // This rank only sends: hand the sends over now (NCCL posts lazily).
+        comm.flush()?;
         for s in sends {
             s.wait()?;
         }

@@ -108,6 +108,10 @@ impl<B: Payload> Communicator for Faulty<B> {
     fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent()
     }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// `ringattn run --comm mpi|nccl`.
