@@ -15,6 +15,7 @@ mod mpi_comm;
 
 use std::time::Duration;
 
+#[cfg(feature = "cuda")]
 pub(crate) use local::run_each;
 pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
 #[cfg(feature = "mpi")]
