@@ -154,14 +154,6 @@ impl<B: Payload> LocalComm<B> {
     }
 }
 
-fn describe(tag: Tag) -> String {
-    if tag >= COLLECTIVE_TAG {
-        format!("collective #{}", tag - COLLECTIVE_TAG)
-    } else {
-        format!("message tag {tag}")
-    }
-}
-
 impl<B: Payload> Communicator for LocalComm<B> {
     type Buf = B;
 
@@ -223,7 +215,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
                                 if m.data.elements() != len {
                                     return Err(Error::ShapeMismatch(format!(
                                         "recv ({}) from rank {}: {} values, expected {len}",
-                                        describe(tag),
+                                        super::describe_tag(tag),
                                         g.global[from],
                                         m.data.elements()
                                     )));
@@ -240,7 +232,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
                 }
                 if now >= give_up {
                     return Err(Error::Timeout {
-                        op: format!("recv ({})", describe(tag)),
+                        op: format!("recv ({})", super::describe_tag(tag)),
                         peer: g.global[from],
                         after: deadline,
                     });

@@ -42,6 +42,15 @@ impl Payload for Vec<f32> {
 /// Tags at or above this are reserved for collectives.
 pub const COLLECTIVE_TAG: Tag = 1 << 62;
 
+/// A tag as error messages name it: `message tag N` or `collective #N`.
+pub(crate) fn describe_tag(tag: Tag) -> String {
+    if tag >= COLLECTIVE_TAG {
+        format!("collective #{}", tag - COLLECTIVE_TAG)
+    } else {
+        format!("message tag {tag}")
+    }
+}
+
 /// A posted send; waiting returns once the buffer has been handed over.
 pub struct SendHandle(Box<dyn FnOnce() -> Result<()> + Send>);
 

@@ -409,14 +409,6 @@ fn spawn_progress(progress: Weak<Progress>, stop: Arc<AtomicBool>, interval: Dur
     drop(spawned);
 }
 
-fn describe(tag: Tag) -> String {
-    if tag >= COLLECTIVE_TAG {
-        format!("collective #{}", tag - COLLECTIVE_TAG)
-    } else {
-        format!("message tag {tag}")
-    }
-}
-
 impl Communicator for MpiComm {
     type Buf = Vec<f32>;
 
@@ -438,7 +430,7 @@ impl Communicator for MpiComm {
         self.root.bytes.fetch_add(data.elements() as u64 * 4, Ordering::Relaxed);
         let req = self.post(to, t, data, false)?;
         let (root, peer) = (self.root.clone(), self.global[to]);
-        Ok(SendHandle::new(move || MpiComm::wait(&root, &req, format!("send ({})", describe(tag)), peer)))
+        Ok(SendHandle::new(move || MpiComm::wait(&root, &req, format!("send ({})", super::describe_tag(tag)), peer)))
     }
 
     fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Vec<f32>>> {
@@ -447,7 +439,7 @@ impl Communicator for MpiComm {
         let req = self.post(from, t, vec![0.0; len], true)?;
         let (root, peer) = (self.root.clone(), self.global[from]);
         Ok(RecvHandle::new(move || {
-            MpiComm::wait(&root, &req, format!("recv ({})", describe(tag)), peer)?;
+            MpiComm::wait(&root, &req, format!("recv ({})", super::describe_tag(tag)), peer)?;
             let mut st = req.state.lock().unwrap_or_else(|e| e.into_inner());
             Ok(std::mem::take(&mut st.buf))
         }))

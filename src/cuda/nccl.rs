@@ -502,7 +502,7 @@ impl Inner {
         let what = format!(
             "NCCL group of {} sends and receives, the first ({}) with rank {}",
             ops.len(),
-            describe(first.0),
+            crate::comm::describe_tag(first.0),
             first.1
         );
         let mut bufs = Vec::with_capacity(ops.len());
@@ -563,14 +563,6 @@ impl Inner {
         })?;
         self.settle("group of sends and receives")?;
         Ok(Arc::new(guard("recording an event", || s.record_event(None))?))
-    }
-}
-
-fn describe(tag: Tag) -> String {
-    if tag >= COLLECTIVE_TAG {
-        format!("collective #{}", tag - COLLECTIVE_TAG)
-    } else {
-        format!("message tag {tag}")
     }
 }
 
@@ -934,13 +926,13 @@ impl Communicator for NcclComm {
                             Err(e) => {
                                 return Err(Error::Cuda(format!(
                                     "NCCL recv ({}) from rank {from}: {}",
-                                    describe(tag),
+                                    crate::comm::describe_tag(tag),
                                     super::probe::driver_error(e)
                                 )))
                             }
                         }
                         if start.elapsed() >= inner.deadline {
-                            let op = format!("NCCL recv ({})", describe(tag));
+                            let op = format!("NCCL recv ({})", crate::comm::describe_tag(tag));
                             inner.root.fail(Failure::Timeout { op: op.clone(), peer: from, after: inner.deadline });
                             return Err(Error::Timeout { op, peer: from, after: inner.deadline });
                         }
