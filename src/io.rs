@@ -25,6 +25,25 @@ pub struct AttentionInputs {
     pub d_o: Option<Tensor>,
 }
 
+/// The crate's dtype of a stored tensor.
+fn dtype_of(d: Dtype, name: &str, path: &Path) -> Result<DType> {
+    match d {
+        Dtype::F32 => Ok(DType::F32),
+        Dtype::BF16 => Ok(DType::BF16),
+        Dtype::F16 => Ok(DType::F16),
+        other => Err(Error::UnsupportedDtype(format!("{other:?} (tensor `{name}` in {})", path.display()))),
+    }
+}
+
+/// Little-endian `bytes` as tensor data of `dtype`.
+fn tensor_data(dtype: DType, bytes: &[u8]) -> TensorData {
+    match dtype {
+        DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
+        DType::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(bytes)),
+        DType::F16 => TensorData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(bytes)),
+    }
+}
+
 impl AttentionInputs {
     /// The inputs, once `k`, `v` and `do` are found to share the dtype of `q`.
     fn checked(q: Tensor, k: Tensor, v: Tensor, d_o: Option<Tensor>) -> Result<AttentionInputs> {
@@ -55,14 +74,8 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
-        let raw = view.data();
-        let data = match view.dtype() {
-            Dtype::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(raw)),
-            Dtype::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(raw)),
-            Dtype::F16 => TensorData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(raw)),
-            other => return Err(Error::UnsupportedDtype(format!("{other:?} (tensor `{name}` in {})", path.display()))),
-        };
-        out.insert(name, Tensor::new(shape, data)?);
+        let dtype = dtype_of(view.dtype(), &name, path)?;
+        out.insert(name, Tensor::new(shape, tensor_data(dtype, view.data()))?);
     }
     Ok(out)
 }
@@ -144,14 +157,7 @@ impl TensorFile {
         let data_len = file_len - data_start;
         let mut tensors = BTreeMap::new();
         for (name, info) in meta.tensors() {
-            let dtype = match info.dtype {
-                Dtype::F32 => DType::F32,
-                Dtype::BF16 => DType::BF16,
-                Dtype::F16 => DType::F16,
-                other => {
-                    return Err(Error::UnsupportedDtype(format!("{other:?} (tensor `{name}` in {})", path.display())))
-                }
-            };
+            let dtype = dtype_of(info.dtype, &name, path)?;
             let (a, b) = info.data_offsets;
             let want = info.shape.iter().product::<usize>() * dtype.size_of();
             if b < a || b - a != want || b as u64 > data_len {
@@ -219,12 +225,7 @@ impl TensorFile {
         }
         let mut out_shape = shape.clone();
         out_shape[1] = n;
-        let data = match dtype {
-            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)),
-            DType::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(&bytes)),
-            DType::F16 => TensorData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(&bytes)),
-        };
-        Tensor::new(out_shape, data)
+        Tensor::new(out_shape, tensor_data(*dtype, &bytes))
     }
 
     /// The rows `positions` of `q`, `k`, `v` and (when present) `do`, which must share one

@@ -213,31 +213,56 @@ pub fn compute(
         let r = run_parallel(exec, q, k, v, d_o, &parallel)?;
         return Ok((r.forward, r.gradients));
     }
+    let fwd = forward_single(exec, params, q, k, v)?;
+    let grads = d_o.map(|g| backward_single(exec, params, q, k, v, &fwd, g)).transpose()?;
+    Ok((fwd, grads))
+}
+
+/// The single-device forward on the chosen backend.
+pub fn forward_single(
+    exec: &ExecArgs,
+    params: &AttentionParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<ForwardOutput> {
     match exec.backend()? {
-        BackendKind::Cpu => {
-            let fwd = cpu::forward(q, k, v, params)?;
-            let grads = d_o.map(|g| cpu::backward(q, k, v, &fwd.o, &fwd.lse, g, params)).transpose()?;
-            Ok((fwd, grads))
-        }
+        BackendKind::Cpu => cpu::forward(q, k, v, params),
         #[cfg(feature = "emu")]
-        BackendKind::Emu => {
-            let opts = ringattn::emu::EmuOptions { workers: 0, ..Default::default() };
-            let fwd = ringattn::emu::forward(q, k, v, None, params, &opts)?;
-            let grads =
-                d_o.map(|g| ringattn::emu::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
-            Ok((fwd, grads))
-        }
+        BackendKind::Emu => ringattn::emu::forward(q, k, v, None, params, &emu_options()),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => {
-            let opts = ringattn::cuda::CudaOptions::default();
-            let fwd = ringattn::cuda::forward(q, k, v, None, params, &opts)?;
-            let grads =
-                d_o.map(|g| ringattn::cuda::backward(q, k, v, &fwd.o, &fwd.lse, g, None, params, &opts)).transpose()?;
-            Ok((fwd, grads))
-        }
+        BackendKind::Cuda => ringattn::cuda::forward(q, k, v, None, params, &Default::default()),
         #[allow(unreachable_patterns)]
         other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
     }
+}
+
+/// The single-device backward of `fwd` on the chosen backend.
+pub fn backward_single(
+    exec: &ExecArgs,
+    params: &AttentionParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fwd: &ForwardOutput,
+    d_o: &Tensor,
+) -> Result<Gradients> {
+    let (o, lse) = (&fwd.o, &fwd.lse);
+    match exec.backend()? {
+        BackendKind::Cpu => cpu::backward(q, k, v, o, lse, d_o, params),
+        #[cfg(feature = "emu")]
+        BackendKind::Emu => ringattn::emu::backward(q, k, v, o, lse, d_o, None, params, &emu_options()),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => ringattn::cuda::backward(q, k, v, o, lse, d_o, None, params, &Default::default()),
+        #[allow(unreachable_patterns)]
+        other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
+    }
+}
+
+/// The emulator's options for the CLI: every core.
+#[cfg(feature = "emu")]
+fn emu_options() -> ringattn::emu::EmuOptions {
+    ringattn::emu::EmuOptions { workers: 0, ..Default::default() }
 }
 
 /// The full tensors sharded over `exec.world()` in-process ranks running `parallel` on the

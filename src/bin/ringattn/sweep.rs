@@ -138,6 +138,14 @@ fn inputs(a: &BenchArgs, s: usize, dtype: DType) -> Inputs {
     }
 }
 
+/// Attention FLOPs of one run at length `s`: forward `4·b·h_q·s²·d`, halved when causal;
+/// the backward adds 2.5× that.
+fn job_flops(a: &BenchArgs, s: usize, backward: bool) -> f64 {
+    let fwd =
+        4.0 * (a.batch * a.heads * a.head_dim) as f64 * (s as f64) * (s as f64) / if a.causal { 2.0 } else { 1.0 };
+    fwd * if backward { 3.5 } else { 1.0 }
+}
+
 /// Runs `f` `warmup` times, then `iters` times, returning the timed results.
 fn repeat<T>(warmup: usize, iters: usize, mut f: impl FnMut() -> Result<T>) -> Result<Vec<T>> {
     for _ in 0..warmup {
@@ -212,9 +220,7 @@ fn measure<Be: Backend<Buf = Vec<f32>>>(
     };
     let peak = memory::peak_bytes().saturating_sub(base) as f64 / world as f64;
     let seconds = median(&samples);
-    let (b, hq, d) = (a.batch, a.heads, a.head_dim);
-    let fwd_flops = 4.0 * (b * hq * d) as f64 * (s as f64) * (s as f64) / if a.causal { 2.0 } else { 1.0 };
-    let flops = fwd_flops * if backward { 3.5 } else { 1.0 };
+    let flops = job_flops(a, s, backward);
     let hidden = match (compute_only, comm_only) {
         (Some(c), Some(n)) if n > 0.0 => Some((1.0 - (seconds - c) / n).clamp(0.0, 1.0)),
         _ => None,
@@ -270,9 +276,7 @@ fn measure_device(
     }
     let seconds = median(&samples);
     let (c, n) = (median(&comp), median(&comm));
-    let (b, hq, d) = (a.batch, a.heads, a.head_dim);
-    let fwd_flops = 4.0 * (b * hq * d) as f64 * (s as f64) * (s as f64) / if a.causal { 2.0 } else { 1.0 };
-    let flops = fwd_flops * if backward { 3.5 } else { 1.0 };
+    let flops = job_flops(a, s, backward);
     Ok(SweepRecord {
         strategy: if world == 1 { "single".into() } else { format!("{strategy:?}").to_lowercase() },
         world,

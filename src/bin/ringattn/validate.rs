@@ -392,7 +392,6 @@ fn plot(dir: &Path, r: &Report) -> Result<()> {
     series.push(("+25%".into(), vec![(lo, lo * 1.25), (hi / 1.25, hi)]));
     series.push(("−25%".into(), vec![(lo / 0.75, lo), (hi, hi * 0.75)]));
     let mut names: Vec<String> = r.rows.iter().map(|x| x.strategy.clone()).collect();
-    names.dedup();
     names.sort();
     names.dedup();
     for n in names {
