@@ -1,6 +1,8 @@
 //! Build script: compiles the CUDA kernel families in `cuda/*.cu` with nvcc, when nvcc is
-//! found, into cubins for the architectures of `RINGATTN_CUDA_ARCHS` (default `sm_80,sm_90a`)
-//! plus PTX for newer GPUs to JIT, and embeds them (`src/kernels.rs`).
+//! found, into cubins for the architectures of `RINGATTN_CUDA_ARCHS` (default
+//! `sm_80,sm_90a,sm_100,sm_120`: A100 and, binary compatible, the other 8.x GPUs; H100/H200;
+//! B200/B300; RTX 50) plus PTX of the newest for later GPUs to JIT, and embeds them with the
+//! CUDA version of the nvcc that built them (`src/kernels.rs`).
 //!
 //! * nvcc is looked up in `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, then `PATH`. Without
 //!   it the build prints a warning and everything that is not CUDA still builds and tests.
@@ -117,6 +119,14 @@ fn main() {
         }
     }
     images.push_str("];\n");
+    images.push_str(&format!(
+        "/// The CUDA version of the nvcc that built the images (the oldest driver API they load on).\n\
+         pub static CUDA_VERSION: Option<(i32, i32)> = {};\n",
+        match cuda_version(&version) {
+            Some((major, minor)) => format!("Some(({major}, {minor}))"),
+            None => "None".into(),
+        }
+    ));
     fs::write(out_dir.join("kernel_images.rs"), images).expect("write kernel_images.rs");
     println!("cargo::rustc-cfg=has_nvcc");
 }
@@ -198,9 +208,15 @@ fn find_nvcc() -> Option<PathBuf> {
     env::var_os("PATH").and_then(|paths| env::split_paths(&paths).find_map(|d| is_file(&d.join("nvcc"))))
 }
 
+/// The default architectures: sm_80 (A100; its cubin also runs on 8.6 and 8.9, the RTX 30/40
+/// and L4/L40 GPUs, as every kernel fits their 99 KiB of shared memory), sm_90a (H100/H200),
+/// sm_100 (B200/B300, 10.x) and sm_120 (RTX 50, 12.x). A GPU beyond them JIT-compiles the
+/// PTX of the newest.
+const DEFAULT_ARCHS: &str = "sm_80,sm_90a,sm_100,sm_120";
+
 /// `RINGATTN_CUDA_ARCHS` as nvcc `-arch` values (`80` or `sm_80`, comma-separated).
 fn archs() -> Vec<String> {
-    let spec = env::var("RINGATTN_CUDA_ARCHS").unwrap_or_else(|_| "sm_80,sm_90a".into());
+    let spec = env::var("RINGATTN_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into());
     spec.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
@@ -214,6 +230,14 @@ fn ptx_target(archs: &[String]) -> String {
     let num = |a: &str| a.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().unwrap_or(80);
     let best = archs.iter().map(|a| num(a)).max().unwrap_or(80);
     format!("compute_{best}")
+}
+
+/// `release 13.0,` in `nvcc --version` → `(13, 0)`.
+fn cuda_version(version_text: &str) -> Option<(i32, i32)> {
+    let rest = version_text.split("release ").nth(1)?;
+    let number = rest.split(|c: char| c == ',' || c.is_whitespace()).next()?;
+    let (major, minor) = number.split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
 }
 
 fn cache_dir(out_dir: &Path) -> PathBuf {

@@ -13,7 +13,7 @@
 # Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
 # scripts/test.sh (${RINGATTN_NVCC_VENV:-target/venv-nvcc}), installed on first use.
 #
-# Usage: scripts/sass-gates.sh [--report-only] [--archs sm_80,sm_90a] [--tc-archs sm_90a]
+# Usage: scripts/sass-gates.sh [--report-only] [--archs sm_80,sm_90a,sm_100,sm_120] [--tc-archs sm_90a]
 #                              [--main 'GLOB:OP,OP|OP']... [--out DIR] [FILE.cu ...]
 #   --report-only  print the table, exit 0 whatever the verdicts
 #   --main         replaces MAIN_KERNELS (repeatable), e.g. --main 'my_kernel*:HMMA,LDSM'
@@ -32,7 +32,7 @@ MAIN_KERNELS=(
   "ringattn_flash_bwd_dkdvq_*:HMMA,LDSM"
 )
 TC_ARCHS="sm_90a"
-ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a}"
+ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a,sm_100,sm_120}" # build.rs's default
 # PyPI has no nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm 13.0.* (the oldest 13.x is 13.2.51);
 # a newer disassembler reads the cubins of nvcc 13.0. cuobjdump --dump-sass runs nvdisasm,
 # which it looks for beside itself.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a machine with only the Rust toolchain, gcc and
-# Python: installs nvcc 13.0 from PyPI (kernels are compiled for sm_80/sm_90a and any spill
-# fails) and Open MPI from the distribution's packages (apt), then formatting, lints, unit/integration/property/CLI tests and doc tests. Prints
-# the time of each stage. Usage: scripts/test.sh
+# Python: installs nvcc 13.0 from PyPI (kernels are compiled for sm_80, sm_90a, sm_100 and
+# sm_120 and any spill fails), NCCL's wheel from PyPI (the loader's tests) and Open MPI from
+# the distribution's packages (apt), then formatting, lints, unit/integration/property/CLI
+# tests and doc tests. Prints the time of each stage. Usage: scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +38,17 @@ export NVCC="$nvcc_home/bin/nvcc"
 export RINGATTN_DENY_SPILLS=1
 "$NVCC" --version | tail -2
 done_stage nvcc
+
+stage "NCCL from PyPI (nvidia-nccl-cu13: libnccl.so.2 only; loaded by the tests and ringattn doctor, no GPU needed)"
+nccl_venv=${RINGATTN_NCCL_VENV:-target/venv-nccl}
+if ! ls "$nccl_venv"/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 >/dev/null 2>&1; then
+  python3 -m venv "$nccl_venv"
+  "$nccl_venv/bin/pip" install --quiet --no-deps nvidia-nccl-cu13==2.32.3
+fi
+RINGATTN_TEST_NCCL_DIR=$(cd "$(dirname "$(ls "$nccl_venv"/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2)")" && pwd)
+export RINGATTN_TEST_NCCL_DIR
+ls "$RINGATTN_TEST_NCCL_DIR"
+done_stage nccl
 
 stage "Open MPI from the distribution's packages (the multi-process tests run under mpirun)"
 if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
@@ -80,7 +92,7 @@ done_stage test
 stage "features cuda + mpi: lints; clean failure without a GPU; 4-rank mpirun jobs (every strategy, killed and silent ranks)"
 cargo clippy --all-targets --features cuda,mpi -- -D warnings
 cargo test --features cuda,mpi --lib cuda
-cargo test --features cuda,mpi --test cuda --test cli --test mpi --bin ringattn
+cargo test --features cuda,mpi --test cuda --test cli --test mpi --test doctor --test device_check --bin ringattn
 done_stage cuda-mpi-features
 
 stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"

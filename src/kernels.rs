@@ -38,6 +38,34 @@ include!(concat!(env!("OUT_DIR"), "/kernel_images.rs"));
 #[cfg(not(has_nvcc))]
 pub static IMAGES: &[KernelImage] = &[];
 
+/// Without nvcc at build time there is no CUDA version.
+#[cfg(not(has_nvcc))]
+pub static CUDA_VERSION: Option<(i32, i32)> = None;
+
+/// The CUDA version of the nvcc that built the images, `(13, 0)`: the driver must support at
+/// least this version to load them (`None` without images).
+///
+/// ```
+/// if ringattn::kernels::compiled() {
+///     assert!(ringattn::kernels::cuda_version().is_some());
+/// }
+/// ```
+pub fn cuda_version() -> Option<(i32, i32)> {
+    CUDA_VERSION
+}
+
+/// The distinct targets of the embedded images in build order (`sm_80`, `sm_90a`, ...,
+/// `compute_120`): what `ringattn doctor` lists.
+pub fn targets() -> Vec<&'static str> {
+    let mut out: Vec<&'static str> = Vec::new();
+    for i in IMAGES {
+        if !out.contains(&i.target) {
+            out.push(i.target);
+        }
+    }
+    out
+}
+
 /// Every embedded image.
 pub fn images() -> &'static [KernelImage] {
     IMAGES
@@ -430,6 +458,20 @@ pub mod geometry {
         }
     }
 
+    /// `(query rows, keys)` of one tile of the tensor-core forward for head dimension `d`:
+    /// 64 × 64, 64 × 32 above head-dim class 128.
+    pub fn forward_tile(d: usize) -> (usize, usize) {
+        (64, tc_block_n(head_dim_class(d)))
+    }
+
+    /// `(query rows, keys)` of one tile of the dk/dv kernel (both [`DqMode`]s): a streamed
+    /// query tile of 64, 32 or 16 rows by head-dim class (16 above class 32 in the atomic
+    /// variant) against the block's 64 keys.
+    pub fn dkdv_tile(d: usize, mode: DqMode) -> (usize, usize) {
+        let dc = head_dim_class(d);
+        (if mode == DqMode::Atomic && dc > 32 { 16 } else { bwd_tile(dc) }, 64)
+    }
+
     /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`) for `dims`: 4 warps of
     /// 16 query rows, K/V double-buffered (`FwdTraits<D>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
@@ -487,7 +529,7 @@ pub mod geometry {
         let dc = head_dim_class(dims.d);
         let atomic = mode == DqMode::Atomic;
         let row = tc_stride(dc) * 2;
-        let block_m = if atomic && dc > 32 { 16 } else { bwd_tile(dc) };
+        let block_m = dkdv_tile(dims.d, mode).0;
         let splits = if dc > 128 || (atomic && dc == 128) { 2 } else { 1 };
         let kv = 64 * row;
         let stage = 2 * block_m * row + 2 * block_m * 4;

@@ -57,6 +57,7 @@ mod dtype;
 #[cfg(feature = "emu")]
 pub mod emu;
 mod error;
+pub mod flops;
 pub mod io;
 pub mod kernels;
 mod layout;

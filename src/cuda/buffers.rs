@@ -210,10 +210,16 @@ pub(crate) fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &CudaSlice<
 
 /// `n` f32 (at least one) filled with NaN (all bits set), in stream order.
 pub(crate) fn alloc_nan(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<f32>> {
+    alloc_ones(stream, n)
+}
+
+/// `n` elements (at least one) with every bit set — NaN as f32, bf16 and f16 — in stream
+/// order.
+fn alloc_ones<T: DeviceRepr>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: the memory is uninitialised until the memset below, which is ordered before
     // any later use on `stream` (and other streams wait on the slice's write event).
-    let mut buf = guard("cuMemAlloc", || unsafe { stream.alloc::<f32>(n.max(1)) })?;
-    let bytes = buf.len() * 4;
+    let mut buf = guard("cuMemAlloc", || unsafe { stream.alloc::<T>(n.max(1)) })?;
+    let bytes = buf.len() * std::mem::size_of::<T>();
     let (ptr, record) = buf.device_ptr_mut(stream);
     // SAFETY: `ptr` addresses `bytes` bytes of the allocation just made, alive while `buf` is.
     guard("cuMemsetD8", || unsafe { result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) })?;
@@ -251,6 +257,15 @@ impl CudaDevice {
     /// [`crate::Error::Cuda`] when the allocation fails.
     pub fn alloc_f32(&self, n: usize) -> Result<CudaSlice<f32>> {
         alloc_nan(self.stream(), n)
+    }
+
+    /// `n` 16-bit values on this device's stream, filled with `0xFFFF` (NaN as bf16 and
+    /// f16): the output of [`CudaDevice::forward16_into`].
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] when the allocation fails.
+    pub fn alloc_bits(&self, n: usize) -> Result<CudaSlice<u16>> {
+        alloc_ones(self.stream(), n)
     }
 
     /// The first `n` values of an f32 buffer on the host (synchronises this device's

@@ -105,6 +105,15 @@ impl fmt::Debug for CudaDevice {
 }
 
 impl CudaDevice {
+    /// The error a driver call of this GPU's context recorded without returning it (cudarc
+    /// defers errors of drops and event records), named as this thread's rank's: the ranks
+    /// of one process share the context, and whichever reads the error first reports it.
+    fn deferred_errors(&self) -> Result<()> {
+        self.ctx
+            .check_err()
+            .map_err(|e| super::health::attribute(&self.ctx, "a deferred driver call", &super::probe::driver_error(e)))
+    }
+
     /// Opens GPU `ordinal` and loads the kernels.
     ///
     /// # Errors
@@ -389,7 +398,9 @@ impl CudaDevice {
     /// every element of `out.o` `[b, s_q, h_q, d]` and `out.lse` `[b, h_q, s_q]` (f32):
     /// `o_i = Σ_j softmax_j(scale · q_i·k_j) v_j` over the keys visible to query `i`, `lse_i
     /// = ln Σ_j exp(scale · q_i·k_j)`; a row that sees no key gets `o = 0`, `lse = -inf`.
-    /// Returns once enqueued.
+    /// `o` stays unrounded f32, what a backward and the ring's merge read;
+    /// [`CudaDevice::forward16_into`] writes it in the input dtype instead. Returns once
+    /// enqueued.
     ///
     /// # Errors
     /// [`Error::BackendUnsupported`] for a dtype other than bf16/f16 or a head dimension the
@@ -407,16 +418,60 @@ impl CudaDevice {
         need(self, "o", &out.o, q_len(&dims))?;
         need(self, "lse", &out.lse, lse_len(&dims))?;
         {
-            let (q, _gq) = args.q.device_ptr(stream);
-            let (k, _gk) = args.k.device_ptr(stream);
-            let (v, _gv) = args.v.device_ptr(stream);
-            let (mask, _gm) = mask_params(args.mask, stream);
             let (o, _go) = out.o.device_ptr_mut(stream);
             let (lse, _gl) = out.lse.device_ptr_mut(stream);
-            let p = FlashFwdParams { q, k, v, o, lse, mask, ..FlashFwdParams::for_shape(&dims, args.scale) };
-            self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&dims), &p)?;
+            self.launch_forward(stream, args, Epilogue::F32(o), lse)?;
         }
-        guard("a deferred driver call", || self.ctx.check_err())
+        self.deferred_errors()
+    }
+
+    /// [`CudaDevice::forward_into`] with the output in the input dtype, as PyTorch's
+    /// `scaled_dot_product_attention` returns it: the kernel's epilogue rounds `o` once to
+    /// `args.dtype` (round to nearest even) and writes its 16-bit patterns into `o16` `[b,
+    /// s_q, h_q, d]` (no f32 `o` is written); `lse` `[b, h_q, s_q]` stays f32. Buffers come
+    /// from the caller ([`CudaDevice::alloc_bits`], [`CudaDevice::alloc_f32`]): nothing is
+    /// allocated. Returns once enqueued.
+    ///
+    /// A backward reads the f32 `o` of [`CudaDevice::forward_into`] (`delta = rowsum(dO∘O)`
+    /// in f32): this is the output of an inference or of a single-device training step
+    /// whose backward gets `o` elsewhere, not a [`SavedContext`].
+    ///
+    /// # Errors
+    /// As [`CudaDevice::forward_into`], for `o16` and `lse`.
+    pub fn forward16_into(
+        &self,
+        stream: &Arc<CudaStream>,
+        args: &FlashForwardArgs<'_>,
+        o16: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_forward(stream, args)?;
+        let dims = args.dims;
+        need(self, "o16", o16, q_len(&dims))?;
+        need(self, "lse", lse, lse_len(&dims))?;
+        {
+            let (o16, _go) = o16.device_ptr_mut(stream);
+            let (lse, _gl) = lse.device_ptr_mut(stream);
+            self.launch_forward(stream, args, Epilogue::Input16(o16), lse)?;
+        }
+        self.deferred_errors()
+    }
+
+    /// Launches the flash forward of `args` with the output addresses of `o` and `lse`
+    /// (whose event guards the caller holds until this returns).
+    fn launch_forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        args: &FlashForwardArgs<'_>,
+        o: Epilogue,
+        lse: u64,
+    ) -> Result<()> {
+        let (q, _gq) = args.q.device_ptr(stream);
+        let (k, _gk) = args.k.device_ptr(stream);
+        let (v, _gv) = args.v.device_ptr(stream);
+        let (mask, _gm) = mask_params(args.mask, stream);
+        let p = FlashFwdParams { q, k, v, lse, mask, ..o.params(FlashFwdParams::for_shape(&args.dims, args.scale)) };
+        self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&args.dims), &p)
     }
 
     /// [`CudaDevice::forward_into`] into new buffers ([`SavedContext::alloc`], stream
@@ -518,7 +573,7 @@ impl CudaDevice {
                 self.launch(stream, "flash_bwd", &name, launch, &p)?;
             }
         }
-        guard("a deferred driver call", || self.ctx.check_err())
+        self.deferred_errors()
     }
 
     /// [`CudaDevice::backward_into`] into new gradient buffers, computing `delta` in a new
@@ -561,7 +616,7 @@ impl CudaDevice {
             let p = FlashBwdParams { o, d_o, delta, ..FlashBwdParams::for_shape(dims, 0.0, DqMode::default()) };
             self.launch(stream, "flash_bwd", &entry("flash_bwd_rowsum", dtype), geometry::rowsum(dims), &p)?;
         }
-        guard("a deferred driver call", || self.ctx.check_err())
+        self.deferred_errors()
     }
 
     /// Enqueues the merge kernel (`ringattn_merge_f32`): merges the partial `(o_part,
@@ -596,7 +651,7 @@ impl CudaDevice {
                 MergeParams { o_acc, lse_acc, o_part, lse_part, b: b as i64, s: s as i64, h: h as i64, d: d as i64 };
             self.launch(stream, "merge", "ringattn_merge_f32", geometry::merge(b * h * s), &p)?;
         }
-        guard("a deferred driver call", || self.ctx.check_err())
+        self.deferred_errors()
     }
 
     /// Enqueues ops kernel `kernel` of `cuda/ops.cu` on `stream` with `p` (whose addresses
@@ -646,6 +701,27 @@ impl CudaDevice {
             .chunks_exact(2)
             .map(|pair| guard("reading an event's time", || pair[0].elapsed_ms(&pair[1])).map(f64::from))
             .collect()
+    }
+}
+
+/// Where the forward kernel's epilogue writes `o`: [`FlashFwdParams::o`] (f32, unrounded)
+/// or [`FlashFwdParams::o16`] (the input dtype); the other field stays null, which is how
+/// the kernel chooses (`cuda/flash_fwd.cu` writes `o16` when it is non-null).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Epilogue {
+    /// f32 `o` at this device address.
+    F32(u64),
+    /// 16-bit `o` in the input dtype at this device address.
+    Input16(u64),
+}
+
+impl Epilogue {
+    /// `p` with the output address in the field of this epilogue and the other one null.
+    fn params(self, p: FlashFwdParams) -> FlashFwdParams {
+        match self {
+            Epilogue::F32(o) => FlashFwdParams { o, o16: 0, ..p },
+            Epilogue::Input16(o16) => FlashFwdParams { o: 0, o16, ..p },
+        }
     }
 }
 
@@ -736,6 +812,16 @@ fn mask_params<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_epilogue_sets_one_output_field() {
+        let base = FlashFwdParams { o: 7, o16: 9, lse: 3, ..Default::default() };
+        let f32_out = Epilogue::F32(0x1000).params(base);
+        assert_eq!((f32_out.o, f32_out.o16, f32_out.lse), (0x1000, 0, 3));
+        let o16 = Epilogue::Input16(0x2000).params(base);
+        assert_eq!((o16.o, o16.o16, o16.lse), (0, 0x2000, 3));
+        assert_eq!(FlashFwdParams { o: 0, o16: 0, ..o16 }, FlashFwdParams { o: 0, o16: 0, ..f32_out });
+    }
 
     #[test]
     fn ptx_text_strips_trailing_nuls() {

@@ -3,11 +3,11 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cudarc::driver::{result, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::probe::{guard, unwind};
+use super::probe::guard;
 use crate::comm::Payload;
 use crate::{Error, Result};
 
@@ -201,28 +201,7 @@ pub(crate) fn write_ptr<'a, T>(
 /// [`Error::Timeout`] (`op`, `peer`) on expiry; [`Error::Cuda`] when the query reports an
 /// error of the work before the event.
 pub(crate) fn wait_event(event: &CudaEvent, op: &str, peer: usize, deadline: Duration) -> Result<()> {
-    let start = Instant::now();
-    let mut polls = 0u32;
     // Queries from threads that have not used the context yet (watchdogs, drops).
     guard("binding the context", || event.context().bind_to_thread())?;
-    loop {
-        // SAFETY: the event is alive (borrowed) and belongs to a live context.
-        let done = unwind("cuEventQuery", || unsafe { result::event::query(event.cu_event()) })?;
-        match done {
-            Ok(()) => return Ok(()),
-            Err(e) if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
-            Err(e) => {
-                return Err(Error::Cuda(format!("{op}: the device reported {}", super::probe::driver_error(e))));
-            }
-        }
-        if start.elapsed() >= deadline {
-            return Err(Error::Timeout { op: op.to_string(), peer, after: deadline });
-        }
-        polls += 1;
-        if polls < 200 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
+    super::health::poll_until(op, peer, deadline, || super::health::event_state(event, op), || None)
 }

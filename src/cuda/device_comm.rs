@@ -474,7 +474,10 @@ fn run_ranks(
         be.record_step_times(false);
         Ok((f, fs, g, fwd_steps, bwd_steps))
     };
-    let results = crate::comm::run_each(&comms, None, |c| rank_fn(c, &backends[c.rank()]));
+    let results = crate::comm::run_each(&comms, None, |c| {
+        // CUDA errors observed on this thread name the rank (the ranks share one context).
+        super::health::as_rank(c.rank(), || rank_fn(c, &backends[c.rank()]))
+    });
     let parts = parallel::collect_ranks(results)?;
     let timings = (
         parts.iter().map(|x| (x.1.total, x.3.clone())).collect(),

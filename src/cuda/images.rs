@@ -7,6 +7,7 @@
 //! 9.0, which needs a CUDA 13.0 driver, R580 or newer).
 
 use crate::kernels::{ImageKind, KernelImage};
+use crate::{Error, Result};
 
 /// `sm_90a` → `(9, 0, true)`, `sm_80` / `compute_80` → `(8, 0, false)`; `None` for anything
 /// else. The last digit is the minor version, the digits before it the major.
@@ -67,6 +68,52 @@ pub(crate) fn embedded(images: &[KernelImage], family: &str) -> String {
     }
 }
 
+/// Which embedded image a GPU of compute capability `cc` loads, described for people:
+/// `sm_90a cubin`, or `compute_120 PTX (JIT-compiled by the driver at first load)`; every
+/// kernel family must have one.
+///
+/// # Errors
+/// [`Error::Cuda`] naming the capability, the family without an image, and what the build
+/// embedded (`RINGATTN_CUDA_ARCHS` rebuilds for it).
+///
+/// ```
+/// if ringattn::kernels::compiled() {
+///     assert_eq!(ringattn::cuda::image_for((9, 0))?, "sm_90a cubin"); // H100/H200
+/// }
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn image_for(cc: (i32, i32)) -> Result<String> {
+    describe_choice(crate::kernels::images(), cc)
+}
+
+pub(crate) fn describe_choice(images: &[KernelImage], cc: (i32, i32)) -> Result<String> {
+    let mut families: Vec<&str> = images.iter().map(|i| i.family).collect();
+    families.sort_unstable();
+    families.dedup();
+    if families.is_empty() {
+        return Err(Error::Cuda("this build embedded no CUDA kernels (nvcc was not found at build time)".into()));
+    }
+    let mut described = None;
+    for family in &families {
+        let Some(best) = candidates(images, family, cc).into_iter().next() else {
+            return Err(Error::Cuda(format!(
+                "no embedded image of `{family}` runs on compute capability {}.{} (this build has {}); rebuild with \
+                 RINGATTN_CUDA_ARCHS including sm_{}{}",
+                cc.0,
+                cc.1,
+                embedded(images, family),
+                cc.0,
+                cc.1
+            )));
+        };
+        described.get_or_insert(match best.kind {
+            ImageKind::Cubin => format!("{} cubin", best.target),
+            ImageKind::Ptx => format!("{} PTX (JIT-compiled by the driver at first load)", best.target),
+        });
+    }
+    Ok(described.unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,6 +135,45 @@ mod tests {
         assert_eq!(parse_target("sm_120"), Some((12, 0, false)));
         assert_eq!(parse_target("sm_x"), None);
         assert_eq!(parse_target("gfx90a"), None);
+    }
+
+    /// The default build (`sm_80,sm_90a,sm_100,sm_120` + `compute_120` PTX): every current
+    /// GPU loads a cubin, none needs the JIT.
+    #[test]
+    fn the_default_build_has_a_cubin_for_every_current_gpu() {
+        let families = ["flash_fwd", "flash_bwd", "merge", "ops"];
+        let mut build = Vec::new();
+        for family in families {
+            for t in ["sm_80", "sm_90a", "sm_100", "sm_120"] {
+                build.push(KernelImage { family, target: t, kind: ImageKind::Cubin, bytes: b"x" });
+            }
+            build.push(KernelImage { family, target: "compute_120", kind: ImageKind::Ptx, bytes: b"x" });
+        }
+        let cases = [
+            ((8, 0), "sm_80 cubin"),   // A100
+            ((8, 6), "sm_80 cubin"),   // RTX 30xx, A40: binary compatible
+            ((8, 9), "sm_80 cubin"),   // RTX 40xx, L4, L40
+            ((9, 0), "sm_90a cubin"),  // H100, H200
+            ((10, 0), "sm_100 cubin"), // B200
+            ((10, 3), "sm_100 cubin"), // B300: same major
+            ((12, 0), "sm_120 cubin"), // RTX 50xx
+            ((12, 1), "sm_120 cubin"), // DGX Spark
+        ];
+        for (cc, want) in cases {
+            assert_eq!(describe_choice(&build, cc).unwrap(), want, "{cc:?}");
+        }
+        // A GPU after the newest cubin JIT-compiles the PTX; an older one has nothing.
+        assert!(describe_choice(&build, (13, 0)).unwrap().starts_with("compute_120 PTX (JIT"));
+        let e = describe_choice(&build, (7, 5)).unwrap_err().to_string();
+        assert!(e.contains("7.5") && e.contains("sm_75"), "{e}");
+        assert!(describe_choice(&[], (9, 0)).unwrap_err().to_string().contains("no CUDA kernels"));
+        // What this build embedded answers the same way (when nvcc was found and the default
+        // architectures were kept).
+        if crate::kernels::targets() == ["sm_80", "sm_90a", "sm_100", "sm_120", "compute_120"] {
+            for (cc, want) in cases {
+                assert_eq!(image_for(cc).unwrap(), want, "{cc:?}");
+            }
+        }
     }
 
     #[test]

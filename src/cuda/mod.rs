@@ -32,9 +32,16 @@
 //! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
 //! global-position blocks; arithmetic and accumulation in f32, no atomics (deterministic).
 //!
-//! The embedded image is chosen per GPU: the cubin of its architecture (`sm_90a` on
-//! H100/H200, `sm_80` on A100 and, binary compatible, other 8.x GPUs), else the PTX JIT-compiled
-//! by the driver (newer GPUs; CUDA 13.0's PTX needs a CUDA 13.0 driver, R580 or newer).
+//! The embedded image is chosen per GPU ([`image_for`]): the cubin of its architecture
+//! (`sm_80` on A100 and, binary compatible, the other 8.x GPUs; `sm_90a` on H100/H200;
+//! `sm_100` on B200/B300; `sm_120` on RTX 50), else the PTX of the newest, JIT-compiled by the
+//! driver. The images come from nvcc 13.0: the driver must support CUDA 13.0 (R580 or newer,
+//! [`required_driver_version`]).
+//!
+//! Launched processes find their rank and GPU from torchrun, srun, mpirun or PMI variables
+//! ([`BootstrapEnv`], GPU = local rank mod visible devices); NCCL is loaded under its real
+//! names ([`nccl_candidates`], [`nccl_info`]); waits on the GPU end at the first CUDA error,
+//! naming the rank that saw it.
 //!
 //! ```
 //! use ringattn::{cuda, random::randn, AttentionParams, DType};
@@ -46,17 +53,24 @@
 //! ```
 
 mod backend;
+mod bootstrap;
 mod buffers;
 mod device;
 mod device_backend;
 mod device_buf;
 mod device_comm;
+mod health;
 mod images;
 mod nccl;
+mod nccl_lib;
 mod probe;
 
 pub use crate::runner::to_bits;
 pub use backend::CudaBackend;
+pub use bootstrap::{
+    broadcast_unique_id, device_ordinal, exchange_unique_id, fetch_unique_id, first_host, serve_unique_id,
+    BootstrapEnv, Launcher, BOOTSTRAP_PORT_OFFSET, DEFAULT_BOOTSTRAP_PORT,
+};
 pub use buffers::{
     workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
 };
@@ -69,11 +83,10 @@ pub use device_buf::DeviceBuf;
 pub use device_comm::{
     measure_device_overlap, run_on_device, DeviceComm, DeviceOverlap, DeviceRunMode, DeviceRunOptions, PassTiming,
 };
-pub use nccl::{
-    broadcast_unique_id, exchange_unique_id, fetch_unique_id, new_unique_id, serve_unique_id, BootstrapEnv, NcclComm,
-    UniqueId, UNIQUE_ID_BYTES,
-};
-pub use probe::{probe, DriverInfo};
+pub use images::image_for;
+pub use nccl::{new_unique_id, NcclComm, UniqueId, UNIQUE_ID_BYTES};
+pub use nccl_lib::{nccl_candidates, nccl_info, NcclInfo, NcclVersion, OLDEST_NCCL};
+pub use probe::{driver_facts, gpus, probe, required_driver_version, DriverInfo, GpuInfo};
 
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::runner::{self, BackwardJob, Executor, ForwardJob};

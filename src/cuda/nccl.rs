@@ -1,16 +1,15 @@
 //! [`NcclComm`]: a [`Communicator`] of [`DeviceBuf`]s over NCCL (one rank per GPU, any
-//! number of processes and nodes), through cudarc's raw `nccl::sys` layer; and the
-//! bootstrap of its 128-byte unique id (from the environment over TCP, or from any host
-//! communicator).
+//! number of processes and nodes), through the functions of the NCCL that
+//! [`super::nccl_lib`] loaded (its real names: `libnccl.so.2` first) and cudarc's
+//! `nccl::sys` types. The unique id reaches the ranks through [`super::bootstrap`].
 //!
 //! Nothing here has run on a GPU with NCCL in this repository's CI (no GPU there): the
-//! library-free parts (environment parsing, the TCP id exchange, the id broadcast over a
-//! host communicator, clean failure without libcuda/libnccl) are tested; the NCCL calls are
-//! written against NCCL 2.30's documented non-blocking API.
+//! library-free parts (loading NCCL from the PyPI wheel, environment parsing, the TCP id
+//! exchange, the id broadcast over a host communicator, the completion polls, clean failure
+//! without libcuda/libnccl) are tested; the NCCL calls are written against NCCL 2.30's
+//! documented non-blocking API.
 
-use std::ffi::{c_char, c_int, CStr};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -18,7 +17,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
 use cudarc::nccl::sys;
 
+use super::bootstrap::{broadcast_unique_id, exchange_unique_id, BootstrapEnv};
 use super::device_buf::DeviceBuf;
+use super::health::{as_rank, event_state, poll_until, Progress};
+use super::nccl_lib::{nccl, NcclLibrary};
 use super::probe::{guard, probe, unwind};
 use crate::comm::{Communicator, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
 use crate::{Error, Result};
@@ -34,245 +36,11 @@ pub type UniqueId = [u8; UNIQUE_ID_BYTES];
 const UNDEF_INT: c_int = c_int::MIN;
 /// The config struct version the bindings describe (`ncclConfig_v22800`: NCCL 2.28).
 const CONFIG_VERSION: u32 = 22800;
-/// First bytes of the id server's reply.
-const ID_MAGIC: &[u8; 8] = b"RAIDv001";
 
-/// The launcher's environment of one rank (`torchrun`, `srun` wrappers, ...): `RANK`,
-/// `WORLD_SIZE`, `LOCAL_RANK` (the GPU, default 0), `MASTER_ADDR`, `MASTER_PORT`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BootstrapEnv {
-    /// This rank, `0..world`.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world: usize,
-    /// GPU ordinal of this rank on its node.
-    pub local_rank: usize,
-    /// Host of rank 0 (which serves the unique id).
-    pub master_addr: String,
-    /// Port rank 0 listens on.
-    pub master_port: u16,
-}
-
-impl BootstrapEnv {
-    /// Reads the process environment.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] naming a missing or malformed variable, or a rank outside
-    /// the world.
-    ///
-    /// ```
-    /// // Outside a launcher the variables are missing: an error, not a panic.
-    /// if std::env::var_os("RANK").is_none() {
-    ///     assert!(ringattn::cuda::BootstrapEnv::from_env().is_err());
-    /// }
-    /// ```
-    pub fn from_env() -> Result<BootstrapEnv> {
-        BootstrapEnv::from_vars(|name| std::env::var(name).ok())
-    }
-
-    /// Reads the variables through `var` (the environment, or a test's map).
-    ///
-    /// # Errors
-    /// As [`BootstrapEnv::from_env`].
-    ///
-    /// ```
-    /// use ringattn::cuda::BootstrapEnv;
-    /// let vars = [("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")];
-    /// let env = BootstrapEnv::from_vars(|k| vars.iter().find(|v| v.0 == k).map(|v| v.1.to_string()))?;
-    /// assert_eq!((env.rank, env.world, env.local_rank, env.master_port), (1, 4, 0, 29500));
-    /// # Ok::<(), ringattn::Error>(())
-    /// ```
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<BootstrapEnv> {
-        let get =
-            |name: &str| var(name).ok_or_else(|| Error::InvalidArgument(format!("NCCL bootstrap: ${name} is not set")));
-        fn num<T: std::str::FromStr>(name: &str, v: String) -> Result<T> {
-            v.trim()
-                .parse()
-                .map_err(|_| Error::InvalidArgument(format!("NCCL bootstrap: ${name} = `{v}` is not a valid number")))
-        }
-        let rank: usize = num("RANK", get("RANK")?)?;
-        let world: usize = num("WORLD_SIZE", get("WORLD_SIZE")?)?;
-        let local_rank: usize = match var("LOCAL_RANK") {
-            Some(v) => num("LOCAL_RANK", v)?,
-            None => 0,
-        };
-        let master_addr = get("MASTER_ADDR")?;
-        let master_port: u16 = num("MASTER_PORT", get("MASTER_PORT")?)?;
-        if rank >= world {
-            return Err(Error::InvalidArgument(format!(
-                "NCCL bootstrap: RANK = {rank} is outside WORLD_SIZE = {world}"
-            )));
-        }
-        Ok(BootstrapEnv { rank, world, local_rank, master_addr, master_port })
-    }
-}
-
-/// Serves `id` to `clients` connections on `listener` (rank 0's side of the TCP bootstrap):
-/// each connection receives an 8-byte magic and the id, then is closed.
-///
-/// # Errors
-/// [`Error::Timeout`] when fewer than `clients` ranks connected within `deadline`;
-/// [`Error::InvalidArgument`] for socket errors.
-pub fn serve_unique_id(listener: &TcpListener, id: &UniqueId, clients: usize, deadline: Duration) -> Result<()> {
-    let io = |e: std::io::Error| Error::InvalidArgument(format!("NCCL bootstrap: serving the unique id: {e}"));
-    listener.set_nonblocking(true).map_err(io)?;
-    let start = Instant::now();
-    let mut served = 0;
-    while served < clients {
-        match listener.accept() {
-            Ok((mut s, _)) => {
-                s.set_nonblocking(false).map_err(io)?;
-                s.set_write_timeout(Some(deadline.max(Duration::from_millis(1)))).map_err(io)?;
-                // A client that went away is its own problem (it retries or times out).
-                if s.write_all(ID_MAGIC).and_then(|_| s.write_all(id)).and_then(|_| s.flush()).is_ok() {
-                    served += 1;
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if start.elapsed() >= deadline {
-                    return Err(Error::Timeout {
-                        op: format!("NCCL bootstrap: serving the unique id ({served} of {clients} ranks connected)"),
-                        peer: 0,
-                        after: deadline,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(io(e)),
-        }
-    }
-    Ok(())
-}
-
-/// Fetches the unique id from rank 0's server at `addr` (`host:port`), retrying the
-/// connection until `deadline` (rank 0 may not be listening yet).
-///
-/// # Errors
-/// [`Error::Timeout`] when no server answered within `deadline`; [`Error::InvalidArgument`]
-/// when the address does not resolve or the server's reply is not an id.
-pub fn fetch_unique_id(addr: &str, deadline: Duration) -> Result<UniqueId> {
-    let start = Instant::now();
-    let mut last = String::from("no attempt");
-    loop {
-        let left = deadline.saturating_sub(start.elapsed());
-        if left.is_zero() {
-            return Err(Error::Timeout {
-                op: format!("NCCL bootstrap: fetching the unique id from {addr} (last error: {last})"),
-                peer: 0,
-                after: deadline,
-            });
-        }
-        let addrs: Vec<_> = addr
-            .to_socket_addrs()
-            .map_err(|e| Error::InvalidArgument(format!("NCCL bootstrap: cannot resolve {addr}: {e}")))?
-            .collect();
-        for a in &addrs {
-            match TcpStream::connect_timeout(a, left.min(Duration::from_secs(2))) {
-                Ok(mut s) => {
-                    let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
-                    let mut reply = [0u8; 8 + UNIQUE_ID_BYTES];
-                    match s.read_exact(&mut reply) {
-                        Ok(()) if &reply[..8] == ID_MAGIC => {
-                            let mut id = [0u8; UNIQUE_ID_BYTES];
-                            id.copy_from_slice(&reply[8..]);
-                            return Ok(id);
-                        }
-                        Ok(()) => {
-                            return Err(Error::InvalidArgument(format!(
-                                "NCCL bootstrap: {addr} answered something other than a ringattn unique id"
-                            )))
-                        }
-                        Err(e) => last = e.to_string(),
-                    }
-                }
-                Err(e) => last = e.to_string(),
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The TCP bootstrap of `env`: rank 0 creates the id with `make_id` and serves it on
-/// `MASTER_PORT` (all interfaces) to the other `world − 1` ranks; the others fetch it from
-/// `MASTER_ADDR:MASTER_PORT`, retrying until `deadline`.
-///
-/// # Errors
-/// Those of `make_id`, [`serve_unique_id`] (including a port that cannot be bound) and
-/// [`fetch_unique_id`].
-pub fn exchange_unique_id(
-    env: &BootstrapEnv,
-    make_id: impl FnOnce() -> Result<UniqueId>,
-    deadline: Duration,
-) -> Result<UniqueId> {
-    if env.rank == 0 {
-        let id = make_id()?;
-        if env.world > 1 {
-            let listener = TcpListener::bind(("0.0.0.0", env.master_port)).map_err(|e| {
-                Error::InvalidArgument(format!("NCCL bootstrap: cannot listen on port {}: {e}", env.master_port))
-            })?;
-            serve_unique_id(&listener, &id, env.world - 1, deadline)?;
-        }
-        Ok(id)
-    } else {
-        fetch_unique_id(&format!("{}:{}", env.master_addr, env.master_port), deadline)
-    }
-}
-
-/// Broadcasts the unique id from rank 0 of a host communicator (MPI, in-process ranks):
-/// rank 0 creates it with `make_id` and sends its bytes (one per f32 value) to every other
-/// rank. Collective over `comm`.
-///
-/// # Errors
-/// Those of `make_id` (rank 0) and the communication; [`Error::InvalidArgument`] when a
-/// received value is not a byte.
-///
-/// ```
-/// use ringattn::comm::{spmd, LocalOptions};
-/// use ringattn::cuda::broadcast_unique_id;
-/// let ids = spmd(3, LocalOptions::default(), |c| broadcast_unique_id(c, || Ok([7u8; 128])));
-/// for id in ids {
-///     assert_eq!(id?, [7u8; 128]);
-/// }
-/// # Ok::<(), ringattn::Error>(())
-/// ```
-pub fn broadcast_unique_id(
-    comm: &dyn Communicator<Buf = Vec<f32>>,
-    make_id: impl FnOnce() -> Result<UniqueId>,
-) -> Result<UniqueId> {
-    let tag = comm.next_collective_tag();
-    if comm.rank() == 0 {
-        let id = make_id()?;
-        let values: Vec<f32> = id.iter().map(|&b| f32::from(b)).collect();
-        let sends = (1..comm.size()).map(|r| comm.isend(r, tag, values.clone())).collect::<Result<Vec<_>>>()?;
-        for s in sends {
-            s.wait()?;
-        }
-        Ok(id)
-    } else {
-        let values = comm.irecv(0, tag, UNIQUE_ID_BYTES)?.wait()?;
-        let mut id = [0u8; UNIQUE_ID_BYTES];
-        for (b, &v) in id.iter_mut().zip(&values) {
-            if !(0.0..=255.0).contains(&v) || v.fract() != 0.0 {
-                return Err(Error::InvalidArgument(format!("NCCL unique id: received {v}, not a byte")));
-            }
-            *b = v as u8;
-        }
-        Ok(id)
-    }
-}
-
-/// Checks that libnccl loads (cudarc panics on first use otherwise).
+/// Checks that NCCL loads ([`nccl_lib::nccl`]: its real names, the override variables and
+/// the usual folders).
 fn nccl_present() -> Result<()> {
-    // SAFETY: dlopens each candidate name of libnccl and closes it again.
-    let present = unwind("loading libnccl", || unsafe { sys::is_culib_present() })?;
-    if !present {
-        return Err(Error::Cuda(
-            "no NCCL library found: libnccl.so.2 could not be loaded; install NCCL (e.g. the nvidia-nccl-cu13 \
-             wheel or the libnccl2 package) or add its directory to LD_LIBRARY_PATH"
-                .into(),
-        ));
-    }
-    Ok(())
+    nccl().map(|_| ())
 }
 
 /// Creates a unique id (`ncclGetUniqueId`): what rank 0 of a bootstrap calls.
@@ -288,10 +56,10 @@ fn nccl_present() -> Result<()> {
 /// ```
 pub fn new_unique_id() -> Result<UniqueId> {
     probe()?;
-    nccl_present()?;
+    let lib = nccl()?;
     let mut raw = sys::ncclUniqueId { internal: [0 as c_char; UNIQUE_ID_BYTES] };
     // SAFETY: ncclGetUniqueId writes one ncclUniqueId through the pointer, which is valid.
-    nccl_call("ncclGetUniqueId", || unsafe { sys::ncclGetUniqueId(&mut raw) })?;
+    nccl_call("ncclGetUniqueId", || unsafe { (lib.get_unique_id)(&mut raw) })?;
     let mut id = [0u8; UNIQUE_ID_BYTES];
     for (b, &c) in id.iter_mut().zip(raw.internal.iter()) {
         *b = c as u8;
@@ -301,15 +69,7 @@ pub fn new_unique_id() -> Result<UniqueId> {
 
 /// The text of an NCCL result code.
 fn nccl_text(r: sys::ncclResult_t) -> String {
-    // SAFETY: ncclGetErrorString returns a static NUL-terminated string (or null).
-    let p = unwind("ncclGetErrorString", || unsafe { sys::ncclGetErrorString(r) }).ok();
-    match p {
-        Some(p) if !p.is_null() => {
-            // SAFETY: non-null, NUL-terminated, static.
-            format!("{r:?} ({})", unsafe { CStr::from_ptr(p) }.to_string_lossy())
-        }
-        _ => format!("{r:?}"),
-    }
+    nccl().map_or_else(|_| format!("{r:?}"), |lib| lib.error_text(r))
 }
 
 /// Runs an NCCL call, turning a failure (or a panic of the bindings) into [`Error::Cuda`];
@@ -417,6 +177,7 @@ struct State {
 }
 
 struct Inner {
+    lib: &'static NcclLibrary,
     comm: Mutex<Option<RawComm>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -435,8 +196,18 @@ impl Inner {
         if let Some(c) = taken {
             let _ = guard("binding the context", || self.ctx.bind_to_thread());
             // SAFETY: `c` is a live communicator taken out of the lock: nothing else uses it.
-            let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(c.0) });
+            let _ = nccl_call("ncclCommAbort", || unsafe { (self.lib.comm_abort)(c.0) });
         }
+    }
+
+    /// Where a piece of this communicator's work stands; a CUDA error is an error (named as
+    /// this rank's), never "not complete".
+    fn event_state(&self, event: &CudaEvent, op: &str) -> Result<Progress> {
+        as_rank(self.global_rank, || event_state(event, op))
+    }
+
+    fn flight_state(&self, f: &Flight) -> Result<Progress> {
+        self.event_state(&f.done, &f.what.0)
     }
 
     /// Runs `f` with the communicator (bound context), or the group's failure.
@@ -463,7 +234,7 @@ impl Inner {
             let busy = self.with_comm(|c| {
                 let mut state = sys::ncclResult_t::ncclSuccess;
                 // SAFETY: `c` is live (held under the lock); one result is written.
-                nccl_call("ncclCommGetAsyncError", || unsafe { sys::ncclCommGetAsyncError(c, &mut state) })?;
+                nccl_call("ncclCommGetAsyncError", || unsafe { (self.lib.comm_get_async_error)(c, &mut state) })?;
                 match state {
                     sys::ncclResult_t::ncclSuccess => Ok(false),
                     sys::ncclResult_t::ncclInProgress => Ok(true),
@@ -484,8 +255,21 @@ impl Inner {
     /// event; the operations' slots point at it.
     fn flush(&self) -> Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        // Drop the buffers of groups that have run.
-        st.flights.retain(|f| !f.done.is_complete());
+        // Drop the buffers of groups that have run; a group whose event reports an error
+        // fails the whole group (the device is unusable: nothing waits for its deadline).
+        let mut failed = None;
+        st.flights.retain(|f| match self.flight_state(f) {
+            Ok(Progress::Complete) => false,
+            Ok(Progress::Pending) => true,
+            Err(e) => {
+                failed.get_or_insert(e);
+                true
+            }
+        });
+        if let Some(e) = failed {
+            self.root.fail(Failure::Nccl(e.to_string()));
+            return Err(e);
+        }
         if st.pending.is_empty() {
             return Ok(());
         }
@@ -525,7 +309,8 @@ impl Inner {
         }
         let raw = s.cu_stream() as sys::cudaStream_t;
         self.with_comm(|c| {
-            nccl_call("ncclGroupStart", || unsafe { sys::ncclGroupStart() })?;
+            let lib = self.lib;
+            nccl_call("ncclGroupStart", || unsafe { (lib.group_start)() })?;
             let mut posted = Ok(());
             for op in ops {
                 let peer = op.peer as c_int;
@@ -536,7 +321,7 @@ impl Inner {
                         // by the flight until the group has run); the stream belongs to
                         // the communicator's device.
                         nccl_call("ncclSend", || unsafe {
-                            sys::ncclSend(p as *const _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                            (lib.send)(p as *const _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
                         })
                     }
                     Kind::Recv(b) if !b.is_empty() => {
@@ -547,7 +332,7 @@ impl Inner {
                         let (p, _g) = b.slice().device_ptr(s);
                         // SAFETY: as for the send; `p` holds `b.len()` f32 to be written.
                         nccl_call("ncclRecv", || unsafe {
-                            sys::ncclRecv(p as *mut _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                            (lib.recv)(p as *mut _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
                         })
                     }
                     _ => Ok(false),
@@ -557,7 +342,7 @@ impl Inner {
                     break;
                 }
             }
-            let end = nccl_call("ncclGroupEnd", || unsafe { sys::ncclGroupEnd() });
+            let end = nccl_call("ncclGroupEnd", || unsafe { (lib.group_end)() });
             posted?;
             end.map(|_| ())
         })?;
@@ -583,7 +368,7 @@ fn watchdog(inner: Weak<Inner>) {
         let status = me.with_comm(|c| {
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: `c` is live under the lock; one result is written.
-            nccl_call("ncclCommGetAsyncError", || unsafe { sys::ncclCommGetAsyncError(c, &mut state) })?;
+            nccl_call("ncclCommGetAsyncError", || unsafe { (me.lib.comm_get_async_error)(c, &mut state) })?;
             Ok(state)
         });
         match status {
@@ -601,11 +386,21 @@ fn watchdog(inner: Weak<Inner>) {
                 return;
             }
         }
-        let late = {
+        // A group whose event reports a CUDA error fails the group now; one older than the
+        // deadline fails it as a timeout.
+        let verdict = {
             let st = me.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.flights.iter().find(|f| f.at.elapsed() > me.deadline && !f.done.is_complete()).map(|f| f.what.clone())
+            st.flights.iter().find_map(|f| match me.flight_state(f) {
+                Err(e) => Some(Err(e)),
+                Ok(Progress::Pending) if f.at.elapsed() > me.deadline => Some(Ok(f.what.clone())),
+                Ok(_) => None,
+            })
         };
-        if let Some((op, peer)) = late {
+        if let Some(Err(e)) = verdict {
+            me.root.fail(Failure::Nccl(e.to_string()));
+            return;
+        }
+        if let Some(Ok((op, peer))) = verdict {
             me.root.fail(Failure::Timeout { op, peer, after: me.deadline });
             return;
         }
@@ -711,7 +506,7 @@ impl NcclComm {
             return Err(Error::InvalidArgument(format!("NCCL: rank {rank} outside a world of {world}")));
         }
         let dev = super::CudaDevice::shared(device)?;
-        nccl_present()?;
+        let lib = nccl()?;
         let ctx = dev.context().clone();
         let stream = guard("creating the NCCL stream", || ctx.new_stream())?;
         let mut raw = sys::ncclUniqueId { internal: [0 as c_char; UNIQUE_ID_BYTES] };
@@ -723,23 +518,24 @@ impl NcclComm {
         let mut cfg = config();
         // SAFETY: `comm` and `cfg` are valid for the call; NCCL copies the config.
         let started = nccl_call("ncclCommInitRankConfig", || unsafe {
-            sys::ncclCommInitRankConfig(&mut comm, world as c_int, raw, rank as c_int, &mut cfg)
+            (lib.comm_init_rank_config)(&mut comm, world as c_int, raw, rank as c_int, &mut cfg)
         });
         if let Err(e) = started {
             if !comm.is_null() {
                 // SAFETY: a communicator NCCL returned despite the error, owned here.
-                let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(comm) });
+                let _ = nccl_call("ncclCommAbort", || unsafe { (lib.comm_abort)(comm) });
             }
             return Err(e);
         }
         let root = Arc::new(Root::default());
-        NcclComm::start(comm, ctx, stream, root, rank, world, rank, deadline, "initialisation")
+        NcclComm::start(lib, comm, ctx, stream, root, rank, world, rank, deadline, "initialisation")
     }
 
     /// Wraps a communicator being initialised: waits for it (deadline), then starts its
     /// watchdog. On failure the communicator is aborted.
     #[allow(clippy::too_many_arguments)]
     fn start(
+        lib: &'static NcclLibrary,
         comm: sys::ncclComm_t,
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
@@ -754,6 +550,7 @@ impl NcclComm {
             return Err(Error::Cuda(format!("NCCL {what}: no communicator was created")));
         }
         let inner = Arc::new(Inner {
+            lib,
             comm: Mutex::new(Some(RawComm(comm))),
             ctx,
             stream,
@@ -776,19 +573,20 @@ impl NcclComm {
         Ok(NcclComm { inner, rank, size, collectives: AtomicU64::new(0) })
     }
 
-    /// The communicator of a rank started by a launcher: reads [`BootstrapEnv::from_env`],
-    /// exchanges the unique id over TCP ([`exchange_unique_id`]) and joins on GPU
-    /// `LOCAL_RANK`.
+    /// The communicator of a rank started by a launcher (torchrun, srun, mpirun, PMI):
+    /// reads [`BootstrapEnv::from_env`], exchanges the unique id over TCP on the bootstrap
+    /// port ([`exchange_unique_id`]) and joins on GPU `local rank mod visible devices`
+    /// ([`super::device_ordinal`]).
     ///
     /// # Errors
     /// As [`BootstrapEnv::from_env`], [`exchange_unique_id`] and [`NcclComm::init`].
     pub fn from_env(deadline: Duration) -> Result<NcclComm> {
         let env = BootstrapEnv::from_env()?;
         // Fail before the exchange when this rank cannot use NCCL at all.
-        probe()?;
+        let device = env.device(probe()?.device_count)?;
         nccl_present()?;
         let id = exchange_unique_id(&env, new_unique_id, deadline)?;
-        NcclComm::init(env.rank, env.world, id, env.local_rank, deadline)
+        NcclComm::init(env.rank, env.world, id, device, deadline)
     }
 
     /// The communicator over the ranks of a host communicator (MPI, ...): the unique id is
@@ -843,18 +641,18 @@ impl Drop for NcclComm {
         // here: they were (or will be) reported by the waits.
         let _ = inner.flush();
         let _ = guard("binding the context", || inner.ctx.bind_to_thread());
-        let start = Instant::now();
-        let finished = loop {
+        // A CUDA error (a dead device) ends the wait at once: the communicator is aborted.
+        let all_ran = || {
             let st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
-            if st.flights.iter().all(|f| f.done.is_complete()) {
-                break true;
+            for f in &st.flights {
+                if inner.flight_state(f)? == Progress::Pending {
+                    return Ok(Progress::Pending);
+                }
             }
-            drop(st);
-            if start.elapsed() > inner.deadline || inner.root.failure().is_some() {
-                break false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+            Ok(Progress::Complete)
         };
+        let failed = || inner.root.failure().map(|f| f.error());
+        let finished = poll_until("closing the NCCL communicator", 0, inner.deadline, all_ran, failed).is_ok();
         if !finished {
             inner.abort_comm();
             return;
@@ -863,10 +661,10 @@ impl Drop for NcclComm {
         if let Some(c) = taken {
             let _ = guard("binding the context", || inner.ctx.bind_to_thread());
             // SAFETY: `c` is live and no longer reachable by anyone else.
-            let destroyed = nccl_call("ncclCommDestroy", || unsafe { sys::ncclCommDestroy(c.0) });
+            let destroyed = nccl_call("ncclCommDestroy", || unsafe { (inner.lib.comm_destroy)(c.0) });
             if destroyed.is_err() {
                 // SAFETY: as above; abort releases what destroy could not.
-                let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(c.0) });
+                let _ = nccl_call("ncclCommAbort", || unsafe { (inner.lib.comm_abort)(c.0) });
             }
         }
     }
@@ -903,41 +701,36 @@ impl Communicator for NcclComm {
         let slot = self.post(from, tag, Kind::Recv(buf.clone()))?;
         let inner = self.inner.clone();
         Ok(RecvHandle::new(move || {
-            let start = Instant::now();
-            let mut buf = buf;
-            loop {
-                if let Some(f) = inner.root.failure() {
-                    return Err(f.error());
-                }
+            let op = format!("NCCL recv ({}) from rank {from}", crate::comm::describe_tag(tag));
+            guard("binding the context", || inner.ctx.bind_to_thread())?;
+            let mut done = None;
+            let poll = || {
                 let state = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 match state {
-                    Slot::Posted => inner.flush()?,
-                    Slot::Flushed(done) => {
-                        // SAFETY: the event is alive (held); cuEventQuery only reads it.
-                        let q = unwind("cuEventQuery", || unsafe {
-                            cudarc::driver::result::event::query(done.cu_event())
-                        })?;
-                        match q {
-                            Ok(()) => {
-                                buf.set_ready(Some(done));
-                                return Ok(buf);
-                            }
-                            Err(e) if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
-                            Err(e) => {
-                                return Err(Error::Cuda(format!(
-                                    "NCCL recv ({}) from rank {from}: {}",
-                                    crate::comm::describe_tag(tag),
-                                    super::probe::driver_error(e)
-                                )))
-                            }
+                    Slot::Posted => inner.flush().map(|_| Progress::Pending),
+                    Slot::Flushed(event) => {
+                        let p = inner.event_state(&event, &op)?;
+                        if p == Progress::Complete {
+                            done = Some(event);
                         }
-                        if start.elapsed() >= inner.deadline {
-                            let op = format!("NCCL recv ({})", crate::comm::describe_tag(tag));
-                            inner.root.fail(Failure::Timeout { op: op.clone(), peer: from, after: inner.deadline });
-                            return Err(Error::Timeout { op, peer: from, after: inner.deadline });
-                        }
-                        std::thread::sleep(Duration::from_micros(20));
+                        Ok(p)
                     }
+                }
+            };
+            let failed = || inner.root.failure().map(|f| f.error());
+            match poll_until(&op, from, inner.deadline, poll, failed) {
+                Ok(()) => {
+                    let mut buf = buf;
+                    buf.set_ready(done);
+                    Ok(buf)
+                }
+                Err(Error::Timeout { op, peer, after }) => {
+                    inner.root.fail(Failure::Timeout { op: op.clone(), peer, after });
+                    Err(Error::Timeout { op, peer, after })
+                }
+                Err(e) => {
+                    inner.root.fail(Failure::Nccl(e.to_string()));
+                    Err(e)
                 }
             }
         }))
@@ -956,9 +749,10 @@ impl Communicator for NcclComm {
             c_int::try_from(color).map_err(|_| Error::InvalidArgument(format!("NCCL split: color {color}")))?,
             c_int::try_from(key).map_err(|_| Error::InvalidArgument(format!("NCCL split: key {key}")))?,
         );
+        let lib = self.inner.lib;
         self.inner.with_comm(|c| {
             // SAFETY: `c` is live under the lock; `newcomm` and `cfg` are valid for the call.
-            nccl_call("ncclCommSplit", || unsafe { sys::ncclCommSplit(c, color, key, &mut newcomm, &mut cfg) })
+            nccl_call("ncclCommSplit", || unsafe { (lib.comm_split)(c, color, key, &mut newcomm, &mut cfg) })
                 .map(|_| ())
         })?;
         self.inner.settle("split")?;
@@ -970,14 +764,15 @@ impl Communicator for NcclComm {
             return Err(Error::Cuda("NCCL split: no communicator was created".into()));
         }
         // SAFETY: `newcomm` is live (split completed); one int written each.
-        let queried = nccl_call("ncclCommUserRank", || unsafe { sys::ncclCommUserRank(newcomm, &mut r) })
-            .and_then(|_| nccl_call("ncclCommCount", || unsafe { sys::ncclCommCount(newcomm, &mut n) }));
+        let queried = nccl_call("ncclCommUserRank", || unsafe { (lib.comm_user_rank)(newcomm, &mut r) })
+            .and_then(|_| nccl_call("ncclCommCount", || unsafe { (lib.comm_count)(newcomm, &mut n) }));
         if let Err(e) = queried {
             // SAFETY: `newcomm` is live and owned here.
-            let _ = nccl_call("ncclCommAbort", || unsafe { sys::ncclCommAbort(newcomm) });
+            let _ = nccl_call("ncclCommAbort", || unsafe { (lib.comm_abort)(newcomm) });
             return Err(e);
         }
         let sub = NcclComm::start(
+            lib,
             newcomm,
             ctx,
             stream,
@@ -1007,99 +802,6 @@ impl Communicator for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(rank: usize, port: u16) -> BootstrapEnv {
-        BootstrapEnv { rank, world: 3, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port }
-    }
-
-    #[test]
-    fn environment_is_parsed_with_clear_errors() {
-        fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-            move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| p.1.to_string())
-        }
-        let full =
-            [("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
-        let e = BootstrapEnv::from_vars(vars(&full[..])).unwrap();
-        assert_eq!(e, BootstrapEnv { rank: 2, world: 4, local_rank: 1, master_addr: "h".into(), master_port: 1 });
-        let err = BootstrapEnv::from_vars(vars(&full[1..])).unwrap_err().to_string();
-        assert!(err.contains("$RANK is not set"), "{err}");
-        let bad = [("RANK", "x"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
-        assert!(BootstrapEnv::from_vars(vars(&bad[..])).unwrap_err().to_string().contains("`x`"));
-        let out = [("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
-        assert!(BootstrapEnv::from_vars(vars(&out[..])).unwrap_err().to_string().contains("outside"));
-        let port = [("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "70000")];
-        assert!(BootstrapEnv::from_vars(vars(&port[..])).is_err());
-    }
-
-    #[test]
-    fn unique_id_travels_over_tcp_to_every_rank() {
-        // A free port: bind, read, release (rank 0 binds it again).
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut fake = [0u8; UNIQUE_ID_BYTES];
-        fake.iter_mut().enumerate().for_each(|(i, b)| *b = (i * 7 + 3) as u8);
-        let deadline = Duration::from_secs(20);
-        let ids: Vec<Result<UniqueId>> = std::thread::scope(|s| {
-            // Clients first: they retry until rank 0 listens.
-            let hs: Vec<_> = [1, 2, 0]
-                .into_iter()
-                .map(|r| {
-                    let e = env(r, port);
-                    s.spawn(move || {
-                        if r == 0 {
-                            std::thread::sleep(Duration::from_millis(200));
-                        }
-                        exchange_unique_id(&e, || Ok(fake), deadline)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for id in ids {
-            assert_eq!(id.unwrap(), fake);
-        }
-    }
-
-    #[test]
-    fn bootstrap_failures_are_errors_within_the_deadline() {
-        // Nobody serves: the client gives up at its deadline.
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let t = Instant::now();
-        let e = fetch_unique_id(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(10));
-        // Nobody connects: the server gives up too.
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let e = serve_unique_id(&l, &[0; UNIQUE_ID_BYTES], 2, Duration::from_millis(200)).unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }) && e.to_string().contains("0 of 2"), "{e}");
-        // A server that is not ours.
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let h = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            s.write_all(&[b'x'; 8 + UNIQUE_ID_BYTES]).unwrap();
-        });
-        let e = fetch_unique_id(&addr.to_string(), Duration::from_secs(5)).unwrap_err();
-        assert!(e.to_string().contains("other than"), "{e}");
-        h.join().unwrap();
-        // The id maker's error is rank 0's error.
-        let e = exchange_unique_id(&env(0, 1), || Err(Error::Cuda("no NCCL".into())), Duration::from_secs(1));
-        assert!(e.unwrap_err().to_string().contains("no NCCL"));
-    }
-
-    #[test]
-    fn unique_id_broadcasts_over_a_host_communicator() {
-        use crate::comm::{spmd, LocalOptions};
-        let mut fake = [0u8; UNIQUE_ID_BYTES];
-        fake.iter_mut().enumerate().for_each(|(i, b)| *b = 255 - i as u8);
-        let ids = spmd(4, LocalOptions::default(), |c| broadcast_unique_id(c, || Ok(fake)));
-        for id in ids {
-            assert_eq!(id.unwrap(), fake);
-        }
-        // Rank 0 failing to make the id fails every rank (the others through the abort).
-        let opts = LocalOptions { deadline: Duration::from_secs(5), ..Default::default() };
-        let r = spmd(3, opts, |c| broadcast_unique_id(c, || Err(Error::Cuda("no NCCL".into()))));
-        assert!(r.iter().all(|x| x.is_err()));
-    }
 
     #[test]
     fn without_nccl_or_a_gpu_everything_is_an_error() {

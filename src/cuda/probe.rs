@@ -10,10 +10,43 @@ use cudarc::driver::{result, sys, DriverError};
 use crate::{Error, Result};
 
 /// Oldest driver API the bindings are used with: cudarc's `cuda-13000` bindings call
-/// `cuEventElapsedTime_v2`, added in CUDA 12.8. The kernels themselves (nvcc 13.0 cubins, PTX
-/// ISA 9.0) need a CUDA 13.0 driver; an older one fails at module load with a message saying
-/// so.
-const OLDEST_DRIVER: i32 = 12080;
+/// `cuEventElapsedTime_v2`, added in CUDA 12.8.
+const OLDEST_BINDINGS: i32 = 12080;
+
+/// The oldest driver this build runs on, as `1000 · major + 10 · minor`: the CUDA version of
+/// the nvcc that built the embedded kernels (13.0 → 13000; their cubins and PTX load on no
+/// older driver), and never below what the bindings call (12.8).
+///
+/// ```
+/// assert!(ringattn::cuda::required_driver_version() >= 12080);
+/// ```
+pub fn required_driver_version() -> i32 {
+    let images = crate::kernels::cuda_version().map_or(0, |(major, minor)| 1000 * major + 10 * minor);
+    images.max(OLDEST_BINDINGS)
+}
+
+/// The first NVIDIA driver branch that supports CUDA `v` (`1000 · major + 10 · minor`), for
+/// messages: 13.0 → `R580`.
+pub(crate) fn driver_branch(v: i32) -> Option<&'static str> {
+    const BRANCHES: [(i32, &str); 7] = [
+        (12080, "R570"),
+        (12090, "R575"),
+        (13000, "R580"),
+        (13010, "R590"),
+        (13020, "R595"),
+        (13030, "R600"),
+        (13040, "R605"),
+    ];
+    BRANCHES.iter().find(|(cuda, _)| *cuda == v).map(|(_, b)| *b)
+}
+
+/// What to install for a driver older than `required`.
+pub(crate) fn driver_advice(required: i32) -> String {
+    match driver_branch(required) {
+        Some(b) => format!("an NVIDIA driver of the {b} branch or newer (CUDA {})", version_string(required)),
+        None => format!("an NVIDIA driver that supports CUDA {} or newer", version_string(required)),
+    }
+}
 
 /// What [`probe`] found: a loadable driver and at least one GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +88,26 @@ pub fn probe() -> Result<DriverInfo> {
     PROBE.get_or_init(run_probe).clone().map_err(Error::Cuda)
 }
 
+/// What the driver reports, before [`probe`]'s checks: its CUDA version and device count
+/// even when the driver is too old for this build or no GPU is visible (`ringattn doctor`
+/// shows them).
+///
+/// # Errors
+/// [`Error::Cuda`] when libcuda cannot be loaded or initialised (the message of [`probe`]).
+pub fn driver_facts() -> Result<DriverInfo> {
+    facts().clone().map_err(Error::Cuda)
+}
+
+fn facts() -> &'static std::result::Result<DriverInfo, String> {
+    static FACTS: OnceLock<std::result::Result<DriverInfo, String>> = OnceLock::new();
+    FACTS.get_or_init(read_driver)
+}
+
 fn run_probe() -> std::result::Result<DriverInfo, String> {
+    facts().clone().and_then(check)
+}
+
+fn read_driver() -> std::result::Result<DriverInfo, String> {
     // SAFETY: `is_culib_present` dlopens each candidate name of libcuda and closes it again;
     // loading the driver library runs its initialisers, as any use of CUDA does.
     let present = guard("loading libcuda", || Ok(unsafe { sys::is_culib_present() })).map_err(|e| e.to_string())?;
@@ -64,7 +116,7 @@ fn run_probe() -> std::result::Result<DriverInfo, String> {
                     NVIDIA driver, or add the directory that holds libcuda.so.1 to LD_LIBRARY_PATH"
             .into());
     }
-    let info = guard("cuInit", || {
+    guard("cuInit", || {
         if let Err(e) = result::init() {
             return Ok(Err(match e.0 {
                 sys::cudaError_enum::CUDA_ERROR_NO_DEVICE => {
@@ -79,19 +131,76 @@ fn run_probe() -> std::result::Result<DriverInfo, String> {
         let count = result::device::get_count()?;
         Ok(Ok(DriverInfo { driver_version: version, device_count: count.max(0) as usize }))
     })
-    .map_err(|e| e.to_string())??;
+    .map_err(|e| e.to_string())?
+}
+
+/// The checks of [`probe`] on what the driver reported: at least one GPU, a new enough driver.
+fn check(info: DriverInfo) -> std::result::Result<DriverInfo, String> {
     if info.device_count == 0 {
         return Err("no CUDA GPU found: the driver reports 0 devices".into());
     }
-    if info.driver_version < OLDEST_DRIVER {
-        return Err(format!(
-            "the CUDA driver supports CUDA {}, older than the {} this build needs (the kernels were built \
-             with nvcc 13.0: update to a CUDA 13.0 driver, R580 or newer)",
-            info.version(),
-            version_string(OLDEST_DRIVER)
-        ));
+    let required = required_driver_version();
+    if info.driver_version < required {
+        return Err(old_driver_message(info.driver_version, required));
     }
     Ok(info)
+}
+
+/// One GPU as the driver reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Ordinal among the visible devices (`CUDA_VISIBLE_DEVICES` applies).
+    pub ordinal: usize,
+    /// Marketing name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability `(major, minor)`: `(9, 0)` on H100/H200.
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub memory_bytes: usize,
+}
+
+/// The GPUs the driver reports (no context is created).
+///
+/// # Errors
+/// [`Error::Cuda`] without a usable driver ([`driver_facts`]), or when a query fails.
+///
+/// ```
+/// match ringattn::cuda::gpus() {
+///     Ok(list) => list.iter().for_each(|g| println!("{} {:?}", g.name, g.compute_capability)),
+///     Err(e) => println!("{e}"),
+/// }
+/// ```
+pub fn gpus() -> Result<Vec<GpuInfo>> {
+    let facts = driver_facts()?;
+    (0..facts.device_count)
+        .map(|ordinal| {
+            guard("reading the device's properties", || {
+                let dev = result::device::get(ordinal as i32)?;
+                let name = result::device::get_name(dev)?;
+                let attr = |a| {
+                    // SAFETY: `dev` is a valid device handle; one int is read.
+                    unsafe { result::device::get_attribute(dev, a) }
+                };
+                let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+                let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+                // SAFETY: `dev` is a valid device handle.
+                let memory_bytes = unsafe { result::device::total_mem(dev) }?;
+                Ok(GpuInfo { ordinal, name, compute_capability: (major, minor), memory_bytes })
+            })
+        })
+        .collect()
+}
+
+/// The message for a driver that supports CUDA `found`, older than `required`.
+pub(crate) fn old_driver_message(found: i32, required: i32) -> String {
+    format!(
+        "the CUDA driver supports CUDA {}, older than the CUDA {} this build needs (its kernels were built with \
+         nvcc {}): install {}",
+        version_string(found),
+        version_string(required),
+        version_string(required),
+        driver_advice(required)
+    )
 }
 
 /// `CUDA_ERROR_OUT_OF_MEMORY (out of memory)`.
@@ -120,4 +229,22 @@ pub(crate) fn unwind<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
             .unwrap_or_else(|| "unknown panic".into());
         Error::Cuda(format!("{what}: the driver library could not be used: {msg}"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_old_driver_is_told_which_driver_to_install() {
+        let m = old_driver_message(12040, 13000);
+        assert!(m.contains("CUDA 12.4") && m.contains("CUDA 13.0") && m.contains("R580"), "{m}");
+        assert!(old_driver_message(12080, 13070).contains("supports CUDA 13.7 or newer"));
+        assert_eq!(driver_branch(12080), Some("R570"));
+        if let Some((major, minor)) = crate::kernels::cuda_version() {
+            assert_eq!(required_driver_version(), (1000 * major + 10 * minor).max(12080));
+        } else {
+            assert_eq!(required_driver_version(), 12080);
+        }
+    }
 }

@@ -69,8 +69,10 @@ pub struct ExecArgs {
     /// How ranks communicate: local (ranks are threads of this process), mpi (ranks are the
     /// processes of an MPI job: `mpirun -n P ringattn run --comm mpi ...`; a build with
     /// --features mpi) or nccl (one process per GPU, --backend cuda, device buffers through
-    /// NCCL; launched by mpirun with --features mpi, or by a launcher setting RANK,
-    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). With mpi and nccl each rank reads
+    /// NCCL; launched by torchrun, srun or mpirun: the rank and GPU come from RANK /
+    /// SLURM_PROCID / OMPI_COMM_WORLD_RANK and the local rank modulo the visible GPUs; the
+    /// NCCL id from MPI (--features mpi) or over TCP from MASTER_ADDR on
+    /// RINGATTN_BOOTSTRAP_PORT, default MASTER_PORT + 100). With mpi and nccl each rank reads
     /// only its own rows of --input and rank 0 writes --output.
     #[arg(long, default_value = "local")]
     pub comm: String,

@@ -1,16 +1,22 @@
 //! `ringattn bench`: timing of the single-device kernels of a backend, or (with
 //! `--strategies`, `--world`, several `--seq` or `--out`) a sweep over strategies, world
 //! sizes and sequence lengths ([`crate::sweep`]).
+//!
+//! FLOPs are those of the pairs the mask leaves visible ([`ringattn::flops`]: `4·d` per
+//! visible pair forward, 2.5× backward), reported beside the dense count and the tiles of
+//! the backend's tiling.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
+use ringattn::flops::{self, TileShape, Tiles};
+use ringattn::kernels::geometry::DqMode;
 use ringattn::{cpu, random::randn, AttentionParams, DType, Dims, Error, Mask, Result, Tensor};
 use serde::Serialize;
 
-use crate::args::{parse_backend, BackendKind};
+use crate::args::{parse_backend, BackendKind, MaskArgs};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -38,9 +44,17 @@ pub struct BenchArgs {
     /// bf16; f32 for cpu sweeps].
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Causal mask (FLOPs halved).
+    /// Causal mask (keys at or before the query's position). With --window, the right side
+    /// is clamped to 0.
     #[arg(long)]
     pub causal: bool,
+    /// Sliding window L,R: a query sees L keys back and R ahead; -1 means unbounded (single
+    /// runs, not sweeps).
+    #[arg(long, value_name = "L,R", allow_hyphen_values = true)]
+    pub window: Option<String>,
+    /// Packed documents: comma-separated lengths summing to --seq (single runs, not sweeps).
+    #[arg(long, value_name = "A,B,...")]
+    pub seqlens: Option<String>,
     /// Passes to time: forward, backward (from a forward's o and lse: rowsum, dq, dk/dv) or
     /// both.
     #[arg(long, default_value = "both")]
@@ -76,8 +90,8 @@ pub struct BenchArgs {
     /// GPU ordinal of --backend cuda.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// How the cuda backward computes dq: deterministic (its own kernel) or atomic (added by
-    /// the dk/dv kernel with f32 atomics).
+    /// How the cuda (and emu) backward computes dq: deterministic (its own kernel) or atomic
+    /// (added by the dk/dv kernel with f32 atomics).
     #[arg(long, default_value = "deterministic")]
     pub dq_mode: String,
     /// Seed of the random inputs.
@@ -88,14 +102,27 @@ pub struct BenchArgs {
     pub json: Option<PathBuf>,
 }
 
-/// The timings of one pass.
+/// The timings of one pass, with the work they are divided into.
 #[derive(Serialize, Debug)]
 struct PassResult {
     pass: &'static str,
     median_ms: f64,
     min_ms: f64,
+    /// `flops` / median time.
     tflops: f64,
     samples_ms: Vec<f64>,
+    /// FLOPs of the visible pairs: `4·d·b·h_q·visible_pairs`, 2.5× for the backward.
+    flops: f64,
+    /// FLOPs of all `s²` pairs.
+    dense_flops: f64,
+    /// Visible (query, key) pairs per (batch element, query head).
+    visible_pairs: u64,
+    /// `[query rows, key rows]` per tile of the backend's tiling of this pass.
+    tile: [usize; 2],
+    /// (query tile, key tile) pairs per (batch element, query head).
+    tiles_total: u64,
+    /// Of which those holding at least one visible pair.
+    tiles_visible: u64,
 }
 
 /// The JSON report: the interface of the device-check scripts, keep it stable.
@@ -110,6 +137,10 @@ struct BenchReport {
     h_kv: usize,
     d: usize,
     causal: bool,
+    /// `[left, right]` of --window (-1: unbounded; right clamped to 0 with --causal).
+    window: Option<[i64; 2]>,
+    /// Document lengths of --seqlens.
+    seqlens: Option<Vec<usize>>,
     results: Vec<PassResult>,
 }
 
@@ -118,6 +149,7 @@ struct Inputs {
     dims: Dims,
     dtype: DType,
     params: AttentionParams,
+    dq_mode: DqMode,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -135,6 +167,15 @@ impl Pass {
         match self {
             Pass::Forward => "forward",
             Pass::Backward => "backward",
+        }
+    }
+}
+
+impl From<Pass> for flops::Pass {
+    fn from(p: Pass) -> Self {
+        match p {
+            Pass::Forward => flops::Pass::Forward,
+            Pass::Backward => flops::Pass::Backward,
         }
     }
 }
@@ -160,13 +201,70 @@ pub fn median(x: &[f64]) -> f64 {
     }
 }
 
+fn parse_dq_mode(s: &str) -> Result<DqMode> {
+    match s {
+        "deterministic" => Ok(DqMode::Deterministic),
+        "atomic" => Ok(DqMode::Atomic),
+        other => Err(Error::InvalidArgument(format!("--dq-mode `{other}`: expected deterministic or atomic"))),
+    }
+}
+
+/// The tiles of `backend`'s tiling of `pass`: the CPU's [`cpu::TileConfig`], the CUDA
+/// kernels' tiles (forward kernel; dk/dv kernel of the backward) on emu and cuda.
+fn tile_shape(backend: BackendKind, pass: Pass, d: usize, dq_mode: DqMode) -> TileShape {
+    match (backend, pass) {
+        (BackendKind::Cpu, _) => cpu::TileConfig::default().into(),
+        (_, Pass::Forward) => TileShape::cuda_forward(d),
+        (_, Pass::Backward) => TileShape::cuda_backward(d, dq_mode),
+    }
+}
+
+/// What the header says of the mask: `full`, `causal`, `window L,R`, plus the documents.
+fn describe_mask(p: &AttentionParams) -> String {
+    let side = |x: Option<i64>| x.map_or("-1".to_string(), |x| x.to_string());
+    let mut m = match p.mask {
+        Mask::None => "full".to_string(),
+        Mask::Causal => "causal".to_string(),
+        Mask::Window { .. } => {
+            let (l, r) = p.mask.bounds();
+            format!("window {},{}", side(l), side(r))
+        }
+    };
+    if let Some(d) = &p.documents {
+        m += &format!(", {} documents", d.lengths().len());
+    }
+    m
+}
+
+/// The work of one pass: `(flops, dense_flops, tile shape, tiles)`.
+fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles)> {
+    let dims = &x.dims;
+    let shape = tile_shape(backend, pass, dims.d, x.dq_mode);
+    let tiles = flops::tiles(dims, &x.params, shape)?;
+    Ok((
+        flops::flops(dims, pairs, pass.into()),
+        flops::flops(dims, flops::dense_pairs(dims), pass.into()),
+        shape,
+        tiles,
+    ))
+}
+
 pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let seqs = crate::args::parse_list(a.seq.as_deref().unwrap_or("4096"), "--seq")?;
     if seqs.len() != 1 || a.strategies.is_some() || a.world.is_some() || a.out.is_some() {
+        if a.window.is_some() || a.seqlens.is_some() {
+            return Err(Error::InvalidArgument(
+                "--window and --seqlens apply to single runs (one --seq), not sweeps".into(),
+            ));
+        }
         return crate::sweep::sweep(a);
     }
     let backend = parse_backend(&a.backend)?;
     let passes = passes(&a.pass)?;
+    let dq_mode = parse_dq_mode(&a.dq_mode)?;
+    let mask_args =
+        MaskArgs { causal: a.causal, window: a.window.clone(), seqlens: a.seqlens.clone(), ..Default::default() };
+    let params = mask_args.params()?;
     let dtype: DType = a.dtype.as_deref().unwrap_or("bf16").parse()?;
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let (b, s, hq, d) = (a.batch, seqs[0], a.heads, a.head_dim);
@@ -183,8 +281,9 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let v = randn(vec![b, s, hkv, d], seed + 2, dtype);
     let d_o = randn(vec![b, s, hq, d], seed + 3, dtype);
     let dims = Dims::of(&q, &k, &v)?;
-    let params = AttentionParams { mask: if a.causal { Mask::Causal } else { Mask::None }, ..Default::default() };
-    let x = Inputs { dims, dtype, params, q, k, v, d_o };
+    // Counted before timing: refuses documents that disagree with --seq up front.
+    let pairs = flops::visible_pairs(&dims, &params)?;
+    let x = Inputs { dims, dtype, params, dq_mode, q, k, v, d_o };
     let (device, samples) = match backend {
         BackendKind::Cpu => ("cpu".to_string(), host_bench(a, &x, &passes, cpu_forward, cpu_backward)?),
         BackendKind::Emu => ("cpu".to_string(), emu_bench(a, &x, &passes)?),
@@ -192,22 +291,48 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     };
     let Dims { b, s_q: s, h_q: hq, h_kv: hkv, d, .. } = x.dims;
     let dtype = x.dtype;
-    let flops_fwd = 4.0 * (b * hq) as f64 * (s as f64) * (s as f64) * d as f64 / if a.causal { 2.0 } else { 1.0 };
+    let dense = flops::dense_pairs(&x.dims);
     println!(
         "ringattn bench: {} ({device}) b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}, {} warmup + {} timed iterations",
         a.backend,
-        if a.causal { "causal" } else { "full" },
+        describe_mask(&x.params),
         warmup,
         iters
     );
+    println!(
+        "work: {pairs} of {dense} (query, key) pairs visible per (batch, head) ({:.2}%); FLOPs: 4·d·b·h_q per visible pair{}",
+        100.0 * pairs as f64 / dense.max(1) as f64,
+        if passes.contains(&Pass::Backward) { " forward, 2.5× that backward" } else { "" }
+    );
     let mut results = Vec::new();
     for (pass, samples_ms) in samples {
-        let flops = if pass == Pass::Forward { flops_fwd } else { 2.5 * flops_fwd };
+        let (flops, dense_flops, shape, tiles) = work(backend, &x, pass, pairs)?;
         let median_ms = median(&samples_ms);
         let min_ms = samples_ms.iter().copied().fold(f64::INFINITY, f64::min);
         let tflops = flops / (median_ms * 1e-3) / 1e12;
-        println!("{:<8}: median {median_ms:10.3} ms  min {min_ms:10.3} ms  {tflops:9.3} TFLOP/s", pass.name());
-        results.push(PassResult { pass: pass.name(), median_ms, min_ms, tflops, samples_ms });
+        println!(
+            "{:<8}: median {median_ms:10.3} ms  min {min_ms:10.3} ms  {:9.3} GFLOP (dense {:.3})  tiles {}x{}: {} of {}  {tflops:9.3} TFLOP/s",
+            pass.name(),
+            flops / 1e9,
+            dense_flops / 1e9,
+            shape.block_q,
+            shape.block_k,
+            tiles.visible,
+            tiles.total
+        );
+        results.push(PassResult {
+            pass: pass.name(),
+            median_ms,
+            min_ms,
+            tflops,
+            samples_ms,
+            flops,
+            dense_flops,
+            visible_pairs: pairs,
+            tile: [shape.block_q, shape.block_k],
+            tiles_total: tiles.total,
+            tiles_visible: tiles.visible,
+        });
     }
     if let Some(path) = &a.json {
         let report = BenchReport {
@@ -220,6 +345,11 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
             h_kv: hkv,
             d,
             causal: a.causal,
+            window: a.window.is_some().then(|| {
+                let (l, r) = x.params.mask.bounds();
+                [l.unwrap_or(-1), r.unwrap_or(-1)]
+            }),
+            seqlens: x.params.documents.as_ref().map(|d| d.lengths()),
             results,
         };
         ringattn::io::write_json(path, &report)?;
@@ -271,14 +401,16 @@ fn host_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass], fwd: Fwd, bwd: Bwd) ->
 
 #[cfg(feature = "emu")]
 fn emu_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<Samples> {
-    fn opts() -> ringattn::emu::EmuOptions {
-        ringattn::emu::EmuOptions { workers: 0, ..Default::default() }
+    fn opts(x: &Inputs) -> ringattn::emu::EmuOptions {
+        ringattn::emu::EmuOptions { workers: 0, dq_mode: x.dq_mode, ..Default::default() }
     }
+    // The forward rounds `o` to the input dtype in the kernel's epilogue (`o16`), as the cuda
+    // bench's forward does.
     fn fwd(x: &Inputs) -> Result<cpu::ForwardOutput> {
-        ringattn::emu::forward(&x.q, &x.k, &x.v, None, &x.params, &opts())
+        ringattn::emu::forward(&x.q, &x.k, &x.v, None, &x.params, &opts(x))
     }
     fn bwd(x: &Inputs, f: &cpu::ForwardOutput) -> Result<cpu::Gradients> {
-        ringattn::emu::backward(&x.q, &x.k, &x.v, &f.o, &f.lse, &x.d_o, None, &x.params, &opts())
+        ringattn::emu::backward(&x.q, &x.k, &x.v, &f.o, &f.lse, &x.d_o, None, &x.params, &opts(x))
     }
     host_bench(a, x, passes, fwd, bwd)
 }
@@ -289,7 +421,10 @@ fn emu_bench(_: &BenchArgs, _: &Inputs, _: &[Pass]) -> Result<Samples> {
 }
 
 /// CUDA-event timing of launches on device-resident inputs: q, k, v, dO, the mask, the
-/// outputs and the workspace are allocated once, before the timed region.
+/// outputs and the workspace are allocated once, before the timed region. The timed forward
+/// writes `o` in the input dtype (the kernel's 16-bit epilogue, [`CudaDevice::forward16_into`])
+/// and `lse` in f32, as PyTorch's SDPA does; the backward reads the f32 `o` of a forward run
+/// once before its timed region.
 #[cfg(feature = "cuda")]
 fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Samples)> {
     use ringattn::cuda::{
@@ -317,28 +452,22 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
         mask: &mask,
         scale: x.params.softmax_scale(dims.d),
     };
-    let mut saved = SavedContext::alloc(&stream, &dims)?;
+    let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let mut out = Vec::new();
     for &pass in passes {
         let samples = match pass {
-            Pass::Forward => dev.time_iterations(&stream, a.warmup.unwrap_or(3), a.iters.unwrap_or(10), || {
-                dev.forward_into(&stream, &args, &mut saved)
-            })?,
+            Pass::Forward => {
+                let mut o16 = dev.alloc_bits(dims.b * dims.s_q * dims.h_q * dims.d)?;
+                let mut lse = dev.alloc_f32(dims.b * dims.h_q * dims.s_q)?;
+                dev.time_iterations(&stream, warmup, iters, || dev.forward16_into(&stream, &args, &mut o16, &mut lse))?
+            }
             Pass::Backward => {
+                let mut saved = SavedContext::alloc(&stream, &dims)?;
                 dev.forward_into(&stream, &args, &mut saved)?;
-                let dq_mode = match a.dq_mode.as_str() {
-                    "deterministic" => ringattn::kernels::geometry::DqMode::Deterministic,
-                    "atomic" => ringattn::kernels::geometry::DqMode::Atomic,
-                    other => {
-                        return Err(Error::InvalidArgument(format!(
-                            "--dq-mode `{other}`: expected deterministic or atomic"
-                        )))
-                    }
-                };
-                let bargs = FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o, dq_mode };
+                let bargs = FlashBackwardArgs { forward: args, saved: &saved, d_o: &d_o, dq_mode: x.dq_mode };
                 let mut delta = dev.alloc_f32(dims.b * dims.h_q * dims.s_q)?;
                 let mut grads = DeviceGradients::alloc(&stream, &dims)?;
-                dev.time_iterations(&stream, a.warmup.unwrap_or(3), a.iters.unwrap_or(10), || {
+                dev.time_iterations(&stream, warmup, iters, || {
                     dev.backward_into(&stream, &bargs, Delta::Compute(&mut delta), &mut grads)
                 })?
             }
@@ -351,4 +480,66 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
 #[cfg(not(feature = "cuda"))]
 fn cuda_bench(_: &BenchArgs, _: &Inputs, _: &[Pass]) -> Result<(String, Samples)> {
     unreachable!("parse_backend refuses cuda without the feature")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        b: BenchArgs,
+    }
+
+    fn inputs(args: &[&str]) -> Inputs {
+        let cli = Cli::parse_from(std::iter::once("x").chain(args.iter().copied()));
+        let a = &cli.b;
+        let params =
+            MaskArgs { causal: a.causal, window: a.window.clone(), seqlens: a.seqlens.clone(), ..Default::default() }
+                .params()
+                .unwrap();
+        let s: usize = a.seq.as_deref().unwrap_or("64").parse().unwrap();
+        let t = |h| randn(vec![1, s, h, a.head_dim], 0, DType::BF16);
+        let (q, k) = (t(a.heads), t(a.kv_heads.unwrap_or(a.heads)));
+        let dims = Dims::of(&q, &k, &k).unwrap();
+        let dq_mode = parse_dq_mode(&a.dq_mode).unwrap();
+        Inputs { dims, dtype: DType::BF16, params, dq_mode, q: q.clone(), k: k.clone(), v: k, d_o: q }
+    }
+
+    /// The figures a bench reports: visible-pair FLOPs against the dense count, tiles of the
+    /// backend's tiling, per pass.
+    #[test]
+    fn work_counts_the_visible_pairs_and_the_tiles_of_each_tiling() {
+        let x = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]);
+        let pairs = flops::visible_pairs(&x.dims, &x.params).unwrap();
+        assert_eq!(pairs, 512 * 513 / 2);
+        let (f, dense, shape, tiles) = work(BackendKind::Cpu, &x, Pass::Forward, pairs).unwrap();
+        assert_eq!((f, dense), (4.0 * 64.0 * 2.0 * pairs as f64, 4.0 * 64.0 * 2.0 * 512.0 * 512.0));
+        assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (256, 256, 4, 3));
+        let (fb, _, shape, tiles) = work(BackendKind::Cuda, &x, Pass::Backward, pairs).unwrap();
+        assert_eq!(fb, 2.5 * f);
+        // d = 64: the dk/dv kernel's 64 query rows × 64 keys.
+        assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (64, 64, 64, 36));
+        let x = inputs(&["--seq", "512", "--dq-mode", "atomic", "--head-dim", "128"]);
+        let (_, _, shape, _) = work(BackendKind::Emu, &x, Pass::Backward, 0).unwrap();
+        assert_eq!((shape.block_q, shape.block_k), (16, 64));
+        let (_, _, shape, _) = work(BackendKind::Emu, &x, Pass::Forward, 0).unwrap();
+        assert_eq!((shape.block_q, shape.block_k), (64, 64));
+    }
+
+    #[test]
+    fn masks_are_described_and_parsed_as_verify_parses_them() {
+        let x = inputs(&["--seq", "100", "--window", "8,-1", "--causal", "--seqlens", "30,70"]);
+        assert_eq!(x.params.mask, Mask::Window { left: Some(8), right: Some(0) });
+        assert_eq!(describe_mask(&x.params), "window 8,0, 2 documents");
+        assert_eq!(describe_mask(&inputs(&["--window", "-1,3"]).params), "window -1,3");
+        assert_eq!(describe_mask(&inputs(&["--causal"]).params), "causal");
+        assert_eq!(describe_mask(&inputs(&[]).params), "full");
+        // Documents: 30 and 70 tokens, each seeing its own last 9 keys at most.
+        let want: u64 = [30u64, 70].iter().map(|&n| (0..n).map(|i| (i + 1).min(9)).sum::<u64>()).sum();
+        assert_eq!(flops::visible_pairs(&x.dims, &x.params).unwrap(), want);
+        assert!(parse_dq_mode("sometimes").unwrap_err().to_string().contains("--dq-mode `sometimes`"));
+    }
 }

@@ -113,8 +113,9 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     let k = random::randn(vec![b, s, hkv, d], a.seed * 4 + 1, dtype);
     let v = random::randn(vec![b, s, hkv, d], a.seed * 4 + 2, dtype);
     let d_o = random::randn(vec![b, s, hq, d], a.seed * 4 + 3, dtype);
-    ringattn::Dims::of(&q, &k, &v)?;
-    let flops = 4.0 * (b * hq) as f64 * (s as f64) * (s as f64) * d as f64 / if causal { 2.0 } else { 1.0 };
+    let dims = ringattn::Dims::of(&q, &k, &v)?;
+    // Forward FLOPs of the visible pairs (s(s+1)/2 when causal); the backward is 2.5× that.
+    let flops = ringattn::flops::flops(&dims, ringattn::flops::visible_pairs(&dims, &params)?, Default::default());
 
     let (forward, backward, fwd, grads, ranks) = if !a.exec.is_single() {
         let mut pp = a.exec.parallel(params.clone())?;
@@ -126,7 +127,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         let d_o_opt = (!a.forward_only).then_some(&d_o);
         let run = run_parallel(&a.exec, &q, &k, &v, d_o_opt, &pp)?;
         let secs = t.elapsed().as_secs_f64();
-        let work = flops * if a.forward_only { 1.0 } else { 3.5 };
+        let work = flops * if a.forward_only { 1.0 } else { 1.0 + ringattn::flops::BACKWARD_FACTOR };
         println!(
             "forward{}: {secs:8.3} s  {:7.3} TFLOP/s (whole run)",
             if a.forward_only { "" } else { " + backward" },
@@ -242,7 +243,7 @@ fn single(
         let secs = t.elapsed().as_secs_f64();
         let phase = Phase {
             seconds: secs,
-            tflops: 2.5 * flops / secs / 1e12,
+            tflops: ringattn::flops::BACKWARD_FACTOR * flops / secs / 1e12,
             peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
             output_bytes: (g.dq.len() + g.dk.len() + g.dv.len()) * dtype.size_of(),
         };
@@ -290,7 +291,7 @@ fn single_kernels(
     let secs = t.elapsed().as_secs_f64();
     let backward = Phase {
         seconds: secs,
-        tflops: 2.5 * flops / secs / 1e12,
+        tflops: ringattn::flops::BACKWARD_FACTOR * flops / secs / 1e12,
         peak_extra_bytes: 0,
         output_bytes: bytes(&[&g.dq, &g.dk, &g.dv]),
     };

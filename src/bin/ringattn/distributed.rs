@@ -176,28 +176,31 @@ fn finish<B: Payload>(comm: &Faulty<B>, work: impl FnOnce() -> Result<()>) -> Re
 #[cfg(feature = "cuda")]
 type KeepAlive = Option<Box<dyn std::any::Any>>;
 
-/// The NCCL communicator of this process and its GPU: bootstrapped through MPI when the
-/// build has it and an MPI launcher started the process, else from the launcher's
-/// environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+/// The NCCL communicator of this process and its GPU (local rank modulo the visible devices):
+/// bootstrapped through MPI when the build has it and an MPI launcher started the process,
+/// else over TCP from the launcher's environment (torchrun, srun, mpirun or PMI variables;
+/// see `ringattn::cuda::BootstrapEnv`).
 #[cfg(feature = "cuda")]
 fn nccl_comm(deadline: Duration) -> Result<(ringattn::cuda::NcclComm, usize, KeepAlive)> {
+    use ringattn::cuda::{probe, BootstrapEnv, NcclComm};
+    let env = BootstrapEnv::from_env();
     #[cfg(feature = "mpi")]
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some() {
         let host = MpiComm::init(MpiOptions { deadline, ..Default::default() })?;
-        let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]
-            .iter()
-            .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-            .unwrap_or(0);
-        return match ringattn::cuda::NcclComm::from_host_comm(&host, local, deadline) {
-            Ok(c) => Ok((c, local, Some(Box::new(host)))),
+        let local = env.as_ref().map_or(host.rank(), |e| e.local_rank);
+        let joined = probe()
+            .and_then(|p| ringattn::cuda::device_ordinal(local, p.device_count))
+            .and_then(|device| Ok((NcclComm::from_host_comm(&host, device, deadline)?, device)));
+        return match joined {
+            Ok((c, device)) => Ok((c, device, Some(Box::new(host)))),
             Err(e) => {
                 host.abort(&e.to_string());
                 Err(e)
             }
         };
     }
-    let env = ringattn::cuda::BootstrapEnv::from_env()?;
-    Ok((ringattn::cuda::NcclComm::from_env(deadline)?, env.local_rank, None))
+    let device = env?.device(probe()?.device_count)?;
+    Ok((NcclComm::from_env(deadline)?, device, None))
 }
 
 /// The dtype of `q` in the input file.

@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod distributed;
+mod doctor;
 mod pingpong;
 mod plan;
 mod plot;
@@ -52,10 +53,18 @@ enum Command {
     /// a spot check of sampled rows against the oracle.
     Demo(demo::DemoArgs),
     /// Time the single-device kernels of a backend: median and minimum milliseconds and
-    /// TFLOP/s per pass (forward 4·b·h_q·s²·d FLOPs, halved when causal; backward 2.5×).
+    /// TFLOP/s per pass, from the FLOPs of the pairs the mask leaves visible.
+    ///
+    /// FLOPs: forward 4·d per visible (query, key) pair, times b·h_q (s(s+1)/2 pairs per head
+    /// when causal; windows and --seqlens documents counted exactly); backward 2.5× the
+    /// forward. Reported beside them: the dense FLOPs (all s² pairs), the visible pairs per
+    /// (batch, head), and the tiles of the backend's tiling (cpu: 256×256; emu and cuda: the
+    /// forward kernel's and the dk/dv kernel's) per (batch, head), total and holding a
+    /// visible pair.
     ///
     /// cuda times device-resident inputs with CUDA events (no host copies in the timed
-    /// region); cpu and emu time whole calls with the host clock.
+    /// region); its forward writes o in the input dtype (16-bit) and lse in f32, as PyTorch's
+    /// scaled_dot_product_attention does. cpu and emu time whole calls with the host clock.
     Bench(bench::BenchArgs),
     /// Rank every way to split one attention layer over a cluster (ring, Ulysses, USP
     /// degrees and placements, all-gather) by the analytic model's predicted step time, with
@@ -68,6 +77,13 @@ enum Command {
     /// fitted to latency + bytes / bandwidth (`mpirun -n 2 ringattn pingpong --comm mpi`);
     /// its JSON calibrates `plan --calibration`.
     Pingpong(pingpong::PingPongArgs),
+    /// What this binary and machine have for the GPU paths: embedded kernel architectures,
+    /// CUDA driver version, GPUs with their compute capability and the image each would load,
+    /// NCCL (library path and version, or the names and paths tried), MPI, and the launcher's
+    /// rank/GPU mapping; the problems that would stop a GPU run, listed.
+    ///
+    /// Exit status 0 whenever the report was produced; `--json` for scripts (`gpu_path_ok`).
+    Doctor(doctor::DoctorArgs),
     /// Check the planner's cost model against measured MPI runs: calibrate from a ping-pong
     /// and single-rank kernel runs, run each configuration under mpirun, print predicted
     /// against measured (needs a build with --features mpi and Open MPI).
@@ -85,6 +101,7 @@ fn main() -> ExitCode {
         Command::Simulate(a) => plan::simulate(&a),
         Command::Pingpong(a) => pingpong::pingpong(&a),
         Command::Validate(a) => validate::validate(&a),
+        Command::Doctor(a) => doctor::doctor(&a),
     };
     match result {
         Ok(code) => code,

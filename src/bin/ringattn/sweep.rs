@@ -37,8 +37,8 @@ pub struct SweepRecord {
     pub seconds: f64,
     /// Every timed iteration.
     pub samples_s: Vec<f64>,
-    /// Attention FLOPs (forward 4·b·h_q·s²·d, halved when causal; backward 2.5×) per rank
-    /// per second.
+    /// Attention FLOPs of the visible pairs ([`ringattn::flops`]: forward 4·d·b·h_q per
+    /// visible pair, s(s+1)/2 of them when causal; backward 2.5×) per rank per second.
     pub tflops_per_rank: f64,
     /// Share of the communication hidden behind compute (`null` on one rank or without a
     /// link model).
@@ -138,12 +138,14 @@ fn inputs(a: &BenchArgs, s: usize, dtype: DType) -> Inputs {
     }
 }
 
-/// Attention FLOPs of one run at length `s`: forward `4·b·h_q·s²·d`, halved when causal;
-/// the backward adds 2.5× that.
-fn job_flops(a: &BenchArgs, s: usize, backward: bool) -> f64 {
-    let fwd =
-        4.0 * (a.batch * a.heads * a.head_dim) as f64 * (s as f64) * (s as f64) / if a.causal { 2.0 } else { 1.0 };
-    fwd * if backward { 3.5 } else { 1.0 }
+/// Attention FLOPs of one run at length `s` under `params` ([`ringattn::flops`]): the
+/// forward's `4·d·b·h_q` per visible pair; the backward adds 2.5× that.
+fn job_flops(a: &BenchArgs, params: &AttentionParams, s: usize, backward: bool) -> Result<f64> {
+    use ringattn::flops::{flops, visible_pairs, Pass};
+    let h_kv = a.kv_heads.unwrap_or(a.heads);
+    let dims = ringattn::Dims { b: a.batch, s_q: s, s_k: s, h_q: a.heads, h_kv, d: a.head_dim };
+    let pairs = visible_pairs(&dims, params)?;
+    Ok(flops(&dims, pairs, Pass::Forward) + if backward { flops(&dims, pairs, Pass::Backward) } else { 0.0 })
 }
 
 /// Runs `f` `warmup` times, then `iters` times, returning the timed results.
@@ -220,7 +222,7 @@ fn measure<Be: Backend<Buf = Vec<f32>>>(
     };
     let peak = memory::peak_bytes().saturating_sub(base) as f64 / world as f64;
     let seconds = median(&samples);
-    let flops = job_flops(a, s, backward);
+    let flops = job_flops(a, params, s, backward)?;
     let hidden = match (compute_only, comm_only) {
         (Some(c), Some(n)) if n > 0.0 => Some((1.0 - (seconds - c) / n).clamp(0.0, 1.0)),
         _ => None,
@@ -276,7 +278,7 @@ fn measure_device(
     }
     let seconds = median(&samples);
     let (c, n) = (median(&comp), median(&comm));
-    let flops = job_flops(a, s, backward);
+    let flops = job_flops(a, params, s, backward)?;
     Ok(SweepRecord {
         strategy: if world == 1 { "single".into() } else { format!("{strategy:?}").to_lowercase() },
         world,
@@ -348,6 +350,11 @@ pub fn sweep(a: &BenchArgs) -> Result<std::process::ExitCode> {
         }
     };
     let configs = configurations(a)?;
+    // A GPU sweep on a machine that cannot run it fails now, before any input is drawn.
+    #[cfg(feature = "cuda")]
+    if backend == BackendKind::Cuda {
+        ringattn::cuda::probe()?;
+    }
     let link = match a.link_gbps {
         Some(g) if g <= 0.0 => None,
         g => {

@@ -1,0 +1,536 @@
+//! The work of a single-device attention call: the (query, key) pairs its mask leaves
+//! visible, the FLOPs they cost, and the tiles of a tiled kernel that hold any of them.
+//!
+//! Conventions (those of `ringattn bench`, its sweeps and `demo`):
+//!
+//! * **Visible pairs** are counted per (batch element, query head): the mask depends on
+//!   positions and documents only, so every head of every batch element sees the same
+//!   pairs. A single-device call places query `i` at `pos_q(i) = i + s_k − s_q` and key `j`
+//!   at `pos_k(j) = j` (bottom-right aligned); key `j` is visible to query `i` iff
+//!   `pos_q(i) − left ≤ pos_k(j) ≤ pos_q(i) + right` (an unbounded side drops its bound) and,
+//!   with packed documents, both lie in the same document — the predicate of
+//!   [`crate::Mask`] and [`crate::Documents`]. Causal with `s_q = s_k = s` has `s(s+1)/2`.
+//! * **FLOPs**: the forward costs `4·d` per visible pair (`q·k` and `p·v`, one multiply-add =
+//!   2 FLOPs each), `4·d·b·h_q·pairs` in all; the backward is counted as
+//!   [`BACKWARD_FACTOR`] = 2.5× the forward (five products per pair: `S` recomputed, `dP =
+//!   dO·vᵀ`, `dv`, `dq`, `dk`), the flash-attention convention. The softmax's exponentials,
+//!   masking and rescaling are not counted. **Dense** FLOPs count all `s_q·s_k` pairs (what a
+//!   kernel skipping nothing computes; `4·b·h·s²·d`, the figure other benchmarks halve when
+//!   causal).
+//! * **Tiles**: a tiled kernel covers the `⌈s_q/block_q⌉ × ⌈s_k/block_k⌉` (query tile, key
+//!   tile) grid per (batch element, query head) ([`TileShape`]); the *visible* tiles hold at
+//!   least one visible pair, the least a kernel that skips empty tiles must compute.
+//!
+//! Every count is closed-form per query tile or per document (`O(s_q/block_q + documents)`),
+//! never `O(s²)`: lengths of millions are counted in microseconds.
+//!
+//! ```
+//! use ringattn::flops::{self, Pass, TileShape};
+//! use ringattn::{AttentionParams, Dims, Documents, Mask};
+//!
+//! let dims = Dims { b: 2, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d: 64 };
+//! let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+//! let pairs = flops::visible_pairs(&dims, &causal)?;
+//! assert_eq!(pairs, 4096 * 4097 / 2);
+//! assert_eq!(flops::flops(&dims, pairs, Pass::Forward), 4.0 * 64.0 * 2.0 * 8.0 * pairs as f64);
+//! assert_eq!(flops::flops(&dims, pairs, Pass::Backward), 2.5 * flops::flops(&dims, pairs, Pass::Forward));
+//!
+//! // A window of 128 keys back (and the query itself), two documents.
+//! let window = AttentionParams {
+//!     mask: Mask::Window { left: Some(128), right: Some(0) },
+//!     documents: Some(Documents::new(vec![1000, 3096])?),
+//!     ..Default::default()
+//! };
+//! assert!(flops::visible_pairs(&dims, &window)? < 4096 * 129);
+//!
+//! // The CPU's 256 × 256 tiles: 16 × 16, of which the diagonal and the lower triangle.
+//! let tiles = flops::tiles(&dims, &causal, TileShape { block_q: 256, block_k: 256 })?;
+//! assert_eq!((tiles.total, tiles.visible), (256, 16 * 17 / 2));
+//! # Ok::<(), ringattn::Error>(())
+//! ```
+
+use crate::cpu::TileConfig;
+use crate::kernels::geometry::{self, DqMode};
+use crate::{AttentionParams, Dims, Error, Result};
+
+/// FLOPs of the forward per visible pair and head-dimension element: `q·k` and `p·v`, 2
+/// FLOPs per multiply-add each.
+pub const FORWARD_FLOPS_PER_PAIR_DIM: f64 = 4.0;
+
+/// The backward's FLOPs as a multiple of the forward's (the flash-attention convention).
+pub const BACKWARD_FACTOR: f64 = 2.5;
+
+/// A pass whose FLOPs are counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pass {
+    /// `4·d` FLOPs per visible pair.
+    #[default]
+    Forward,
+    /// [`BACKWARD_FACTOR`] × the forward.
+    Backward,
+}
+
+impl Pass {
+    /// The pass's FLOPs relative to the forward's: 1 or [`BACKWARD_FACTOR`].
+    pub fn factor(self) -> f64 {
+        match self {
+            Pass::Forward => 1.0,
+            Pass::Backward => BACKWARD_FACTOR,
+        }
+    }
+}
+
+/// Visible (query, key) pairs of one (batch element, query head) of a single-device call of
+/// `dims` under `params` (positions `pos_q(i) = i + s_k − s_q`, `pos_k(j) = j`); see the
+/// [module](self) for the predicate. At most `s_q·s_k`.
+///
+/// ```
+/// use ringattn::{flops::visible_pairs, AttentionParams, Dims, Mask};
+/// let dims = |s_q, s_k| Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d: 8 };
+/// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// assert_eq!(visible_pairs(&dims(4, 4), &causal)?, 10);
+/// // Two queries at positions 2 and 3 (bottom-right aligned) see 3 and 4 keys.
+/// assert_eq!(visible_pairs(&dims(2, 4), &causal)?, 7);
+/// // Windows: 2 back, 1 ahead, clipped at both ends of the sequence.
+/// let w = AttentionParams { mask: Mask::Window { left: Some(2), right: Some(1) }, ..Default::default() };
+/// assert_eq!(visible_pairs(&dims(5, 5), &w)?, 2 + 3 + 4 + 4 + 3);
+/// assert_eq!(visible_pairs(&dims(3, 5), &AttentionParams::default())?, 15);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Documents`] when the documents do not cover exactly the `s_k` keys, or when
+/// `s_q > s_k` puts queries before the first document — the errors of the call itself.
+pub fn visible_pairs(dims: &Dims, params: &AttentionParams) -> Result<u64> {
+    let band = Band::new(dims, params)?;
+    Ok(saturate(band.pairs(0, dims.s_q as i128)))
+}
+
+/// All `s_q·s_k` pairs of one (batch element, query head): what a kernel that skips nothing
+/// computes.
+pub fn dense_pairs(dims: &Dims) -> u64 {
+    (dims.s_q as u64).saturating_mul(dims.s_k as u64)
+}
+
+/// FLOPs of `pass` over `pairs` (query, key) pairs per (batch element, query head): `4·d·
+/// b·h_q·pairs` for the forward, [`BACKWARD_FACTOR`] times that for the backward.
+pub fn flops(dims: &Dims, pairs: u64, pass: Pass) -> f64 {
+    FORWARD_FLOPS_PER_PAIR_DIM * dims.d as f64 * (dims.b * dims.h_q) as f64 * pairs as f64 * pass.factor()
+}
+
+/// The tiles of a tiled kernel: `block_q` query rows × `block_k` key rows each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileShape {
+    /// Query rows per tile (at least 1; 0 counts as 1).
+    pub block_q: usize,
+    /// Key rows per tile (at least 1; 0 counts as 1).
+    pub block_k: usize,
+}
+
+impl From<TileConfig> for TileShape {
+    /// The CPU's tiles ([`TileConfig`], used by its forward and backward alike).
+    fn from(t: TileConfig) -> Self {
+        TileShape { block_q: t.block_q, block_k: t.block_k }
+    }
+}
+
+impl TileShape {
+    /// The tiles of the CUDA forward kernel for head dimension `d`: 64 query rows (4 warps of
+    /// 16) × 64 keys, 32 above head-dim class 128 (`FwdTraits::kBlockM`, `kBlockN` in
+    /// `cuda/flash.cuh`; [`geometry::forward`]).
+    pub fn cuda_forward(d: usize) -> TileShape {
+        let (block_q, block_k) = geometry::forward_tile(d);
+        TileShape { block_q, block_k }
+    }
+
+    /// The tiles of the CUDA backward's dk/dv kernel (which runs in both [`DqMode`]s): 64
+    /// keys per block × a streamed query tile of 64, 32 or 16 rows by head-dim class (16
+    /// above class 32 under [`DqMode::Atomic`]) (`DkDvTraits` in `cuda/flash.cuh`;
+    /// [`geometry::dkdv`]).
+    pub fn cuda_backward(d: usize, mode: DqMode) -> TileShape {
+        let (block_q, block_k) = geometry::dkdv_tile(d, mode);
+        TileShape { block_q, block_k }
+    }
+}
+
+/// Tiles per (batch element, query head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tiles {
+    /// Every (query tile, key tile): `⌈s_q/block_q⌉ · ⌈s_k/block_k⌉`.
+    pub total: u64,
+    /// Those holding at least one visible pair.
+    pub visible: u64,
+}
+
+/// The (query tile, key tile) pairs of a single-device call of `dims` under `params` in
+/// tiles of `shape`, and how many hold a visible pair.
+///
+/// ```
+/// use ringattn::flops::{tiles, TileShape};
+/// use ringattn::{AttentionParams, Dims, Mask};
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let w = AttentionParams { mask: Mask::Window { left: Some(10), right: Some(0) }, ..Default::default() };
+/// let t = tiles(&dims, &w, TileShape { block_q: 64, block_k: 64 })?;
+/// // The 4 diagonal tiles and the 3 below them that the first rows of each tile reach back to.
+/// assert_eq!((t.total, t.visible), (16, 7));
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// As [`visible_pairs`].
+pub fn tiles(dims: &Dims, params: &AttentionParams, shape: TileShape) -> Result<Tiles> {
+    let band = Band::new(dims, params)?;
+    let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
+    let (q_tiles, k_tiles) = (dims.s_q.div_ceil(bq), dims.s_k.div_ceil(bk));
+    let bk = bk as i128;
+    let mut visible: u64 = 0;
+    for t in 0..q_tiles {
+        let r0 = (t * bq) as i128;
+        let r1 = ((t + 1) * bq).min(dims.s_q) as i128;
+        // Key spans arrive disjoint and in increasing order; count the key tiles they touch
+        // once each.
+        let mut last: i128 = -1;
+        band.key_spans(r0, r1, |lo, hi| {
+            let (first, end) = ((lo / bk).max(last + 1), hi / bk);
+            if end >= first {
+                visible += (end - first + 1) as u64;
+                last = end;
+            }
+        });
+    }
+    Ok(Tiles { total: (q_tiles as u64).saturating_mul(k_tiles as u64), visible })
+}
+
+/// The visibility of a single-device call in closed form: query row `i` at position `i +
+/// off`, keys at `0..s_k`, window sides, document boundaries.
+struct Band {
+    off: i128,
+    s_k: i128,
+    left: Option<i128>,
+    right: Option<i128>,
+    /// Cumulative document ends (one past each document's last position), with documents.
+    ends: Option<Vec<i128>>,
+}
+
+impl Band {
+    /// The band of `dims` under `params`, refusing the documents the call itself refuses
+    /// (those of `Visibility::single_device`).
+    fn new(dims: &Dims, params: &AttentionParams) -> Result<Band> {
+        let ends = match &params.documents {
+            None => None,
+            Some(docs) => {
+                if docs.total_len() != dims.s_k as u64 {
+                    return Err(Error::Documents(format!(
+                        "lengths {:?} sum to {} but the key sequence has {} tokens",
+                        docs.lengths(),
+                        docs.total_len(),
+                        dims.s_k
+                    )));
+                }
+                if dims.s_q > dims.s_k {
+                    return Err(Error::Documents(format!(
+                        "query position {} lies outside the documents, which cover 0..{}",
+                        dims.s_k as i128 - dims.s_q as i128,
+                        dims.s_k
+                    )));
+                }
+                let mut acc = 0i128;
+                Some(
+                    docs.lengths()
+                        .into_iter()
+                        .map(|l| {
+                            acc += l as i128;
+                            acc
+                        })
+                        .collect(),
+                )
+            }
+        };
+        let (left, right) = params.mask.bounds();
+        Ok(Band {
+            off: dims.s_k as i128 - dims.s_q as i128,
+            s_k: dims.s_k as i128,
+            left: left.map(i128::from),
+            right: right.map(i128::from),
+            ends,
+        })
+    }
+
+    /// Calls `f(p_lo, p_hi, k_lo, k_hi)` for each region of query positions `p_lo..=p_hi`
+    /// (within `pa..=pb`) whose keys lie in `k_lo..=k_hi`: one region without documents, one
+    /// per document otherwise, in increasing order.
+    fn regions(&self, pa: i128, pb: i128, mut f: impl FnMut(i128, i128, i128, i128)) {
+        match &self.ends {
+            None => f(pa, pb, 0, self.s_k - 1),
+            Some(ends) => {
+                // The first document ending after `pa`.
+                let mut i = ends.partition_point(|&e| e <= pa);
+                while i < ends.len() {
+                    let start = if i == 0 { 0 } else { ends[i - 1] };
+                    if start > pb {
+                        break;
+                    }
+                    let end = ends[i] - 1;
+                    if start <= end {
+                        f(pa.max(start), pb.min(end), start, end);
+                    }
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    /// Visible pairs of query rows `r0..r1`.
+    fn pairs(&self, r0: i128, r1: i128) -> i128 {
+        let mut n = 0;
+        self.regions(r0 + self.off, r1 - 1 + self.off, |p0, p1, k0, k1| {
+            n += band_pairs(p0, p1, k0, k1, self.left, self.right);
+        });
+        n
+    }
+
+    /// Calls `f(lo, hi)` with the keys `lo..=hi` visible to some query of rows `r0..r1`, one
+    /// span per region, disjoint and in increasing order. Within a region every query sees
+    /// an interval of keys sliding with its position, so the union over the region's queries
+    /// `p0..=p1` is one interval: `[p0 − left, p1 + right]` clipped to the region's keys.
+    fn key_spans(&self, r0: i128, r1: i128, mut f: impl FnMut(i128, i128)) {
+        self.regions(r0 + self.off, r1 - 1 + self.off, |p0, p1, k0, k1| {
+            if p0 > p1 {
+                return;
+            }
+            let lo = self.left.map_or(k0, |l| k0.max(p0 - l));
+            let hi = self.right.map_or(k1, |r| k1.min(p1 + r));
+            if lo <= hi {
+                f(lo, hi);
+            }
+        });
+    }
+}
+
+/// Pairs `(p, k)` with `p ∈ p0..=p1`, `k ∈ k0..=k1` and `−left ≤ k − p ≤ right` (`None`: that
+/// side unbounded); 0 when either range is empty.
+fn band_pairs(p0: i128, p1: i128, k0: i128, k1: i128, left: Option<i128>, right: Option<i128>) -> i128 {
+    if p1 < p0 || k1 < k0 {
+        return 0;
+    }
+    let n = k1 - k0 + 1;
+    // Pairs with k − p ≤ c: for each p, the keys k0..=min(k1, p + c), i.e. clamp(p + c − k0 + 1,
+    // 0, n) of them, summed over consecutive p.
+    let at_most = |c: i128| sum_clamped(p0 + c - k0 + 1, p1 + c - k0 + 1, n);
+    let upper = right.map_or((p1 - p0 + 1) * n, at_most);
+    let lower = left.map_or(0, |l| at_most(-l - 1));
+    upper - lower
+}
+
+/// `Σ_{t = x0..=x1} clamp(t, 0, n)` for `x0 ≤ x1`, `n ≥ 0`, in closed form.
+fn sum_clamped(x0: i128, x1: i128, n: i128) -> i128 {
+    // prefix(m) = Σ_{t = 0..m} clamp(t, 0, n) for m ≥ 0.
+    let prefix = |m: i128| -> i128 {
+        let m = m.max(0);
+        if m <= n + 1 {
+            m * (m - 1) / 2
+        } else {
+            n * (n + 1) / 2 + (m - n - 1) * n
+        }
+    };
+    prefix(x1 + 1) - prefix(x0)
+}
+
+fn saturate(x: i128) -> u64 {
+    u64::try_from(x.max(0)).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::Visibility;
+    use crate::{Documents, Mask};
+    use proptest::prelude::*;
+
+    fn dims(s_q: usize, s_k: usize) -> Dims {
+        Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d: 64 }
+    }
+
+    /// The O(s²) count through the predicate the kernels and the CPU mask with.
+    fn brute(s_q: usize, s_k: usize, params: &AttentionParams, shape: TileShape) -> Result<(u64, Tiles)> {
+        let vis = Visibility::single_device(params, s_q, s_k)?;
+        let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
+        let mut pairs = 0;
+        let mut tile_seen = vec![vec![false; s_k.div_ceil(bk)]; s_q.div_ceil(bq)];
+        for i in 0..s_q {
+            for j in 0..s_k {
+                if vis.visible(i, j) {
+                    pairs += 1;
+                    tile_seen[i / bq][j / bk] = true;
+                }
+            }
+        }
+        let total = (s_q.div_ceil(bq) * s_k.div_ceil(bk)) as u64;
+        let visible = tile_seen.iter().flatten().filter(|&&x| x).count() as u64;
+        Ok((pairs, Tiles { total, visible }))
+    }
+
+    fn check(s_q: usize, s_k: usize, params: &AttentionParams, shape: TileShape) {
+        let d = dims(s_q, s_k);
+        match brute(s_q, s_k, params, shape) {
+            Ok((pairs, t)) => {
+                assert_eq!(visible_pairs(&d, params).unwrap(), pairs, "pairs: s_q {s_q} s_k {s_k} {params:?}");
+                assert_eq!(tiles(&d, params, shape).unwrap(), t, "tiles: s_q {s_q} s_k {s_k} {params:?} {shape:?}");
+            }
+            Err(e) => {
+                let ours = visible_pairs(&d, params).unwrap_err();
+                assert_eq!(std::mem::discriminant(&ours), std::mem::discriminant(&e), "{ours} vs {e}");
+                assert!(tiles(&d, params, shape).is_err());
+            }
+        }
+    }
+
+    fn window(left: Option<u64>, right: Option<u64>) -> Mask {
+        Mask::Window { left, right }
+    }
+
+    fn masks() -> Vec<Mask> {
+        let mut m = vec![Mask::None, Mask::Causal];
+        for l in [None, Some(0), Some(1), Some(3), Some(17)] {
+            for r in [None, Some(0), Some(2), Some(5)] {
+                m.push(window(l, r));
+            }
+        }
+        m.push(window(Some(u64::MAX), Some(u64::MAX)));
+        m
+    }
+
+    #[test]
+    fn matches_the_brute_force_count_on_small_shapes() {
+        let shapes = [TileShape { block_q: 4, block_k: 4 }, TileShape { block_q: 3, block_k: 5 }];
+        for (s_q, s_k) in [(0, 0), (0, 5), (5, 0), (1, 1), (7, 7), (16, 16), (5, 13), (13, 5), (1, 20), (20, 1)] {
+            for mask in masks() {
+                let docs: Vec<Option<Vec<usize>>> = vec![
+                    None,
+                    Some(vec![s_k]),
+                    Some(vec![s_k / 2, s_k - s_k / 2]),
+                    Some(vec![0, s_k / 3, 0, s_k - s_k / 3, 0]),
+                    Some(vec![1; s_k.max(1)]),
+                ];
+                for d in docs {
+                    let documents = d.map(|l| Documents::new(l).unwrap());
+                    let params = AttentionParams { mask, documents, scale: None };
+                    for shape in shapes {
+                        check(s_q, s_k, &params, shape);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn closed_forms() {
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        for s in [1usize, 2, 100, 4096, 1 << 20] {
+            assert_eq!(visible_pairs(&dims(s, s), &causal).unwrap(), (s * (s + 1) / 2) as u64);
+            assert_eq!(visible_pairs(&dims(s, s), &AttentionParams::default()).unwrap(), (s * s) as u64);
+        }
+        // s_q < s_k, causal: query i at i + s_k − s_q sees i + s_k − s_q + 1 keys.
+        let (sq, sk) = (1000u64, 3000u64);
+        let want: u64 = (0..sq).map(|i| i + sk - sq + 1).sum();
+        assert_eq!(visible_pairs(&dims(sq as usize, sk as usize), &causal).unwrap(), want);
+        // s_q > s_k, causal: the first s_q − s_k queries see nothing.
+        assert_eq!(visible_pairs(&dims(3000, 1000), &causal).unwrap(), 1000 * 1001 / 2);
+        // A sliding window of w keys back on a million tokens.
+        let (s, w) = (1u64 << 20, 4096u64);
+        let sw = AttentionParams { mask: window(Some(w), Some(0)), ..Default::default() };
+        let want = w * (w + 1) / 2 + (s - w) * (w + 1);
+        assert_eq!(visible_pairs(&dims(s as usize, s as usize), &sw).unwrap(), want);
+        // Documents: the sum of each document's causal triangle.
+        let docs = AttentionParams { documents: Some(Documents::new(vec![3, 0, 5, 1]).unwrap()), ..causal.clone() };
+        assert_eq!(visible_pairs(&dims(9, 9), &docs).unwrap(), 6 + 15 + 1);
+        // Dense counts and FLOPs.
+        let d = Dims { b: 2, s_q: 10, s_k: 20, h_q: 4, h_kv: 2, d: 32 };
+        assert_eq!(dense_pairs(&d), 200);
+        assert_eq!(flops(&d, 100, Pass::Forward), 4.0 * 32.0 * 8.0 * 100.0);
+        assert_eq!(flops(&d, 100, Pass::Backward), 2.5 * 4.0 * 32.0 * 8.0 * 100.0);
+    }
+
+    #[test]
+    fn long_sequences_count_fast() {
+        // A million tokens in 256 × 64 tiles and a million one-token documents: O(s / tile +
+        // documents), not O(s²).
+        let s = 1usize << 20;
+        let t = std::time::Instant::now();
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let tl = tiles(&dims(s, s), &causal, TileShape { block_q: 256, block_k: 64 }).unwrap();
+        assert_eq!(tl.total, (s / 256 * s / 64) as u64);
+        // Query tile t covers keys 0..256(t+1): 4(t+1) key tiles.
+        assert_eq!(tl.visible, (1..=(s / 256) as u64).map(|t| 4 * t).sum::<u64>());
+        let docs = AttentionParams { documents: Some(Documents::new(vec![1; s]).unwrap()), ..causal };
+        assert_eq!(visible_pairs(&dims(s, s), &docs).unwrap(), s as u64);
+        assert_eq!(tiles(&dims(s, s), &docs, TileShape { block_q: 64, block_k: 64 }).unwrap().visible, (s / 64) as u64);
+        assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn errors_match_the_call() {
+        let docs = AttentionParams { documents: Some(Documents::new(vec![3, 4]).unwrap()), ..Default::default() };
+        assert!(matches!(visible_pairs(&dims(7, 8), &docs), Err(Error::Documents(_))));
+        assert!(matches!(visible_pairs(&dims(8, 7), &docs), Err(Error::Documents(_))));
+        assert!(Visibility::single_device(&docs, 8, 7).is_err());
+        assert_eq!(visible_pairs(&dims(7, 7), &docs).unwrap(), 9 + 16);
+    }
+
+    /// The CUDA tile shapes agree with the launch geometry of `kernels::geometry`: grids, and
+    /// the shared memory their rows take (`FwdTraits::kSmem`, `DkDvTraits::kSmem`).
+    #[test]
+    fn cuda_tiles_match_the_kernel_geometry() {
+        let stride = |dc: usize| if dc / 8 <= 8 { dc } else { (dc / 8).div_ceil(8) * 64 };
+        for d in (8..=geometry::MAX_HEAD_DIM).step_by(8) {
+            let dims = Dims { b: 2, s_q: 1000, s_k: 700, h_q: 4, h_kv: 2, d };
+            let dc = geometry::head_dim_class(d);
+            let row = 2 * stride(dc);
+            let f = TileShape::cuda_forward(d);
+            let l = geometry::forward(&dims);
+            assert_eq!(l.grid[0], dims.s_q.div_ceil(f.block_q), "d = {d}");
+            assert_eq!(l.smem_bytes, f.block_q * row + 4 * f.block_k * row, "d = {d}");
+            for mode in [DqMode::Deterministic, DqMode::Atomic] {
+                let b = TileShape::cuda_backward(d, mode);
+                let l = geometry::dkdv(&dims, mode);
+                let splits = l.grid[0] / dims.s_k.div_ceil(b.block_k);
+                assert!(splits == 1 || splits == 2, "d = {d} {mode:?}");
+                assert_eq!(l.grid[0], dims.s_k.div_ceil(b.block_k) * splits, "d = {d} {mode:?}");
+                let (kv, stage) = (b.block_k * row, 2 * b.block_q * row + 8 * b.block_q);
+                assert!(l.smem_bytes == 2 * kv + stage || l.smem_bytes == 2 * kv + 2 * stage, "d = {d} {mode:?}");
+            }
+        }
+        let cpu = TileShape::from(TileConfig::default());
+        assert_eq!((cpu.block_q, cpu.block_k), (256, 256));
+    }
+
+    fn arb_mask() -> impl Strategy<Value = Mask> {
+        let side = prop_oneof![Just(None), (0u64..12).prop_map(Some)];
+        prop_oneof![Just(Mask::None), Just(Mask::Causal), (side.clone(), side).prop_map(|(l, r)| window(l, r))]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn any_mask_documents_and_tiles(
+            s_q in 0usize..40,
+            s_k in 0usize..40,
+            mask in arb_mask(),
+            cuts in proptest::collection::vec(0usize..40, 0..5),
+            use_docs in any::<bool>(),
+            bq in 1usize..9,
+            bk in 1usize..9,
+        ) {
+            let documents = use_docs.then(|| {
+                let mut c: Vec<usize> = cuts.iter().map(|&x| x % (s_k + 1)).collect();
+                c.push(0);
+                c.push(s_k);
+                c.sort_unstable();
+                Documents::new(c.windows(2).map(|w| w[1] - w[0]).collect()).unwrap()
+            });
+            let params = AttentionParams { mask, documents, scale: None };
+            check(s_q, s_k, &params, TileShape { block_q: bq, block_k: bk });
+        }
+    }
+}
