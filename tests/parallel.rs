@@ -153,8 +153,8 @@ mod faults {
     use ringattn::{random::randn, AttentionParams, DType, Error, Layout, Mask, Tensor};
 
     fn shards(s: usize, world: usize, rank: usize, p: &ParallelParams) -> (Tensor, Tensor, Tensor) {
-        let pos = p.positions(world, rank);
-        let sh = |t: &Tensor| Layout::shard_rows(t, &pos).unwrap();
+        let resolved = p.resolve(world, 4, s).unwrap();
+        let sh = |t: &Tensor| resolved.shard(t, rank).unwrap();
         (
             sh(&randn(vec![1, s, 4, 8], 1, DType::F32)),
             sh(&randn(vec![1, s, 2, 8], 2, DType::F32)),
@@ -485,4 +485,188 @@ fn each_rank_can_have_its_own_thread_pool() {
     let opts = LocalOptions { threads_per_rank: Some(1), ..Default::default() };
     let out = spmd::<Vec<f32>, _>(3, opts, |_| Ok(rayon::current_num_threads()));
     assert!(out.into_iter().all(|r| r.unwrap() == 1));
+}
+
+/// The per-rank API through a resolved plan: every strategy with every defaulted field
+/// (layout, Ulysses degree, sequence length) gives single-device attention — the USP
+/// regression (a rank sharding by an unresolved degree of 1 while the drivers computed with
+/// 4 returned output with relative error 0.67) cannot recur, since positions come only from
+/// `ResolvedParams`; one handshake catches any mismatch; calls after setup issue no
+/// handshake and no split.
+mod resolved_plan {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use ringattn::comm::{spmd, Communicator, LocalOptions, RecvHandle, SendHandle, Tag};
+    use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
+    use ringattn::{random::randn, reference, verify, AttentionParams, DType, Dims, Error, Mask, Result, Tensor};
+
+    /// A communicator that counts the collective calls and splits made on it.
+    struct Counting<'a> {
+        inner: &'a dyn Communicator<Buf = Vec<f32>>,
+        collectives: AtomicUsize,
+        splits: AtomicUsize,
+    }
+
+    impl<'a> Counting<'a> {
+        fn new(inner: &'a dyn Communicator<Buf = Vec<f32>>) -> Self {
+            Counting { inner, collectives: AtomicUsize::new(0), splits: AtomicUsize::new(0) }
+        }
+        fn counts(&self) -> (usize, usize) {
+            (self.collectives.load(Ordering::Relaxed), self.splits.load(Ordering::Relaxed))
+        }
+    }
+
+    impl Communicator for Counting<'_> {
+        type Buf = Vec<f32>;
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn deadline(&self) -> Duration {
+            self.inner.deadline()
+        }
+        fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle> {
+            self.inner.isend(to, tag, data)
+        }
+        fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Vec<f32>>> {
+            self.inner.irecv(from, tag, len)
+        }
+        fn abort(&self, reason: &str) {
+            self.inner.abort(reason)
+        }
+        fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Vec<f32>>>> {
+            self.splits.fetch_add(1, Ordering::Relaxed);
+            self.inner.split(color, key)
+        }
+        fn next_collective_tag(&self) -> Tag {
+            self.collectives.fetch_add(1, Ordering::Relaxed);
+            self.inner.next_collective_tag()
+        }
+        fn bytes_sent(&self) -> u64 {
+            self.inner.bytes_sent()
+        }
+    }
+
+    #[test]
+    fn every_strategy_with_every_default_matches_single_device_attention() {
+        let (world, s) = (4, 64);
+        let q = randn(vec![1, s, 4, 16], 11, DType::F32);
+        let k = randn(vec![1, s, 2, 16], 12, DType::F32);
+        let v = randn(vec![1, s, 2, 16], 13, DType::F32);
+        let d_o = randn(vec![1, s, 4, 16], 14, DType::F32);
+        let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let oracle = reference::backward(&q, &k, &v, &d_o, &attention).unwrap();
+        let fwd = reference::forward(&q, &k, &v, &attention).unwrap();
+        for strategy in [Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp] {
+            // Everything defaulted (layout, Ulysses degree, seq_len), then each given.
+            let defaulted = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+            let given = ParallelParams {
+                seq_len: s,
+                layout: Some(defaulted.layout()),
+                ulysses_degree: (strategy == Strategy::Usp).then_some(2),
+                ..defaulted.clone()
+            };
+            for params in [defaulted, given] {
+                let resolved = params.resolve(world, 4, s).unwrap();
+                let parts = spmd(world, LocalOptions::default(), |comm| {
+                    let be = CpuBackend::default();
+                    let sh = |t: &Tensor| resolved.shard(t, comm.rank());
+                    let (qs, ks, vs, dos) = (sh(&q)?, sh(&k)?, sh(&v)?, sh(&d_o)?);
+                    // Each rank plans from the parameters as given: the plan resolves the same
+                    // defaults (seq_len from the ranks' token counts).
+                    let plan = ParallelPlan::new(comm, &be, &params, &Dims::of(&qs, &ks, &vs)?, DType::F32)?;
+                    assert_eq!(plan.resolved(), &resolved);
+                    let (f, _) = plan.forward(&be, &qs, &ks, &vs)?;
+                    let (g, _) = plan.backward(&be, &qs, &ks, &vs, &f.o, &f.lse, &dos)?;
+                    Ok((f.o, g))
+                });
+                let parts: Vec<(Tensor, ringattn::cpu::Gradients)> = parts.into_iter().collect::<Result<_>>().unwrap();
+                let whole = |f: &dyn Fn(&(Tensor, ringattn::cpu::Gradients)) -> Tensor| {
+                    resolved.unshard(&parts.iter().map(f).collect::<Vec<_>>()).unwrap().to_f32_vec()
+                };
+                let err = |x: Vec<f32>, want: &[f64]| verify::rel_err(&x, want);
+                let what = format!("{strategy:?} {params:?}");
+                assert!(err(whole(&|p| p.0.clone()), &fwd.o) < 1e-5, "o: {what}");
+                assert!(err(whole(&|p| p.1.dq.clone()), &oracle.dq) < 1e-5, "dq: {what}");
+                assert!(err(whole(&|p| p.1.dk.clone()), &oracle.dk) < 1e-5, "dk: {what}");
+                assert!(err(whole(&|p| p.1.dv.clone()), &oracle.dv) < 1e-5, "dv: {what}");
+            }
+        }
+    }
+
+    #[test]
+    fn calls_after_setup_issue_no_handshake_and_no_split() {
+        let (world, s) = (4, 48);
+        let q = randn(vec![1, s, 4, 8], 1, DType::F32);
+        let kv = randn(vec![1, s, 4, 8], 2, DType::F32);
+        for strategy in [Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp] {
+            let params = ParallelParams { strategy, ..Default::default() };
+            let resolved = params.resolve(world, 4, s).unwrap();
+            let counts = spmd(world, LocalOptions::default(), |comm| {
+                let counting = Counting::new(comm);
+                let be = CpuBackend::default();
+                let (qs, kvs) = (resolved.shard(&q, comm.rank())?, resolved.shard(&kv, comm.rank())?);
+                let plan = ParallelPlan::new(&counting, &be, &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
+                let setup = counting.counts();
+                let before_calls = counting.counts();
+                for _ in 0..3 {
+                    let (f, _) = plan.forward(&be, &qs, &kvs, &kvs)?;
+                    plan.backward(&be, &qs, &kvs, &kvs, &f.o, &f.lse, &qs)?;
+                }
+                let after = counting.counts();
+                Ok((setup, (after.0 - before_calls.0, after.1 - before_calls.1)))
+            });
+            for c in counts {
+                let (setup, calls) = c.unwrap();
+                let splits = if matches!(strategy, Strategy::Ulysses | Strategy::Usp) { 2 } else { 0 };
+                assert_eq!(setup, (1, splits), "{strategy:?}: one handshake (a collective) and the mesh's splits");
+                // Three forwards and backwards: no split, and no collective beyond the
+                // strategy's own data movement (all-gather's gather and reduce-scatter).
+                // (All-gather: K and V gathered forward; gathered again and dK, dV
+                // reduce-scattered backward.)
+                let data_collectives = if strategy == Strategy::AllGather { 3 * (2 + 4) } else { 0 };
+                assert_eq!(calls, (data_collectives, 0), "{strategy:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn any_mismatch_fails_every_rank_in_the_one_handshake() {
+        let (world, s) = (4, 32);
+        let q = randn(vec![1, s, 4, 8], 1, DType::F32);
+        let run = |tweak: &(dyn Fn(usize, &mut ParallelParams) + Sync), short: Option<usize>| {
+            let base = ParallelParams { strategy: Strategy::Usp, ..Default::default() };
+            let resolved = base.resolve(world, 4, s).unwrap();
+            spmd(world, LocalOptions { deadline: Duration::from_secs(10), ..Default::default() }, |comm| {
+                let mut p = base.clone();
+                tweak(comm.rank(), &mut p);
+                let mut qs = resolved.shard(&q, comm.rank())?;
+                if short == Some(comm.rank()) {
+                    qs = ringattn::Layout::shard_rows(&qs, &ringattn::Positions::contiguous(0, qs.shape()[1] - 1))?;
+                }
+                ParallelPlan::new(comm, &CpuBackend::default(), &p, &Dims::of(&qs, &qs, &qs)?, DType::F32).map(|_| ())
+            })
+        };
+        let expect = |results: Vec<Result<()>>, needle: &str| {
+            for r in results {
+                match r {
+                    Err(Error::Handshake(m)) => assert!(m.contains(needle), "{m}"),
+                    other => panic!("expected a handshake error naming `{needle}`, got {other:?}"),
+                }
+            }
+        };
+        // A field no one listed by hand: the scale, the mask, the Ulysses degree.
+        expect(run(&|r, p| p.attention.scale = (r == 2).then_some(0.5), None), "rank 2");
+        expect(run(&|r, p| p.attention.mask = if r == 3 { Mask::Causal } else { Mask::None }, None), "rank 3");
+        expect(run(&|r, p| p.ulysses_degree = (r == 1).then_some(2), None), "rank 1");
+        // A rank holding the wrong number of tokens: named when the length is given; without
+        // it the ranks' counts define the length, and every rank's share is then off.
+        expect(run(&|_, p| p.seq_len = s, Some(1)), "rank 1 holds 7");
+        expect(run(&|_, _| {}, Some(1)), "holds");
+        // An invalid configuration on one rank is that rank's error, on every rank.
+        expect(run(&|r, p| p.ulysses_degree = (r == 0).then_some(3), None), "rank 0: ");
+    }
 }

@@ -13,8 +13,8 @@ use super::{CudaDevice, DeviceBackend};
 use crate::comm::{Communicator, LocalComm, LocalOptions, RecvHandle, SendHandle, Tag};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::DqMode;
-use crate::parallel::{self, ParallelParams, ProcessRun, Stats, Strategy};
-use crate::{Dims, Error, Layout, Result, Tensor};
+use crate::parallel::{self, ParallelParams, ParallelPlan, ProcessRun, Stats};
+use crate::{Dims, Error, Result, Tensor};
 
 /// One rank of a group of in-process ranks (threads) sharing one GPU, moving [`DeviceBuf`]s:
 /// the device-resident twin of [`LocalComm`] (NCCL refuses two ranks on one GPU, so this
@@ -442,12 +442,7 @@ fn run_ranks(
         )));
     }
     crate::runner::check_supported(super::BACKEND, &dims, q.dtype())?;
-    params.validate(world, dims.h_q)?;
-    let mut p = params.clone();
-    p.seq_len = dims.s_q;
-    if p.strategy == Strategy::Usp {
-        p.ulysses_degree = Some(p.usp_degree(world, dims.h_q)?);
-    }
+    let resolved = params.resolve(world, dims.h_q, dims.s_q)?;
     let device = CudaDevice::shared(run.device)?;
     let mut comms = DeviceComm::group(world, options, &device)?;
     if run.mode == DeviceRunMode::ComputeOnly {
@@ -460,14 +455,14 @@ fn run_ranks(
         })
         .collect::<Result<Vec<_>>>()?;
     let rank_fn = |comm: &DeviceComm, be: &DeviceBackend| -> Result<RankResult> {
-        let pos = p.positions(world, comm.rank());
-        let shard = |t: &Tensor| Layout::shard_rows(t, &pos);
+        let shard = |t: &Tensor| resolved.shard(t, comm.rank());
         let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
+        let plan = ParallelPlan::new(comm, be, resolved.params(), &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
         be.record_step_times(timed);
-        let (f, fs) = parallel::forward(comm, be, &qs, &ks, &vs, &p)?;
+        let (f, fs) = plan.forward(be, &qs, &ks, &vs)?;
         let fwd_steps = be.step_times_ms()?;
         let g = match d_o {
-            Some(t) => Some(parallel::backward(comm, be, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?, &p)?),
+            Some(t) => Some(plan.backward(be, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),
             None => None,
         };
         let bwd_steps = be.step_times_ms()?;
@@ -484,7 +479,7 @@ fn run_ranks(
         parts.iter().map(|x| (x.2.as_ref().map_or(Duration::ZERO, |g| g.1.total), x.4.clone())).collect(),
     );
     let runs = parts.into_iter().map(|x| (x.0, x.1, x.2)).collect();
-    Ok((parallel::assemble(&p, d_o.is_some(), runs)?, timings))
+    Ok((parallel::assemble(&resolved, d_o.is_some(), runs)?, timings))
 }
 
 #[cfg(test)]

@@ -4,29 +4,36 @@
 //! Strategies ([`Strategy`]): `Ring` (K/V blocks travel the ring, partials merge in f32),
 //! `AllGather` (llama3-style: gather K/V, attend locally, reduce-scatter dK/dV), `Ulysses`
 //! (all-to-all from sequence to head sharding and back) and `Usp` (Ulysses inside groups of
-//! consecutive ranks, a ring across the groups). Every rank holds the tokens
-//! [`ParallelParams::positions`] gives it (see [`Layout`]); any sequence length works.
+//! consecutive ranks, a ring across the groups). Any sequence length works.
+//!
+//! Every default (layout, sequence length, Ulysses degree) is resolved in one place,
+//! [`ParallelParams::resolve`]; the [`ResolvedParams`] give each rank its tokens
+//! ([`ResolvedParams::shard`], [`ResolvedParams::positions`], see [`Layout`]) and reassemble
+//! the parts. A [`ParallelPlan`] is made once per rank and layer shape (one handshake; the
+//! Ulysses/USP sub-communicators) and runs every later call without setup;
+//! [`forward`] / [`backward`] plan on every call.
 //!
 //! ```
 //! use ringattn::comm::{spmd, Communicator, LocalOptions};
-//! use ringattn::parallel::{self, CpuBackend, ParallelParams, Strategy};
-//! use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Layout, Mask};
+//! use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
+//! use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Dims, Layout, Mask};
 //!
 //! let (s, world) = (100, 4);
 //! let q = randn(vec![1, s, 4, 16], 1, DType::F32);
 //! let k = randn(vec![1, s, 2, 16], 2, DType::F32);
 //! let v = randn(vec![1, s, 2, 16], 3, DType::F32);
 //! let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
-//! let params = ParallelParams { strategy: Strategy::Ring, layout: Some(Layout::Zigzag), attention: attention.clone(), seq_len: s, ..Default::default() };
-//! // Each rank takes its shard, runs the ring, and returns its part of the output.
+//! let params = ParallelParams { strategy: Strategy::Ring, layout: Some(Layout::Zigzag), attention: attention.clone(), ..Default::default() };
+//! let resolved = params.resolve(world, 4, s)?;
+//! // Each rank takes its shard, plans once, and runs the ring.
 //! let parts = spmd(world, LocalOptions::default(), |comm| {
-//!     let pos = params.positions(world, comm.rank());
-//!     let shard = |t: &ringattn::Tensor| Layout::shard_rows(t, &pos);
-//!     let (out, _stats) = parallel::forward(comm, &CpuBackend::default(), &shard(&q)?, &shard(&k)?, &shard(&v)?, &params)?;
-//!     Ok(out)
+//!     let shard = |t: &ringattn::Tensor| resolved.shard(t, comm.rank());
+//!     let (q, k, v) = (shard(&q)?, shard(&k)?, shard(&v)?);
+//!     let plan = ParallelPlan::new(comm, &CpuBackend::default(), &params, &Dims::of(&q, &k, &v)?, q.dtype())?;
+//!     let (out, _stats) = plan.forward(&CpuBackend::default(), &q, &k, &v)?;
+//!     Ok(out.o)
 //! });
-//! let o_parts: Vec<_> = parts.into_iter().map(|r| r.map(|f| f.o)).collect::<Result<_, _>>()?;
-//! let o = params.unshard(&o_parts)?;
+//! let o = resolved.unshard(&parts.into_iter().collect::<Result<Vec<_>, _>>()?)?;
 //! let single = cpu::forward(&q, &k, &v, &attention)?;
 //! let single64: Vec<f64> = single.o.as_f32().iter().map(|&x| x as f64).collect();
 //! assert!(verify::rel_err(&o.to_f32_vec(), &single64) < 1e-5);
@@ -35,6 +42,7 @@
 
 mod allgather;
 mod backend;
+mod plan;
 mod ring;
 mod seq;
 mod ulysses;
@@ -44,8 +52,9 @@ use std::time::Duration;
 pub use backend::{
     Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
 };
+pub use plan::{ParallelPlan, ResolvedParams};
 
-use crate::comm::{all_gather, spmd, Communicator, LocalOptions};
+use crate::comm::{spmd, Communicator, LocalOptions, Payload};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, Dims, Error, Layout, Mask, Positions, Result, Tensor};
 use seq::Shape;
@@ -89,10 +98,11 @@ pub struct ParallelParams {
     pub layout: Option<Layout>,
     /// Mask, documents and scale, on global positions.
     pub attention: AttentionParams,
-    /// Global sequence length `s`.
+    /// Global sequence length `s` (0: the sum of the ranks' token counts, resolved by the
+    /// plan's handshake).
     pub seq_len: usize,
     /// Ulysses degree of `Usp` (`None`: the largest divisor of the world size that divides
-    /// `h_q`, given at validation).
+    /// `h_q`, chosen by [`ParallelParams::resolve`]).
     pub ulysses_degree: Option<usize>,
 }
 
@@ -190,46 +200,6 @@ impl ParallelParams {
             _ => Ok(()),
         }
     }
-
-    /// Global positions of the tokens `rank` holds among `world` ranks. For `Usp` the layout
-    /// applies to the ring groups and each group's tokens are split contiguously among its
-    /// Ulysses ranks.
-    pub fn positions(&self, world: usize, rank: usize) -> Positions {
-        self.positions_with(world, rank, self.ulysses_degree.unwrap_or(1))
-    }
-
-    fn positions_with(&self, world: usize, rank: usize, u: usize) -> Positions {
-        let s = self.seq_len;
-        if self.strategy != Strategy::Usp || u <= 1 {
-            return self.layout().positions(s, world, rank);
-        }
-        let (g, i) = (rank / u, rank % u);
-        let group = self.layout().positions(s, world / u, g).to_vec();
-        let n = group.len();
-        let mine = &group[i * n / u..(i + 1) * n / u];
-        let segs = mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect();
-        Positions::from_segments(segs).expect("unit segments")
-    }
-
-    /// Reassembles per-rank `[b, n_r, h, d]` parts (indexed by rank) into the full sequence.
-    ///
-    /// # Errors
-    /// [`Error::ShapeMismatch`] when the parts do not fit.
-    pub fn unshard(&self, parts: &[Tensor]) -> Result<Tensor> {
-        let world = parts.len();
-        let pos: Vec<Positions> = (0..world).map(|r| self.positions(world, r)).collect();
-        Layout::unshard_rows(parts, &pos)
-    }
-
-    /// Reassembles per-rank LSE parts `[b, h, n_r]` into `[b, h, s]`.
-    ///
-    /// # Errors
-    /// [`Error::ShapeMismatch`] when the parts do not fit.
-    pub fn unshard_lse(&self, parts: &[Tensor]) -> Result<Tensor> {
-        let world = parts.len();
-        let pos: Vec<Positions> = (0..world).map(|r| self.positions(world, r)).collect();
-        Layout::unshard_lse_rows(parts, &pos)
-    }
 }
 
 /// Per-rank local data in the backend's buffers.
@@ -241,71 +211,6 @@ struct LocalData<B> {
     q: B,
     k: B,
     v: B,
-}
-
-/// Length of the configuration text ranks exchange in the handshake (longer texts are cut).
-const HANDSHAKE_BYTES: usize = 1024;
-
-/// Validates the shards, then compares every rank's configuration: any mismatch or local
-/// error fails every rank with the same message. The texts travel as the backend's buffers.
-fn handshake<Be: Backend>(
-    comm: &dyn Communicator<Buf = Be::Buf>,
-    be: &Be,
-    params: &ParallelParams,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> Result<Dims> {
-    let (world, rank) = (comm.size(), comm.rank());
-    let local = Dims::of(q, k, v).and_then(|dims| {
-        be.supports(&dims, q.dtype())?;
-        params.validate(world, dims.h_q)?;
-        let mut p = params.clone();
-        if p.strategy == Strategy::Usp {
-            p.ulysses_degree = Some(params.usp_degree(world, dims.h_q)?);
-        }
-        let want = p.positions(world, rank).len();
-        if dims.s_q != want || dims.s_k != want {
-            return Err(Error::ShapeMismatch(format!(
-                "rank {rank} holds {} query and {} key tokens; the {:?} layout of {} tokens over {world} ranks gives it {want}",
-                dims.s_q, dims.s_k, p.layout(), p.seq_len
-            )));
-        }
-        Ok(dims)
-    });
-    let config = match &local {
-        Ok(d) => format!(
-            "ok {:?} {:?} {:?} {:?} {:?} s={} b={} h_q={} h_kv={} d={} {}",
-            params.strategy,
-            params.layout(),
-            params.attention.mask,
-            params.attention.documents.as_ref().map(|x| x.lengths()),
-            params.attention.scale,
-            params.seq_len,
-            d.b,
-            d.h_q,
-            d.h_kv,
-            d.d,
-            q.dtype()
-        ),
-        Err(e) => format!("error {e}"),
-    };
-    // Fixed-length texts (receivers post receives of a known size); zero bytes pad.
-    let mut text: Vec<f32> = config.bytes().take(HANDSHAKE_BYTES).map(|c| c as f32).collect();
-    text.resize(HANDSHAKE_BYTES, 0.0);
-    let all = all_gather(comm, be.upload(&text)?)?;
-    let mut configs = Vec::with_capacity(all.len());
-    for buf in &all {
-        let bytes: Vec<u8> = be.download(buf)?.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-        configs.push(String::from_utf8_lossy(&bytes).into_owned());
-    }
-    if let Some((i, e)) = configs.iter().enumerate().find(|(_, c)| c.starts_with("error ")) {
-        return Err(Error::Handshake(format!("rank {i}: {}", &e[6..])));
-    }
-    if let Some((i, c)) = configs.iter().enumerate().find(|(_, c)| *c != &configs[0]) {
-        return Err(Error::Handshake(format!("rank {i} has `{}` but rank 0 has `{}`", &c[3..], &configs[0][3..])));
-    }
-    local
 }
 
 impl<B> LocalData<B> {
@@ -337,16 +242,15 @@ fn local_data<Be: Backend>(be: &Be, dims: Dims, q: &Tensor, k: &Tensor, v: &Tens
     })
 }
 
-fn all_positions(params: &ParallelParams, world: usize, u: usize) -> Vec<Positions> {
-    (0..world).map(|r| params.positions_with(world, r, u)).collect()
-}
-
 fn concat_positions(pos: &[Positions]) -> Positions {
     Positions::from_segments(pos.iter().flat_map(|p| p.segments().iter().copied()).collect()).expect("valid segments")
 }
 
 /// This rank's part of the forward: `o` (input dtype) and `lse` (f32) for the tokens it
 /// holds, with its statistics. Collective over `comm`, whose buffers are the backend's.
+/// Plans the layer on every call ([`ParallelPlan::new`]: one handshake, and the splits of
+/// Ulysses/USP); code that calls attention repeatedly makes the plan once and calls
+/// [`ParallelPlan::forward`].
 ///
 /// # Errors
 /// [`Error::Handshake`] when ranks disagree or one holds the wrong shard (on every rank),
@@ -359,25 +263,13 @@ pub fn forward<Be: Backend>(
     v: &Tensor,
     params: &ParallelParams,
 ) -> Result<(ForwardOutput, Stats)> {
-    let start = std::time::Instant::now();
-    let dims = handshake(comm, backend, params, q, k, v)?;
-    let x = local_data(backend, dims, q, k, v)?;
-    let mut stats = Stats { hops: 1, ..Default::default() };
-    let sent0 = comm.bytes_sent();
-    let (o, lse) = run_forward(comm, backend, &x, params, &mut stats)?;
-    stats.bytes_sent = comm.bytes_sent() - sent0;
-    stats.total = start.elapsed();
-    Ok((
-        ForwardOutput {
-            o: Tensor::from_f32_owned(dims.q_shape(), backend.download(&o)?, q.dtype())?,
-            lse: Tensor::from_f32(dims.lse_shape(), backend.download(&lse)?)?,
-        },
-        stats,
-    ))
+    let plan = ParallelPlan::new(comm, backend, params, &Dims::of(q, k, v)?, q.dtype())?;
+    plan.forward(backend, q, k, v)
 }
 
 /// This rank's part of the backward, from its shards, its `o` and `lse` (as [`forward`]
-/// returned them) and its `d_o`. Collective over `comm`.
+/// returned them) and its `d_o`. Collective over `comm`; plans the layer on every call, as
+/// [`forward`] does ([`ParallelPlan::backward`] does not).
 ///
 /// # Errors
 /// As [`forward`].
@@ -393,45 +285,103 @@ pub fn backward<Be: Backend>(
     d_o: &Tensor,
     params: &ParallelParams,
 ) -> Result<(Gradients, Stats)> {
-    let start = std::time::Instant::now();
-    let dims = handshake(comm, backend, params, q, k, v)?;
-    dims.expect_backward_inputs(q, o, lse, d_o)?;
-    let x = local_data(backend, dims, q, k, v)?;
-    let (o, lse, d_o) = (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
-    let mut stats = Stats { hops: 1, ..Default::default() };
-    let sent0 = comm.bytes_sent();
-    let (dq, dk, dv) = run_backward(comm, backend, &x, &o, &lse, &d_o, params, &mut stats)?;
-    stats.bytes_sent = comm.bytes_sent() - sent0;
-    stats.total = start.elapsed();
-    let round = |shape: Vec<usize>, b: &Be::Buf| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
-    Ok((
-        Gradients {
-            dq: round(dims.q_shape(), &dq)?,
-            dk: round(dims.kv_shape(), &dk)?,
-            dv: round(dims.kv_shape(), &dv)?,
-        },
-        stats,
-    ))
+    let plan = ParallelPlan::new(comm, backend, params, &Dims::of(q, k, v)?, q.dtype())?;
+    plan.backward(backend, q, k, v, o, lse, d_o)
+}
+
+impl<B: Payload> ParallelPlan<'_, B> {
+    /// This rank's part of the forward on the planned shard: `o` (input dtype) and `lse`
+    /// (f32) for its tokens. Collective over the plan's communicator; no handshake, no split.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the tensors are not the planned shard; communication
+    /// and backend errors.
+    pub fn forward<Be: Backend<Buf = B>>(
+        &self,
+        backend: &Be,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(ForwardOutput, Stats)> {
+        let start = std::time::Instant::now();
+        self.check_call(q, k, v)?;
+        let dims = self.dims;
+        let x = local_data(backend, dims, q, k, v)?;
+        let mut stats = Stats { hops: 1, ..Default::default() };
+        let sent0 = self.comm.bytes_sent();
+        let (o, lse) = run_forward(self, backend, &x, &mut stats)?;
+        stats.bytes_sent = self.comm.bytes_sent() - sent0;
+        stats.total = start.elapsed();
+        Ok((
+            ForwardOutput {
+                o: Tensor::from_f32_owned(dims.q_shape(), backend.download(&o)?, q.dtype())?,
+                lse: Tensor::from_f32(dims.lse_shape(), backend.download(&lse)?)?,
+            },
+            stats,
+        ))
+    }
+
+    /// This rank's part of the backward on the planned shard, from its `o` and `lse` (as
+    /// [`ParallelPlan::forward`] returned them) and its `d_o`. Collective; no handshake, no
+    /// split.
+    ///
+    /// # Errors
+    /// As [`ParallelPlan::forward`]; [`Error::ShapeMismatch`] for `o`, `lse` or `d_o` of
+    /// another shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<Be: Backend<Buf = B>>(
+        &self,
+        backend: &Be,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Gradients, Stats)> {
+        let start = std::time::Instant::now();
+        self.check_call(q, k, v)?;
+        let dims = self.dims;
+        dims.expect_backward_inputs(q, o, lse, d_o)?;
+        let x = local_data(backend, dims, q, k, v)?;
+        let (o, lse, d_o) =
+            (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
+        let mut stats = Stats { hops: 1, ..Default::default() };
+        let sent0 = self.comm.bytes_sent();
+        let (dq, dk, dv) = run_backward(self, backend, &x, &o, &lse, &d_o, &mut stats)?;
+        stats.bytes_sent = self.comm.bytes_sent() - sent0;
+        stats.total = start.elapsed();
+        let round = |shape: Vec<usize>, b: &B| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
+        Ok((
+            Gradients {
+                dq: round(dims.q_shape(), &dq)?,
+                dk: round(dims.kv_shape(), &dk)?,
+                dv: round(dims.kv_shape(), &dv)?,
+            },
+            stats,
+        ))
+    }
+}
+
+/// The Ulysses mesh of a plan (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
+fn mesh<'p, B: Payload>(plan: &'p ParallelPlan<'_, B>) -> Result<&'p Mesh<B>> {
+    plan.mesh.as_ref().ok_or_else(|| Error::Parallel("internal: a Ulysses plan without its mesh".into()))
 }
 
 fn run_forward<Be: Backend>(
-    comm: &dyn Communicator<Buf = Be::Buf>,
+    plan: &ParallelPlan<'_, Be::Buf>,
     be: &Be,
     x: &LocalData<Be::Buf>,
-    params: &ParallelParams,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf)> {
-    let world = comm.size();
-    let ap = &params.attention;
-    match params.strategy {
-        Strategy::Single | Strategy::Ring => {
-            let pos = all_positions(params, world, 1);
-            let ri = x.ring_inputs(&pos, ap);
-            ring::forward(comm, be, &ri, stats)
-        }
-        Strategy::AllGather => allgather::forward(comm, be, x, &all_positions(params, world, 1), ap, stats),
+    let comm = plan.comm;
+    let ap = &plan.resolved.params().attention;
+    let pos = plan.resolved.all_positions();
+    match plan.resolved.params().strategy {
+        Strategy::Single | Strategy::Ring => ring::forward(comm, be, &x.ring_inputs(pos, ap), stats),
+        Strategy::AllGather => allgather::forward(comm, be, x, pos, ap, stats),
         Strategy::Ulysses | Strategy::Usp => {
-            let m = Mesh::new(comm, params, x)?;
+            let m = mesh(plan)?;
             let g = m.group.as_ref();
             let a2a = std::time::Instant::now();
             let q = ulysses::seq_to_heads(g, be, &x.q, m.q_shape, &m.counts, &m.plan.q_heads)?;
@@ -448,30 +398,23 @@ fn run_forward<Be: Backend>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_backward<Be: Backend>(
-    comm: &dyn Communicator<Buf = Be::Buf>,
+    plan: &ParallelPlan<'_, Be::Buf>,
     be: &Be,
     x: &LocalData<Be::Buf>,
     o: &Be::Buf,
     lse: &Be::Buf,
     d_o: &Be::Buf,
-    params: &ParallelParams,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-    let world = comm.size();
-    let ap = &params.attention;
-    match params.strategy {
-        Strategy::Single | Strategy::Ring => {
-            let pos = all_positions(params, world, 1);
-            let ri = x.ring_inputs(&pos, ap);
-            ring::backward(comm, be, &ri, o, lse, d_o, stats)
-        }
-        Strategy::AllGather => {
-            allgather::backward(comm, be, x, &all_positions(params, world, 1), ap, o, lse, d_o, stats)
-        }
+    let comm = plan.comm;
+    let ap = &plan.resolved.params().attention;
+    let pos = plan.resolved.all_positions();
+    match plan.resolved.params().strategy {
+        Strategy::Single | Strategy::Ring => ring::backward(comm, be, &x.ring_inputs(pos, ap), o, lse, d_o, stats),
+        Strategy::AllGather => allgather::backward(comm, be, x, pos, ap, o, lse, d_o, stats),
         Strategy::Ulysses | Strategy::Usp => {
-            let m = Mesh::new(comm, params, x)?;
+            let m = mesh(plan)?;
             let g = m.group.as_ref();
             let (qs, ks, qh, kh) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads);
             let a2a = std::time::Instant::now();
@@ -496,8 +439,9 @@ fn run_backward<Be: Backend>(
 }
 
 /// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
-/// ranks, the ring across groups, the head plan and this rank's token counts.
-struct Mesh<B: crate::comm::Payload> {
+/// ranks, the ring across groups, the head plan and this rank's token counts — made once per
+/// [`ParallelPlan`].
+pub(crate) struct Mesh<B: crate::comm::Payload> {
     group: Box<dyn Communicator<Buf = B>>,
     ring: Box<dyn Communicator<Buf = B>>,
     plan: ulysses::HeadPlan,
@@ -512,13 +456,14 @@ struct Mesh<B: crate::comm::Payload> {
 }
 
 impl<B: crate::comm::Payload> Mesh<B> {
-    fn new(comm: &dyn Communicator<Buf = B>, params: &ParallelParams, x: &LocalData<B>) -> Result<Self> {
+    /// Splits `comm` into the Ulysses groups and the rings across them (collective).
+    pub(crate) fn new(comm: &dyn Communicator<Buf = B>, resolved: &ResolvedParams, dims: &Dims) -> Result<Self> {
         let (world, rank) = (comm.size(), comm.rank());
-        let u = if params.strategy == Strategy::Ulysses { world } else { params.usp_degree(world, x.h_q)? };
-        let pos = all_positions(params, world, u);
+        let u = resolved.ulysses_degree();
+        let pos = resolved.all_positions();
         let group = comm.split(rank / u, rank % u)?;
         let ring = comm.split(rank % u, rank / u)?;
-        let plan = ulysses::HeadPlan::new(x.h_q, x.h_kv, u)?;
+        let plan = ulysses::HeadPlan::new(dims.h_q, dims.h_kv, u)?;
         let g0 = rank / u * u;
         let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
         let n = counts[rank % u];
@@ -530,8 +475,8 @@ impl<B: crate::comm::Payload> Mesh<B> {
             counts,
             group_pos,
             me: rank % u,
-            q_shape: Shape { b: x.b, n, h: x.h_q, d: x.d },
-            kv_shape: Shape { b: x.b, n, h: x.h_kv, d: x.d },
+            q_shape: Shape { b: dims.b, n, h: dims.h_q, d: dims.d },
+            kv_shape: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d },
         })
     }
 
@@ -550,7 +495,7 @@ impl<B: crate::comm::Payload> Mesh<B> {
 }
 
 /// Gathers every rank's part of the results to rank `root`, which reassembles them in the
-/// original token order (`params` with its `seq_len` and, for USP, its Ulysses degree set):
+/// original token order of `resolved` (the plan's [`ParallelPlan::resolved`]):
 /// what a multi-process run does before rank `root` writes the output file. Returns the
 /// whole results on `root` and `None` elsewhere. The parts travel as `buffers`' buffers
 /// (host vectors, or device buffers for device communicators). Collective; `grads` must be
@@ -563,14 +508,20 @@ pub fn gather_results<Bu: Buffers>(
     buffers: &Bu,
     forward: &ForwardOutput,
     grads: Option<&Gradients>,
-    params: &ParallelParams,
+    resolved: &ResolvedParams,
     root: usize,
 ) -> Result<Option<(ForwardOutput, Option<Gradients>)>> {
     let (world, rank) = (comm.size(), comm.rank());
     if root >= world {
         return Err(Error::InvalidArgument(format!("gather: root {root} out of range for {world} ranks")));
     }
-    let pos: Vec<Positions> = (0..world).map(|r| params.positions(world, r)).collect();
+    if resolved.world() != world {
+        return Err(Error::InvalidArgument(format!(
+            "gather: the plan is for {} ranks, the communicator has {world}",
+            resolved.world()
+        )));
+    }
+    let pos = resolved.all_positions();
     let mut tensors = vec![&forward.o, &forward.lse];
     if let Some(g) = grads {
         tensors.extend([&g.dq, &g.dk, &g.dv]);
@@ -604,7 +555,7 @@ pub fn gather_results<Bu: Buffers>(
             let data = comm.irecv(r, tag, sh.iter().product())?.wait()?;
             parts.push(Tensor::from_f32_as(sh, buffers.download(&data)?, t.dtype())?);
         }
-        whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, &pos)? } else { Layout::unshard_rows(&parts, &pos)? });
+        whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, pos)? } else { Layout::unshard_rows(&parts, pos)? });
     }
     let mut it = whole.into_iter();
     let (o, lse) = (it.next(), it.next());
@@ -653,24 +604,19 @@ pub fn run_in_process<Be: Backend>(
             dims.s_q, dims.s_k
         )));
     }
-    params.validate(world, dims.h_q)?;
-    let mut p = params.clone();
-    p.seq_len = dims.s_q;
-    if p.strategy == Strategy::Usp {
-        p.ulysses_degree = Some(p.usp_degree(world, dims.h_q)?);
-    }
+    let resolved = params.resolve(world, dims.h_q, dims.s_q)?;
     let results = spmd::<Be::Buf, _>(world, options, |comm| {
-        let pos = p.positions(world, comm.rank());
-        let shard = |t: &Tensor| Layout::shard_rows(t, &pos);
+        let shard = |t: &Tensor| resolved.shard(t, comm.rank());
         let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
-        let (f, fs) = forward(comm, backend, &qs, &ks, &vs, &p)?;
+        let plan = ParallelPlan::new(comm, backend, resolved.params(), &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
+        let (f, fs) = plan.forward(backend, &qs, &ks, &vs)?;
         let g = match d_o {
-            Some(t) => Some(backward(comm, backend, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?, &p)?),
+            Some(t) => Some(plan.backward(backend, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),
             None => None,
         };
         Ok((f, fs, g))
     });
-    assemble(&p, d_o.is_some(), collect_ranks(results)?)
+    assemble(&resolved, d_o.is_some(), collect_ranks(results)?)
 }
 
 /// Every rank's result, or the first error — preferring a root cause over the peers'
@@ -698,7 +644,7 @@ pub(crate) fn collect_ranks<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
 pub(crate) type RankRun = (ForwardOutput, Stats, Option<(Gradients, Stats)>);
 
 /// The ranks' parts (indexed by rank) reassembled in the original token order.
-pub(crate) fn assemble(p: &ParallelParams, with_grads: bool, parts: Vec<RankRun>) -> Result<ProcessRun> {
+pub(crate) fn assemble(p: &ResolvedParams, with_grads: bool, parts: Vec<RankRun>) -> Result<ProcessRun> {
     let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
     let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
     let forward = ForwardOutput { o: p.unshard(&o)?, lse: p.unshard_lse(&lse)? };

@@ -18,8 +18,8 @@ use ringattn::comm::{MpiComm, MpiOptions};
 use ringattn::io::TensorFile;
 #[cfg(feature = "mpi")]
 use ringattn::parallel::CpuBackend;
-use ringattn::parallel::{self, gather_results, Backend, Buffers, ParallelParams, Stats, Strategy};
-use ringattn::{Error, Result};
+use ringattn::parallel::{gather_results, Backend, Buffers, ParallelParams, ParallelPlan, Stats, Strategy};
+use ringattn::{Dims, Error, Result};
 
 #[cfg(feature = "mpi")]
 use crate::args::BackendKind;
@@ -256,17 +256,18 @@ fn run_rank<Be: Backend>(
         return Err(Error::ShapeMismatch(format!("q has shape {q_shape:?}; expected [b, s, h_q, d]")));
     };
     params.seq_len = s;
-    if params.strategy == Strategy::Usp {
-        params.ulysses_degree = Some(params.usp_degree(world, h_q)?);
-    }
-    let x = file.read_input_rows(&params.positions(world, rank))?;
+    // Resolved once: a configuration error found on every rank is a handshake error (printed
+    // once); the plan's handshake then checks what every rank read.
+    let resolved = params.resolve(world, h_q, s).map_err(|e| Error::Handshake(e.to_string()))?;
+    let x = file.read_input_rows(resolved.positions(rank))?;
+    let plan = ParallelPlan::new(comm, be, resolved.params(), &Dims::of(&x.q, &x.k, &x.v)?, x.q.dtype())?;
     let mut totals = Vec::with_capacity(a.repeat.max(1));
     let mut last = None;
     for _ in 0..a.repeat.max(1) {
-        let (fwd, fs) = parallel::forward(comm, be, &x.q, &x.k, &x.v, &params)?;
+        let (fwd, fs) = plan.forward(be, &x.q, &x.k, &x.v)?;
         let (grads, bs) = match &x.d_o {
             Some(d_o) => {
-                let (g, s) = parallel::backward(comm, be, &x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o, &params)?;
+                let (g, s) = plan.backward(be, &x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o)?;
                 (Some(g), Some(s))
             }
             None => (None, None),
@@ -281,7 +282,7 @@ fn run_rank<Be: Backend>(
         Some(_) => gather_stats(comm, be, (fs, bs), totals)?,
         None => None,
     };
-    if let Some((fwd, grads)) = gather_results(comm, be, &fwd, grads.as_ref(), &params, 0)? {
+    if let Some((fwd, grads)) = gather_results(comm, be, &fwd, grads.as_ref(), plan.resolved(), 0)? {
         crate::run::write_outputs(&a.output, &fwd, grads.as_ref())?;
         if let (Some(path), Some(ranks)) = (&a.stats, ranks) {
             write_rank_stats(path, &a.exec.strategy, ranks)?;

@@ -1,0 +1,411 @@
+//! The resolved plan of a sequence-parallel layer: every default resolved in one place
+//! ([`ParallelParams::resolve`] → [`ResolvedParams`]: layout, sequence length, Ulysses
+//! degree, every rank's positions), then, collectively, one handshake and the Ulysses/USP
+//! sub-communicators ([`ParallelPlan::new`]); its [`ParallelPlan::forward`] and
+//! [`ParallelPlan::backward`] then run without either, layer after layer, step after step.
+//!
+//! Positions, sharding and reassembly come only from a [`ResolvedParams`], so a rank cannot
+//! shard its tokens by one Ulysses degree while the drivers compute with another.
+
+use super::{Mesh, Strategy};
+use crate::comm::{all_gather, Communicator, Payload};
+use crate::parallel::{Backend, ParallelParams};
+use crate::{DType, Dims, Error, Layout, Positions, Result, Segment, Tensor};
+
+/// [`ParallelParams`] with every default resolved for a world size, a query-head count and a
+/// sequence length, validated: the layout is set, `seq_len` is the global length, and the
+/// Ulysses degree is set for `Usp` (and is the world size for `Ulysses`). Positions, shards
+/// and reassembly of every rank come from here.
+///
+/// ```
+/// use ringattn::parallel::{ParallelParams, Strategy};
+/// use ringattn::{AttentionParams, Mask};
+/// let params = ParallelParams { strategy: Strategy::Usp, attention: AttentionParams { mask: Mask::Causal, ..Default::default() }, ..Default::default() };
+/// let r = params.resolve(4, 4, 64)?; // 4 ranks, 4 query heads, 64 tokens
+/// assert_eq!(r.ulysses_degree(), 4);   // the largest divisor of the world that divides h_q
+/// assert_eq!((0..4).map(|rank| r.positions(rank).len()).sum::<usize>(), 64);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolvedParams {
+    params: ParallelParams,
+    world: usize,
+    ulysses: usize,
+    positions: Vec<Positions>,
+}
+
+impl ParallelParams {
+    /// Resolves every default for `world` ranks, `h_q` query heads and a global sequence of
+    /// `seq_len` tokens (used when `self.seq_len` is 0; when both are set they must agree),
+    /// and validates the result.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] naming the constraint that fails (as [`ParallelParams::validate`],
+    /// or two different sequence lengths).
+    pub fn resolve(&self, world: usize, h_q: usize, seq_len: usize) -> Result<ResolvedParams> {
+        self.validate(world, h_q)?;
+        let mut p = self.clone();
+        p.seq_len = match (self.seq_len, seq_len) {
+            (0, s) | (s, 0) => s,
+            (a, b) if a == b => a,
+            (a, b) => {
+                return Err(Error::Parallel(format!("the sequence has {b} tokens, but seq_len says {a}")));
+            }
+        };
+        p.layout = Some(self.layout());
+        let ulysses = match p.strategy {
+            Strategy::Ulysses => world,
+            Strategy::Usp => self.usp_degree(world, h_q)?,
+            _ => 1,
+        };
+        if p.strategy == Strategy::Usp {
+            p.ulysses_degree = Some(ulysses);
+        }
+        let positions = (0..world).map(|r| positions_of(&p, world, r, ulysses)).collect();
+        Ok(ResolvedParams { params: p, world, ulysses, positions })
+    }
+}
+
+/// Global positions of the tokens `rank` holds: the layout's, except under `Usp`, where the
+/// layout applies to the ring groups and each group's tokens are split contiguously among
+/// its `u` Ulysses ranks.
+fn positions_of(p: &ParallelParams, world: usize, rank: usize, u: usize) -> Positions {
+    let (s, layout) = (p.seq_len, p.layout());
+    if p.strategy != Strategy::Usp || u <= 1 {
+        return layout.positions(s, world, rank);
+    }
+    let (g, i) = (rank / u, rank % u);
+    let group = layout.positions(s, world / u, g).to_vec();
+    let n = group.len();
+    let mine = &group[i * n / u..(i + 1) * n / u];
+    let segs = mine.iter().map(|&p| Segment { start: p, stride: 1, len: 1 }).collect();
+    Positions::from_segments(segs).expect("unit segments")
+}
+
+impl ResolvedParams {
+    /// The parameters with every default resolved.
+    pub fn params(&self) -> &ParallelParams {
+        &self.params
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The Ulysses degree: the world size under `Ulysses`, the resolved degree under `Usp`, 1
+    /// otherwise.
+    pub fn ulysses_degree(&self) -> usize {
+        self.ulysses
+    }
+
+    /// The layout in force.
+    pub fn layout(&self) -> Layout {
+        self.params.layout()
+    }
+
+    /// Global positions of the tokens `rank` holds (`rank < world`).
+    pub fn positions(&self, rank: usize) -> &Positions {
+        &self.positions[rank]
+    }
+
+    /// Every rank's positions, indexed by rank.
+    pub fn all_positions(&self) -> &[Positions] {
+        &self.positions
+    }
+
+    /// The rows of `rank` of a full `[b, s, h, d]` tensor.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `t` does not hold the whole sequence.
+    pub fn shard(&self, t: &Tensor, rank: usize) -> Result<Tensor> {
+        if t.shape().get(1) != Some(&self.params.seq_len) {
+            return Err(Error::ShapeMismatch(format!(
+                "sharding a tensor of shape {:?}: the plan's sequence has {} tokens",
+                t.shape(),
+                self.params.seq_len
+            )));
+        }
+        Layout::shard_rows(t, &self.positions[rank])
+    }
+
+    /// Reassembles per-rank `[b, n_r, h, d]` parts (indexed by rank) into the full sequence.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the parts do not fit.
+    pub fn unshard(&self, parts: &[Tensor]) -> Result<Tensor> {
+        self.check_parts(parts.len())?;
+        Layout::unshard_rows(parts, &self.positions)
+    }
+
+    /// Reassembles per-rank LSE parts `[b, h, n_r]` into `[b, h, s]`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the parts do not fit.
+    pub fn unshard_lse(&self, parts: &[Tensor]) -> Result<Tensor> {
+        self.check_parts(parts.len())?;
+        Layout::unshard_lse_rows(parts, &self.positions)
+    }
+
+    fn check_parts(&self, n: usize) -> Result<()> {
+        if n != self.world {
+            return Err(Error::ShapeMismatch(format!("{n} parts for a plan of {} ranks", self.world)));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of the text part of a handshake record (longer texts are cut; the hash covers the
+/// whole text).
+const HANDSHAKE_TEXT: usize = 1024;
+/// Bytes of a handshake record: status, s_q, s_k, hash, text length, text.
+const HANDSHAKE_RECORD: usize = 1 + 8 + 8 + 8 + 2 + HANDSHAKE_TEXT;
+
+/// FNV-1a, 64 bits: stable across processes and builds (ranks of an MPI job hash alike).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// One rank's handshake record, as bytes.
+struct Record {
+    ok: bool,
+    s_q: u64,
+    s_k: u64,
+    hash: u64,
+    text: String,
+}
+
+impl Record {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HANDSHAKE_RECORD);
+        out.push(u8::from(self.ok));
+        out.extend_from_slice(&self.s_q.to_le_bytes());
+        out.extend_from_slice(&self.s_k.to_le_bytes());
+        out.extend_from_slice(&self.hash.to_le_bytes());
+        let mut text: Vec<u8> = self.text.as_bytes().iter().copied().take(HANDSHAKE_TEXT).collect();
+        // Cut on a character boundary.
+        while std::str::from_utf8(&text).is_err() {
+            text.pop();
+        }
+        out.extend_from_slice(&(text.len() as u16).to_le_bytes());
+        out.extend_from_slice(&text);
+        out.resize(HANDSHAKE_RECORD, 0);
+        out
+    }
+
+    fn decode(b: &[u8]) -> Result<Record> {
+        if b.len() != HANDSHAKE_RECORD {
+            return Err(Error::Handshake(format!("a handshake record of {} bytes", b.len())));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let n = usize::from(u16::from_le_bytes([b[25], b[26]])).min(HANDSHAKE_TEXT);
+        Ok(Record {
+            ok: b[0] == 1,
+            s_q: u64_at(1),
+            s_k: u64_at(9),
+            hash: u64_at(17),
+            text: String::from_utf8_lossy(&b[27..27 + n]).into_owned(),
+        })
+    }
+}
+
+/// A sequence-parallel layer, planned once for this rank of `comm` and reused for every
+/// call: the resolved parameters and every rank's positions ([`ResolvedParams`]), this
+/// rank's shard shape and dtype, and for `Ulysses`/`Usp` the Ulysses group and the ring
+/// across groups (split once). Creating it is collective (one handshake); its
+/// [`ParallelPlan::forward`] and [`ParallelPlan::backward`] issue no handshake and no split.
+///
+/// ```
+/// use ringattn::comm::{spmd, Communicator, LocalOptions};
+/// use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
+/// use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Dims, Mask};
+///
+/// let (s, world) = (100, 4);
+/// let q = randn(vec![1, s, 4, 16], 1, DType::F32);
+/// let kv = randn(vec![1, s, 2, 16], 2, DType::F32);
+/// let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let params = ParallelParams { strategy: Strategy::Usp, attention: attention.clone(), ..Default::default() };
+/// let resolved = params.resolve(world, 4, s)?;
+/// let parts = spmd(world, LocalOptions::default(), |comm| {
+///     let rank = comm.rank();
+///     let (qs, kvs) = (resolved.shard(&q, rank)?, resolved.shard(&kv, rank)?);
+///     let plan = ParallelPlan::new(comm, &CpuBackend::default(), &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
+///     let (out, _) = plan.forward(&CpuBackend::default(), &qs, &kvs, &kvs)?; // layer 1
+///     let (out, _) = plan.forward(&CpuBackend::default(), &qs, &kvs, &kvs)?; // layer 2: no setup
+///     Ok(out.o)
+/// });
+/// let o = resolved.unshard(&parts.into_iter().collect::<Result<Vec<_>, _>>()?)?;
+/// let single = cpu::forward(&q, &kv, &kv, &attention)?;
+/// let single64: Vec<f64> = single.o.as_f32().iter().map(|&x| x as f64).collect();
+/// assert!(verify::rel_err(&o.to_f32_vec(), &single64) < 1e-5);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub struct ParallelPlan<'c, B: Payload> {
+    pub(super) comm: &'c dyn Communicator<Buf = B>,
+    pub(super) resolved: ResolvedParams,
+    pub(super) dims: Dims,
+    pub(super) dtype: DType,
+    pub(super) mesh: Option<Mesh<B>>,
+}
+
+impl<B: Payload> std::fmt::Debug for ParallelPlan<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParallelPlan")
+            .field("rank", &self.comm.rank())
+            .field("resolved", &self.resolved)
+            .field("dims", &self.dims)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+impl<'c, B: Payload> ParallelPlan<'c, B> {
+    /// Plans `params` for this rank of `comm`, whose shard has the local shape `dims` (`s_q
+    /// = s_k` = its token count) in `dtype`. Collective: every rank resolves the same
+    /// defaults (the global length is `params.seq_len`, or the sum of the ranks' token
+    /// counts when 0), then one handshake compares a hash of every rank's whole
+    /// configuration (its `Debug` text: every field, derived, none listed by hand) and
+    /// checks every rank's token count against its positions, so that all ranks succeed or
+    /// all fail with the same error. `Ulysses` and `Usp` split `comm` here, once.
+    ///
+    /// # Errors
+    /// [`Error::Handshake`] (on every rank) when ranks disagree, a rank holds the wrong number
+    /// of tokens, or one rank's configuration is invalid (naming the rank and its error);
+    /// communication errors.
+    pub fn new<Be: Backend<Buf = B>>(
+        comm: &'c dyn Communicator<Buf = B>,
+        backend: &Be,
+        params: &ParallelParams,
+        dims: &Dims,
+        dtype: DType,
+    ) -> Result<Self> {
+        let world = comm.size();
+        let local: Result<String> = backend.supports(dims, dtype).and_then(|_| {
+            params.validate(world, dims.h_q)?;
+            // Everything but this rank's token counts, which the record carries apart.
+            Ok(format!(
+                "{params:?} b={} h_q={} h_kv={} d={} {dtype} {}",
+                dims.b,
+                dims.h_q,
+                dims.h_kv,
+                dims.d,
+                std::any::type_name::<Be>()
+            ))
+        });
+        let mine = match &local {
+            Ok(text) => Record {
+                ok: true,
+                s_q: dims.s_q as u64,
+                s_k: dims.s_k as u64,
+                hash: fnv1a(text.as_bytes()),
+                text: text.clone(),
+            },
+            Err(e) => Record { ok: false, s_q: 0, s_k: 0, hash: 0, text: e.to_string() },
+        };
+        let values: Vec<f32> = mine.encode().into_iter().map(f32::from).collect();
+        let gathered = all_gather(comm, backend.upload(&values)?)?;
+        let mut records = Vec::with_capacity(world);
+        for buf in &gathered {
+            let bytes: Vec<u8> = backend.download(buf)?.iter().map(|&v| v as u8).collect();
+            records.push(Record::decode(&bytes)?);
+        }
+        // Every rank reaches the same verdict from the same records.
+        if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| !r.ok) {
+            return Err(Error::Handshake(format!("rank {i}: {}", r.text)));
+        }
+        if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| r.hash != records[0].hash) {
+            return Err(Error::Handshake(format!("rank {i} has `{}` but rank 0 has `{}`", r.text, records[0].text)));
+        }
+        // The global length: as given, else the sum of the ranks' token counts (then checked
+        // rank by rank against the positions, naming the rank that holds the wrong count).
+        let total = records.iter().map(|r| r.s_q).sum::<u64>() as usize;
+        let seq_len = if params.seq_len > 0 { params.seq_len } else { total };
+        let resolved = params.resolve(world, dims.h_q, seq_len).map_err(|e| Error::Handshake(e.to_string()))?;
+        for (i, r) in records.iter().enumerate() {
+            let want = resolved.positions(i).len() as u64;
+            if r.s_q != want || r.s_k != want {
+                return Err(Error::Handshake(format!(
+                    "rank {i} holds {} query and {} key tokens; the {:?} layout of {} tokens over {world} ranks gives \
+                     it {want}",
+                    r.s_q,
+                    r.s_k,
+                    resolved.layout(),
+                    resolved.params().seq_len
+                )));
+            }
+        }
+        let mesh = match resolved.params().strategy {
+            Strategy::Ulysses | Strategy::Usp => Some(Mesh::new(comm, &resolved, dims)?),
+            _ => None,
+        };
+        Ok(ParallelPlan { comm, resolved, dims: *dims, dtype, mesh })
+    }
+
+    /// The resolved parameters and every rank's positions.
+    pub fn resolved(&self) -> &ResolvedParams {
+        &self.resolved
+    }
+
+    /// This rank's global token positions.
+    pub fn positions(&self) -> &Positions {
+        self.resolved.positions(self.comm.rank())
+    }
+
+    /// This rank's shard shape.
+    pub fn dims(&self) -> &Dims {
+        &self.dims
+    }
+
+    /// The communicator the plan runs on.
+    pub fn comm(&self) -> &'c dyn Communicator<Buf = B> {
+        self.comm
+    }
+
+    /// Checks that a call's tensors are the shard the plan was made for.
+    pub(super) fn check_call(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let dims = Dims::of(q, k, v)?;
+        if dims != self.dims || q.dtype() != self.dtype {
+            return Err(Error::ShapeMismatch(format!(
+                "the plan was made for {:?} in {}, the call has {dims:?} in {}",
+                self.dims,
+                self.dtype,
+                q.dtype()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip() {
+        let r = Record { ok: true, s_q: 1 << 40, s_k: 7, hash: u64::MAX - 3, text: "é".repeat(600) };
+        let b = r.encode();
+        assert_eq!(b.len(), HANDSHAKE_RECORD);
+        let back = Record::decode(&b).unwrap();
+        assert_eq!((back.ok, back.s_q, back.s_k, back.hash), (true, 1 << 40, 7, u64::MAX - 3));
+        assert!(back.text.len() <= HANDSHAKE_TEXT && back.text.chars().all(|c| c == 'é'));
+        assert_ne!(fnv1a(b"a"), fnv1a(b"b"));
+    }
+
+    #[test]
+    fn resolution_fills_every_default() {
+        let p = ParallelParams { strategy: Strategy::Usp, ..Default::default() };
+        let r = p.resolve(8, 4, 1000).unwrap();
+        assert_eq!((r.ulysses_degree(), r.params().ulysses_degree, r.params().seq_len), (4, Some(4), 1000));
+        assert_eq!(r.params().layout, Some(Layout::Contiguous));
+        assert_eq!(r.all_positions().iter().map(|p| p.len()).sum::<usize>(), 1000);
+        let e = ParallelParams { seq_len: 10, ..p.clone() }.resolve(8, 4, 12).unwrap_err();
+        assert!(e.to_string().contains("12 tokens"), "{e}");
+        assert_eq!(
+            ParallelParams { strategy: Strategy::Ulysses, ..Default::default() }
+                .resolve(4, 8, 9)
+                .unwrap()
+                .ulysses_degree(),
+            4
+        );
+    }
+}
