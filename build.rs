@@ -1,11 +1,13 @@
-//! Build script: compiles the CUDA kernel families in `cuda/*.cu` with nvcc, when nvcc is
-//! found, into cubins for the architectures of `RINGATTN_CUDA_ARCHS` (default
+//! Build script: with the `cuda` feature, compiles the CUDA kernel families in `cuda/*.cu`
+//! with nvcc, when nvcc is found, into cubins for the architectures of `RINGATTN_CUDA_ARCHS` (default
 //! `sm_80,sm_90a,sm_100,sm_120`: A100 and, binary compatible, the other 8.x GPUs; H100/H200;
 //! B200/B300; RTX 50) plus PTX of the newest for later GPUs to JIT, and embeds them with the
 //! CUDA version of the nvcc that built them (`src/kernels.rs`).
 //!
 //! * nvcc is looked up in `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, then `PATH`. Without
-//!   it the build prints a warning and everything that is not CUDA still builds and tests.
+//!   it a `cuda` build prints a warning and everything that is not CUDA still builds and
+//!   tests; builds without `cuda` do not look for it. With `emu`, the kernels are also
+//!   compiled for the host emulator (the cc crate), which needs no nvcc.
 //! * Outputs are cached by a hash of the sources, flags and nvcc version, in
 //!   `$RINGATTN_NVCC_CACHE` or `<target>/nvcc-cache`, so unchanged kernels are not recompiled.
 //! * ptxas's resource report (registers, stack, spills) is forwarded as build warnings; with
@@ -42,6 +44,10 @@ fn main() {
     let sources = cuda_sources();
     for s in &sources {
         println!("cargo::rerun-if-changed={}", s.display());
+    }
+    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        // Only the `cuda` feature loads cubins: nothing to compile, nothing to warn about.
+        return;
     }
     let nvcc = if env::var_os("RINGATTN_NO_CUDA").is_some() { None } else { find_nvcc() };
     let Some(nvcc) = nvcc else {

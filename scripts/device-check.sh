@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU device check (issue 5, item 7; issue 12, item 5): one prepared script, run once on
+# The GPU device check: one prepared script, run once on
 # the lent H200, whose device time is scarce (about 15 minutes in all, the machine's start
 # included), so it must not waste it:
 #   0. preflight, in seconds: glibc (`ldd --version`), `uname -a`, nvidia-smi's name, driver
@@ -16,7 +16,7 @@
 #   1. facts: host, nvidia-smi (full, and a query before and after), torch/CUDA/cuDNN;
 #   2. `ringattn verify --backend cuda` over a matrix of shapes, dtypes and masks (forward and
 #      backward against the float64 oracle), pass/fail per case;
-#   3. sequence parallelism on the one GPU (issue 6): every strategy with 2, 4 and 8 ranks
+#   3. sequence parallelism on the one GPU: every strategy with 2, 4 and 8 ranks
 #      (threads sharing the GPU, device-resident buffers, sends as device copies) against the
 #      oracle; then the ring's overlap, zigzag and contiguous layouts, 4 ranks, bf16, h=32,
 #      h_kv=8, d=128, causal, forward+backward (`bench --strategies ring --world 4`): wall time

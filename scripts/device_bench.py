@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Helpers of scripts/device-check.sh (issue 5, item 7; issue 12, item 5): timings on the GPU
+"""Helpers of scripts/device-check.sh: timings on the GPU
 machine, the preflight verdict on `ringattn doctor --json`, and the summary JSON.
 
 Subcommands:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Static SASS gates (issue 5, item 6): compiles every cuda/*.cu as build.rs does, disassembles
+# Static SASS gates: compiles every cuda/*.cu as build.rs does, disassembles
 # the cubins and checks, per function of every cubin:
 #   * spills   ptxas reports 0 bytes spill stores and 0 bytes spill loads;
 #   * local    the SASS holds no LDL / STL (local memory: spills or indexed register arrays);

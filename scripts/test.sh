@@ -80,8 +80,12 @@ stage "cargo fmt --check"
 cargo fmt --all -- --check
 done_stage fmt
 
-stage "cargo clippy --all-targets -D warnings"
+stage "cargo clippy --all-targets -D warnings; the library without the CLI's dependencies"
 cargo clippy --all-targets -- -D warnings
+if cargo tree -e normal --no-default-features --features cuda | grep -E '^[^a-z]*(clap|indicatif|plotters) '; then
+  echo "the library (no default features) depends on a CLI crate" >&2
+  exit 1
+fi
 done_stage clippy
 
 stage "cargo test (unit, integration, property, CLI and doc tests)"

@@ -1,6 +1,6 @@
 //! The CUDA kernel images that `build.rs` compiled from `cuda/*.cu` and embedded: a cubin per
 //! kernel family and architecture of `RINGATTN_CUDA_ARCHS`, plus PTX for newer GPUs. Empty
-//! when the crate was built without nvcc. The CUDA backend loads these (issue 5); the same
+//! when the crate was built without nvcc. The CUDA backend loads these; the same
 //! source runs on the CPU under the emulator ([`crate::emu`]).
 //!
 //! ```

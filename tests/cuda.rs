@@ -298,7 +298,7 @@ fn every_strategy_runs_on_the_gpu() {
     assert!(e.to_string().contains("F16"), "{e}");
 }
 
-/// The device-resident drivers (issue 6): constructors fail cleanly without a GPU.
+/// The device-resident drivers: constructors fail cleanly without a GPU.
 #[test]
 fn without_a_gpu_the_device_resident_api_fails_cleanly() {
     if cuda::probe().is_ok() {

@@ -1,4 +1,4 @@
-//! `scripts/device-check.sh` (the one run on a lent GPU, issue 12 item 5) on this build's
+//! `scripts/device-check.sh` (the one run on a lent GPU) on this build's
 //! binary, on a machine without a GPU. It must never waste device minutes:
 //! - a build without the `cuda` feature (or with it but without kernels: no nvcc at build
 //!   time) is refused at step 0: exit 3, one `device-check: refused: ...` line,

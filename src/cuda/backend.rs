@@ -13,7 +13,7 @@ use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
 /// are host `Vec<f32>` holding values of `dtype` (bf16 or f16), which each step converts to
 /// 16-bit patterns, uploads, computes on the device's stream and downloads (partial results
 /// stay f32). Ranks share the GPU. This measures correctness, not speed: device-resident
-/// buffers and communication come with the NCCL communicator (issue 6). The drivers refuse
+/// buffers and communication come with the NCCL communicator. The drivers refuse
 /// other dtypes, and head dimensions the kernels do not take, with
 /// [`Error::BackendUnsupported`] on every rank.
 ///

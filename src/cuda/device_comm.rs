@@ -411,7 +411,7 @@ pub fn measure_device_overlap(
     };
     let (fwd, bwd) = timing;
     Ok(DeviceOverlap {
-        strategy: format!("{:?}", params.strategy).to_lowercase(),
+        strategy: params.strategy.to_string(),
         world,
         forward: pass(&fwd, &compute_only.0, &comm_only.0),
         backward: d_o.map(|_| pass(&bwd, &compute_only.1, &comm_only.1)),

@@ -1,4 +1,4 @@
-//! Tests of the PTX twins added for issue 4 (m16n8k8, ldmatrix x1, stmatrix, conversions)
+//! Tests of the PTX twins (m16n8k8, ldmatrix x1, stmatrix, conversions)
 //! against the lane tables of the PTX ISA.
 //!
 //! The tables here are written independently from the PTX text

@@ -75,17 +75,43 @@ pub enum Strategy {
     Usp,
 }
 
+impl Strategy {
+    /// Every strategy, in the order the CLI, the planner and the tests list them.
+    pub const ALL: [Strategy; 5] =
+        [Strategy::Single, Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp];
+
+    /// The one name of the strategy, as `--strategy` takes it and JSON writes it: `single`,
+    /// `ring`, `allgather`, `ulysses`, `usp`.
+    ///
+    /// ```
+    /// use ringattn::parallel::Strategy;
+    /// for s in Strategy::ALL {
+    ///     assert_eq!(s.name().parse::<Strategy>()?, s);
+    ///     assert_eq!(s.to_string(), s.name());
+    /// }
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Ring => "ring",
+            Strategy::AllGather => "allgather",
+            Strategy::Ulysses => "ulysses",
+            Strategy::Usp => "usp",
+        }
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "single" => Ok(Strategy::Single),
-            "ring" => Ok(Strategy::Ring),
-            "allgather" => Ok(Strategy::AllGather),
-            "ulysses" => Ok(Strategy::Ulysses),
-            "usp" => Ok(Strategy::Usp),
-            other => Err(Error::UnknownStrategy(other.to_string())),
-        }
+        Strategy::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| Error::UnknownStrategy(s.to_string()))
     }
 }
 

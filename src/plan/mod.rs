@@ -383,19 +383,8 @@ pub struct Placement {
     pub nesting: Nesting,
 }
 
-/// The name of a strategy, as `--strategy` takes it.
-pub fn strategy_name(s: Strategy) -> &'static str {
-    match s {
-        Strategy::Single => "single",
-        Strategy::Ring => "ring",
-        Strategy::AllGather => "allgather",
-        Strategy::Ulysses => "ulysses",
-        Strategy::Usp => "usp",
-    }
-}
-
 fn serialize_strategy<S: Serializer>(s: &Strategy, ser: S) -> std::result::Result<S::Ok, S::Error> {
-    ser.serialize_str(strategy_name(*s))
+    ser.serialize_str(s.name())
 }
 
 impl Placement {
@@ -441,7 +430,7 @@ impl Placement {
                     Nesting::RingInNode => "ring-in-node",
                 }
             ),
-            s => format!("{} {}×{}", strategy_name(s), self.ulysses, self.ring),
+            s => format!("{} {}×{}", s.name(), self.ulysses, self.ring),
         }
     }
 
@@ -449,7 +438,7 @@ impl Placement {
     pub fn command_hint(&self) -> String {
         match self.strategy {
             Strategy::Usp => format!("--strategy usp --ulysses-degree {}", self.ulysses),
-            s => format!("--strategy {}", strategy_name(s)),
+            s => format!("--strategy {}", s.name()),
         }
     }
 
@@ -681,7 +670,7 @@ impl Plan {
             if let Some(o) = self.best_of(st) {
                 others.push(format!("{} {:.2}× slower", o.placement.label(), o.time_s / best.time_s));
             } else {
-                others.push(format!("{} not possible", strategy_name(st)));
+                others.push(format!("{} not possible", st.name()));
             }
         }
         if !others.is_empty() {

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::{plan, strategy_name, ClusterSpec, JobSpec, Placement, GIB};
+use super::{plan, ClusterSpec, JobSpec, Placement, GIB};
 use crate::parallel::Strategy;
 use crate::Result;
 
@@ -145,7 +145,7 @@ impl Simulation {
         let mut out: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
         for r in &self.rows {
             let (Some(x), Some(t)) = (keep(r), r.time_s) else { continue };
-            let name = strategy_name(r.strategy);
+            let name = r.strategy.name();
             match out.iter_mut().find(|s| s.0 == name) {
                 Some(s) => s.1.push((x, t * 1e3)),
                 None => out.push((name.to_string(), vec![(x, t * 1e3)])),
@@ -199,7 +199,7 @@ impl Simulation {
                 "{},{},{},{},{},{},{},{},{},{},{},{}\n",
                 r.gpus,
                 r.seq,
-                strategy_name(r.strategy),
+                r.strategy.name(),
                 opt(p.map(|p| p.ulysses.to_string())),
                 opt(p.map(|p| p.ring.to_string())),
                 opt(nesting),

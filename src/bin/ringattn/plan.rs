@@ -7,9 +7,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use ringattn::parallel::Strategy;
-use ringattn::plan::{
-    self, strategy_name, Calibration, Choice, ClusterSpec, JobSpec, LinkSharing, Plan, Rejected, Simulation,
-};
+use ringattn::plan::{self, Calibration, Choice, ClusterSpec, JobSpec, LinkSharing, Plan, Rejected, Simulation};
 use ringattn::{DType, Error, Result};
 use serde::Serialize;
 
@@ -291,7 +289,7 @@ fn placement_cells(c: &Choice) -> [String; 3] {
         (Strategy::Usp, plan::Nesting::RingInNode) => "ring in node",
         _ => "-",
     };
-    [strategy_name(p.strategy).to_string(), format!("{} × {}", p.ulysses, p.ring), nesting.to_string()]
+    [p.strategy.name().to_string(), format!("{} × {}", p.ulysses, p.ring), nesting.to_string()]
 }
 
 fn choices_table(choices: &[Choice]) -> String {
@@ -435,7 +433,7 @@ fn sim_table(sim: &Simulation) -> String {
                 .and_then(|r| r.placement)
                 .map_or("-".to_string(), |p| format!("{} × {}", p.ulysses, p.ring));
             let best = sim.cell(g, s).find(|r| r.best).map_or("none".to_string(), |r| {
-                let name = strategy_name(r.strategy);
+                let name = r.strategy.name();
                 match r.placement {
                     Some(p) if p.strategy == Strategy::Usp => format!("{name} {}×{}", p.ulysses, p.ring),
                     _ => name.to_string(),

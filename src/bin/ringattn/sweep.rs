@@ -228,7 +228,7 @@ fn measure<Be: Backend<Buf = Vec<f32>>>(
         _ => None,
     };
     Ok(SweepRecord {
-        strategy: format!("{strategy:?}").to_lowercase(),
+        strategy: strategy.to_string(),
         world,
         seq: s,
         tokens_per_rank: s / world,
@@ -280,7 +280,7 @@ fn measure_device(
     let (c, n) = (median(&comp), median(&comm));
     let flops = job_flops(a, params, s, backward)?;
     Ok(SweepRecord {
-        strategy: if world == 1 { "single".into() } else { format!("{strategy:?}").to_lowercase() },
+        strategy: if world == 1 { Strategy::Single.to_string() } else { strategy.to_string() },
         world,
         seq: s,
         tokens_per_rank: s / world,

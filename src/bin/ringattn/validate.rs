@@ -77,12 +77,14 @@ impl Config {
         }
         let ranks: usize = parts[1].parse().map_err(|_| bad())?;
         let seq: usize = parts[2].parse().map_err(|_| bad())?;
-        let (strategy, ulysses) = match parts[0] {
-            "ring" => (Strategy::Ring, 1),
-            "allgather" => (Strategy::AllGather, 1),
-            "ulysses" => (Strategy::Ulysses, ranks),
-            u if u.starts_with("usp") => (Strategy::Usp, u[3..].parse().map_err(|_| bad())?),
-            _ => return Err(bad()),
+        // `usp` carries its Ulysses degree (`usp2`); every other name is Strategy's own.
+        let (strategy, ulysses) = match parts[0].strip_prefix(Strategy::Usp.name()) {
+            Some(u) => (Strategy::Usp, u.parse().map_err(|_| bad())?),
+            None => match parts[0].parse::<Strategy>().map_err(|_| bad())? {
+                Strategy::Single => return Err(bad()),
+                Strategy::Ulysses => (Strategy::Ulysses, ranks),
+                s => (s, 1),
+            },
         };
         if ranks < 2 || seq < ranks || ulysses == 0 || ranks % ulysses != 0 {
             return Err(bad());
@@ -93,7 +95,7 @@ impl Config {
     fn name(&self) -> String {
         let st = match self.strategy {
             Strategy::Usp => format!("usp{}x{}", self.ulysses, self.ranks / self.ulysses),
-            other => format!("{other:?}").to_lowercase(),
+            other => other.to_string(),
         };
         format!("{st} P={} s={}{}", self.ranks, self.seq, if self.causal { " causal" } else { "" })
     }
@@ -246,10 +248,7 @@ pub fn validate(a: &ValidateArgs) -> Result<ExitCode> {
         let out = dir.join("out.safetensors");
         let mut cmd = Command::new(&a.mpirun);
         cmd.args(["-n", &c.ranks.to_string()]).arg(exe()?);
-        let st = match c.strategy {
-            Strategy::Usp => "usp".to_string(),
-            other => format!("{other:?}").to_lowercase(),
-        };
+        let st = c.strategy.to_string();
         cmd.args(["run", "--comm", "mpi", "--strategy", &st, "--input", &s(&input), "--output", &s(&out)]);
         cmd.args(["--stats", &s(&stats), "--repeat", &(a.repeats.max(1) + 1).to_string()]);
         if c.strategy == Strategy::Usp {
@@ -290,7 +289,7 @@ pub fn validate(a: &ValidateArgs) -> Result<ExitCode> {
         let predicted = p.time_s * 1e3;
         let row = Row {
             config: c.name(),
-            strategy: format!("{:?}", c.strategy).to_lowercase(),
+            strategy: c.strategy.to_string(),
             ranks: c.ranks,
             seq: c.seq,
             causal: c.causal,
