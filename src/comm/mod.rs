@@ -1,8 +1,9 @@
 //! The communication seam: a [`Communicator`] moves buffers ([`Payload`]: host vectors here,
 //! device memory for device communicators) between ranks with
 //! non-blocking point-to-point operations whose handles are waited on with a deadline;
-//! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`]) are
-//! built from them. [`LocalComm`] runs P ranks as P threads of one process.
+//! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`], and
+//! the trait's [`Communicator::all_reduce`] and [`Communicator::broadcast`], which a
+//! transport may override natively) are built from them. [`LocalComm`] runs P ranks as P threads of one process.
 //!
 //! Every wait has a deadline: on expiry it returns [`crate::Error::Timeout`] naming the peer
 //! and the operation. A rank that fails calls [`Communicator::abort`] (the SPMD helper
@@ -86,6 +87,10 @@ impl<B> RecvHandle<B> {
     }
 }
 
+/// How a reduction adds `x` into `acc` (a backend's addition for device buffers, [`add_host`]
+/// for host vectors).
+pub type AddFn<B> = dyn Fn(&mut B, &B) -> Result<()>;
+
 /// A group of ranks exchanging f32 buffers.
 ///
 /// Collective operations (the free functions of this module and [`Communicator::split`])
@@ -136,6 +141,70 @@ pub trait Communicator: Send + Sync {
     fn flush(&self) -> Result<()> {
         Ok(())
     }
+
+    /// The element-wise sum of every rank's `data` (equal lengths), on every rank: what the
+    /// gradients of replicated parameters need. `add(acc, x)` adds `x` into `acc` (a
+    /// backend's addition for device buffers, [`add_host`] for host vectors). The sum is
+    /// taken in rank order on every rank, so every rank gets bit-identical values (replicas
+    /// stay identical). Collective. The portable version all-gathers, then adds; a transport
+    /// may override it with its native one under the same contract.
+    ///
+    /// # Errors
+    /// Communication errors; [`crate::Error::ShapeMismatch`] when a rank contributes another
+    /// length; those of `add`.
+    ///
+    /// ```
+    /// use ringattn::comm::{add_host, spmd, Communicator, LocalOptions};
+    /// let sums = spmd(3, LocalOptions::default(), |c| c.all_reduce(vec![c.rank() as f32, 1.0], &|a, x| add_host(a, x)));
+    /// for s in sums {
+    ///     assert_eq!(s?, vec![3.0, 3.0]);
+    /// }
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    fn all_reduce(&self, data: Self::Buf, add: &AddFn<Self::Buf>) -> Result<Self::Buf> {
+        let lens = vec![data.elements(); self.size()];
+        let mut parts = exchange(self, vec![data; self.size()], &lens)?.into_iter();
+        let mut sum = parts.next().ok_or_else(|| crate::Error::InvalidArgument("all_reduce: no ranks".into()))?;
+        for p in parts {
+            add(&mut sum, &p)?;
+        }
+        Ok(sum)
+    }
+
+    /// Rank `root`'s `data` on every rank; the other ranks pass a buffer of the same length
+    /// (its values are not read), which states the length they expect. Collective. The
+    /// portable version sends from the root to every rank; a transport may override it.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] for a root out of range; communication errors;
+    /// [`crate::Error::ShapeMismatch`] when the root's buffer has another length.
+    ///
+    /// ```
+    /// use ringattn::comm::{spmd, Communicator, LocalOptions};
+    /// let got = spmd(4, LocalOptions::default(), |c| c.broadcast(vec![c.rank() as f32; 2], 2));
+    /// for g in got {
+    ///     assert_eq!(g?, vec![2.0, 2.0]);
+    /// }
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    fn broadcast(&self, data: Self::Buf, root: usize) -> Result<Self::Buf> {
+        let (p, r) = (self.size(), self.rank());
+        if root >= p {
+            return Err(crate::Error::InvalidArgument(format!("broadcast: root {root} out of range for {p} ranks")));
+        }
+        let tag = self.next_collective_tag();
+        if r != root {
+            return self.irecv(root, tag, data.elements())?.wait();
+        }
+        let sends =
+            (0..p).filter(|&j| j != root).map(|j| self.isend(j, tag, data.clone())).collect::<Result<Vec<_>>>()?;
+        // The root only sends: hand the sends over now (NCCL posts lazily).
+        self.flush()?;
+        for s in sends {
+            s.wait()?;
+        }
+        Ok(data)
+    }
 }
 
 /// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all) and
@@ -151,6 +220,11 @@ pub fn all_to_all_v<B: Payload>(
     sends: Vec<B>,
     recv_lens: &[usize],
 ) -> Result<Vec<B>> {
+    exchange(comm, sends, recv_lens)
+}
+
+/// [`all_to_all_v`] over any communicator type (the trait's default methods use it).
+fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &[usize]) -> Result<Vec<C::Buf>> {
     let (p, r) = (comm.size(), comm.rank());
     if sends.len() != p || recv_lens.len() != p {
         return Err(crate::Error::InvalidArgument(format!(
@@ -167,7 +241,7 @@ pub fn all_to_all_v<B: Payload>(
         )));
     }
     let tag = comm.next_collective_tag();
-    let recvs: Vec<Option<RecvHandle<B>>> = (0..p)
+    let recvs: Vec<Option<RecvHandle<C::Buf>>> = (0..p)
         .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag, recv_lens[j]).map(Some) })
         .collect::<Result<_>>()?;
     let mut own = None;
