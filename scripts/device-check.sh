@@ -45,9 +45,10 @@
 #   --torch-device  cpu: the torch side on the CPU (math backend; a test path without a GPU)
 #   --budget        the global deadline in seconds (default 330 quick, 540 --full)
 #   --seqs, --tokens  the timed sequence lengths and b*s (defaults above; small ones for tests)
-# Output: $OUT (the device tool's folder) or target/device-check/ when OUT is unset:
+# Output: $OUT (the folder whose files come back from the GPU machine) or target/device-check/
+# when OUT is unset:
 #   device-check.json, device-check.log, and (with $OUT) work.tar.gz holding every step's log
-#   and JSON, re-archived after every step (the device tool brings back few files).
+#   and JSON, re-archived after every step (few files come back from the GPU machine).
 #
 # Build here first, with nvcc 13.0 (scripts/test.sh installs it; the device's driver is CUDA
 # 13.0, R580), RINGATTN_CUDA_ARCHS unset (build.rs's default: sm_80, sm_90a, sm_100, sm_120
@@ -57,8 +58,8 @@
 #   NVCC=$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13)/bin/nvcc \
 #     CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda && strip target/release/ringattn
 #   ls -l target/release/ringattn && target/release/ringattn doctor --json   # features.cuda: true
-# Device tool call (the lead's), quick mode:
-#   run(command="bash scripts/device-check.sh", carry=["target/release/ringattn"], timeout_s=420)
+# On the GPU machine, from the repository root with that binary in place, quick mode:
+#   bash scripts/device-check.sh        # allow 7 minutes (420 s) for the call
 # NCCL comes from the device's python package (nvidia-nccl-cu13): before the steps, the folder
 # printed by `python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))'`
 # is prepended to LD_LIBRARY_PATH when it exists (doctor then reports NCCL found).

@@ -329,22 +329,27 @@ impl<B: Payload> ParallelPlan<'_, B> {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(ForwardOutput, Stats)> {
-        let start = std::time::Instant::now();
-        self.check_call(q, k, v)?;
-        let dims = self.dims;
-        let x = local_data(backend, dims, q, k, v)?;
-        let mut stats = Stats { hops: 1, ..Default::default() };
-        let sent0 = self.comm.bytes_sent();
-        let (o, lse) = run_forward(self, backend, &x, &mut stats)?;
-        stats.bytes_sent = self.comm.bytes_sent() - sent0;
-        stats.total = start.elapsed();
-        Ok((
-            ForwardOutput {
+        self.measured(|stats| {
+            self.check_call(q, k, v)?;
+            let dims = self.dims;
+            let x = local_data(backend, dims, q, k, v)?;
+            let (o, lse) = run_forward(self, backend, &x, stats)?;
+            Ok(ForwardOutput {
                 o: Tensor::from_f32_owned(dims.q_shape(), backend.download(&o)?, q.dtype())?,
                 lse: Tensor::from_f32(dims.lse_shape(), backend.download(&lse)?)?,
-            },
-            stats,
-        ))
+            })
+        })
+    }
+
+    /// Runs one call with fresh statistics, then records its bytes sent and wall time.
+    fn measured<T>(&self, call: impl FnOnce(&mut Stats) -> Result<T>) -> Result<(T, Stats)> {
+        let start = std::time::Instant::now();
+        let mut stats = Stats { hops: 1, ..Default::default() };
+        let sent0 = self.comm.bytes_sent();
+        let out = call(&mut stats)?;
+        stats.bytes_sent = self.comm.bytes_sent() - sent0;
+        stats.total = start.elapsed();
+        Ok((out, stats))
     }
 
     /// This rank's part of the backward on the planned shard, from its `o` and `lse` (as
@@ -365,27 +370,21 @@ impl<B: Payload> ParallelPlan<'_, B> {
         lse: &Tensor,
         d_o: &Tensor,
     ) -> Result<(Gradients, Stats)> {
-        let start = std::time::Instant::now();
-        self.check_call(q, k, v)?;
-        let dims = self.dims;
-        dims.expect_backward_inputs(q, o, lse, d_o)?;
-        let x = local_data(backend, dims, q, k, v)?;
-        let (o, lse, d_o) =
-            (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
-        let mut stats = Stats { hops: 1, ..Default::default() };
-        let sent0 = self.comm.bytes_sent();
-        let (dq, dk, dv) = run_backward(self, backend, &x, &o, &lse, &d_o, &mut stats)?;
-        stats.bytes_sent = self.comm.bytes_sent() - sent0;
-        stats.total = start.elapsed();
-        let round = |shape: Vec<usize>, b: &B| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
-        Ok((
-            Gradients {
+        self.measured(|stats| {
+            self.check_call(q, k, v)?;
+            let dims = self.dims;
+            dims.expect_backward_inputs(q, o, lse, d_o)?;
+            let x = local_data(backend, dims, q, k, v)?;
+            let (o, lse, d_o) =
+                (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
+            let (dq, dk, dv) = run_backward(self, backend, &x, &o, &lse, &d_o, stats)?;
+            let round = |shape: Vec<usize>, b: &B| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
+            Ok(Gradients {
                 dq: round(dims.q_shape(), &dq)?,
                 dk: round(dims.kv_shape(), &dk)?,
                 dv: round(dims.kv_shape(), &dv)?,
-            },
-            stats,
-        ))
+            })
+        })
     }
 }
 
