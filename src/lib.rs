@@ -1,10 +1,12 @@
 //! # ringattn
 //!
 //! Exact attention for long sequences: flash-attention (tiled, online softmax, never an
-//! `s × s` matrix) forward and backward, a float64 oracle to check it against, and — in
-//! later releases — ring and Ulysses drivers that split one sequence across devices.
-//! This release runs on the CPU ([`cpu`]) and, with the `cuda` feature, on NVIDIA GPUs
-//! (`cuda`: the kernels of `cuda/` through cudarc, loaded at run time).
+//! `s × s` matrix) forward and backward, a float64 oracle to check it against, and ring,
+//! all-gather, Ulysses and USP drivers that split one sequence across ranks ([`parallel`],
+//! over a [`comm::Communicator`]: threads, MPI processes, GPUs through NCCL). It runs on the
+//! CPU ([`cpu`]), on the host emulator of its CUDA kernels (feature `emu`) and, with the
+//! `cuda` feature, on NVIDIA GPUs (`cuda`: the kernels of `cuda/` through cudarc, loaded at
+//! run time).
 //!
 //! ## Conventions
 //!

@@ -487,12 +487,13 @@ impl CudaDevice {
     }
 
     /// Enqueues the flash backward on `stream`: `delta = rowsum(dO∘O)` (the rowsum kernel,
-    /// with [`Delta::Compute`]), then `dq` (`ringattn_flash_bwd_dq_*`, one thread per query
-    /// row over the key tiles) and `dk`, `dv` (`ringattn_flash_bwd_dkdv_*`, one thread per
-    /// key row over the query tiles of its GQA group). With `P_ij = exp(scale · q_i·k_j −
+    /// with [`Delta::Compute`]), then `dq` (`ringattn_flash_bwd_dq_*`: 4 warps of 16 query
+    /// rows on tensor cores, key tiles streamed) and `dk`, `dv` (`ringattn_flash_bwd_dkdv_*`:
+    /// 4 warps of 16 key rows, the query tiles of its GQA group streamed; under the atomic
+    /// dq mode `ringattn_flash_bwd_dkdvq_*` also adds dq). With `P_ij = exp(scale · q_i·k_j −
     /// lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j = Σ_i P_ij
     /// dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element of
-    /// `grads` is written (f32, no accumulation, no atomics: deterministic). Returns once
+    /// `grads` is written (f32; deterministic unless the atomic dq mode is asked for). Returns once
     /// enqueued.
     ///
     /// # Errors

@@ -3,7 +3,7 @@
 //! a build with the feature runs everywhere, and reports a machine without a driver or GPU
 //! as [`Error::Cuda`] instead of panicking ([`probe`]).
 //!
-//! Three levels:
+//! Four levels:
 //!
 //! * **GPU-resident** — [`CudaDevice`]: [`CudaDevice::forward_into`] /
 //!   [`CudaDevice::backward_into`] enqueue the kernels on the caller's stream over the
@@ -30,7 +30,8 @@
 //! What the kernels take: bf16 or f16 inputs (f32 is refused with
 //! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
 //! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
-//! global-position blocks; arithmetic and accumulation in f32, no atomics (deterministic).
+//! global-position blocks; arithmetic and accumulation in f32; the backward is deterministic
+//! by default (no atomics), or adds dq with f32 atomics under `DqMode::Atomic`.
 //!
 //! The embedded image is chosen per GPU ([`image_for`]): the cubin of its architecture
 //! (`sm_80` on A100 and, binary compatible, the other 8.x GPUs; `sm_90a` on H100/H200;
