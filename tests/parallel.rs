@@ -611,13 +611,12 @@ mod resolved_plan {
                 let (qs, kvs) = (resolved.shard(&q, comm.rank())?, resolved.shard(&kv, comm.rank())?);
                 let plan = ParallelPlan::new(&counting, &be, &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
                 let setup = counting.counts();
-                let before_calls = counting.counts();
                 for _ in 0..3 {
                     let (f, _) = plan.forward(&be, &qs, &kvs, &kvs)?;
                     plan.backward(&be, &qs, &kvs, &kvs, &f.o, &f.lse, &qs)?;
                 }
                 let after = counting.counts();
-                Ok((setup, (after.0 - before_calls.0, after.1 - before_calls.1)))
+                Ok((setup, (after.0 - setup.0, after.1 - setup.1)))
             });
             for c in counts {
                 let (setup, calls) = c.unwrap();

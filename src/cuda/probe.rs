@@ -28,15 +28,8 @@ pub fn required_driver_version() -> i32 {
 /// The first NVIDIA driver branch that supports CUDA `v` (`1000 · major + 10 · minor`), for
 /// messages: 13.0 → `R580`.
 pub(crate) fn driver_branch(v: i32) -> Option<&'static str> {
-    const BRANCHES: [(i32, &str); 7] = [
-        (12080, "R570"),
-        (12090, "R575"),
-        (13000, "R580"),
-        (13010, "R590"),
-        (13020, "R595"),
-        (13030, "R600"),
-        (13040, "R605"),
-    ];
+    // Only releases whose first driver branch is known; others get the CUDA version alone.
+    const BRANCHES: [(i32, &str); 4] = [(12080, "R570"), (12090, "R575"), (13000, "R580"), (13010, "R590")];
     BRANCHES.iter().find(|(cuda, _)| *cuda == v).map(|(_, b)| *b)
 }
 
