@@ -9,6 +9,7 @@
 //   fill           dst[i] = value                                       i < len
 //   add            dst[i] += src[i]                                     i < len
 //   to_bf16/f16    dst16[i] = bits(src[i]), round to nearest even       i < len
+//   round_bf16/f16 dst[i] = src[i] rounded to bf16/f16 (nearest even), as f32   i < len
 //   copy_rows      dst[(o*dst_rows + dst_off + r)*w + c] =
 //                  src[(o*src_rows + src_off + r)*w + c]                o < b, r < n, c < w
 //   select_heads   dst[(m*k + j)*d + c] = src[(m*h + heads[j])*d + c]   m < b, j < k, c < d
@@ -88,6 +89,37 @@ __device__ __forceinline__ uint16_t to_f16_bits(float v) {
     return uint16_t(bits);
 }
 
+__device__ __forceinline__ float f32_from_bits(uint32_t u) {
+#ifdef __CUDACC__
+    return __uint_as_float(u);
+#else
+    float x;
+    std::memcpy(&x, &u, sizeof(x));
+    return x;
+#endif
+}
+
+// bf16 bits → f32 (exact).
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) {
+    return f32_from_bits(uint32_t(h) << 16);
+}
+
+// f16 bits → f32 (exact: normals, subnormals, ±0, ±inf, NaN with its payload).
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t man = h & 0x3ffu;
+    if (exp == 0x1fu) {
+        return f32_from_bits(sign | 0x7f800000u | (man << 13));
+    }
+    if (exp == 0) {
+        // ±man · 2^-24, exact in f32.
+        const float v = float(man) * 5.9604644775390625e-08f;
+        return sign != 0 ? -v : v;
+    }
+    return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
 }  // namespace ringattn_ops
 
 using namespace ringattn_ops;
@@ -117,6 +149,20 @@ extern "C" __global__ void ringattn_ops_to_bf16(OpsParams p) {
 extern "C" __global__ void ringattn_ops_to_f16(OpsParams p) {
     for (int64_t i = first_item(); i < p.len; i += stride_items()) {
         gmem_store(p.dst16 + i, to_f16_bits(gmem_load(p.src + i)));
+    }
+}
+
+// dst[i] = src[i] rounded to bf16, kept as f32, for i < len.
+extern "C" __global__ void ringattn_ops_round_bf16_f32(OpsParams p) {
+    for (int64_t i = first_item(); i < p.len; i += stride_items()) {
+        gmem_store(p.dst + i, bf16_bits_to_f32(to_bf16_bits(gmem_load(p.src + i))));
+    }
+}
+
+// dst[i] = src[i] rounded to f16, kept as f32, for i < len.
+extern "C" __global__ void ringattn_ops_round_f16_f32(OpsParams p) {
+    for (int64_t i = first_item(); i < p.len; i += stride_items()) {
+        gmem_store(p.dst + i, f16_bits_to_f32(to_f16_bits(gmem_load(p.src + i))));
     }
 }
 

@@ -308,6 +308,12 @@ pub mod params {
             OpsParams { dst, src, len: len as i64, ..Default::default() }
         }
 
+        /// `dst[i] = src[i]` rounded to a 16-bit dtype, as f32, for `i < len`
+        /// (`ringattn_ops_round_bf16_f32` / `_round_f16_f32`).
+        pub fn round(dst: u64, src: u64, len: usize) -> Self {
+            OpsParams { dst, src, len: len as i64, ..Default::default() }
+        }
+
         /// `dst16[i] = bits(src[i])` for `i < len` (`ringattn_ops_to_bf16` / `_to_f16`).
         pub fn convert(dst16: u64, src: u64, len: usize) -> Self {
             OpsParams { dst16, src, len: len as i64, ..Default::default() }
@@ -623,11 +629,15 @@ pub mod geometry {
         SelectHeads = 5,
         /// `ringattn_ops_scatter_heads_f32`.
         ScatterHeads = 6,
+        /// `ringattn_ops_round_bf16_f32`.
+        RoundBf16 = 7,
+        /// `ringattn_ops_round_f16_f32`.
+        RoundF16 = 8,
     }
 
     impl OpsKernel {
         /// Every ops kernel.
-        pub const ALL: [OpsKernel; 7] = [
+        pub const ALL: [OpsKernel; 9] = [
             OpsKernel::Fill,
             OpsKernel::Add,
             OpsKernel::ToBf16,
@@ -635,6 +645,8 @@ pub mod geometry {
             OpsKernel::CopyRows,
             OpsKernel::SelectHeads,
             OpsKernel::ScatterHeads,
+            OpsKernel::RoundBf16,
+            OpsKernel::RoundF16,
         ];
 
         /// The entry point.
@@ -647,6 +659,8 @@ pub mod geometry {
                 OpsKernel::CopyRows => "ringattn_ops_copy_rows_f32",
                 OpsKernel::SelectHeads => "ringattn_ops_select_heads_f32",
                 OpsKernel::ScatterHeads => "ringattn_ops_scatter_heads_f32",
+                OpsKernel::RoundBf16 => "ringattn_ops_round_bf16_f32",
+                OpsKernel::RoundF16 => "ringattn_ops_round_f16_f32",
             }
         }
 
@@ -660,12 +674,26 @@ pub mod geometry {
             }
         }
 
+        /// The rounding of f32 values to `dtype`, kept as f32 (`None` for f32: nothing to do).
+        pub fn round_to(dtype: crate::DType) -> Option<OpsKernel> {
+            match dtype {
+                crate::DType::F32 => None,
+                crate::DType::BF16 => Some(OpsKernel::RoundBf16),
+                crate::DType::F16 => Some(OpsKernel::RoundF16),
+            }
+        }
+
         /// Work items of a launch with `p` (one per thread per grid-stride iteration):
-        /// `len` for fill, add and the conversions, `b·n·w` for copy_rows, `b·k·d` for
+        /// `len` for fill, add, the conversions and roundings, `b·n·w` for copy_rows, `b·k·d` for
         /// select_heads, `b·d` for scatter_heads (each thread walks the `k` heads).
         pub fn work(self, p: &super::params::OpsParams) -> usize {
             let n = match self {
-                OpsKernel::Fill | OpsKernel::Add | OpsKernel::ToBf16 | OpsKernel::ToF16 => p.len,
+                OpsKernel::Fill
+                | OpsKernel::Add
+                | OpsKernel::ToBf16
+                | OpsKernel::ToF16
+                | OpsKernel::RoundBf16
+                | OpsKernel::RoundF16 => p.len,
                 OpsKernel::CopyRows => p.b * p.n * p.w,
                 OpsKernel::SelectHeads => p.b * p.k * p.d,
                 OpsKernel::ScatterHeads => {

@@ -51,6 +51,7 @@
 
 #![warn(missing_docs)]
 
+mod buf;
 pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -77,10 +78,12 @@ mod runner;
 mod tensor;
 pub mod verify;
 
+pub use buf::{Elem, HostBuf, HostData};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use mask::{Documents, Mask};
+pub use parallel::{ring_attention, ring_attention_backward};
 pub use params::{AttentionParams, Dims, MAX_HEAD_DIM};
 pub use positions::{Positions, Segment};
 pub use tensor::{Tensor, TensorData};

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, DqMode};
 use crate::params::Visibility;
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor, TensorData};
+use crate::{AttentionParams, DType, Dims, Error, HostBuf, HostData, Positions, Result, Tensor, TensorData};
 
 /// One forward as the kernels take it: q `[b, s_q, h_q, d]`, k and v `[b, s_k, h_kv, d]` as
 /// 16-bit patterns of `dtype`, the visibility of their rows.
@@ -198,22 +198,36 @@ pub(crate) fn supports(backend: &'static str, own: DType, dims: &Dims, dtype: DT
     Ok(())
 }
 
-/// `Backend::forward_block` of a kernel backend: f32 host buffers holding `dtype` values.
+/// The 16-bit patterns of `dtype` of a host buffer: borrowed when it holds `dtype`,
+/// rounded from any other element type.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for bytes.
+fn buf_bits(x: &HostBuf, dtype: DType) -> Result<Cow<'_, [u16]>> {
+    Ok(match (x.data(), dtype) {
+        (HostData::BF16(v), DType::BF16) => Cow::Borrowed(bytemuck::cast_slice(v)),
+        (HostData::F16(v), DType::F16) => Cow::Borrowed(bytemuck::cast_slice(v)),
+        _ => Cow::Owned(to_bits(&x.to_f32()?, dtype)),
+    })
+}
+
+/// `Backend::forward_block` of a kernel backend: host buffers holding `dtype` values (read
+/// in place when they are `dtype`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_block<E: Executor>(
     e: &E,
     dtype: DType,
     dims: Dims,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    q: &HostBuf,
+    k: &HostBuf,
+    v: &HostBuf,
     q_pos: &Positions,
     k_pos: &Positions,
     params: &AttentionParams,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<(HostBuf, HostBuf)> {
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    let (qb, kb, vb) = (to_bits(q, dtype), to_bits(k, dtype), to_bits(v, dtype));
-    e.forward(&ForwardJob {
+    let (qb, kb, vb) = (buf_bits(q, dtype)?, buf_bits(k, dtype)?, buf_bits(v, dtype)?);
+    let (o, lse) = e.forward(&ForwardJob {
         dims,
         dtype,
         q: &qb,
@@ -222,20 +236,21 @@ pub(crate) fn forward_block<E: Executor>(
         vis: &vis,
         scale: params.softmax_scale(dims.d),
         round_o: false,
-    })
+    })?;
+    Ok((o.into(), lse.into()))
 }
 
-/// The buffers of one `Backend::backward_block` step (f32 host buffers holding `dtype`
-/// values, except the f32 statistics).
+/// The buffers of one `Backend::backward_block` step (host buffers holding `dtype` values,
+/// except the f32 statistics).
 pub(crate) struct BlockBackward<'a> {
     pub dims: Dims,
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub o: &'a [f32],
-    pub lse: &'a [f32],
-    pub d_o: &'a [f32],
-    pub delta: &'a [f32],
+    pub q: &'a HostBuf,
+    pub k: &'a HostBuf,
+    pub v: &'a HostBuf,
+    pub o: &'a HostBuf,
+    pub lse: &'a HostBuf,
+    pub d_o: &'a HostBuf,
+    pub delta: &'a HostBuf,
     pub q_pos: &'a Positions,
     pub k_pos: &'a Positions,
     pub params: &'a AttentionParams,
@@ -247,11 +262,12 @@ pub(crate) fn backward_block<E: Executor>(
     dtype: DType,
     dq_mode: DqMode,
     x: &BlockBackward<'_>,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+) -> Result<(HostBuf, HostBuf, HostBuf)> {
     let dims = x.dims;
     let vis = crate::cpu::block_visibility(&dims, x.q_pos, x.k_pos, x.params)?;
-    let (qb, kb, vb, dob) = (to_bits(x.q, dtype), to_bits(x.k, dtype), to_bits(x.v, dtype), to_bits(x.d_o, dtype));
-    e.backward(&BackwardJob {
+    let (qb, kb, vb) = (buf_bits(x.q, dtype)?, buf_bits(x.k, dtype)?, buf_bits(x.v, dtype)?);
+    let (dob, o) = (buf_bits(x.d_o, dtype)?, x.o.to_f32()?);
+    let (dq, dk, dv) = e.backward(&BackwardJob {
         fwd: ForwardJob {
             dims,
             dtype,
@@ -262,15 +278,22 @@ pub(crate) fn backward_block<E: Executor>(
             scale: x.params.softmax_scale(dims.d),
             round_o: false,
         },
-        o: x.o,
-        lse: x.lse,
+        o: &o,
+        lse: x.lse.f32s()?,
         d_o: &dob,
-        delta: Some(x.delta),
+        delta: Some(x.delta.f32s()?),
         dq_mode,
-    })
+    })?;
+    Ok((dq.into(), dk.into(), dv.into()))
 }
 
 /// `Backend::softmax_grad_rowsum` of a kernel backend.
-pub(crate) fn rowsum_block<E: Executor>(e: &E, dtype: DType, dims: Dims, o: &[f32], d_o: &[f32]) -> Result<Vec<f32>> {
-    e.rowsum(&dims, dtype, o, &to_bits(d_o, dtype))
+pub(crate) fn rowsum_block<E: Executor>(
+    e: &E,
+    dtype: DType,
+    dims: Dims,
+    o: &HostBuf,
+    d_o: &HostBuf,
+) -> Result<HostBuf> {
+    Ok(e.rowsum(&dims, dtype, &o.to_f32()?, &buf_bits(d_o, dtype)?)?.into())
 }

@@ -388,3 +388,31 @@ fn pingpong_measures_the_in_process_link() {
     let r = ringattn(&["pingpong", "--sizes", "5"]);
     assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("multiple of 4"));
 }
+
+/// A 4-rank ring forward in bf16 sends exactly half the bytes of the same run in f32: K and V
+/// travel in the input dtype (`--stats` counts every rank's bytes), and `o` comes back in it.
+#[test]
+fn a_bf16_ring_sends_half_the_bytes_of_an_f32_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = Vec::new();
+    for dt in [DType::F32, DType::BF16] {
+        let (input, _) = write_inputs(dir.path(), &format!("in-{dt}.safetensors"), dt, true);
+        let out = dir.path().join(format!("out-{dt}.safetensors"));
+        let stats = dir.path().join(format!("stats-{dt}.json"));
+        let args = ["run", "--input", s(&input), "--output", s(&out), "--strategy", "ring", "--world", "4"];
+        let o = ringattn(&[&args[..], &["--causal", "--stats", s(&stats)]].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+        let ranks = json["ranks"].as_array().expect("ranks");
+        let sum = |pass: &str| ranks.iter().map(|r| r[pass]["bytes_sent"].as_u64().expect("bytes_sent")).sum::<u64>();
+        bytes.push((sum("forward"), sum("backward")));
+        let outputs = io::read_tensors(&out).unwrap();
+        assert_eq!(outputs["o"].dtype(), dt);
+        assert_eq!(outputs["dq"].dtype(), dt);
+    }
+    let ((f32_fwd, f32_bwd), (bf16_fwd, bf16_bwd)) = (bytes[0], bytes[1]);
+    assert!(f32_fwd > 0);
+    assert_eq!(bf16_fwd * 2, f32_fwd, "forward bytes: bf16 {bf16_fwd}, f32 {f32_fwd}");
+    // Backward: K/V in bf16, the dK/dV accumulators in f32 either way.
+    assert!(bf16_bwd < f32_bwd, "backward bytes: bf16 {bf16_bwd}, f32 {f32_bwd}");
+}

@@ -5,11 +5,15 @@
 use std::time::Duration;
 
 use ringattn::comm::{add_host, spmd, Communicator, LocalOptions};
-use ringattn::Error;
+use ringattn::{Error, HostBuf};
 
 fn values(rank: usize, n: usize) -> Vec<f32> {
     // Values whose sum depends on the order of addition in f32.
     (0..n).map(|i| ((rank * 7919 + i * 104_729) % 1000) as f32 * 1.000_001e-3 + (rank as f32) * 1e4).collect()
+}
+
+fn buf(v: Vec<f32>) -> HostBuf {
+    v.into()
 }
 
 #[test]
@@ -25,10 +29,13 @@ fn all_reduce_sums_in_rank_order_bit_identically_on_every_rank() {
                 acc
             })
             .collect();
-        let got = spmd(world, LocalOptions::default(), |c| c.all_reduce(values(c.rank(), n), &|a, x| add_host(a, x)));
+        let got = spmd(world, LocalOptions::default(), |c| c.all_reduce(buf(values(c.rank(), n)), &add_host));
         for (rank, g) in got.into_iter().enumerate() {
             let g = g.unwrap();
-            assert!(g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
+            assert!(
+                g.f32s().unwrap().iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "world {world} rank {rank}"
+            );
         }
     }
 }
@@ -37,7 +44,7 @@ fn all_reduce_sums_in_rank_order_bit_identically_on_every_rank() {
 fn broadcast_delivers_the_roots_buffer_to_every_rank() {
     for world in 1..=4 {
         for root in 0..world {
-            let got = spmd(world, LocalOptions::default(), |c| c.broadcast(values(c.rank(), 33), root));
+            let got = spmd(world, LocalOptions::default(), |c| c.broadcast(buf(values(c.rank(), 33)), root));
             for g in got {
                 assert_eq!(g.unwrap(), values(root, 33), "world {world} root {root}");
             }
@@ -49,13 +56,13 @@ fn broadcast_delivers_the_roots_buffer_to_every_rank() {
 fn collective_misuse_fails_every_rank_within_the_deadline() {
     let opts = LocalOptions { deadline: Duration::from_secs(5), ..Default::default() };
     // One rank contributes another length.
-    let got = spmd(3, opts, |c| c.all_reduce(vec![1.0; if c.rank() == 1 { 5 } else { 4 }], &|a, x| add_host(a, x)));
+    let got = spmd(3, opts, |c| c.all_reduce(buf(vec![1.0; if c.rank() == 1 { 5 } else { 4 }]), &add_host));
     assert!(got.iter().all(|r| r.is_err()), "{got:?}");
     assert!(got.iter().any(|r| matches!(r, Err(Error::ShapeMismatch(_)))), "{got:?}");
     // A root outside the group is refused on every rank, before any message.
-    let got = spmd(3, opts, |c| c.broadcast(vec![0.0; 2], 3));
+    let got = spmd(3, opts, |c| c.broadcast(buf(vec![0.0; 2]), 3));
     assert!(got.iter().all(|r| matches!(r, Err(Error::InvalidArgument(m)) if m.contains("root 3"))), "{got:?}");
     // A receiver expecting another length.
-    let got = spmd(3, opts, |c| c.broadcast(vec![0.0; if c.rank() == 2 { 3 } else { 2 }], 0));
+    let got = spmd(3, opts, |c| c.broadcast(buf(vec![0.0; if c.rank() == 2 { 3 } else { 2 }]), 0));
     assert!(matches!(&got[2], Err(Error::ShapeMismatch(_)) | Err(Error::PeerFailed { .. })), "{got:?}");
 }

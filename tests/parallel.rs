@@ -207,12 +207,12 @@ mod faults {
     #[test]
     fn a_silent_peer_times_out_naming_it() {
         let opts = LocalOptions { deadline: Duration::from_millis(200), ..Default::default() };
-        let out = spmd::<Vec<f32>, _>(2, opts, |c| {
+        let out = spmd::<ringattn::HostBuf, _>(2, opts, |c| {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_millis(600));
                 return Ok(());
             }
-            c.irecv(1, 7, 4)?.wait().map(|_| ())
+            c.irecv(1, 7, 4, ringattn::Elem::F32)?.wait().map(|_| ())
         });
         let e = out[0].as_ref().unwrap_err();
         assert!(matches!(e, Error::Timeout { peer: 1, .. }), "{e}");
@@ -221,15 +221,24 @@ mod faults {
 
     #[test]
     fn a_message_of_the_wrong_length_is_an_error_naming_the_peer() {
-        let out = spmd::<Vec<f32>, _>(2, LocalOptions::default(), |c| {
+        let out = spmd::<ringattn::HostBuf, _>(2, LocalOptions::default(), |c| {
             if c.rank() == 1 {
-                return c.isend(0, 3, vec![1.0; 5])?.wait();
+                return c.isend(0, 3, ringattn::HostBuf::from(vec![1.0; 5]))?.wait();
             }
-            c.irecv(1, 3, 4)?.wait().map(|_| ())
+            c.irecv(1, 3, 4, ringattn::Elem::F32)?.wait().map(|_| ())
         });
         let e = out[0].as_ref().unwrap_err();
         assert!(matches!(e, Error::ShapeMismatch(_)), "{e}");
-        assert!(e.to_string().contains("rank 1") && e.to_string().contains("5 values, expected 4"), "{e}");
+        assert!(e.to_string().contains("rank 1") && e.to_string().contains("5 F32 values, expected 4 F32"), "{e}");
+        // The same length in another element type is refused too.
+        let out = spmd::<ringattn::HostBuf, _>(2, LocalOptions::default(), |c| {
+            if c.rank() == 1 {
+                return c.isend(0, 3, ringattn::HostBuf::filled(4, 1.0, DType::BF16))?.wait();
+            }
+            c.irecv(1, 3, 4, ringattn::Elem::F32)?.wait().map(|_| ())
+        });
+        let e = out[0].as_ref().unwrap_err();
+        assert!(e.to_string().contains("4 BF16 values, expected 4 F32"), "{e}");
     }
 
     #[test]
@@ -389,13 +398,13 @@ mod exactly_once {
         fn forward_block(
             &self,
             dims: Dims,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
+            q: &ringattn::HostBuf,
+            k: &ringattn::HostBuf,
+            v: &ringattn::HostBuf,
             q_pos: &Positions,
             k_pos: &Positions,
             params: &AttentionParams,
-        ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
+        ) -> Result<Pending<ForwardPartial<ringattn::HostBuf>>> {
             self.fwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
             self.inner.forward_block(dims, q, k, v, q_pos, k_pos, params)
         }
@@ -403,22 +412,31 @@ mod exactly_once {
         fn backward_block(
             &self,
             dims: Dims,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
-            o: &Vec<f32>,
-            lse: &Vec<f32>,
-            d_o: &Vec<f32>,
-            big_d: &Vec<f32>,
+            q: &ringattn::HostBuf,
+            k: &ringattn::HostBuf,
+            v: &ringattn::HostBuf,
+            o: &ringattn::HostBuf,
+            lse: &ringattn::HostBuf,
+            d_o: &ringattn::HostBuf,
+            big_d: &ringattn::HostBuf,
             q_pos: &Positions,
             k_pos: &Positions,
             params: &AttentionParams,
-        ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
+        ) -> Result<Pending<GradientPartial<ringattn::HostBuf>>> {
             self.bwd.fetch_add(visible(params.mask, q_pos, k_pos) * (dims.b * dims.h_q) as u64, Ordering::Relaxed);
             self.inner.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
         }
 
-        fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
+        fn step_input(&self, x: &ringattn::HostBuf) -> Result<ringattn::HostBuf> {
+            self.inner.step_input(x)
+        }
+
+        fn softmax_grad_rowsum(
+            &self,
+            dims: Dims,
+            o: &ringattn::HostBuf,
+            d_o: &ringattn::HostBuf,
+        ) -> Result<ringattn::HostBuf> {
             self.inner.softmax_grad_rowsum(dims, o, d_o)
         }
     }
@@ -471,7 +489,7 @@ fn repeated_splits_form_correct_groups() {
         for _ in 0..200 {
             let sub = c.split(c.rank() % 2, c.rank())?;
             assert_eq!(sub.size(), 2);
-            let got = all_gather(sub.as_ref(), vec![c.rank() as f32])?;
+            let got = all_gather(sub.as_ref(), ringattn::HostBuf::from(vec![c.rank() as f32]))?;
             assert_eq!(got.len(), 2);
         }
         Ok(())
@@ -483,7 +501,7 @@ fn repeated_splits_form_correct_groups() {
 fn each_rank_can_have_its_own_thread_pool() {
     use ringattn::comm::{spmd, LocalOptions};
     let opts = LocalOptions { threads_per_rank: Some(1), ..Default::default() };
-    let out = spmd::<Vec<f32>, _>(3, opts, |_| Ok(rayon::current_num_threads()));
+    let out = spmd::<ringattn::HostBuf, _>(3, opts, |_| Ok(rayon::current_num_threads()));
     assert!(out.into_iter().all(|r| r.unwrap() == 1));
 }
 
@@ -503,13 +521,13 @@ mod resolved_plan {
 
     /// A communicator that counts the collective calls and splits made on it.
     struct Counting<'a> {
-        inner: &'a dyn Communicator<Buf = Vec<f32>>,
+        inner: &'a dyn Communicator<Buf = ringattn::HostBuf>,
         collectives: AtomicUsize,
         splits: AtomicUsize,
     }
 
     impl<'a> Counting<'a> {
-        fn new(inner: &'a dyn Communicator<Buf = Vec<f32>>) -> Self {
+        fn new(inner: &'a dyn Communicator<Buf = ringattn::HostBuf>) -> Self {
             Counting { inner, collectives: AtomicUsize::new(0), splits: AtomicUsize::new(0) }
         }
         fn counts(&self) -> (usize, usize) {
@@ -518,7 +536,7 @@ mod resolved_plan {
     }
 
     impl Communicator for Counting<'_> {
-        type Buf = Vec<f32>;
+        type Buf = ringattn::HostBuf;
         fn rank(&self) -> usize {
             self.inner.rank()
         }
@@ -528,16 +546,22 @@ mod resolved_plan {
         fn deadline(&self) -> Duration {
             self.inner.deadline()
         }
-        fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle> {
+        fn isend(&self, to: usize, tag: Tag, data: ringattn::HostBuf) -> Result<SendHandle> {
             self.inner.isend(to, tag, data)
         }
-        fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Vec<f32>>> {
-            self.inner.irecv(from, tag, len)
+        fn irecv(
+            &self,
+            from: usize,
+            tag: Tag,
+            len: usize,
+            elem: ringattn::Elem,
+        ) -> Result<RecvHandle<ringattn::HostBuf>> {
+            self.inner.irecv(from, tag, len, elem)
         }
         fn abort(&self, reason: &str) {
             self.inner.abort(reason)
         }
-        fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Vec<f32>>>> {
+        fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = ringattn::HostBuf>>> {
             self.splits.fetch_add(1, Ordering::Relaxed);
             self.inner.split(color, key)
         }
@@ -579,8 +603,8 @@ mod resolved_plan {
                     // defaults (seq_len from the ranks' token counts).
                     let plan = ParallelPlan::new(comm, &be, &params, &Dims::of(&qs, &ks, &vs)?, DType::F32)?;
                     assert_eq!(plan.resolved(), &resolved);
-                    let (f, _) = plan.forward(&be, &qs, &ks, &vs)?;
-                    let (g, _) = plan.backward(&be, &qs, &ks, &vs, &f.o, &f.lse, &dos)?;
+                    let (f, _) = plan.forward_tensors(&qs, &ks, &vs)?;
+                    let (g, _) = plan.backward_tensors(&qs, &ks, &vs, &f.o, &f.lse, &dos)?;
                     Ok((f.o, g))
                 });
                 let parts: Vec<(Tensor, ringattn::cpu::Gradients)> = parts.into_iter().collect::<Result<_>>().unwrap();
@@ -612,8 +636,8 @@ mod resolved_plan {
                 let plan = ParallelPlan::new(&counting, &be, &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
                 let setup = counting.counts();
                 for _ in 0..3 {
-                    let (f, _) = plan.forward(&be, &qs, &kvs, &kvs)?;
-                    plan.backward(&be, &qs, &kvs, &kvs, &f.o, &f.lse, &qs)?;
+                    let (f, _) = plan.forward_tensors(&qs, &kvs, &kvs)?;
+                    plan.backward_tensors(&qs, &kvs, &kvs, &f.o, &f.lse, &qs)?;
                 }
                 let after = counting.counts();
                 Ok((setup, (after.0 - setup.0, after.1 - setup.1)))

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Communicator, Payload, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
-use crate::{Error, Result};
+use crate::{Elem, Error, HostBuf, Result};
 
 /// A model of the link between two ranks: a message of `n` bytes occupies the link for
 /// `n / bandwidth` and arrives `latency` after it leaves. Messages on one directed link queue.
@@ -88,7 +88,7 @@ struct Group<B> {
     /// removed once all have, so repeated splits do not accumulate.
     splits: Mutex<Forming<B>>,
     /// Host-vector side group for `split` metadata.
-    meta: Mutex<Option<Arc<Group<Vec<f32>>>>>,
+    meta: Mutex<Option<Arc<Group<HostBuf>>>>,
 }
 
 /// `(split sequence number, color)`: identifies one sub-group being formed.
@@ -115,13 +115,14 @@ impl<B> Group<B> {
 ///
 /// ```
 /// use ringattn::comm::{all_gather_v, spmd, Communicator, LocalOptions};
-/// let out = spmd(3, LocalOptions::default(), |c| all_gather_v(c, vec![c.rank() as f32], &[1, 1, 1]));
+/// use ringattn::HostBuf;
+/// let out = spmd(3, LocalOptions::default(), |c| all_gather_v(c, HostBuf::from(vec![c.rank() as f32]), &[1, 1, 1]));
 /// for r in out {
 ///     assert_eq!(r?, vec![vec![0.0], vec![1.0], vec![2.0]]);
 /// }
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-pub struct LocalComm<B = Vec<f32>> {
+pub struct LocalComm<B = HostBuf> {
     rank: usize,
     group: Arc<Group<B>>,
     collectives: AtomicU64,
@@ -172,7 +173,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
     fn isend(&self, to: usize, tag: Tag, data: B) -> Result<SendHandle> {
         self.check_peer(to, "send")?;
         let g = &self.group;
-        let bytes = (data.elements() * 4) as u64;
+        let bytes = data.bytes();
         g.bytes[g.global[self.rank]].fetch_add(bytes, Ordering::Relaxed);
         let now = Instant::now();
         let deliver_at = match g.options.link {
@@ -196,7 +197,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
         Ok(SendHandle::done())
     }
 
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<B>> {
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<B>> {
         self.check_peer(from, "recv")?;
         let g = self.group.clone();
         let me = self.rank;
@@ -212,12 +213,13 @@ impl<B: Payload> Communicator for LocalComm<B> {
                     match list.front().map(|m| m.deliver_at) {
                         Some(at) if at <= now => {
                             if let Some(m) = list.pop_front() {
-                                if m.data.elements() != len {
+                                if m.data.elements() != len || m.data.elem() != elem {
                                     return Err(Error::ShapeMismatch(format!(
-                                        "recv ({}) from rank {}: {} values, expected {len}",
+                                        "recv ({}) from rank {}: {} {} values, expected {len} {elem}",
                                         super::describe_tag(tag),
                                         g.global[from],
-                                        m.data.elements()
+                                        m.data.elements(),
+                                        m.data.elem()
                                     )));
                                 }
                                 return Ok(m.data);
@@ -259,14 +261,10 @@ impl<B: Payload> Communicator for LocalComm<B> {
         // Exchange (color, key) through a side group of host vectors sharing this group's
         // failure state, so that any payload type can split.
         let meta = self.meta()?;
-        let all = super::all_gather(&meta, vec![color as f32, key as f32])?;
+        let all = super::split_members(&meta, color, key)?;
         let seq = self.splits.fetch_add(1, Ordering::Relaxed);
-        let mut members: Vec<(usize, usize)> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, ck)| ck[0] as usize == color)
-            .map(|(r, ck)| (ck[1] as usize, r))
-            .collect();
+        let mut members: Vec<(usize, usize)> =
+            all.iter().enumerate().filter(|(_, ck)| ck.0 == color).map(|(r, ck)| (ck.1, r)).collect();
         members.sort_unstable();
         let my_index = members.iter().position(|&(_, r)| r == self.rank).unwrap_or(0);
         let global: Vec<usize> = members.iter().map(|&(_, r)| self.group.global[r]).collect();
@@ -301,9 +299,9 @@ impl<B: Payload> Communicator for LocalComm<B> {
 }
 
 impl<B: Payload> LocalComm<B> {
-    /// A host-vector communicator over the same ranks, deadline and failure state, for the
+    /// A host-buffer communicator over the same ranks, deadline and failure state, for the
     /// metadata of `split`. Every member gets the same side group, created by the first.
-    fn meta(&self) -> Result<LocalComm<Vec<f32>>> {
+    fn meta(&self) -> Result<LocalComm<HostBuf>> {
         let g = &self.group;
         let mut slot = g.meta.lock().unwrap_or_else(|e| e.into_inner());
         let mg = slot

@@ -1,5 +1,5 @@
-//! The communication seam: a [`Communicator`] moves buffers ([`Payload`]: host vectors here,
-//! device memory for device communicators) between ranks with
+//! The communication seam: a [`Communicator`] moves typed buffers ([`Payload`]: [`HostBuf`]
+//! here, device memory for device communicators) between ranks with
 //! non-blocking point-to-point operations whose handles are waited on with a deadline;
 //! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`], and
 //! the trait's [`Communicator::all_reduce`] and [`Communicator::broadcast`], which a
@@ -22,21 +22,32 @@ pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};
 
-use crate::Result;
+use crate::{Elem, HostBuf, Result};
 
 /// A message tag. Point-to-point tags chosen by drivers must stay below [`COLLECTIVE_TAG`].
 pub type Tag = u64;
 
-/// What a communicator moves: a buffer of f32 values in some memory (`Vec<f32>` on the
-/// host; a device buffer for device communicators).
+/// What a communicator moves: a buffer of typed elements in some memory ([`HostBuf`] on the
+/// host; a device buffer for device communicators). Its size on the wire is
+/// `elements() · elem().size_of()` bytes.
 pub trait Payload: Clone + Send + Sync + 'static {
-    /// Number of f32 elements.
+    /// Number of elements.
     fn elements(&self) -> usize;
+    /// The element type.
+    fn elem(&self) -> Elem;
+    /// Bytes on the wire.
+    fn bytes(&self) -> u64 {
+        (self.elements() * self.elem().size_of()) as u64
+    }
 }
 
-impl Payload for Vec<f32> {
+impl Payload for HostBuf {
     fn elements(&self) -> usize {
         self.len()
+    }
+
+    fn elem(&self) -> Elem {
+        HostBuf::elem(self)
     }
 }
 
@@ -73,7 +84,7 @@ impl SendHandle {
 }
 
 /// A posted receive; waiting returns the message.
-pub struct RecvHandle<B = Vec<f32>>(Box<dyn FnOnce() -> Result<B> + Send>);
+pub struct RecvHandle<B = HostBuf>(Box<dyn FnOnce() -> Result<B> + Send>);
 
 impl<B> RecvHandle<B> {
     /// A receive completed by `f`.
@@ -88,10 +99,10 @@ impl<B> RecvHandle<B> {
 }
 
 /// How a reduction adds `x` into `acc` (a backend's addition for device buffers, [`add_host`]
-/// for host vectors).
+/// for host buffers).
 pub type AddFn<B> = dyn Fn(&mut B, &B) -> Result<()>;
 
-/// A group of ranks exchanging f32 buffers.
+/// A group of ranks exchanging typed buffers.
 ///
 /// Collective operations (the free functions of this module and [`Communicator::split`])
 /// must be called by every rank of the group in the same order.
@@ -111,13 +122,14 @@ pub trait Communicator: Send + Sync {
     /// when the group has failed.
     fn isend(&self, to: usize, tag: Tag, data: Self::Buf) -> Result<SendHandle>;
     /// Posts a receive of the next message from rank `from` with `tag`, which must hold `len`
-    /// f32 elements (the receiver always knows the size: NCCL and MPI post receives into
-    /// buffers of that size); returns at once.
+    /// elements of type `elem` (the receiver always knows both: NCCL and MPI post receives
+    /// into buffers of that size); returns at once.
     ///
     /// # Errors
-    /// As [`Communicator::isend`]; the wait fails with [`crate::Error::ShapeMismatch`] naming
-    /// the peer and tag when the message holds another number of elements.
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Self::Buf>>;
+    /// As [`Communicator::isend`], and [`crate::Error::InvalidArgument`] for an element type
+    /// the communicator does not move; the wait fails with [`crate::Error::ShapeMismatch`]
+    /// naming the peer and tag when the message holds another number or type of elements.
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<Self::Buf>>;
     /// Marks the whole group (and every group split from the same root) as failed, so that
     /// every pending and future wait returns [`crate::Error::PeerFailed`] naming this rank.
     fn abort(&self, reason: &str);
@@ -144,7 +156,7 @@ pub trait Communicator: Send + Sync {
 
     /// The element-wise sum of every rank's `data` (equal lengths), on every rank: what the
     /// gradients of replicated parameters need. `add(acc, x)` adds `x` into `acc` (a
-    /// backend's addition for device buffers, [`add_host`] for host vectors). The sum is
+    /// backend's addition for device buffers, [`add_host`] for host buffers). The sum is
     /// taken in rank order on every rank, so every rank gets bit-identical values (replicas
     /// stay identical). Collective. The portable version all-gathers, then adds; a transport
     /// may override it with its native one under the same contract.
@@ -155,7 +167,7 @@ pub trait Communicator: Send + Sync {
     ///
     /// ```
     /// use ringattn::comm::{add_host, spmd, Communicator, LocalOptions};
-    /// let sums = spmd(3, LocalOptions::default(), |c| c.all_reduce(vec![c.rank() as f32, 1.0], &|a, x| add_host(a, x)));
+    /// let sums = spmd(3, LocalOptions::default(), |c| c.all_reduce(ringattn::HostBuf::from(vec![c.rank() as f32, 1.0]), &add_host));
     /// for s in sums {
     ///     assert_eq!(s?, vec![3.0, 3.0]);
     /// }
@@ -181,7 +193,7 @@ pub trait Communicator: Send + Sync {
     ///
     /// ```
     /// use ringattn::comm::{spmd, Communicator, LocalOptions};
-    /// let got = spmd(4, LocalOptions::default(), |c| c.broadcast(vec![c.rank() as f32; 2], 2));
+    /// let got = spmd(4, LocalOptions::default(), |c| c.broadcast(ringattn::HostBuf::from(vec![c.rank() as f32; 2]), 2));
     /// for g in got {
     ///     assert_eq!(g?, vec![2.0, 2.0]);
     /// }
@@ -194,7 +206,7 @@ pub trait Communicator: Send + Sync {
         }
         let tag = self.next_collective_tag();
         if r != root {
-            return self.irecv(root, tag, data.elements())?.wait();
+            return self.irecv(root, tag, data.elements(), data.elem())?.wait();
         }
         let sends =
             (0..p).filter(|&j| j != root).map(|j| self.isend(j, tag, data.clone())).collect::<Result<Vec<_>>>()?;
@@ -207,9 +219,9 @@ pub trait Communicator: Send + Sync {
     }
 }
 
-/// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all) and
-/// returns what each rank sent to it, indexed by source rank; rank `j`'s message holds
-/// `recv_lens[j]` elements.
+/// Every rank sends `sends[j]` to rank `j` (lengths may differ: uneven all-to-all; the element
+/// type is the same everywhere) and returns what each rank sent to it, indexed by source
+/// rank; rank `j`'s message holds `recv_lens[j]` elements.
 ///
 /// # Errors
 /// [`crate::Error::InvalidArgument`] when `sends.len()` or `recv_lens.len()` is not the
@@ -241,8 +253,9 @@ fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &
         )));
     }
     let tag = comm.next_collective_tag();
+    let elem = sends[r].elem();
     let recvs: Vec<Option<RecvHandle<C::Buf>>> = (0..p)
-        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag, recv_lens[j]).map(Some) })
+        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag, recv_lens[j], elem).map(Some) })
         .collect::<Result<_>>()?;
     let mut own = None;
     let mut handles = Vec::with_capacity(p);
@@ -309,16 +322,44 @@ pub fn reduce_scatter_v<B: Payload>(
     Ok(sum)
 }
 
-/// Adds host vectors element-wise (the `add` of [`reduce_scatter_v`] for `Vec<f32>`).
+/// Adds f32 host buffers element-wise (the `add` of [`reduce_scatter_v`] and
+/// [`Communicator::all_reduce`] for [`HostBuf`]).
 ///
 /// # Errors
-/// [`crate::Error::ShapeMismatch`] for unequal lengths.
-pub fn add_host(acc: &mut [f32], x: &[f32]) -> Result<()> {
+/// [`crate::Error::ShapeMismatch`] for unequal lengths; [`crate::Error::InvalidArgument`]
+/// for buffers that are not f32.
+pub fn add_host(acc: &mut HostBuf, x: &HostBuf) -> Result<()> {
+    let x = x.f32s()?;
+    let acc = acc.f32s_mut()?;
     if acc.len() != x.len() {
         return Err(crate::Error::ShapeMismatch(format!("add: {} values and {}", acc.len(), x.len())));
     }
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
     Ok(())
+}
+
+/// Every rank's `(color, key)` of a [`Communicator::split`], indexed by rank, exchanged as
+/// bytes over a host communicator.
+///
+/// # Errors
+/// Communication errors.
+pub(crate) fn split_members(
+    comm: &dyn Communicator<Buf = HostBuf>,
+    color: usize,
+    key: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let mut mine = (color as u64).to_le_bytes().to_vec();
+    mine.extend_from_slice(&(key as u64).to_le_bytes());
+    let all = all_gather(comm, HostBuf::bytes(mine))?;
+    all.iter()
+        .map(|b| match b.data() {
+            crate::HostData::U8(v) if v.len() == 16 => {
+                let at = |i: usize| u64::from_le_bytes(v[i..i + 8].try_into().expect("8 bytes")) as usize;
+                Ok((at(0), at(8)))
+            }
+            _ => Err(crate::Error::Handshake(format!("split: a member sent {b:?} instead of its color and key"))),
+        })
+        .collect()
 }
 
 /// Returns once every rank has entered (`token`: any small buffer of the same length on

@@ -1,4 +1,4 @@
-//! Ranks as processes: [`MpiComm`], a [`Communicator`] of host `Vec<f32>` buffers over MPI
+//! Ranks as processes: [`MpiComm`], a [`Communicator`] of [`HostBuf`]s over MPI
 //! (feature `mpi`), for the CPU backend across processes and nodes.
 //!
 //! The `mpi` crate initialises MPI and finalises it; the transfers use the raw calls it
@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 use ::mpi::ffi;
 
 use super::{Communicator, Payload, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
-use crate::{Error, Result};
+use crate::{Elem, Error, HostBuf, HostData, Result};
 
 /// Point-to-point tags of the drivers must stay below this; collective tags map above it.
 const P2P_TAG_LIMIT: Tag = 1 << 24;
-/// Largest number of f32 elements per MPI message (counts are C ints); longer buffers travel
-/// as several messages with the same tag, which MPI delivers in order.
-const CHUNK: usize = 1 << 28;
+/// Largest number of bytes per MPI message (counts are C ints); longer buffers travel as
+/// several messages with the same tag, which MPI delivers in order.
+const CHUNK: usize = 1 << 30;
 
 /// Every MPI call of this module holds this lock, so the module is correct whatever thread
 /// level the library provides (at least `MPI_THREAD_SERIALIZED` is required).
@@ -72,12 +72,19 @@ struct Request {
     done: AtomicBool,
 }
 
+/// The memory of a transfer: a send's buffer (shared, never written while it is in flight:
+/// writers of a [`HostBuf`] copy a shared one first) or a receive's bytes.
+enum Transfer {
+    Send(HostBuf),
+    Recv(Vec<u8>),
+}
+
 struct RequestState {
     /// Pending requests (completed ones are `MPI_REQUEST_NULL` after `MPI_Test`).
     raw: Vec<Handle<ffi::MPI_Request>>,
-    /// Chunk lengths, for the receive-size check.
+    /// Chunk lengths in bytes, for the receive-size check.
     chunk_lens: Vec<usize>,
-    buf: Vec<f32>,
+    buf: Transfer,
     error: Option<Error>,
     /// Whether a receive (its counts are checked).
     recv: bool,
@@ -119,13 +126,13 @@ impl Request {
             }
             if st.recv {
                 let mut count: c_int = 0;
-                // SAFETY: `status` was filled by the completed MPI_Test; RSMPI_FLOAT is the
-                // shim's MPI_FLOAT.
-                let code = locked(|| unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_FLOAT, &mut count) });
+                // SAFETY: `status` was filled by the completed MPI_Test; RSMPI_UINT8_T is the
+                // shim's MPI_UINT8_T.
+                let code = locked(|| unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count) });
                 if code != 0 || count as usize != st.chunk_lens[i] {
                     let want = st.chunk_lens[i];
                     st.error.get_or_insert(Error::ShapeMismatch(format!(
-                        "message chunk of {count} values, expected {want}"
+                        "message chunk of {count} bytes, expected {want}"
                     )));
                 }
             }
@@ -196,7 +203,7 @@ impl Drop for Root {
     }
 }
 
-/// One rank of an MPI job, as a [`Communicator`] of host `Vec<f32>` buffers.
+/// One rank of an MPI job, as a [`Communicator`] of [`HostBuf`]s (sent as their bytes).
 ///
 /// Launch with `mpirun -n P program` (or `srun`); [`MpiComm::init`] initialises MPI once per
 /// process and returns the world communicator; [`Communicator::split`] makes sub-groups
@@ -212,7 +219,7 @@ impl Drop for Root {
 /// use ringattn::comm::{all_gather, Communicator, MpiComm, MpiOptions};
 /// // Run under `mpirun -n 4`.
 /// let world = MpiComm::init(MpiOptions::default())?;
-/// let all = all_gather(&world, vec![world.rank() as f32])?;
+/// let all = all_gather(&world, vec![world.rank() as f32].into())?;
 /// assert_eq!(all.len(), world.size());
 /// # Ok::<(), ringattn::Error>(())
 /// ```
@@ -338,13 +345,14 @@ impl MpiComm {
         }
     }
 
-    /// Posts `buf.len()` values in chunks; `recv` posts receives into `buf`.
-    fn post(&self, peer: usize, tag: c_int, buf: Vec<f32>, recv: bool) -> Result<Arc<Request>> {
-        let chunk_lens: Vec<usize> = if buf.is_empty() {
-            vec![0]
-        } else {
-            (0..buf.len()).step_by(CHUNK).map(|s| CHUNK.min(buf.len() - s)).collect()
+    /// Posts the bytes of `buf` in chunks: sends, or receives into a receive's bytes.
+    fn post(&self, peer: usize, tag: c_int, buf: Transfer) -> Result<Arc<Request>> {
+        let (recv, len) = match &buf {
+            Transfer::Send(b) => (false, b.data().as_bytes().len()),
+            Transfer::Recv(b) => (true, b.len()),
         };
+        let chunk_lens: Vec<usize> =
+            if len == 0 { vec![0] } else { (0..len).step_by(CHUNK).map(|s| CHUNK.min(len - s)).collect() };
         let req = Arc::new(Request {
             state: Mutex::new(RequestState { raw: Vec::new(), chunk_lens: chunk_lens.clone(), buf, error: None, recv }),
             done: AtomicBool::new(false),
@@ -353,10 +361,16 @@ impl MpiComm {
             let mut st = req.state.lock().unwrap_or_else(|e| e.into_inner());
             let mut off = 0;
             for &n in &chunk_lens {
-                // SAFETY: the pointer stays valid: `st.buf` is never resized while requests are
-                // pending and is owned by `req`, which lives (in the progress list at least)
-                // until MPI has completed them.
-                let ptr = unsafe { st.buf.as_mut_ptr().add(off) };
+                // SAFETY: the pointer stays valid: `st.buf` is never resized or written while
+                // requests are pending (a send's shared buffer is immutable; writers copy it)
+                // and is owned by `req`, which lives (in the progress list at least) until MPI
+                // has completed them. MPI only reads a send's memory.
+                let ptr = unsafe {
+                    match &mut st.buf {
+                        Transfer::Send(b) => b.data().as_bytes().as_ptr().cast_mut().add(off),
+                        Transfer::Recv(b) => b.as_mut_ptr().add(off),
+                    }
+                };
                 // SAFETY: reading an extern constant of the MPI shim.
                 let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
                 let code = locked(|| unsafe {
@@ -364,7 +378,7 @@ impl MpiComm {
                         ffi::MPI_Irecv(
                             ptr.cast::<c_void>(),
                             n as c_int,
-                            ffi::RSMPI_FLOAT,
+                            ffi::RSMPI_UINT8_T,
                             peer as c_int,
                             tag,
                             self.comm.0,
@@ -374,7 +388,7 @@ impl MpiComm {
                         ffi::MPI_Isend(
                             ptr.cast::<c_void>(),
                             n as c_int,
-                            ffi::RSMPI_FLOAT,
+                            ffi::RSMPI_UINT8_T,
                             peer as c_int,
                             tag,
                             self.comm.0,
@@ -410,7 +424,7 @@ fn spawn_progress(progress: Weak<Progress>, stop: Arc<AtomicBool>, interval: Dur
 }
 
 impl Communicator for MpiComm {
-    type Buf = Vec<f32>;
+    type Buf = HostBuf;
 
     fn rank(&self) -> usize {
         self.rank
@@ -424,24 +438,27 @@ impl Communicator for MpiComm {
         self.root.options.deadline
     }
 
-    fn isend(&self, to: usize, tag: Tag, data: Vec<f32>) -> Result<SendHandle> {
+    fn isend(&self, to: usize, tag: Tag, data: HostBuf) -> Result<SendHandle> {
         self.check_peer(to, "send")?;
         let t = self.mpi_tag(tag, "send")?;
-        self.root.bytes.fetch_add(data.elements() as u64 * 4, Ordering::Relaxed);
-        let req = self.post(to, t, data, false)?;
+        self.root.bytes.fetch_add(data.bytes(), Ordering::Relaxed);
+        let req = self.post(to, t, Transfer::Send(data))?;
         let (root, peer) = (self.root.clone(), self.global[to]);
         Ok(SendHandle::new(move || MpiComm::wait(&root, &req, format!("send ({})", super::describe_tag(tag)), peer)))
     }
 
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<Vec<f32>>> {
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<HostBuf>> {
         self.check_peer(from, "recv")?;
         let t = self.mpi_tag(tag, "recv")?;
-        let req = self.post(from, t, vec![0.0; len], true)?;
+        let req = self.post(from, t, Transfer::Recv(vec![0; len * elem.size_of()]))?;
         let (root, peer) = (self.root.clone(), self.global[from]);
         Ok(RecvHandle::new(move || {
             MpiComm::wait(&root, &req, format!("recv ({})", super::describe_tag(tag)), peer)?;
             let mut st = req.state.lock().unwrap_or_else(|e| e.into_inner());
-            Ok(std::mem::take(&mut st.buf))
+            match std::mem::replace(&mut st.buf, Transfer::Recv(Vec::new())) {
+                Transfer::Recv(bytes) => Ok(HostBuf::new(HostData::from_bytes(elem, &bytes)?)),
+                Transfer::Send(_) => Err(Error::Mpi("internal: a receive holding a send".into())),
+            }
         }))
     }
 
@@ -453,16 +470,12 @@ impl Communicator for MpiComm {
         locked(|| unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) });
     }
 
-    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Vec<f32>>>> {
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = HostBuf>>> {
         // A deadline-bounded exchange first: once every rank has arrived, the blocking
         // MPI_Comm_split cannot wait on a missing peer.
-        let all = super::all_gather(self, vec![color as f32, key as f32])?;
-        let mut members: Vec<(usize, usize)> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, ck)| ck[0] as usize == color)
-            .map(|(r, ck)| (ck[1] as usize, r))
-            .collect();
+        let all = super::split_members(self, color, key)?;
+        let mut members: Vec<(usize, usize)> =
+            all.iter().enumerate().filter(|(_, ck)| ck.0 == color).map(|(r, ck)| (ck.1, r)).collect();
         members.sort_unstable();
         let rank = members.iter().position(|&(_, r)| r == self.rank).unwrap_or(0);
         let global: Vec<usize> = members.iter().map(|&(_, r)| self.global[r]).collect();

@@ -6,12 +6,12 @@ use super::CudaDevice;
 use crate::kernels::geometry::DqMode;
 use crate::parallel::{Backend, ForwardPartial, GradientPartial, HostMemory, Pending};
 use crate::runner::{self, BlockBackward};
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
+use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
 
 /// The kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu` on a GPU as a [`Backend`], so
 /// every strategy (ring, all-gather, Ulysses, USP over in-process ranks) runs on them: buffers
-/// are host `Vec<f32>` holding values of `dtype` (bf16 or f16), which each step converts to
-/// 16-bit patterns, uploads, computes on the device's stream and downloads (partial results
+/// are host [`crate::HostBuf`]s holding `dtype` (bf16 or f16) values, which each step
+/// uploads as they are, computes on the device's stream and downloads (partial results
 /// stay f32). Ranks share the GPU. This measures correctness, not speed: device-resident
 /// buffers and communication come with the NCCL communicator. The drivers refuse
 /// other dtypes, and head dimensions the kernels do not take, with
@@ -72,13 +72,13 @@ impl Backend for CudaBackend {
     fn forward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
+    ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let e = &*self.device;
         Ok(Pending::ready(runner::forward_block(e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
@@ -86,22 +86,22 @@ impl Backend for CudaBackend {
     fn backward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        d_o: &Vec<f32>,
-        big_d: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
+        o: &HostBuf,
+        lse: &HostBuf,
+        d_o: &HostBuf,
+        big_d: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
+    ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
         Ok(Pending::ready(runner::backward_block(&*self.device, self.dtype, DqMode::default(), &x)?))
     }
 
-    fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
+    fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
         runner::rowsum_block(&*self.device, self.dtype, dims, o, d_o)
     }
 }

@@ -405,28 +405,23 @@ pub fn exchange_unique_id(
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn broadcast_unique_id(
-    comm: &dyn Communicator<Buf = Vec<f32>>,
+    comm: &dyn Communicator<Buf = crate::HostBuf>,
     make_id: impl FnOnce() -> Result<UniqueId>,
 ) -> Result<UniqueId> {
     let tag = comm.next_collective_tag();
     if comm.rank() == 0 {
-        let id = make_id()?;
-        let values: Vec<f32> = id.iter().map(|&b| f32::from(b)).collect();
-        let sends = (1..comm.size()).map(|r| comm.isend(r, tag, values.clone())).collect::<Result<Vec<_>>>()?;
+        let id = crate::HostBuf::bytes(make_id()?.to_vec());
+        let sends = (1..comm.size()).map(|r| comm.isend(r, tag, id.clone())).collect::<Result<Vec<_>>>()?;
+        comm.flush()?;
         for s in sends {
             s.wait()?;
         }
-        Ok(id)
+        Ok(id.to_control_bytes().try_into().expect("a unique id"))
     } else {
-        let values = comm.irecv(0, tag, UNIQUE_ID_BYTES)?.wait()?;
-        let mut id = [0u8; UNIQUE_ID_BYTES];
-        for (b, &v) in id.iter_mut().zip(&values) {
-            if !(0.0..=255.0).contains(&v) || v.fract() != 0.0 {
-                return Err(Error::InvalidArgument(format!("NCCL unique id: received {v}, not a byte")));
-            }
-            *b = v as u8;
-        }
-        Ok(id)
+        let got = comm.irecv(0, tag, UNIQUE_ID_BYTES, crate::Elem::U8)?.wait()?;
+        got.to_control_bytes()
+            .try_into()
+            .map_err(|b: Vec<u8>| Error::InvalidArgument(format!("NCCL unique id: received {} bytes", b.len())))
     }
 }
 

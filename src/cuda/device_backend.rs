@@ -13,7 +13,7 @@ use super::{CudaDevice, DeviceMask};
 use crate::kernels::geometry::{DqMode, OpsKernel};
 use crate::kernels::params::OpsParams;
 use crate::parallel::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, Pending};
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
+use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
 
 /// The kernels of `cuda/` as a [`Backend`] whose buffers stay on the GPU ([`DeviceBuf`]): the
 /// drivers of [`crate::parallel`] (ring, all-gather, Ulysses, USP) run unchanged, with every
@@ -37,10 +37,10 @@ use crate::{AttentionParams, DType, Dims, Error, Positions, Result};
 /// ```no_run
 /// use ringattn::cuda::{CudaDevice, DeviceBackend};
 /// use ringattn::parallel::Buffers;
-/// use ringattn::DType;
+/// use ringattn::{DType, HostBuf};
 /// let be = DeviceBackend::new(CudaDevice::shared(0)?, DType::BF16)?;
-/// let mut acc = be.filled(4, 1.0)?;
-/// let x = be.upload(&[1.0, 2.0, 3.0, 4.0])?;
+/// let mut acc = be.filled(4, 1.0, DType::F32)?;
+/// let x = be.upload(&HostBuf::from(vec![1.0, 2.0, 3.0, 4.0]))?;
 /// be.add_into(&mut acc, &x)?;
 /// assert_eq!(be.download(&acc)?, vec![2.0, 3.0, 4.0, 5.0]);
 /// # Ok::<(), ringattn::Error>(())
@@ -250,15 +250,40 @@ fn expect_len(name: &str, buf: &DeviceBuf, want: usize) -> Result<()> {
 impl Buffers for DeviceBackend {
     type Buf = DeviceBuf;
 
-    fn upload(&self, host: &[f32]) -> Result<DeviceBuf> {
-        DeviceBuf::upload(&self.stream, host)
+    /// Device buffers hold every dtype as f32 (16-bit device buffers are not written yet):
+    /// values of a 16-bit dtype are rounded to it and stored widened.
+    fn storage(&self, _dtype: DType) -> crate::Elem {
+        crate::Elem::F32
     }
 
-    fn download(&self, buf: &DeviceBuf) -> Result<Vec<f32>> {
-        buf.download(&self.stream)
+    /// Values of any element type as f32 (bytes as one value each).
+    fn upload(&self, host: &HostBuf) -> Result<DeviceBuf> {
+        match host.data() {
+            crate::HostData::U8(b) => {
+                DeviceBuf::upload(&self.stream, &b.iter().map(|&x| f32::from(x)).collect::<Vec<_>>())
+            }
+            _ => DeviceBuf::upload(&self.stream, &host.to_f32()?),
+        }
     }
 
-    fn filled(&self, len: usize, value: f32) -> Result<DeviceBuf> {
+    fn download(&self, buf: &DeviceBuf) -> Result<HostBuf> {
+        Ok(buf.download(&self.stream)?.into())
+    }
+
+    /// `x` rounded to `dtype` on the compute stream, kept as f32 ([`Buffers::storage`]); `x`
+    /// itself for f32.
+    fn convert(&self, x: &DeviceBuf, dtype: DType) -> Result<DeviceBuf> {
+        let Some(kernel) = OpsKernel::round_to(dtype) else { return Ok(x.clone()) };
+        let mut out = DeviceBuf::alloc(&self.stream, x.len())?;
+        {
+            let (src, _gs) = x.read_ptr(&self.stream)?;
+            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
+            self.launch(kernel, &OpsParams::round(dst, src, x.len()))?;
+        }
+        Ok(out)
+    }
+
+    fn filled(&self, len: usize, value: f32, _dtype: DType) -> Result<DeviceBuf> {
         let mut out = DeviceBuf::alloc(&self.stream, len)?;
         {
             let (dst, _g) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
@@ -402,8 +427,8 @@ impl Backend for DeviceBackend {
         expect_len("k", k, kv_len(&dims))?;
         expect_len("v", v, kv_len(&dims))?;
         if self.skip_compute {
-            let o = self.filled(q_len(&dims), 0.0)?;
-            return Ok(Pending::ready((o, self.filled(lse_len(&dims), f32::NEG_INFINITY)?)));
+            let o = self.filled(q_len(&dims), 0.0, DType::F32)?;
+            return Ok(Pending::ready((o, self.filled(lse_len(&dims), f32::NEG_INFINITY, DType::F32)?)));
         }
         let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
         let mask = DeviceMask::upload(&self.stream, &vis)?;
@@ -458,8 +483,12 @@ impl Backend for DeviceBackend {
         expect_len("lse", lse, lse_len(&dims))?;
         expect_len("delta", big_d, lse_len(&dims))?;
         if self.skip_compute {
-            let dq = self.filled(q_len(&dims), 0.0)?;
-            return Ok(Pending::ready((dq, self.filled(kv_len(&dims), 0.0)?, self.filled(kv_len(&dims), 0.0)?)));
+            let dq = self.filled(q_len(&dims), 0.0, DType::F32)?;
+            return Ok(Pending::ready((
+                dq,
+                self.filled(kv_len(&dims), 0.0, DType::F32)?,
+                self.filled(kv_len(&dims), 0.0, DType::F32)?,
+            )));
         }
         let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
         let mask = DeviceMask::upload(&self.stream, &vis)?;
@@ -505,7 +534,7 @@ impl Backend for DeviceBackend {
         expect_len("o", o, q_len(&dims))?;
         expect_len("d_o", d_o, q_len(&dims))?;
         if self.skip_compute {
-            return self.filled(lse_len(&dims), 0.0);
+            return self.filled(lse_len(&dims), 0.0, DType::F32);
         }
         let do16 = self.bits(d_o)?;
         o.wait_on(&self.stream)?;

@@ -56,6 +56,10 @@ impl Payload for DeviceBuf {
     fn elements(&self) -> usize {
         self.len
     }
+
+    fn elem(&self) -> crate::Elem {
+        crate::Elem::F32
+    }
 }
 
 impl DeviceBuf {

@@ -13,8 +13,8 @@ use super::{CudaDevice, DeviceBackend};
 use crate::comm::{Communicator, LocalComm, LocalOptions, RecvHandle, SendHandle, Tag};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::DqMode;
-use crate::parallel::{self, ParallelParams, ParallelPlan, ProcessRun, Stats};
-use crate::{Dims, Error, Result, Tensor};
+use crate::parallel::{self, Buffers, ParallelParams, ParallelPlan, ProcessRun, Stats};
+use crate::{DType, Dims, Error, HostBuf, Result, Tensor};
 
 /// One rank of a group of in-process ranks (threads) sharing one GPU, moving [`DeviceBuf`]s:
 /// the device-resident twin of [`LocalComm`] (NCCL refuses two ranks on one GPU, so this
@@ -36,7 +36,7 @@ use crate::{Dims, Error, Result, Tensor};
 /// use ringattn::comm::{Communicator, LocalOptions};
 /// use ringattn::cuda::{CudaDevice, DeviceBackend, DeviceComm};
 /// use ringattn::parallel::Buffers;
-/// use ringattn::DType;
+/// use ringattn::{DType, Elem, HostBuf};
 /// let dev = CudaDevice::shared(0)?;
 /// let comms = DeviceComm::group(2, LocalOptions::default(), &dev)?;
 /// std::thread::scope(|s| {
@@ -45,8 +45,8 @@ use crate::{Dims, Error, Result, Tensor};
 ///         s.spawn(move || -> ringattn::Result<()> {
 ///             let be = DeviceBackend::new(dev, DType::BF16)?;
 ///             let peer = 1 - c.rank();
-///             let recv = c.irecv(peer, 0, 3)?;
-///             c.isend(peer, 0, be.upload(&[c.rank() as f32; 3])?)?.wait()?;
+///             let recv = c.irecv(peer, 0, 3, Elem::F32)?;
+///             c.isend(peer, 0, be.upload(&HostBuf::from(vec![c.rank() as f32; 3]))?)?.wait()?;
 ///             assert_eq!(be.download(&recv.wait()?)?, vec![peer as f32; 3]);
 ///             Ok(())
 ///         });
@@ -201,8 +201,8 @@ impl Communicator for DeviceComm {
         }))
     }
 
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<DeviceBuf>> {
-        self.inner.irecv(from, tag, len)
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: crate::Elem) -> Result<RecvHandle<DeviceBuf>> {
+        self.inner.irecv(from, tag, len, elem)
     }
 
     fn abort(&self, reason: &str) {
@@ -455,18 +455,54 @@ fn run_ranks(
         })
         .collect::<Result<Vec<_>>>()?;
     let rank_fn = |comm: &DeviceComm, be: &DeviceBackend| -> Result<RankResult> {
-        let shard = |t: &Tensor| resolved.shard(t, comm.rank());
-        let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
-        let plan = ParallelPlan::new(comm, be, resolved.params(), &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
+        // Shards go to the device before, and results come back after, the timed calls: the
+        // plan runs on device buffers with no host transfer.
+        let up = |t: &Tensor| be.upload(&HostBuf::from_tensor(&resolved.shard(t, comm.rank())?));
+        let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
+        let dob = d_o.map(up).transpose()?;
+        let n = resolved.positions(comm.rank()).len();
+        let dims = Dims { s_q: n, s_k: n, ..dims };
+        let plan = ParallelPlan::new(comm, be, resolved.params(), &dims, q.dtype())?;
+        let finished = |bufs: &[&DeviceBuf], start: std::time::Instant| -> Result<Duration> {
+            for b in bufs {
+                b.wait_ready("the call's results", comm.rank(), options.deadline)?;
+            }
+            Ok(start.elapsed())
+        };
         be.record_step_times(timed);
-        let (f, fs) = plan.forward(be, &qs, &ks, &vs)?;
+        let start = std::time::Instant::now();
+        let (o, saved) = plan.forward(&qb, &kb, &vb)?;
+        let mut fs = plan.last_stats();
+        fs.total = finished(&[&o, &saved.lse], start)?;
         let fwd_steps = be.step_times_ms()?;
-        let g = match d_o {
-            Some(t) => Some(plan.backward(be, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),
+        let g = match &dob {
+            Some(d) => {
+                let start = std::time::Instant::now();
+                let g = plan.backward(&saved, d)?;
+                let mut bs = plan.last_stats();
+                bs.total = finished(&[&g.dq, &g.dk, &g.dv], start)?;
+                Some((g, bs))
+            }
             None => None,
         };
         let bwd_steps = be.step_times_ms()?;
         be.record_step_times(false);
+        let dtype = q.dtype();
+        let f = ForwardOutput {
+            o: plan.download_tensor(&o, dims.q_shape(), dtype)?,
+            lse: plan.download_tensor(&saved.lse, dims.lse_shape(), DType::F32)?,
+        };
+        let g = match g {
+            Some((g, bs)) => Some((
+                Gradients {
+                    dq: plan.download_tensor(&g.dq, dims.q_shape(), dtype)?,
+                    dk: plan.download_tensor(&g.dk, dims.kv_shape(), dtype)?,
+                    dv: plan.download_tensor(&g.dv, dims.kv_shape(), dtype)?,
+                },
+                bs,
+            )),
+            None => None,
+        };
         Ok((f, fs, g, fwd_steps, bwd_steps))
     };
     let results = crate::comm::run_each(&comms, None, |c| {

@@ -596,7 +596,7 @@ impl NcclComm {
     /// # Errors
     /// As [`broadcast_unique_id`] and [`NcclComm::init`].
     pub fn from_host_comm(
-        host: &dyn Communicator<Buf = Vec<f32>>,
+        host: &dyn Communicator<Buf = crate::HostBuf>,
         device: usize,
         deadline: Duration,
     ) -> Result<NcclComm> {
@@ -696,7 +696,10 @@ impl Communicator for NcclComm {
         }))
     }
 
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<DeviceBuf>> {
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: crate::Elem) -> Result<RecvHandle<DeviceBuf>> {
+        if elem != crate::Elem::F32 {
+            return Err(Error::InvalidArgument(format!("NCCL recv: device buffers hold f32, not {elem}")));
+        }
         let buf = DeviceBuf::alloc(&self.inner.stream, len)?;
         let slot = self.post(from, tag, Kind::Recv(buf.clone()))?;
         let inner = self.inner.clone();

@@ -4,11 +4,11 @@ use super::flash::{Emulator, BACKEND};
 use super::EmuOptions;
 use crate::parallel::{Backend, ForwardPartial, GradientPartial, HostMemory, Pending};
 use crate::runner::{self, BlockBackward};
-use crate::{AttentionParams, DType, Dims, Positions, Result};
+use crate::{AttentionParams, DType, Dims, HostBuf, Positions, Result};
 
 /// The kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu`, run by the host emulator, as a
-/// [`Backend`]: buffers are host `Vec<f32>` holding values of `dtype` (bf16 or f16), which
-/// each step passes to the kernels as 16-bit patterns; partial results stay f32. The drivers
+/// [`Backend`]: buffers are host [`crate::HostBuf`]s holding `dtype` (bf16 or f16) values,
+/// which each step passes to the kernels in place; partial results stay f32. The drivers
 /// refuse other dtypes, and head dimensions the kernels do not take, with
 /// [`crate::Error::BackendUnsupported`] on every rank.
 ///
@@ -47,13 +47,13 @@ impl Backend for EmuBackend {
     fn forward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
+    ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let e = Emulator(&self.options);
         Ok(Pending::ready(runner::forward_block(&e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
@@ -61,23 +61,23 @@ impl Backend for EmuBackend {
     fn backward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        d_o: &Vec<f32>,
-        big_d: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
+        o: &HostBuf,
+        lse: &HostBuf,
+        d_o: &HostBuf,
+        big_d: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
+    ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
         let e = Emulator(&self.options);
         Ok(Pending::ready(runner::backward_block(&e, self.dtype, self.options.dq_mode, &x)?))
     }
 
-    fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
+    fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
         runner::rowsum_block(&Emulator(&self.options), self.dtype, dims, o, d_o)
     }
 }

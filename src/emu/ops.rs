@@ -3,13 +3,15 @@
 //! the device backend composes the same kernels with the same [`OpsParams`] constructors.
 
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use super::{check, EmuLaunch, EmuOptions, Schedule};
 use crate::kernels::geometry::{self, Launch, OpsKernel};
 use crate::kernels::params::OpsParams;
 use crate::parallel::{BufShape, Buffers, CpuBackend};
 use crate::random::randn;
-use crate::{DType, Result};
+use crate::{DType, HostBuf, Result};
 
 extern "C" {
     fn ringattn_emu_ops(kernel: i32, p: OpsParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
@@ -68,6 +70,15 @@ impl Emu {
     fn convert(&self, x: &[f32], dtype: DType) -> Vec<u16> {
         let mut out = vec![0xdeadu16; x.len()];
         self.run(OpsKernel::convert_to(dtype), OpsParams::convert(out.as_mut_ptr() as u64, addr(x), x.len()));
+        out
+    }
+
+    fn round(&self, x: &[f32], dtype: DType) -> Vec<f32> {
+        let mut out = vec![f32::NAN; x.len()];
+        match OpsKernel::round_to(dtype) {
+            Some(k) => self.run(k, OpsParams::round(addr_mut(&mut out), addr(x), x.len())),
+            None => out.copy_from_slice(x),
+        }
         out
     }
 
@@ -144,18 +155,32 @@ fn emus() -> [Emu; 3] {
     ]
 }
 
+/// A host buffer of f32 values.
+fn hb(x: &[f32]) -> HostBuf {
+    x.to_vec().into()
+}
+
+fn hbs(x: &[Vec<f32>]) -> Vec<HostBuf> {
+    x.iter().map(|v| hb(v)).collect()
+}
+
+/// The f32 values of a host operation's result.
+fn hv(b: Result<HostBuf>) -> Vec<f32> {
+    b.expect("host operation").f32s().expect("f32 values").to_vec()
+}
+
 #[test]
 fn fill_and_add_match_the_host() {
     let host = CpuBackend::default();
     for e in emus() {
         for (len, value) in [(1, 2.5f32), (1023, -3.25), (0, 1.0), (777, f32::NEG_INFINITY)] {
-            assert!(bits_eq(&e.filled(len, value), &host.filled(len, value).unwrap()), "fill {len}");
+            assert!(bits_eq(&e.filled(len, value), &hv(host.filled(len, value, DType::F32))), "fill {len}");
         }
         let (a, x) = (vals(1031, 1), vals(1031, 2));
-        let (mut got, mut want) = (a.clone(), a);
+        let (mut got, mut want) = (a.clone(), hb(&a));
         e.add_into(&mut got, &x);
-        host.add_into(&mut want, &x).unwrap();
-        assert!(bits_eq(&got, &want));
+        host.add_into(&mut want, &hb(&x)).unwrap();
+        assert!(bits_eq(&got, &hv(Ok(want))));
     }
 }
 
@@ -194,10 +219,17 @@ fn conversions_round_like_the_half_crate() {
     ]);
     for dtype in [DType::BF16, DType::F16] {
         let want = crate::runner::to_bits(&x, dtype);
+        // The values of those bits, widened by the half crate (the host's `convert`).
+        let want_round = HostBuf::from(x.clone()).converted(dtype).to_f32().unwrap().into_owned();
         for e in emus() {
             let got = e.convert(&x, dtype);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g, w, "{dtype}: {} ({:#010x}): {g:#06x} vs {w:#06x}", x[i], x[i].to_bits());
+            }
+            let got = e.round(&x, dtype);
+            for (i, (g, w)) in got.iter().zip(&want_round).enumerate() {
+                let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+                assert!(same, "round {dtype}: {} -> {g} ({:#010x}) vs {w} ({:#010x})", x[i], g.to_bits(), w.to_bits());
             }
         }
     }
@@ -211,13 +243,13 @@ fn concat_and_slice_along_the_sequence_match_the_host() {
         [3usize, 0, 5, 1].iter().enumerate().map(|(i, n)| vals(b * n * w, 10 + i as u64)).collect();
     let x = vals(2 * 11 * 5, 20);
     for e in emus() {
-        assert!(bits_eq(&e.concat_seq(&parts, b, w), &host.concat_seq(&parts, b, w).unwrap()));
+        assert!(bits_eq(&e.concat_seq(&parts, b, w), &hv(host.concat_seq(&hbs(&parts), b, w))));
         // An LSE as the Ulysses drivers see it: [b·k, S, 1].
         let lse_parts = vec![vals(6 * 2, 30), vals(6 * 3, 31)];
-        assert!(bits_eq(&e.concat_seq(&lse_parts, 6, 1), &host.concat_seq(&lse_parts, 6, 1).unwrap()));
+        assert!(bits_eq(&e.concat_seq(&lse_parts, 6, 1), &hv(host.concat_seq(&hbs(&lse_parts), 6, 1))));
         for (r0, n) in [(3, 6), (0, 11), (10, 1), (11, 0), (4, 0)] {
             let got = e.seq_slice(&x, 2, 11, 5, r0, n);
-            assert!(bits_eq(&got, &host.seq_slice(&x, 2, 11, 5, r0, n).unwrap()), "slice {r0}+{n}");
+            assert!(bits_eq(&got, &hv(host.seq_slice(&hb(&x), 2, 11, 5, r0, n))), "slice {r0}+{n}");
         }
     }
 }
@@ -234,14 +266,14 @@ fn select_and_scatter_heads_match_the_host() {
             let x = vals(sh.len(), 40 + si as u64);
             for heads in lists {
                 let part_shape = BufShape { h: heads.len(), ..*sh };
-                let want = host.select_heads(&x, *sh, heads).unwrap();
+                let want = hv(host.select_heads(&hb(&x), *sh, heads));
                 assert!(bits_eq(&e.select_heads(&x, *sh, heads), &want), "select {heads:?}");
                 let src = vals(part_shape.len(), 50);
                 for assign in [true, false] {
-                    let (mut got, mut want) = (x.clone(), x.clone());
+                    let (mut got, mut want) = (x.clone(), hb(&x));
                     e.scatter_heads(&mut got, *sh, heads, &src, assign);
-                    host.scatter_heads(&mut want, *sh, heads, &src, assign).unwrap();
-                    assert!(bits_eq(&got, &want), "scatter {heads:?} assign {assign}");
+                    host.scatter_heads(&mut want, *sh, heads, &hb(&src), assign).unwrap();
+                    assert!(bits_eq(&got, &hv(Ok(want))), "scatter {heads:?} assign {assign}");
                 }
             }
         }
@@ -267,66 +299,114 @@ fn out_of_range_accesses_are_reported() {
 
 /// The drivers over the emulated device: every data movement of a strategy through the
 /// ops.cu kernels (as `cuda::DeviceBackend` composes them), the attention steps through the
-/// emulated flash kernels. Buffers are host memory standing in for device memory.
+/// emulated flash kernels. Buffers are host memory standing in for device memory, holding
+/// every dtype as f32 as the device backend does; host↔device transfers and the sizes of
+/// the buffers the device allocates are counted.
 struct EmuDevice {
     ops: Emu,
     flash: super::EmuBackend,
+    /// Uploads and downloads so far.
+    transfers: AtomicUsize,
+    /// Elements of every buffer the device allocated so far.
+    allocations: Mutex<Vec<usize>>,
+}
+
+impl EmuDevice {
+    fn new(ops: Emu, flash: super::EmuBackend) -> Self {
+        EmuDevice { ops, flash, transfers: AtomicUsize::new(0), allocations: Mutex::new(Vec::new()) }
+    }
+
+    fn alloc(&self, len: usize) {
+        self.allocations.lock().unwrap().push(len);
+    }
+
+    /// Transfers and the largest allocation since the last call; resets both.
+    fn take_counts(&self) -> (usize, usize) {
+        let largest = self.allocations.lock().unwrap().drain(..).max().unwrap_or(0);
+        (self.transfers.swap(0, Ordering::Relaxed), largest)
+    }
+}
+
+fn f32s(b: &HostBuf) -> Result<&[f32]> {
+    b.f32s()
 }
 
 impl Buffers for EmuDevice {
-    type Buf = Vec<f32>;
+    type Buf = HostBuf;
 
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        Ok(host.to_vec())
+    fn storage(&self, _dtype: DType) -> crate::Elem {
+        crate::Elem::F32
     }
 
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+    fn upload(&self, host: &HostBuf) -> Result<HostBuf> {
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        Ok(match host.data() {
+            crate::HostData::U8(b) => b.iter().map(|&x| f32::from(x)).collect::<Vec<_>>().into(),
+            _ => host.to_f32()?.into_owned().into(),
+        })
+    }
+
+    fn download(&self, buf: &HostBuf) -> Result<HostBuf> {
+        self.transfers.fetch_add(1, Ordering::Relaxed);
         Ok(buf.clone())
     }
 
-    fn filled(&self, len: usize, value: f32) -> Result<Vec<f32>> {
-        Ok(self.ops.filled(len, value))
+    fn filled(&self, len: usize, value: f32, _dtype: DType) -> Result<HostBuf> {
+        self.alloc(len);
+        Ok(self.ops.filled(len, value).into())
     }
 
-    fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
-        self.ops.add_into(acc, x);
+    fn convert(&self, x: &HostBuf, dtype: DType) -> Result<HostBuf> {
+        if dtype == DType::F32 {
+            return Ok(x.clone());
+        }
+        self.alloc(x.len());
+        Ok(self.ops.round(x.f32s()?, dtype).into())
+    }
+
+    fn add_into(&self, acc: &mut HostBuf, x: &HostBuf) -> Result<()> {
+        self.ops.add_into(acc.f32s_mut()?, x.f32s()?);
         Ok(())
     }
 
     fn merge_into(
         &self,
-        o: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        o_b: &Vec<f32>,
-        lse_b: &Vec<f32>,
+        o: &mut HostBuf,
+        lse: &mut HostBuf,
+        o_b: &HostBuf,
+        lse_b: &HostBuf,
         bshd: [usize; 4],
     ) -> Result<()> {
         // The merge kernel has its own emulated tests; the host merge keeps the comparison
         // below bit for bit.
-        crate::merge::merge_into(o, lse, o_b, lse_b, bshd)
+        crate::merge::merge_into(o.f32s_mut()?, lse.f32s_mut()?, o_b.f32s()?, lse_b.f32s()?, bshd)
     }
 
-    fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Result<Vec<f32>> {
-        Ok(self.ops.concat_seq(parts, b, w))
+    fn concat_seq(&self, parts: &[HostBuf], b: usize, w: usize) -> Result<HostBuf> {
+        let parts = parts.iter().map(|p| f32s(p).map(<[f32]>::to_vec)).collect::<Result<Vec<_>>>()?;
+        self.alloc(parts.iter().map(Vec::len).sum());
+        Ok(self.ops.concat_seq(&parts, b, w).into())
     }
 
-    fn seq_slice(&self, x: &Vec<f32>, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
-        Ok(self.ops.seq_slice(x, b, s, w, r0, n))
+    fn seq_slice(&self, x: &HostBuf, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<HostBuf> {
+        self.alloc(b * n * w);
+        Ok(self.ops.seq_slice(x.f32s()?, b, s, w, r0, n).into())
     }
 
-    fn select_heads(&self, x: &Vec<f32>, shape: BufShape, heads: &[usize]) -> Result<Vec<f32>> {
-        Ok(self.ops.select_heads(x, shape, heads))
+    fn select_heads(&self, x: &HostBuf, shape: BufShape, heads: &[usize]) -> Result<HostBuf> {
+        self.alloc(shape.b * shape.n * heads.len() * shape.d);
+        Ok(self.ops.select_heads(x.f32s()?, shape, heads).into())
     }
 
     fn scatter_heads(
         &self,
-        dst: &mut Vec<f32>,
+        dst: &mut HostBuf,
         shape: BufShape,
         heads: &[usize],
-        src: &Vec<f32>,
+        src: &HostBuf,
         assign: bool,
     ) -> Result<()> {
-        self.ops.scatter_heads(dst, shape, heads, src, assign);
+        self.ops.scatter_heads(dst.f32s_mut()?, shape, heads, src.f32s()?, assign);
         Ok(())
     }
 }
@@ -339,35 +419,42 @@ impl crate::parallel::Backend for EmuDevice {
     fn forward_block(
         &self,
         dims: crate::Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
         q_pos: &crate::Positions,
         k_pos: &crate::Positions,
         params: &crate::AttentionParams,
-    ) -> Result<crate::parallel::Pending<crate::parallel::ForwardPartial<Vec<f32>>>> {
-        self.flash.forward_block(dims, q, k, v, q_pos, k_pos, params)
+    ) -> Result<crate::parallel::Pending<crate::parallel::ForwardPartial<HostBuf>>> {
+        let (o, lse) = self.flash.forward_block(dims, q, k, v, q_pos, k_pos, params)?.wait()?;
+        self.alloc(o.len());
+        self.alloc(lse.len());
+        Ok(crate::parallel::Pending::ready((o, lse)))
     }
 
     fn backward_block(
         &self,
         dims: crate::Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        d_o: &Vec<f32>,
-        big_d: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
+        o: &HostBuf,
+        lse: &HostBuf,
+        d_o: &HostBuf,
+        big_d: &HostBuf,
         q_pos: &crate::Positions,
         k_pos: &crate::Positions,
         params: &crate::AttentionParams,
-    ) -> Result<crate::parallel::Pending<crate::parallel::GradientPartial<Vec<f32>>>> {
-        self.flash.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)
+    ) -> Result<crate::parallel::Pending<crate::parallel::GradientPartial<HostBuf>>> {
+        let g = self.flash.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)?.wait()?;
+        [&g.0, &g.1, &g.2].iter().for_each(|x| self.alloc(x.len()));
+        Ok(crate::parallel::Pending::ready(g))
     }
 
-    fn softmax_grad_rowsum(&self, dims: crate::Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
-        self.flash.softmax_grad_rowsum(dims, o, d_o)
+    fn softmax_grad_rowsum(&self, dims: crate::Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
+        let d = self.flash.softmax_grad_rowsum(dims, o, d_o)?;
+        self.alloc(d.len());
+        Ok(d)
     }
 }
 
@@ -386,7 +473,7 @@ fn every_strategy_runs_on_the_emulated_device() {
     let v = randn(vec![b, s, hkv, d], 23, dtype);
     let d_o = randn(vec![b, s, hq, d], 24, dtype);
     let flash = super::EmuBackend { dtype, options: EmuOptions { workers: 1, ..Default::default() } };
-    let device = EmuDevice { ops: Emu { small: Some((3, 64)), schedule: Schedule::Reverse }, flash };
+    let device = EmuDevice::new(Emu { small: Some((3, 64)), schedule: Schedule::Reverse }, flash);
     for (strategy, world, degree) in [
         (Strategy::Ring, 3, None),
         (Strategy::AllGather, 2, None),
@@ -408,5 +495,55 @@ fn every_strategy_runs_on_the_emulated_device() {
         assert_eq!(got.forward.lse, host.forward.lse, "{strategy:?}: lse");
         let (g, h) = (got.gradients.expect("grads"), host.gradients.expect("grads"));
         assert_eq!((g.dq, g.dk, g.dv), (h.dq, h.dk, h.dv), "{strategy:?}: gradients");
+    }
+}
+
+/// After setup (the plan made, the shards uploaded), a forward and a backward on the
+/// emulated device move nothing between host and device and allocate no buffer larger than a
+/// shard's q: no full-sequence buffer (all-gather, which gathers the whole K/V by design, is
+/// left out). The results equal those of the host buffers bit for bit.
+#[test]
+fn plan_calls_on_the_emulated_device_stay_on_the_device() {
+    use crate::comm::{spmd, Communicator, LocalOptions};
+    use crate::parallel::{ParallelParams, ParallelPlan, Strategy};
+    use crate::{AttentionParams, Dims, Mask, Tensor};
+    let (b, s, hq, hkv, d) = (1, 48, 4, 2, 16);
+    let dtype = DType::BF16;
+    let q = randn(vec![b, s, hq, d], 31, dtype);
+    let k = randn(vec![b, s, hkv, d], 32, dtype);
+    let v = randn(vec![b, s, hkv, d], 33, dtype);
+    let d_o = randn(vec![b, s, hq, d], 34, dtype);
+    let flash = super::EmuBackend { dtype, options: EmuOptions { workers: 1, ..Default::default() } };
+    for (strategy, degree) in [(Strategy::Ring, None), (Strategy::Ulysses, None), (Strategy::Usp, Some(2))] {
+        let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let params = ParallelParams { strategy, attention, ulysses_degree: degree, ..Default::default() };
+        let resolved = params.resolve(4, hq, s).unwrap();
+        let shard_q = b * (0..4).map(|r| resolved.positions(r).len()).max().unwrap() * hq * d;
+        let results = spmd(4, LocalOptions::default(), |comm| {
+            let dev = EmuDevice::new(Emu { small: Some((2, 32)), schedule: Schedule::Forward }, flash);
+            let shard = |t: &Tensor| resolved.shard(t, comm.rank());
+            let (qs, ks, vs, dos) = (shard(&q)?, shard(&k)?, shard(&v)?, shard(&d_o)?);
+            let plan = ParallelPlan::new(comm, &dev, &params, &Dims::of(&qs, &ks, &vs)?, dtype)?;
+            let bufs = [&qs, &ks, &vs, &dos].map(|t| plan.upload_tensor(t));
+            let [qb, kb, vb, dob] = bufs.map(|b| b.expect("upload"));
+            dev.take_counts();
+            let (o, saved) = plan.forward(&qb, &kb, &vb)?;
+            let g = plan.backward(&saved, &dob)?;
+            let (transfers, largest) = dev.take_counts();
+            // The same calls on host buffers (16-bit values as they are).
+            let host = ParallelPlan::new(comm, &flash, &params, &Dims::of(&qs, &ks, &vs)?, dtype)?;
+            let hb = [&qs, &ks, &vs, &dos].map(HostBuf::from_tensor);
+            let (ho, hsaved) = host.forward(&hb[0], &hb[1], &hb[2])?;
+            let hg = host.backward(&hsaved, &hb[3])?;
+            let same = |a: &HostBuf, h: &HostBuf| a.converted(dtype) == *h;
+            let equal = same(&o, &ho) && saved.lse == hsaved.lse && same(&g.dq, &hg.dq) && same(&g.dk, &hg.dk);
+            Ok((transfers, largest, equal && same(&g.dv, &hg.dv)))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (transfers, largest, equal) = r.unwrap_or_else(|e| panic!("{strategy}: {e}"));
+            assert_eq!(transfers, 0, "{strategy} rank {rank}: host-device transfers inside the calls");
+            assert!(largest > 0 && largest <= shard_q, "{strategy} rank {rank}: a buffer of {largest} > {shard_q}");
+            assert!(equal, "{strategy} rank {rank}: results differ from the host buffers'");
+        }
     }
 }

@@ -51,7 +51,8 @@ pub(super) fn forward<Be: Backend>(
 ) -> Result<(Be::Buf, Be::Buf)> {
     let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
     let start = Instant::now();
-    let out = be.forward_block(dims, &x.q, &k, &v, &pos[comm.rank()], &all, params)?.wait()?;
+    let q = be.step_input(&x.q)?;
+    let out = be.forward_block(dims, &q, &k, &v, &pos[comm.rank()], &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     stats.step(Default::default(), Default::default(), flops(&dims));
@@ -73,9 +74,10 @@ pub(super) fn backward<Be: Backend>(
     let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
     let q_pos = &pos[comm.rank()];
     let start = Instant::now();
-    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, o, d_o)?;
+    let (q, o, d_o) = (be.step_input(&x.q)?, be.step_input(o)?, be.step_input(d_o)?);
+    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, &o, &d_o)?;
     let (dq, dk_all, dv_all) =
-        be.backward_block(dims, &x.q, &k, &v, o, lse, d_o, &big_d, q_pos, &all, params)?.wait()?;
+        be.backward_block(dims, &q, &k, &v, &o, lse, &d_o, &big_d, q_pos, &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();

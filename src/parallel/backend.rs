@@ -1,10 +1,11 @@
 //! The backend seam: the local attention steps the drivers run on each rank.
 
 use super::seq;
+use crate::buf::HostData;
 use crate::comm::Payload;
 use crate::cpu::{self, TileConfig};
 use crate::params::Visibility;
-use crate::{AttentionParams, Dims, Positions, Result};
+use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
 
 /// A local step in flight: [`Backend`] calls enqueue work and return one; `wait` returns the
 /// result. The CPU backend computes at once, so its steps are born complete; a device
@@ -64,34 +65,47 @@ impl BufShape {
 
 /// The memory side of a backend: its buffer type and the few data movements the strategies
 /// need, in the crate layouts (`[b, s, h, d]` for q/k/v/o and their gradients, `[b, h_q,
-/// s_q]` for the LSE, f32 values). Backends that keep their data in host vectors get it from
-/// [`HostMemory`].
+/// s_q]` for the LSE). Buffers are typed ([`crate::Elem`]): q, k, v, o and `d_o` keep the
+/// input dtype, accumulators and the LSE are f32. Backends that keep their data in host
+/// memory ([`HostBuf`]) get it from [`HostMemory`].
 pub trait Buffers: Sync {
     /// The buffers this backend computes on (and its communicator moves).
     type Buf: Payload;
 
-    /// A buffer holding `host`.
+    /// The element type this backend stores values of `dtype` in: `dtype` itself, except
+    /// for backends that hold every dtype as f32 (the device backend, for now).
+    fn storage(&self, dtype: DType) -> crate::Elem {
+        dtype.into()
+    }
+    /// A buffer holding `host`'s values (host backends share it: no copy).
     ///
     /// # Errors
     /// Allocation or transfer errors.
-    fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
+    fn upload(&self, host: &HostBuf) -> Result<Self::Buf>;
     /// The values of `buf` on the host.
     ///
     /// # Errors
     /// Transfer errors.
-    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
-    /// A buffer of `len` copies of `value`.
+    fn download(&self, buf: &Self::Buf) -> Result<HostBuf>;
+    /// A buffer of `len` copies of `value` as `dtype`.
     ///
     /// # Errors
     /// Allocation errors.
-    fn filled(&self, len: usize, value: f32) -> Result<Self::Buf>;
-    /// `acc += x` element-wise.
+    fn filled(&self, len: usize, value: f32, dtype: DType) -> Result<Self::Buf>;
+    /// `x`'s values as `dtype` (rounded to nearest even when narrowing; `x` itself, shared,
+    /// when it already is). Backends that hold every dtype as f32 (the device backend) round
+    /// where the values leave them.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    fn convert(&self, x: &Self::Buf, dtype: DType) -> Result<Self::Buf>;
+    /// `acc += x` element-wise (f32 buffers).
     ///
     /// # Errors
     /// [`crate::Error::ShapeMismatch`] for unequal lengths.
     fn add_into(&self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
-    /// Merges the partial `(o, lse)` into the accumulator (see [`crate::merge`]); `bshd` is
-    /// `[b, s, h, d]` of `o`.
+    /// Merges the partial `(o, lse)` into the accumulator (see [`crate::merge`]; f32
+    /// buffers); `bshd` is `[b, s, h, d]` of `o`.
     ///
     /// # Errors
     /// [`crate::Error::ShapeMismatch`] for lengths that disagree with `bshd`.
@@ -103,10 +117,10 @@ pub trait Buffers: Sync {
         lse_b: &Self::Buf,
         bshd: [usize; 4],
     ) -> Result<()>;
-    /// Concatenates `[b, n_i, w]` buffers along the middle axis.
+    /// Concatenates `[b, n_i, w]` buffers (one element type) along the middle axis.
     ///
     /// # Errors
-    /// Allocation errors.
+    /// Allocation errors; [`crate::Error::InvalidArgument`] for mixed element types.
     fn concat_seq(&self, parts: &[Self::Buf], b: usize, w: usize) -> Result<Self::Buf>;
     /// Rows `r0..r0 + n` of the middle axis of a `[b, s, w]` buffer.
     ///
@@ -118,11 +132,11 @@ pub trait Buffers: Sync {
     /// # Errors
     /// Allocation errors.
     fn select_heads(&self, x: &Self::Buf, shape: BufShape, heads: &[usize]) -> Result<Self::Buf>;
-    /// Writes (`assign`) or adds `src` (`[b, n, heads.len(), d]`) into the heads `heads` of
-    /// the `shape` buffer `dst`.
+    /// Writes (`assign`; any element type) or adds (f32) `src` (`[b, n, heads.len(), d]`)
+    /// into the heads `heads` of the `shape` buffer `dst`.
     ///
     /// # Errors
-    /// Launch errors.
+    /// Launch errors; [`crate::Error::InvalidArgument`] for element types that disagree.
     fn scatter_heads(
         &self,
         dst: &mut Self::Buf,
@@ -147,7 +161,20 @@ pub trait Backend: Buffers {
         Ok(())
     }
 
+    /// An input of the steps (q, k, v, o or `d_o`, in the input dtype) in the form this
+    /// backend's steps read it best: the drivers call it once per call for the buffers that
+    /// stay on the rank (q, o, `d_o`), so a conversion the steps would otherwise repeat on
+    /// every ring hop happens once. The default keeps the buffer as it is; the CPU backend
+    /// widens to f32.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    fn step_input(&self, x: &Self::Buf) -> Result<Self::Buf> {
+        Ok(x.clone())
+    }
+
     /// Attention of queries at `q_pos` against keys at `k_pos`: f32 `(o, lse)`, unrounded.
+    /// `q`, `k` and `v` hold the input dtype (or what [`Backend::step_input`] made of it).
     ///
     /// # Errors
     /// Invalid positions or parameters.
@@ -198,102 +225,169 @@ pub struct CpuBackend {
     pub tiles: TileConfig,
 }
 
-/// Marker of backends whose buffers are host `Vec<f32>`: they get [`Buffers`] from the
+/// Marker of backends whose buffers are [`HostBuf`]s: they get [`Buffers`] from the
 /// implementation below and only write the compute steps.
 pub trait HostMemory: Sync {}
 
-impl<T: HostMemory> Buffers for T {
-    type Buf = Vec<f32>;
+/// The vectors of two buffers of one element type as `$a`, `$b` in `$body`.
+macro_rules! same_elem {
+    ($x:expr, $y:expr, $a:ident, $b:ident => $body:expr) => {
+        match ($x, $y) {
+            (HostData::F32($a), HostData::F32($b)) => $body,
+            (HostData::BF16($a), HostData::BF16($b)) => $body,
+            (HostData::F16($a), HostData::F16($b)) => $body,
+            (HostData::U8($a), HostData::U8($b)) => $body,
+            (x, y) => return Err(mixed(x.elem(), y.elem())),
+        }
+    };
+}
 
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        Ok(host.to_vec())
+fn mixed(a: crate::Elem, b: crate::Elem) -> Error {
+    Error::InvalidArgument(format!("buffers of one element type were expected, got {a} and {b}"))
+}
+
+impl<T: HostMemory> Buffers for T {
+    type Buf = HostBuf;
+
+    fn upload(&self, host: &HostBuf) -> Result<HostBuf> {
+        Ok(host.clone())
     }
 
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+    fn download(&self, buf: &HostBuf) -> Result<HostBuf> {
         Ok(buf.clone())
     }
 
-    fn filled(&self, len: usize, value: f32) -> Result<Vec<f32>> {
-        Ok(vec![value; len])
+    fn filled(&self, len: usize, value: f32, dtype: DType) -> Result<HostBuf> {
+        Ok(HostBuf::filled(len, value, dtype))
     }
 
-    fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+    fn convert(&self, x: &HostBuf, dtype: DType) -> Result<HostBuf> {
+        Ok(x.converted(dtype))
+    }
+
+    fn add_into(&self, acc: &mut HostBuf, x: &HostBuf) -> Result<()> {
         crate::comm::add_host(acc, x)
     }
 
     fn merge_into(
         &self,
-        o: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        o_b: &Vec<f32>,
-        lse_b: &Vec<f32>,
+        o: &mut HostBuf,
+        lse: &mut HostBuf,
+        o_b: &HostBuf,
+        lse_b: &HostBuf,
         bshd: [usize; 4],
     ) -> Result<()> {
-        crate::merge::merge_into(o, lse, o_b, lse_b, bshd)
+        crate::merge::merge_into(o.f32s_mut()?, lse.f32s_mut()?, o_b.f32s()?, lse_b.f32s()?, bshd)
     }
 
-    fn concat_seq(&self, parts: &[Vec<f32>], b: usize, w: usize) -> Result<Vec<f32>> {
-        Ok(seq::concat_seq(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>(), b, w))
+    fn concat_seq(&self, parts: &[HostBuf], b: usize, w: usize) -> Result<HostBuf> {
+        let Some(first) = parts.first() else { return Ok(HostBuf::from(Vec::new())) };
+        macro_rules! concat {
+            ($variant:ident) => {{
+                let slices = parts
+                    .iter()
+                    .map(|p| match p.data() {
+                        HostData::$variant(v) => Ok(v.as_slice()),
+                        d => Err(mixed(first.elem(), d.elem())),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                HostData::$variant(seq::concat_seq(&slices, b, w))
+            }};
+        }
+        Ok(HostBuf::new(match first.data() {
+            HostData::F32(_) => concat!(F32),
+            HostData::BF16(_) => concat!(BF16),
+            HostData::F16(_) => concat!(F16),
+            HostData::U8(_) => concat!(U8),
+        }))
     }
 
-    fn seq_slice(&self, x: &Vec<f32>, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
-        Ok(seq::seq_slice(x, b, s, w, r0, n))
+    fn seq_slice(&self, x: &HostBuf, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<HostBuf> {
+        Ok(HostBuf::new(match x.data() {
+            HostData::F32(v) => HostData::F32(seq::seq_slice(v, b, s, w, r0, n)),
+            HostData::BF16(v) => HostData::BF16(seq::seq_slice(v, b, s, w, r0, n)),
+            HostData::F16(v) => HostData::F16(seq::seq_slice(v, b, s, w, r0, n)),
+            HostData::U8(v) => HostData::U8(seq::seq_slice(v, b, s, w, r0, n)),
+        }))
     }
 
-    fn select_heads(&self, x: &Vec<f32>, shape: BufShape, heads: &[usize]) -> Result<Vec<f32>> {
-        Ok(seq::select_heads(x, shape, heads))
+    fn select_heads(&self, x: &HostBuf, shape: BufShape, heads: &[usize]) -> Result<HostBuf> {
+        Ok(HostBuf::new(match x.data() {
+            HostData::F32(v) => HostData::F32(seq::select_heads(v, shape, heads)),
+            HostData::BF16(v) => HostData::BF16(seq::select_heads(v, shape, heads)),
+            HostData::F16(v) => HostData::F16(seq::select_heads(v, shape, heads)),
+            HostData::U8(v) => HostData::U8(seq::select_heads(v, shape, heads)),
+        }))
     }
 
     fn scatter_heads(
         &self,
-        dst: &mut Vec<f32>,
+        dst: &mut HostBuf,
         shape: BufShape,
         heads: &[usize],
-        src: &Vec<f32>,
+        src: &HostBuf,
         assign: bool,
     ) -> Result<()> {
-        seq::scatter_heads(dst, shape, heads, src, assign);
+        if !assign {
+            let src = src.f32s()?;
+            seq::scatter_heads(dst.f32s_mut()?, shape, heads, src, |a, b| *a += b);
+            return Ok(());
+        }
+        same_elem!(dst.make_mut(), src.data(), d, s => seq::scatter_heads(d, shape, heads, s, |a, b| *a = b));
         Ok(())
     }
 }
 
 impl HostMemory for CpuBackend {}
 
+/// An f32 step result as host buffers.
+fn host2((a, b): (Vec<f32>, Vec<f32>)) -> ForwardPartial<HostBuf> {
+    (a.into(), b.into())
+}
+
 impl Backend for CpuBackend {
+    fn step_input(&self, x: &HostBuf) -> Result<HostBuf> {
+        Ok(x.converted(DType::F32))
+    }
+
     fn forward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
+    ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let vis = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        Ok(Pending::ready(cpu::forward_f32(dims, q, k, v, &vis, params, self.tiles)))
+        let (q, k, v) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
+        Ok(Pending::ready(host2(cpu::forward_f32(dims, &q, &k, &v, &vis, params, self.tiles))))
     }
 
     fn backward_block(
         &self,
         dims: Dims,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        d_o: &Vec<f32>,
-        big_d: &Vec<f32>,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
+        o: &HostBuf,
+        lse: &HostBuf,
+        d_o: &HostBuf,
+        big_d: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
-    ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
+    ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let vis: Visibility = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        Ok(Pending::ready(cpu::backward_f32(dims, q, k, v, o, lse, d_o, Some(big_d), &vis, params, self.tiles)))
+        let (q, k, v, o, d_o) = (q.to_f32()?, k.to_f32()?, v.to_f32()?, o.to_f32()?, d_o.to_f32()?);
+        let (dq, dk, dv) =
+            cpu::backward_f32(dims, &q, &k, &v, &o, lse.f32s()?, &d_o, Some(big_d.f32s()?), &vis, params, self.tiles);
+        Ok(Pending::ready((dq.into(), dk.into(), dv.into())))
     }
 
-    fn softmax_grad_rowsum(&self, dims: Dims, o: &Vec<f32>, d_o: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(cpu::softmax_grad_rowsum(dims, o, d_o))
+    fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
+        Ok(cpu::softmax_grad_rowsum(dims, &o.to_f32()?, &d_o.to_f32()?).into())
     }
 }
 
@@ -309,36 +403,37 @@ impl Backend for NullBackend {
     fn forward_block(
         &self,
         dims: Dims,
-        _q: &Vec<f32>,
-        _k: &Vec<f32>,
-        _v: &Vec<f32>,
+        _q: &HostBuf,
+        _k: &HostBuf,
+        _v: &HostBuf,
         _q_pos: &Positions,
         _k_pos: &Positions,
         _params: &AttentionParams,
-    ) -> Result<Pending<ForwardPartial<Vec<f32>>>> {
+    ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let o = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d];
-        Ok(Pending::ready((o, vec![f32::NEG_INFINITY; dims.b * dims.h_q * dims.s_q])))
+        Ok(Pending::ready(host2((o, vec![f32::NEG_INFINITY; dims.b * dims.h_q * dims.s_q]))))
     }
 
     fn backward_block(
         &self,
         dims: Dims,
-        _q: &Vec<f32>,
-        _k: &Vec<f32>,
-        _v: &Vec<f32>,
-        _o: &Vec<f32>,
-        _lse: &Vec<f32>,
-        _d_o: &Vec<f32>,
-        _big_d: &Vec<f32>,
+        _q: &HostBuf,
+        _k: &HostBuf,
+        _v: &HostBuf,
+        _o: &HostBuf,
+        _lse: &HostBuf,
+        _d_o: &HostBuf,
+        _big_d: &HostBuf,
         _q_pos: &Positions,
         _k_pos: &Positions,
         _params: &AttentionParams,
-    ) -> Result<Pending<GradientPartial<Vec<f32>>>> {
+    ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let kv = dims.b * dims.s_k * dims.h_kv * dims.d;
-        Ok(Pending::ready((vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d], vec![0.0; kv], vec![0.0; kv])))
+        let dq = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d];
+        Ok(Pending::ready((dq.into(), vec![0.0; kv].into(), vec![0.0; kv].into())))
     }
 
-    fn softmax_grad_rowsum(&self, dims: Dims, _o: &Vec<f32>, _d_o: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(vec![0.0; dims.b * dims.h_q * dims.s_q])
+    fn softmax_grad_rowsum(&self, dims: Dims, _o: &HostBuf, _d_o: &HostBuf) -> Result<HostBuf> {
+        Ok(vec![0.0; dims.b * dims.h_q * dims.s_q].into())
     }
 }

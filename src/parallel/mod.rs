@@ -29,8 +29,9 @@
 //! let parts = spmd(world, LocalOptions::default(), |comm| {
 //!     let shard = |t: &ringattn::Tensor| resolved.shard(t, comm.rank());
 //!     let (q, k, v) = (shard(&q)?, shard(&k)?, shard(&v)?);
-//!     let plan = ParallelPlan::new(comm, &CpuBackend::default(), &params, &Dims::of(&q, &k, &v)?, q.dtype())?;
-//!     let (out, _stats) = plan.forward(&CpuBackend::default(), &q, &k, &v)?;
+//!     let backend = CpuBackend::default();
+//!     let plan = ParallelPlan::new(comm, &backend, &params, &Dims::of(&q, &k, &v)?, q.dtype())?;
+//!     let (out, _stats) = plan.forward_tensors(&q, &k, &v)?;
 //!     Ok(out.o)
 //! });
 //! let o = resolved.unshard(&parts.into_iter().collect::<Result<Vec<_>, _>>()?)?;
@@ -56,16 +57,18 @@ pub use plan::{ParallelPlan, ResolvedParams};
 
 use crate::comm::{spmd, Communicator, LocalOptions, Payload};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::{AttentionParams, Dims, Error, Layout, Mask, Positions, Result, Tensor};
+use crate::{AttentionParams, DType, Dims, Error, HostBuf, Layout, Mask, Positions, Result, Tensor};
 use seq::Shape;
 
-/// How the sequence is spread over ranks.
+/// How the sequence is spread over ranks. The default is the ring (on one rank it is plain
+/// attention).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Strategy {
     /// One rank, no sequence parallelism.
-    #[default]
     Single,
     /// Ring attention.
+    #[default]
     Ring,
     /// All-gather K/V, local attention, reduce-scatter dK/dV.
     AllGather,
@@ -115,7 +118,7 @@ impl std::str::FromStr for Strategy {
     }
 }
 
-/// Parameters of a sequence-parallel call. `Default`: single, default layout, no mask.
+/// Parameters of a sequence-parallel call. `Default`: ring, default layout, no mask.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ParallelParams {
     /// The strategy.
@@ -241,7 +244,12 @@ struct LocalData<B> {
 
 impl<B> LocalData<B> {
     /// The ring's view of this rank's own (sequence-sharded) data.
-    fn ring_inputs<'a>(&'a self, pos: &'a [Positions], params: &'a AttentionParams) -> ring::RingInputs<'a, B> {
+    fn ring_inputs<'a>(
+        &'a self,
+        pos: &'a [Positions],
+        hops: usize,
+        params: &'a AttentionParams,
+    ) -> ring::RingInputs<'a, B> {
         ring::RingInputs {
             b: self.b,
             h_q: self.h_q,
@@ -251,32 +259,116 @@ impl<B> LocalData<B> {
             k: &self.k,
             v: &self.v,
             pos,
+            hops,
             params,
         }
     }
-}
-
-fn local_data<Be: Backend>(be: &Be, dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<LocalData<Be::Buf>> {
-    Ok(LocalData {
-        b: dims.b,
-        h_q: dims.h_q,
-        h_kv: dims.h_kv,
-        d: dims.d,
-        q: be.upload(&q.as_f32())?,
-        k: be.upload(&k.as_f32())?,
-        v: be.upload(&v.as_f32())?,
-    })
 }
 
 fn concat_positions(pos: &[Positions]) -> Positions {
     Positions::from_segments(pos.iter().flat_map(|p| p.segments().iter().copied()).collect()).expect("valid segments")
 }
 
+/// What a forward keeps for its backward: this rank's inputs, its output `o` (input dtype)
+/// and `lse` (f32, `[b, h_q, n]`), as the backend's buffers. Holding it costs no copy (the
+/// buffers are shared handles); each call's context is its own, so any number of layers,
+/// repeated calls and recomputation (gradient checkpointing) work.
+#[derive(Clone)]
+pub struct SavedForward<B> {
+    /// Queries `[b, n, h_q, d]`.
+    pub q: B,
+    /// Keys `[b, n, h_kv, d]`.
+    pub k: B,
+    /// Values `[b, n, h_kv, d]`.
+    pub v: B,
+    /// Output `[b, n, h_q, d]`, input dtype.
+    pub o: B,
+    /// Log-sum-exp `[b, h_q, n]`, f32.
+    pub lse: B,
+}
+
+/// Gradients of one rank's shard, as the backend's buffers in the input dtype.
+#[derive(Clone)]
+pub struct GradientBufs<B> {
+    /// `[b, n, h_q, d]`.
+    pub dq: B,
+    /// `[b, n, h_kv, d]`.
+    pub dk: B,
+    /// `[b, n, h_kv, d]`.
+    pub dv: B,
+}
+
+/// Exact attention of this rank's shard of one long sequence against the whole sequence, on
+/// the backend's buffers (host memory for the CPU and emulated backends, device memory for
+/// CUDA): `softmax(scale · q kᵀ + mask) v` with the mask on global positions. `q` is `[b, n,
+/// h_q, d]`, `k` and `v` `[b, n, h_kv, d]` (this rank's `n` tokens, at
+/// [`ParallelPlan::positions`]), in the plan's dtype; returns `o` `[b, n, h_q, d]` in that
+/// dtype and the context [`ring_attention_backward`] takes. The plan fixes the strategy (the
+/// ring by default; all-gather, Ulysses, USP), the layout, the mask and the communicator, and
+/// was made once ([`ParallelPlan::new`]); this call is collective over its communicator and
+/// does no setup and no host transfer. The same as [`ParallelPlan::forward`].
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] when the buffers are not the planned shard; communication errors
+/// (every wait has the communicator's deadline; a failed peer fails every rank) and backend
+/// errors.
+///
+/// ```
+/// use ringattn::comm::{spmd, Communicator, LocalOptions};
+/// use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan};
+/// use ringattn::{random::randn, ring_attention, ring_attention_backward, AttentionParams, DType, Dims, HostBuf, Mask};
+///
+/// let (s, world) = (64, 4);
+/// let x = randn(vec![1, s, 2, 16], 1, DType::BF16);
+/// let params = ParallelParams { attention: AttentionParams { mask: Mask::Causal, ..Default::default() }, ..Default::default() };
+/// let resolved = params.resolve(world, 2, s)?;
+/// let grads = spmd(world, LocalOptions::default(), |comm| {
+///     let shard = resolved.shard(&x, comm.rank())?; // this rank's tokens (zigzag for causal)
+///     let backend = CpuBackend::default();
+///     let plan = ParallelPlan::new(comm, &backend, &params, &Dims::of(&shard, &shard, &shard)?, DType::BF16)?;
+///     let q = HostBuf::from_tensor(&shard);
+///     let mut last = None;
+///     for _layer in 0..2 {
+///         let (o, saved) = ring_attention(&plan, &q, &q, &q)?; // bf16 in, bf16 out
+///         assert_eq!(o.elem(), ringattn::Elem::BF16);
+///         last = Some(ring_attention_backward(&plan, &saved, &o)?);
+///     }
+///     Ok(last.unwrap().dq.len())
+/// });
+/// assert!(grads.into_iter().all(|g| g.is_ok()));
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn ring_attention<Be: Backend>(
+    plan: &ParallelPlan<'_, Be>,
+    q: &Be::Buf,
+    k: &Be::Buf,
+    v: &Be::Buf,
+) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
+    plan.forward(q, k, v)
+}
+
+/// The backward of [`ring_attention`]: from the context of a forward and `d_o` `[b, n, h_q,
+/// d]` (the loss's gradient with respect to that call's `o`, in the plan's dtype), this
+/// rank's `dq` `[b, n, h_q, d]`, `dk` and `dv` `[b, n, h_kv, d]` in that dtype, exact over the
+/// whole sequence (K/V gradients computed by other ranks come back to their owners).
+/// Collective; no setup, no host transfer. The same as [`ParallelPlan::backward`].
+///
+/// # Errors
+/// As [`ring_attention`].
+pub fn ring_attention_backward<Be: Backend>(
+    plan: &ParallelPlan<'_, Be>,
+    saved: &SavedForward<Be::Buf>,
+    d_o: &Be::Buf,
+) -> Result<GradientBufs<Be::Buf>> {
+    plan.backward(saved, d_o)
+}
+
 /// This rank's part of the forward: `o` (input dtype) and `lse` (f32) for the tokens it
 /// holds, with its statistics. Collective over `comm`, whose buffers are the backend's.
 /// Plans the layer on every call ([`ParallelPlan::new`]: one handshake, and the splits of
 /// Ulysses/USP); code that calls attention repeatedly makes the plan once and calls
-/// [`ParallelPlan::forward`].
+/// [`ParallelPlan::forward`] (on the backend's buffers) or
+/// [`ParallelPlan::forward_tensors`].
 ///
 /// # Errors
 /// [`Error::Handshake`] when ranks disagree or one holds the wrong shard (on every rank),
@@ -290,7 +382,7 @@ pub fn forward<Be: Backend>(
     params: &ParallelParams,
 ) -> Result<(ForwardOutput, Stats)> {
     let plan = ParallelPlan::new(comm, backend, params, &Dims::of(q, k, v)?, q.dtype())?;
-    plan.forward(backend, q, k, v)
+    plan.forward_tensors(q, k, v)
 }
 
 /// This rank's part of the backward, from its shards, its `o` and `lse` (as [`forward`]
@@ -312,57 +404,82 @@ pub fn backward<Be: Backend>(
     params: &ParallelParams,
 ) -> Result<(Gradients, Stats)> {
     let plan = ParallelPlan::new(comm, backend, params, &Dims::of(q, k, v)?, q.dtype())?;
-    plan.backward(backend, q, k, v, o, lse, d_o)
+    plan.backward_tensors(q, k, v, o, lse, d_o)
 }
 
-impl<B: Payload> ParallelPlan<'_, B> {
-    /// This rank's part of the forward on the planned shard: `o` (input dtype) and `lse`
-    /// (f32) for its tokens. Collective over the plan's communicator; no handshake, no split.
+impl<Be: Backend> ParallelPlan<'_, Be> {
+    /// This rank's part of the forward on the backend's buffers: `q` `[b, n, h_q, d]`, `k`
+    /// and `v` `[b, n, h_kv, d]` of the planned shard, in the planned dtype (as the backend
+    /// stores it, [`Buffers::storage`]). Returns `o` in the input dtype and the context of
+    /// the backward. Collective over the plan's communicator; no handshake, no split, no
+    /// host transfer; K/V travel in the input dtype, partial outputs merge in f32.
+    /// Statistics of the call: [`ParallelPlan::last_stats`].
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the tensors are not the planned shard; communication
+    /// [`Error::ShapeMismatch`] when the buffers are not the planned shard; communication
     /// and backend errors.
-    pub fn forward<Be: Backend<Buf = B>>(
-        &self,
-        backend: &Be,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<(ForwardOutput, Stats)> {
+    pub fn forward(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
         self.measured(|stats| {
-            self.check_call(q, k, v)?;
             let dims = self.dims;
-            let x = local_data(backend, dims, q, k, v)?;
-            let (o, lse) = run_forward(self, backend, &x, stats)?;
-            Ok(ForwardOutput {
-                o: Tensor::from_f32_owned(dims.q_shape(), backend.download(&o)?, q.dtype())?,
-                lse: Tensor::from_f32(dims.lse_shape(), backend.download(&lse)?)?,
-            })
+            self.check_buf("q", q, dims.b * dims.s_q * dims.h_q * dims.d, self.dtype)?;
+            self.check_buf("k", k, dims.b * dims.s_k * dims.h_kv * dims.d, self.dtype)?;
+            self.check_buf("v", v, dims.b * dims.s_k * dims.h_kv * dims.d, self.dtype)?;
+            let x = self.local(q, k, v);
+            let (o, lse) = run_forward(self, &x, stats)?;
+            let saved = SavedForward { q: x.q, k: x.k, v: x.v, o: o.clone(), lse };
+            Ok((o, saved))
         })
     }
 
-    /// Runs one call with fresh statistics, then records its bytes sent and wall time.
-    fn measured<T>(&self, call: impl FnOnce(&mut Stats) -> Result<T>) -> Result<(T, Stats)> {
-        let start = std::time::Instant::now();
-        let mut stats = Stats { hops: 1, ..Default::default() };
-        let sent0 = self.comm.bytes_sent();
-        let out = call(&mut stats)?;
-        stats.bytes_sent = self.comm.bytes_sent() - sent0;
-        stats.total = start.elapsed();
-        Ok((out, stats))
-    }
-
-    /// This rank's part of the backward on the planned shard, from its `o` and `lse` (as
-    /// [`ParallelPlan::forward`] returned them) and its `d_o`. Collective; no handshake, no
-    /// split.
+    /// This rank's part of the backward on the backend's buffers, from the context its
+    /// [`ParallelPlan::forward`] returned and `d_o` (`[b, n, h_q, d]`, input dtype):
+    /// `dq`, `dk`, `dv` in the input dtype. Collective; no handshake, no split, no host
+    /// transfer.
     ///
     /// # Errors
-    /// As [`ParallelPlan::forward`]; [`Error::ShapeMismatch`] for `o`, `lse` or `d_o` of
+    /// As [`ParallelPlan::forward`], for `d_o` and the saved buffers.
+    pub fn backward(&self, saved: &SavedForward<Be::Buf>, d_o: &Be::Buf) -> Result<GradientBufs<Be::Buf>> {
+        self.measured(|stats| {
+            let dims = self.dims;
+            let (q_len, kv_len) = (dims.b * dims.s_q * dims.h_q * dims.d, dims.b * dims.s_k * dims.h_kv * dims.d);
+            self.check_buf("d_o", d_o, q_len, self.dtype)?;
+            self.check_buf("saved q", &saved.q, q_len, self.dtype)?;
+            self.check_buf("saved k", &saved.k, kv_len, self.dtype)?;
+            self.check_buf("saved v", &saved.v, kv_len, self.dtype)?;
+            self.check_buf("saved o", &saved.o, q_len, self.dtype)?;
+            self.check_buf("saved lse", &saved.lse, dims.b * dims.h_q * dims.s_q, DType::F32)?;
+            let x = self.local(&saved.q, &saved.k, &saved.v);
+            let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
+            Ok(GradientBufs { dq, dk, dv })
+        })
+    }
+
+    /// The forward on host tensors (this rank's shard): uploaded to the backend's buffers,
+    /// [`ParallelPlan::forward`], `o` (input dtype) and `lse` (f32) downloaded.
+    ///
+    /// # Errors
+    /// As [`ParallelPlan::forward`].
+    pub fn forward_tensors(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(ForwardOutput, Stats)> {
+        self.check_call(q, k, v)?;
+        let up = |t: &Tensor| self.upload_tensor(t);
+        let (o, saved) = self.forward(&up(q)?, &up(k)?, &up(v)?)?;
+        let dims = self.dims;
+        let out = ForwardOutput {
+            o: self.download_tensor(&o, dims.q_shape(), q.dtype())?,
+            lse: self.download_tensor(&saved.lse, dims.lse_shape(), DType::F32)?,
+        };
+        Ok((out, self.last_stats()))
+    }
+
+    /// The backward on host tensors (this rank's shard, its `o` and `lse` as
+    /// [`ParallelPlan::forward_tensors`] returned them, its `d_o`).
+    ///
+    /// # Errors
+    /// As [`ParallelPlan::backward`]; [`Error::ShapeMismatch`] for `o`, `lse` or `d_o` of
     /// another shape.
     #[allow(clippy::too_many_arguments)]
-    pub fn backward<Be: Backend<Buf = B>>(
+    pub fn backward_tensors(
         &self,
-        backend: &Be,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -370,41 +487,94 @@ impl<B: Payload> ParallelPlan<'_, B> {
         lse: &Tensor,
         d_o: &Tensor,
     ) -> Result<(Gradients, Stats)> {
-        self.measured(|stats| {
-            self.check_call(q, k, v)?;
-            let dims = self.dims;
-            dims.expect_backward_inputs(q, o, lse, d_o)?;
-            let x = local_data(backend, dims, q, k, v)?;
-            let (o, lse, d_o) =
-                (backend.upload(&o.as_f32())?, backend.upload(&lse.as_f32())?, backend.upload(&d_o.as_f32())?);
-            let (dq, dk, dv) = run_backward(self, backend, &x, &o, &lse, &d_o, stats)?;
-            let round = |shape: Vec<usize>, b: &B| Tensor::from_f32_owned(shape, backend.download(b)?, q.dtype());
-            Ok(Gradients {
-                dq: round(dims.q_shape(), &dq)?,
-                dk: round(dims.kv_shape(), &dk)?,
-                dv: round(dims.kv_shape(), &dv)?,
-            })
-        })
+        self.check_call(q, k, v)?;
+        self.dims.expect_backward_inputs(q, o, lse, d_o)?;
+        let up = |t: &Tensor| self.upload_tensor(t);
+        let saved = SavedForward { q: up(q)?, k: up(k)?, v: up(v)?, o: up(o)?, lse: up(lse)? };
+        let g = self.backward(&saved, &up(d_o)?)?;
+        let dims = self.dims;
+        let grads = Gradients {
+            dq: self.download_tensor(&g.dq, dims.q_shape(), q.dtype())?,
+            dk: self.download_tensor(&g.dk, dims.kv_shape(), q.dtype())?,
+            dv: self.download_tensor(&g.dv, dims.kv_shape(), q.dtype())?,
+        };
+        Ok((grads, self.last_stats()))
+    }
+
+    /// The statistics of the plan's last forward or backward on this rank.
+    pub fn last_stats(&self) -> Stats {
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A host tensor (this rank's shard) in the plan backend's buffers: what
+    /// [`ParallelPlan::forward`] takes.
+    ///
+    /// # Errors
+    /// Allocation or transfer errors.
+    pub fn upload_tensor(&self, t: &Tensor) -> Result<Be::Buf> {
+        self.backend.upload(&HostBuf::from_tensor(t))
+    }
+
+    /// A buffer of the plan's backend as a host tensor of `shape` in `dtype` (rounded to it
+    /// when the backend holds the values wider).
+    ///
+    /// # Errors
+    /// Transfer errors; [`Error::DataLength`] when `shape` does not hold the buffer.
+    pub fn download_tensor(&self, b: &Be::Buf, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
+        self.backend.download(b)?.converted(dtype).into_tensor(shape)
+    }
+
+    fn local(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> LocalData<Be::Buf> {
+        let d = self.dims;
+        LocalData { b: d.b, h_q: d.h_q, h_kv: d.h_kv, d: d.d, q: q.clone(), k: k.clone(), v: v.clone() }
+    }
+
+    /// Checks one buffer of a call against the plan: its length and element type.
+    fn check_buf(&self, name: &str, x: &Be::Buf, len: usize, dtype: DType) -> Result<()> {
+        let elem = self.backend.storage(dtype);
+        if x.elements() != len || x.elem() != elem {
+            return Err(Error::ShapeMismatch(format!(
+                "{name}: {} {} values, the plan (rank {}, {:?}) takes {len} {elem}",
+                x.elements(),
+                x.elem(),
+                self.comm.rank(),
+                self.dims
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs one call with fresh statistics, then records its bytes sent and wall time as the
+    /// plan's last statistics.
+    fn measured<T>(&self, call: impl FnOnce(&mut Stats) -> Result<T>) -> Result<T> {
+        let start = std::time::Instant::now();
+        let mut stats = Stats { hops: 1, ..Default::default() };
+        let sent0 = self.comm.bytes_sent();
+        let out = call(&mut stats)?;
+        stats.bytes_sent = self.comm.bytes_sent() - sent0;
+        stats.total = start.elapsed();
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        Ok(out)
     }
 }
 
 /// The Ulysses mesh of a plan (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
-fn mesh<'p, B: Payload>(plan: &'p ParallelPlan<'_, B>) -> Result<&'p Mesh<B>> {
+fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::Buf>> {
     plan.mesh.as_ref().ok_or_else(|| Error::Parallel("internal: a Ulysses plan without its mesh".into()))
 }
 
+/// The forward of the plan's strategy: `(o, lse)`, `o` in the input dtype.
 fn run_forward<Be: Backend>(
-    plan: &ParallelPlan<'_, Be::Buf>,
-    be: &Be,
+    plan: &ParallelPlan<'_, Be>,
     x: &LocalData<Be::Buf>,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf)> {
-    let comm = plan.comm;
+    let (comm, be, dtype) = (plan.comm, plan.backend, plan.dtype);
     let ap = &plan.resolved.params().attention;
     let pos = plan.resolved.all_positions();
-    match plan.resolved.params().strategy {
-        Strategy::Single | Strategy::Ring => ring::forward(comm, be, &x.ring_inputs(pos, ap), stats),
-        Strategy::AllGather => allgather::forward(comm, be, x, pos, ap, stats),
+    let (o, lse) = match plan.resolved.params().strategy {
+        Strategy::Single | Strategy::Ring => ring::forward(comm, be, &x.ring_inputs(pos, plan.hops, ap), stats)?,
+        Strategy::AllGather => allgather::forward(comm, be, x, pos, ap, stats)?,
         Strategy::Ulysses | Strategy::Usp => {
             let m = mesh(plan)?;
             let g = m.group.as_ref();
@@ -413,31 +583,36 @@ fn run_forward<Be: Backend>(
             let k = ulysses::seq_to_heads(g, be, &x.k, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
             let v = ulysses::seq_to_heads(g, be, &x.v, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
             stats.waiting += a2a.elapsed();
-            let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, ap), stats)?;
+            let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
             let a2a = std::time::Instant::now();
+            // o returns in the input dtype (rounding commutes with moving values).
+            let o = be.convert(&o, dtype)?;
             let o = ulysses::heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
             let lse = ulysses::lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
             stats.waiting += a2a.elapsed();
-            Ok((o, lse))
+            return Ok((o, lse));
         }
-    }
+    };
+    Ok((be.convert(&o, dtype)?, lse))
 }
 
+/// The backward of the plan's strategy: `(dq, dk, dv)` in the input dtype.
 fn run_backward<Be: Backend>(
-    plan: &ParallelPlan<'_, Be::Buf>,
-    be: &Be,
+    plan: &ParallelPlan<'_, Be>,
     x: &LocalData<Be::Buf>,
     o: &Be::Buf,
     lse: &Be::Buf,
     d_o: &Be::Buf,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-    let comm = plan.comm;
+    let (comm, be, dtype) = (plan.comm, plan.backend, plan.dtype);
     let ap = &plan.resolved.params().attention;
     let pos = plan.resolved.all_positions();
-    match plan.resolved.params().strategy {
-        Strategy::Single | Strategy::Ring => ring::backward(comm, be, &x.ring_inputs(pos, ap), o, lse, d_o, stats),
-        Strategy::AllGather => allgather::backward(comm, be, x, pos, ap, o, lse, d_o, stats),
+    let (dq, dk, dv) = match plan.resolved.params().strategy {
+        Strategy::Single | Strategy::Ring => {
+            ring::backward(comm, be, &x.ring_inputs(pos, plan.hops, ap), o, lse, d_o, stats)?
+        }
+        Strategy::AllGather => allgather::backward(comm, be, x, pos, ap, o, lse, d_o, stats)?,
         Strategy::Ulysses | Strategy::Usp => {
             let m = mesh(plan)?;
             let g = m.group.as_ref();
@@ -451,16 +626,20 @@ fn run_backward<Be: Backend>(
             let doh = ulysses::seq_to_heads(g, be, d_o, qs, c, qh)?;
             let lh = ulysses::lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
             stats.waiting += a2a.elapsed();
-            let ri = m.ring_inputs(x, &q, &k, &v, ap);
+            let ri = m.ring_inputs(x, &q, &k, &v, plan.hops, ap);
             let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
             let a2a = std::time::Instant::now();
+            // dq heads are written once: they travel in the input dtype; dK/dV replicas are
+            // summed in f32 first.
+            let dq = be.convert(&dq, dtype)?;
             let dq = ulysses::heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, &m.counts, qh, false)?;
             let dk = ulysses::heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
             let dv = ulysses::heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
             stats.waiting += a2a.elapsed();
-            Ok((dq, dk, dv))
+            (dq, dk, dv)
         }
-    }
+    };
+    Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
 }
 
 /// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
@@ -512,10 +691,11 @@ impl<B: crate::comm::Payload> Mesh<B> {
         q: &'a B,
         k: &'a B,
         v: &'a B,
+        hops: usize,
         params: &'a AttentionParams,
     ) -> ring::RingInputs<'a, B> {
         let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
-        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, params }
+        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, hops, params }
     }
 }
 
@@ -559,8 +739,10 @@ pub fn gather_results<Bu: Buffers>(
     };
     let tag = comm.next_collective_tag();
     if rank != root {
-        let sends =
-            tensors.iter().map(|t| comm.isend(root, tag, buffers.upload(&t.as_f32())?)).collect::<Result<Vec<_>>>()?;
+        let sends = tensors
+            .iter()
+            .map(|t| comm.isend(root, tag, buffers.upload(&HostBuf::from_tensor(t))?))
+            .collect::<Result<Vec<_>>>()?;
         // This rank only sends: hand the sends over now (NCCL posts lazily).
         comm.flush()?;
         for s in sends {
@@ -577,8 +759,8 @@ pub fn gather_results<Bu: Buffers>(
                 continue;
             }
             let sh = shape_of(i, t, r);
-            let data = comm.irecv(r, tag, sh.iter().product())?.wait()?;
-            parts.push(Tensor::from_f32_as(sh, buffers.download(&data)?, t.dtype())?);
+            let data = comm.irecv(r, tag, sh.iter().product(), buffers.storage(t.dtype()))?.wait()?;
+            parts.push(buffers.download(&data)?.converted(t.dtype()).into_tensor(sh)?);
         }
         whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, pos)? } else { Layout::unshard_rows(&parts, pos)? });
     }
@@ -634,9 +816,9 @@ pub fn run_in_process<Be: Backend>(
         let shard = |t: &Tensor| resolved.shard(t, comm.rank());
         let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
         let plan = ParallelPlan::new(comm, backend, resolved.params(), &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
-        let (f, fs) = plan.forward(backend, &qs, &ks, &vs)?;
+        let (f, fs) = plan.forward_tensors(&qs, &ks, &vs)?;
         let g = match d_o {
-            Some(t) => Some(plan.backward(backend, &qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),
+            Some(t) => Some(plan.backward_tensors(&qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),
             None => None,
         };
         Ok((f, fs, g))
@@ -705,7 +887,7 @@ pub struct Overlap {
 /// # Errors
 /// As [`run_in_process`].
 #[allow(clippy::too_many_arguments)]
-pub fn measure_overlap<Be: Backend<Buf = Vec<f32>>>(
+pub fn measure_overlap<Be: Backend<Buf = HostBuf>>(
     world: usize,
     options: LocalOptions,
     backend: &Be,

@@ -7,10 +7,12 @@
 //! Positions, sharding and reassembly come only from a [`ResolvedParams`], so a rank cannot
 //! shard its tokens by one Ulysses degree while the drivers compute with another.
 
-use super::{Mesh, Strategy};
-use crate::comm::{all_gather, Communicator, Payload};
+use std::sync::Mutex;
+
+use super::{Mesh, Stats, Strategy};
+use crate::comm::{all_gather, Communicator};
 use crate::parallel::{Backend, ParallelParams};
-use crate::{DType, Dims, Error, Layout, Positions, Result, Segment, Tensor};
+use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Segment, Tensor};
 
 /// [`ParallelParams`] with every default resolved for a world size, a query-head count and a
 /// sequence length, validated: the layout is set, `seq_len` is the global length, and the
@@ -229,9 +231,10 @@ impl Record {
 /// let parts = spmd(world, LocalOptions::default(), |comm| {
 ///     let rank = comm.rank();
 ///     let (qs, kvs) = (resolved.shard(&q, rank)?, resolved.shard(&kv, rank)?);
-///     let plan = ParallelPlan::new(comm, &CpuBackend::default(), &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
-///     let (out, _) = plan.forward(&CpuBackend::default(), &qs, &kvs, &kvs)?; // layer 1
-///     let (out, _) = plan.forward(&CpuBackend::default(), &qs, &kvs, &kvs)?; // layer 2: no setup
+///     let backend = CpuBackend::default();
+///     let plan = ParallelPlan::new(comm, &backend, &params, &Dims::of(&qs, &kvs, &kvs)?, DType::F32)?;
+///     let (out, _) = plan.forward_tensors(&qs, &kvs, &kvs)?; // layer 1
+///     let (out, _) = plan.forward_tensors(&qs, &kvs, &kvs)?; // layer 2: no setup
 ///     Ok(out.o)
 /// });
 /// let o = resolved.unshard(&parts.into_iter().collect::<Result<Vec<_>, _>>()?)?;
@@ -240,15 +243,20 @@ impl Record {
 /// assert!(verify::rel_err(&o.to_f32_vec(), &single64) < 1e-5);
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-pub struct ParallelPlan<'c, B: Payload> {
-    pub(super) comm: &'c dyn Communicator<Buf = B>,
+pub struct ParallelPlan<'c, Be: Backend> {
+    pub(super) comm: &'c dyn Communicator<Buf = Be::Buf>,
+    pub(super) backend: &'c Be,
     pub(super) resolved: ResolvedParams,
     pub(super) dims: Dims,
     pub(super) dtype: DType,
-    pub(super) mesh: Option<Mesh<B>>,
+    pub(super) mesh: Option<Mesh<Be::Buf>>,
+    /// Hops of the ring (of the ring across Ulysses groups for Ulysses/USP), from the
+    /// positions, once.
+    pub(super) hops: usize,
+    pub(super) last: Mutex<Stats>,
 }
 
-impl<B: Payload> std::fmt::Debug for ParallelPlan<'_, B> {
+impl<Be: Backend> std::fmt::Debug for ParallelPlan<'_, Be> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ParallelPlan")
             .field("rank", &self.comm.rank())
@@ -259,7 +267,7 @@ impl<B: Payload> std::fmt::Debug for ParallelPlan<'_, B> {
     }
 }
 
-impl<'c, B: Payload> ParallelPlan<'c, B> {
+impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     /// Plans `params` for this rank of `comm`, whose shard has the local shape `dims` (`s_q
     /// = s_k` = its token count) in `dtype`. Collective: every rank resolves the same
     /// defaults (the global length is `params.seq_len`, or the sum of the ranks' token
@@ -272,9 +280,9 @@ impl<'c, B: Payload> ParallelPlan<'c, B> {
     /// [`Error::Handshake`] (on every rank) when ranks disagree, a rank holds the wrong number
     /// of tokens, or one rank's configuration is invalid (naming the rank and its error);
     /// communication errors.
-    pub fn new<Be: Backend<Buf = B>>(
-        comm: &'c dyn Communicator<Buf = B>,
-        backend: &Be,
+    pub fn new(
+        comm: &'c dyn Communicator<Buf = Be::Buf>,
+        backend: &'c Be,
         params: &ParallelParams,
         dims: &Dims,
         dtype: DType,
@@ -302,12 +310,10 @@ impl<'c, B: Payload> ParallelPlan<'c, B> {
             },
             Err(e) => Record { ok: false, s_q: 0, s_k: 0, hash: 0, text: e.to_string() },
         };
-        let values: Vec<f32> = mine.encode().into_iter().map(f32::from).collect();
-        let gathered = all_gather(comm, backend.upload(&values)?)?;
+        let gathered = all_gather(comm, backend.upload(&HostBuf::bytes(mine.encode()))?)?;
         let mut records = Vec::with_capacity(world);
         for buf in &gathered {
-            let bytes: Vec<u8> = backend.download(buf)?.iter().map(|&v| v as u8).collect();
-            records.push(Record::decode(&bytes)?);
+            records.push(Record::decode(&backend.download(buf)?.to_control_bytes())?);
         }
         // Every rank reaches the same verdict from the same records.
         if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| !r.ok) {
@@ -338,7 +344,9 @@ impl<'c, B: Payload> ParallelPlan<'c, B> {
             Strategy::Ulysses | Strategy::Usp => Some(Mesh::new(comm, &resolved, dims)?),
             _ => None,
         };
-        Ok(ParallelPlan { comm, resolved, dims: *dims, dtype, mesh })
+        let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
+        let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
+        Ok(ParallelPlan { comm, backend, resolved, dims: *dims, dtype, mesh, hops, last: Mutex::new(Stats::default()) })
     }
 
     /// The resolved parameters and every rank's positions.
@@ -357,8 +365,18 @@ impl<'c, B: Payload> ParallelPlan<'c, B> {
     }
 
     /// The communicator the plan runs on.
-    pub fn comm(&self) -> &'c dyn Communicator<Buf = B> {
+    pub fn comm(&self) -> &'c dyn Communicator<Buf = Be::Buf> {
         self.comm
+    }
+
+    /// The backend the plan computes on.
+    pub fn backend(&self) -> &'c Be {
+        self.backend
+    }
+
+    /// The dtype of the inputs and outputs.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Checks that a call's tensors are the shard the plan was made for.

@@ -9,7 +9,7 @@ use super::Stats;
 use crate::comm::{Communicator, Payload, RecvHandle, Tag};
 use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
-use crate::{AttentionParams, Dims, Error, Positions, Result};
+use crate::{AttentionParams, DType, Dims, Elem, Error, Positions, Result};
 
 /// Tags: K of hop t is `KV_TAG + 2t`, V is `KV_TAG + 2t + 1`; likewise for the dK/dV
 /// accumulators and the final return of each block's accumulators.
@@ -29,6 +29,8 @@ pub(crate) struct RingInputs<'a, B> {
     pub v: &'a B,
     /// Positions of the tokens of every ring rank.
     pub pos: &'a [Positions],
+    /// Hops the ring runs ([`hops_needed`], computed once by the plan).
+    pub hops: usize,
     pub params: &'a AttentionParams,
 }
 
@@ -99,8 +101,8 @@ fn exchange<B: Payload>(
     Ok((
         comm.isend(to, tag, pair.0.clone())?,
         comm.isend(to, tag + 1, pair.1.clone())?,
-        comm.irecv(from, tag, want)?,
-        comm.irecv(from, tag + 1, want)?,
+        comm.irecv(from, tag, want, pair.0.elem())?,
+        comm.irecv(from, tag + 1, want, pair.1.elem())?,
     ))
 }
 
@@ -134,10 +136,12 @@ pub(crate) fn forward<Be: Backend>(
     let (p, r) = (comm.size(), comm.rank());
     let q_pos = &x.pos[r];
     let n = q_pos.len();
-    let hops = hops_needed(x.params, x.pos)?;
+    let hops = x.hops;
     stats.hops = hops;
-    let mut o = be.filled(x.b * n * x.h_q * x.d, 0.0)?;
-    let mut lse = be.filled(x.b * x.h_q * n, f32::NEG_INFINITY)?;
+    // q stays: converted to what the steps read once, not per hop.
+    let q = be.step_input(x.q)?;
+    let mut o = be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?;
+    let mut lse = be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?;
     let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
@@ -153,7 +157,7 @@ pub(crate) fn forward<Be: Backend>(
         let k_pos = &x.pos[src];
         let start = Instant::now();
         let step = if block_visible(x.params, q_pos, k_pos)? {
-            Some(be.forward_block(x.dims(n, k_pos.len()), x.q, &cur_k, &cur_v, q_pos, k_pos, x.params)?)
+            Some(be.forward_block(x.dims(n, k_pos.len()), &q, &cur_k, &cur_v, q_pos, k_pos, x.params)?)
         } else {
             None
         };
@@ -194,12 +198,15 @@ pub(crate) fn backward<Be: Backend>(
     let (p, r) = (comm.size(), comm.rank());
     let q_pos = &x.pos[r];
     let n = q_pos.len();
-    let hops = hops_needed(x.params, x.pos)?;
+    let hops = x.hops;
     stats.hops = hops;
-    let big_d = be.softmax_grad_rowsum(x.dims(n, n), o, d_o)?;
-    let mut dq = be.filled(x.b * n * x.h_q * x.d, 0.0)?;
+    // What stays on this rank is converted to what the steps read once, not per hop.
+    let (q, o, d_o) = (be.step_input(x.q)?, be.step_input(o)?, be.step_input(d_o)?);
+    let big_d = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;
+    let mut dq = be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?;
     let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
-    let mut acc = (be.filled(x.kv_len(r), 0.0)?, be.filled(x.kv_len(r), 0.0)?);
+    let zeros = || be.filled(x.kv_len(r), 0.0, DType::F32);
+    let mut acc = (zeros()?, zeros()?);
     let mut acc_recv: Option<RecvPair<Be::Buf>> = None;
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
@@ -217,7 +224,7 @@ pub(crate) fn backward<Be: Backend>(
         let grads = if block_visible(x.params, q_pos, k_pos)? {
             let dims = x.dims(n, k_pos.len());
             let g =
-                be.backward_block(dims, x.q, &cur_k, &cur_v, o, lse, d_o, &big_d, q_pos, k_pos, x.params)?.wait()?;
+                be.backward_block(dims, &q, &cur_k, &cur_v, &o, lse, &d_o, &big_d, q_pos, k_pos, x.params)?.wait()?;
             be.add_into(&mut dq, &g.0)?;
             stats.blocks += 1;
             Some(g)
@@ -259,7 +266,8 @@ pub(crate) fn backward<Be: Backend>(
         acc
     } else {
         let mine = x.kv_len(r);
-        let (rk, rv) = (comm.irecv(holder_of_mine, FINAL_TAG, mine)?, comm.irecv(holder_of_mine, FINAL_TAG + 1, mine)?);
+        let recv = |tag| comm.irecv(holder_of_mine, tag, mine, Elem::F32);
+        let (rk, rv) = (recv(FINAL_TAG)?, recv(FINAL_TAG + 1)?);
         comm.isend(owner_of_held, FINAL_TAG, acc.0)?.wait()?;
         comm.isend(owner_of_held, FINAL_TAG + 1, acc.1)?.wait()?;
         let (dk, dv) = (rk.wait()?, rv.wait()?);

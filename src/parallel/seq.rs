@@ -1,9 +1,9 @@
-//! Moving rows and heads between `[b, s, h, d]` f32 buffers.
+//! Moving rows and heads between `[b, s, h, d]` buffers of any element type.
 
 pub(crate) use super::backend::BufShape as Shape;
 
 /// Concatenates along the sequence axis buffers of shapes `[b, n_i, h, d]`.
-pub(crate) fn concat_seq(parts: &[&[f32]], b: usize, w: usize) -> Vec<f32> {
+pub(crate) fn concat_seq<T: Copy>(parts: &[&[T]], b: usize, w: usize) -> Vec<T> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(total);
     for bi in 0..b {
@@ -16,7 +16,7 @@ pub(crate) fn concat_seq(parts: &[&[f32]], b: usize, w: usize) -> Vec<f32> {
 }
 
 /// Rows `[r0, r0 + n)` along the sequence axis of a `[b, s, w]` buffer.
-pub(crate) fn seq_slice(x: &[f32], b: usize, s: usize, w: usize, r0: usize, n: usize) -> Vec<f32> {
+pub(crate) fn seq_slice<T: Copy>(x: &[T], b: usize, s: usize, w: usize, r0: usize, n: usize) -> Vec<T> {
     let mut out = Vec::with_capacity(b * n * w);
     for bi in 0..b {
         out.extend_from_slice(&x[(bi * s + r0) * w..(bi * s + r0 + n) * w]);
@@ -25,7 +25,7 @@ pub(crate) fn seq_slice(x: &[f32], b: usize, s: usize, w: usize, r0: usize, n: u
 }
 
 /// The heads `heads` (in that order) of a `[b, n, h, d]` buffer, as `[b, n, heads.len(), d]`.
-pub(crate) fn select_heads(x: &[f32], sh: Shape, heads: &[usize]) -> Vec<f32> {
+pub(crate) fn select_heads<T: Copy>(x: &[T], sh: Shape, heads: &[usize]) -> Vec<T> {
     let mut out = Vec::with_capacity(sh.b * sh.n * heads.len() * sh.d);
     for bn in 0..sh.b * sh.n {
         for &h in heads {
@@ -35,21 +35,15 @@ pub(crate) fn select_heads(x: &[f32], sh: Shape, heads: &[usize]) -> Vec<f32> {
     out
 }
 
-/// Adds (or, with `assign`, writes) `[b, n, heads.len(), d]` into the heads `heads` of a
-/// `[b, n, h, d]` buffer.
-pub(crate) fn scatter_heads(dst: &mut [f32], sh: Shape, heads: &[usize], src: &[f32], assign: bool) {
+/// Combines (`op(dst, src)` per element: an assignment, or an addition) `[b, n,
+/// heads.len(), d]` into the heads `heads` of a `[b, n, h, d]` buffer.
+pub(crate) fn scatter_heads<T: Copy>(dst: &mut [T], sh: Shape, heads: &[usize], src: &[T], op: impl Fn(&mut T, T)) {
     let k = heads.len();
     for bn in 0..sh.b * sh.n {
         for (i, &h) in heads.iter().enumerate() {
             let d = &mut dst[(bn * sh.h + h) * sh.d..][..sh.d];
             let s = &src[(bn * k + i) * sh.d..][..sh.d];
-            if assign {
-                d.copy_from_slice(s);
-            } else {
-                for (a, b) in d.iter_mut().zip(s) {
-                    *a += b;
-                }
-            }
+            d.iter_mut().zip(s).for_each(|(a, &b)| op(a, b));
         }
     }
 }

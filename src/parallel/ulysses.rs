@@ -2,7 +2,7 @@
 //! Each rank receives exactly the kv heads its query heads use; when a contiguous range of
 //! query heads does not map onto kv heads uniformly, each query head gets its own replica.
 
-use crate::comm::{all_to_all_v, Communicator};
+use crate::comm::{all_to_all_v, Communicator, Payload};
 use crate::{Error, Result};
 
 use super::backend::Backend;
@@ -60,9 +60,10 @@ pub(crate) fn seq_to_heads<Be: Backend>(
     be.concat_seq(&got, sh.b, heads[comm.rank()].len() * sh.d)
 }
 
-/// The inverse of [`seq_to_heads`]: `[b, S, |heads[rank]|, d]` → `[b, n_r, h, d]`, where
-/// `counts` are the token counts of the ranks. With `sum`, heads computed by several ranks
-/// (replicas) are added in rank order; otherwise each head is written once.
+/// The inverse of [`seq_to_heads`]: `[b, S, |heads[rank]|, d]` → `[b, n_r, h, d]` (same element
+/// type), where `counts` are the token counts of the ranks. With `sum` (f32 buffers), heads
+/// computed by several ranks (replicas) are added in rank order; otherwise each head is
+/// written once.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn heads_to_seq<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
@@ -87,7 +88,8 @@ pub(crate) fn heads_to_seq<Be: Backend>(
     let lens: Vec<usize> = heads.iter().map(|hs| b * counts[r] * hs.len() * d).collect();
     let got = all_to_all_v(comm, sends, &lens)?;
     let sh = Shape { b, n: counts[r], h, d };
-    let mut out = be.filled(sh.len(), 0.0)?;
+    let dtype = y.elem().dtype().ok_or_else(|| Error::InvalidArgument("heads_to_seq: a byte buffer".into()))?;
+    let mut out = be.filled(sh.len(), 0.0, dtype)?;
     for (j, part) in got.iter().enumerate() {
         be.scatter_heads(&mut out, sh, &heads[j], part, !sum)?;
     }
@@ -137,7 +139,7 @@ pub(crate) fn lse_to_seq<Be: Backend>(
     let lens: Vec<usize> = heads.iter().map(|hs| b * hs.len() * counts[r]).collect();
     let got = all_to_all_v(comm, sends, &lens)?;
     let n = counts[r];
-    let mut out = be.filled(b * h * n, f32::NEG_INFINITY)?;
+    let mut out = be.filled(b * h * n, f32::NEG_INFINITY, crate::DType::F32)?;
     for (j, part) in got.iter().enumerate() {
         be.scatter_heads(&mut out, Shape { b, n: 1, h, d: n }, &heads[j], part, true)?;
     }

@@ -19,7 +19,7 @@ use ringattn::io::TensorFile;
 #[cfg(feature = "mpi")]
 use ringattn::parallel::CpuBackend;
 use ringattn::parallel::{gather_results, Backend, Buffers, ParallelParams, ParallelPlan, Stats, Strategy};
-use ringattn::{Dims, Error, Result};
+use ringattn::{Dims, Elem, Error, HostBuf, Result};
 
 #[cfg(feature = "mpi")]
 use crate::args::BackendKind;
@@ -88,8 +88,8 @@ impl<B: Payload> Communicator for Faulty<B> {
         self.inner.isend(to, tag, data)
     }
 
-    fn irecv(&self, from: usize, tag: Tag, len: usize) -> Result<RecvHandle<B>> {
-        self.inner.irecv(from, tag, len)
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<B>> {
+        self.inner.irecv(from, tag, len, elem)
     }
 
     fn abort(&self, reason: &str) {
@@ -212,7 +212,7 @@ fn input_dtype(a: &RunArgs) -> Result<ringattn::DType> {
 
 /// A host-buffer communicator's run on the backend of --backend.
 #[cfg(feature = "mpi")]
-fn run_host(comm: &dyn Communicator<Buf = Vec<f32>>, a: &RunArgs, params: ParallelParams) -> Result<()> {
+fn run_host(comm: &dyn Communicator<Buf = HostBuf>, a: &RunArgs, params: ParallelParams) -> Result<()> {
     match a.exec.backend()? {
         BackendKind::Cpu => run_rank(comm, &CpuBackend::default(), a, params),
         #[cfg(feature = "emu")]
@@ -264,10 +264,10 @@ fn run_rank<Be: Backend>(
     let mut totals = Vec::with_capacity(a.repeat.max(1));
     let mut last = None;
     for _ in 0..a.repeat.max(1) {
-        let (fwd, fs) = plan.forward(be, &x.q, &x.k, &x.v)?;
+        let (fwd, fs) = plan.forward_tensors(&x.q, &x.k, &x.v)?;
         let (grads, bs) = match &x.d_o {
             Some(d_o) => {
-                let (g, s) = plan.backward(be, &x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o)?;
+                let (g, s) = plan.backward_tensors(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, d_o)?;
                 (Some(g), Some(s))
             }
             None => (None, None),
@@ -305,17 +305,23 @@ fn gather_stats<Bu: Buffers>(
         backward: stats.1.map(|b| serde_json::to_value(b).unwrap_or_default()),
     };
     let text = serde_json::to_vec(&mine).map_err(|e| Error::InvalidArgument(format!("stats: {e}")))?;
-    let lens = all_gather(comm, be.upload(&[text.len() as f32])?)?;
-    let lens: Vec<usize> =
-        lens.iter().map(|l| Ok(be.download(l)?.first().copied().unwrap_or(0.0) as usize)).collect::<Result<_>>()?;
-    let texts = all_gather_v(comm, be.upload(&text.iter().map(|&c| c as f32).collect::<Vec<_>>())?, &lens)?;
+    let len = HostBuf::bytes((text.len() as u64).to_le_bytes().to_vec());
+    let lens = all_gather(comm, be.upload(&len)?)?;
+    let lens: Vec<usize> = lens
+        .iter()
+        .map(|l| {
+            let b: [u8; 8] = be.download(l)?.to_control_bytes().try_into().unwrap_or_default();
+            Ok(u64::from_le_bytes(b) as usize)
+        })
+        .collect::<Result<_>>()?;
+    let texts = all_gather_v(comm, be.upload(&HostBuf::bytes(text))?, &lens)?;
     if comm.rank() != 0 {
         return Ok(None);
     }
     texts
         .iter()
         .map(|t| {
-            let bytes: Vec<u8> = be.download(t)?.iter().map(|&c| c as u8).collect();
+            let bytes = be.download(t)?.to_control_bytes();
             serde_json::from_slice(&bytes).map_err(|e| Error::InvalidArgument(format!("stats of a rank: {e}")))
         })
         .collect::<Result<Vec<_>>>()

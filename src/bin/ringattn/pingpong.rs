@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use ringattn::comm::{barrier, spmd, Communicator, LocalOptions};
 use ringattn::plan::{LinkKind, PingPong, PingPongSample};
-use ringattn::{Error, Result};
+use ringattn::{Elem, Error, HostBuf, Result};
 
 use crate::args::parse_list;
 
@@ -39,7 +39,7 @@ pub struct PingPongArgs {
 
 /// Rank 0's one-way times (median of `reps` round trips, halved); `None` on other ranks.
 fn measure(
-    comm: &dyn Communicator<Buf = Vec<f32>>,
+    comm: &dyn Communicator<Buf = HostBuf>,
     sizes: &[usize],
     reps: usize,
 ) -> Result<Option<Vec<PingPongSample>>> {
@@ -55,15 +55,15 @@ fn measure(
             match comm.rank() {
                 0 => {
                     let t = Instant::now();
-                    let r = comm.irecv(1, tag + 1, n)?;
-                    comm.isend(1, tag, vec![1.0; n])?.wait()?;
+                    let r = comm.irecv(1, tag + 1, n, Elem::F32)?;
+                    comm.isend(1, tag, HostBuf::from(vec![1.0; n]))?.wait()?;
                     r.wait()?;
                     if rep > 0 {
                         times.push(t.elapsed().as_secs_f64() / 2.0);
                     }
                 }
                 1 => {
-                    let got = comm.irecv(0, tag, n)?.wait()?;
+                    let got = comm.irecv(0, tag, n, Elem::F32)?.wait()?;
                     comm.isend(0, tag + 1, got)?.wait()?;
                 }
                 _ => {}
@@ -73,7 +73,7 @@ fn measure(
             out.push(PingPongSample { bytes: bytes as f64, seconds: crate::bench::median(&times) });
         }
     }
-    barrier(comm, Vec::new())?;
+    barrier(comm, HostBuf::bytes(Vec::new()))?;
     Ok((comm.rank() == 0).then_some(out))
 }
 
@@ -96,7 +96,7 @@ pub fn pingpong(a: &PingPongArgs) -> Result<ExitCode> {
     let deadline = std::time::Duration::from_secs_f64(a.timeout);
     let samples = match a.comm.as_str() {
         "local" => {
-            spmd::<Vec<f32>, _>(2, LocalOptions { deadline, ..Default::default() }, |c| measure(c, &sizes, a.reps))
+            spmd::<HostBuf, _>(2, LocalOptions { deadline, ..Default::default() }, |c| measure(c, &sizes, a.reps))
                 .into_iter()
                 .next()
                 .ok_or_else(|| Error::InvalidArgument("no rank 0".into()))??

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use ringattn::comm::{LinkModel, LocalOptions};
 use ringattn::parallel::{run_in_process, Backend, CpuBackend, NullBackend, ParallelParams, Strategy};
-use ringattn::{memory, random::randn, AttentionParams, DType, Error, Mask, Result, Tensor};
+use ringattn::{memory, random::randn, AttentionParams, DType, Error, HostBuf, Mask, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::args::{parse_backend, parse_list, BackendKind};
@@ -157,7 +157,7 @@ fn repeat<T>(warmup: usize, iters: usize, mut f: impl FnMut() -> Result<T>) -> R
 }
 
 /// One timed parallel run: slowest rank's seconds, mean bytes sent per rank.
-fn parallel_once<Be: Backend<Buf = Vec<f32>>>(
+fn parallel_once<Be: Backend<Buf = HostBuf>>(
     world: usize,
     options: LocalOptions,
     be: &Be,
@@ -178,7 +178,7 @@ fn parallel_once<Be: Backend<Buf = Vec<f32>>>(
 
 /// Times one configuration on a host-buffer backend.
 #[allow(clippy::too_many_arguments)]
-fn measure<Be: Backend<Buf = Vec<f32>>>(
+fn measure<Be: Backend<Buf = HostBuf>>(
     a: &BenchArgs,
     be: &Be,
     x: &Inputs,
@@ -297,42 +297,30 @@ fn measure_device(
 }
 
 /// A single-device forward through the backend's block step (the same code as its ranks).
-fn be_single_forward<Be: Backend<Buf = Vec<f32>>>(
+fn be_single_forward<Be: Backend<Buf = HostBuf>>(
     be: &Be,
     x: &Inputs,
     params: &AttentionParams,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<(HostBuf, HostBuf)> {
     let dims = ringattn::Dims::of(&x.q, &x.k, &x.v)?;
     let (qp, kp) = ringattn::Positions::single_device(dims.s_q, dims.s_k);
-    let (q, k, v) = (be.upload(&x.q.as_f32())?, be.upload(&x.k.as_f32())?, be.upload(&x.v.as_f32())?);
+    let up = |t: &Tensor| be.upload(&HostBuf::from_tensor(t));
+    let (q, k, v) = (up(&x.q)?, up(&x.k)?, up(&x.v)?);
     be.forward_block(dims, &q, &k, &v, &qp, &kp, params)?.wait()
 }
 
-fn be_single_backward<Be: Backend<Buf = Vec<f32>>>(
+fn be_single_backward<Be: Backend<Buf = HostBuf>>(
     be: &Be,
     x: &Inputs,
-    fwd: &(Vec<f32>, Vec<f32>),
+    fwd: &(HostBuf, HostBuf),
     params: &AttentionParams,
 ) -> Result<()> {
     let dims = ringattn::Dims::of(&x.q, &x.k, &x.v)?;
     let (qp, kp) = ringattn::Positions::single_device(dims.s_q, dims.s_k);
-    let (q, k, v, d_o) = (x.q.as_f32(), x.k.as_f32(), x.v.as_f32(), x.d_o.as_f32());
-    let big_d = be.softmax_grad_rowsum(dims, &fwd.0, &d_o.to_vec())?;
-    be.backward_block(
-        dims,
-        &q.to_vec(),
-        &k.to_vec(),
-        &v.to_vec(),
-        &fwd.0,
-        &fwd.1,
-        &d_o.to_vec(),
-        &big_d,
-        &qp,
-        &kp,
-        params,
-    )?
-    .wait()
-    .map(drop)
+    let up = |t: &Tensor| be.upload(&HostBuf::from_tensor(t));
+    let (q, k, v, d_o) = (up(&x.q)?, up(&x.k)?, up(&x.v)?, up(&x.d_o)?);
+    let big_d = be.softmax_grad_rowsum(dims, &fwd.0, &d_o)?;
+    be.backward_block(dims, &q, &k, &v, &fwd.0, &fwd.1, &d_o, &big_d, &qp, &kp, params)?.wait().map(drop)
 }
 
 /// `ringattn bench` in sweep mode.
