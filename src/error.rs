@@ -151,6 +151,11 @@ pub enum Error {
     /// An MPI call failed, or MPI cannot be used as asked (feature `mpi`).
     #[error("MPI: {0}")]
     Mpi(String),
+    /// Two ranks disagree on the order of their messages: the n-th receive a rank posted for
+    /// a peer met the peer's n-th send to it with another tag (the per-peer order contract of
+    /// [`crate::comm::Communicator`], checked by `LocalComm` in [`crate::comm::MessageOrder::PerPeerFifo`]).
+    #[error("message order: {0}")]
+    MessageOrder(String),
     /// Ranks disagree on the configuration of a collective call.
     #[error("handshake mismatch: {0}")]
     Handshake(String),

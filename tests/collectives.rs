@@ -66,3 +66,59 @@ fn collective_misuse_fails_every_rank_within_the_deadline() {
     let got = spmd(3, opts, |c| c.broadcast(buf(vec![0.0; if c.rank() == 2 { 3 } else { 2 }]), 0));
     assert!(matches!(&got[2], Err(Error::ShapeMismatch(_)) | Err(Error::PeerFailed { .. })), "{got:?}");
 }
+
+/// Receives posted in another order than the peer's sends: matched by tag this works (as
+/// under MPI); in per-peer order (NCCL's) the first receive meets the wrong message and both
+/// modes' contract is checked: an `Error::MessageOrder` naming both tags, not a wrong result.
+#[test]
+fn per_peer_order_finds_receives_posted_out_of_the_senders_order() {
+    use ringattn::comm::{MessageOrder, RecvOp, SendOp};
+    use ringattn::Elem;
+    let run = |order| {
+        spmd(2, LocalOptions { order, deadline: Duration::from_secs(5), ..Default::default() }, |c| {
+            if c.rank() == 0 {
+                let sends = vec![
+                    SendOp { to: 1, tag: 1, data: buf(vec![1.0]) },
+                    SendOp { to: 1, tag: 2, data: buf(vec![2.0]) },
+                ];
+                for s in c.post(Vec::new(), sends)?.sends {
+                    s.wait()?;
+                }
+                return Ok(vec![]);
+            }
+            // Rank 1 posts the receive of tag 2 first.
+            let recv = |tag| RecvOp { from: 0, tag, len: 1, elem: Elem::F32 };
+            let posted = c.post(vec![recv(2), recv(1)], Vec::new())?;
+            posted.recvs.into_iter().map(|r| r.wait().map(|b| b.f32s().unwrap()[0])).collect::<Result<Vec<_>, _>>()
+        })
+    };
+    let by_tag = run(MessageOrder::Tag);
+    assert_eq!(by_tag[1].as_ref().unwrap(), &vec![2.0, 1.0]);
+    let fifo = run(MessageOrder::PerPeerFifo);
+    let e = fifo[1].as_ref().unwrap_err();
+    assert!(matches!(e, Error::MessageOrder(_)), "{e}");
+    let m = e.to_string();
+    assert!(m.contains("message tag 2") && m.contains("message tag 1") && m.contains("rank 0"), "{m}");
+}
+
+/// The collectives in per-peer order give the same values as matched by tag.
+#[test]
+fn collectives_agree_in_both_message_orders() {
+    use ringattn::comm::MessageOrder;
+    for order in [MessageOrder::Tag, MessageOrder::PerPeerFifo] {
+        let opts = LocalOptions { order, ..Default::default() };
+        let got = spmd(4, opts, |c| {
+            let sum = c.all_reduce(buf(values(c.rank(), 9)), &add_host)?;
+            let b = c.broadcast(buf(values(c.rank(), 5)), 3)?;
+            let g = ringattn::comm::all_gather(c, buf(vec![c.rank() as f32]))?;
+            Ok((sum, b, g))
+        });
+        for g in got {
+            let (sum, b, g) = g.unwrap();
+            let want: Vec<f32> = (0..9).map(|i| (0..4).fold(0.0, |a, r| a + values(r, 9)[i])).collect();
+            assert_eq!(sum, want, "{order:?}");
+            assert_eq!(b, values(3, 5), "{order:?}");
+            assert_eq!(g, (0..4).map(|r| buf(vec![r as f32])).collect::<Vec<_>>(), "{order:?}");
+        }
+    }
+}

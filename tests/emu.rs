@@ -7,7 +7,7 @@
 mod support;
 
 use proptest::prelude::*;
-use ringattn::comm::LocalOptions;
+use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::cpu::{ForwardOutput, Gradients};
 use ringattn::emu::{self, EmuBackend, EmuOptions, Schedule};
 use ringattn::kernels::geometry::DqMode;
@@ -152,39 +152,24 @@ fn blocks_spread_over_worker_threads_give_the_same_bits() {
     assert_eq!(bits(&one.lse), bits(&many.lse));
 }
 
-/// Every strategy with 1–4 in-process ranks on the emulated kernels, forward and backward,
-/// against the oracle.
-#[test]
-fn every_strategy_runs_on_the_emulated_kernels() {
-    let (b, s, hq, hkv, d) = (1, 77, 4, 2, 16);
-    let dtype = DType::BF16;
-    let q = randn(vec![b, s, hq, d], 11, dtype);
-    let k = randn(vec![b, s, hkv, d], 12, dtype);
-    let v = randn(vec![b, s, hkv, d], 13, dtype);
-    let d_o = randn(vec![b, s, hq, d], 14, dtype);
-    let backend = EmuBackend { dtype, options: EmuOptions { workers: 1, ..Default::default() } };
-    let atomic =
-        EmuBackend { dtype, options: EmuOptions { workers: 1, dq_mode: DqMode::Atomic, ..Default::default() } };
-    for (strategy, world) in [
-        (Strategy::Single, 1),
-        (Strategy::Ring, 3),
-        (Strategy::AllGather, 2),
-        (Strategy::Ulysses, 2),
-        (Strategy::Usp, 4),
-    ] {
-        for mask in [Mask::None, Mask::Causal] {
-            let attention = AttentionParams { mask, ..Default::default() };
-            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
-            let be = if mask == Mask::Causal { &atomic } else { &backend };
-            let r = run_in_process(world, LocalOptions::default(), be, &q, &k, &v, Some(&d_o), &params)
-                .unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
-            let report =
-                verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
-                    .unwrap();
-            assert!(report.pass(), "{strategy:?} x{world} {mask:?}\n{}", report.table());
-        }
-    }
-}
+// Every strategy, layout and mask on the emulated kernels over in-process ranks, forward and
+// backward, against the oracle: messages in NCCL's per-peer order (deterministic dq), and
+// matched by tag (atomic dq).
+support::conformance::conformance!(
+    every_strategy_runs_on_the_emulated_kernels,
+    EmuBackend { dtype: DType::BF16, options: EmuOptions { workers: 1, ..Default::default() } },
+    DType::BF16,
+    MessageOrder::PerPeerFifo
+);
+support::conformance::conformance!(
+    every_strategy_runs_on_the_emulated_kernels_with_atomic_dq,
+    EmuBackend {
+        dtype: DType::BF16,
+        options: EmuOptions { workers: 1, dq_mode: DqMode::Atomic, ..Default::default() }
+    },
+    DType::BF16,
+    MessageOrder::Tag
+);
 
 #[test]
 fn the_emu_backend_refuses_f32_on_every_rank() {

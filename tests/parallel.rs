@@ -4,7 +4,7 @@
 mod support;
 
 use proptest::prelude::*;
-use ringattn::comm::LocalOptions;
+use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy as Strat};
 use ringattn::{random::randn, verify, AttentionParams, DType, Documents, Layout, Mask};
 
@@ -23,6 +23,7 @@ struct PCase {
     dtype: DType,
     ulysses_degree: Option<usize>,
     seed: u64,
+    order: MessageOrder,
 }
 
 fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
@@ -39,8 +40,8 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
         seq_len: c.s,
         ulysses_degree: c.ulysses_degree,
     };
-    let run =
-        run_in_process(c.world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)?;
+    let options = LocalOptions { order: c.order, ..Default::default() };
+    let run = run_in_process(c.world, options, &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)?;
     verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &run.forward, run.gradients.as_ref())
 }
 
@@ -78,6 +79,7 @@ prop_compose! {
         cut in 0usize..90,
         dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
         seed in 0u64..10_000,
+        fifo in any::<bool>(),
     ) -> PCase {
         // h_kv in {1, 3, 2P, P} with h_q a multiple of both h_kv and (for Ulysses) P.
         let h_kv = [1, 3, 2 * world, world][kv_choice];
@@ -90,7 +92,8 @@ prop_compose! {
         };
         let strategy = if matches!(strategy, Strat::Ulysses) && h_q % world != 0 { Strat::Ring } else { strategy };
         let docs = docs.then(|| { let c = cut % (s + 1); vec![c, s - c] });
-        PCase { world, strategy, layout, b, s, h_q, h_kv, d, mask, docs, dtype, ulysses_degree: None, seed }
+        let order = if fifo { MessageOrder::PerPeerFifo } else { MessageOrder::Tag };
+        PCase { world, strategy, layout, b, s, h_q, h_kv, d, mask, docs, dtype, ulysses_degree: None, seed, order }
     }
 }
 
@@ -114,6 +117,14 @@ proptest! {
         prop_assert!(report.pass(), "{c:?}\n{}", report.table());
     }
 }
+
+support::conformance::conformance!(cpu_every_strategy_tag_order, CpuBackend::default(), DType::F32, MessageOrder::Tag);
+support::conformance::conformance!(
+    cpu_every_strategy_per_peer_order,
+    CpuBackend::default(),
+    DType::BF16,
+    MessageOrder::PerPeerFifo
+);
 
 #[test]
 fn every_strategy_and_layout_on_one_case() {
@@ -139,6 +150,7 @@ fn every_strategy_and_layout_on_one_case() {
             dtype: DType::F32,
             ulysses_degree: Some(2),
             seed: 5,
+            order: MessageOrder::PerPeerFifo,
         };
         let r = check(&c).unwrap();
         assert!(r.pass(), "{c:?}\n{}", r.table());

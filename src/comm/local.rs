@@ -19,6 +19,22 @@ pub struct LinkModel {
     pub latency: Duration,
 }
 
+/// How a [`LocalComm`] matches a receive with a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MessageOrder {
+    /// The oldest message from the peer with the receive's tag (as MPI matches).
+    #[default]
+    Tag,
+    /// The peer's sends to this rank in the order it posted them, against this rank's
+    /// receives from the peer in the order it posted them, the tags checked: the n-th
+    /// receive takes the n-th message, and a tag that differs is an
+    /// [`Error::MessageOrder`]. This is how NCCL matches (by issue order, tags unseen); a CPU
+    /// run in this mode finds what would go wrong there. Code correct in this mode is
+    /// correct under tag matching too.
+    PerPeerFifo,
+}
+
 /// Options of a [`LocalComm`] group.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LocalOptions {
@@ -31,11 +47,18 @@ pub struct LocalOptions {
     /// threads each keeps ranks from lending each other cores, which matters when measuring
     /// overlap on a small machine.
     pub threads_per_rank: Option<usize>,
+    /// How receives match messages.
+    pub order: MessageOrder,
 }
 
 impl Default for LocalOptions {
     fn default() -> Self {
-        LocalOptions { deadline: Duration::from_secs(300), link: None, threads_per_rank: None }
+        LocalOptions {
+            deadline: Duration::from_secs(300),
+            link: None,
+            threads_per_rank: None,
+            order: MessageOrder::Tag,
+        }
     }
 }
 
@@ -53,11 +76,14 @@ impl Failure {
 
 struct Message<B> {
     deliver_at: Instant,
+    /// The tag the sender gave (checked against the receive's in per-peer order).
+    tag: Tag,
     data: B,
 }
 
-/// Messages waiting per (source rank, tag), in arrival order.
-type Queues<B> = HashMap<(usize, Tag), VecDeque<Message<B>>>;
+/// Messages waiting per (source rank, key), in arrival order: the key is the tag, or under
+/// [`MessageOrder::PerPeerFifo`] the message's number among the source's sends to this rank.
+type Queues<B> = HashMap<(usize, u64), VecDeque<Message<B>>>;
 
 /// Sub-groups being formed, with how many members have joined.
 type Forming<B> = HashMap<SplitKey, (Arc<Group<B>>, usize)>;
@@ -127,6 +153,9 @@ pub struct LocalComm<B = HostBuf> {
     group: Arc<Group<B>>,
     collectives: AtomicU64,
     splits: AtomicU64,
+    /// Per peer: sends posted to it, receives posted from it (per-peer order numbers).
+    sent: Mutex<Vec<u64>>,
+    posted: Mutex<Vec<u64>>,
 }
 
 impl<B: Payload> LocalComm<B> {
@@ -138,7 +167,27 @@ impl<B: Payload> LocalComm<B> {
     }
 
     fn member(rank: usize, group: Arc<Group<B>>) -> Self {
-        LocalComm { rank, group, collectives: AtomicU64::new(0), splits: AtomicU64::new(0) }
+        let n = group.size;
+        LocalComm {
+            rank,
+            group,
+            collectives: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            sent: Mutex::new(vec![0; n]),
+            posted: Mutex::new(vec![0; n]),
+        }
+    }
+
+    /// The matching key of the next send to (`sent`) or receive from `peer` with `tag`, and
+    /// advances the per-peer count.
+    fn next_key(&self, counts: &Mutex<Vec<u64>>, peer: usize, tag: Tag) -> u64 {
+        let mut c = counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = c[peer];
+        c[peer] += 1;
+        match self.group.options.order {
+            MessageOrder::Tag => tag,
+            MessageOrder::PerPeerFifo => n,
+        }
     }
 
     /// Range check only: a failed group is reported by the waits, after they have looked for
@@ -186,19 +235,20 @@ impl<B: Payload> Communicator for LocalComm<B> {
                 *slot + link.latency
             }
         };
+        let key = self.next_key(&self.sent, to, tag);
         let mb = &g.mailboxes[to];
-        mb.queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry((self.rank, tag))
-            .or_default()
-            .push_back(Message { deliver_at, data });
+        mb.queue.lock().unwrap_or_else(|e| e.into_inner()).entry((self.rank, key)).or_default().push_back(Message {
+            deliver_at,
+            tag,
+            data,
+        });
         mb.ready.notify_all();
         Ok(SendHandle::done())
     }
 
     fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<B>> {
         self.check_peer(from, "recv")?;
+        let key = self.next_key(&self.posted, from, tag);
         let g = self.group.clone();
         let me = self.rank;
         Ok(RecvHandle::new(move || {
@@ -209,10 +259,23 @@ impl<B: Payload> Communicator for LocalComm<B> {
             loop {
                 let now = Instant::now();
                 let mut wake = give_up;
-                if let Some(list) = q.get_mut(&(from, tag)) {
+                if let Some(list) = q.get_mut(&(from, key)) {
                     match list.front().map(|m| m.deliver_at) {
                         Some(at) if at <= now => {
                             if let Some(m) = list.pop_front() {
+                                if list.is_empty() {
+                                    q.remove(&(from, key));
+                                }
+                                if m.tag != tag {
+                                    return Err(Error::MessageOrder(format!(
+                                        "receive #{key} from rank {} was posted for {}, but that rank's send \
+                                         #{key} to rank {} is {}",
+                                        g.global[from],
+                                        super::describe_tag(tag),
+                                        g.global[me],
+                                        super::describe_tag(m.tag)
+                                    )));
+                                }
                                 if m.data.elements() != len || m.data.elem() != elem {
                                     return Err(Error::ShapeMismatch(format!(
                                         "recv ({}) from rank {}: {} {} values, expected {len} {elem}",

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 #[cfg(feature = "cuda")]
 pub(crate) use local::run_each;
-pub use local::{spmd, LinkModel, LocalComm, LocalOptions};
+pub use local::{spmd, LinkModel, LocalComm, LocalOptions, MessageOrder};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};
 
@@ -98,11 +98,51 @@ impl<B> RecvHandle<B> {
     }
 }
 
+/// A send of a batch ([`Communicator::post`]).
+pub struct SendOp<B> {
+    /// Destination rank.
+    pub to: usize,
+    /// Tag (an assertion: both sides must agree).
+    pub tag: Tag,
+    /// The buffer.
+    pub data: B,
+}
+
+/// A receive of a batch ([`Communicator::post`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvOp {
+    /// Source rank.
+    pub from: usize,
+    /// Tag (an assertion: both sides must agree).
+    pub tag: Tag,
+    /// Elements expected.
+    pub len: usize,
+    /// Element type expected.
+    pub elem: Elem,
+}
+
+/// The handles of a posted batch, in the order of its operations.
+pub struct Posted<B> {
+    /// One per receive.
+    pub recvs: Vec<RecvHandle<B>>,
+    /// One per send.
+    pub sends: Vec<SendHandle>,
+}
+
 /// How a reduction adds `x` into `acc` (a backend's addition for device buffers, [`add_host`]
 /// for host buffers).
 pub type AddFn<B> = dyn Fn(&mut B, &B) -> Result<()>;
 
 /// A group of ranks exchanging typed buffers.
+///
+/// **The order contract**, the same for every transport: between two ranks, the n-th
+/// receive one posts for the other takes the n-th message the other sent to it (sends and
+/// receives of a rank to one peer are matched in the order they were posted; tags are
+/// assertions that both sides agree). This is how NCCL matches; MPI and [`LocalComm`] match
+/// by tag, which pairs messages identically whenever the contract holds, and `LocalComm`
+/// checks the contract itself in [`MessageOrder::PerPeerFifo`]. A step posts its sends and
+/// receives together with [`Communicator::post`], which hands them to the transport at once;
+/// no caller needs to flush.
 ///
 /// Collective operations (the free functions of this module and [`Communicator::split`])
 /// must be called by every rank of the group in the same order.
@@ -144,14 +184,42 @@ pub trait Communicator: Send + Sync {
     fn next_collective_tag(&self) -> Tag;
     /// Bytes this rank has sent so far through this communicator and its splits' root.
     fn bytes_sent(&self) -> u64;
-    /// Hands every posted operation to the transport now. Communicators that post lazily
-    /// (NCCL groups its operations until a receive is waited on) need it when a rank only
-    /// sends before it stops communicating; for the others it does nothing.
+    /// Hands every posted operation to the transport now: the hook of transports that post
+    /// lazily (NCCL groups its operations until a receive is waited on), which
+    /// [`Communicator::post`] calls; for the others it does nothing. Callers use `post`.
     ///
     /// # Errors
     /// Transport errors, or the group's failure.
     fn flush(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// Posts one step's receives, then its sends (each in the given order, which is the
+    /// per-peer order of the contract above), and hands them all to the transport (NCCL: one
+    /// group). Returns at once; wait on the handles.
+    ///
+    /// # Errors
+    /// As [`Communicator::isend`] and [`Communicator::irecv`]; transport errors.
+    ///
+    /// ```
+    /// use ringattn::comm::{spmd, Communicator, LocalOptions, RecvOp, SendOp};
+    /// use ringattn::{Elem, HostBuf};
+    /// let got = spmd(2, LocalOptions::default(), |c| {
+    ///     let peer = 1 - c.rank();
+    ///     let recv = RecvOp { from: peer, tag: 0, len: 1, elem: Elem::F32 };
+    ///     let send = SendOp { to: peer, tag: 0, data: HostBuf::from(vec![c.rank() as f32]) };
+    ///     let posted = c.post(vec![recv], vec![send])?;
+    ///     posted.sends.into_iter().try_for_each(|s| s.wait())?;
+    ///     posted.recvs.into_iter().next().unwrap().wait()
+    /// });
+    /// assert_eq!(got[0].as_ref().unwrap(), &vec![1.0]);
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    fn post(&self, recvs: Vec<RecvOp>, sends: Vec<SendOp<Self::Buf>>) -> Result<Posted<Self::Buf>> {
+        let recvs = recvs.into_iter().map(|r| self.irecv(r.from, r.tag, r.len, r.elem)).collect::<Result<Vec<_>>>()?;
+        let sends = sends.into_iter().map(|s| self.isend(s.to, s.tag, s.data)).collect::<Result<Vec<_>>>()?;
+        self.flush()?;
+        Ok(Posted { recvs, sends })
     }
 
     /// The element-wise sum of every rank's `data` (equal lengths), on every rank: what the
@@ -206,13 +274,11 @@ pub trait Communicator: Send + Sync {
         }
         let tag = self.next_collective_tag();
         if r != root {
-            return self.irecv(root, tag, data.elements(), data.elem())?.wait();
+            let recv = RecvOp { from: root, tag, len: data.elements(), elem: data.elem() };
+            return self.post(vec![recv], Vec::new())?.recvs.remove(0).wait();
         }
-        let sends =
-            (0..p).filter(|&j| j != root).map(|j| self.isend(j, tag, data.clone())).collect::<Result<Vec<_>>>()?;
-        // The root only sends: hand the sends over now (NCCL posts lazily).
-        self.flush()?;
-        for s in sends {
+        let sends = (0..p).filter(|&j| j != root).map(|to| SendOp { to, tag, data: data.clone() }).collect();
+        for s in self.post(Vec::new(), sends)?.sends {
             s.wait()?;
         }
         Ok(data)
@@ -254,28 +320,30 @@ fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &
     }
     let tag = comm.next_collective_tag();
     let elem = sends[r].elem();
-    let recvs: Vec<Option<RecvHandle<C::Buf>>> = (0..p)
-        .map(|j| if j == r { Ok(None) } else { comm.irecv(j, tag, recv_lens[j], elem).map(Some) })
-        .collect::<Result<_>>()?;
+    let recv_ops = (0..p).filter(|&j| j != r).map(|from| RecvOp { from, tag, len: recv_lens[from], elem }).collect();
     let mut own = None;
-    let mut handles = Vec::with_capacity(p);
-    for (j, buf) in sends.into_iter().enumerate() {
-        if j == r {
-            own = Some(buf);
+    let mut send_ops = Vec::with_capacity(p);
+    for (to, data) in sends.into_iter().enumerate() {
+        if to == r {
+            own = Some(data);
         } else {
-            handles.push(comm.isend(j, tag, buf)?);
+            send_ops.push(SendOp { to, tag, data });
         }
     }
+    let posted = comm.post(recv_ops, send_ops)?;
+    let mut recvs = posted.recvs.into_iter();
     let mut out = Vec::with_capacity(p);
-    for h in recvs {
-        out.push(match h {
-            Some(h) => h.wait()?,
-            None => {
-                own.take().ok_or_else(|| crate::Error::InvalidArgument("all_to_all_v: own buffer missing".into()))?
-            }
+    for j in 0..p {
+        out.push(if j == r {
+            own.take().ok_or_else(|| crate::Error::InvalidArgument("all_to_all_v: own buffer missing".into()))?
+        } else {
+            recvs
+                .next()
+                .ok_or_else(|| crate::Error::InvalidArgument("all_to_all_v: a receive missing".into()))?
+                .wait()?
         });
     }
-    for h in handles {
+    for h in posted.sends {
         h.wait()?;
     }
     Ok(out)

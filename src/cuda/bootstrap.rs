@@ -411,14 +411,14 @@ pub fn broadcast_unique_id(
     let tag = comm.next_collective_tag();
     if comm.rank() == 0 {
         let id = crate::HostBuf::bytes(make_id()?.to_vec());
-        let sends = (1..comm.size()).map(|r| comm.isend(r, tag, id.clone())).collect::<Result<Vec<_>>>()?;
-        comm.flush()?;
-        for s in sends {
+        let sends = (1..comm.size()).map(|to| crate::comm::SendOp { to, tag, data: id.clone() }).collect();
+        for s in comm.post(Vec::new(), sends)?.sends {
             s.wait()?;
         }
         Ok(id.to_control_bytes().try_into().expect("a unique id"))
     } else {
-        let got = comm.irecv(0, tag, UNIQUE_ID_BYTES, crate::Elem::U8)?.wait()?;
+        let recv = crate::comm::RecvOp { from: 0, tag, len: UNIQUE_ID_BYTES, elem: crate::Elem::U8 };
+        let got = comm.post(vec![recv], Vec::new())?.recvs.remove(0).wait()?;
         got.to_control_bytes()
             .try_into()
             .map_err(|b: Vec<u8>| Error::InvalidArgument(format!("NCCL unique id: received {} bytes", b.len())))

@@ -55,7 +55,7 @@ pub use backend::{
 };
 pub use plan::{ParallelPlan, ResolvedParams};
 
-use crate::comm::{spmd, Communicator, LocalOptions, Payload};
+use crate::comm::{spmd, Communicator, LocalOptions, Payload, RecvOp, SendOp};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Layout, Mask, Positions, Result, Tensor};
 use seq::Shape;
@@ -741,15 +741,22 @@ pub fn gather_results<Bu: Buffers>(
     if rank != root {
         let sends = tensors
             .iter()
-            .map(|t| comm.isend(root, tag, buffers.upload(&HostBuf::from_tensor(t))?))
+            .map(|t| Ok(SendOp { to: root, tag, data: buffers.upload(&HostBuf::from_tensor(t))? }))
             .collect::<Result<Vec<_>>>()?;
-        // This rank only sends: hand the sends over now (NCCL posts lazily).
-        comm.flush()?;
-        for s in sends {
+        for s in comm.post(Vec::new(), sends)?.sends {
             s.wait()?;
         }
         return Ok(None);
     }
+    // Every part's receive, tensor by tensor and rank by rank (each sender's order).
+    let mut recv_ops = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        for r in (0..world).filter(|&r| r != rank) {
+            let len = shape_of(i, t, r).iter().product();
+            recv_ops.push(RecvOp { from: r, tag, len, elem: buffers.storage(t.dtype()) });
+        }
+    }
+    let mut recvs = comm.post(recv_ops, Vec::new())?.recvs.into_iter();
     let mut whole = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
         let mut parts = Vec::with_capacity(world);
@@ -759,7 +766,8 @@ pub fn gather_results<Bu: Buffers>(
                 continue;
             }
             let sh = shape_of(i, t, r);
-            let data = comm.irecv(r, tag, sh.iter().product(), buffers.storage(t.dtype()))?.wait()?;
+            let data =
+                recvs.next().ok_or_else(|| Error::InvalidArgument("gather: a receive missing".into()))?.wait()?;
             parts.push(buffers.download(&data)?.converted(t.dtype()).into_tensor(sh)?);
         }
         whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, pos)? } else { Layout::unshard_rows(&parts, pos)? });

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::backend::Backend;
 use super::Stats;
-use crate::comm::{Communicator, Payload, RecvHandle, Tag};
+use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
 use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Elem, Error, Positions, Result};
@@ -88,8 +88,9 @@ fn check_len<B: Payload>(got: &B, want: usize, what: &str, peer: usize) -> Resul
 /// Receives of a pair of buffers (K and V, or dK and dV).
 type RecvPair<B> = (RecvHandle<B>, RecvHandle<B>);
 
-/// Posts the send of a pair of buffers to `to` and the receive of the next pair from `from`.
-/// `want` is the length of each buffer of the incoming pair.
+/// Posts, as one batch, the receive of the next pair from `from` and the send of a pair of
+/// buffers to `to`. `want` is the length of each buffer of the incoming pair, whose element
+/// type is the outgoing pair's.
 fn exchange<B: Payload>(
     comm: &dyn Communicator<Buf = B>,
     to: usize,
@@ -97,29 +98,35 @@ fn exchange<B: Payload>(
     tag: Tag,
     pair: (&B, &B),
     want: usize,
-) -> Result<Posted<B>> {
-    Ok((
-        comm.isend(to, tag, pair.0.clone())?,
-        comm.isend(to, tag + 1, pair.1.clone())?,
-        comm.irecv(from, tag, want, pair.0.elem())?,
-        comm.irecv(from, tag + 1, want, pair.1.elem())?,
-    ))
+) -> Result<Exchange<B>> {
+    let elem = pair.0.elem();
+    let recvs = vec![RecvOp { from, tag, len: want, elem }, RecvOp { from, tag: tag + 1, len: want, elem }];
+    let sends = vec![SendOp { to, tag, data: pair.0.clone() }, SendOp { to, tag: tag + 1, data: pair.1.clone() }];
+    let Posted { recvs, sends } = comm.post(recvs, sends)?;
+    match (<[_; 2]>::try_from(sends), <[_; 2]>::try_from(recvs)) {
+        (Ok([sk, sv]), Ok([rk, rv])) => Ok(Exchange { sends: [sk, sv], recvs: (rk, rv) }),
+        _ => Err(Error::InvalidArgument("internal: a posted pair without its handles".into())),
+    }
 }
 
 /// A posted [`exchange`]: its sends and the receives of the next pair.
-type Posted<B> = (crate::comm::SendHandle, crate::comm::SendHandle, RecvHandle<B>, RecvHandle<B>);
+struct Exchange<B> {
+    sends: [SendHandle; 2],
+    recvs: RecvPair<B>,
+}
 
 /// Waits for a posted exchange (if any) and checks that both received buffers hold `want`
 /// values; returns the received pair.
 fn finish_exchange<B: Payload>(
-    posted: Option<Posted<B>>,
+    posted: Option<Exchange<B>>,
     want: usize,
     what: &str,
     peer: usize,
 ) -> Result<Option<(B, B)>> {
-    let Some((sk, sv, rk, rv)) = posted else { return Ok(None) };
-    sk.wait()?;
-    sv.wait()?;
+    let Some(Exchange { sends, recvs: (rk, rv) }) = posted else { return Ok(None) };
+    for s in sends {
+        s.wait()?;
+    }
     let (a, b) = (rk.wait()?, rv.wait()?);
     check_len(&a, want, what, peer)?;
     check_len(&b, want, what, peer)?;
@@ -247,10 +254,11 @@ pub(crate) fn backward<Be: Backend>(
         if t + 1 < hops {
             let tag = ACC_TAG + 2 * t as Tag;
             // The next block's accumulators are the size of the next block.
-            let (sk, sv, rk, rv) = exchange(comm, next, prev, tag, (&acc.0, &acc.1), incoming_len)?;
-            sk.wait()?;
-            sv.wait()?;
-            acc_recv = Some((rk, rv));
+            let Exchange { sends, recvs } = exchange(comm, next, prev, tag, (&acc.0, &acc.1), incoming_len)?;
+            for s in sends {
+                s.wait()?;
+            }
+            acc_recv = Some(recvs);
         }
         if let Some((k, v)) = finish_exchange(posted, incoming_len, "K/V block", prev)? {
             (cur_k, cur_v) = (k, v);
@@ -266,10 +274,19 @@ pub(crate) fn backward<Be: Backend>(
         acc
     } else {
         let mine = x.kv_len(r);
-        let recv = |tag| comm.irecv(holder_of_mine, tag, mine, Elem::F32);
-        let (rk, rv) = (recv(FINAL_TAG)?, recv(FINAL_TAG + 1)?);
-        comm.isend(owner_of_held, FINAL_TAG, acc.0)?.wait()?;
-        comm.isend(owner_of_held, FINAL_TAG + 1, acc.1)?.wait()?;
+        let recv = |tag| RecvOp { from: holder_of_mine, tag, len: mine, elem: Elem::F32 };
+        let send = |tag, data| SendOp { to: owner_of_held, tag, data };
+        let posted = comm.post(
+            vec![recv(FINAL_TAG), recv(FINAL_TAG + 1)],
+            vec![send(FINAL_TAG, acc.0), send(FINAL_TAG + 1, acc.1)],
+        )?;
+        for s in posted.sends {
+            s.wait()?;
+        }
+        let mut recvs = posted.recvs.into_iter();
+        let (Some(rk), Some(rv)) = (recvs.next(), recvs.next()) else {
+            return Err(Error::InvalidArgument("internal: the final receives were not posted".into()));
+        };
         let (dk, dv) = (rk.wait()?, rv.wait()?);
         check_len(&dk, x.kv_len(r), "final dK", holder_of_mine)?;
         check_len(&dv, x.kv_len(r), "final dV", holder_of_mine)?;

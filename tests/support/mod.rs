@@ -1,7 +1,9 @@
 //! Test support: case generation and the check of a case against the oracle.
 //! The tolerance rule itself lives in `ringattn::verify` (one definition for the CLI and
 //! the tests); this module only applies it.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports, unused_macros)]
+
+pub mod conformance;
 
 use proptest::prelude::*;
 use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Mask, Positions, Segment, Tensor};

@@ -205,7 +205,7 @@ fn measure<Be: Backend<Buf = HostBuf>>(
     } else {
         let layout = a.layout.as_deref().map(str::parse).transpose()?;
         let pp = ParallelParams { strategy, layout, attention: params.clone(), seq_len: s, ..Default::default() };
-        let options = LocalOptions { deadline: Duration::from_secs(3600), link, threads_per_rank: None };
+        let options = LocalOptions { deadline: Duration::from_secs(3600), link, ..Default::default() };
         let runs = repeat(warmup, iters, || parallel_once(world, options, be, x, backward, &pp))?;
         let samples: Vec<f64> = runs.iter().map(|r| r.0).collect();
         let bytes = runs.first().map_or(0.0, |r| r.1);
@@ -262,7 +262,7 @@ fn measure_device(
     let strategy = if strategy == Strategy::Single { Strategy::Ring } else { strategy };
     let layout = a.layout.as_deref().map(str::parse).transpose()?;
     let pp = ParallelParams { strategy, layout, attention: params.clone(), seq_len: s, ..Default::default() };
-    let options = LocalOptions { deadline: Duration::from_secs(600), link: None, threads_per_rank: None };
+    let options = LocalOptions { deadline: Duration::from_secs(600), ..Default::default() };
     let run = DeviceRunOptions { device: a.device, ..Default::default() };
     let iters = a.iters.unwrap_or(3).max(1);
     let mut samples = Vec::with_capacity(iters);

@@ -1,0 +1,77 @@
+//! The conformance check every backend passes: each strategy (`Strategy::ALL`, with its
+//! world size and every layout it takes) × masks, forward and backward over in-process
+//! ranks, against the float64 oracle; the communicator in a given message order. One table
+//! here, one macro line per (backend, dtype, order) in the test files.
+
+use ringattn::comm::{LocalOptions, MessageOrder};
+use ringattn::parallel::{run_in_process, Backend, ParallelParams, Strategy};
+use ringattn::{random::randn, verify, AttentionParams, DType, HostBuf, Layout, Mask};
+
+/// `(strategy, world, Ulysses degree)` of the check: every strategy once, at a world size that
+/// exercises it (uneven shares of the sequence; for USP, two Ulysses groups of two).
+pub fn strategies() -> Vec<(Strategy, usize, Option<usize>)> {
+    Strategy::ALL
+        .into_iter()
+        .map(|s| match s {
+            Strategy::Single => (s, 1, None),
+            Strategy::Ring => (s, 3, None),
+            Strategy::AllGather => (s, 2, None),
+            Strategy::Ulysses => (s, 2, None),
+            Strategy::Usp => (s, 4, Some(2)),
+            other => panic!("the conformance table has no world size for {other}"),
+        })
+        .collect()
+}
+
+/// The layouts `strategy` takes.
+pub fn layouts(strategy: Strategy) -> Vec<Layout> {
+    match strategy {
+        Strategy::Single => vec![Layout::Contiguous],
+        Strategy::Usp => vec![Layout::Contiguous, Layout::Zigzag],
+        _ => vec![Layout::Contiguous, Layout::Zigzag, Layout::Striped],
+    }
+}
+
+/// Runs the whole table on `backend` with `dtype` inputs (b = 1, s = 77, 4 query heads over 2
+/// kv heads, d = 16) and messages matched in `order`; panics naming the configuration that
+/// fails.
+pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, order: MessageOrder) {
+    let (b, s, hq, hkv, d) = (1, 77, 4, 2, 16);
+    let q = randn(vec![b, s, hq, d], 11, dtype);
+    let k = randn(vec![b, s, hkv, d], 12, dtype);
+    let v = randn(vec![b, s, hkv, d], 13, dtype);
+    let d_o = randn(vec![b, s, hq, d], 14, dtype);
+    let options = LocalOptions { order, ..Default::default() };
+    for (strategy, world, ulysses_degree) in strategies() {
+        for layout in layouts(strategy) {
+            for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }] {
+                let attention = AttentionParams { mask, ..Default::default() };
+                let params = ParallelParams {
+                    strategy,
+                    layout: Some(layout),
+                    attention: attention.clone(),
+                    ulysses_degree,
+                    ..Default::default()
+                };
+                let what = format!("{strategy} x{world} {layout:?} {mask:?} {dtype} {order:?}");
+                let r = run_in_process(world, options, backend, &q, &k, &v, Some(&d_o), &params)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let report =
+                    verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(report.pass(), "{what}\n{}", report.table());
+            }
+        }
+    }
+}
+
+/// One test running [`check_every_strategy`]: `conformance!(name, backend, dtype, order)`.
+macro_rules! conformance {
+    ($name:ident, $backend:expr, $dtype:expr, $order:expr) => {
+        #[test]
+        fn $name() {
+            support::conformance::check_every_strategy(&$backend, $dtype, $order);
+        }
+    };
+}
+pub(crate) use conformance;
