@@ -370,3 +370,28 @@ fn every_strategy_runs_device_resident() {
     assert!(o.backward.as_ref().is_some_and(|b| b.steps.iter().all(|&n| n >= 1)), "{o:?}");
     eprintln!("{}", serde_json::to_string(&o).unwrap());
 }
+
+/// NCCL's native collectives behind the Communicator trait (one rank: the paths run on the
+/// GPU; more ranks need more GPUs): all_reduce and broadcast give the values back, in
+/// place of the portable versions, and a wrong root is refused.
+#[test]
+fn nccl_native_collectives_run_on_the_gpu() {
+    if !gpu("nccl_native_collectives_run_on_the_gpu") {
+        return;
+    }
+    if let Err(e) = cuda::nccl_info() {
+        eprintln!("SKIPPED nccl_native_collectives_run_on_the_gpu: no NCCL library ({e})");
+        return;
+    }
+    use ringattn::comm::Communicator;
+    use ringattn::parallel::Buffers;
+    let deadline = std::time::Duration::from_secs(60);
+    let comm = cuda::NcclComm::init(0, 1, cuda::new_unique_id().unwrap(), 0, deadline).unwrap();
+    let be = cuda::DeviceBackend::open(0, DType::BF16).unwrap();
+    let x = be.upload(&ringattn::HostBuf::from(vec![1.5, -2.0, 3.25])).unwrap();
+    let sum = comm.all_reduce(x.clone(), &|a, b| be.add_into(a, b)).unwrap();
+    assert_eq!(be.download(&sum).unwrap(), vec![1.5, -2.0, 3.25]);
+    let b = comm.broadcast(x, 0).unwrap();
+    assert_eq!(be.download(&b).unwrap(), vec![1.5, -2.0, 3.25]);
+    assert!(comm.broadcast(b, 1).is_err());
+}

@@ -196,3 +196,28 @@ fn a_world_size_that_disagrees_with_the_job_is_refused() {
     assert!(text(&r).contains("--world 3, but the job has 2 ranks"), "{}", text(&r));
     assert!(!out.exists());
 }
+
+/// The collectives' check (examples/collectives.rs, MPI's native collectives behind the
+/// Communicator trait) on 4 processes: rank-order sums bit-identical everywhere, every root,
+/// uneven gathers and all-to-alls, a length mismatch the same error on every rank.
+#[test]
+fn the_collectives_hold_across_four_processes() {
+    let example = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent()?.parent().map(|d| d.join("examples").join("collectives")))
+        .filter(|p| p.exists())
+        .expect("examples/collectives is built by `cargo test --features mpi`");
+    let launcher = std::env::var("RINGATTN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let r = Command::new(&launcher)
+        .args(["-n", "4", s(&example)])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .expect("run mpirun");
+    let out = text(&r);
+    assert!(r.status.success(), "{out}");
+    for needle in ["ok all_reduce f32 x262144", "ok broadcast from each of 4 roots", "ok all_to_all_v", "ok 4 ranks"] {
+        assert!(out.contains(needle), "missing `{needle}` in\n{out}");
+    }
+}

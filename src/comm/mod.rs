@@ -1,9 +1,12 @@
 //! The communication seam: a [`Communicator`] moves typed buffers ([`Payload`]: [`HostBuf`]
-//! here, device memory for device communicators) between ranks with
-//! non-blocking point-to-point operations whose handles are waited on with a deadline;
-//! collectives ([`all_to_all_v`], [`all_gather_v`], [`reduce_scatter_v`], [`barrier`], and
-//! the trait's [`Communicator::all_reduce`] and [`Communicator::broadcast`], which a
-//! transport may override natively) are built from them. [`LocalComm`] runs P ranks as P threads of one process.
+//! here, device memory for device communicators) between ranks with non-blocking
+//! point-to-point operations whose handles are waited on with a deadline. Its collectives
+//! ([`Communicator::all_to_all_v`], [`Communicator::all_gather_v`],
+//! [`Communicator::all_reduce`], [`Communicator::broadcast`]; the free functions
+//! [`all_to_all_v`], [`all_gather_v`], [`all_gather`], [`reduce_scatter_v`] and [`barrier`]
+//! call them) have portable versions built from point-to-point batches, which a transport
+//! overrides with its native ones (MPI does). [`LocalComm`] runs P ranks as P threads of one
+//! process.
 //!
 //! Every wait has a deadline: on expiry it returns [`crate::Error::Timeout`] naming the peer
 //! and the operation. A rank that fails calls [`Communicator::abort`] (the SPMD helper
@@ -11,6 +14,8 @@
 //! [`crate::Error::PeerFailed`] instead of waiting.
 
 mod local;
+#[cfg(feature = "mpi")]
+mod mpi_collectives;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 
@@ -131,7 +136,7 @@ pub struct Posted<B> {
 
 /// How a reduction adds `x` into `acc` (a backend's addition for device buffers, [`add_host`]
 /// for host buffers).
-pub type AddFn<B> = dyn Fn(&mut B, &B) -> Result<()>;
+pub type AddFn<'a, B> = dyn Fn(&mut B, &B) -> Result<()> + 'a;
 
 /// A group of ranks exchanging typed buffers.
 ///
@@ -222,12 +227,34 @@ pub trait Communicator: Send + Sync {
         Ok(Posted { recvs, sends })
     }
 
+    /// Every rank sends `sends[j]` to rank `j` and gets what each rank sent it, indexed by
+    /// source; rank `j`'s message holds `recv_lens[j]` elements of the element type of
+    /// `sends`. Collective. The portable version is one batch of point-to-point messages
+    /// ([`Communicator::post`]); MPI overrides it with `MPI_Ialltoallv`. See
+    /// [`all_to_all_v`].
+    ///
+    /// # Errors
+    /// As [`all_to_all_v`].
+    fn all_to_all_v(&self, sends: Vec<Self::Buf>, recv_lens: &[usize]) -> Result<Vec<Self::Buf>> {
+        exchange(self, sends, recv_lens)
+    }
+
+    /// Every rank's `data`, indexed by rank; rank `j`'s holds `lens[j]` elements. Collective.
+    /// The portable version sends `data` to every rank; MPI overrides it with
+    /// `MPI_Iallgatherv`.
+    ///
+    /// # Errors
+    /// As [`all_to_all_v`].
+    fn all_gather_v(&self, data: Self::Buf, lens: &[usize]) -> Result<Vec<Self::Buf>> {
+        self.all_to_all_v(vec![data; self.size()], lens)
+    }
+
     /// The element-wise sum of every rank's `data` (equal lengths), on every rank: what the
     /// gradients of replicated parameters need. `add(acc, x)` adds `x` into `acc` (a
-    /// backend's addition for device buffers, [`add_host`] for host buffers). The sum is
-    /// taken in rank order on every rank, so every rank gets bit-identical values (replicas
-    /// stay identical). Collective. The portable version all-gathers, then adds; a transport
-    /// may override it with its native one under the same contract.
+    /// backend's addition for device buffers, [`add_host`] for host buffers). Every rank gets
+    /// bit-identical values (replicas stay identical), summed in a fixed order: the portable
+    /// version (and MPI's, over `MPI_Iallgatherv`) adds in rank order; NCCL's `ncclAllReduce`
+    /// uses its own fixed order. Collective.
     ///
     /// # Errors
     /// Communication errors; [`crate::Error::ShapeMismatch`] when a rank contributes another
@@ -241,9 +268,9 @@ pub trait Communicator: Send + Sync {
     /// }
     /// # Ok::<(), ringattn::Error>(())
     /// ```
-    fn all_reduce(&self, data: Self::Buf, add: &AddFn<Self::Buf>) -> Result<Self::Buf> {
+    fn all_reduce(&self, data: Self::Buf, add: &AddFn<'_, Self::Buf>) -> Result<Self::Buf> {
         let lens = vec![data.elements(); self.size()];
-        let mut parts = exchange(self, vec![data; self.size()], &lens)?.into_iter();
+        let mut parts = self.all_gather_v(data, &lens)?.into_iter();
         let mut sum = parts.next().ok_or_else(|| crate::Error::InvalidArgument("all_reduce: no ranks".into()))?;
         for p in parts {
             add(&mut sum, &p)?;
@@ -268,20 +295,7 @@ pub trait Communicator: Send + Sync {
     /// # Ok::<(), ringattn::Error>(())
     /// ```
     fn broadcast(&self, data: Self::Buf, root: usize) -> Result<Self::Buf> {
-        let (p, r) = (self.size(), self.rank());
-        if root >= p {
-            return Err(crate::Error::InvalidArgument(format!("broadcast: root {root} out of range for {p} ranks")));
-        }
-        let tag = self.next_collective_tag();
-        if r != root {
-            let recv = RecvOp { from: root, tag, len: data.elements(), elem: data.elem() };
-            return self.post(vec![recv], Vec::new())?.recvs.remove(0).wait();
-        }
-        let sends = (0..p).filter(|&j| j != root).map(|to| SendOp { to, tag, data: data.clone() }).collect();
-        for s in self.post(Vec::new(), sends)?.sends {
-            s.wait()?;
-        }
-        Ok(data)
+        broadcast_p2p(self, data, root)
     }
 }
 
@@ -298,12 +312,33 @@ pub fn all_to_all_v<B: Payload>(
     sends: Vec<B>,
     recv_lens: &[usize],
 ) -> Result<Vec<B>> {
-    exchange(comm, sends, recv_lens)
+    comm.all_to_all_v(sends, recv_lens)
 }
 
-/// [`all_to_all_v`] over any communicator type (the trait's default methods use it).
-fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &[usize]) -> Result<Vec<C::Buf>> {
+/// The portable broadcast: the root sends to every rank.
+pub(crate) fn broadcast_p2p<C: Communicator + ?Sized>(comm: &C, data: C::Buf, root: usize) -> Result<C::Buf> {
     let (p, r) = (comm.size(), comm.rank());
+    if root >= p {
+        return Err(crate::Error::InvalidArgument(format!("broadcast: root {root} out of range for {p} ranks")));
+    }
+    let tag = comm.next_collective_tag();
+    if r != root {
+        let recv = RecvOp { from: root, tag, len: data.elements(), elem: data.elem() };
+        return comm.post(vec![recv], Vec::new())?.recvs.remove(0).wait();
+    }
+    let sends = (0..p).filter(|&j| j != root).map(|to| SendOp { to, tag, data: data.clone() }).collect();
+    for s in comm.post(Vec::new(), sends)?.sends {
+        s.wait()?;
+    }
+    Ok(data)
+}
+
+/// Checks the arguments of an all-to-all on this rank: one buffer and one length per rank,
+/// and this rank's own buffer of the length it expects.
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] naming the disagreement.
+pub(crate) fn check_all_to_all<B: Payload>(p: usize, r: usize, sends: &[B], recv_lens: &[usize]) -> Result<()> {
     if sends.len() != p || recv_lens.len() != p {
         return Err(crate::Error::InvalidArgument(format!(
             "all_to_all_v: {} buffers and {} receive lengths for {p} ranks",
@@ -318,6 +353,17 @@ fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &
             recv_lens[r]
         )));
     }
+    Ok(())
+}
+
+/// The portable all-to-all: one batch of point-to-point messages.
+pub(crate) fn exchange<C: Communicator + ?Sized>(
+    comm: &C,
+    sends: Vec<C::Buf>,
+    recv_lens: &[usize],
+) -> Result<Vec<C::Buf>> {
+    let (p, r) = (comm.size(), comm.rank());
+    check_all_to_all(p, r, &sends, recv_lens)?;
     let tag = comm.next_collective_tag();
     let elem = sends[r].elem();
     let recv_ops = (0..p).filter(|&j| j != r).map(|from| RecvOp { from, tag, len: recv_lens[from], elem }).collect();
@@ -355,8 +401,7 @@ fn exchange<C: Communicator + ?Sized>(comm: &C, sends: Vec<C::Buf>, recv_lens: &
 /// # Errors
 /// As [`all_to_all_v`].
 pub fn all_gather_v<B: Payload>(comm: &dyn Communicator<Buf = B>, data: B, lens: &[usize]) -> Result<Vec<B>> {
-    let p = comm.size();
-    all_to_all_v(comm, vec![data; p], lens)
+    comm.all_gather_v(data, lens)
 }
 
 /// [`all_gather_v`] of equal-length contributions.

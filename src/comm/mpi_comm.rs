@@ -27,12 +27,12 @@ const CHUNK: usize = 1 << 30;
 /// level the library provides (at least `MPI_THREAD_SERIALIZED` is required).
 static MPI_LOCK: Mutex<()> = Mutex::new(());
 
-fn locked<T>(f: impl FnOnce() -> T) -> T {
+pub(super) fn locked<T>(f: impl FnOnce() -> T) -> T {
     let _guard = MPI_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     f()
 }
 
-fn check(code: c_int, what: &str) -> Result<()> {
+pub(super) fn check(code: c_int, what: &str) -> Result<()> {
     if code == 0 {
         Ok(())
     } else {
@@ -296,6 +296,22 @@ impl MpiComm {
         self.root.world_rank
     }
 
+    /// This communicator's MPI handle (for the native collectives).
+    pub(super) fn raw_comm(&self) -> ffi::MPI_Comm {
+        self.comm.0
+    }
+
+    /// `MPI_REQUEST_NULL`.
+    pub(super) fn null_request(&self) -> ffi::MPI_Request {
+        // SAFETY: reading an extern constant of the MPI shim.
+        unsafe { ffi::RSMPI_REQUEST_NULL }
+    }
+
+    /// Counts `bytes` as sent by this rank.
+    pub(super) fn count_sent(&self, bytes: u64) {
+        self.root.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     fn mpi_tag(&self, tag: Tag, op: &str) -> Result<c_int> {
         let t = if tag >= COLLECTIVE_TAG {
             P2P_TAG_LIMIT + (tag - COLLECTIVE_TAG) % (self.root.tag_ub - P2P_TAG_LIMIT)
@@ -506,6 +522,49 @@ impl Communicator for MpiComm {
 
     fn bytes_sent(&self) -> u64 {
         self.root.bytes.load(Ordering::Relaxed)
+    }
+
+    /// `MPI_Ialltoallv` (after one small exchange of every rank's sizes); the portable batch
+    /// of messages when a count exceeds MPI's `int`.
+    fn all_to_all_v(&self, sends: Vec<HostBuf>, recv_lens: &[usize]) -> Result<Vec<HostBuf>> {
+        super::check_all_to_all(self.size, self.rank, &sends, recv_lens)?;
+        match self.native_all_to_all_v(&sends, recv_lens)? {
+            Some(got) => {
+                let own = sends[self.rank].bytes();
+                self.count_sent(sends.iter().map(Payload::bytes).sum::<u64>() - own);
+                Ok(got)
+            }
+            None => super::exchange(self, sends, recv_lens),
+        }
+    }
+
+    /// `MPI_Iallgatherv` (after one small exchange of every rank's sizes); the portable
+    /// version when a count exceeds MPI's `int`.
+    fn all_gather_v(&self, data: HostBuf, lens: &[usize]) -> Result<Vec<HostBuf>> {
+        match self.native_all_gather_v(&data, lens)? {
+            Some(got) => {
+                self.count_sent(data.bytes() * (self.size as u64 - 1));
+                Ok(got)
+            }
+            None => super::exchange(self, vec![data; self.size], lens),
+        }
+    }
+
+    /// `MPI_Ibcast` (after one small exchange of every rank's size); the portable version
+    /// when the buffer exceeds MPI's `int` count.
+    fn broadcast(&self, data: HostBuf, root: usize) -> Result<HostBuf> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!("broadcast: root {root} out of range for {} ranks", self.size)));
+        }
+        match self.native_broadcast(&data, root)? {
+            Some(got) => {
+                if self.rank == root {
+                    self.count_sent(data.bytes() * (self.size as u64 - 1));
+                }
+                Ok(got)
+            }
+            None => super::broadcast_p2p(self, data, root),
+        }
     }
 }
 

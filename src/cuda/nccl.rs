@@ -152,6 +152,20 @@ enum Slot {
 enum Kind {
     Send(DeviceBuf),
     Recv(DeviceBuf),
+    /// `ncclAllReduce` (sum) of the first buffer into the second.
+    AllReduce(DeviceBuf, DeviceBuf),
+    /// `ncclBroadcast` in place from the root.
+    Broadcast(DeviceBuf, usize),
+}
+
+impl Kind {
+    /// The buffers the operation uses (kept alive until its group has run).
+    fn into_bufs(self) -> Vec<DeviceBuf> {
+        match self {
+            Kind::Send(b) | Kind::Recv(b) | Kind::Broadcast(b, _) => vec![b],
+            Kind::AllReduce(a, b) => vec![a, b],
+        }
+    }
 }
 
 struct Op {
@@ -292,9 +306,7 @@ impl Inner {
         let mut bufs = Vec::with_capacity(ops.len());
         for op in ops {
             *op.slot.lock().unwrap_or_else(|e| e.into_inner()) = Slot::Flushed(done.clone());
-            bufs.push(match op.kind {
-                Kind::Send(b) | Kind::Recv(b) => b,
-            });
+            bufs.extend(op.kind.into_bufs());
         }
         st.flights.push(Flight { done, at: Instant::now(), _bufs: bufs, what: (what, first.1) });
         Ok(())
@@ -303,8 +315,9 @@ impl Inner {
     fn enqueue(&self, ops: &[Op]) -> Result<Arc<CudaEvent>> {
         let s = &self.stream;
         for op in ops {
-            if let Kind::Send(b) = &op.kind {
-                b.wait_on(s)?;
+            match &op.kind {
+                Kind::Send(b) | Kind::AllReduce(b, _) | Kind::Broadcast(b, _) => b.wait_on(s)?,
+                Kind::Recv(_) => {}
             }
         }
         let raw = s.cu_stream() as sys::cudaStream_t;
@@ -333,6 +346,39 @@ impl Inner {
                         // SAFETY: as for the send; `p` holds `b.len()` f32 to be written.
                         nccl_call("ncclRecv", || unsafe {
                             (lib.recv)(p as *mut _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                        })
+                    }
+                    Kind::AllReduce(x, out) if !x.is_empty() => {
+                        let (src, _gs) = x.slice().device_ptr(s);
+                        let (dst, _gd) = out.slice().device_ptr(s);
+                        // SAFETY: `src` and `dst` address `x.len()` f32 of live buffers (kept
+                        // alive by the flight); `out` was allocated for this operation.
+                        nccl_call("ncclAllReduce", || unsafe {
+                            (lib.all_reduce)(
+                                src as *const _,
+                                dst as *mut _,
+                                x.len(),
+                                sys::ncclDataType_t::ncclFloat32,
+                                sys::ncclRedOp_t::ncclSum,
+                                c,
+                                raw,
+                            )
+                        })
+                    }
+                    Kind::Broadcast(b, root) if !b.is_empty() => {
+                        let (p, _g) = b.slice().device_ptr(s);
+                        // SAFETY: in place: `p` addresses `b.len()` f32 of a live buffer that
+                        // only this operation uses.
+                        nccl_call("ncclBroadcast", || unsafe {
+                            (lib.broadcast)(
+                                p as *const _,
+                                p as *mut _,
+                                b.len(),
+                                sys::ncclDataType_t::ncclFloat32,
+                                *root as c_int,
+                                c,
+                                raw,
+                            )
                         })
                     }
                     _ => Ok(false),
@@ -618,6 +664,43 @@ impl NcclComm {
         self.inner.flush()
     }
 
+    /// Checks that every rank passes `len` elements to a collective (NCCL cannot: unequal
+    /// counts would hang or corrupt): one small exchange, the same error on every rank.
+    fn agree_on_length(&self, op: &str, len: usize) -> Result<()> {
+        let stream = &self.inner.stream;
+        let code: Vec<f32> = (len as u64).to_le_bytes().iter().map(|&b| f32::from(b)).collect();
+        let mine = DeviceBuf::upload(stream, &code)?;
+        let all = crate::comm::exchange(self, vec![mine; self.size], &vec![8; self.size])?;
+        let mut lens = Vec::with_capacity(self.size);
+        for b in &all {
+            let v = b.download(stream)?;
+            let bytes: Vec<u8> = v.iter().map(|&x| x as u8).collect();
+            lens.push(u64::from_le_bytes(
+                bytes.try_into().map_err(|_| Error::Cuda(format!("{op}: a bad size record")))?,
+            ));
+        }
+        match lens.iter().position(|&n| n != lens[0]) {
+            Some(i) => Err(Error::ShapeMismatch(format!(
+                "NCCL {op}: rank {i} passes {} values, rank 0 passes {}",
+                lens[i], lens[0]
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Posts one collective operation, hands it to NCCL at once and returns its group's end
+    /// event.
+    fn collective(&self, kind: Kind) -> Result<Arc<CudaEvent>> {
+        let tag = self.next_collective_tag();
+        let slot = self.post(0, tag, kind)?;
+        self.inner.flush()?;
+        let state = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match state {
+            Slot::Flushed(event) => Ok(event),
+            Slot::Posted => Err(Error::Cuda("internal: a flushed collective without its event".into())),
+        }
+    }
+
     fn post(&self, peer: usize, tag: Tag, kind: Kind) -> Result<Arc<Mutex<Slot>>> {
         if peer >= self.size {
             return Err(Error::InvalidArgument(format!("NCCL: rank {peer} out of range for {} ranks", self.size)));
@@ -741,6 +824,39 @@ impl Communicator for NcclComm {
 
     fn abort(&self, reason: &str) {
         self.inner.root.fail(Failure::Aborted { rank: self.inner.global_rank, reason: reason.to_string() });
+    }
+
+    /// `ncclAllReduce` (sum), after one small exchange that checks every rank's length. The
+    /// sum is NCCL's: in a fixed order for a given configuration and identical on every
+    /// rank (not necessarily rank order). Asynchronous: the result's readiness event is the
+    /// operation's. `add` is not used.
+    fn all_reduce(&self, data: DeviceBuf, _add: &crate::comm::AddFn<'_, DeviceBuf>) -> Result<DeviceBuf> {
+        self.agree_on_length("all_reduce", data.len())?;
+        let bytes = (data.len() * 4) as u64;
+        let mut out = DeviceBuf::alloc(&self.inner.stream, data.len())?;
+        let done = self.collective(Kind::AllReduce(data, out.clone()))?;
+        let p = self.size as u64;
+        self.inner.root.bytes.fetch_add(2 * bytes * (p - 1) / p.max(1), Ordering::Relaxed);
+        out.set_ready(Some(done));
+        Ok(out)
+    }
+
+    /// `ncclBroadcast` in place, after one small exchange that checks every rank's length.
+    /// Asynchronous: the result's readiness event is the operation's.
+    fn broadcast(&self, data: DeviceBuf, root: usize) -> Result<DeviceBuf> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!("broadcast: root {root} out of range for {} ranks", self.size)));
+        }
+        self.agree_on_length("broadcast", data.len())?;
+        let mut data = data;
+        // Written in place: first make the storage this buffer's own (copy-on-write).
+        data.make_mut(&self.inner.stream)?;
+        let done = self.collective(Kind::Broadcast(data.clone(), root))?;
+        if self.rank == root {
+            self.inner.root.bytes.fetch_add((data.len() * 4) as u64 * (self.size as u64 - 1), Ordering::Relaxed);
+        }
+        data.set_ready(Some(done));
+        Ok(data)
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = DeviceBuf>>> {

@@ -107,6 +107,24 @@ pub(crate) struct NcclLibrary {
         unsafe extern "C" fn(*mut c_void, usize, sys::ncclDataType_t, c_int, sys::ncclComm_t, sys::cudaStream_t) -> Res,
     pub comm_split:
         unsafe extern "C" fn(sys::ncclComm_t, c_int, c_int, *mut sys::ncclComm_t, *mut sys::ncclConfig_t) -> Res,
+    pub all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        sys::ncclDataType_t,
+        sys::ncclRedOp_t,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> Res,
+    pub broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        sys::ncclDataType_t,
+        c_int,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> Res,
     pub comm_user_rank: unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> Res,
     pub comm_count: unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> Res,
 }
@@ -277,6 +295,8 @@ fn load_one(spec: &str) -> std::result::Result<NcclLibrary, String> {
         send: sym!("ncclSend"),
         recv: sym!("ncclRecv"),
         comm_split: sym!("ncclCommSplit"),
+        all_reduce: sym!("ncclAllReduce"),
+        broadcast: sym!("ncclBroadcast"),
         comm_user_rank: sym!("ncclCommUserRank"),
         comm_count: sym!("ncclCommCount"),
         info,
