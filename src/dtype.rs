@@ -4,6 +4,7 @@ use half::{bf16, f16};
 
 /// The element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum DType {
     /// IEEE binary32.
     #[default]

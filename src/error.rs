@@ -5,6 +5,7 @@ use std::path::PathBuf;
 /// Every failure the crate reports. Each variant names the offending value so that a
 /// message alone tells the caller what to fix; nothing in the crate panics on bad input.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A tensor has the wrong number of dimensions.
     #[error("tensor `{name}` must have rank {expected} ({layout}), got shape {shape:?}")]

@@ -17,6 +17,7 @@ use crate::{Error, Positions, Result, Segment, Tensor};
 /// assert_eq!(Layout::Contiguous.positions(10, 3, 2).to_vec(), vec![6, 7, 8, 9]);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Layout {
     /// One contiguous run per rank.
     #[default]

@@ -17,7 +17,7 @@ use crate::{Error, Result};
 /// assert!(Mask::Window { left: Some(2), right: Some(1) }.allows(10, 8));
 /// assert!(!Mask::Window { left: Some(2), right: Some(1) }.allows(10, 7));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Mask {
     /// Every key is visible.
     #[default]
@@ -89,7 +89,7 @@ impl Mask {
 /// assert_eq!(d.document_of(5), None);
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Documents {
     /// Cumulative ends: `ends[i]` is one past the last position of document `i`.
     ends: Vec<u64>,

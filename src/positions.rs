@@ -10,7 +10,7 @@
 use crate::{Error, Result};
 
 /// One arithmetic run of positions: `start, start + stride, …` (`len` of them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Segment {
     /// First position (may be negative: a single-device call with `s_q > s_k` places the
     /// first queries before key 0).
@@ -34,7 +34,7 @@ pub struct Segment {
 /// assert_eq!(p.to_vec()[4], 8);
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Positions {
     segments: Vec<Segment>,
 }

@@ -8,6 +8,7 @@ use crate::{DType, Error, Result};
 
 /// The typed storage of a [`Tensor`].
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum TensorData {
     /// f32 elements.
     F32(Vec<f32>),

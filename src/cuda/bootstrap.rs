@@ -41,6 +41,7 @@ pub const DEFAULT_BOOTSTRAP_PORT: u16 = 29600;
 
 /// Which launcher's variables described this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Launcher {
     /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun, torch.distributed.launch, accelerate, ...).
     #[default]

@@ -53,6 +53,9 @@ pub struct DeviceBackend {
     step_deadline: Duration,
     /// Head-index lists on the device, by list (the Ulysses plans reuse a few).
     heads: Mutex<HashMap<Vec<usize>, Arc<CudaSlice<i64>>>>,
+    /// Masks on the device, by the blocks' positions and the mask (a ring's hops repeat
+    /// the same few every layer and step: uploaded once).
+    masks: Mutex<HashMap<MaskKey, Arc<DeviceMask>>>,
     /// Timing events around each step's kernels, when recording.
     timing: Mutex<Option<Vec<(CudaEvent, CudaEvent)>>>,
     /// Skip the attention kernels (for measuring a schedule's communication alone).
@@ -88,6 +91,7 @@ impl DeviceBackend {
             dq_mode: DqMode::default(),
             step_deadline: Duration::from_secs(300),
             heads: Mutex::new(HashMap::new()),
+            masks: Mutex::new(HashMap::new()),
             timing: Mutex::new(None),
             skip_compute: false,
         })
@@ -404,7 +408,40 @@ impl Buffers for DeviceBackend {
 /// What a step keeps alive until its kernels have run (16-bit inputs, the mask).
 struct StepInputs {
     _bits: Vec<CudaSlice<u16>>,
-    _mask: DeviceMask,
+    _mask: Arc<DeviceMask>,
+}
+
+/// What a block's mask depends on: the positions of its queries and keys, the mask and the
+/// documents (not the scale).
+type MaskKey = (Positions, Positions, crate::Mask, Option<crate::Documents>);
+
+/// Most masks a backend keeps on the device (a plan needs one per ring hop and layer shape);
+/// beyond it the cache starts over.
+const MASK_CACHE: usize = 1024;
+
+impl DeviceBackend {
+    /// The device mask of a block, uploaded on first use and reused after (no host transfer
+    /// on later calls with the same positions).
+    fn mask(
+        &self,
+        dims: &Dims,
+        q_pos: &Positions,
+        k_pos: &Positions,
+        params: &AttentionParams,
+    ) -> Result<Arc<DeviceMask>> {
+        let key = (q_pos.clone(), k_pos.clone(), params.mask, params.documents.clone());
+        if let Some(m) = self.masks.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(m.clone());
+        }
+        let vis = crate::cpu::block_visibility(dims, q_pos, k_pos, params)?;
+        let mask = Arc::new(DeviceMask::upload(&self.stream, &vis)?);
+        let mut cache = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= MASK_CACHE {
+            cache.clear();
+        }
+        cache.insert(key, mask.clone());
+        Ok(mask)
+    }
 }
 
 impl Backend for DeviceBackend {
@@ -430,8 +467,7 @@ impl Backend for DeviceBackend {
             let o = self.filled(q_len(&dims), 0.0, DType::F32)?;
             return Ok(Pending::ready((o, self.filled(lse_len(&dims), f32::NEG_INFINITY, DType::F32)?)));
         }
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let mask = DeviceMask::upload(&self.stream, &vis)?;
+        let mask = self.mask(&dims, q_pos, k_pos, params)?;
         let mut out = SavedContext::alloc(&self.stream, &dims)?;
         let start = self.step_start()?;
         let (q16, k16, v16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?);
@@ -490,8 +526,7 @@ impl Backend for DeviceBackend {
                 self.filled(kv_len(&dims), 0.0, DType::F32)?,
             )));
         }
-        let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-        let mask = DeviceMask::upload(&self.stream, &vis)?;
+        let mask = self.mask(&dims, q_pos, k_pos, params)?;
         let mut grads = DeviceGradients::alloc(&self.stream, &dims)?;
         let start = self.step_start()?;
         let (q16, k16, v16, do16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?, self.bits(d_o)?);

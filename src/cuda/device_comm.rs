@@ -406,7 +406,7 @@ pub fn measure_device_overlap(
         let (c, n) = (slowest(c), slowest(n));
         p.compute_only_ms = Some(c);
         p.comm_only_ms = Some(n);
-        p.hidden = Some(if n > 0.0 { (1.0 - (p.max_wall_ms - c) / n).clamp(0.0, 1.0) } else { 1.0 });
+        p.hidden = Some(parallel::hidden_share(p.max_wall_ms, c, n));
         p
     };
     let (fwd, bwd) = timing;

@@ -68,10 +68,7 @@ mod probe;
 
 pub use crate::runner::to_bits;
 pub use backend::CudaBackend;
-pub use bootstrap::{
-    broadcast_unique_id, device_ordinal, exchange_unique_id, fetch_unique_id, first_host, serve_unique_id,
-    BootstrapEnv, Launcher, BOOTSTRAP_PORT_OFFSET, DEFAULT_BOOTSTRAP_PORT,
-};
+pub use bootstrap::{broadcast_unique_id, device_ordinal, BootstrapEnv, Launcher};
 pub use buffers::{
     workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
 };

@@ -620,12 +620,14 @@ impl NcclComm {
     }
 
     /// The communicator of a rank started by a launcher (torchrun, srun, mpirun, PMI):
-    /// reads [`BootstrapEnv::from_env`], exchanges the unique id over TCP on the bootstrap
-    /// port ([`exchange_unique_id`]) and joins on GPU `local rank mod visible devices`
+    /// reads [`BootstrapEnv::from_env`], gets the unique id over TCP from rank 0 on the
+    /// bootstrap port and joins on GPU `local rank mod visible devices`
     /// ([`super::device_ordinal`]).
     ///
     /// # Errors
-    /// As [`BootstrapEnv::from_env`], [`exchange_unique_id`] and [`NcclComm::init`].
+    /// As [`BootstrapEnv::from_env`] and [`NcclComm::init`]; the unique id exchange fails on
+    /// a port that cannot be bound (named with the variable that moves it) or a peer that
+    /// never answers.
     pub fn from_env(deadline: Duration) -> Result<NcclComm> {
         let env = BootstrapEnv::from_env()?;
         // Fail before the exchange when this rank cannot use NCCL at all.

@@ -4,9 +4,37 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::{concat_positions, LocalData, Stats};
+use super::{concat_positions, Driver, LocalData, ParallelPlan, Stats};
 use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
+
+/// All-gather K/V, attend locally, reduce-scatter dK/dV.
+pub(super) struct AllGather;
+
+impl Driver for AllGather {
+    fn forward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        let (be, p) = (plan.backend, plan.resolved.params());
+        let (o, lse) = forward(plan.comm, be, x, plan.resolved.all_positions(), &p.attention, stats)?;
+        Ok((be.convert(&o, plan.dtype)?, lse))
+    }
+
+    fn backward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        o: &Be::Buf,
+        lse: &Be::Buf,
+        d_o: &Be::Buf,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        let (be, p, dtype) = (plan.backend, plan.resolved.params(), plan.dtype);
+        let (dq, dk, dv) = backward(plan.comm, be, x, plan.resolved.all_positions(), &p.attention, o, lse, d_o, stats)?;
+        Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
+    }
+}
 
 /// The whole K/V, gathered, with their positions and the dims of this rank's block.
 struct Gathered<B> {
@@ -38,10 +66,10 @@ fn gather<Be: Backend>(
 
 /// Dense forward FLOPs of the local block.
 fn flops(d: &Dims) -> f64 {
-    4.0 * (d.b * d.h_q * d.d) as f64 * (d.s_q * d.s_k) as f64
+    crate::flops::flops(d, crate::flops::dense_pairs(d), crate::flops::Pass::Forward)
 }
 
-pub(super) fn forward<Be: Backend>(
+fn forward<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
     be: &Be,
     x: &LocalData<Be::Buf>,
@@ -60,7 +88,7 @@ pub(super) fn forward<Be: Backend>(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward<Be: Backend>(
+fn backward<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
     be: &Be,
     x: &LocalData<Be::Buf>,
@@ -96,6 +124,6 @@ pub(super) fn backward<Be: Backend>(
     let dk = reduce_scatter_v(comm, split(&dk_all)?, add)?;
     let dv = reduce_scatter_v(comm, split(&dv_all)?, add)?;
     stats.waiting += start.elapsed();
-    stats.step(Default::default(), Default::default(), 2.5 * flops(&dims));
+    stats.step(Default::default(), Default::default(), crate::flops::BACKWARD_FACTOR * flops(&dims));
     Ok((dq, dk, dv))
 }

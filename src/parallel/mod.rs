@@ -54,11 +54,11 @@ pub use backend::{
     Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
 };
 pub use plan::{ParallelPlan, ResolvedParams};
+pub(crate) use ulysses::HeadPlan;
 
 use crate::comm::{spmd, Communicator, LocalOptions, Payload, RecvOp, SendOp};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Layout, Mask, Positions, Result, Tensor};
-use seq::Shape;
 
 /// How the sequence is spread over ranks. The default is the ring (on one rank it is plain
 /// attention).
@@ -558,45 +558,58 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     }
 }
 
-/// The Ulysses mesh of a plan (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
-fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::Buf>> {
-    plan.mesh.as_ref().ok_or_else(|| Error::Parallel("internal: a Ulysses plan without its mesh".into()))
+/// A strategy's forward and backward over a plan, written once in the strategy's own file
+/// (`ring.rs`, `allgather.rs`, `ulysses.rs`) against the [`Backend`] and [`Communicator`]
+/// seams. Outputs are in the input dtype, the LSE in f32.
+trait Driver {
+    /// This rank's `(o, lse)`.
+    fn forward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)>;
+
+    /// This rank's `(dq, dk, dv)` from its forward's `o` and `lse` and its `d_o`.
+    fn backward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        o: &Be::Buf,
+        lse: &Be::Buf,
+        d_o: &Be::Buf,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)>;
 }
 
-/// The forward of the plan's strategy: `(o, lse)`, `o` in the input dtype.
+/// The one place that maps a [`Strategy`] to its [`Driver`]: `with_driver!(strategy, D =>
+/// D::forward(..))`. A new strategy adds its variant (with its name in [`Strategy::name`]),
+/// its file with a `Driver`, and one line here.
+macro_rules! with_driver {
+    ($strategy:expr, $d:ident => $body:expr) => {
+        match $strategy {
+            Strategy::Single | Strategy::Ring => {
+                type $d = ring::Ring;
+                $body
+            }
+            Strategy::AllGather => {
+                type $d = allgather::AllGather;
+                $body
+            }
+            Strategy::Ulysses | Strategy::Usp => {
+                type $d = ulysses::Ulysses;
+                $body
+            }
+        }
+    };
+}
+
 fn run_forward<Be: Backend>(
     plan: &ParallelPlan<'_, Be>,
     x: &LocalData<Be::Buf>,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf)> {
-    let (comm, be, dtype) = (plan.comm, plan.backend, plan.dtype);
-    let ap = &plan.resolved.params().attention;
-    let pos = plan.resolved.all_positions();
-    let (o, lse) = match plan.resolved.params().strategy {
-        Strategy::Single | Strategy::Ring => ring::forward(comm, be, &x.ring_inputs(pos, plan.hops, ap), stats)?,
-        Strategy::AllGather => allgather::forward(comm, be, x, pos, ap, stats)?,
-        Strategy::Ulysses | Strategy::Usp => {
-            let m = mesh(plan)?;
-            let g = m.group.as_ref();
-            let a2a = std::time::Instant::now();
-            let q = ulysses::seq_to_heads(g, be, &x.q, m.q_shape, &m.counts, &m.plan.q_heads)?;
-            let k = ulysses::seq_to_heads(g, be, &x.k, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
-            let v = ulysses::seq_to_heads(g, be, &x.v, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
-            stats.waiting += a2a.elapsed();
-            let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
-            let a2a = std::time::Instant::now();
-            // o returns in the input dtype (rounding commutes with moving values).
-            let o = be.convert(&o, dtype)?;
-            let o = ulysses::heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
-            let lse = ulysses::lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
-            stats.waiting += a2a.elapsed();
-            return Ok((o, lse));
-        }
-    };
-    Ok((be.convert(&o, dtype)?, lse))
+    with_driver!(plan.resolved.params().strategy, D => D::forward(plan, x, stats))
 }
 
-/// The backward of the plan's strategy: `(dq, dk, dv)` in the input dtype.
 fn run_backward<Be: Backend>(
     plan: &ParallelPlan<'_, Be>,
     x: &LocalData<Be::Buf>,
@@ -605,98 +618,7 @@ fn run_backward<Be: Backend>(
     d_o: &Be::Buf,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-    let (comm, be, dtype) = (plan.comm, plan.backend, plan.dtype);
-    let ap = &plan.resolved.params().attention;
-    let pos = plan.resolved.all_positions();
-    let (dq, dk, dv) = match plan.resolved.params().strategy {
-        Strategy::Single | Strategy::Ring => {
-            ring::backward(comm, be, &x.ring_inputs(pos, plan.hops, ap), o, lse, d_o, stats)?
-        }
-        Strategy::AllGather => allgather::backward(comm, be, x, pos, ap, o, lse, d_o, stats)?,
-        Strategy::Ulysses | Strategy::Usp => {
-            let m = mesh(plan)?;
-            let g = m.group.as_ref();
-            let (qs, ks, qh, kh) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads);
-            let a2a = std::time::Instant::now();
-            let c = &m.counts;
-            let q = ulysses::seq_to_heads(g, be, &x.q, qs, c, qh)?;
-            let k = ulysses::seq_to_heads(g, be, &x.k, ks, c, kh)?;
-            let v = ulysses::seq_to_heads(g, be, &x.v, ks, c, kh)?;
-            let oh = ulysses::seq_to_heads(g, be, o, qs, c, qh)?;
-            let doh = ulysses::seq_to_heads(g, be, d_o, qs, c, qh)?;
-            let lh = ulysses::lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
-            stats.waiting += a2a.elapsed();
-            let ri = m.ring_inputs(x, &q, &k, &v, plan.hops, ap);
-            let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
-            let a2a = std::time::Instant::now();
-            // dq heads are written once: they travel in the input dtype; dK/dV replicas are
-            // summed in f32 first.
-            let dq = be.convert(&dq, dtype)?;
-            let dq = ulysses::heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, &m.counts, qh, false)?;
-            let dk = ulysses::heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
-            let dv = ulysses::heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, &m.counts, kh, true)?;
-            stats.waiting += a2a.elapsed();
-            (dq, dk, dv)
-        }
-    };
-    Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
-}
-
-/// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
-/// ranks, the ring across groups, the head plan and this rank's token counts — made once per
-/// [`ParallelPlan`].
-pub(crate) struct Mesh<B: crate::comm::Payload> {
-    group: Box<dyn Communicator<Buf = B>>,
-    ring: Box<dyn Communicator<Buf = B>>,
-    plan: ulysses::HeadPlan,
-    /// Token counts of the ranks of this rank's Ulysses group.
-    counts: Vec<usize>,
-    /// Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
-    group_pos: Vec<Positions>,
-    /// This rank's index in its Ulysses group.
-    me: usize,
-    q_shape: Shape,
-    kv_shape: Shape,
-}
-
-impl<B: crate::comm::Payload> Mesh<B> {
-    /// Splits `comm` into the Ulysses groups and the rings across them (collective).
-    pub(crate) fn new(comm: &dyn Communicator<Buf = B>, resolved: &ResolvedParams, dims: &Dims) -> Result<Self> {
-        let (world, rank) = (comm.size(), comm.rank());
-        let u = resolved.ulysses_degree();
-        let pos = resolved.all_positions();
-        let group = comm.split(rank / u, rank % u)?;
-        let ring = comm.split(rank % u, rank / u)?;
-        let plan = ulysses::HeadPlan::new(dims.h_q, dims.h_kv, u)?;
-        let g0 = rank / u * u;
-        let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
-        let n = counts[rank % u];
-        let group_pos = (0..world / u).map(|g| concat_positions(&pos[g * u..(g + 1) * u])).collect();
-        Ok(Mesh {
-            group,
-            ring,
-            plan,
-            counts,
-            group_pos,
-            me: rank % u,
-            q_shape: Shape { b: dims.b, n, h: dims.h_q, d: dims.d },
-            kv_shape: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d },
-        })
-    }
-
-    /// The ring's view of this rank's head-sharded data.
-    fn ring_inputs<'a>(
-        &'a self,
-        x: &LocalData<B>,
-        q: &'a B,
-        k: &'a B,
-        v: &'a B,
-        hops: usize,
-        params: &'a AttentionParams,
-    ) -> ring::RingInputs<'a, B> {
-        let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
-        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, hops, params }
-    }
+    with_driver!(plan.resolved.params().strategy, D => D::backward(plan, x, o, lse, d_o, stats))
 }
 
 /// Gathers every rank's part of the results to rank `root`, which reassembles them in the
@@ -874,6 +796,25 @@ pub(crate) fn assemble(p: &ResolvedParams, with_grads: bool, parts: Vec<RankRun>
     Ok(ProcessRun { forward, gradients, stats })
 }
 
+/// The share of the communication a run hid behind compute, from its time (`run`), the time
+/// with communication made instant (`compute_only`) and the time with compute skipped
+/// (`comm_only`): `1 − (run − compute_only) / comm_only`, clamped to `[0, 1]`; 1 when there
+/// is no communication. The one definition the library, the CLI and the GPU measurements use.
+///
+/// ```
+/// use ringattn::parallel::hidden_share;
+/// assert_eq!(hidden_share(10.0, 8.0, 4.0), 0.5); // 2 of the 4 communication seconds showed
+/// assert_eq!(hidden_share(8.0, 8.0, 4.0), 1.0);
+/// assert_eq!(hidden_share(13.0, 8.0, 4.0), 0.0);
+/// ```
+pub fn hidden_share(run: f64, compute_only: f64, comm_only: f64) -> f64 {
+    if comm_only > 0.0 {
+        (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0)
+    } else {
+        1.0
+    }
+}
+
 /// How much of the communication a schedule hides behind compute, from three runs of it:
 /// as is (`run`), with communication made instant (`compute_only`) and with compute skipped
 /// ([`NullBackend`], `comm_only`); times are the slowest rank's.
@@ -925,6 +866,5 @@ pub fn measure_overlap<Be: Backend<Buf = HostBuf>>(
     let run = slowest(world, options, backend, args)?;
     let compute_only = slowest(world, LocalOptions { link: None, ..options }, backend, args)?;
     let comm_only = slowest(world, options, &NullBackend, args)?;
-    let hidden = if comm_only > 0.0 { (1.0 - (run - compute_only) / comm_only).clamp(0.0, 1.0) } else { 1.0 };
-    Ok(Overlap { run, compute_only, comm_only, hidden })
+    Ok(Overlap { run, compute_only, comm_only, hidden: hidden_share(run, compute_only, comm_only) })
 }

@@ -9,7 +9,8 @@
 
 use std::sync::Mutex;
 
-use super::{Mesh, Stats, Strategy};
+use super::ulysses::Mesh;
+use super::{Stats, Strategy};
 use crate::comm::{all_gather, Communicator};
 use crate::parallel::{Backend, ParallelParams};
 use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Segment, Tensor};

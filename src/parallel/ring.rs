@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::Stats;
+use super::{Driver, LocalData, ParallelPlan, Stats};
 use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
 use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
@@ -16,6 +16,36 @@ use crate::{AttentionParams, DType, Dims, Elem, Error, Positions, Result};
 const KV_TAG: Tag = 0;
 const ACC_TAG: Tag = 1 << 20;
 const FINAL_TAG: Tag = 2 << 20;
+
+/// The ring over all ranks (one rank: plain attention).
+pub(super) struct Ring;
+
+impl Driver for Ring {
+    fn forward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        let (be, p) = (plan.backend, plan.resolved.params());
+        let (o, lse) =
+            forward(plan.comm, be, &x.ring_inputs(plan.resolved.all_positions(), plan.hops, &p.attention), stats)?;
+        Ok((be.convert(&o, plan.dtype)?, lse))
+    }
+
+    fn backward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        o: &Be::Buf,
+        lse: &Be::Buf,
+        d_o: &Be::Buf,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        let (be, p, dtype) = (plan.backend, plan.resolved.params(), plan.dtype);
+        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &p.attention);
+        let (dq, dk, dv) = backward(plan.comm, be, &inputs, o, lse, d_o, stats)?;
+        Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
+    }
+}
 
 /// The local data of one ring rank. Every rank's queries and keys are the same tokens, at
 /// positions `pos[rank]`.
@@ -41,7 +71,8 @@ impl<B> RingInputs<'_, B> {
 
     /// Dense forward FLOPs of one block.
     fn block_flops(&self, n_q: usize, n_k: usize) -> f64 {
-        4.0 * (self.b * self.h_q * self.d) as f64 * n_q as f64 * n_k as f64
+        let dims = self.dims(n_q, n_k);
+        crate::flops::flops(&dims, crate::flops::dense_pairs(&dims), crate::flops::Pass::Forward)
     }
 
     fn kv_len(&self, rank: usize) -> usize {
@@ -239,7 +270,8 @@ pub(crate) fn backward<Be: Backend>(
             None
         };
         stats.compute += start.elapsed();
-        let step_flops = if grads.is_some() { 2.5 * x.block_flops(n, k_pos.len()) } else { 0.0 };
+        let step_flops =
+            if grads.is_some() { crate::flops::BACKWARD_FACTOR * x.block_flops(n, k_pos.len()) } else { 0.0 };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some((hk, hv)) = acc_recv.take() {

@@ -2,11 +2,82 @@
 //! Each rank receives exactly the kv heads its query heads use; when a contiguous range of
 //! query heads does not map onto kv heads uniformly, each query head gets its own replica.
 
+use std::time::Instant;
+
 use crate::comm::{all_to_all_v, Communicator, Payload};
-use crate::{Error, Result};
+use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 use super::backend::Backend;
 use super::seq::Shape;
+use super::{concat_positions, ring, Driver, LocalData, ParallelPlan, ResolvedParams, Stats};
+
+/// Ulysses (`u = P`) and USP (`u < P`): the sequence → heads all-to-all inside each Ulysses
+/// group of `u` consecutive ranks, the ring across the groups (one hop for Ulysses), and
+/// back.
+pub(super) struct Ulysses;
+
+/// The plan's mesh (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
+fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::Buf>> {
+    plan.mesh.as_ref().ok_or_else(|| Error::Parallel("internal: a Ulysses plan without its mesh".into()))
+}
+
+impl Driver for Ulysses {
+    fn forward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        let (be, ap) = (plan.backend, &plan.resolved.params().attention);
+        let m = mesh(plan)?;
+        let g = m.group.as_ref();
+        let a2a = Instant::now();
+        let q = seq_to_heads(g, be, &x.q, m.q_shape, &m.counts, &m.plan.q_heads)?;
+        let k = seq_to_heads(g, be, &x.k, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
+        let v = seq_to_heads(g, be, &x.v, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
+        stats.waiting += a2a.elapsed();
+        let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
+        let a2a = Instant::now();
+        // o returns in the input dtype (rounding commutes with moving values).
+        let o = be.convert(&o, plan.dtype)?;
+        let o = heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
+        let lse = lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
+        stats.waiting += a2a.elapsed();
+        Ok((o, lse))
+    }
+
+    fn backward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        o: &Be::Buf,
+        lse: &Be::Buf,
+        d_o: &Be::Buf,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        let (be, ap, dtype) = (plan.backend, &plan.resolved.params().attention, plan.dtype);
+        let m = mesh(plan)?;
+        let g = m.group.as_ref();
+        let (qs, ks, qh, kh, c) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads, &m.counts);
+        let a2a = Instant::now();
+        let q = seq_to_heads(g, be, &x.q, qs, c, qh)?;
+        let k = seq_to_heads(g, be, &x.k, ks, c, kh)?;
+        let v = seq_to_heads(g, be, &x.v, ks, c, kh)?;
+        let oh = seq_to_heads(g, be, o, qs, c, qh)?;
+        let doh = seq_to_heads(g, be, d_o, qs, c, qh)?;
+        let lh = lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
+        stats.waiting += a2a.elapsed();
+        let ri = m.ring_inputs(x, &q, &k, &v, plan.hops, ap);
+        let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
+        let a2a = Instant::now();
+        // dq heads are written once: they travel in the input dtype; dK/dV replicas are
+        // summed in f32 first.
+        let dq = be.convert(&dq, dtype)?;
+        let dq = heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, c, qh, false)?;
+        let dk = heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, c, kh, true)?;
+        let dv = heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, c, kh, true)?;
+        stats.waiting += a2a.elapsed();
+        Ok((dq, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
+    }
+}
 
 /// Which query and kv heads each rank of a Ulysses group computes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,4 +215,61 @@ pub(crate) fn lse_to_seq<Be: Backend>(
         be.scatter_heads(&mut out, Shape { b, n: 1, h, d: n }, &heads[j], part, true)?;
     }
     Ok(out)
+}
+
+/// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
+/// ranks, the ring across groups, the head plan and this rank's token counts — made once per
+/// [`ParallelPlan`].
+pub(crate) struct Mesh<B: Payload> {
+    group: Box<dyn Communicator<Buf = B>>,
+    ring: Box<dyn Communicator<Buf = B>>,
+    plan: HeadPlan,
+    /// Token counts of the ranks of this rank's Ulysses group.
+    counts: Vec<usize>,
+    /// Positions of each ring group's tokens (its Ulysses ranks' tokens, in order).
+    pub(crate) group_pos: Vec<Positions>,
+    /// This rank's index in its Ulysses group.
+    me: usize,
+    q_shape: Shape,
+    kv_shape: Shape,
+}
+
+impl<B: Payload> Mesh<B> {
+    /// Splits `comm` into the Ulysses groups and the rings across them (collective).
+    pub(crate) fn new(comm: &dyn Communicator<Buf = B>, resolved: &ResolvedParams, dims: &Dims) -> Result<Self> {
+        let (world, rank) = (comm.size(), comm.rank());
+        let u = resolved.ulysses_degree();
+        let pos = resolved.all_positions();
+        let group = comm.split(rank / u, rank % u)?;
+        let ring = comm.split(rank % u, rank / u)?;
+        let plan = HeadPlan::new(dims.h_q, dims.h_kv, u)?;
+        let g0 = rank / u * u;
+        let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
+        let n = counts[rank % u];
+        let group_pos = (0..world / u).map(|g| concat_positions(&pos[g * u..(g + 1) * u])).collect();
+        Ok(Mesh {
+            group,
+            ring,
+            plan,
+            counts,
+            group_pos,
+            me: rank % u,
+            q_shape: Shape { b: dims.b, n, h: dims.h_q, d: dims.d },
+            kv_shape: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d },
+        })
+    }
+
+    /// The ring's view of this rank's head-sharded data.
+    fn ring_inputs<'a>(
+        &'a self,
+        x: &LocalData<B>,
+        q: &'a B,
+        k: &'a B,
+        v: &'a B,
+        hops: usize,
+        params: &'a AttentionParams,
+    ) -> ring::RingInputs<'a, B> {
+        let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
+        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, hops, params }
+    }
 }

@@ -221,7 +221,8 @@ impl Calibration {
                     .and_then(Value::as_f64)
                     .map(|ms| ms * 1e-3)
                     .or_else(|| r.get("seconds").and_then(Value::as_f64));
-                let fwd_flops = work.map(|w| 4.0 * w * if causal { 0.5 } else { 1.0 });
+                let fwd_flops =
+                    work.map(|w| crate::flops::FORWARD_FLOPS_PER_PAIR_DIM * w * if causal { 0.5 } else { 1.0 });
                 if let (Some(t), Some(f), Some(w)) = (seconds.filter(|&t| t > 0.0), fwd_flops, work) {
                     match pass {
                         0 => fwd_s.push((w, f, t)),

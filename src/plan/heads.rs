@@ -1,4 +1,4 @@
-//! How a Ulysses group splits the heads: the crate's head plan, counted.
+//! How a Ulysses group splits the heads: the drivers' head plan (`parallel::HeadPlan`), counted.
 
 use serde::Serialize;
 
@@ -59,26 +59,13 @@ pub fn head_split(h_q: usize, h_kv: usize, u: usize) -> Result<HeadSplit> {
     if h_q % h_kv != 0 {
         return Err(Error::HeadRatio { h_q, h_kv });
     }
-    if u == 0 || h_q % u != 0 {
-        return Err(Error::Parallel(format!(
-            "Ulysses needs the query heads to divide evenly over its ranks: h_q = {h_q} is not a multiple of the Ulysses degree {u}"
-        )));
+    if u == 0 {
+        return Err(Error::Parallel("the Ulysses degree must be at least 1".into()));
     }
-    let (per, group) = (h_q / u, h_q / h_kv);
-    let kv_per_rank: Vec<usize> = (0..u)
-        .map(|j| {
-            let q: Vec<usize> = (j * per..(j + 1) * per).collect();
-            let mut kv: Vec<usize> = q.iter().map(|h| h / group).collect();
-            kv.dedup();
-            let uniform =
-                per % kv.len() == 0 && q.iter().enumerate().all(|(i, h)| kv[i / (per / kv.len())] == h / group);
-            if uniform {
-                kv.len()
-            } else {
-                per
-            }
-        })
-        .collect();
+    // The drivers' own head plan: one coding of the split.
+    let plan = crate::parallel::HeadPlan::new(h_q, h_kv, u)?;
+    let per = h_q / u;
+    let kv_per_rank: Vec<usize> = plan.kv_heads.iter().map(Vec::len).collect();
     let replicated = kv_per_rank.iter().sum::<usize>() > h_kv;
     Ok(HeadSplit { q_per_rank: per, kv_per_rank, replicated })
 }

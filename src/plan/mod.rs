@@ -306,7 +306,10 @@ impl JobSpec {
     /// Forward FLOPs of the whole layer, `4·b·h·N²·d`, halved when causal.
     pub fn forward_flops(&self) -> f64 {
         let c = if self.causal { 0.5 } else { 1.0 };
-        4.0 * (self.batch * self.heads * self.head_dim) as f64 * (self.seq as f64).powi(2) * c
+        crate::flops::FORWARD_FLOPS_PER_PAIR_DIM
+            * (self.batch * self.heads * self.head_dim) as f64
+            * (self.seq as f64).powi(2)
+            * c
     }
 
     /// Checks the shape.

@@ -312,7 +312,7 @@ pub fn evaluate(cluster: &ClusterSpec, job: &JobSpec, p: &Placement) -> Result<C
     let mem_bwd;
     if p.strategy == Strategy::AllGather {
         let big_n = n * world as f64;
-        let flops = 4.0 * b * h * d * n * big_n * causal;
+        let flops = crate::flops::FORWARD_FLOPS_PER_PAIR_DIM * b * h * d * n * big_n * causal;
         let part = (world - 1) as f64 * b * n * h_kv * d;
         let gather = |pass: &mut Pass| {
             pass.exposed("k all-gather", part * e, a2a_s(cluster, part * e, rl));
@@ -330,7 +330,7 @@ pub fn evaluate(cluster: &ClusterSpec, job: &JobSpec, p: &Placement) -> Result<C
     } else {
         // Ulysses in (u > 1), a ring of r over blocks of S = n·u tokens and h/u heads, Ulysses out.
         let s_blk = n * u as f64;
-        let hop_flops = 4.0 * b * hq * s_blk * s_blk * d * causal;
+        let hop_flops = crate::flops::FORWARD_FLOPS_PER_PAIR_DIM * b * hq * s_blk * s_blk * d * causal;
         let kv_hop = 2.0 * b * s_blk * kv * d * e;
         let acc_hop = 2.0 * b * s_blk * kv * d * ea;
         if u > 1 {

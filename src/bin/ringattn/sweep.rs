@@ -224,7 +224,7 @@ fn measure<Be: Backend<Buf = HostBuf>>(
     let seconds = median(&samples);
     let flops = job_flops(a, params, s, backward)?;
     let hidden = match (compute_only, comm_only) {
-        (Some(c), Some(n)) if n > 0.0 => Some((1.0 - (seconds - c) / n).clamp(0.0, 1.0)),
+        (Some(c), Some(n)) if n > 0.0 => Some(ringattn::parallel::hidden_share(seconds, c, n)),
         _ => None,
     };
     Ok(SweepRecord {
@@ -288,7 +288,7 @@ fn measure_device(
         seconds,
         samples_s: samples,
         tflops_per_rank: flops / world as f64 / seconds / 1e12,
-        hidden: (world > 1 && n > 0.0).then(|| (1.0 - (seconds - c) / n).clamp(0.0, 1.0)),
+        hidden: (world > 1 && n > 0.0).then(|| ringattn::parallel::hidden_share(seconds, c, n)),
         compute_only_s: Some(c),
         comm_only_s: Some(n),
         bytes_per_rank: bytes,
