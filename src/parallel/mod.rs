@@ -41,6 +41,70 @@
 //! # Ok::<(), ringattn::Error>(())
 //! ```
 
+/// The strategy registry: each line declares a [`Strategy`] variant, its one name and the
+/// driver in its own file. From it come the enum, [`Strategy::ALL`], [`Strategy::name`] and
+/// `with_driver!`, the one dispatch (`with_driver!(strategy, D => D::forward(..))`). A new
+/// strategy is its file with a `Driver` and one line here.
+macro_rules! strategies {
+    ($d:tt $( $(#[$attr:meta])* $variant:ident = $name:literal => $driver:ty ),* $(,)?) => {
+        /// How the sequence is spread over ranks. The default is the ring (on one rank it is
+        /// plain attention).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+        #[non_exhaustive]
+        pub enum Strategy {
+            $( $(#[$attr])* $variant, )*
+        }
+
+        impl Strategy {
+            /// Every strategy, in the order the CLI, the planner and the tests list them.
+            pub const ALL: [Strategy; [$($name),*].len()] = [$(Strategy::$variant),*];
+
+            /// The one name of the strategy, as `--strategy` takes it and JSON writes it:
+            /// `single`, `ring`, `allgather`, `ulysses`, `usp`.
+            ///
+            /// ```
+            /// use ringattn::parallel::Strategy;
+            /// for s in Strategy::ALL {
+            ///     assert_eq!(s.name().parse::<Strategy>()?, s);
+            ///     assert_eq!(s.to_string(), s.name());
+            /// }
+            /// # Ok::<(), ringattn::Error>(())
+            /// ```
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( Strategy::$variant => $name, )*
+                }
+            }
+        }
+
+        /// Runs `$body` with `$t` the driver type of strategy `$s`.
+        macro_rules! with_driver {
+            ($d s:expr, $d t:ident => $d body:expr) => {
+                match $d s {
+                    $( Strategy::$variant => {
+                        type $d t = $driver;
+                        $d body
+                    } )*
+                }
+            };
+        }
+    };
+}
+
+strategies! { $
+    /// One rank, no sequence parallelism.
+    Single = "single" => crate::parallel::ring::Single,
+    /// Ring attention.
+    #[default]
+    Ring = "ring" => crate::parallel::ring::Ring,
+    /// All-gather K/V, local attention, reduce-scatter dK/dV.
+    AllGather = "allgather" => crate::parallel::allgather::AllGather,
+    /// Ulysses all-to-all.
+    Ulysses = "ulysses" => crate::parallel::ulysses::Ulysses,
+    /// Ulysses within groups, ring across groups.
+    Usp = "usp" => crate::parallel::ulysses::Usp,
+}
+
 mod allgather;
 mod backend;
 mod plan;
@@ -59,51 +123,6 @@ pub(crate) use ulysses::HeadPlan;
 use crate::comm::{spmd, Communicator, LocalOptions, Payload, RecvOp, SendOp};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Layout, Mask, Positions, Result, Tensor};
-
-/// How the sequence is spread over ranks. The default is the ring (on one rank it is plain
-/// attention).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum Strategy {
-    /// One rank, no sequence parallelism.
-    Single,
-    /// Ring attention.
-    #[default]
-    Ring,
-    /// All-gather K/V, local attention, reduce-scatter dK/dV.
-    AllGather,
-    /// Ulysses all-to-all.
-    Ulysses,
-    /// Ulysses within groups, ring across groups.
-    Usp,
-}
-
-impl Strategy {
-    /// Every strategy, in the order the CLI, the planner and the tests list them.
-    pub const ALL: [Strategy; 5] =
-        [Strategy::Single, Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp];
-
-    /// The one name of the strategy, as `--strategy` takes it and JSON writes it: `single`,
-    /// `ring`, `allgather`, `ulysses`, `usp`.
-    ///
-    /// ```
-    /// use ringattn::parallel::Strategy;
-    /// for s in Strategy::ALL {
-    ///     assert_eq!(s.name().parse::<Strategy>()?, s);
-    ///     assert_eq!(s.to_string(), s.name());
-    /// }
-    /// # Ok::<(), ringattn::Error>(())
-    /// ```
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Single => "single",
-            Strategy::Ring => "ring",
-            Strategy::AllGather => "allgather",
-            Strategy::Ulysses => "ulysses",
-            Strategy::Usp => "usp",
-        }
-    }
-}
 
 impl std::fmt::Display for Strategy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -207,27 +226,7 @@ impl ParallelParams {
         if world == 0 {
             return Err(Error::Parallel("the world size must be at least 1".into()));
         }
-        match self.strategy {
-            Strategy::Single if world != 1 => {
-                Err(Error::Parallel(format!("strategy single runs on one rank, not {world}")))
-            }
-            Strategy::Ulysses if h_q % world != 0 => Err(Error::Parallel(format!(
-                "ulysses needs h_q divisible by the world size: h_q = {h_q}, world = {world}"
-            ))),
-            Strategy::Usp if self.layout() == Layout::Striped => {
-                Err(Error::Parallel("usp works with the contiguous or zigzag layout, not striped".into()))
-            }
-            Strategy::Usp => {
-                let u = self.usp_degree(world, h_q)?;
-                if h_q % u != 0 {
-                    return Err(Error::Parallel(format!(
-                        "usp needs h_q divisible by the Ulysses degree: h_q = {h_q}, degree = {u}"
-                    )));
-                }
-                Ok(())
-            }
-            _ => Ok(()),
-        }
+        with_driver!(self.strategy, D => D::validate(self, world, h_q))
     }
 }
 
@@ -562,6 +561,30 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
 /// (`ring.rs`, `allgather.rs`, `ulysses.rs`) against the [`Backend`] and [`Communicator`]
 /// seams. Outputs are in the input dtype, the LSE in f32.
 trait Driver {
+    /// Whether the plan splits the communicator into the Ulysses mesh for it.
+    const USES_MESH: bool = false;
+
+    /// The strategy's own constraints on the world size, heads and layout.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] naming the constraint that fails.
+    fn validate(_params: &ParallelParams, _world: usize, _h_q: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// The Ulysses degree the strategy runs with (1: none).
+    ///
+    /// # Errors
+    /// As [`Driver::validate`].
+    fn ulysses_degree(_params: &ParallelParams, _world: usize, _h_q: usize) -> Result<usize> {
+        Ok(1)
+    }
+
+    /// Global positions of the tokens `rank` holds (of a resolved `params`): the layout's.
+    fn positions(params: &ParallelParams, world: usize, rank: usize, _ulysses: usize) -> Positions {
+        params.layout().positions(params.seq_len, world, rank)
+    }
+
     /// This rank's `(o, lse)`.
     fn forward<Be: Backend>(
         plan: &ParallelPlan<'_, Be>,
@@ -578,28 +601,6 @@ trait Driver {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)>;
-}
-
-/// The one place that maps a [`Strategy`] to its [`Driver`]: `with_driver!(strategy, D =>
-/// D::forward(..))`. A new strategy adds its variant (with its name in [`Strategy::name`]),
-/// its file with a `Driver`, and one line here.
-macro_rules! with_driver {
-    ($strategy:expr, $d:ident => $body:expr) => {
-        match $strategy {
-            Strategy::Single | Strategy::Ring => {
-                type $d = ring::Ring;
-                $body
-            }
-            Strategy::AllGather => {
-                type $d = allgather::AllGather;
-                $body
-            }
-            Strategy::Ulysses | Strategy::Usp => {
-                type $d = ulysses::Ulysses;
-                $body
-            }
-        }
-    };
 }
 
 fn run_forward<Be: Backend>(

@@ -10,10 +10,10 @@
 use std::sync::Mutex;
 
 use super::ulysses::Mesh;
-use super::{Stats, Strategy};
+use super::{Driver, Stats, Strategy};
 use crate::comm::{all_gather, Communicator};
 use crate::parallel::{Backend, ParallelParams};
-use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Segment, Tensor};
+use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Tensor};
 
 /// [`ParallelParams`] with every default resolved for a world size, a query-head count and a
 /// sequence length, validated: the layout is set, `seq_len` is the global length, and the
@@ -56,33 +56,14 @@ impl ParallelParams {
             }
         };
         p.layout = Some(self.layout());
-        let ulysses = match p.strategy {
-            Strategy::Ulysses => world,
-            Strategy::Usp => self.usp_degree(world, h_q)?,
-            _ => 1,
-        };
+        let ulysses = with_driver!(p.strategy, D => D::ulysses_degree(&p, world, h_q))?;
         if p.strategy == Strategy::Usp {
             p.ulysses_degree = Some(ulysses);
         }
-        let positions = (0..world).map(|r| positions_of(&p, world, r, ulysses)).collect();
+        let positions =
+            (0..world).map(|r| with_driver!(p.strategy, D => D::positions(&p, world, r, ulysses))).collect();
         Ok(ResolvedParams { params: p, world, ulysses, positions })
     }
-}
-
-/// Global positions of the tokens `rank` holds: the layout's, except under `Usp`, where the
-/// layout applies to the ring groups and each group's tokens are split contiguously among
-/// its `u` Ulysses ranks.
-fn positions_of(p: &ParallelParams, world: usize, rank: usize, u: usize) -> Positions {
-    let (s, layout) = (p.seq_len, p.layout());
-    if p.strategy != Strategy::Usp || u <= 1 {
-        return layout.positions(s, world, rank);
-    }
-    let (g, i) = (rank / u, rank % u);
-    let group = layout.positions(s, world / u, g).to_vec();
-    let n = group.len();
-    let mine = &group[i * n / u..(i + 1) * n / u];
-    let segs = mine.iter().map(|&p| Segment { start: p, stride: 1, len: 1 }).collect();
-    Positions::from_segments(segs).expect("unit segments")
 }
 
 impl ResolvedParams {
@@ -341,10 +322,8 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
                 )));
             }
         }
-        let mesh = match resolved.params().strategy {
-            Strategy::Ulysses | Strategy::Usp => Some(Mesh::new(comm, &resolved, dims)?),
-            _ => None,
-        };
+        let uses_mesh = with_driver!(resolved.params().strategy, D => D::USES_MESH);
+        let mesh = if uses_mesh { Some(Mesh::new(comm, &resolved, dims)?) } else { None };
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
         Ok(ParallelPlan { comm, backend, resolved, dims: *dims, dtype, mesh, hops, last: Mutex::new(Stats::default()) })

@@ -9,12 +9,70 @@ use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 use super::backend::Backend;
 use super::seq::Shape;
-use super::{concat_positions, ring, Driver, LocalData, ParallelPlan, ResolvedParams, Stats};
+use super::{concat_positions, ring, Driver, LocalData, ParallelParams, ParallelPlan, ResolvedParams, Stats};
 
 /// Ulysses (`u = P`) and USP (`u < P`): the sequence → heads all-to-all inside each Ulysses
 /// group of `u` consecutive ranks, the ring across the groups (one hop for Ulysses), and
 /// back.
 pub(super) struct Ulysses;
+
+/// USP: Ulysses inside groups of `u` consecutive ranks, the ring across the `P/u` groups.
+/// The layout applies to the groups; each group's tokens are split contiguously among its
+/// Ulysses ranks.
+pub(super) struct Usp;
+
+impl Driver for Usp {
+    const USES_MESH: bool = true;
+
+    fn validate(params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
+        if params.layout() == crate::Layout::Striped {
+            return Err(Error::Parallel("usp works with the contiguous or zigzag layout, not striped".into()));
+        }
+        let u = params.usp_degree(world, h_q)?;
+        if h_q % u != 0 {
+            return Err(Error::Parallel(format!(
+                "usp needs h_q divisible by the Ulysses degree: h_q = {h_q}, degree = {u}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn ulysses_degree(params: &ParallelParams, world: usize, h_q: usize) -> Result<usize> {
+        params.usp_degree(world, h_q)
+    }
+
+    fn positions(params: &ParallelParams, world: usize, rank: usize, u: usize) -> Positions {
+        let (s, layout) = (params.seq_len, params.layout());
+        if u <= 1 {
+            return layout.positions(s, world, rank);
+        }
+        let (g, i) = (rank / u, rank % u);
+        let group = layout.positions(s, world / u, g).to_vec();
+        let n = group.len();
+        let mine = &group[i * n / u..(i + 1) * n / u];
+        let segs = mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect();
+        Positions::from_segments(segs).expect("unit segments")
+    }
+
+    fn forward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        Ulysses::forward(plan, x, stats)
+    }
+
+    fn backward<Be: Backend>(
+        plan: &ParallelPlan<'_, Be>,
+        x: &LocalData<Be::Buf>,
+        o: &Be::Buf,
+        lse: &Be::Buf,
+        d_o: &Be::Buf,
+        stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        Ulysses::backward(plan, x, o, lse, d_o, stats)
+    }
+}
 
 /// The plan's mesh (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
 fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::Buf>> {
@@ -22,6 +80,21 @@ fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::
 }
 
 impl Driver for Ulysses {
+    const USES_MESH: bool = true;
+
+    fn validate(_params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
+        if h_q % world != 0 {
+            return Err(Error::Parallel(format!(
+                "ulysses needs h_q divisible by the world size: h_q = {h_q}, world = {world}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn ulysses_degree(_params: &ParallelParams, world: usize, _h_q: usize) -> Result<usize> {
+        Ok(world)
+    }
+
     fn forward<Be: Backend>(
         plan: &ParallelPlan<'_, Be>,
         x: &LocalData<Be::Buf>,
