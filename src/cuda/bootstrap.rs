@@ -35,9 +35,9 @@ use crate::{Error, Result};
 /// First bytes of the id server's reply (then the world size, u32 little-endian, then the id).
 const ID_MAGIC: &[u8; 8] = b"RAIDv002";
 /// Offset of the default bootstrap port from `MASTER_PORT`.
-pub const BOOTSTRAP_PORT_OFFSET: u16 = 100;
+pub(crate) const BOOTSTRAP_PORT_OFFSET: u16 = 100;
 /// The bootstrap port when neither `RINGATTN_BOOTSTRAP_PORT` nor `MASTER_PORT` is set.
-pub const DEFAULT_BOOTSTRAP_PORT: u16 = 29600;
+pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 29600;
 
 /// Which launcher's variables described this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -214,13 +214,8 @@ fn bootstrap_port(var: &impl Fn(&str) -> Option<String>) -> Result<u16> {
 }
 
 /// The first host of a Slurm host list: `gpu-[003-004,010],login1` → `gpu-003`,
-/// `node7,node8` → `node7`.
-///
-/// ```
-/// assert_eq!(ringattn::cuda::first_host("gpu-[003-004,010],login1").as_deref(), Some("gpu-003"));
-/// assert_eq!(ringattn::cuda::first_host("node7,node8").as_deref(), Some("node7"));
-/// ```
-pub fn first_host(list: &str) -> Option<String> {
+/// `node7,node8` → `node7` (tested below).
+pub(crate) fn first_host(list: &str) -> Option<String> {
     let list = list.trim();
     let (prefix, rest) = match list.find(['[', ',']) {
         Some(i) if list.as_bytes()[i] == b'[' => (&list[..i], &list[i + 1..]),
@@ -259,7 +254,7 @@ pub fn device_ordinal(local_rank: usize, visible: usize) -> Result<usize> {
 /// # Errors
 /// [`Error::Timeout`] when fewer than `clients` ranks connected within `deadline`;
 /// [`Error::InvalidArgument`] for socket errors.
-pub fn serve_unique_id(
+pub(crate) fn serve_unique_id(
     listener: &TcpListener,
     id: &UniqueId,
     world: usize,
@@ -308,7 +303,7 @@ pub fn serve_unique_id(
 /// [`Error::Timeout`] when no server answered within `deadline`; [`Error::InvalidArgument`]
 /// when the address does not resolve, the reply is not an id, or it is another group's (a
 /// different world size).
-pub fn fetch_unique_id(addr: &str, world: usize, deadline: Duration) -> Result<UniqueId> {
+pub(crate) fn fetch_unique_id(addr: &str, world: usize, deadline: Duration) -> Result<UniqueId> {
     let start = Instant::now();
     let mut last = String::from("no attempt");
     loop {
@@ -365,7 +360,7 @@ pub fn fetch_unique_id(addr: &str, world: usize, deadline: Duration) -> Result<U
 /// # Errors
 /// Those of `make_id`, [`serve_unique_id`] (including a port that cannot be bound, named
 /// with the variable that moves it) and [`fetch_unique_id`].
-pub fn exchange_unique_id(
+pub(crate) fn exchange_unique_id(
     env: &BootstrapEnv,
     make_id: impl FnOnce() -> Result<UniqueId>,
     deadline: Duration,
@@ -513,6 +508,8 @@ mod tests {
         let old = [("SLURM_PROCID", "1"), ("SLURM_NPROCS", "2"), ("MASTER_ADDR", "head"), ("SLURM_NODELIST", "n1")];
         let e = BootstrapEnv::from_vars(vars(&old)).unwrap();
         assert_eq!((e.world, e.local_rank, e.master_addr.as_deref()), (2, 1, Some("head")));
+        assert_eq!(first_host("gpu-[003-004,010],login1").as_deref(), Some("gpu-003"));
+        assert_eq!(first_host("node7,node8").as_deref(), Some("node7"));
         assert_eq!(first_host("a[1,3-4]b").as_deref(), Some("a1"));
         assert_eq!(first_host("single").as_deref(), Some("single"));
         assert_eq!(first_host(""), None);
