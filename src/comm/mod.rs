@@ -249,6 +249,23 @@ pub trait Communicator: Send + Sync {
         self.all_to_all_v(vec![data; self.size()], lens)
     }
 
+    /// Rank `j` gets the element-wise sum over all ranks of their `parts[j]` (equal lengths
+    /// on every rank), added in rank order by `add`. Collective. The portable version is an
+    /// all-to-all ([`Communicator::all_to_all_v`], native on MPI) and rank-order sums.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_v`].
+    fn reduce_scatter_v(&self, parts: Vec<Self::Buf>, add: &AddFn<'_, Self::Buf>) -> Result<Self::Buf> {
+        let own = parts.get(self.rank()).map_or(0, Payload::elements);
+        let lens = vec![own; self.size()];
+        let mut got = self.all_to_all_v(parts, &lens)?.into_iter();
+        let mut sum = got.next().ok_or_else(|| crate::Error::InvalidArgument("reduce_scatter_v: no ranks".into()))?;
+        for g in got {
+            add(&mut sum, &g)?;
+        }
+        Ok(sum)
+    }
+
     /// The element-wise sum of every rank's `data` (equal lengths), on every rank: what the
     /// gradients of replicated parameters need. `add(acc, x)` adds `x` into `acc` (a
     /// backend's addition for device buffers, [`add_host`] for host buffers). Every rank gets
@@ -425,14 +442,7 @@ pub fn reduce_scatter_v<B: Payload>(
     parts: Vec<B>,
     add: impl Fn(&mut B, &B) -> Result<()>,
 ) -> Result<B> {
-    let own = parts.get(comm.rank()).map_or(0, Payload::elements);
-    let lens = vec![own; comm.size()];
-    let mut got = all_to_all_v(comm, parts, &lens)?.into_iter();
-    let mut sum = got.next().ok_or_else(|| crate::Error::InvalidArgument("reduce_scatter_v: no ranks".into()))?;
-    for g in got {
-        add(&mut sum, &g)?;
-    }
-    Ok(sum)
+    comm.reduce_scatter_v(parts, &add)
 }
 
 /// Adds f32 host buffers element-wise (the `add` of [`reduce_scatter_v`] and

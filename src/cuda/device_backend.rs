@@ -84,6 +84,24 @@ impl DeviceBackend {
             return Err(f32_unsupported());
         }
         let stream = guard("creating a compute stream", || device.context().new_stream())?;
+        DeviceBackend::on_stream(device, stream, dtype)
+    }
+
+    /// A backend that runs every kernel and data movement on the caller's `stream` (a
+    /// training framework's, for example), so its work is ordered with the caller's without
+    /// extra synchronisation. The stream must belong to `device`'s context.
+    ///
+    /// # Errors
+    /// As [`DeviceBackend::new`]; [`Error::InvalidArgument`] for a stream of another context.
+    pub fn on_stream(device: Arc<CudaDevice>, stream: Arc<CudaStream>, dtype: DType) -> Result<DeviceBackend> {
+        if dtype == DType::F32 {
+            return Err(f32_unsupported());
+        }
+        if !Arc::ptr_eq(stream.context(), device.context()) {
+            return Err(Error::InvalidArgument(
+                "DeviceBackend::on_stream: the stream belongs to another CUDA context than the device's".into(),
+            ));
+        }
         Ok(DeviceBackend {
             device,
             stream,

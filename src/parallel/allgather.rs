@@ -4,12 +4,14 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::{concat_positions, Driver, LocalData, ParallelPlan, Stats};
+use super::{concat_positions, Driver, LocalData, ParallelPlan, Rules, Stats};
 use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
 
 /// All-gather K/V, attend locally, reduce-scatter dK/dV.
 pub(super) struct AllGather;
+
+impl Rules for AllGather {}
 
 impl Driver for AllGather {
     fn forward<Be: Backend>(

@@ -41,12 +41,13 @@
 //! # Ok::<(), ringattn::Error>(())
 //! ```
 
-/// The strategy registry: each line declares a [`Strategy`] variant, its one name and the
-/// driver in its own file. From it come the enum, [`Strategy::ALL`], [`Strategy::name`] and
-/// `with_driver!`, the one dispatch (`with_driver!(strategy, D => D::forward(..))`). A new
-/// strategy is its file with a `Driver` and one line here.
+/// The strategy registry: each line declares a [`Strategy`] variant, its one name, its rules
+/// (constraints, Ulysses degree, positions) and its driver (forward, backward), both in the
+/// strategy's own file. From it come the enum, [`Strategy::ALL`], [`Strategy::name`],
+/// `with_rules!` and `with_driver!`, the one dispatch (`with_driver!(strategy, D =>
+/// D::forward(..))`). A new strategy is its file and one line here.
 macro_rules! strategies {
-    ($d:tt $( $(#[$attr:meta])* $variant:ident = $name:literal => $driver:ty ),* $(,)?) => {
+    ($d:tt $( $(#[$attr:meta])* $variant:ident = $name:literal => $rules:ty, $driver:ty ),* $(,)?) => {
         /// How the sequence is spread over ranks. The default is the ring (on one rank it is
         /// plain attention).
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -77,6 +78,18 @@ macro_rules! strategies {
             }
         }
 
+        /// Runs `$body` with `$t` the rules type of strategy `$s`.
+        macro_rules! with_rules {
+            ($d s:expr, $d t:ident => $d body:expr) => {
+                match $d s {
+                    $( Strategy::$variant => {
+                        type $d t = $rules;
+                        $d body
+                    } )*
+                }
+            };
+        }
+
         /// Runs `$body` with `$t` the driver type of strategy `$s`.
         macro_rules! with_driver {
             ($d s:expr, $d t:ident => $d body:expr) => {
@@ -93,16 +106,16 @@ macro_rules! strategies {
 
 strategies! { $
     /// One rank, no sequence parallelism.
-    Single = "single" => crate::parallel::ring::Single,
+    Single = "single" => crate::parallel::ring::Single, crate::parallel::ring::Ring,
     /// Ring attention.
     #[default]
-    Ring = "ring" => crate::parallel::ring::Ring,
+    Ring = "ring" => crate::parallel::ring::Ring, crate::parallel::ring::Ring,
     /// All-gather K/V, local attention, reduce-scatter dK/dV.
-    AllGather = "allgather" => crate::parallel::allgather::AllGather,
+    AllGather = "allgather" => crate::parallel::allgather::AllGather, crate::parallel::allgather::AllGather,
     /// Ulysses all-to-all.
-    Ulysses = "ulysses" => crate::parallel::ulysses::Ulysses,
+    Ulysses = "ulysses" => crate::parallel::ulysses::Ulysses, crate::parallel::ulysses::Ulysses,
     /// Ulysses within groups, ring across groups.
-    Usp = "usp" => crate::parallel::ulysses::Usp,
+    Usp = "usp" => crate::parallel::ulysses::Usp, crate::parallel::ulysses::Ulysses,
 }
 
 mod allgather;
@@ -226,7 +239,7 @@ impl ParallelParams {
         if world == 0 {
             return Err(Error::Parallel("the world size must be at least 1".into()));
         }
-        with_driver!(self.strategy, D => D::validate(self, world, h_q))
+        with_rules!(self.strategy, R => R::validate(self, world, h_q))
     }
 }
 
@@ -557,10 +570,9 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     }
 }
 
-/// A strategy's forward and backward over a plan, written once in the strategy's own file
-/// (`ring.rs`, `allgather.rs`, `ulysses.rs`) against the [`Backend`] and [`Communicator`]
-/// seams. Outputs are in the input dtype, the LSE in f32.
-trait Driver {
+/// What a strategy requires and how it places tokens, in the strategy's own file; the
+/// defaults fit a strategy with no Ulysses groups over the layout's positions.
+trait Rules {
     /// Whether the plan splits the communicator into the Ulysses mesh for it.
     const USES_MESH: bool = false;
 
@@ -584,7 +596,12 @@ trait Driver {
     fn positions(params: &ParallelParams, world: usize, rank: usize, _ulysses: usize) -> Positions {
         params.layout().positions(params.seq_len, world, rank)
     }
+}
 
+/// A strategy's forward and backward over a plan, written once in the strategy's own file
+/// (`ring.rs`, `allgather.rs`, `ulysses.rs`) against the [`Backend`] and [`Communicator`]
+/// seams. Outputs are in the input dtype, the LSE in f32.
+trait Driver {
     /// This rank's `(o, lse)`.
     fn forward<Be: Backend>(
         plan: &ParallelPlan<'_, Be>,

@@ -10,7 +10,7 @@
 use std::sync::Mutex;
 
 use super::ulysses::Mesh;
-use super::{Driver, Stats, Strategy};
+use super::{Rules, Stats, Strategy};
 use crate::comm::{all_gather, Communicator};
 use crate::parallel::{Backend, ParallelParams};
 use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Tensor};
@@ -56,12 +56,11 @@ impl ParallelParams {
             }
         };
         p.layout = Some(self.layout());
-        let ulysses = with_driver!(p.strategy, D => D::ulysses_degree(&p, world, h_q))?;
+        let ulysses = with_rules!(p.strategy, R => R::ulysses_degree(&p, world, h_q))?;
         if p.strategy == Strategy::Usp {
             p.ulysses_degree = Some(ulysses);
         }
-        let positions =
-            (0..world).map(|r| with_driver!(p.strategy, D => D::positions(&p, world, r, ulysses))).collect();
+        let positions = (0..world).map(|r| with_rules!(p.strategy, R => R::positions(&p, world, r, ulysses))).collect();
         Ok(ResolvedParams { params: p, world, ulysses, positions })
     }
 }
@@ -322,7 +321,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
                 )));
             }
         }
-        let uses_mesh = with_driver!(resolved.params().strategy, D => D::USES_MESH);
+        let uses_mesh = with_rules!(resolved.params().strategy, R => R::USES_MESH);
         let mesh = if uses_mesh { Some(Mesh::new(comm, &resolved, dims)?) } else { None };
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::{Driver, LocalData, ParallelParams, ParallelPlan, Stats};
+use super::{Driver, LocalData, ParallelParams, ParallelPlan, Rules, Stats};
 use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
 use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
@@ -23,33 +23,16 @@ pub(super) struct Ring;
 /// One rank, no sequence parallelism: the ring on a world of one.
 pub(super) struct Single;
 
-impl Driver for Single {
+impl Rules for Single {
     fn validate(_params: &ParallelParams, world: usize, _h_q: usize) -> Result<()> {
         if world != 1 {
             return Err(Error::Parallel(format!("strategy single runs on one rank, not {world}")));
         }
         Ok(())
     }
-
-    fn forward<Be: Backend>(
-        plan: &ParallelPlan<'_, Be>,
-        x: &LocalData<Be::Buf>,
-        stats: &mut Stats,
-    ) -> Result<(Be::Buf, Be::Buf)> {
-        Ring::forward(plan, x, stats)
-    }
-
-    fn backward<Be: Backend>(
-        plan: &ParallelPlan<'_, Be>,
-        x: &LocalData<Be::Buf>,
-        o: &Be::Buf,
-        lse: &Be::Buf,
-        d_o: &Be::Buf,
-        stats: &mut Stats,
-    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        Ring::backward(plan, x, o, lse, d_o, stats)
-    }
 }
+
+impl Rules for Ring {}
 
 impl Driver for Ring {
     fn forward<Be: Backend>(

@@ -9,19 +9,19 @@ use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 use super::backend::Backend;
 use super::seq::Shape;
-use super::{concat_positions, ring, Driver, LocalData, ParallelParams, ParallelPlan, ResolvedParams, Stats};
+use super::{concat_positions, ring, Driver, LocalData, ParallelParams, ParallelPlan, ResolvedParams, Rules, Stats};
 
 /// Ulysses (`u = P`) and USP (`u < P`): the sequence → heads all-to-all inside each Ulysses
 /// group of `u` consecutive ranks, the ring across the groups (one hop for Ulysses), and
 /// back.
 pub(super) struct Ulysses;
 
-/// USP: Ulysses inside groups of `u` consecutive ranks, the ring across the `P/u` groups.
-/// The layout applies to the groups; each group's tokens are split contiguously among its
-/// Ulysses ranks.
+/// USP's rules (its driver is [`Ulysses`]'s): Ulysses inside groups of `u` consecutive
+/// ranks, the ring across the `P/u` groups; the layout applies to the groups, and each
+/// group's tokens are split contiguously among its Ulysses ranks.
 pub(super) struct Usp;
 
-impl Driver for Usp {
+impl Rules for Usp {
     const USES_MESH: bool = true;
 
     fn validate(params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
@@ -53,25 +53,6 @@ impl Driver for Usp {
         let segs = mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect();
         Positions::from_segments(segs).expect("unit segments")
     }
-
-    fn forward<Be: Backend>(
-        plan: &ParallelPlan<'_, Be>,
-        x: &LocalData<Be::Buf>,
-        stats: &mut Stats,
-    ) -> Result<(Be::Buf, Be::Buf)> {
-        Ulysses::forward(plan, x, stats)
-    }
-
-    fn backward<Be: Backend>(
-        plan: &ParallelPlan<'_, Be>,
-        x: &LocalData<Be::Buf>,
-        o: &Be::Buf,
-        lse: &Be::Buf,
-        d_o: &Be::Buf,
-        stats: &mut Stats,
-    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        Ulysses::backward(plan, x, o, lse, d_o, stats)
-    }
 }
 
 /// The plan's mesh (made by [`ParallelPlan::new`] for `Ulysses` and `Usp`).
@@ -79,7 +60,7 @@ fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::
     plan.mesh.as_ref().ok_or_else(|| Error::Parallel("internal: a Ulysses plan without its mesh".into()))
 }
 
-impl Driver for Ulysses {
+impl Rules for Ulysses {
     const USES_MESH: bool = true;
 
     fn validate(_params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
@@ -94,7 +75,9 @@ impl Driver for Ulysses {
     fn ulysses_degree(_params: &ParallelParams, world: usize, _h_q: usize) -> Result<usize> {
         Ok(world)
     }
+}
 
+impl Driver for Ulysses {
     fn forward<Be: Backend>(
         plan: &ParallelPlan<'_, Be>,
         x: &LocalData<Be::Buf>,
