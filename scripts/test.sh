@@ -93,6 +93,12 @@ cargo test --all-targets
 cargo test --doc
 done_stage test
 
+stage "feature candle: lints, the candle operation against the oracle, its doc tests"
+cargo clippy --features candle --lib --tests -- -D warnings
+cargo test --features candle --test candle
+cargo test --features candle --doc candle
+done_stage candle
+
 stage "features cuda + mpi: lints; clean failure without a GPU; 4-rank mpirun jobs (every strategy, killed and silent ranks)"
 cargo clippy --all-targets --features cuda,mpi -- -D warnings
 cargo test --features cuda,mpi --lib cuda

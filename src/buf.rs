@@ -221,14 +221,18 @@ impl HostBuf {
     /// [`Error::DataLength`] when the shape does not hold the buffer's length;
     /// [`Error::InvalidArgument`] for bytes.
     pub fn into_tensor(self, shape: Vec<usize>) -> Result<Tensor> {
-        let data = Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone());
-        let data = match data {
+        let data = match self.into_data() {
             HostData::F32(v) => TensorData::F32(v),
             HostData::BF16(v) => TensorData::BF16(v),
             HostData::F16(v) => TensorData::F16(v),
             HostData::U8(_) => return Err(Error::InvalidArgument("a byte buffer is not a tensor".into())),
         };
         Tensor::new(shape, data)
+    }
+
+    /// The storage, taken (no copy when the buffer is not shared).
+    pub fn into_data(self) -> HostData {
+        Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone())
     }
 
     /// The storage.

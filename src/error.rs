@@ -166,6 +166,17 @@ pub enum Error {
     /// Any other invalid argument, with a message naming it.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// An error of candle (feature `candle`), as text.
+    #[cfg(feature = "candle")]
+    #[error("candle: {0}")]
+    Candle(String),
+}
+
+#[cfg(feature = "candle")]
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e.to_string())
+    }
 }
 
 /// Result with the crate's [`Error`].

@@ -52,6 +52,8 @@
 #![warn(missing_docs)]
 
 mod buf;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]

@@ -396,6 +396,29 @@ pub fn spmd<B: Payload, T: Send>(
     run_each(&LocalComm::<B>::group(world, options), options.threads_per_rank, f)
 }
 
+/// [`spmd`] with each rank's communicator handed over as an owned `Arc` (what a `'static`
+/// operation of a training framework can keep, e.g. through
+/// [`crate::parallel::ParallelPlan::new_shared`]): one thread per rank; a rank that errors or
+/// panics aborts the group, so the others fail promptly instead of waiting.
+///
+/// ```
+/// use std::sync::Arc;
+/// use ringattn::comm::{spmd_shared, Communicator, LocalOptions};
+/// let sizes = spmd_shared(3, LocalOptions::default(), |comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>| {
+///     let kept = comm.clone(); // e.g. moved into an operation that outlives this call
+///     Ok(kept.size())
+/// });
+/// assert!(sizes.into_iter().all(|s| s.ok() == Some(3)));
+/// ```
+pub fn spmd_shared<T: Send>(
+    world: usize,
+    options: LocalOptions,
+    f: impl Fn(Arc<dyn Communicator<Buf = HostBuf>>) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let comms: Vec<Arc<LocalComm<HostBuf>>> = LocalComm::group(world, options).into_iter().map(Arc::new).collect();
+    run_each(&comms, options.threads_per_rank, |c| f(c.clone()))
+}
+
 /// The SPMD core of [`spmd`] over any communicators of one group, one thread each (in a
 /// rayon pool of `threads_per_rank` threads when given): a rank that errors or panics
 /// aborts the group (handshake errors excepted: every rank finds them).

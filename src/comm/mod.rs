@@ -23,7 +23,7 @@ use std::time::Duration;
 
 #[cfg(feature = "cuda")]
 pub(crate) use local::run_each;
-pub use local::{spmd, LinkModel, LocalComm, LocalOptions, MessageOrder};
+pub use local::{spmd, spmd_shared, LinkModel, LocalComm, LocalOptions, MessageOrder};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};
 
@@ -313,6 +313,61 @@ pub trait Communicator: Send + Sync {
     /// ```
     fn broadcast(&self, data: Self::Buf, root: usize) -> Result<Self::Buf> {
         broadcast_p2p(self, data, root)
+    }
+}
+
+/// A shared communicator is a communicator: what an owner of an `Arc` (a training
+/// framework's `'static` operation, a rank thread of [`spmd_shared`]) passes where one is
+/// expected. Every method, overridden collectives included, is the inner one's.
+impl<C: Communicator + ?Sized> Communicator for std::sync::Arc<C> {
+    type Buf = C::Buf;
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn deadline(&self) -> Duration {
+        (**self).deadline()
+    }
+    fn isend(&self, to: usize, tag: Tag, data: Self::Buf) -> Result<SendHandle> {
+        (**self).isend(to, tag, data)
+    }
+    fn irecv(&self, from: usize, tag: Tag, len: usize, elem: Elem) -> Result<RecvHandle<Self::Buf>> {
+        (**self).irecv(from, tag, len, elem)
+    }
+    fn abort(&self, reason: &str) {
+        (**self).abort(reason)
+    }
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Self::Buf>>> {
+        (**self).split(color, key)
+    }
+    fn next_collective_tag(&self) -> Tag {
+        (**self).next_collective_tag()
+    }
+    fn bytes_sent(&self) -> u64 {
+        (**self).bytes_sent()
+    }
+    fn flush(&self) -> Result<()> {
+        (**self).flush()
+    }
+    fn post(&self, recvs: Vec<RecvOp>, sends: Vec<SendOp<Self::Buf>>) -> Result<Posted<Self::Buf>> {
+        (**self).post(recvs, sends)
+    }
+    fn all_to_all_v(&self, sends: Vec<Self::Buf>, recv_lens: &[usize]) -> Result<Vec<Self::Buf>> {
+        (**self).all_to_all_v(sends, recv_lens)
+    }
+    fn all_gather_v(&self, data: Self::Buf, lens: &[usize]) -> Result<Vec<Self::Buf>> {
+        (**self).all_gather_v(data, lens)
+    }
+    fn reduce_scatter_v(&self, parts: Vec<Self::Buf>, add: &AddFn<'_, Self::Buf>) -> Result<Self::Buf> {
+        (**self).reduce_scatter_v(parts, add)
+    }
+    fn all_reduce(&self, data: Self::Buf, add: &AddFn<'_, Self::Buf>) -> Result<Self::Buf> {
+        (**self).all_reduce(data, add)
+    }
+    fn broadcast(&self, data: Self::Buf, root: usize) -> Result<Self::Buf> {
+        (**self).broadcast(data, root)
     }
 }
 

@@ -19,8 +19,8 @@ impl Driver for AllGather {
         x: &LocalData<Be::Buf>,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let (be, p) = (plan.backend, plan.resolved.params());
-        let (o, lse) = forward(plan.comm, be, x, plan.resolved.all_positions(), &p.attention, stats)?;
+        let (be, p) = (&*plan.backend, plan.resolved.params());
+        let (o, lse) = forward(&*plan.comm, be, x, plan.resolved.all_positions(), &p.attention, stats)?;
         Ok((be.convert(&o, plan.dtype)?, lse))
     }
 
@@ -32,8 +32,9 @@ impl Driver for AllGather {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        let (be, p, dtype) = (plan.backend, plan.resolved.params(), plan.dtype);
-        let (dq, dk, dv) = backward(plan.comm, be, x, plan.resolved.all_positions(), &p.attention, o, lse, d_o, stats)?;
+        let (be, p, dtype) = (&*plan.backend, plan.resolved.params(), plan.dtype);
+        let (dq, dk, dv) =
+            backward(&*plan.comm, be, x, plan.resolved.all_positions(), &p.attention, o, lse, d_o, stats)?;
         Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
     }
 }

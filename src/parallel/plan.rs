@@ -7,7 +7,8 @@
 //! Positions, sharding and reassembly come only from a [`ResolvedParams`], so a rank cannot
 //! shard its tokens by one Ulysses degree while the drivers compute with another.
 
-use std::sync::Mutex;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
 
 use super::ulysses::Mesh;
 use super::{Rules, Stats, Strategy};
@@ -225,8 +226,8 @@ impl Record {
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub struct ParallelPlan<'c, Be: Backend> {
-    pub(super) comm: &'c dyn Communicator<Buf = Be::Buf>,
-    pub(super) backend: &'c Be,
+    pub(super) comm: Held<'c, dyn Communicator<Buf = Be::Buf> + 'c>,
+    pub(super) backend: Held<'c, Be>,
     pub(super) resolved: ResolvedParams,
     pub(super) dims: Dims,
     pub(super) dtype: DType,
@@ -237,6 +238,24 @@ pub struct ParallelPlan<'c, Be: Backend> {
     pub(super) last: Mutex<Stats>,
 }
 
+/// What a plan runs on: borrowed for the plan's lifetime ([`ParallelPlan::new`]), or shared
+/// through an `Arc` ([`ParallelPlan::new_shared`]: a `'static` plan a training framework's
+/// operation can own).
+pub(super) enum Held<'c, T: ?Sized> {
+    Borrowed(&'c T),
+    Shared(Arc<T>),
+}
+
+impl<T: ?Sized> Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            Held::Borrowed(t) => t,
+            Held::Shared(t) => t,
+        }
+    }
+}
+
 impl<Be: Backend> std::fmt::Debug for ParallelPlan<'_, Be> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ParallelPlan")
@@ -245,6 +264,24 @@ impl<Be: Backend> std::fmt::Debug for ParallelPlan<'_, Be> {
             .field("dims", &self.dims)
             .field("dtype", &self.dtype)
             .finish()
+    }
+}
+
+impl<Be: Backend> ParallelPlan<'static, Be> {
+    /// [`ParallelPlan::new`] on a communicator and backend the plan shares ownership of: a
+    /// `'static` plan that an operation of a training framework (which must be `'static`)
+    /// can hold, e.g. in an `Arc`. Collective, as `new`.
+    ///
+    /// # Errors
+    /// As [`ParallelPlan::new`].
+    pub fn new_shared(
+        comm: Arc<dyn Communicator<Buf = Be::Buf>>,
+        backend: Arc<Be>,
+        params: &ParallelParams,
+        dims: &Dims,
+        dtype: DType,
+    ) -> Result<Self> {
+        Self::build(Held::Shared(comm), Held::Shared(backend), params, dims, dtype)
     }
 }
 
@@ -264,6 +301,16 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     pub fn new(
         comm: &'c dyn Communicator<Buf = Be::Buf>,
         backend: &'c Be,
+        params: &ParallelParams,
+        dims: &Dims,
+        dtype: DType,
+    ) -> Result<Self> {
+        Self::build(Held::Borrowed(comm), Held::Borrowed(backend), params, dims, dtype)
+    }
+
+    fn build(
+        comm: Held<'c, dyn Communicator<Buf = Be::Buf> + 'c>,
+        backend: Held<'c, Be>,
         params: &ParallelParams,
         dims: &Dims,
         dtype: DType,
@@ -291,7 +338,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             },
             Err(e) => Record { ok: false, s_q: 0, s_k: 0, hash: 0, text: e.to_string() },
         };
-        let gathered = all_gather(comm, backend.upload(&HostBuf::bytes(mine.encode()))?)?;
+        let gathered = all_gather(&*comm, backend.upload(&HostBuf::bytes(mine.encode()))?)?;
         let mut records = Vec::with_capacity(world);
         for buf in &gathered {
             records.push(Record::decode(&backend.download(buf)?.to_control_bytes())?);
@@ -322,7 +369,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             }
         }
         let uses_mesh = with_rules!(resolved.params().strategy, R => R::USES_MESH);
-        let mesh = if uses_mesh { Some(Mesh::new(comm, &resolved, dims)?) } else { None };
+        let mesh = if uses_mesh { Some(Mesh::new(&*comm, &resolved, dims)?) } else { None };
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
         Ok(ParallelPlan { comm, backend, resolved, dims: *dims, dtype, mesh, hops, last: Mutex::new(Stats::default()) })
@@ -344,13 +391,13 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     }
 
     /// The communicator the plan runs on.
-    pub fn comm(&self) -> &'c dyn Communicator<Buf = Be::Buf> {
-        self.comm
+    pub fn comm(&self) -> &dyn Communicator<Buf = Be::Buf> {
+        &*self.comm
     }
 
     /// The backend the plan computes on.
-    pub fn backend(&self) -> &'c Be {
-        self.backend
+    pub fn backend(&self) -> &Be {
+        &self.backend
     }
 
     /// The dtype of the inputs and outputs.

@@ -83,7 +83,7 @@ impl Driver for Ulysses {
         x: &LocalData<Be::Buf>,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let (be, ap) = (plan.backend, &plan.resolved.params().attention);
+        let (be, ap) = (&*plan.backend, &plan.resolved.params().attention);
         let m = mesh(plan)?;
         let g = m.group.as_ref();
         let a2a = Instant::now();
@@ -109,7 +109,7 @@ impl Driver for Ulysses {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        let (be, ap, dtype) = (plan.backend, &plan.resolved.params().attention, plan.dtype);
+        let (be, ap, dtype) = (&*plan.backend, &plan.resolved.params().attention, plan.dtype);
         let m = mesh(plan)?;
         let g = m.group.as_ref();
         let (qs, ks, qh, kh, c) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads, &m.counts);
