@@ -94,9 +94,25 @@ cargo test --doc
 done_stage test
 
 stage "feature candle: lints, the candle operation against the oracle, its doc tests"
-cargo clippy --features candle --lib --tests -- -D warnings
+cargo clippy --features candle,mpi --lib --tests --examples -- -D warnings
 cargo test --features candle --test candle
 cargo test --features candle --doc candle
+# The training example against one rank with plain candle attention (short runs; the README
+# has the 60-step ones): f32 ring and Ulysses on 4 threads, bf16 on the emulated kernels,
+# and 4 MPI processes.
+cargo build --features candle,mpi --example train_lm
+for st in ring ulysses; do
+  target/debug/examples/train_lm --world 4 --strategy "$st" --steps 10 --seq 256 --compare-single \
+    --json "target/train_lm-$st.json" >/dev/null
+  python3 scripts/check_train_lm.py "target/train_lm-$st.json"
+done
+target/debug/examples/train_lm --world 4 --strategy ring --steps 2 --seq 128 --backend emu --dtype bf16 \
+  --compare-single --json target/train_lm-emu.json >/dev/null
+python3 scripts/check_train_lm.py target/train_lm-emu.json
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+  mpirun -n 4 target/debug/examples/train_lm --comm mpi --strategy usp --steps 5 --seq 128 --compare-single \
+  --json target/train_lm-mpi.json >/dev/null
+python3 scripts/check_train_lm.py target/train_lm-mpi.json
 done_stage candle
 
 stage "features cuda + mpi: lints; clean failure without a GPU; 4-rank mpirun jobs (every strategy, killed and silent ranks)"

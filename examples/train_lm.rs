@@ -1,0 +1,361 @@
+//! A tiny causal language model trained with candle, its attention replaced by ringattn's
+//! sequence-parallel attention over `--world` ranks (threads here, or the processes of an MPI
+//! job with `--comm mpi`). Two layers, d_model 64, GQA 4 query / 2 kv heads of 16, learned
+//! positions looked up at each rank's global positions, AdamW. The task is synthetic and
+//! learnable: each sequence uses its own four symbols of the vocabulary, and the next token
+//! is predicted from those seen so far. With `--compare-single` the same model (same
+//! initial values, same batches) is also trained on one rank with plain candle attention, and
+//! the JSON reports both loss curves, their largest difference, the step-1 gradient's relative
+//! error and whether the ranks' replicas stayed bit-identical.
+//!
+//! ```text
+//! cargo run --release --features candle --example train_lm -- --world 4 --strategy ring \
+//!     --steps 60 --seq 512 --compare-single --json out.json
+//! mpirun -n 4 target/release/examples/train_lm --comm mpi --strategy ulysses --steps 20
+//! ```
+
+use std::sync::Arc;
+
+use candle_core::{DType as CDType, Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::Parser;
+use ringattn::comm::{Communicator, LocalOptions};
+use ringattn::parallel::{Backend, CpuBackend, ParallelParams, ParallelPlan, ResolvedParams, Strategy};
+use ringattn::{candle as rc, AttentionParams, DType, Dims, HostBuf, Layout, Mask};
+
+const VOCAB: usize = 32;
+const MODEL: usize = 64;
+const HEADS_Q: usize = 4;
+const HEADS_KV: usize = 2;
+const HEAD_DIM: usize = 16;
+const LAYERS: usize = 2;
+/// The task: each sequence draws its tokens from its own few symbols of the vocabulary, and
+/// the model predicts the next token — learnable only by attending to the tokens seen so far
+/// (which symbols this sequence uses): the loss can fall from ln 32 to about ln SYMBOLS.
+const SYMBOLS: usize = 4;
+
+/// Train a tiny causal LM with ringattn's attention over several ranks.
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Ranks the sequence is split over (with --comm mpi: the job's size).
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// ring, allgather, ulysses or usp.
+    #[arg(long, default_value = "ring")]
+    strategy: Strategy,
+    /// contiguous, zigzag or striped [default: zigzag, the mask is causal].
+    #[arg(long)]
+    layout: Option<String>,
+    /// Optimiser steps.
+    #[arg(long, default_value_t = 60)]
+    steps: usize,
+    /// Tokens per sequence (the whole sequence, split over the ranks).
+    #[arg(long, default_value_t = 512)]
+    seq: usize,
+    /// cpu, or emu (the CUDA kernels under the host emulator: bf16, slow).
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// local (ranks as threads) or mpi (the processes of an MPI job; a build with --features mpi).
+    #[arg(long, default_value = "local")]
+    comm: String,
+    /// Attention dtype: f32 or bf16 (parameters stay f32).
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Seed of the initial values and the data.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Also train the same model with plain attention on one rank and compare.
+    #[arg(long)]
+    compare_single: bool,
+    /// Write the losses and the comparison as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+fn fail(e: impl std::fmt::Display) -> ringattn::Error {
+    ringattn::Error::InvalidArgument(e.to_string())
+}
+
+/// Deterministic initial values of every parameter (the same on every rank and in the
+/// single-rank run), in a fixed order.
+fn parameters(seed: u64, seq: usize) -> candle_core::Result<Vec<Var>> {
+    let mut shapes: Vec<Vec<usize>> = vec![vec![VOCAB, MODEL], vec![seq, MODEL]];
+    for _ in 0..LAYERS {
+        shapes.extend([
+            vec![MODEL, HEADS_Q * HEAD_DIM],
+            vec![MODEL, HEADS_KV * HEAD_DIM],
+            vec![MODEL, HEADS_KV * HEAD_DIM],
+            vec![HEADS_Q * HEAD_DIM, MODEL],
+            vec![MODEL, 2 * MODEL],
+            vec![2 * MODEL, MODEL],
+        ]);
+    }
+    shapes.push(vec![MODEL, VOCAB]);
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, sh)| {
+            let t = ringattn::random::randn(sh.clone(), seed * 1000 + i as u64, DType::F32);
+            let scale = 1.0 / (sh[0] as f64).sqrt();
+            Var::from_tensor(&(Tensor::from_vec(t.to_f32_vec(), sh.as_slice(), &Device::Cpu)? * scale)?)
+        })
+        .collect()
+}
+
+/// One step's batch: tokens `[1, seq]` drawn from the step's SYMBOLS symbols, and their
+/// targets (the next token; the last position's is the first token).
+fn batch(seed: u64, step: usize, seq: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let draw = |n: usize, salt: u64| -> Vec<usize> {
+        let x =
+            ringattn::random::randn(vec![n], seed.wrapping_mul(31) ^ ((step as u64 + 1) * 0x9e37) ^ salt, DType::F32);
+        x.to_f32_vec().iter().map(|v| (v.abs() * 1000.0) as usize).collect()
+    };
+    let symbols: Vec<u32> = draw(SYMBOLS, 1).iter().map(|&x| (x % VOCAB) as u32).collect();
+    let tokens: Vec<u32> = draw(seq, 2).iter().map(|&x| symbols[x % SYMBOLS]).collect();
+    let targets: Vec<u32> = (0..seq).map(|t| tokens[(t + 1) % seq]).collect();
+    Ok((Tensor::from_vec(tokens, (1, seq), &Device::Cpu)?, Tensor::from_vec(targets, (1, seq), &Device::Cpu)?))
+}
+
+/// `x / rms(x)` over the last axis (differentiable).
+fn rms_norm(x: &Tensor) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + 1e-6)?.sqrt()?)
+}
+
+/// Plain causal attention with GQA, for the single-rank reference: `[1, s, h, d]`.
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, s, h, d) = q.dims4()?;
+    let g = h / k.dim(2)?;
+    let rep = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let (b, s, hk, d) = t.dims4()?;
+        t.unsqueeze(3)?.expand((b, s, hk, g, d))?.reshape((b, s, hk * g, d))?.transpose(1, 2)?.contiguous()
+    };
+    let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, rep(k)?, rep(v)?);
+    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { -1e30 } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (s, s), &Device::Cpu)?;
+    let p = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+    p.matmul(&v)?.transpose(1, 2)?.reshape((b, s, h, d))
+}
+
+/// The model's loss contribution of one rank's tokens: Σ −log p(target) / `total` tokens.
+/// `attend` is the attention (ring or plain); `pos` the global positions of the tokens.
+fn loss(
+    p: &[Var],
+    tokens: &Tensor,
+    targets: &Tensor,
+    pos: &Tensor,
+    total: usize,
+    attend: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let n = tokens.dim(1)?;
+    let emb = p[0].as_tensor().embedding(&tokens.flatten_all()?)?;
+    let mut x = (emb + p[1].as_tensor().embedding(pos)?)?.reshape((1, n, MODEL))?;
+    for l in 0..LAYERS {
+        let w = &p[2 + 6 * l..8 + 6 * l];
+        let h = rms_norm(&x)?;
+        let q = h.broadcast_matmul(w[0].as_tensor())?.reshape((1, n, HEADS_Q, HEAD_DIM))?;
+        let k = h.broadcast_matmul(w[1].as_tensor())?.reshape((1, n, HEADS_KV, HEAD_DIM))?;
+        let v = h.broadcast_matmul(w[2].as_tensor())?.reshape((1, n, HEADS_KV, HEAD_DIM))?;
+        let o = attend(&q, &k, &v)?.reshape((1, n, HEADS_Q * HEAD_DIM))?;
+        x = (x + o.broadcast_matmul(w[3].as_tensor())?)?;
+        let h = rms_norm(&x)?;
+        x = (x + h.broadcast_matmul(w[4].as_tensor())?.gelu()?.broadcast_matmul(w[5].as_tensor())?)?;
+    }
+    let logits = rms_norm(&x)?.broadcast_matmul(p[p.len() - 1].as_tensor())?.reshape((n, VOCAB))?;
+    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let picked = logp.gather(&targets.reshape((n, 1))?, 1)?;
+    picked.sum_all()? * (-1.0 / total as f64)
+}
+
+/// All gradients of `vars` flattened in order (f32).
+fn flat_grads(vars: &[Var], grads: &candle_core::backprop::GradStore) -> candle_core::Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for v in vars {
+        match grads.get(v.as_tensor()) {
+            Some(g) => out.extend(g.flatten_all()?.to_vec1::<f32>()?),
+            None => out.extend(std::iter::repeat_n(0.0, v.elem_count())),
+        }
+    }
+    Ok(out)
+}
+
+fn adamw(vars: &[Var], lr: f64) -> candle_core::Result<AdamW> {
+    AdamW::new(vars.to_vec(), ParamsAdamW { lr, weight_decay: 0.0, ..Default::default() })
+}
+
+/// The single-rank run with plain attention: losses and the step-1 gradients.
+fn train_single(a: &Args) -> candle_core::Result<(Vec<f64>, Vec<f32>)> {
+    let vars = parameters(a.seed, a.seq)?;
+    let mut opt = adamw(&vars, a.lr)?;
+    let pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
+    let (mut losses, mut first) = (Vec::new(), Vec::new());
+    for step in 0..a.steps {
+        let (tokens, targets) = batch(a.seed, step, a.seq)?;
+        let l = loss(&vars, &tokens, &targets, &pos, a.seq, &plain_attention)?;
+        let grads = l.backward()?;
+        if step == 0 {
+            first = flat_grads(&vars, &grads)?;
+        }
+        opt.step(&grads)?;
+        losses.push(l.to_scalar::<f32>()? as f64);
+    }
+    Ok((losses, first))
+}
+
+/// What one rank of the parallel run reports.
+struct RankRun {
+    losses: Vec<f64>,
+    first_grads: Vec<f32>,
+    replicas_identical: bool,
+}
+
+/// One rank of the parallel run on `comm`, attention on `backend`.
+fn train_rank<Be: Backend<Buf = HostBuf> + Send + Sync + 'static>(
+    a: &Args,
+    comm: Arc<dyn Communicator<Buf = HostBuf>>,
+    backend: Be,
+    params: &ParallelParams,
+    resolved: &ResolvedParams,
+    progress: Option<&indicatif::ProgressBar>,
+) -> ringattn::Result<RankRun> {
+    let rank = comm.rank();
+    let n = resolved.positions(rank).len();
+    let dims = Dims { b: 1, s_q: n, s_k: n, h_q: HEADS_Q, h_kv: HEADS_KV, d: HEAD_DIM };
+    let plan = Arc::new(ParallelPlan::new_shared(comm.clone(), Arc::new(backend), params, &dims, a.dtype)?);
+    let cdt = match a.dtype {
+        DType::BF16 => CDType::BF16,
+        DType::F16 => CDType::F16,
+        _ => CDType::F32,
+    };
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
+        let o = rc::ring_attention(&plan, &q.to_dtype(cdt)?, &k.to_dtype(cdt)?, &v.to_dtype(cdt)?)?;
+        o.to_dtype(CDType::F32)
+    };
+    let vars = parameters(a.seed, a.seq)?;
+    let mut opt = adamw(&vars, a.lr)?;
+    let all_pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
+    let pos = rc::shard(resolved, &all_pos, 0, rank)?;
+    let (mut losses, mut first_grads) = (Vec::new(), Vec::new());
+    for step in 0..a.steps {
+        let (tokens, targets) = batch(a.seed, step, a.seq)?;
+        let (tokens, targets) = (rc::shard(resolved, &tokens, 1, rank)?, rc::shard(resolved, &targets, 1, rank)?);
+        let l = loss(&vars, &tokens, &targets, &pos, a.seq, &attend)?;
+        let mut grads = l.backward()?;
+        rc::all_reduce_gradients(&*comm, &vars, &mut grads)?;
+        if step == 0 {
+            first_grads = flat_grads(&vars, &grads)?;
+        }
+        opt.step(&grads)?;
+        let total = comm.all_reduce(HostBuf::from(vec![l.to_scalar::<f32>()?]), &ringattn::comm::add_host)?;
+        let total = f64::from(total.f32s()?[0]);
+        losses.push(total);
+        if let Some(pb) = progress {
+            pb.set_message(format!("loss {total:.4}"));
+            pb.inc(1);
+        }
+    }
+    // Replicas: every rank's parameters hash alike.
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in &vars {
+        for x in v.flatten_all()?.to_vec1::<f32>()? {
+            h = (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let hashes = ringattn::comm::all_gather(&*comm, HostBuf::bytes(h.to_le_bytes().to_vec()))?;
+    let replicas_identical = hashes.iter().all(|x| x.to_control_bytes() == h.to_le_bytes());
+    Ok(RankRun { losses, first_grads, replicas_identical })
+}
+
+/// The parallel run on in-process ranks or on this MPI process; rank 0's report.
+fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) -> ringattn::Result<Option<RankRun>> {
+    let pb = indicatif::ProgressBar::new(a.steps as u64)
+        .with_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}").map_err(fail)?);
+    let run = |comm: Arc<dyn Communicator<Buf = HostBuf>>| -> ringattn::Result<RankRun> {
+        let bar = (comm.rank() == 0).then_some(&pb);
+        match a.backend.as_str() {
+            "cpu" => train_rank(a, comm, CpuBackend::default(), params, resolved, bar),
+            "emu" => {
+                let be = ringattn::emu::EmuBackend { dtype: a.dtype, ..Default::default() };
+                train_rank(a, comm, be, params, resolved, bar)
+            }
+            other => Err(fail(format!("--backend {other}: cpu or emu (CUDA tensors are not taken yet)"))),
+        }
+    };
+    let out = match a.comm.as_str() {
+        "local" => {
+            let results = ringattn::comm::spmd_shared(a.world, LocalOptions::default(), run);
+            let mut ranks = Vec::with_capacity(results.len());
+            for r in results {
+                ranks.push(r?);
+            }
+            Some(ranks.swap_remove(0))
+        }
+        #[cfg(feature = "mpi")]
+        "mpi" => {
+            let comm = ringattn::comm::MpiComm::init(ringattn::comm::MpiOptions::default())?;
+            let rank = comm.rank();
+            let r = run(Arc::new(comm))?;
+            (rank == 0).then_some(r)
+        }
+        other => return Err(fail(format!("--comm {other}: local, or mpi in a build with --features mpi"))),
+    };
+    pb.finish();
+    Ok(out)
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn main() -> ringattn::Result<()> {
+    let a = Args::parse();
+    let layout = a.layout.as_deref().map(str::parse::<Layout>).transpose()?;
+    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let params = ParallelParams { strategy: a.strategy, layout, attention, ..Default::default() };
+    let world = if a.comm == "mpi" {
+        std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(a.world)
+    } else {
+        a.world
+    };
+    let resolved = params.resolve(world, HEADS_Q, a.seq)?;
+    let single = if a.compare_single { Some(train_single(&a)?) } else { None };
+    let Some(run) = train_parallel(&a, &params, &resolved)? else { return Ok(()) };
+    let (first, last) = (run.losses[0], run.losses[run.losses.len() - 1]);
+    println!(
+        "train_lm: {} x{world} {:?} {} steps, seq {}: loss {first:.4} -> {last:.4}; replicas identical: {}",
+        a.strategy,
+        resolved.layout(),
+        a.steps,
+        a.seq,
+        run.replicas_identical
+    );
+    let mut json = serde_json::json!({
+        "strategy": a.strategy.to_string(),
+        "world": world,
+        "layout": format!("{:?}", resolved.layout()).to_lowercase(),
+        "dtype": a.dtype.to_string(),
+        "backend": a.backend,
+        "steps": a.steps,
+        "seq": a.seq,
+        "losses": run.losses,
+        "replicas_identical": run.replicas_identical,
+    });
+    if let Some((single_losses, single_grads)) = single {
+        let diff = run.losses.iter().zip(&single_losses).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        let grad_err = rel_err(&run.first_grads, &single_grads);
+        println!("against one rank with plain attention: max |loss diff| {diff:.3e}, step-1 gradient relative error {grad_err:.3e}");
+        json["single_losses"] = serde_json::json!(single_losses);
+        json["max_abs_loss_diff"] = serde_json::json!(diff);
+        json["step1_grad_rel_err"] = serde_json::json!(grad_err);
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json).map_err(fail)?).map_err(fail)?;
+    }
+    Ok(())
+}
