@@ -64,6 +64,7 @@ mod health;
 mod images;
 mod nccl;
 mod nccl_lib;
+mod nccl_sys;
 mod probe;
 
 pub use crate::runner::to_bits;

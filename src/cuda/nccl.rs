@@ -1,7 +1,7 @@
 //! [`NcclComm`]: a [`Communicator`] of [`DeviceBuf`]s over NCCL (one rank per GPU, any
 //! number of processes and nodes), through the functions of the NCCL that
 //! [`super::nccl_lib`] loaded (its real names: `libnccl.so.2` first) and cudarc's
-//! `nccl::sys` types. The unique id reaches the ranks through [`super::bootstrap`].
+//! C types (`nccl_sys.rs`). The unique id reaches the ranks through [`super::bootstrap`].
 //!
 //! Nothing here has run on a GPU with NCCL in this repository's CI (no GPU there): the
 //! library-free parts (loading NCCL from the PyPI wheel, environment parsing, the TCP id
@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
-use cudarc::nccl::sys;
+use super::nccl_sys as sys;
 
 use super::bootstrap::{broadcast_unique_id, exchange_unique_id, BootstrapEnv};
 use super::device_buf::DeviceBuf;

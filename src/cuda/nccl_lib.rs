@@ -4,7 +4,7 @@
 //! `libnccl.so.2`, the file that the PyPI wheels (`nvidia-nccl-cu12`, `nvidia-nccl-cu13`) and
 //! the distributions' `libnccl2` packages ship; so ringattn loads NCCL itself
 //! ([`libloading`], the same loader cudarc uses) and calls it through the function pointers of
-//! [`NcclLibrary`]. cudarc's `nccl::sys` still provides the C types.
+//! [`NcclLibrary`]. The C types are ringattn's own (`nccl_sys.rs`).
 //!
 //! Search order ([`nccl_candidates`]):
 //! 1. `$RINGATTN_NCCL`, else `$NCCL_LIBRARY`: a library file, or a folder holding
@@ -26,7 +26,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use cudarc::nccl::sys;
+use super::nccl_sys as sys;
 
 use crate::{Error, Result};
 
