@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
 use super::nccl_sys as sys;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
 
 use super::bootstrap::{broadcast_unique_id, exchange_unique_id, BootstrapEnv};
 use super::device_buf::DeviceBuf;
