@@ -2,8 +2,8 @@
 //! sequence-parallel attention over `--world` ranks (threads here, or the processes of an MPI
 //! job with `--comm mpi`). Two layers, d_model 64, GQA 4 query / 2 kv heads of 16, learned
 //! positions looked up at each rank's global positions, AdamW. The task is synthetic and
-//! learnable: each sequence uses its own four symbols of the vocabulary, and the next token
-//! is predicted from those seen so far. With `--compare-single` the same model (same
+//! learnable: next-token prediction on a fixed random chain in which each token has two
+//! possible successors. With `--compare-single` the same model (same
 //! initial values, same batches) is also trained on one rank with plain candle attention, and
 //! the JSON reports both loss curves, their largest difference, the step-1 gradient's relative
 //! error and whether the ranks' replicas stayed bit-identical.
@@ -23,16 +23,17 @@ use ringattn::comm::{Communicator, LocalOptions};
 use ringattn::parallel::{Backend, CpuBackend, ParallelParams, ParallelPlan, ResolvedParams, Strategy};
 use ringattn::{candle as rc, AttentionParams, DType, Dims, HostBuf, Layout, Mask};
 
+/// The command line's charts (line_chart: PNG and SVG, the font the crate carries).
+#[path = "../src/bin/ringattn/plot.rs"]
+#[allow(dead_code)]
+mod plot;
+
 const VOCAB: usize = 32;
 const MODEL: usize = 64;
 const HEADS_Q: usize = 4;
 const HEADS_KV: usize = 2;
 const HEAD_DIM: usize = 16;
 const LAYERS: usize = 2;
-/// The task: each sequence draws its tokens from its own few symbols of the vocabulary, and
-/// the model predicts the next token — learnable only by attending to the tokens seen so far
-/// (which symbols this sequence uses): the loss can fall from ln 32 to about ln SYMBOLS.
-const SYMBOLS: usize = 4;
 
 /// Train a tiny causal LM with ringattn's attention over several ranks.
 #[derive(Parser, Debug, Clone)]
@@ -73,6 +74,9 @@ struct Args {
     /// Write the losses and the comparison as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Draw the loss curve(s) to STEM.png and STEM.svg.
+    #[arg(long, value_name = "STEM")]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn fail(e: impl std::fmt::Display) -> ringattn::Error {
@@ -105,16 +109,23 @@ fn parameters(seed: u64, seq: usize) -> candle_core::Result<Vec<Var>> {
         .collect()
 }
 
-/// One step's batch: tokens `[1, seq]` drawn from the step's SYMBOLS symbols, and their
-/// targets (the next token; the last position's is the first token).
+/// One step's batch: tokens `[1, seq]` of a fixed random process, and their targets (the
+/// next token; the last position's is the first token). Each token is followed by one of its
+/// two successors (fixed for the run by `seed`), chosen at random: the loss can fall from
+/// about ln 32 towards ln 2.
 fn batch(seed: u64, step: usize, seq: usize) -> candle_core::Result<(Tensor, Tensor)> {
     let draw = |n: usize, salt: u64| -> Vec<usize> {
-        let x =
-            ringattn::random::randn(vec![n], seed.wrapping_mul(31) ^ ((step as u64 + 1) * 0x9e37) ^ salt, DType::F32);
+        let x = ringattn::random::randn(vec![n], seed.wrapping_mul(31) ^ salt, DType::F32);
         x.to_f32_vec().iter().map(|v| (v.abs() * 1000.0) as usize).collect()
     };
-    let symbols: Vec<u32> = draw(SYMBOLS, 1).iter().map(|&x| (x % VOCAB) as u32).collect();
-    let tokens: Vec<u32> = draw(seq, 2).iter().map(|&x| symbols[x % SYMBOLS]).collect();
+    let successors = draw(2 * VOCAB, 1);
+    let r = draw(seq + 1, (step as u64 + 2) * 0x9e37);
+    let mut tok = r[0] % VOCAB;
+    let mut tokens = Vec::with_capacity(seq);
+    for t in 0..seq {
+        tokens.push(tok as u32);
+        tok = successors[2 * tok + r[t + 1] % 2] % VOCAB;
+    }
     let targets: Vec<u32> = (0..seq).map(|t| tokens[(t + 1) % seq]).collect();
     Ok((Tensor::from_vec(tokens, (1, seq), &Device::Cpu)?, Tensor::from_vec(targets, (1, seq), &Device::Cpu)?))
 }
@@ -346,6 +357,11 @@ fn main() -> ringattn::Result<()> {
         "losses": run.losses,
         "replicas_identical": run.replicas_identical,
     });
+    let curve = |l: &[f64]| l.iter().enumerate().map(|(i, &y)| ((i + 1) as f64, y)).collect::<Vec<_>>();
+    let mut series = vec![(format!("{} over {world} ranks", a.strategy), curve(&run.losses))];
+    if let Some((single_losses, _)) = &single {
+        series.push(("one rank, plain candle attention".to_string(), curve(single_losses)));
+    }
     if let Some((single_losses, single_grads)) = single {
         let diff = run.losses.iter().zip(&single_losses).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
         let grad_err = rel_err(&run.first_grads, &single_grads);
@@ -356,6 +372,12 @@ fn main() -> ringattn::Result<()> {
     }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&json).map_err(fail)?).map_err(fail)?;
+    }
+    if let Some(stem) = &a.plot {
+        let title = format!("train_lm: loss per step ({} tokens, {:?})", a.seq, resolved.layout());
+        for f in plot::line_chart(stem, &title, "step", "loss", &series, false, false)? {
+            println!("wrote {}", f.display());
+        }
     }
     Ok(())
 }
