@@ -19,9 +19,9 @@ impl Driver for AllGather {
         x: &LocalData<Be::Buf>,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let (be, p) = (&*plan.backend, plan.resolved.params());
-        let (o, lse) = forward(&*plan.comm, be, x, plan.resolved.all_positions(), &p.attention, stats)?;
-        Ok((be.convert(&o, plan.dtype)?, lse))
+        let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
+        let (o, lse) = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
+        Ok((plan.in_dtype(&o)?, lse))
     }
 
     fn backward<Be: Backend>(
@@ -32,10 +32,8 @@ impl Driver for AllGather {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        let (be, p, dtype) = (&*plan.backend, plan.resolved.params(), plan.dtype);
-        let (dq, dk, dv) =
-            backward(&*plan.comm, be, x, plan.resolved.all_positions(), &p.attention, o, lse, d_o, stats)?;
-        Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
+        let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
+        plan.grads_in_dtype(backward(&*plan.comm, &*plan.backend, x, pos, ap, o, lse, d_o, stats)?)
     }
 }
 

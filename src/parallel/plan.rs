@@ -405,6 +405,19 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         self.dtype
     }
 
+    /// A driver's f32 result in the input dtype (as the backend stores it).
+    pub(super) fn in_dtype(&self, x: &Be::Buf) -> Result<Be::Buf> {
+        self.backend.convert(x, self.dtype)
+    }
+
+    /// A driver's f32 gradients in the input dtype.
+    pub(super) fn grads_in_dtype(
+        &self,
+        (dq, dk, dv): (Be::Buf, Be::Buf, Be::Buf),
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        Ok((self.in_dtype(&dq)?, self.in_dtype(&dk)?, self.in_dtype(&dv)?))
+    }
+
     /// Checks that a call's tensors are the shard the plan was made for.
     pub(super) fn check_call(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let dims = Dims::of(q, k, v)?;

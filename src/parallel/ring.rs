@@ -40,10 +40,9 @@ impl Driver for Ring {
         x: &LocalData<Be::Buf>,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let (be, p) = (&*plan.backend, plan.resolved.params());
-        let (o, lse) =
-            forward(&*plan.comm, be, &x.ring_inputs(plan.resolved.all_positions(), plan.hops, &p.attention), stats)?;
-        Ok((be.convert(&o, plan.dtype)?, lse))
+        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
+        let (o, lse) = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
+        Ok((plan.in_dtype(&o)?, lse))
     }
 
     fn backward<Be: Backend>(
@@ -54,10 +53,8 @@ impl Driver for Ring {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        let (be, p, dtype) = (&*plan.backend, plan.resolved.params(), plan.dtype);
-        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &p.attention);
-        let (dq, dk, dv) = backward(&*plan.comm, be, &inputs, o, lse, d_o, stats)?;
-        Ok((be.convert(&dq, dtype)?, be.convert(&dk, dtype)?, be.convert(&dv, dtype)?))
+        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
+        plan.grads_in_dtype(backward(&*plan.comm, &*plan.backend, &inputs, o, lse, d_o, stats)?)
     }
 }
 
