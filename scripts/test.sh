@@ -95,8 +95,8 @@ done_stage test
 
 stage "feature candle: lints, the candle operation against the oracle, its doc tests"
 cargo clippy --features candle,mpi --lib --tests --examples -- -D warnings
-cargo test --features candle --test candle
-cargo test --features candle --doc candle
+cargo test --features candle,mpi --test candle
+cargo test --features candle,mpi --doc candle
 # The training example against one rank with plain candle attention (short runs; the README
 # has the 60-step ones): f32 ring and Ulysses on 4 threads, bf16 on the emulated kernels,
 # and 4 MPI processes.
