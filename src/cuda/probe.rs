@@ -100,10 +100,22 @@ fn run_probe() -> std::result::Result<DriverInfo, String> {
     facts().clone().and_then(check)
 }
 
+/// The names the driver library is installed under.
+const LIBCUDA: &[&str] = if cfg!(windows) { &["nvcuda.dll"] } else { &["libcuda.so.1", "libcuda.so"] };
+
+/// Whether the driver library can be loaded (checked by ringattn itself: cudarc's own check
+/// exists only when it loads libcuda at run time, not when another crate of the build links
+/// it).
+fn libcuda_present() -> bool {
+    LIBCUDA.iter().any(|name| {
+        // SAFETY: loading the driver library runs its initialisers, as any use of CUDA does;
+        // the handle is closed again at once.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
+}
+
 fn read_driver() -> std::result::Result<DriverInfo, String> {
-    // SAFETY: `is_culib_present` dlopens each candidate name of libcuda and closes it again;
-    // loading the driver library runs its initialisers, as any use of CUDA does.
-    let present = guard("loading libcuda", || Ok(unsafe { sys::is_culib_present() })).map_err(|e| e.to_string())?;
+    let present = guard("loading libcuda", || Ok(libcuda_present())).map_err(|e| e.to_string())?;
     if !present {
         return Err("no CUDA driver found: the driver library (libcuda.so.1) could not be loaded; install the \
                     NVIDIA driver, or add the directory that holds libcuda.so.1 to LD_LIBRARY_PATH"
