@@ -121,6 +121,13 @@ cargo test --features cuda,mpi --lib cuda
 cargo test --features cuda,mpi --test cuda --test cli --test mpi --test doctor --test device_check --bin ringattn
 done_stage cuda-mpi-features
 
+stage "ringattn's cuda beside cudarc as candle-core (cuda) configures it: the features unify (ci/cudarc-linking)"
+# The kernels come from this run's nvcc cache; scripts/check-candle-cuda.sh is the full check
+# with candle itself (it compiles candle's CUDA kernels: about 12 minutes).
+PATH="$(dirname "$NVCC"):$PATH" CUDA_HOME="$(dirname "$(dirname "$NVCC")")" RINGATTN_NVCC_CACHE="$PWD/target/nvcc-cache" \
+  CARGO_TARGET_DIR="$PWD/target/cudarc-linking" cargo clippy --manifest-path ci/cudarc-linking/Cargo.toml -- -D warnings
+done_stage cudarc-linking
+
 stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"
 scripts/sass-gates.sh
 done_stage sass-gates

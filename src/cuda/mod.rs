@@ -128,7 +128,8 @@ fn host_len<T>(name: &str, x: &[T], n: usize) -> Result<()> {
 
 impl CudaDevice {
     /// Forward of host buffers on this device's stream: upload, launch, download; f32 `(o,
-    /// lse)`, unrounded.
+    /// lse)`, unrounded unless `x.round_o` (then `o` holds values of `x.dtype`, rounded to
+    /// nearest even after the download, as the emulator's kernel epilogue rounds them).
     pub(crate) fn forward_host(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
         let dims = x.dims;
         runner::check_supported(BACKEND, &dims, x.dtype)?;
@@ -140,10 +141,11 @@ impl CudaDevice {
         let mask = DeviceMask::upload(s, x.vis)?;
         let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale };
         let saved = self.forward(s, &args)?;
-        Ok((
-            buffers::download(s, &saved.o, buffers::q_len(&dims))?,
-            buffers::download(s, &saved.lse, buffers::lse_len(&dims))?,
-        ))
+        let mut o = buffers::download(s, &saved.o, buffers::q_len(&dims))?;
+        if x.round_o {
+            o = crate::HostBuf::from(o).converted(x.dtype).to_f32()?.into_owned();
+        }
+        Ok((o, buffers::download(s, &saved.lse, buffers::lse_len(&dims))?))
     }
 
     /// Backward of host buffers: f32 `(dq, dk, dv)`, unrounded.
