@@ -383,8 +383,8 @@ pub mod params {
 }
 
 /// Launch geometry of the flash kernels (`cuda/flash.cuh` documents the same shared-memory
-/// layouts): one thread per row, `rows` rows per block, inner tiles of [`geometry::TILE`]
-/// rows staged as 16-bit values.
+/// layouts): blocks of query rows, key/value tiles ([`geometry::forward_tile`],
+/// [`geometry::dkdv_tile`]) staged in shared memory as 16-bit values.
 pub mod geometry {
     use crate::{Dims, Error, Result};
 

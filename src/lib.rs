@@ -8,6 +8,11 @@
 //! `cuda` feature, on NVIDIA GPUs (`cuda`: the kernels of `cuda/` through cudarc, loaded at
 //! run time).
 //!
+//! In training code each rank makes a [`parallel::ParallelPlan`] once and calls
+//! [`ring_attention`] / [`ring_attention_backward`] layer after layer on its backend's buffers
+//! ([`HostBuf`] on the host, device buffers on GPUs) in the input dtype; with the `candle`
+//! feature, `candle::ring_attention` is the same call on candle tensors with autograd.
+//!
 //! ## Conventions
 //!
 //! * **Layout BSHD, contiguous.** q and o are `[b, s_q, h_q, d]`; k and v `[b, s_k, h_kv, d]`.

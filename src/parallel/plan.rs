@@ -194,10 +194,13 @@ impl Record {
 }
 
 /// A sequence-parallel layer, planned once for this rank of `comm` and reused for every
-/// call: the resolved parameters and every rank's positions ([`ResolvedParams`]), this
-/// rank's shard shape and dtype, and for `Ulysses`/`Usp` the Ulysses group and the ring
-/// across groups (split once). Creating it is collective (one handshake); its
-/// [`ParallelPlan::forward`] and [`ParallelPlan::backward`] issue no handshake and no split.
+/// call: the communicator and backend it runs on (borrowed, [`ParallelPlan::new`], or shared,
+/// [`ParallelPlan::new_shared`]), the resolved parameters and every rank's positions
+/// ([`ResolvedParams`]), this rank's shard shape and dtype, the ring's hop count, and for
+/// `Ulysses`/`Usp` the Ulysses group and the ring across groups (split once). Creating it is
+/// collective (one handshake); its [`ParallelPlan::forward`] and [`ParallelPlan::backward`]
+/// (on the backend's buffers; [`crate::ring_attention`] is the same call) and their Tensor
+/// wrappers issue no handshake and no split.
 ///
 /// ```
 /// use ringattn::comm::{spmd, Communicator, LocalOptions};
