@@ -335,8 +335,9 @@ fn main() -> ringattn::Result<()> {
         a.world
     };
     let resolved = params.resolve(world, HEADS_Q, a.seq)?;
-    let single = if a.compare_single { Some(train_single(&a)?) } else { None };
     let Some(run) = train_parallel(&a, &params, &resolved)? else { return Ok(()) };
+    // The single-rank reference runs once, on the reporting rank.
+    let single = if a.compare_single { Some(train_single(&a)?) } else { None };
     let (first, last) = (run.losses[0], run.losses[run.losses.len() - 1]);
     println!(
         "train_lm: {} x{world} {:?} {} steps, seq {}: loss {first:.4} -> {last:.4}; replicas identical: {}",

@@ -112,9 +112,31 @@ impl MpiComm {
         }
     }
 
+    /// Runs one nonblocking collective of bytes into a fresh buffer of `total` bytes:
+    /// `start(send, recv, request)` posts it; `send` and `ints` (the counts and displacements
+    /// MPI reads) are owned here until the collective completes (leaked with the buffer if
+    /// the deadline passes, since MPI may still use them).
+    fn collective_bytes(
+        &self,
+        op: &str,
+        name: &str,
+        send: Vec<u8>,
+        ints: Vec<Vec<c_int>>,
+        total: usize,
+        start: impl FnOnce(&[u8], &[Vec<c_int>], *mut c_void, &mut ffi::MPI_Request) -> c_int,
+    ) -> Result<Vec<u8>> {
+        let mut recv = vec![0u8; total.max(1)];
+        let mut req = self.null_request();
+        let code = locked(|| start(&send, &ints, recv.as_mut_ptr().cast::<c_void>(), &mut req));
+        check(code, name)?;
+        let (mut recv, _, _) = self.complete(op, req, (recv, send, ints))?;
+        recv.truncate(total);
+        Ok(recv)
+    }
+
     /// `MPI_Iallgatherv` of bytes: rank `j` contributes `counts[j]` bytes (this rank `send`).
     /// `None` when a count or the total exceeds MPI's `int`.
-    fn allgatherv_bytes(&self, op: &str, send: &[u8], counts: &[usize]) -> Result<Option<Vec<u8>>> {
+    fn allgatherv_bytes(&self, op: &str, send: Vec<u8>, counts: &[usize]) -> Result<Option<Vec<u8>>> {
         let total: usize = counts.iter().sum();
         let (Some(c), Some(d), Some(_), Some(mine)) = (
             counts.iter().map(|&n| count(n)).collect::<Option<Vec<_>>>(),
@@ -124,34 +146,31 @@ impl MpiComm {
         ) else {
             return Ok(None);
         };
-        let mut recv = vec![0u8; total.max(1)];
-        let mut req = self.null_request();
-        // SAFETY: `send`, `recv`, `c` and `d` stay alive and unmoved until the request
-        // completes (`complete` keeps them, or leaks them on expiry); the counts fit `recv`.
-        let code = locked(|| unsafe {
-            ffi::MPI_Iallgatherv(
-                send.as_ptr().cast::<c_void>(),
-                mine,
-                ffi::RSMPI_UINT8_T,
-                recv.as_mut_ptr().cast::<c_void>(),
-                c.as_ptr(),
-                d.as_ptr(),
-                ffi::RSMPI_UINT8_T,
-                self.raw_comm(),
-                &mut req,
-            )
-        });
-        check(code, "MPI_Iallgatherv")?;
-        let (mut recv, _, _) = self.complete(op, req, (recv, c, d))?;
-        recv.truncate(total);
-        Ok(Some(recv))
+        let got = self.collective_bytes(op, "MPI_Iallgatherv", send, vec![c, d], total, |send, ints, recv, req| {
+            // SAFETY: `send`, the counts and displacements and `recv` are owned by
+            // `collective_bytes` until the request completes; the counts fit `recv`.
+            unsafe {
+                ffi::MPI_Iallgatherv(
+                    send.as_ptr().cast::<c_void>(),
+                    mine,
+                    ffi::RSMPI_UINT8_T,
+                    recv,
+                    ints[0].as_ptr(),
+                    ints[1].as_ptr(),
+                    ffi::RSMPI_UINT8_T,
+                    self.raw_comm(),
+                    req,
+                )
+            }
+        })?;
+        Ok(Some(got))
     }
 
     /// `MPI_Ialltoallv` of bytes. `None` when a count or displacement exceeds MPI's `int`.
     fn alltoallv_bytes(
         &self,
         op: &str,
-        send: &[u8],
+        send: Vec<u8>,
         send_counts: &[usize],
         recv_counts: &[usize],
     ) -> Result<Option<Vec<u8>>> {
@@ -167,34 +186,32 @@ impl MpiComm {
         ) else {
             return Ok(None);
         };
-        let mut recv = vec![0u8; total.max(1)];
-        let mut req = self.null_request();
-        // SAFETY: as in `allgatherv_bytes`: every array outlives the request.
-        let code = locked(|| unsafe {
-            ffi::MPI_Ialltoallv(
-                send.as_ptr().cast::<c_void>(),
-                sc.as_ptr(),
-                sd.as_ptr(),
-                ffi::RSMPI_UINT8_T,
-                recv.as_mut_ptr().cast::<c_void>(),
-                rc.as_ptr(),
-                rd.as_ptr(),
-                ffi::RSMPI_UINT8_T,
-                self.raw_comm(),
-                &mut req,
-            )
-        });
-        check(code, "MPI_Ialltoallv")?;
-        let (mut recv, _) = self.complete(op, req, (recv, (sc, sd, rc, rd)))?;
-        recv.truncate(total);
-        Ok(Some(recv))
+        let got =
+            self.collective_bytes(op, "MPI_Ialltoallv", send, vec![sc, sd, rc, rd], total, |send, i, recv, req| {
+                // SAFETY: as in `allgatherv_bytes`: every array outlives the request.
+                unsafe {
+                    ffi::MPI_Ialltoallv(
+                        send.as_ptr().cast::<c_void>(),
+                        i[0].as_ptr(),
+                        i[1].as_ptr(),
+                        ffi::RSMPI_UINT8_T,
+                        recv,
+                        i[2].as_ptr(),
+                        i[3].as_ptr(),
+                        ffi::RSMPI_UINT8_T,
+                        self.raw_comm(),
+                        req,
+                    )
+                }
+            })?;
+        Ok(Some(got))
     }
 
     /// Every rank's record of `words` u64 words (the same count everywhere).
     fn records(&self, op: &str, mine: &[u64]) -> Result<Vec<Vec<u64>>> {
         let n = mine.len() * 8;
         let got = self
-            .allgatherv_bytes(op, &words(mine), &vec![n; self.size()])?
+            .allgatherv_bytes(op, words(mine), &vec![n; self.size()])?
             .ok_or_else(|| Error::Mpi(format!("{op}: size records too large for MPI")))?;
         Ok(got.chunks_exact(n.max(1)).map(unwords).collect())
     }
@@ -236,7 +253,7 @@ impl MpiComm {
             return Ok(None);
         }
         let got = self
-            .alltoallv_bytes("all_to_all_v", &send, &send_counts, &recv_counts)?
+            .alltoallv_bytes("all_to_all_v", send, &send_counts, &recv_counts)?
             .ok_or_else(|| Error::Mpi("all_to_all_v: counts too large for MPI".into()))?;
         split(&got, elem, recv_lens).map(Some)
     }
@@ -268,7 +285,7 @@ impl MpiComm {
         }
         let elem = data.elem();
         let counts: Vec<usize> = lens.iter().map(|&n| n * elem.size_of()).collect();
-        let Some(got) = self.allgatherv_bytes("all_gather_v", data.data().as_bytes(), &counts)? else {
+        let Some(got) = self.allgatherv_bytes("all_gather_v", data.data().as_bytes().to_vec(), &counts)? else {
             return Ok(None);
         };
         split(&got, elem, lens).map(Some)
