@@ -118,6 +118,9 @@ done_stage candle
 stage "features cuda + mpi: lints; clean failure without a GPU; 4-rank mpirun jobs (every strategy, killed and silent ranks)"
 cargo clippy --all-targets --features cuda,mpi -- -D warnings
 cargo test --features cuda,mpi --lib cuda
+# tests/mpi.rs runs the collectives' check (an example) under mpirun: build it first, since
+# `cargo test --test ...` builds only the named test targets.
+cargo build --features cuda,mpi --example collectives
 cargo test --features cuda,mpi --test cuda --test cli --test mpi --test doctor --test device_check --bin ringattn
 done_stage cuda-mpi-features
 

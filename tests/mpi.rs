@@ -206,7 +206,7 @@ fn the_collectives_hold_across_four_processes() {
         .ok()
         .and_then(|p| p.parent()?.parent().map(|d| d.join("examples").join("collectives")))
         .filter(|p| p.exists())
-        .expect("examples/collectives is built by `cargo test --features mpi`");
+        .expect("examples/collectives is built first: `cargo build --features mpi --example collectives` (scripts/test.sh does)");
     let launcher = std::env::var("RINGATTN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let r = Command::new(&launcher)
         .args(["-n", "4", s(&example)])
