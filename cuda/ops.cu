@@ -1,6 +1,8 @@
-// The f32 data movements of the sequence-parallel drivers on device buffers: the `Buffers`
-// operations of src/parallel/backend.rs (host twins in src/parallel/seq.rs) and the f32 →
-// bf16/f16 conversion of kernel inputs. Every kernel is a grid-stride loop over its work
+// The data movements of the sequence-parallel drivers on device buffers: the `Buffers`
+// operations of src/parallel/backend.rs (host twins in src/parallel/seq.rs) and the
+// conversions between f32 and bf16/f16. The movements are written on 4-byte words; 16-bit
+// buffers (even allocations, rows of an even number of values) move as pairs of values
+// (src/kernels.rs `params::words`). Every kernel is a grid-stride loop over its work
 // items with 64-bit indices (any grid covers any size; src/kernels.rs `geometry::ops` caps
 // the grid), one work item per thread per iteration; no shared memory, no atomics, so the
 // results do not depend on the schedule.
@@ -10,6 +12,7 @@
 //   add            dst[i] += src[i]                                     i < len
 //   to_bf16/f16    dst16[i] = bits(src[i]), round to nearest even       i < len
 //   round_bf16/f16 dst[i] = src[i] rounded to bf16/f16 (nearest even), as f32   i < len
+//   from_bf16/f16  dst[i] = value of src16[i] (exact; NaNs quieted)     i < len
 //   copy_rows      dst[(o*dst_rows + dst_off + r)*w + c] =
 //                  src[(o*src_rows + src_off + r)*w + c]                o < b, r < n, c < w
 //   select_heads   dst[(m*k + j)*d + c] = src[(m*h + heads[j])*d + c]   m < b, j < k, c < d
@@ -163,6 +166,26 @@ extern "C" __global__ void ringattn_ops_round_bf16_f32(OpsParams p) {
 extern "C" __global__ void ringattn_ops_round_f16_f32(OpsParams p) {
     for (int64_t i = first_item(); i < p.len; i += stride_items()) {
         gmem_store(p.dst + i, f16_bits_to_f32(to_f16_bits(gmem_load(p.src + i))));
+    }
+}
+
+// dst[i] = the f32 value of the bf16 bits src16[i] for i < len; a NaN gets its quiet bit, as
+// the `half` crate widens (the host's conversion), bit for bit.
+extern "C" __global__ void ringattn_ops_from_bf16(OpsParams p) {
+    for (int64_t i = first_item(); i < p.len; i += stride_items()) {
+        uint16_t h = gmem_load(p.src16 + i);
+        if ((h & 0x7fffu) > 0x7f80u) h = uint16_t(h | 0x0040u);
+        gmem_store(p.dst + i, bf16_bits_to_f32(h));
+    }
+}
+
+// dst[i] = the f32 value of the f16 bits src16[i] for i < len; a NaN gets its quiet bit, as
+// the `half` crate widens, bit for bit.
+extern "C" __global__ void ringattn_ops_from_f16(OpsParams p) {
+    for (int64_t i = first_item(); i < p.len; i += stride_items()) {
+        uint16_t h = gmem_load(p.src16 + i);
+        if ((h & 0x7c00u) == 0x7c00u && (h & 0x03ffu) != 0) h = uint16_t(h | 0x0200u);
+        gmem_store(p.dst + i, f16_bits_to_f32(h));
     }
 }
 

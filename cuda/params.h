@@ -88,8 +88,9 @@ struct OpsParams {
     float* dst;             // fill, add (acc), copy_rows, select_heads, scatter_heads: written
     const float* src;       // add (x), to_bf16/to_f16, copy_rows, select_heads, scatter_heads
     uint16_t* dst16;        // to_bf16/to_f16: the 16-bit patterns, written
+    const uint16_t* src16;  // from_bf16/from_f16: the 16-bit patterns read
     const int64_t* heads;   // select_heads/scatter_heads: [k] head indices (each < h)
-    int64_t len;            // fill, add, to_bf16/to_f16: elements
+    int64_t len;            // fill, add, the conversions: elements
     int64_t b;              // copy_rows: outer count; select/scatter_heads: b * n (rows of heads)
     int64_t n;              // copy_rows: rows copied per outer index
     int64_t w;              // copy_rows: elements per row
@@ -104,5 +105,5 @@ struct OpsParams {
     int32_t assign;         // scatter_heads: 1 writes, 0 adds
 };
 
-static_assert(sizeof(OpsParams) == 128, "OpsParams is mirrored in Rust: 4 pointers + 11 int64 + f32 + i32");
+static_assert(sizeof(OpsParams) == 136, "OpsParams is mirrored in Rust: 5 pointers + 11 int64 + f32 + i32");
 static_assert(alignof(OpsParams) == 8, "OpsParams alignment");

@@ -123,6 +123,12 @@ impl HostData {
         each_elem!(self, v => bytemuck::cast_slice(v))
     }
 
+    /// The elements as little-endian bytes, for writing (an emulated device's kernels).
+    #[cfg(all(test, feature = "emu"))]
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        each_elem!(self, v => bytemuck::cast_slice_mut(v))
+    }
+
     /// `len` elements of type `elem` from little-endian bytes (`bytes.len() = len ·
     /// elem.size_of()`; any alignment).
     ///

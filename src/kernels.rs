@@ -265,8 +265,10 @@ pub mod params {
         pub dst: u64,
         /// f32 input (add, the conversions, copy_rows, select_heads, scatter_heads).
         pub src: u64,
-        /// 16-bit output of the conversions.
+        /// 16-bit output of the conversions to bf16/f16.
         pub dst16: u64,
+        /// 16-bit input of the conversions from bf16/f16.
+        pub src16: u64,
         /// `[k]` i64 head indices (select_heads, scatter_heads), each `< h`.
         pub heads: u64,
         /// Elements (fill, add, conversions).
@@ -317,6 +319,11 @@ pub mod params {
         /// `dst16[i] = bits(src[i])` for `i < len` (`ringattn_ops_to_bf16` / `_to_f16`).
         pub fn convert(dst16: u64, src: u64, len: usize) -> Self {
             OpsParams { dst16, src, len: len as i64, ..Default::default() }
+        }
+
+        /// `dst[i] = value(src16[i])` for `i < len` (`ringattn_ops_from_bf16` / `_from_f16`).
+        pub fn widen(dst: u64, src16: u64, len: usize) -> Self {
+            OpsParams { dst, src16, len: len as i64, ..Default::default() }
         }
 
         /// Rows `src_off..src_off + n` of each of the `b` outer blocks of `src` (`[b,
@@ -370,9 +377,41 @@ pub mod params {
         }
     }
 
+    /// The number of 4-byte words the data-movement kernels (fill, copy_rows, select_heads,
+    /// scatter_heads with `assign`) move for `n` values of `elem`: `n` for f32, `n / 2` for
+    /// bf16 and f16 (moved as pairs of values: `n` must be even — rows of `[b, s, h, d]`
+    /// buffers are, the kernels' head dims being multiples of 8 — and 16-bit device
+    /// allocations hold an even number of values).
+    ///
+    /// ```
+    /// use ringattn::kernels::params::words;
+    /// use ringattn::Elem;
+    /// assert_eq!(words(Elem::BF16, 64, "a row").unwrap(), 32);
+    /// assert!(words(Elem::F16, 3, "a row").is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] naming `what` for an odd count of 16-bit values or
+    /// for bytes.
+    pub fn words(elem: crate::Elem, n: usize, what: &str) -> crate::Result<usize> {
+        match elem.size_of() {
+            4 => Ok(n),
+            2 if n % 2 == 0 => Ok(n / 2),
+            _ => Err(crate::Error::InvalidArgument(format!(
+                "{what}: {n} {elem} values do not make whole 4-byte words for the device's data movements"
+            ))),
+        }
+    }
+
+    /// The 4-byte word of two copies of a 16-bit pattern, as the fill kernel's f32 `value`
+    /// (filling `n / 2` words fills `n` 16-bit values).
+    pub fn pair_word(bits: u16) -> f32 {
+        f32::from_bits(u32::from(bits) << 16 | u32::from(bits))
+    }
+
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
-    const _: () = assert!(std::mem::size_of::<OpsParams>() == 128);
+    const _: () = assert!(std::mem::size_of::<OpsParams>() == 136);
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
@@ -633,11 +672,15 @@ pub mod geometry {
         RoundBf16 = 7,
         /// `ringattn_ops_round_f16_f32`.
         RoundF16 = 8,
+        /// `ringattn_ops_from_bf16`.
+        FromBf16 = 9,
+        /// `ringattn_ops_from_f16`.
+        FromF16 = 10,
     }
 
     impl OpsKernel {
         /// Every ops kernel.
-        pub const ALL: [OpsKernel; 9] = [
+        pub const ALL: [OpsKernel; 11] = [
             OpsKernel::Fill,
             OpsKernel::Add,
             OpsKernel::ToBf16,
@@ -647,6 +690,8 @@ pub mod geometry {
             OpsKernel::ScatterHeads,
             OpsKernel::RoundBf16,
             OpsKernel::RoundF16,
+            OpsKernel::FromBf16,
+            OpsKernel::FromF16,
         ];
 
         /// The entry point.
@@ -661,6 +706,8 @@ pub mod geometry {
                 OpsKernel::ScatterHeads => "ringattn_ops_scatter_heads_f32",
                 OpsKernel::RoundBf16 => "ringattn_ops_round_bf16_f32",
                 OpsKernel::RoundF16 => "ringattn_ops_round_f16_f32",
+                OpsKernel::FromBf16 => "ringattn_ops_from_bf16",
+                OpsKernel::FromF16 => "ringattn_ops_from_f16",
             }
         }
 
@@ -671,6 +718,16 @@ pub mod geometry {
                 OpsKernel::ToF16
             } else {
                 OpsKernel::ToBf16
+            }
+        }
+
+        /// The widening of the 16-bit patterns of `dtype` to f32 (`None` for f32: nothing to
+        /// do).
+        pub fn convert_from(dtype: crate::DType) -> Option<OpsKernel> {
+            match dtype {
+                crate::DType::F32 => None,
+                crate::DType::BF16 => Some(OpsKernel::FromBf16),
+                crate::DType::F16 => Some(OpsKernel::FromF16),
             }
         }
 
@@ -693,7 +750,9 @@ pub mod geometry {
                 | OpsKernel::ToBf16
                 | OpsKernel::ToF16
                 | OpsKernel::RoundBf16
-                | OpsKernel::RoundF16 => p.len,
+                | OpsKernel::RoundF16
+                | OpsKernel::FromBf16
+                | OpsKernel::FromF16 => p.len,
                 OpsKernel::CopyRows => p.b * p.n * p.w,
                 OpsKernel::SelectHeads => p.b * p.k * p.d,
                 OpsKernel::ScatterHeads => {

@@ -395,3 +395,42 @@ fn nccl_native_collectives_run_on_the_gpu() {
     assert_eq!(be.download(&b).unwrap(), vec![1.5, -2.0, 3.25]);
     assert!(comm.broadcast(b, 1).is_err());
 }
+
+/// Typed device buffers: bf16 values stay 16-bit on the device (conversions both ways equal
+/// the host's, the data movements move them as pairs), and a device-resident ring sends
+/// exactly the bytes of the host run in bf16 — half those of f32 on the wire.
+#[test]
+fn sixteen_bit_values_stay_sixteen_bit_on_the_device() {
+    if !gpu("sixteen_bit_values_stay_sixteen_bit_on_the_device") {
+        return;
+    }
+    use ringattn::parallel::{BufShape, Buffers, CpuBackend};
+    use ringattn::{Elem, HostBuf};
+    let be = cuda::DeviceBackend::open(0, DType::BF16).unwrap();
+    let host = CpuBackend::default();
+    let x = HostBuf::from_tensor(&randn(vec![2, 5, 3, 8], 3, DType::BF16));
+    let dx = be.upload(&x).unwrap();
+    assert_eq!((dx.elem(), dx.bytes()), (Elem::BF16, x.len() * 2));
+    assert_eq!(be.download(&dx).unwrap(), x);
+    let wide = be.convert(&dx, DType::F32).unwrap();
+    assert_eq!(be.download(&wide).unwrap(), x.converted(DType::F32));
+    assert_eq!(be.download(&be.convert(&wide, DType::F16).unwrap()).unwrap(), x.converted(DType::F16));
+    let sh = BufShape { b: 2, n: 5, h: 3, d: 8 };
+    let heads = [2, 0, 2];
+    let sel = be.select_heads(&dx, sh, &heads).unwrap();
+    assert_eq!(be.download(&sel).unwrap(), host.select_heads(&x, sh, &heads).unwrap());
+    let got = be.download(&be.seq_slice(&dx, 2, 5, 24, 1, 3).unwrap()).unwrap();
+    assert_eq!(got, host.seq_slice(&x, 2, 5, 24, 1, 3).unwrap());
+    assert_eq!(be.download(&be.filled(5, 0.3, DType::BF16).unwrap()).unwrap(), HostBuf::filled(5, 0.3, DType::BF16));
+
+    let (s, hq, d) = (512, 4, 64);
+    let q = randn(vec![1, s, hq, d], 41, DType::BF16);
+    let params = ParallelParams { strategy: Strategy::Ring, ..Default::default() };
+    let run = cuda::DeviceRunOptions::default();
+    let dev = cuda::run_on_device(4, LocalOptions::default(), &run, &q, &q, &q, None, &params).unwrap();
+    let on_host = ringattn::parallel::run_in_process(4, LocalOptions::default(), &host, &q, &q, &q, None, &params)
+        .unwrap();
+    for (r, (a, b)) in dev.stats.iter().zip(&on_host.stats).enumerate() {
+        assert_eq!(a.0.bytes_sent, b.0.bytes_sent, "rank {r}: forward bytes on the device vs the host");
+    }
+}

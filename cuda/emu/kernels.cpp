@@ -24,7 +24,7 @@ extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, siz
 
 // The ops kernels; `kernel` numbers them as src/kernels.rs `geometry::OpsKernel` (0 fill,
 // 1 add, 2 to_bf16, 3 to_f16, 4 copy_rows, 5 select_heads, 6 scatter_heads, 7 round_bf16,
-// 8 round_f16). Registers
+// 8 round_f16, 9 from_bf16, 10 from_f16). Registers
 // exactly the buffers the kernel addresses, with the sizes its fields give.
 extern "C" int ringattn_emu_ops(int kernel, OpsParams p, EmuLaunch l, char* msg, size_t cap) {
     emu::LaunchConfig c = config(l);
@@ -61,6 +61,11 @@ extern "C" int ringattn_emu_ops(int kernel, OpsParams p, EmuLaunch l, char* msg,
         case 8:
             fn = kernel == 7 ? ringattn_ops_round_bf16_f32 : ringattn_ops_round_f16_f32;
             c.globals = {{p.src, bytes(p.len, 4), "src"}, {p.dst, bytes(p.len, 4), "dst"}};
+            break;
+        case 9:
+        case 10:
+            fn = kernel == 9 ? ringattn_ops_from_bf16 : ringattn_ops_from_f16;
+            c.globals = {{p.src16, bytes(p.len, 2), "src16"}, {p.dst, bytes(p.len, 4), "dst"}};
             break;
         default:
             return report("no ops kernel " + std::to_string(kernel), msg, cap);

@@ -505,7 +505,7 @@ impl CudaDevice {
         delta: Delta<'_>,
         grads: &mut DeviceGradients,
     ) -> Result<()> {
-        let saved = (&args.saved.o, &args.saved.lse);
+        let saved = (Some(&args.saved.o), &args.saved.lse);
         self.backward_parts(stream, &args.forward, saved, args.d_o, args.dq_mode, delta, grads)
     }
 
@@ -516,7 +516,7 @@ impl CudaDevice {
         &self,
         stream: &Arc<CudaStream>,
         x: &FlashForwardArgs<'_>,
-        saved: (&CudaSlice<f32>, &CudaSlice<f32>),
+        saved: (Option<&CudaSlice<f32>>, &CudaSlice<f32>),
         d_o: &CudaSlice<u16>,
         dq_mode: DqMode,
         delta: Delta<'_>,
@@ -525,7 +525,15 @@ impl CudaDevice {
         self.check_forward(stream, x)?;
         let dims = x.dims;
         let (saved_o, saved_lse) = saved;
-        need(self, "saved.o", saved_o, q_len(&dims))?;
+        match saved_o {
+            Some(o) => need(self, "saved.o", o, q_len(&dims))?,
+            None if matches!(delta, Delta::Compute(_)) => {
+                return Err(crate::Error::InvalidArgument(
+                    "backward: delta = rowsum(dO∘O) is computed from the saved o, which was not given".into(),
+                ))
+            }
+            None => {}
+        }
         need(self, "saved.lse", saved_lse, lse_len(&dims))?;
         need(self, "d_o", d_o, q_len(&dims))?;
         need(self, "dq", &grads.dq, q_len(&dims))?;
@@ -541,7 +549,9 @@ impl CudaDevice {
             let (k, _gk) = x.k.device_ptr(stream);
             let (v, _gv) = x.v.device_ptr(stream);
             let (mask, _gm) = mask_params(x.mask, stream);
-            let (o, _go) = saved_o.device_ptr(stream);
+            // Without o (delta given), the kernels never read it: a null address.
+            let o_ptr = saved_o.map(|o| o.device_ptr(stream));
+            let o = o_ptr.as_ref().map_or(0, |(p, _)| *p);
             let (lse, _gl) = saved_lse.device_ptr(stream);
             let (d_o, _gdo) = d_o.device_ptr(stream);
             let (delta, _gd) = match delta {

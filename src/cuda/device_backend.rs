@@ -7,13 +7,13 @@ use std::time::Duration;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 
 use super::buffers::{self, kv_len, lse_len, q_len, Delta, DeviceGradients, FlashForwardArgs, SavedContext};
-use super::device_buf::{wait_event, write_ptr, DeviceBuf};
+use super::device_buf::{capacity, wait_event, DeviceBuf};
 use super::probe::guard;
 use super::{CudaDevice, DeviceMask};
 use crate::kernels::geometry::{DqMode, OpsKernel};
-use crate::kernels::params::OpsParams;
+use crate::kernels::params::{pair_word, words, OpsParams};
 use crate::parallel::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, Pending};
-use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
+use crate::{AttentionParams, DType, Dims, Elem, Error, HostBuf, Positions, Result};
 
 /// The kernels of `cuda/` as a [`Backend`] whose buffers stay on the GPU ([`DeviceBuf`]): the
 /// drivers of [`crate::parallel`] (ring, all-gather, Ulysses, USP) run unchanged, with every
@@ -21,9 +21,11 @@ use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
 /// by the flash kernels, all on this backend's own **compute stream**; nothing goes through
 /// the host except the small position/head-index uploads.
 ///
-/// * Buffers hold f32 values. The steps convert q, k, v and `d_o` to the 16-bit patterns of
-///   the backend's dtype on the device (`ringattn_ops_to_bf16` / `_to_f16`, round to nearest
-///   even, as [`super::to_bits`]); partial results (o, lse, gradients) are f32, unrounded.
+/// * Buffers are typed: q, k, v, o and `d_o` in the input dtype (16-bit patterns — what the
+///   kernels read directly and the communicators move, half the bytes of f32), partial
+///   results (o and gradient accumulators, lse) in f32, unrounded. An f32 input is converted
+///   on the device (`ringattn_ops_to_bf16` / `_to_f16`, round to nearest even, as
+///   [`super::to_bits`]) before a step reads it.
 /// * Steps are asynchronous: [`Backend::forward_block`] / [`Backend::backward_block`]
 ///   enqueue the kernels and return a [`Pending`] completed by polling an event recorded
 ///   after them (never a device-wide synchronisation), bounded by
@@ -226,17 +228,11 @@ impl DeviceBackend {
         self.device.launch_ops(&self.stream, kernel, p)
     }
 
-    /// `buf` as the 16-bit patterns of the backend's dtype, converted on the compute stream.
-    fn bits(&self, buf: &DeviceBuf) -> Result<CudaSlice<u16>> {
-        // SAFETY: the conversion writes all `len` values before any use (stream ordered); the
-        // extra element of an empty buffer is never read.
-        let mut out = guard("cuMemAlloc", || unsafe { self.stream.alloc::<u16>(buf.len().max(1)) })?;
-        {
-            let (src, _gs) = buf.read_ptr(&self.stream)?;
-            let (dst, _gd) = write_ptr(&mut out, &self.stream);
-            self.launch(OpsKernel::convert_to(self.dtype), &OpsParams::convert(dst, src, buf.len()))?;
-        }
-        Ok(out)
+    /// An input of a step (q, k, v, `d_o`) as the kernels read it: the 16-bit patterns of
+    /// the backend's dtype — the buffer itself (shared, no work) when it holds them, converted
+    /// on the compute stream otherwise (an f32 buffer).
+    fn step_bits(&self, buf: &DeviceBuf) -> Result<DeviceBuf> {
+        self.convert(buf, self.dtype)
     }
 
     /// The device list of `heads` (each `< h`), cached.
@@ -269,47 +265,85 @@ fn expect_len(name: &str, buf: &DeviceBuf, want: usize) -> Result<()> {
     Ok(())
 }
 
+fn expect_f32(name: &str, buf: &DeviceBuf) -> Result<()> {
+    if buf.elem() != Elem::F32 {
+        return Err(Error::InvalidArgument(format!("`{name}` holds {} values; this operation adds f32", buf.elem())));
+    }
+    Ok(())
+}
+
+/// The 16-bit pattern of `value` in `dtype` (bf16 or f16).
+fn bits_of(value: f32, dtype: DType) -> u16 {
+    match dtype {
+        DType::F16 => half::f16::from_f32(value).to_bits(),
+        _ => half::bf16::from_f32(value).to_bits(),
+    }
+}
+
 impl Buffers for DeviceBackend {
     type Buf = DeviceBuf;
 
-    /// Device buffers hold every dtype as f32 (16-bit device buffers are not written yet):
-    /// values of a 16-bit dtype are rounded to it and stored widened.
-    fn storage(&self, _dtype: DType) -> crate::Elem {
-        crate::Elem::F32
+    /// Every dtype in its own type: f32, or bf16/f16 as 16-bit patterns (what the kernels
+    /// read and the communicators move).
+    fn storage(&self, dtype: DType) -> Elem {
+        dtype.into()
     }
 
-    /// Values of any element type as f32 (bytes as one value each).
+    /// `host` in its own element type.
     fn upload(&self, host: &HostBuf) -> Result<DeviceBuf> {
-        match host.data() {
-            crate::HostData::U8(b) => {
-                DeviceBuf::upload(&self.stream, &b.iter().map(|&x| f32::from(x)).collect::<Vec<_>>())
-            }
-            _ => DeviceBuf::upload(&self.stream, &host.to_f32()?),
-        }
+        DeviceBuf::upload_host(&self.stream, host)
     }
 
     fn download(&self, buf: &DeviceBuf) -> Result<HostBuf> {
-        Ok(buf.download(&self.stream)?.into())
+        buf.download(&self.stream)
     }
 
-    /// `x` rounded to `dtype` on the compute stream, kept as f32 ([`Buffers::storage`]); `x`
-    /// itself for f32.
+    /// `x` as `dtype` on the compute stream: narrowed to 16-bit patterns (round to nearest
+    /// even, as [`super::to_bits`]), widened to f32 (exact), or `x` itself (shared) when it
+    /// already is `dtype`.
     fn convert(&self, x: &DeviceBuf, dtype: DType) -> Result<DeviceBuf> {
-        let Some(kernel) = OpsKernel::round_to(dtype) else { return Ok(x.clone()) };
-        let mut out = DeviceBuf::alloc(&self.stream, x.len())?;
+        let want = Elem::from(dtype);
+        if x.elem() == want {
+            return Ok(x.clone());
+        }
+        let from = x.elem().dtype().ok_or_else(|| {
+            Error::InvalidArgument(format!("convert: a device buffer of bytes cannot be converted to {dtype}"))
+        })?;
+        let wide = match OpsKernel::convert_from(from) {
+            None => x.clone(),
+            Some(kernel) => {
+                let mut out = DeviceBuf::alloc(&self.stream, Elem::F32, x.len())?;
+                let (src, _gs) = x.read_ptr(&self.stream)?;
+                let (dst, _gd) = out.write_ptr(&self.stream)?;
+                self.launch(kernel, &OpsParams::widen(dst, src, x.len()))?;
+                drop((_gs, _gd));
+                out
+            }
+        };
+        if dtype == DType::F32 {
+            return Ok(wide);
+        }
+        let mut out = DeviceBuf::alloc(&self.stream, want, x.len())?;
         {
-            let (src, _gs) = x.read_ptr(&self.stream)?;
-            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
-            self.launch(kernel, &OpsParams::round(dst, src, x.len()))?;
+            let (src, _gs) = wide.read_ptr(&self.stream)?;
+            let (dst, _gd) = out.write_ptr(&self.stream)?;
+            self.launch(OpsKernel::convert_to(dtype), &OpsParams::convert(dst, src, x.len()))?;
         }
         Ok(out)
     }
 
-    fn filled(&self, len: usize, value: f32, _dtype: DType) -> Result<DeviceBuf> {
-        let mut out = DeviceBuf::alloc(&self.stream, len)?;
+    /// `len` copies of `value` rounded to `dtype` (16-bit buffers are filled as pairs, their
+    /// padding value included).
+    fn filled(&self, len: usize, value: f32, dtype: DType) -> Result<DeviceBuf> {
+        let elem = Elem::from(dtype);
+        let mut out = DeviceBuf::alloc(&self.stream, elem, len)?;
+        let (words, word) = match dtype {
+            DType::F32 => (len, value),
+            _ => (capacity(elem, len) / 2, pair_word(bits_of(value, dtype))),
+        };
         {
-            let (dst, _g) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
-            self.launch(OpsKernel::Fill, &OpsParams::fill(dst, len, value))?;
+            let (dst, _g) = out.write_ptr(&self.stream)?;
+            self.launch(OpsKernel::Fill, &OpsParams::fill(dst, words, word))?;
         }
         Ok(out)
     }
@@ -318,9 +352,11 @@ impl Buffers for DeviceBackend {
         if acc.len() != x.len() {
             return Err(Error::ShapeMismatch(format!("add: {} values and {}", acc.len(), x.len())));
         }
+        expect_f32("acc", acc)?;
+        expect_f32("x", x)?;
         let n = x.len();
         let (src, _gs) = x.read_ptr(&self.stream)?;
-        let (dst, _gd) = write_ptr(acc.make_mut(&self.stream)?, &self.stream);
+        let (dst, _gd) = acc.write_ptr(&self.stream)?;
         self.launch(OpsKernel::Add, &OpsParams::add(dst, src, n))
     }
 
@@ -339,12 +375,17 @@ impl Buffers for DeviceBackend {
         expect_len("lse_part", lse_b, b * h * s)?;
         o_b.wait_on(&self.stream)?;
         lse_b.wait_on(&self.stream)?;
-        let o_acc = o.make_mut(&self.stream)?;
-        let lse_acc = lse.make_mut(&self.stream)?;
-        self.device.merge_into(&self.stream, o_acc, lse_acc, o_b.slice(), lse_b.slice(), bshd)
+        let (o_part, lse_part) = (o_b.f32s()?, lse_b.f32s()?);
+        let o_acc = o.f32s_mut(&self.stream)?;
+        let lse_acc = lse.f32s_mut(&self.stream)?;
+        self.device.merge_into(&self.stream, o_acc, lse_acc, o_part, lse_part, bshd)
     }
 
     fn concat_seq(&self, parts: &[DeviceBuf], b: usize, w: usize) -> Result<DeviceBuf> {
+        let elem = parts.first().map_or(Elem::F32, |p| p.elem());
+        if let Some(p) = parts.iter().find(|p| p.elem() != elem) {
+            return Err(Error::InvalidArgument(format!("concat: parts of {elem} and {} values", p.elem())));
+        }
         let row = b * w;
         let mut rows = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
@@ -360,14 +401,16 @@ impl Buffers for DeviceBackend {
                 rows.push(p.len() / row);
             }
         }
+        let words = words(elem, w, "concat along the sequence")?;
         let total: usize = rows.iter().sum();
-        let mut out = DeviceBuf::alloc(&self.stream, row * total)?;
+        let mut out = DeviceBuf::alloc(&self.stream, elem, row * total)?;
         let mut off = 0;
         for (p, &n) in parts.iter().zip(&rows) {
             if n > 0 {
                 let (src, _gs) = p.read_ptr(&self.stream)?;
-                let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
-                self.launch(OpsKernel::CopyRows, &OpsParams::copy_rows(dst, total, off, src, n, 0).rows(b, n, w))?;
+                let (dst, _gd) = out.write_ptr(&self.stream)?;
+                let params = OpsParams::copy_rows(dst, total, off, src, n, 0).rows(b, n, words);
+                self.launch(OpsKernel::CopyRows, &params)?;
             }
             off += n;
         }
@@ -379,25 +422,27 @@ impl Buffers for DeviceBackend {
         if r0 + n > s {
             return Err(Error::ShapeMismatch(format!("rows {r0}..{} of a sequence of {s}", r0 + n)));
         }
-        let mut out = DeviceBuf::alloc(&self.stream, b * n * w)?;
+        let words = words(x.elem(), w, "a slice along the sequence")?;
+        let mut out = DeviceBuf::alloc(&self.stream, x.elem(), b * n * w)?;
         {
             let (src, _gs) = x.read_ptr(&self.stream)?;
-            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
-            self.launch(OpsKernel::CopyRows, &OpsParams::copy_rows(dst, n, 0, src, s, r0).rows(b, n, w))?;
+            let (dst, _gd) = out.write_ptr(&self.stream)?;
+            self.launch(OpsKernel::CopyRows, &OpsParams::copy_rows(dst, n, 0, src, s, r0).rows(b, n, words))?;
         }
         Ok(out)
     }
 
     fn select_heads(&self, x: &DeviceBuf, shape: BufShape, heads: &[usize]) -> Result<DeviceBuf> {
         expect_len("x", x, shape.len())?;
+        let d = words(x.elem(), shape.d, "a head selection")?;
         let list = self.head_list(heads, shape.h)?;
         let rows = shape.b * shape.n;
-        let mut out = DeviceBuf::alloc(&self.stream, rows * heads.len() * shape.d)?;
+        let mut out = DeviceBuf::alloc(&self.stream, x.elem(), rows * heads.len() * shape.d)?;
         {
             let (src, _gs) = x.read_ptr(&self.stream)?;
             let (idx, _gi) = cudarc::driver::DevicePtr::device_ptr(&*list, &self.stream);
-            let (dst, _gd) = write_ptr(out.make_mut(&self.stream)?, &self.stream);
-            let p = OpsParams::heads(true, src, dst, idx, rows, shape.h, heads.len(), shape.d, false);
+            let (dst, _gd) = out.write_ptr(&self.stream)?;
+            let p = OpsParams::heads(true, src, dst, idx, rows, shape.h, heads.len(), d, false);
             self.launch(OpsKernel::SelectHeads, &p)?;
         }
         Ok(out)
@@ -414,18 +459,29 @@ impl Buffers for DeviceBackend {
         expect_len("dst", dst, shape.len())?;
         let rows = shape.b * shape.n;
         expect_len("src", src, rows * heads.len() * shape.d)?;
+        if src.elem() != dst.elem() {
+            return Err(Error::InvalidArgument(format!(
+                "scatter heads: {} values into a buffer of {}",
+                src.elem(),
+                dst.elem()
+            )));
+        }
+        if !assign {
+            expect_f32("dst", dst)?;
+        }
+        let d = words(dst.elem(), shape.d, "a head scatter")?;
         let list = self.head_list(heads, shape.h)?;
         let (s, _gs) = src.read_ptr(&self.stream)?;
         let (idx, _gi) = cudarc::driver::DevicePtr::device_ptr(&*list, &self.stream);
-        let (d, _gd) = write_ptr(dst.make_mut(&self.stream)?, &self.stream);
-        let p = OpsParams::heads(false, d, s, idx, rows, shape.h, heads.len(), shape.d, assign);
+        let (dptr, _gd) = dst.write_ptr(&self.stream)?;
+        let p = OpsParams::heads(false, dptr, s, idx, rows, shape.h, heads.len(), d, assign);
         self.launch(OpsKernel::ScatterHeads, &p)
     }
 }
 
-/// What a step keeps alive until its kernels have run (16-bit inputs, the mask).
+/// What a step keeps alive until its kernels have run (its 16-bit inputs, the mask).
 struct StepInputs {
-    _bits: Vec<CudaSlice<u16>>,
+    _inputs: Vec<DeviceBuf>,
     _mask: Arc<DeviceMask>,
 }
 
@@ -488,20 +544,20 @@ impl Backend for DeviceBackend {
         let mask = self.mask(&dims, q_pos, k_pos, params)?;
         let mut out = SavedContext::alloc(&self.stream, &dims)?;
         let start = self.step_start()?;
-        let (q16, k16, v16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?);
+        let (q16, k16, v16) = (self.step_bits(q)?, self.step_bits(k)?, self.step_bits(v)?);
         let args = FlashForwardArgs {
             dims,
             dtype: self.dtype,
-            q: &q16,
-            k: &k16,
-            v: &v16,
+            q: q16.bits()?,
+            k: k16.bits()?,
+            v: v16.bits()?,
             mask: &mask,
             scale: params.softmax_scale(dims.d),
         };
         self.device.forward_into(&self.stream, &args, &mut out)?;
         self.step_end(start)?;
         let done = self.done_event()?;
-        let keep = StepInputs { _bits: vec![q16, k16, v16], _mask: mask };
+        let keep = StepInputs { _inputs: vec![q16, k16, v16], _mask: mask };
         let mut o = DeviceBuf::from_slice(out.o, q_len(&dims), None)?;
         let mut lse = DeviceBuf::from_slice(out.lse, lse_len(&dims), None)?;
         o.set_ready(Some(done.clone()));
@@ -547,25 +603,27 @@ impl Backend for DeviceBackend {
         let mask = self.mask(&dims, q_pos, k_pos, params)?;
         let mut grads = DeviceGradients::alloc(&self.stream, &dims)?;
         let start = self.step_start()?;
-        let (q16, k16, v16, do16) = (self.bits(q)?, self.bits(k)?, self.bits(v)?, self.bits(d_o)?);
-        for b in [o, lse, big_d] {
+        let (q16, k16, v16) = (self.step_bits(q)?, self.step_bits(k)?, self.step_bits(v)?);
+        let do16 = self.step_bits(d_o)?;
+        for b in [lse, big_d] {
             b.wait_on(&self.stream)?;
         }
         let args = FlashForwardArgs {
             dims,
             dtype: self.dtype,
-            q: &q16,
-            k: &k16,
-            v: &v16,
+            q: q16.bits()?,
+            k: k16.bits()?,
+            v: v16.bits()?,
             mask: &mask,
             scale: params.softmax_scale(dims.d),
         };
-        let saved = (o.slice(), lse.slice());
-        let delta = Delta::Given(big_d.slice());
-        self.device.backward_parts(&self.stream, &args, saved, &do16, self.dq_mode, delta, &mut grads)?;
+        // `delta` is given: the kernels do not read `o` (which may be 16-bit).
+        let saved = (None, lse.f32s()?);
+        let delta = Delta::Given(big_d.f32s()?);
+        self.device.backward_parts(&self.stream, &args, saved, do16.bits()?, self.dq_mode, delta, &mut grads)?;
         self.step_end(start)?;
         let done = self.done_event()?;
-        let keep = StepInputs { _bits: vec![q16, k16, v16, do16], _mask: mask };
+        let keep = StepInputs { _inputs: vec![q16, k16, v16, do16], _mask: mask };
         let mut out = (
             DeviceBuf::from_slice(grads.dq, q_len(&dims), None)?,
             DeviceBuf::from_slice(grads.dk, kv_len(&dims), None)?,
@@ -589,11 +647,13 @@ impl Backend for DeviceBackend {
         if self.skip_compute {
             return self.filled(lse_len(&dims), 0.0, DType::F32);
         }
-        let do16 = self.bits(d_o)?;
-        o.wait_on(&self.stream)?;
+        let do16 = self.step_bits(d_o)?;
+        // The rowsum kernel reads o as f32 (a 16-bit o is widened once, here).
+        let o32 = self.convert(o, DType::F32)?;
+        o32.wait_on(&self.stream)?;
         let n = lse_len(&dims);
         let mut delta = buffers::alloc_nan(&self.stream, n)?;
-        self.device.rowsum_into(&self.stream, &dims, self.dtype, o.slice(), &do16, &mut delta)?;
+        self.device.rowsum_into(&self.stream, &dims, self.dtype, o32.f32s()?, do16.bits()?, &mut delta)?;
         DeviceBuf::from_slice(delta, n, None)
     }
 }

@@ -1,5 +1,5 @@
-//! [`DeviceBuf`]: f32 values in GPU memory as the communicators and the device backend move
-//! and compute on them, and the event waits they share.
+//! [`DeviceBuf`]: typed values in GPU memory as the communicators and the device backend
+//! move and compute on them, and the event waits they share.
 
 use std::fmt;
 use std::sync::Arc;
@@ -9,13 +9,113 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::probe::guard;
 use crate::comm::Payload;
-use crate::{Error, Result};
+use crate::{Elem, Error, HostBuf, HostData, Result};
 
-/// A buffer of f32 values in GPU memory: the [`Payload`] of the device communicators
+/// The device allocation behind a [`DeviceBuf`], typed by what the kernels read from it.
+#[derive(Debug)]
+enum Storage {
+    /// f32 values.
+    F32(CudaSlice<f32>),
+    /// The 16-bit patterns of bf16 or f16 values.
+    Bits16(CudaSlice<u16>),
+    /// Bytes (control data).
+    U8(CudaSlice<u8>),
+}
+
+impl Storage {
+    /// `len` uninitialised elements of `elem` (at least [`capacity`] of them).
+    ///
+    /// # Safety
+    /// The caller writes every element it later reads.
+    unsafe fn alloc(stream: &Arc<CudaStream>, elem: Elem, len: usize) -> Result<Storage> {
+        let n = capacity(elem, len);
+        guard("cuMemAlloc", || {
+            // SAFETY: forwarded to the caller.
+            Ok(match elem {
+                Elem::F32 => Storage::F32(unsafe { stream.alloc::<f32>(n) }?),
+                Elem::BF16 | Elem::F16 => Storage::Bits16(unsafe { stream.alloc::<u16>(n) }?),
+                _ => Storage::U8(unsafe { stream.alloc::<u8>(n) }?),
+            })
+        })
+    }
+
+    fn elements(&self) -> usize {
+        match self {
+            Storage::F32(s) => s.len(),
+            Storage::Bits16(s) => s.len(),
+            Storage::U8(s) => s.len(),
+        }
+    }
+
+    fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
+        match self {
+            Storage::F32(s) => s.context(),
+            Storage::Bits16(s) => s.context(),
+            Storage::U8(s) => s.context(),
+        }
+    }
+
+    fn ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        match self {
+            Storage::F32(s) => s.device_ptr(stream),
+            Storage::Bits16(s) => s.device_ptr(stream),
+            Storage::U8(s) => s.device_ptr(stream),
+        }
+    }
+
+    fn ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        match self {
+            Storage::F32(s) => s.device_ptr_mut(stream),
+            Storage::Bits16(s) => s.device_ptr_mut(stream),
+            Storage::U8(s) => s.device_ptr_mut(stream),
+        }
+    }
+
+    /// A copy of the whole allocation on `stream`.
+    fn duplicate(&self, stream: &Arc<CudaStream>) -> Result<Storage> {
+        guard("copy-on-write (cuMemcpyDtoDAsync)", || {
+            // SAFETY (each arm): every element is written by the copy, stream ordered.
+            Ok(match self {
+                Storage::F32(s) => {
+                    let mut d = unsafe { stream.alloc::<f32>(s.len()) }?;
+                    stream.memcpy_dtod(s, &mut d)?;
+                    Storage::F32(d)
+                }
+                Storage::Bits16(s) => {
+                    let mut d = unsafe { stream.alloc::<u16>(s.len()) }?;
+                    stream.memcpy_dtod(s, &mut d)?;
+                    Storage::Bits16(d)
+                }
+                Storage::U8(s) => {
+                    let mut d = unsafe { stream.alloc::<u8>(s.len()) }?;
+                    stream.memcpy_dtod(s, &mut d)?;
+                    Storage::U8(d)
+                }
+            })
+        })
+    }
+}
+
+/// Elements allocated for `len` values of `elem`: at least one (the driver refuses empty
+/// allocations) and, for 16-bit values, an even number, so that the data-movement kernels
+/// may move them as pairs ([`crate::kernels::params::OpsUnits`]) up to the allocation's end.
+pub(crate) fn capacity(elem: Elem, len: usize) -> usize {
+    match elem {
+        Elem::BF16 | Elem::F16 => len.div_ceil(2).max(1) * 2,
+        _ => len.max(1),
+    }
+}
+
+/// A typed buffer in GPU memory: the [`Payload`] of the device communicators
 /// ([`super::DeviceComm`], [`super::NcclComm`]) and the `Buf` of [`super::DeviceBackend`].
 ///
-/// * **Shared storage**: an `Arc` of a cudarc [`CudaSlice<f32>`]; `clone` is cheap (no
-///   device copy). Writes go through copy-on-write ([`DeviceBuf::make_mut`]): a buffer whose
+/// * **Element type** ([`DeviceBuf::elem`]): f32 (LSE, partial outputs, gradient
+///   accumulators), bf16 or f16 as their 16-bit patterns (q, k, v, o and `d_o` of 16-bit
+///   inputs: what the kernels read, and what travels between ranks — half the bytes of f32),
+///   or bytes (control data). The communicators move the buffer's own type (NCCL's
+///   `ncclFloat32`, `ncclBfloat16`, `ncclFloat16`, `ncclUint8`).
+/// * **Shared storage**: an `Arc` of a cudarc [`CudaSlice`]; `clone` is cheap (no device
+///   copy). Writes go through copy-on-write ([`DeviceBuf::make_mut`]): a buffer whose
 ///   storage is shared gets its own copy first, so a buffer handed to a send is never
 ///   modified under it.
 /// * **Readiness**: an optional event recorded after the work that produced the contents
@@ -24,19 +124,24 @@ use crate::{Error, Result};
 ///   streams as well; the event here also lets a host thread wait for the contents
 ///   ([`DeviceBuf::wait_ready`]).
 /// * **Length**: [`DeviceBuf::len`] elements; the allocation holds at least one (the driver
-///   refuses empty allocations), so an empty buffer still owns a one-element slice.
+///   refuses empty allocations), and an even number for 16-bit values.
 ///
 /// ```no_run
 /// use ringattn::cuda::{CudaDevice, DeviceBuf};
+/// use ringattn::{DType, Elem, HostBuf};
 /// let dev = CudaDevice::new(0)?;
 /// let buf = DeviceBuf::upload(dev.stream(), &[1.0, 2.0, 3.0])?;
 /// let copy = buf.clone(); // shares the device memory
 /// assert_eq!(copy.download(dev.stream())?, vec![1.0, 2.0, 3.0]);
+/// // bf16 values stay 16-bit on the device.
+/// let half = DeviceBuf::upload_host(dev.stream(), &HostBuf::filled(4, 1.5, DType::BF16))?;
+/// assert_eq!((half.elem(), half.bytes()), (Elem::BF16, 8));
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 #[derive(Clone)]
 pub struct DeviceBuf {
-    data: Arc<CudaSlice<f32>>,
+    data: Arc<Storage>,
+    elem: Elem,
     len: usize,
     ready: Option<Arc<CudaEvent>>,
 }
@@ -44,8 +149,9 @@ pub struct DeviceBuf {
 impl fmt::Debug for DeviceBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeviceBuf")
+            .field("elem", &self.elem)
             .field("len", &self.len)
-            .field("capacity", &self.data.len())
+            .field("capacity", &self.data.elements())
             .field("shared", &(Arc::strong_count(&self.data) > 1))
             .field("ready_event", &self.ready.is_some())
             .finish()
@@ -57,26 +163,54 @@ impl Payload for DeviceBuf {
         self.len
     }
 
-    fn elem(&self) -> crate::Elem {
-        crate::Elem::F32
+    fn elem(&self) -> Elem {
+        self.elem
     }
 }
 
 impl DeviceBuf {
-    /// A buffer of the first `len` elements of `slice`, ready once `ready` (when given) has
-    /// completed.
+    /// A buffer of the first `len` f32 values of `slice`, ready once `ready` (when given)
+    /// has completed.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when `slice` holds fewer than `len` elements.
     pub fn from_slice(slice: CudaSlice<f32>, len: usize, ready: Option<CudaEvent>) -> Result<DeviceBuf> {
-        if slice.len() < len {
-            return Err(Error::ShapeMismatch(format!("a device buffer of {len} values in a slice of {}", slice.len())));
-        }
-        Ok(DeviceBuf { data: Arc::new(slice), len, ready: ready.map(Arc::new) })
+        DeviceBuf::from_storage(Storage::F32(slice), Elem::F32, len, ready)
     }
 
-    /// A device copy of `host`, uploaded on `stream` (pageable memory: the call returns once
-    /// the values have left `host`).
+    /// A buffer of the first `len` 16-bit patterns of `slice` as `elem` ([`Elem::BF16`] or
+    /// [`Elem::F16`]), ready once `ready` (when given) has completed. The data-movement
+    /// kernels move 16-bit values in pairs: `slice` must hold an even number of elements
+    /// (at least `len`).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `slice` holds fewer than `len` elements or an odd
+    /// number; [`Error::InvalidArgument`] for an `elem` that is not 16-bit.
+    pub fn from_bits(slice: CudaSlice<u16>, elem: Elem, len: usize, ready: Option<CudaEvent>) -> Result<DeviceBuf> {
+        if elem.size_of() != 2 {
+            return Err(Error::InvalidArgument(format!("DeviceBuf::from_bits: {elem} is not a 16-bit type")));
+        }
+        if slice.len() % 2 != 0 {
+            return Err(Error::ShapeMismatch(format!(
+                "a 16-bit device buffer needs an even allocation (the kernels move pairs), not {}",
+                slice.len()
+            )));
+        }
+        DeviceBuf::from_storage(Storage::Bits16(slice), elem, len, ready)
+    }
+
+    fn from_storage(storage: Storage, elem: Elem, len: usize, ready: Option<CudaEvent>) -> Result<DeviceBuf> {
+        if storage.elements() < len {
+            return Err(Error::ShapeMismatch(format!(
+                "a device buffer of {len} values in an allocation of {}",
+                storage.elements()
+            )));
+        }
+        Ok(DeviceBuf { data: Arc::new(storage), elem, len, ready: ready.map(Arc::new) })
+    }
+
+    /// A device copy of the f32 values `host`, uploaded on `stream` (pageable memory: the
+    /// call returns once the values have left `host`).
     ///
     /// # Errors
     /// [`Error::Cuda`] when the allocation or copy fails (or there is no driver).
@@ -85,16 +219,38 @@ impl DeviceBuf {
         DeviceBuf::from_slice(slice, host.len(), None)
     }
 
-    /// `len` uninitialised values (at least one element allocated) on `stream`, for a kernel
-    /// to write every one of them.
-    pub(crate) fn alloc(stream: &Arc<CudaStream>, len: usize) -> Result<DeviceBuf> {
-        // SAFETY: the caller writes the `len` values before anything reads them (stream
-        // ordered); the extra element of an empty buffer is never read.
-        let slice = guard("cuMemAlloc", || unsafe { stream.alloc::<f32>(len.max(1)) })?;
-        DeviceBuf::from_slice(slice, len, None)
+    /// A device copy of `host` in its own element type (bf16 and f16 as 16-bit patterns,
+    /// bytes as bytes), uploaded on `stream` as [`DeviceBuf::upload`].
+    ///
+    /// # Errors
+    /// As [`DeviceBuf::upload`].
+    pub fn upload_host(stream: &Arc<CudaStream>, host: &HostBuf) -> Result<DeviceBuf> {
+        let elem = host.elem();
+        match host.data() {
+            HostData::F32(v) => DeviceBuf::upload(stream, v),
+            HostData::U8(v) => {
+                let slice = super::buffers::upload(stream, v)?;
+                DeviceBuf::from_storage(Storage::U8(slice), elem, v.len(), None)
+            }
+            data => {
+                let mut bits: Vec<u16> = bytemuck::cast_slice(data.as_bytes()).to_vec();
+                bits.resize(capacity(elem, bits.len()), 0);
+                let slice = super::buffers::upload(stream, &bits)?;
+                DeviceBuf::from_bits(slice, elem, host.len(), None)
+            }
+        }
     }
 
-    /// Number of f32 values.
+    /// `len` uninitialised values of `elem` (see [`capacity`]) on `stream`, for a kernel to
+    /// write every one of them.
+    pub(crate) fn alloc(stream: &Arc<CudaStream>, elem: Elem, len: usize) -> Result<DeviceBuf> {
+        // SAFETY: the caller writes the `len` values before anything reads them (stream
+        // ordered); the padding elements are never read as values.
+        let storage = unsafe { Storage::alloc(stream, elem, len) }?;
+        DeviceBuf::from_storage(storage, elem, len, None)
+    }
+
+    /// Number of values.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -104,9 +260,46 @@ impl DeviceBuf {
         self.len == 0
     }
 
-    /// The allocation (at least [`DeviceBuf::len`] elements; read only the first `len`).
-    pub fn slice(&self) -> &CudaSlice<f32> {
-        &self.data
+    /// The element type.
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+
+    /// Bytes of the values (`len · elem.size_of()`).
+    pub fn bytes(&self) -> usize {
+        self.len * self.elem.size_of()
+    }
+
+    /// The CUDA context of the allocation.
+    pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
+        self.data.context()
+    }
+
+    /// The f32 allocation (at least [`DeviceBuf::len`] elements; read only the first `len`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer of another element type.
+    pub fn f32s(&self) -> Result<&CudaSlice<f32>> {
+        match &*self.data {
+            Storage::F32(s) => Ok(s),
+            _ => Err(self.wrong_elem("f32")),
+        }
+    }
+
+    /// The 16-bit allocation of a bf16 or f16 buffer (an even number of elements, at least
+    /// [`DeviceBuf::len`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer of another element type.
+    pub fn bits(&self) -> Result<&CudaSlice<u16>> {
+        match &*self.data {
+            Storage::Bits16(s) => Ok(s),
+            _ => Err(self.wrong_elem("bf16 or f16")),
+        }
+    }
+
+    fn wrong_elem(&self, want: &str) -> Error {
+        Error::InvalidArgument(format!("a device buffer of {} {} values where {want} values are needed", self.len, self.elem))
     }
 
     /// The event after which the contents are ready, if the producer recorded one.
@@ -149,53 +342,81 @@ impl DeviceBuf {
         }
     }
 
-    /// The values on the host (waits for them on `stream`, then copies synchronously).
+    /// The values on the host in the buffer's element type (waits for them on `stream`,
+    /// then copies synchronously).
     ///
     /// # Errors
     /// [`Error::Cuda`] when the copy fails; errors of earlier kernels on the stream surface
     /// here.
-    pub fn download(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
+    pub fn download(&self, stream: &Arc<CudaStream>) -> Result<HostBuf> {
+        use super::buffers::download;
         self.wait_on(stream)?;
-        super::buffers::download(stream, &self.data, self.len)
+        Ok(match &*self.data {
+            Storage::F32(s) => HostBuf::from(download(stream, s, self.len)?),
+            Storage::U8(s) => HostBuf::bytes(download(stream, s, self.len)?),
+            Storage::Bits16(s) => {
+                let bits = download(stream, s, self.len)?;
+                HostBuf::new(HostData::from_bytes(self.elem, bytemuck::cast_slice(&bits))?)
+            }
+        })
     }
 
-    /// The storage for writing on `stream`: first ordered after the producer's work; copied
-    /// (device to device, on `stream`) when another buffer shares it, so that no other
-    /// holder sees the write. The readiness event is cleared: later writes are ordered on
-    /// `stream`, and other streams by cudarc's per-allocation events.
+    /// Makes the storage this buffer's own for writing on `stream`: first ordered after the
+    /// producer's work; copied (device to device, on `stream`) when another buffer shares
+    /// it, so that no other holder sees the write. The readiness event is cleared: later
+    /// writes are ordered on `stream`, and other streams by cudarc's per-allocation events.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the wait, allocation or copy fails.
-    pub fn make_mut(&mut self, stream: &Arc<CudaStream>) -> Result<&mut CudaSlice<f32>> {
+    pub fn make_mut(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         self.wait_on(stream)?;
         if Arc::get_mut(&mut self.data).is_none() {
-            let src: &CudaSlice<f32> = &self.data;
-            let copy = guard("copy-on-write (cuMemcpyDtoDAsync)", || {
-                // SAFETY: every element is written by the copy below, stream ordered.
-                let mut dst = unsafe { stream.alloc::<f32>(src.len()) }?;
-                stream.memcpy_dtod(src, &mut dst)?;
-                Ok(dst)
-            })?;
-            self.data = Arc::new(copy);
+            self.data = Arc::new(self.data.duplicate(stream)?);
         }
         self.ready = None;
+        Ok(())
+    }
+
+    fn storage_mut(&mut self, stream: &Arc<CudaStream>) -> Result<&mut Storage> {
+        self.make_mut(stream)?;
         Arc::get_mut(&mut self.data).ok_or_else(|| Error::Cuda("copy-on-write: the buffer is still shared".into()))
+    }
+
+    /// The f32 storage for writing on `stream` ([`DeviceBuf::make_mut`] first).
+    ///
+    /// # Errors
+    /// As [`DeviceBuf::make_mut`]; [`Error::InvalidArgument`] for a buffer of another
+    /// element type.
+    pub fn f32s_mut(&mut self, stream: &Arc<CudaStream>) -> Result<&mut CudaSlice<f32>> {
+        let err = self.wrong_elem("f32");
+        match self.storage_mut(stream)? {
+            Storage::F32(s) => Ok(s),
+            _ => Err(err),
+        }
     }
 
     /// Device address of the values for reading on `stream` (ordered after their producer),
     /// with cudarc's guard that records the read when dropped.
     pub(crate) fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> Result<(u64, cudarc::driver::SyncOnDrop<'a>)> {
         self.wait_on(stream)?;
-        Ok(self.data.device_ptr(stream))
+        Ok(self.data.ptr(stream))
     }
-}
 
-/// Device address of `slice` for writing on `stream`, with cudarc's guard.
-pub(crate) fn write_ptr<'a, T>(
-    slice: &'a mut CudaSlice<T>,
-    stream: &'a CudaStream,
-) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
-    slice.device_ptr_mut(stream)
+    /// Device address of the values for writing on `stream` ([`DeviceBuf::make_mut`]
+    /// first), with cudarc's guard that records the write when dropped.
+    pub(crate) fn write_ptr<'a>(
+        &'a mut self,
+        stream: &'a Arc<CudaStream>,
+    ) -> Result<(u64, cudarc::driver::SyncOnDrop<'a>)> {
+        Ok(self.storage_mut(stream)?.ptr_mut(stream))
+    }
+
+    /// Device address of the values without waiting on the readiness event: for a
+    /// communicator whose operation is ordered by its own waits (and which keeps the buffer
+    /// alive until the operation has run).
+    pub(crate) fn raw_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        self.data.ptr(stream)
+    }
 }
 
 /// Polls `event` until it has completed: spins briefly, then sleeps in short steps, for at

@@ -117,7 +117,7 @@ impl DeviceComm {
     /// Copies the first `data.len()` values of `data` into a new buffer on the copy stream,
     /// returning it with the event recorded after the copy.
     fn copy_out(&self, data: &DeviceBuf) -> Result<(DeviceBuf, Arc<CudaEvent>)> {
-        if **data.slice().context() != **self.device.context() {
+        if **data.context() != **self.device.context() {
             return Err(Error::Cuda(format!(
                 "send: the buffer was allocated on another device than {}",
                 self.device.ordinal()
@@ -126,18 +126,17 @@ impl DeviceComm {
         let n = data.len();
         let s = &self.copy;
         data.wait_on(s)?;
-        let dst = guard("send: cuMemcpyDtoDAsync on the copy stream", || {
-            // SAFETY: the first `n` elements are written by the copy below (stream ordered);
-            // the extra element of an empty buffer is never read.
-            let mut dst = unsafe { s.alloc::<f32>(n.max(1)) }?;
-            if n > 0 {
-                let src = data.slice().slice(0..n);
-                s.memcpy_dtod(&src, &mut dst)?;
-            }
-            Ok(dst)
-        })?;
+        let mut buf = DeviceBuf::alloc(s, data.elem(), n)?;
+        if n > 0 {
+            let (src, _gs) = data.read_ptr(s)?;
+            let (dst, _gd) = buf.write_ptr(s)?;
+            // SAFETY: both addresses hold at least `data.bytes()` bytes of live allocations
+            // (the source is kept alive by the send until the copy has run); ordered on `s`.
+            guard("send: cuMemcpyDtoDAsync on the copy stream", || unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, data.bytes(), s.cu_stream())
+            })?;
+        }
         let done = Arc::new(guard("recording an event", || s.record_event(None))?);
-        let mut buf = DeviceBuf::from_slice(dst, n, None)?;
         buf.set_ready(Some(done.clone()));
         Ok((buf, done))
     }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::nccl_sys as sys;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::bootstrap::{broadcast_unique_id, exchange_unique_id, BootstrapEnv};
 use super::device_buf::DeviceBuf;
@@ -68,6 +68,16 @@ pub fn new_unique_id() -> Result<UniqueId> {
 }
 
 /// The text of an NCCL result code.
+/// NCCL's type of a buffer's elements.
+fn nccl_type(elem: crate::Elem) -> sys::ncclDataType_t {
+    match elem {
+        crate::Elem::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        crate::Elem::F16 => sys::ncclDataType_t::ncclFloat16,
+        crate::Elem::U8 => sys::ncclDataType_t::ncclUint8,
+        _ => sys::ncclDataType_t::ncclFloat32,
+    }
+}
+
 fn nccl_text(r: sys::ncclResult_t) -> String {
     nccl().map_or_else(|_| format!("{r:?}"), |lib| lib.error_text(r))
 }
@@ -329,12 +339,12 @@ impl Inner {
                 let peer = op.peer as c_int;
                 let r = match &op.kind {
                     Kind::Send(b) if !b.is_empty() => {
-                        let (p, _g) = b.slice().device_ptr(s);
-                        // SAFETY: `p` addresses `b.len()` f32 of a live buffer (kept alive
-                        // by the flight until the group has run); the stream belongs to
-                        // the communicator's device.
+                        let (p, _g) = b.raw_ptr(s);
+                        // SAFETY: `p` addresses `b.len()` values of `b.elem()` of a live buffer
+                        // (kept alive by the flight until the group has run); the stream
+                        // belongs to the communicator's device.
                         nccl_call("ncclSend", || unsafe {
-                            (lib.send)(p as *const _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                            (lib.send)(p as *const _, b.len(), nccl_type(b.elem()), peer, c, raw)
                         })
                     }
                     Kind::Recv(b) if !b.is_empty() => {
@@ -342,23 +352,24 @@ impl Inner {
                         // handle gives it out only after the group's event, carried as its
                         // readiness event (every use waits on that), so the address is
                         // taken without cudarc's write tracking.
-                        let (p, _g) = b.slice().device_ptr(s);
-                        // SAFETY: as for the send; `p` holds `b.len()` f32 to be written.
+                        let (p, _g) = b.raw_ptr(s);
+                        // SAFETY: as for the send; `p` holds `b.len()` values to be written.
                         nccl_call("ncclRecv", || unsafe {
-                            (lib.recv)(p as *mut _, b.len(), sys::ncclDataType_t::ncclFloat32, peer, c, raw)
+                            (lib.recv)(p as *mut _, b.len(), nccl_type(b.elem()), peer, c, raw)
                         })
                     }
                     Kind::AllReduce(x, out) if !x.is_empty() => {
-                        let (src, _gs) = x.slice().device_ptr(s);
-                        let (dst, _gd) = out.slice().device_ptr(s);
-                        // SAFETY: `src` and `dst` address `x.len()` f32 of live buffers (kept
-                        // alive by the flight); `out` was allocated for this operation.
+                        let (src, _gs) = x.raw_ptr(s);
+                        let (dst, _gd) = out.raw_ptr(s);
+                        // SAFETY: `src` and `dst` address `x.len()` values of `x.elem()` of
+                        // live buffers (kept alive by the flight); `out` was allocated for
+                        // this operation.
                         nccl_call("ncclAllReduce", || unsafe {
                             (lib.all_reduce)(
                                 src as *const _,
                                 dst as *mut _,
                                 x.len(),
-                                sys::ncclDataType_t::ncclFloat32,
+                                nccl_type(x.elem()),
                                 sys::ncclRedOp_t::ncclSum,
                                 c,
                                 raw,
@@ -366,15 +377,15 @@ impl Inner {
                         })
                     }
                     Kind::Broadcast(b, root) if !b.is_empty() => {
-                        let (p, _g) = b.slice().device_ptr(s);
-                        // SAFETY: in place: `p` addresses `b.len()` f32 of a live buffer that
-                        // only this operation uses.
+                        let (p, _g) = b.raw_ptr(s);
+                        // SAFETY: in place: `p` addresses `b.len()` values of a live buffer
+                        // that only this operation uses.
                         nccl_call("ncclBroadcast", || unsafe {
                             (lib.broadcast)(
                                 p as *const _,
                                 p as *mut _,
                                 b.len(),
-                                sys::ncclDataType_t::ncclFloat32,
+                                nccl_type(b.elem()),
                                 *root as c_int,
                                 c,
                                 raw,
@@ -670,15 +681,13 @@ impl NcclComm {
     /// counts would hang or corrupt): one small exchange, the same error on every rank.
     fn agree_on_length(&self, op: &str, len: usize) -> Result<()> {
         let stream = &self.inner.stream;
-        let code: Vec<f32> = (len as u64).to_le_bytes().iter().map(|&b| f32::from(b)).collect();
-        let mine = DeviceBuf::upload(stream, &code)?;
+        let mine = DeviceBuf::upload_host(stream, &crate::HostBuf::bytes((len as u64).to_le_bytes().to_vec()))?;
         let all = crate::comm::exchange(self, vec![mine; self.size], &vec![8; self.size])?;
         let mut lens = Vec::with_capacity(self.size);
         for b in &all {
-            let v = b.download(stream)?;
-            let bytes: Vec<u8> = v.iter().map(|&x| x as u8).collect();
+            let record = b.download(stream)?;
             lens.push(u64::from_le_bytes(
-                bytes.try_into().map_err(|_| Error::Cuda(format!("{op}: a bad size record")))?,
+                record.data().as_bytes().try_into().map_err(|_| Error::Cuda(format!("{op}: a bad size record")))?,
             ));
         }
         match lens.iter().position(|&n| n != lens[0]) {
@@ -771,7 +780,7 @@ impl Communicator for NcclComm {
     }
 
     fn isend(&self, to: usize, tag: Tag, data: DeviceBuf) -> Result<SendHandle> {
-        let bytes = (data.len() * 4) as u64;
+        let bytes = data.bytes() as u64;
         self.post(to, tag, Kind::Send(data))?;
         self.inner.root.bytes.fetch_add(bytes, Ordering::Relaxed);
         let inner = self.inner.clone();
@@ -782,10 +791,7 @@ impl Communicator for NcclComm {
     }
 
     fn irecv(&self, from: usize, tag: Tag, len: usize, elem: crate::Elem) -> Result<RecvHandle<DeviceBuf>> {
-        if elem != crate::Elem::F32 {
-            return Err(Error::InvalidArgument(format!("NCCL recv: device buffers hold f32, not {elem}")));
-        }
-        let buf = DeviceBuf::alloc(&self.inner.stream, len)?;
+        let buf = DeviceBuf::alloc(&self.inner.stream, elem, len)?;
         let slot = self.post(from, tag, Kind::Recv(buf.clone()))?;
         let inner = self.inner.clone();
         Ok(RecvHandle::new(move || {
@@ -834,8 +840,11 @@ impl Communicator for NcclComm {
     /// operation's. `add` is not used.
     fn all_reduce(&self, data: DeviceBuf, _add: &crate::comm::AddFn<'_, DeviceBuf>) -> Result<DeviceBuf> {
         self.agree_on_length("all_reduce", data.len())?;
-        let bytes = (data.len() * 4) as u64;
-        let mut out = DeviceBuf::alloc(&self.inner.stream, data.len())?;
+        if data.elem() == crate::Elem::U8 {
+            return Err(Error::InvalidArgument("NCCL all_reduce: a sum of bytes".into()));
+        }
+        let bytes = data.bytes() as u64;
+        let mut out = DeviceBuf::alloc(&self.inner.stream, data.elem(), data.len())?;
         let done = self.collective(Kind::AllReduce(data, out.clone()))?;
         let p = self.size as u64;
         self.inner.root.bytes.fetch_add(2 * bytes * (p - 1) / p.max(1), Ordering::Relaxed);
@@ -855,7 +864,7 @@ impl Communicator for NcclComm {
         data.make_mut(&self.inner.stream)?;
         let done = self.collective(Kind::Broadcast(data.clone(), root))?;
         if self.rank == root {
-            self.inner.root.bytes.fetch_add((data.len() * 4) as u64 * (self.size as u64 - 1), Ordering::Relaxed);
+            self.inner.root.bytes.fetch_add(data.bytes() as u64 * (self.size as u64 - 1), Ordering::Relaxed);
         }
         data.set_ready(Some(done));
         Ok(data)

@@ -45,9 +45,9 @@ impl ncclResult_t {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ncclDataType_t(pub c_uint);
 
-// The floating-point types ringattn's buffers can hold.
-#[allow(dead_code)]
+// The types ringattn's buffers can hold.
 impl ncclDataType_t {
+    pub const ncclUint8: ncclDataType_t = ncclDataType_t(1);
     pub const ncclFloat16: ncclDataType_t = ncclDataType_t(6);
     pub const ncclFloat32: ncclDataType_t = ncclDataType_t(7);
     pub const ncclBfloat16: ncclDataType_t = ncclDataType_t(9);

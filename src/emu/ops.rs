@@ -8,10 +8,10 @@ use std::sync::Mutex;
 
 use super::{check, EmuLaunch, EmuOptions, Schedule};
 use crate::kernels::geometry::{self, Launch, OpsKernel};
-use crate::kernels::params::OpsParams;
+use crate::kernels::params::{pair_word, words, OpsParams};
 use crate::parallel::{BufShape, Buffers, CpuBackend};
 use crate::random::randn;
-use crate::{DType, HostBuf, Result};
+use crate::{DType, Elem, HostBuf, Result};
 
 extern "C" {
     fn ringattn_emu_ops(kernel: i32, p: OpsParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
@@ -298,10 +298,11 @@ fn out_of_range_accesses_are_reported() {
 }
 
 /// The drivers over the emulated device: every data movement of a strategy through the
-/// ops.cu kernels (as `cuda::DeviceBackend` composes them), the attention steps through the
-/// emulated flash kernels. Buffers are host memory standing in for device memory, holding
-/// every dtype as f32 as the device backend does; host↔device transfers and the sizes of
-/// the buffers the device allocates are counted.
+/// ops.cu kernels (composed as `cuda::DeviceBackend` composes them: typed buffers, 16-bit
+/// values moved as pairs of values in 4-byte words, [`words`], 16-bit allocations padded to
+/// an even count), the attention steps through the emulated flash kernels. Buffers are host
+/// memory standing in for device memory, each in its own element type as on the device;
+/// host↔device transfers and the sizes of the buffers the device allocates are counted.
 struct EmuDevice {
     ops: Emu,
     flash: super::EmuBackend,
@@ -311,12 +312,48 @@ struct EmuDevice {
     allocations: Mutex<Vec<usize>>,
 }
 
+/// A device allocation of the emulated device: `len` values of `elem` in a zeroed byte
+/// vector of the device's capacity (16-bit: an even count), as 4-byte words.
+struct Alloc {
+    words: Vec<u32>,
+    elem: Elem,
+    len: usize,
+}
+
+impl Alloc {
+    fn new(elem: Elem, len: usize) -> Alloc {
+        let cap = match elem {
+            Elem::BF16 | Elem::F16 => len.div_ceil(2).max(1) * 2,
+            _ => len.max(1),
+        };
+        Alloc { words: vec![0xffff_ffff; (cap * elem.size_of()).div_ceil(4)], elem, len }
+    }
+
+    fn addr(&mut self) -> u64 {
+        self.words.as_mut_ptr() as u64
+    }
+
+    fn into_buf(self) -> HostBuf {
+        let bytes: &[u8] = bytemuck::cast_slice(&self.words);
+        HostBuf::new(crate::HostData::from_bytes(self.elem, &bytes[..self.len * self.elem.size_of()]).expect("whole values"))
+    }
+}
+
+fn read_addr(b: &HostBuf) -> u64 {
+    b.data().as_bytes().as_ptr() as u64
+}
+
 impl EmuDevice {
     fn new(ops: Emu, flash: super::EmuBackend) -> Self {
         EmuDevice { ops, flash, transfers: AtomicUsize::new(0), allocations: Mutex::new(Vec::new()) }
     }
 
-    fn alloc(&self, len: usize) {
+    fn alloc(&self, elem: Elem, len: usize) -> Alloc {
+        self.allocations.lock().unwrap().push(len);
+        Alloc::new(elem, len)
+    }
+
+    fn record(&self, len: usize) {
         self.allocations.lock().unwrap().push(len);
     }
 
@@ -327,23 +364,12 @@ impl EmuDevice {
     }
 }
 
-fn f32s(b: &HostBuf) -> Result<&[f32]> {
-    b.f32s()
-}
-
 impl Buffers for EmuDevice {
     type Buf = HostBuf;
 
-    fn storage(&self, _dtype: DType) -> crate::Elem {
-        crate::Elem::F32
-    }
-
     fn upload(&self, host: &HostBuf) -> Result<HostBuf> {
         self.transfers.fetch_add(1, Ordering::Relaxed);
-        Ok(match host.data() {
-            crate::HostData::U8(b) => b.iter().map(|&x| f32::from(x)).collect::<Vec<_>>().into(),
-            _ => host.to_f32()?.into_owned().into(),
-        })
+        Ok(HostBuf::new(host.data().clone()))
     }
 
     fn download(&self, buf: &HostBuf) -> Result<HostBuf> {
@@ -351,17 +377,36 @@ impl Buffers for EmuDevice {
         Ok(buf.clone())
     }
 
-    fn filled(&self, len: usize, value: f32, _dtype: DType) -> Result<HostBuf> {
-        self.alloc(len);
-        Ok(self.ops.filled(len, value).into())
+    fn filled(&self, len: usize, value: f32, dtype: DType) -> Result<HostBuf> {
+        let mut out = self.alloc(dtype.into(), len);
+        let (n, word) = match dtype {
+            DType::F32 => (len, value),
+            DType::BF16 => (out.words.len(), pair_word(half::bf16::from_f32(value).to_bits())),
+            DType::F16 => (out.words.len(), pair_word(half::f16::from_f32(value).to_bits())),
+        };
+        self.ops.run(OpsKernel::Fill, OpsParams::fill(out.addr(), n, word));
+        Ok(out.into_buf())
     }
 
     fn convert(&self, x: &HostBuf, dtype: DType) -> Result<HostBuf> {
-        if dtype == DType::F32 {
+        if x.elem() == Elem::from(dtype) {
             return Ok(x.clone());
         }
-        self.alloc(x.len());
-        Ok(self.ops.round(x.f32s()?, dtype).into())
+        let from = x.elem().dtype().expect("a tensor dtype");
+        let wide = match OpsKernel::convert_from(from) {
+            None => x.clone(),
+            Some(kernel) => {
+                let mut out = self.alloc(Elem::F32, x.len());
+                self.ops.run(kernel, OpsParams::widen(out.addr(), read_addr(x), x.len()));
+                out.into_buf()
+            }
+        };
+        if dtype == DType::F32 {
+            return Ok(wide);
+        }
+        let mut out = self.alloc(dtype.into(), x.len());
+        self.ops.run(OpsKernel::convert_to(dtype), OpsParams::convert(out.addr(), read_addr(&wide), x.len()));
+        Ok(out.into_buf())
     }
 
     fn add_into(&self, acc: &mut HostBuf, x: &HostBuf) -> Result<()> {
@@ -383,30 +428,56 @@ impl Buffers for EmuDevice {
     }
 
     fn concat_seq(&self, parts: &[HostBuf], b: usize, w: usize) -> Result<HostBuf> {
-        let parts = parts.iter().map(|p| f32s(p).map(<[f32]>::to_vec)).collect::<Result<Vec<_>>>()?;
-        self.alloc(parts.iter().map(Vec::len).sum());
-        Ok(self.ops.concat_seq(&parts, b, w).into())
+        let elem = parts.first().map_or(Elem::F32, HostBuf::elem);
+        let rows: Vec<usize> = parts.iter().map(|p| p.len() / (b * w)).collect();
+        let total: usize = rows.iter().sum();
+        let words = words(elem, w, "concat")?;
+        let mut out = self.alloc(elem, b * total * w);
+        let mut off = 0;
+        for (p, &n) in parts.iter().zip(&rows) {
+            let params = OpsParams::copy_rows(out.addr(), total, off, read_addr(p), n, 0).rows(b, n, words);
+            self.ops.run(OpsKernel::CopyRows, params);
+            off += n;
+        }
+        Ok(out.into_buf())
     }
 
     fn seq_slice(&self, x: &HostBuf, b: usize, s: usize, w: usize, r0: usize, n: usize) -> Result<HostBuf> {
-        self.alloc(b * n * w);
-        Ok(self.ops.seq_slice(x.f32s()?, b, s, w, r0, n).into())
+        let words = words(x.elem(), w, "slice")?;
+        let mut out = self.alloc(x.elem(), b * n * w);
+        let params = OpsParams::copy_rows(out.addr(), n, 0, read_addr(x), s, r0).rows(b, n, words);
+        self.ops.run(OpsKernel::CopyRows, params);
+        Ok(out.into_buf())
     }
 
-    fn select_heads(&self, x: &HostBuf, shape: BufShape, heads: &[usize]) -> Result<HostBuf> {
-        self.alloc(shape.b * shape.n * heads.len() * shape.d);
-        Ok(self.ops.select_heads(x.f32s()?, shape, heads).into())
+    fn select_heads(&self, x: &HostBuf, sh: BufShape, heads: &[usize]) -> Result<HostBuf> {
+        let d = words(x.elem(), sh.d, "select heads")?;
+        let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+        let mut out = self.alloc(x.elem(), sh.b * sh.n * heads.len() * sh.d);
+        let rows = sh.b * sh.n;
+        let p = OpsParams::heads(true, read_addr(x), out.addr(), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, false);
+        self.ops.run(OpsKernel::SelectHeads, p);
+        Ok(out.into_buf())
     }
 
     fn scatter_heads(
         &self,
         dst: &mut HostBuf,
-        shape: BufShape,
+        sh: BufShape,
         heads: &[usize],
         src: &HostBuf,
         assign: bool,
     ) -> Result<()> {
-        self.ops.scatter_heads(dst.f32s_mut()?, shape, heads, src.f32s()?, assign);
+        assert_eq!(dst.elem(), src.elem());
+        if !assign {
+            dst.f32s()?;
+        }
+        let d = words(dst.elem(), sh.d, "scatter heads")?;
+        let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+        let dst_addr = dst.make_mut().as_bytes_mut().as_mut_ptr() as u64;
+        let rows = sh.b * sh.n;
+        let p = OpsParams::heads(false, dst_addr, read_addr(src), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, assign);
+        self.ops.run(OpsKernel::ScatterHeads, p);
         Ok(())
     }
 }
@@ -427,8 +498,8 @@ impl crate::parallel::Backend for EmuDevice {
         params: &crate::AttentionParams,
     ) -> Result<crate::parallel::Pending<crate::parallel::ForwardPartial<HostBuf>>> {
         let (o, lse) = self.flash.forward_block(dims, q, k, v, q_pos, k_pos, params)?.wait()?;
-        self.alloc(o.len());
-        self.alloc(lse.len());
+        self.record(o.len());
+        self.record(lse.len());
         Ok(crate::parallel::Pending::ready((o, lse)))
     }
 
@@ -447,14 +518,69 @@ impl crate::parallel::Backend for EmuDevice {
         params: &crate::AttentionParams,
     ) -> Result<crate::parallel::Pending<crate::parallel::GradientPartial<HostBuf>>> {
         let g = self.flash.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)?.wait()?;
-        [&g.0, &g.1, &g.2].iter().for_each(|x| self.alloc(x.len()));
+        [&g.0, &g.1, &g.2].iter().for_each(|x| self.record(x.len()));
         Ok(crate::parallel::Pending::ready(g))
     }
 
     fn softmax_grad_rowsum(&self, dims: crate::Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
         let d = self.flash.softmax_grad_rowsum(dims, o, d_o)?;
-        self.alloc(d.len());
+        self.record(d.len());
         Ok(d)
+    }
+}
+
+/// 16-bit buffers on the emulated device, composed as the device backend composes them
+/// (pairs of values in 4-byte words, padded allocations): fill, both conversions (the
+/// widening exact for every 16-bit pattern tried, NaN payloads included), sequence and head
+/// movements — equal, bit for bit, to the host's typed operations; rows of an odd number of
+/// 16-bit values are refused, not moved wrongly.
+#[test]
+fn sixteen_bit_buffers_move_as_pairs_like_the_host() {
+    let host = CpuBackend::default();
+    let flash = super::EmuBackend::default();
+    for (i, e) in emus().into_iter().enumerate() {
+        let dev = EmuDevice::new(e, flash);
+        for dtype in [DType::BF16, DType::F16] {
+            let elem = Elem::from(dtype);
+            let t = |n: usize, seed: u64| HostBuf::from(vals(n, seed)).converted(dtype);
+            for len in [0, 1, 7, 64] {
+                let got = dev.filled(len, -1.3, dtype).unwrap();
+                assert_eq!(got, host.filled(len, -1.3, dtype).unwrap(), "{dtype} fill {len}");
+                assert_eq!(got.elem(), elem);
+            }
+            // Widening: every 5th pattern (odd count: a padded allocation) and the specials.
+            let mut pats: Vec<u16> = (0..=u16::MAX).step_by(5 + i).collect();
+            pats.extend([0x7fff, 0xffff, 0x7c01, 0x7f81, 0x8000, 0x0001]);
+            let bits = HostBuf::new(crate::HostData::from_bytes(elem, bytemuck::cast_slice(&pats)).unwrap());
+            let wide = dev.convert(&bits, DType::F32).unwrap();
+            let want = bits.converted(DType::F32);
+            assert!(bits_eq(wide.f32s().unwrap(), want.f32s().unwrap()), "{dtype}: widening");
+            let back = dev.convert(&wide, dtype).unwrap();
+            assert_eq!(back.data().as_bytes(), want.converted(dtype).data().as_bytes(), "{dtype}: narrowing back");
+            // Sequence movements: [b, n, w] with w even.
+            let (b, w) = (3, 6);
+            let parts: Vec<HostBuf> = [3usize, 0, 5, 1].iter().map(|&n| t(b * n * w, 10 + n as u64)).collect();
+            let got = dev.concat_seq(&parts, b, w).unwrap();
+            assert_eq!(got, host.concat_seq(&parts, b, w).unwrap(), "{dtype} concat");
+            let x = t(2 * 11 * w, 20);
+            for (r0, n) in [(3, 6), (0, 11), (10, 1), (11, 0)] {
+                let got = dev.seq_slice(&x, 2, 11, w, r0, n).unwrap();
+                assert_eq!(got, host.seq_slice(&x, 2, 11, w, r0, n).unwrap(), "{dtype} slice {r0}+{n}");
+            }
+            assert!(dev.seq_slice(&t(2 * 4 * 3, 21), 2, 4, 3, 1, 2).is_err(), "odd rows of 16-bit values");
+            // Head movements: d even, lists with repeats.
+            let sh = BufShape { b: 2, n: 3, h: 5, d: 8 };
+            let x = t(sh.len(), 40);
+            for heads in [&[3usize, 0, 0, 2][..], &[1], &[], &[4, 3, 2, 1, 0]] {
+                let got = dev.select_heads(&x, sh, heads).unwrap();
+                assert_eq!(got, host.select_heads(&x, sh, heads).unwrap(), "{dtype} select {heads:?}");
+                let src = t(sh.b * sh.n * heads.len() * sh.d, 50);
+                let (mut got, mut want) = (x.clone(), x.clone());
+                dev.scatter_heads(&mut got, sh, heads, &src, true).unwrap();
+                host.scatter_heads(&mut want, sh, heads, &src, true).unwrap();
+                assert_eq!(got, want, "{dtype} scatter {heads:?}");
+            }
+        }
     }
 }
 
@@ -501,7 +627,8 @@ fn every_strategy_runs_on_the_emulated_device() {
 /// After setup (the plan made, the shards uploaded), a forward and a backward on the
 /// emulated device move nothing between host and device and allocate no buffer larger than a
 /// shard's q: no full-sequence buffer (all-gather, which gathers the whole K/V by design, is
-/// left out). The results equal those of the host buffers bit for bit.
+/// left out). The results equal those of the host buffers bit for bit, in the input dtype,
+/// and the forward sends the host run's bytes (16-bit on the wire).
 #[test]
 fn plan_calls_on_the_emulated_device_stay_on_the_device() {
     use crate::comm::{spmd, Communicator, LocalOptions};
@@ -528,19 +655,23 @@ fn plan_calls_on_the_emulated_device_stay_on_the_device() {
             let [qb, kb, vb, dob] = bufs.map(|b| b.expect("upload"));
             dev.take_counts();
             let (o, saved) = plan.forward(&qb, &kb, &vb)?;
+            let sent = plan.last_stats().bytes_sent;
             let g = plan.backward(&saved, &dob)?;
             let (transfers, largest) = dev.take_counts();
             // The same calls on host buffers (16-bit values as they are).
             let host = ParallelPlan::new(comm, &flash, &params, &Dims::of(&qs, &ks, &vs)?, dtype)?;
             let hb = [&qs, &ks, &vs, &dos].map(HostBuf::from_tensor);
             let (ho, hsaved) = host.forward(&hb[0], &hb[1], &hb[2])?;
+            let host_sent = host.last_stats().bytes_sent;
             let hg = host.backward(&hsaved, &hb[3])?;
-            let same = |a: &HostBuf, h: &HostBuf| a.converted(dtype) == *h;
-            let equal = same(&o, &ho) && saved.lse == hsaved.lse && same(&g.dq, &hg.dq) && same(&g.dk, &hg.dk);
-            Ok((transfers, largest, equal && same(&g.dv, &hg.dv)))
+            // Typed on the device as on the host: the outputs in the input dtype, bit for bit.
+            let equal = o == ho && saved.lse == hsaved.lse && g.dq == hg.dq && g.dk == hg.dk && g.dv == hg.dv;
+            Ok((transfers, largest, equal && o.elem() == Elem::from(dtype), (sent, host_sent)))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let (transfers, largest, equal) = r.unwrap_or_else(|e| panic!("{strategy}: {e}"));
+            let (transfers, largest, equal, (sent, host_sent)) = r.unwrap_or_else(|e| panic!("{strategy}: {e}"));
+            // 16-bit q, k, v on the device's wire: the host run's bytes, not f32's double.
+            assert!(sent > 0 && sent == host_sent, "{strategy} rank {rank}: forward bytes {sent} on the device, {host_sent} on the host");
             assert_eq!(transfers, 0, "{strategy} rank {rank}: host-device transfers inside the calls");
             assert!(largest > 0 && largest <= shard_q, "{strategy} rank {rank}: a buffer of {largest} > {shard_q}");
             assert!(equal, "{strategy} rank {rank}: results differ from the host buffers'");

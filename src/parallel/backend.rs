@@ -72,8 +72,8 @@ pub trait Buffers: Sync {
     /// The buffers this backend computes on (and its communicator moves).
     type Buf: Payload;
 
-    /// The element type this backend stores values of `dtype` in: `dtype` itself, except
-    /// for backends that hold every dtype as f32 (the device backend, for now).
+    /// The element type this backend stores values of `dtype` in: `dtype` itself for every
+    /// backend of the crate (a backend that holds some dtype wider overrides it).
     fn storage(&self, dtype: DType) -> crate::Elem {
         dtype.into()
     }
@@ -93,8 +93,8 @@ pub trait Buffers: Sync {
     /// Allocation errors.
     fn filled(&self, len: usize, value: f32, dtype: DType) -> Result<Self::Buf>;
     /// `x`'s values as `dtype` (rounded to nearest even when narrowing; `x` itself, shared,
-    /// when it already is). Backends that hold every dtype as f32 (the device backend) round
-    /// where the values leave them.
+    /// when it already is). A backend that holds a dtype wider rounds where the values
+    /// leave it.
     ///
     /// # Errors
     /// Allocation errors.
