@@ -428,8 +428,8 @@ fn sixteen_bit_values_stay_sixteen_bit_on_the_device() {
     let params = ParallelParams { strategy: Strategy::Ring, ..Default::default() };
     let run = cuda::DeviceRunOptions::default();
     let dev = cuda::run_on_device(4, LocalOptions::default(), &run, &q, &q, &q, None, &params).unwrap();
-    let on_host = ringattn::parallel::run_in_process(4, LocalOptions::default(), &host, &q, &q, &q, None, &params)
-        .unwrap();
+    let on_host =
+        ringattn::parallel::run_in_process(4, LocalOptions::default(), &host, &q, &q, &q, None, &params).unwrap();
     for (r, (a, b)) in dev.stats.iter().zip(&on_host.stats).enumerate() {
         assert_eq!(a.0.bytes_sent, b.0.bytes_sent, "rank {r}: forward bytes on the device vs the host");
     }

@@ -299,7 +299,10 @@ impl DeviceBuf {
     }
 
     fn wrong_elem(&self, want: &str) -> Error {
-        Error::InvalidArgument(format!("a device buffer of {} {} values where {want} values are needed", self.len, self.elem))
+        Error::InvalidArgument(format!(
+            "a device buffer of {} {} values where {want} values are needed",
+            self.len, self.elem
+        ))
     }
 
     /// The event after which the contents are ready, if the producer recorded one.

@@ -335,7 +335,9 @@ impl Alloc {
 
     fn into_buf(self) -> HostBuf {
         let bytes: &[u8] = bytemuck::cast_slice(&self.words);
-        HostBuf::new(crate::HostData::from_bytes(self.elem, &bytes[..self.len * self.elem.size_of()]).expect("whole values"))
+        HostBuf::new(
+            crate::HostData::from_bytes(self.elem, &bytes[..self.len * self.elem.size_of()]).expect("whole values"),
+        )
     }
 }
 
@@ -455,7 +457,8 @@ impl Buffers for EmuDevice {
         let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
         let mut out = self.alloc(x.elem(), sh.b * sh.n * heads.len() * sh.d);
         let rows = sh.b * sh.n;
-        let p = OpsParams::heads(true, read_addr(x), out.addr(), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, false);
+        let p =
+            OpsParams::heads(true, read_addr(x), out.addr(), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, false);
         self.ops.run(OpsKernel::SelectHeads, p);
         Ok(out.into_buf())
     }
@@ -476,7 +479,8 @@ impl Buffers for EmuDevice {
         let idx: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
         let dst_addr = dst.make_mut().as_bytes_mut().as_mut_ptr() as u64;
         let rows = sh.b * sh.n;
-        let p = OpsParams::heads(false, dst_addr, read_addr(src), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, assign);
+        let p =
+            OpsParams::heads(false, dst_addr, read_addr(src), idx.as_ptr() as u64, rows, sh.h, heads.len(), d, assign);
         self.ops.run(OpsKernel::ScatterHeads, p);
         Ok(())
     }
@@ -671,7 +675,10 @@ fn plan_calls_on_the_emulated_device_stay_on_the_device() {
         for (rank, r) in results.into_iter().enumerate() {
             let (transfers, largest, equal, (sent, host_sent)) = r.unwrap_or_else(|e| panic!("{strategy}: {e}"));
             // 16-bit q, k, v on the device's wire: the host run's bytes, not f32's double.
-            assert!(sent > 0 && sent == host_sent, "{strategy} rank {rank}: forward bytes {sent} on the device, {host_sent} on the host");
+            assert!(
+                sent > 0 && sent == host_sent,
+                "{strategy} rank {rank}: forward bytes {sent} on the device, {host_sent} on the host"
+            );
             assert_eq!(transfers, 0, "{strategy} rank {rank}: host-device transfers inside the calls");
             assert!(largest > 0 && largest <= shard_q, "{strategy} rank {rank}: a buffer of {largest} > {shard_q}");
             assert!(equal, "{strategy} rank {rank}: results differ from the host buffers'");
