@@ -241,6 +241,32 @@ impl DeviceBuf {
         }
     }
 
+    /// A new buffer holding a copy of the `len` values of `elem` at device address `src`,
+    /// copied device to device on `stream` (asynchronously: the copy is ordered before any
+    /// later use on `stream`; other streams wait through cudarc's events) — how a
+    /// framework's device tensor (candle's CUDA storage) becomes a plan's input without a
+    /// host round trip.
+    ///
+    /// # Safety
+    /// `src` must address `len · elem.size_of()` readable bytes in `stream`'s context, left
+    /// unmodified until the copy has run on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the allocation or the copy fails.
+    pub unsafe fn copy_from_device(stream: &Arc<CudaStream>, elem: Elem, src: u64, len: usize) -> Result<DeviceBuf> {
+        let mut out = DeviceBuf::alloc(stream, elem, len)?;
+        if len > 0 {
+            let (dst, _g) = out.write_ptr(stream)?;
+            let bytes = len * elem.size_of();
+            // SAFETY: `dst` holds at least `bytes` bytes (just allocated); `src` is the
+            // caller's promise.
+            guard("cuMemcpyDtoDAsync", || unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream())
+            })?;
+        }
+        Ok(out)
+    }
+
     /// `len` uninitialised values of `elem` (see [`capacity`]) on `stream`, for a kernel to
     /// write every one of them.
     pub(crate) fn alloc(stream: &Arc<CudaStream>, elem: Elem, len: usize) -> Result<DeviceBuf> {

@@ -5,9 +5,12 @@
 //! their communicator ([`crate::comm::spmd_shared`]).
 //!
 //! Tensors are candle's `[b, s, h, d]` (the crate's layout), this rank's tokens at the plan's
-//! positions. Storage: CPU (f32, bf16, f16) on the host backends (CPU, emulated kernels).
-//! CUDA storage is refused with an error for now: the device path needs 16-bit device
-//! buffers, which the plan does not have yet.
+//! positions. Storage ([`CandleBuf`]): CPU tensors (f32, bf16, f16) on a plan over a host
+//! backend (CPU, emulated kernels); CUDA tensors (bf16, f16) on a plan over
+//! `cuda::DeviceBackend` with the `cuda` feature (which turns on candle-core's `cuda`): the
+//! inputs copied device to device on candle's stream into the plan's typed device buffers,
+//! the ring/Ulysses steps and their communication on the device, the output and gradients
+//! copied into candle's storage — no host round trip.
 //!
 //! Each call records its own operation in candle's graph, which keeps that call's saved
 //! context (o, LSE, inputs) until the graph is dropped: any number of layers, repeated calls
@@ -17,15 +20,21 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, DType as CDType, Device, Layout, Shape, Tensor, Var};
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType as CDType, Device, Layout, Shape, Tensor, Var};
 
 use crate::comm::{add_host, Communicator};
 use crate::parallel::{Backend, ParallelPlan, ResolvedParams, SavedForward};
-use crate::{DType, Error, HostBuf, HostData};
+use crate::{DType, Error, HostBuf};
 
-/// A `'static` plan over host buffers, as [`ring_attention`] takes it
-/// ([`ParallelPlan::new_shared`] in an `Arc`).
+#[cfg(feature = "cuda")]
+mod cuda;
+mod storage;
+
+pub use storage::CandleBuf;
+use storage::{buf_tensor, tensor_buf};
+
+/// A `'static` plan, as [`ring_attention`] takes it ([`ParallelPlan::new_shared`] in an
+/// `Arc`).
 pub type SharedPlan<Be> = Arc<ParallelPlan<'static, Be>>;
 
 fn wrap(e: Error) -> candle_core::Error {
@@ -46,60 +55,30 @@ fn dtype_of(d: CDType) -> candle_core::Result<DType> {
     }
 }
 
-/// The values of a CPU storage under a contiguous layout.
-fn host_buf(s: &CpuStorage, l: &Layout) -> candle_core::Result<HostBuf> {
-    let (a, b) = l.contiguous_offsets().ok_or_else(|| msg("ringattn: a non-contiguous input".into()))?;
-    Ok(HostBuf::new(match s {
-        CpuStorage::F32(v) => HostData::F32(v[a..b].to_vec()),
-        CpuStorage::BF16(v) => HostData::BF16(v[a..b].to_vec()),
-        CpuStorage::F16(v) => HostData::F16(v[a..b].to_vec()),
-        _ => return Err(msg("ringattn: attention takes f32, bf16 or f16 tensors".into())),
-    }))
+/// One call's operation in candle's graph: the plan, and the context its forward saved for
+/// its backward.
+struct RingAttention<Be: Backend + 'static> {
+    plan: SharedPlan<Be>,
+    saved: Mutex<Option<SavedForward<Be::Buf>>>,
 }
 
-/// The values of a host buffer as a CPU storage.
-fn storage(b: HostBuf) -> candle_core::Result<CpuStorage> {
-    Ok(match b.into_data() {
-        HostData::F32(v) => CpuStorage::F32(v),
-        HostData::BF16(v) => CpuStorage::BF16(v),
-        HostData::F16(v) => CpuStorage::F16(v),
-        other => return Err(msg(format!("ringattn: a {} buffer is not a tensor", other.elem()))),
-    })
-}
-
-/// The values of a CPU tensor as a host buffer of `dtype`.
-fn tensor_buf(t: &Tensor, dtype: DType) -> candle_core::Result<HostBuf> {
-    let t = t.to_dtype(match dtype {
-        DType::F32 => CDType::F32,
-        DType::BF16 => CDType::BF16,
-        _ => CDType::F16,
-    })?;
-    let flat = t.flatten_all()?;
-    Ok(HostBuf::new(match dtype {
-        DType::F32 => HostData::F32(flat.to_vec1::<f32>()?),
-        DType::BF16 => HostData::BF16(flat.to_vec1::<bf16>()?),
-        _ => HostData::F16(flat.to_vec1::<f16>()?),
-    }))
-}
-
-/// A host buffer as a CPU tensor of `shape`.
-fn buf_tensor(b: HostBuf, shape: &Shape) -> candle_core::Result<Tensor> {
-    match b.into_data() {
-        HostData::F32(v) => Tensor::from_vec(v, shape, &Device::Cpu),
-        HostData::BF16(v) => Tensor::from_vec(v, shape, &Device::Cpu),
-        HostData::F16(v) => Tensor::from_vec(v, shape, &Device::Cpu),
-        other => Err(msg(format!("ringattn: a {} buffer is not a tensor", other.elem()))),
+impl<Be> RingAttention<Be>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
+    fn forward(&self, q: Be::Buf, k: Be::Buf, v: Be::Buf) -> candle_core::Result<Be::Buf> {
+        let (o, saved) = self.plan.forward(&q, &k, &v).map_err(wrap)?;
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
+        Ok(o)
     }
 }
 
-/// One call's operation in candle's graph: the plan, and the context its forward saved for
-/// its backward.
-struct RingAttention<Be: Backend<Buf = HostBuf> + 'static> {
-    plan: SharedPlan<Be>,
-    saved: Mutex<Option<SavedForward<HostBuf>>>,
-}
-
-impl<Be: Backend<Buf = HostBuf> + Send + Sync + 'static> CustomOp3 for RingAttention<Be> {
+impl<Be> CustomOp3 for RingAttention<Be>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
     fn name(&self) -> &'static str {
         "ringattn-ring-attention"
     }
@@ -113,10 +92,23 @@ impl<Be: Backend<Buf = HostBuf> + Send + Sync + 'static> CustomOp3 for RingAtten
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (host_buf(s1, l1)?, host_buf(s2, l2)?, host_buf(s3, l3)?);
-        let (o, saved) = self.plan.forward(&q, &k, &v).map_err(wrap)?;
-        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
-        Ok((storage(o)?, l1.shape().clone()))
+        let b = |s, l| <Be::Buf as CandleBuf>::from_cpu(s, l);
+        let o = self.forward(b(s1, l1)?, b(s2, l2)?, b(s3, l3)?)?;
+        Ok((o.into_cpu()?, l1.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let b = |s, l| <Be::Buf as CandleBuf>::from_cuda(s, l);
+        let o = self.forward(b(s1, l1)?, b(s2, l2)?, b(s3, l3)?)?;
+        Ok((o.into_cuda(s1)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -129,21 +121,24 @@ impl<Be: Backend<Buf = HostBuf> + Send + Sync + 'static> CustomOp3 for RingAtten
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let saved = saved.ok_or_else(|| msg("ringattn: a backward without its forward".into()))?;
-        let d_o = tensor_buf(grad_res, self.plan.dtype())?;
+        let d_o: Be::Buf = tensor_buf(grad_res, self.plan.dtype())?;
         let g = self.plan.backward(&saved, &d_o).map_err(wrap)?;
-        Ok((Some(buf_tensor(g.dq, q.shape())?), Some(buf_tensor(g.dk, k.shape())?), Some(buf_tensor(g.dv, v.shape())?)))
+        let t = |b, like: &Tensor| buf_tensor(b, like.shape(), like).map(Some);
+        Ok((t(g.dq, q)?, t(g.dk, k)?, t(g.dv, v)?))
     }
 }
 
 /// Exact attention of this rank's shard against the whole sequence, as a candle operation
 /// with autograd: `q` `[b, n, h_q, d]`, `k` and `v` `[b, n, h_kv, d]` (this rank's `n` tokens,
-/// at the plan's positions), in the plan's dtype, on the CPU; returns `o` `[b, n, h_q, d]` in
-/// that dtype. Collective over the plan's communicator, forward and backward (see the
+/// at the plan's positions), in the plan's dtype, on the plan's kind of device (CPU tensors
+/// for a host backend, CUDA tensors for `cuda::DeviceBackend`); returns `o` `[b, n, h_q, d]`
+/// in that dtype on the same device. Collective over the plan's communicator, forward and backward (see the
 /// module docs). Non-contiguous inputs are made contiguous first (differentiably).
 ///
 /// # Errors
 /// candle errors, and wrapped [`Error`]s: a dtype other than the plan's, shapes other than
-/// the planned shard, CUDA tensors (not yet), communication errors.
+/// the planned shard, tensors on another kind of device than the plan's buffers
+/// ([`CandleBuf`]), communication errors.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -169,20 +164,17 @@ impl<Be: Backend<Buf = HostBuf> + Send + Sync + 'static> CustomOp3 for RingAtten
 /// assert!(results.into_iter().all(|r| r.ok() == Some(true)));
 /// # Ok::<(), ringattn::Error>(())
 /// ```
-pub fn ring_attention<Be: Backend<Buf = HostBuf> + Send + Sync + 'static>(
-    plan: &SharedPlan<Be>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> candle_core::Result<Tensor> {
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if !t.device().is_cpu() {
-            return Err(msg(format!(
-                "ringattn: `{name}` is on {:?}; the candle operation takes CPU tensors (CUDA storage needs 16-bit \
-                 device buffers, not written yet)",
-                t.device()
-            )));
+pub fn ring_attention<Be>(plan: &SharedPlan<Be>, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
+    for (name, t) in [("k", k), ("v", v)] {
+        if !t.device().same_device(q.device()) {
+            return Err(msg(format!("ringattn: `{name}` is on {:?}, `q` on {:?}", t.device(), q.device())));
         }
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
         let dt = dtype_of(t.dtype())?;
         if dt != plan.dtype() {
             return Err(msg(format!("ringattn: `{name}` is {dt}, the plan is for {}", plan.dtype())));
@@ -243,7 +235,8 @@ pub fn unshard(resolved: &ResolvedParams, parts: &[Tensor], dim: usize) -> candl
 /// one all-reduce of all of them flattened in `vars` order (in f32, summed in a fixed order,
 /// so every rank gets bit-identical gradients and the replicas stay identical). A var
 /// without a gradient on this rank contributes zeros and gets the group's sum. Collective:
-/// every rank passes the same vars in the same order.
+/// every rank passes the same vars in the same order. CPU tensors over a host communicator;
+/// [`all_reduce_gradients_with`] for any buffer type (CUDA tensors over NCCL).
 ///
 /// With the loss of each rank a sum over its own tokens divided by the whole sequence's
 /// token count, the sum is the gradient of the whole sequence's mean loss.
@@ -255,22 +248,40 @@ pub fn all_reduce_gradients(
     vars: &[Var],
     grads: &mut candle_core::backprop::GradStore,
 ) -> candle_core::Result<()> {
-    let mut flat = Vec::new();
-    let mut sizes = Vec::with_capacity(vars.len());
+    all_reduce_gradients_with(comm, &add_host, vars, grads)
+}
+
+/// [`all_reduce_gradients`] over a communicator of any [`CandleBuf`] buffer type, adding
+/// with `add` (a backend's [`crate::parallel::Buffers::add_into`]; communicators with a
+/// native all-reduce, NCCL's, use their own): the gradients are flattened into one f32
+/// tensor on their device, moved into one buffer, summed over the group and split back —
+/// on the GPU for CUDA tensors with a device communicator, no host round trip.
+///
+/// # Errors
+/// As [`all_reduce_gradients`]; vars on different devices.
+pub fn all_reduce_gradients_with<B: CandleBuf>(
+    comm: &dyn Communicator<Buf = B>,
+    add: &crate::comm::AddFn<'_, B>,
+    vars: &[Var],
+    grads: &mut candle_core::backprop::GradStore,
+) -> candle_core::Result<()> {
+    let Some(first) = vars.first() else { return Ok(()) };
+    let device = first.device().clone();
+    let mut parts = Vec::with_capacity(vars.len());
+    for v in vars {
+        parts.push(match grads.get(v.as_tensor()) {
+            Some(g) => g.to_dtype(CDType::F32)?.flatten_all()?,
+            None => Tensor::zeros(v.elem_count(), CDType::F32, &device)?,
+        });
+    }
+    let flat = Tensor::cat(&parts, 0)?;
+    let sum = comm.all_reduce(tensor_buf(&flat, DType::F32)?, add).map_err(wrap)?;
+    let sum = buf_tensor(sum, flat.shape(), &flat)?;
+    let mut off = 0;
     for v in vars {
         let n = v.elem_count();
-        match grads.get(v.as_tensor()) {
-            Some(g) => flat.extend(g.to_dtype(CDType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-            None => flat.extend(std::iter::repeat_n(0.0, n)),
-        }
-        sizes.push(n);
-    }
-    let sum = comm.all_reduce(HostBuf::from(flat), &add_host).map_err(wrap)?;
-    let sum = sum.f32s().map_err(wrap)?;
-    let mut off = 0;
-    for (v, n) in vars.iter().zip(sizes) {
-        let g = Tensor::from_slice(&sum[off..off + n], v.shape(), &Device::Cpu)?.to_dtype(v.dtype())?;
-        grads.insert(v.as_tensor(), g.to_device(v.device())?);
+        let g = sum.narrow(0, off, n)?.reshape(v.shape())?.to_dtype(v.dtype())?;
+        grads.insert(v.as_tensor(), g);
         off += n;
     }
     Ok(())
