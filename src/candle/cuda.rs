@@ -26,11 +26,9 @@ fn driver(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
 
 impl CandleBuf for DeviceBuf {
     fn from_cpu(_: &CpuStorage, _: &Layout) -> candle_core::Result<DeviceBuf> {
-        Err(msg(
-            "ringattn: a CPU tensor for a plan over device buffers; CPU tensors take a plan over a host backend \
+        Err(msg("ringattn: a CPU tensor for a plan over device buffers; CPU tensors take a plan over a host backend \
              (CpuBackend, the emulated kernels)"
-                .into(),
-        ))
+            .into()))
     }
 
     fn into_cpu(self) -> candle_core::Result<CpuStorage> {

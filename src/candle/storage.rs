@@ -63,11 +63,9 @@ impl CandleBuf for HostBuf {
     }
 
     fn from_cuda(_: &CudaStorage, _: &Layout) -> candle_core::Result<HostBuf> {
-        Err(msg(
-            "ringattn: a CUDA tensor for a plan over host buffers; CUDA tensors take a plan over \
+        Err(msg("ringattn: a CUDA tensor for a plan over host buffers; CUDA tensors take a plan over \
              `cuda::DeviceBackend` on candle's stream (features `candle` + `cuda`)"
-                .into(),
-        ))
+            .into()))
     }
 
     fn into_cuda(self, _: &CudaStorage) -> candle_core::Result<CudaStorage> {

@@ -91,15 +91,66 @@ impl<B> RingInputs<'_, B> {
     }
 }
 
-/// Whether any query at `qp` may see any key at `kp` (false only when provably none does).
+/// Whether any query at `qp` may see any key at `kp` (false only when provably none does),
+/// from the positions' segments: O(segments²), not per row. Without documents it is exact
+/// when each pair of segments shares a stride (or one of them is a single position) — the
+/// contiguous, zigzag and striped layouts — and conservative otherwise (it may answer
+/// "visible" for a block whose pairs all fall between the window's bounds). With packed
+/// documents the rows' documents decide (per row).
 pub(crate) fn block_visible(params: &AttentionParams, qp: &Positions, kp: &Positions) -> Result<bool> {
     if qp.is_empty() || kp.is_empty() {
         return Ok(false);
     }
-    let vis = Visibility::new(params, qp, kp)?;
-    let q = spans(&vis.q_pos, vis.q_doc.as_deref(), usize::MAX)[0];
-    let k = spans(&vis.k_pos, vis.k_doc.as_deref(), usize::MAX)[0];
-    Ok(classify(&vis, &q, &k) != TileKind::Skip)
+    if params.documents.is_some() {
+        let vis = Visibility::new(params, qp, kp)?;
+        let q = spans(&vis.q_pos, vis.q_doc.as_deref(), usize::MAX)[0];
+        let k = spans(&vis.k_pos, vis.k_doc.as_deref(), usize::MAX)[0];
+        return Ok(classify(&vis, &q, &k) != TileKind::Skip);
+    }
+    if let Some(scale) = params.scale.filter(|x| !x.is_finite()) {
+        return Err(Error::Scale(scale));
+    }
+    // Key j is visible to query i iff pk - pq lies in [-left, right] (a missing side:
+    // unbounded).
+    let (left, right) = params.mask.bounds();
+    let (lo, hi) = (left.map_or(i64::MIN, |l| -l), right.unwrap_or(i64::MAX));
+    for qs in qp.segments().iter().filter(|s| s.len > 0) {
+        for ks in kp.segments().iter().filter(|s| s.len > 0) {
+            if differences_meet(qs, ks, lo, hi) {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Whether some `pk - pq` (`pq` in segment `q`, `pk` in `k`, both non-empty) may lie in
+/// `[lo, hi]`: exact when the differences form one arithmetic run (a shared stride, or a
+/// single position on one side), an interval test otherwise.
+fn differences_meet(q: &crate::Segment, k: &crate::Segment, lo: i64, hi: i64) -> bool {
+    let last = |s: &crate::Segment| s.start.saturating_add(s.stride.saturating_mul(s.len as i64 - 1));
+    let d0 = k.start.saturating_sub(q.start);
+    // The differences d0 + step·m, m in [m_lo, m_hi].
+    let run = match (q.len, k.len) {
+        (1, _) => Some((k.stride, 0, k.len as i64 - 1)),
+        (_, 1) => Some((q.stride, -(q.len as i64 - 1), 0)),
+        _ if q.stride == k.stride => Some((k.stride, -(q.len as i64 - 1), k.len as i64 - 1)),
+        _ => None,
+    };
+    match run {
+        Some((step, m_lo, m_hi)) => {
+            // The first m whose difference reaches `lo`, then whether it is within reach of
+            // `hi` (i128: no overflow at the unbounded sides).
+            let (d0, step, lo, hi) = (i128::from(d0), i128::from(step.max(1)), i128::from(lo), i128::from(hi));
+            let m = (lo - d0).div_euclid(step) + i128::from((lo - d0).rem_euclid(step) != 0);
+            let m = m.max(i128::from(m_lo));
+            m <= i128::from(m_hi) && d0 + step * m <= hi
+        }
+        None => {
+            let (min, max) = (k.start.saturating_sub(last(q)), last(k).saturating_sub(q.start));
+            max >= lo && min <= hi
+        }
+    }
 }
 
 /// Number of hops the ring needs: one past the last hop at which any rank sees any key of
@@ -336,4 +387,61 @@ pub(crate) fn backward<Be: Backend>(
         (dk, dv)
     };
     Ok((dq, dk, dv))
+}
+
+#[cfg(test)]
+mod visibility_tests {
+    use super::block_visible;
+    use crate::{AttentionParams, Mask, Positions, Segment};
+
+    /// Whether any pair is visible, row by row.
+    fn brute(mask: Mask, q: &Positions, k: &Positions) -> bool {
+        let (left, right) = mask.bounds();
+        q.iter().any(|pq| k.iter().any(|pk| left.is_none_or(|l| pk >= pq - l) && right.is_none_or(|r| pk <= pq + r)))
+    }
+
+    /// The segment test against the rows on random blocks: equal when every pair of
+    /// segments shares a stride (or is a single position), never "invisible" for a visible
+    /// block otherwise.
+    #[test]
+    fn segment_visibility_matches_the_rows() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 33) % n
+        };
+        let masks = [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window { left: Some(3), right: Some(0) },
+            Mask::Window { left: Some(0), right: Some(5) },
+            Mask::Window { left: Some(7), right: Some(2) },
+            Mask::Window { left: None, right: Some(4) },
+        ];
+        for round in 0..4000 {
+            let shared = round % 2 == 0;
+            let stride = 1 + next(4) as i64;
+            let mut block = |n: u64| {
+                let segments = (0..1 + next(n))
+                    .map(|_| Segment {
+                        start: next(60) as i64 - 10,
+                        stride: if shared { stride } else { 1 + next(5) as i64 },
+                        len: next(6) as usize,
+                    })
+                    .collect();
+                Positions::from_segments(segments).expect("positions")
+            };
+            let (q, k) = (block(3), block(3));
+            for mask in masks {
+                let params = AttentionParams { mask, ..Default::default() };
+                let got = block_visible(&params, &q, &k).expect("visibility");
+                let want = brute(mask, &q, &k);
+                if shared {
+                    assert_eq!(got, want, "{mask:?}\nq {q:?}\nk {k:?}");
+                } else {
+                    assert!(got || !want, "a visible block called invisible: {mask:?}\nq {q:?}\nk {k:?}");
+                }
+            }
+        }
+    }
 }

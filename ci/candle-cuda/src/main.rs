@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .into_iter()
             .map(|comm| {
                 let (gpu, stream, params, resolved, x) = (&gpu, &stream, &params, &resolved, &x);
-                scope.spawn(move || -> Result<(Tensor, Tensor), Box<dyn std::error::Error>> {
+                scope.spawn(move || -> Result<(Tensor, Tensor), Box<dyn std::error::Error + Send + Sync>> {
                     let rank = comm.rank();
                     let mine = ringattn::candle::shard(resolved, x, 1, rank)?;
                     let n = mine.dim(1)?;
