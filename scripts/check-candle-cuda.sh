@@ -3,8 +3,9 @@
 # (ci/candle-cuda; its program runs ring_attention on CUDA tensors where a GPU is) and lints
 # ringattn with both features: cudarc gets `dynamic-linking` from candle and `fallback-dynamic-loading`
 # from ringattn, which agree. Needs nvcc (scripts/test.sh installs it from PyPI into
-# target/venv-nvcc); candle's kernel build asks CUDA_COMPUTE_CAP (no GPU here). About 8
-# minutes on 2 cores (candle compiles its CUDA kernels). Usage: scripts/check-candle-cuda.sh
+# target/venv-nvcc); candle's kernel build asks CUDA_COMPUTE_CAP (no GPU here). About 12
+# minutes cold on 2 cores for the check, 9 more for the lint (candle compiles its CUDA
+# kernels; both reuse target/candle-cuda-check). Usage: scripts/check-candle-cuda.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc_home=$(cd "$(dirname "$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)")/.." && pwd)
