@@ -122,3 +122,21 @@ fn collectives_agree_in_both_message_orders() {
         }
     }
 }
+
+/// Tag blocks: the same on every rank, a fresh one per call, multiples of `TAG_BLOCK` below
+/// the collective range — and collectives between them keep every rank's numbering in step.
+#[test]
+fn tag_blocks_are_fresh_and_agree_across_ranks() {
+    use ringattn::comm::{COLLECTIVE_TAG, TAG_BLOCK};
+    let got = spmd(3, LocalOptions::default(), |comm| {
+        let a = comm.next_tag_block();
+        let sum = comm.all_reduce(HostBuf::from(vec![1.0f32]), &add_host)?;
+        let b = comm.next_tag_block();
+        Ok((a, b, sum.f32s()?[0]))
+    });
+    let got: Vec<_> = got.into_iter().map(|r| r.unwrap()).collect();
+    for &(a, b, sum) in &got {
+        assert_eq!((a, b, sum), (got[0].0, got[0].1, 3.0));
+        assert!(a != b && a % TAG_BLOCK == 0 && b % TAG_BLOCK == 0 && b + TAG_BLOCK <= COLLECTIVE_TAG);
+    }
+}

@@ -581,6 +581,10 @@ mod resolved_plan {
             self.collectives.fetch_add(1, Ordering::Relaxed);
             self.inner.next_collective_tag()
         }
+        /// A tag block is no communication: not counted.
+        fn next_tag_block(&self) -> Tag {
+            self.inner.next_tag_block()
+        }
         fn bytes_sent(&self) -> u64 {
             self.inner.bytes_sent()
         }

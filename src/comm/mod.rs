@@ -59,6 +59,10 @@ impl Payload for HostBuf {
 /// Tags at or above this are reserved for collectives.
 pub const COLLECTIVE_TAG: Tag = 1 << 62;
 
+/// Point-to-point tags in one block of [`Communicator::next_tag_block`]: a driver's call
+/// tags its messages `block + offset`, `offset < TAG_BLOCK`.
+pub const TAG_BLOCK: Tag = 1 << 20;
+
 /// A tag as error messages name it: `message tag N` or `collective #N`.
 pub(crate) fn describe_tag(tag: Tag) -> String {
     if tag >= COLLECTIVE_TAG {
@@ -187,6 +191,17 @@ pub trait Communicator: Send + Sync {
     /// The tag of this rank's next collective call (identical across ranks when collectives
     /// are called in the same order).
     fn next_collective_tag(&self) -> Tag;
+    /// The first tag of a fresh block of [`TAG_BLOCK`] point-to-point tags, for one call of
+    /// a driver (a ring forward or backward): the same on every rank when calls are made in
+    /// the same order (as collectives are), so no message of one call can match another
+    /// call's receive, and errors name the call's own tags. Blocks stay below
+    /// [`COLLECTIVE_TAG`]; a transport with fewer tags folds them (MPI: modulo its
+    /// point-to-point range, many calls apart). The default numbers blocks with the
+    /// collective counter ([`Communicator::next_collective_tag`]).
+    fn next_tag_block(&self) -> Tag {
+        let n = self.next_collective_tag() - COLLECTIVE_TAG;
+        (n % (COLLECTIVE_TAG / TAG_BLOCK)) * TAG_BLOCK
+    }
     /// Bytes this rank has sent so far through this communicator and its splits' root.
     fn bytes_sent(&self) -> u64;
     /// Hands every posted operation to the transport now: the hook of transports that post
@@ -342,6 +357,10 @@ impl<C: Communicator + ?Sized> Communicator for std::sync::Arc<C> {
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = Self::Buf>>> {
         (**self).split(color, key)
     }
+    fn next_tag_block(&self) -> Tag {
+        (**self).next_tag_block()
+    }
+
     fn next_collective_tag(&self) -> Tag {
         (**self).next_collective_tag()
     }

@@ -17,7 +17,8 @@ use ::mpi::ffi;
 use super::{Communicator, Payload, RecvHandle, SendHandle, Tag, COLLECTIVE_TAG};
 use crate::{Elem, Error, HostBuf, HostData, Result};
 
-/// Point-to-point tags of the drivers must stay below this; collective tags map above it.
+/// MPI tags below this carry point-to-point tags (folded modulo it); collective tags map
+/// above it.
 const P2P_TAG_LIMIT: Tag = 1 << 24;
 /// Largest number of bytes per MPI message (counts are C ints); longer buffers travel as
 /// several messages with the same tag, which MPI delivers in order.
@@ -313,16 +314,15 @@ impl MpiComm {
     }
 
     fn mpi_tag(&self, tag: Tag, op: &str) -> Result<c_int> {
+        // Point-to-point tags fold into MPI's range: tag blocks (`next_tag_block`) of calls
+        // P2P_TAG_LIMIT / TAG_BLOCK apart share MPI tags, long after their messages are
+        // matched (a call completes its messages before the next starts).
         let t = if tag >= COLLECTIVE_TAG {
             P2P_TAG_LIMIT + (tag - COLLECTIVE_TAG) % (self.root.tag_ub - P2P_TAG_LIMIT)
-        } else if tag < P2P_TAG_LIMIT {
-            tag
         } else {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: tag {tag} above the point-to-point limit {P2P_TAG_LIMIT}"
-            )));
+            tag % P2P_TAG_LIMIT
         };
-        Ok(t as c_int)
+        c_int::try_from(t).map_err(|_| Error::InvalidArgument(format!("{op}: tag {tag} maps outside MPI's tags")))
     }
 
     fn check_peer(&self, peer: usize, op: &str) -> Result<()> {

@@ -11,11 +11,22 @@ use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Elem, Error, Positions, Result};
 
-/// Tags: K of hop t is `KV_TAG + 2t`, V is `KV_TAG + 2t + 1`; likewise for the dK/dV
-/// accumulators and the final return of each block's accumulators.
+/// Tags, as offsets in the call's tag block ([`Communicator::next_tag_block`]): K of hop t
+/// is `KV_TAG + 2t`, V is `KV_TAG + 2t + 1`; likewise for the dK/dV accumulators and the
+/// final return of each block's accumulators. A block holds [`crate::comm::TAG_BLOCK`] tags:
+/// rings of up to `ACC_TAG / 2` ranks.
 const KV_TAG: Tag = 0;
-const ACC_TAG: Tag = 1 << 20;
-const FINAL_TAG: Tag = 2 << 20;
+const ACC_TAG: Tag = 1 << 18;
+const FINAL_TAG: Tag = 2 << 18;
+const _: () = assert!(FINAL_TAG + 2 <= crate::comm::TAG_BLOCK);
+
+/// The first tag of this call's block, after checking that the ring's tags fit in it.
+fn tag_block<B: Payload>(comm: &dyn Communicator<Buf = B>) -> Result<Tag> {
+    if 2 * comm.size() as Tag > ACC_TAG {
+        return Err(Error::Parallel(format!("a ring of {} ranks (at most {})", comm.size(), ACC_TAG / 2)));
+    }
+    Ok(comm.next_tag_block())
+}
 
 /// The ring over all ranks (one rank: plain attention).
 pub(super) struct Ring;
@@ -234,6 +245,7 @@ pub(crate) fn forward<Be: Backend>(
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
+    let base = tag_block(comm)?;
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = x.hops;
@@ -249,7 +261,7 @@ pub(crate) fn forward<Be: Backend>(
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
+            Some(exchange(comm, next, prev, base + KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
         } else {
             None
         };
@@ -296,6 +308,7 @@ pub(crate) fn backward<Be: Backend>(
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
+    let base = tag_block(comm)?;
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = x.hops;
@@ -314,7 +327,7 @@ pub(crate) fn backward<Be: Backend>(
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
+            Some(exchange(comm, next, prev, base + KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
         } else {
             None
         };
@@ -346,7 +359,7 @@ pub(crate) fn backward<Be: Backend>(
             be.add_into(&mut acc.1, &dv)?;
         }
         if t + 1 < hops {
-            let tag = ACC_TAG + 2 * t as Tag;
+            let tag = base + ACC_TAG + 2 * t as Tag;
             // The next block's accumulators are the size of the next block.
             let Exchange { sends, recvs } = exchange(comm, next, prev, tag, (&acc.0, &acc.1), incoming_len)?;
             for s in sends {
@@ -371,8 +384,8 @@ pub(crate) fn backward<Be: Backend>(
         let recv = |tag| RecvOp { from: holder_of_mine, tag, len: mine, elem: Elem::F32 };
         let send = |tag, data| SendOp { to: owner_of_held, tag, data };
         let posted = comm.post(
-            vec![recv(FINAL_TAG), recv(FINAL_TAG + 1)],
-            vec![send(FINAL_TAG, acc.0), send(FINAL_TAG + 1, acc.1)],
+            vec![recv(base + FINAL_TAG), recv(base + FINAL_TAG + 1)],
+            vec![send(base + FINAL_TAG, acc.0), send(base + FINAL_TAG + 1, acc.1)],
         )?;
         for s in posted.sends {
             s.wait()?;
