@@ -131,8 +131,11 @@ PATH="$(dirname "$NVCC"):$PATH" CUDA_HOME="$(dirname "$(dirname "$NVCC")")" RING
   CARGO_TARGET_DIR="$PWD/target/cudarc-linking" cargo clippy --manifest-path ci/cudarc-linking/Cargo.toml -- -D warnings
 done_stage cudarc-linking
 
-stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels"
+stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels; the kernel budget"
 scripts/sass-gates.sh
+# The main loops' instructions and shared-memory bytes per HMMA (docs/kernel-budget.md), gated
+# against the committed baseline (docs/kernel-budget.json): no kernel gets worse.
+python3 scripts/kernel-budget.py
 done_stage sass-gates
 
 printf '\n=== all stages passed in %ss\n' "$(($(date +%s) - total_start))"

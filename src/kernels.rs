@@ -509,6 +509,12 @@ pub mod geometry {
         (64, tc_block_n(head_dim_class(d)))
     }
 
+    /// `(query rows, keys)` of one tile of the dq kernel: the block's 64 query rows against a
+    /// streamed key tile of 64, 32 or 16 rows by head-dim class.
+    pub fn dq_tile(d: usize) -> (usize, usize) {
+        (64, bwd_tile(head_dim_class(d)))
+    }
+
     /// `(query rows, keys)` of one tile of the dk/dv kernel (both [`DqMode`]s): a streamed
     /// query tile of 64, 32 or 16 rows by head-dim class (16 above class 32 in the atomic
     /// variant) against the block's 64 keys.

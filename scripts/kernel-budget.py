@@ -1,0 +1,473 @@
+#!/usr/bin/env python3
+"""Kernel budget report: the steady-state main loop of every tensor-core kernel, read from its
+SASS, against the instruction and shared-memory budgets of the FlashAttention-2 class.
+
+Inputs: the cubins' SASS and ptxas reports that scripts/sass-gates.sh writes (ARCH/FAMILY.sass,
+ARCH/FAMILY.ptxas.txt under --sass, default target/sass-gates) and the launch geometry of
+`cargo run --example kernel_geometry` (threads, dynamic shared memory, tile shape per head-dim
+class). No GPU.
+
+The model (stated here, used everywhere below):
+  * Main loop: the loop (a backward branch and the code between its target and it) holding the
+    most HMMA instructions, i.e. the loop over streamed K/V (or Q) tiles. Its body is read as a
+    control-flow graph of basic blocks; edges leaving the loop and backward edges of inner
+    loops are dropped, which leaves a DAG.
+  * Paths: of the paths from the loop head to its back edge that issue the most HMMAs (a full
+    tile: paths that skip the MMAs are fully masked tiles), the shortest is the "fast" path (no
+    mask work: the unmasked, interior tile) and the longest the "masked" path (mask evaluated).
+    Predicated instructions count as issued (they take an issue slot either way).
+  * Inner loops left in the main loop are counted once: their counts are then lower bounds,
+    and the kernel fails its budget ("inner loops") until they are unrolled.
+  * Per path, per warp: instructions, HMMA, LDSM, LDS/STS, LDGSTS/LDG, BAR, MUFU; shared-memory
+    bytes per warp = LDSM (x1 128 B, x2 256 B, x4 512 B) + LDS/STS (32 lanes x width) +
+    LDGSTS (32 lanes x width, written into shared memory).
+  * Issue-bound ceiling (fraction of the mma.sync peak): a sub-partition issues one instruction
+    per clock and, at the mma.sync peak, one m16n8k16 HMMA every C clocks: C = 8 on A100
+    (312 TFLOP/s dense bf16), C = 6 on H100/H200 (mma.sync reaches about two thirds of the
+    989 TFLOP/s of wgmma: about 660 TFLOP/s). Ceiling = min(1, C / (instructions per HMMA)).
+  * Shared-memory-bound ceiling: 128 B/clock/SM against 4/C HMMA/clock/SM at peak:
+    min(1, 128 C / 4 / (bytes per HMMA)) — 256 B/HMMA on A100, 192 on H100/H200.
+  * Implied TFLOP/s = min(both ceilings) x the mma.sync peak (A100 312, H100/H200 660): an
+    upper bound that ignores latency, occupancy and the epilogue.
+  * Blocks per SM: registers (65536 per SM, per-warp allocation in units of 256), shared memory
+    (A100 164 KiB per SM, H100/H200 228 KiB, 1 KiB reserved per block), 2048 threads, 32
+    blocks.
+
+Budgets (main loop, bf16, head-dim classes 64 and 128): forward <= 5 instructions per HMMA on
+the fast path and <= 200 shared-memory bytes per HMMA; dq, dk/dv (and the atomic dk/dv/dq) <= 6
+instructions per HMMA; no inner loops. The gate is a ratchet: it fails when a kernel gets worse
+than the committed baseline (docs/kernel-budget.json: more instructions or shared-memory bytes
+per HMMA on the fast path beyond 1%, more inner loops) or when a kernel that met its budget in
+the baseline no longer does. Kernels still over budget are listed, not failed, until they meet
+it (then the baseline arms their gate).
+
+Usage: scripts/kernel-budget.py [--sass DIR] [--geometry FILE] [--baseline FILE]
+                                [--write-baseline] [--markdown FILE] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+ARCHS = {
+    # arch: (name, clocks per HMMA per sub-partition at the mma.sync peak, peak TFLOP/s,
+    #        shared memory per SM in bytes)
+    "sm_80": ("A100", 8, 312.0, 164 * 1024),
+    "sm_90a": ("H100/H200", 6, 660.0, 228 * 1024),
+}
+FAMILIES = ["flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv", "flash_bwd_dkdvq"]
+BUDGET_CLASSES = {64, 128}
+INSN_BUDGET = {"flash_fwd": 5.0, "flash_bwd_dq": 6.0, "flash_bwd_dkdv": 6.0, "flash_bwd_dkdvq": 6.0}
+SMEM_BUDGET = {"flash_fwd": 200.0}
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def functions(text):
+    """`Function : name` sections of cuobjdump's SASS: (address, predicated, opcode, operands)."""
+    cur, out = None, {}
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = m.group(1)
+            out[cur] = []
+            continue
+        if cur is None:
+            continue
+        m = LINE.search(line)
+        if m:
+            out[cur].append((int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4).strip()))
+    return out
+
+
+def registers(ptxas_text):
+    """Registers per entry from a ptxas -v report."""
+    regs, entry = {}, None
+    for line in ptxas_text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            entry = m.group(1)
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and entry:
+            regs[entry] = int(m.group(1))
+    return regs
+
+
+def branch_target(insn):
+    base = insn[2].split(".")[0]
+    if base != "BRA":
+        return None
+    m = TARGET.search(insn[3])
+    return int(m.group(1), 16) if m else None
+
+
+def smem_bytes(op):
+    """Shared-memory bytes one warp moves with `op` (0 for other instructions)."""
+    parts = op.split(".")
+    base = parts[0]
+    if base == "LDSM":
+        n = 4 if any(p.endswith("4") for p in parts[1:]) else 2 if any(p.endswith("2") for p in parts[1:]) else 1
+        return 128 * n
+    if base in ("LDS", "STS", "LDGSTS"):
+        width = 32
+        for p in parts[1:]:
+            if p in ("128", "64", "U8", "S8", "U16", "S16"):
+                width = {"128": 128, "64": 64, "U8": 8, "S8": 8, "U16": 16, "S16": 16}[p]
+        return 32 * width // 8
+    return 0
+
+
+def main_loop(insns):
+    """The back edge (head address, branch address) whose region holds the most HMMAs."""
+    best = None
+    for i, insn in enumerate(insns):
+        t = branch_target(insn)
+        if t is None or t > insn[0]:
+            continue
+        region = [x for x in insns if t <= x[0] <= insn[0]]
+        hmma = sum(1 for x in region if x[2].startswith("HMMA"))
+        key = (hmma, len(region))
+        if best is None or key > best[0]:
+            best = (key, t, insn[0])
+    if best is None or best[0][0] == 0:
+        return None
+    return best[1], best[2]
+
+
+def analyse(insns):
+    """Main-loop paths of one function (see the model in the header)."""
+    loop = main_loop(insns)
+    if loop is None:
+        return None
+    head, tail = loop
+    body = [x for x in insns if head <= x[0] <= tail]
+    addrs = [x[0] for x in body]
+    index = {a: i for i, a in enumerate(addrs)}
+    # Basic blocks: leaders are the head, branch targets inside the loop and the
+    # instructions after branches and exits.
+    leaders = {head}
+    inner = 0
+    for i, x in enumerate(body):
+        t = branch_target(x)
+        base = x[2].split(".")[0]
+        if t is not None:
+            if head <= t <= tail:
+                leaders.add(t)
+                if t <= x[0] and x[0] != tail:
+                    inner += 1
+            if i + 1 < len(body):
+                leaders.add(body[i + 1][0])
+        elif base in ("EXIT", "RET", "BRX", "JMX") and i + 1 < len(body):
+            leaders.add(body[i + 1][0])
+    starts = sorted(leaders)
+    blocks = []
+    for j, s in enumerate(starts):
+        end = starts[j + 1] if j + 1 < len(starts) else tail + 1
+        blocks.append([x for x in body if s <= x[0] < end])
+    block_of = {b[0][0]: k for k, b in enumerate(blocks) if b}
+
+    def successors(k):
+        b = blocks[k]
+        last = b[-1]
+        out = []
+        t = branch_target(last)
+        base = last[2].split(".")[0]
+        falls = True
+        if t is not None:
+            if t > last[0] and t <= tail:
+                out.append(block_of[t])
+            falls = last[1]  # a predicated branch may fall through
+        elif base in ("EXIT", "RET", "BRX", "JMX"):
+            falls = last[1]
+        if falls and k + 1 < len(blocks):
+            out.append(k + 1)
+        return out
+
+    def counts(b):
+        c = Counter()
+        for x in b:
+            base = x[2].split(".")[0]
+            c["insns"] += 1
+            c[base] += 1
+            c["smem"] += smem_bytes(x[2])
+        return c
+
+    stats = [counts(b) for b in blocks]
+    # Which blocks lie inside an inner loop (between an inner back edge's target and it).
+    inner_ranges = []
+    for x in body:
+        t = branch_target(x)
+        if t is not None and head <= t <= x[0] and x[0] != tail:
+            inner_ranges.append((t, x[0]))
+    in_inner = [any(lo <= b[0][0] <= hi for lo, hi in inner_ranges) for b in blocks]
+    last_block = len(blocks) - 1
+    # DP over the DAG in address order: per block, the best path from the head. Steady state:
+    # the most HMMAs (a full tile), then the most LDGSTS (the next tile's prefetch: not the
+    # last tile), then the fewest instructions (fast) or the most (masked).
+    fast = [None] * len(blocks)
+    slow = [None] * len(blocks)
+
+    def start(k, sign):
+        c = Counter(stats[k])
+        if in_inner[k]:
+            c["inner_insns"] += stats[k]["insns"]
+            c["inner_LDGSTS"] += stats[k]["LDGSTS"]
+        return (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
+
+    fast[0], slow[0] = start(0, -1), start(0, 1)
+    for k in range(len(blocks)):
+        if fast[k] is None:
+            continue
+        for s in successors(k):
+            for table, sign in ((fast, -1), (slow, 1)):
+                c = table[k][3] + start(s, sign)[3]
+                cand = (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
+                if table[s] is None or cand[:3] > table[s][:3]:
+                    table[s] = cand
+    if fast[last_block] is None:
+        return None
+    return {
+        "head": head,
+        "tail": tail,
+        "inner_loops": inner,
+        "fast": fast[last_block][3],
+        "masked": slow[last_block][3],
+    }
+
+
+def scale_inner(c, expected_ldgsts):
+    """The path's counts with its inner loops run as often as the tile's copy volume needs:
+    instructions of inner loops scaled by (LDGSTS the tile needs minus those outside inner
+    loops) / (LDGSTS inside them). Inner loops without LDGSTS stay counted once."""
+    c = Counter(c)
+    if c["inner_LDGSTS"] and expected_ldgsts:
+        outside = c["LDGSTS"] - c["inner_LDGSTS"]
+        f = max(1.0, (expected_ldgsts - outside) / c["inner_LDGSTS"])
+        extra = f - 1.0
+        for key in ("insns", "LDGSTS", "smem"):
+            inner_key = "inner_" + key if key != "smem" else None
+            if key == "insns":
+                c["insns"] += round(extra * c["inner_insns"])
+            elif key == "LDGSTS":
+                c["LDGSTS"] += round(extra * c["inner_LDGSTS"])
+        # Each extra 16-byte cp.async writes 512 bytes of shared memory per warp.
+        c["smem"] += round(extra * c["inner_LDGSTS"]) * 512
+    return c
+
+
+def metrics(c):
+    h = c["HMMA"]
+    return {
+        "instructions": c["insns"],
+        "hmma": h,
+        "insns_per_hmma": c["insns"] / h if h else None,
+        "ldsm_per_hmma": c["LDSM"] / h if h else None,
+        "smem_bytes_per_hmma": c["smem"] / h if h else None,
+        "global_loads": c["LDGSTS"] + c["LDG"],
+        "barriers": c["BAR"],
+        "mufu": c["MUFU"],
+    }
+
+
+def blocks_per_sm(regs, threads, smem, smem_per_sm):
+    warps = threads // 32
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * warps) if per_warp else 32
+    by_smem = smem_per_sm // (smem + 1024)
+    return max(0, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def expected_ldgsts(family, d, geo):
+    """16-byte cp.async per thread per tile: the streamed tile's two 16-bit matrices (K and V;
+    Q and dO for dk/dv, with their f32 LSE and delta rows)."""
+    chunks = 2 * geo["tile_rows"] * (d // 8)
+    if family.startswith("flash_bwd_dkdv"):
+        chunks += 2 * geo["tile_rows"] * 4 // 16
+    return chunks / geo["threads"]
+
+
+def expected_hmma(family, d, geo):
+    """m16n8k16 HMMAs per warp per tile (16 rows of the block per warp): the forward's QKᵀ and
+    PV (N·d/64 for N keys), dq's QKᵀ, dOVᵀ and dS·K (3·N·d/128), dk/dv's four products for M
+    streamed query rows (M·d/32); None for the atomic dk/dv/dq (its dq share is split)."""
+    n = geo["tile_rows"]
+    if family == "flash_fwd":
+        return n * d // 64
+    if family == "flash_bwd_dq":
+        return 3 * n * d // 128
+    if family == "flash_bwd_dkdv":
+        return n * d // 32
+    return None
+
+
+def kernel_name(family, d):
+    return f"ringattn_{family}_bf16_d{d}"
+
+
+def build(sass_dir, geometry):
+    rows = []
+    for arch, (gpu, clocks, peak, smem_per_sm) in ARCHS.items():
+        for family_file in ("flash_fwd", "flash_bwd"):
+            sass_path = os.path.join(sass_dir, arch, family_file + ".sass")
+            ptxas_path = os.path.join(sass_dir, arch, family_file + ".ptxas.txt")
+            if not os.path.exists(sass_path):
+                sys.exit(f"kernel-budget: {sass_path} is missing (run scripts/sass-gates.sh first)")
+            funcs = functions(open(sass_path).read())
+            regs = registers(open(ptxas_path).read())
+            for geo in geometry:
+                family, d = geo["family"], geo["d"]
+                if not family.startswith(family_file):
+                    continue
+                name = kernel_name(family, d)
+                if name not in funcs:
+                    continue
+                a = analyse(funcs[name])
+                if a is None:
+                    rows.append(dict(kernel=name, arch=arch, error="no main loop with HMMA"))
+                    continue
+                need = expected_ldgsts(family, d, geo)
+                static = metrics(a["fast"])
+                fast, masked = metrics(scale_inner(a["fast"], need)), metrics(scale_inner(a["masked"], need))
+                ipm, spm = fast["insns_per_hmma"], fast["smem_bytes_per_hmma"]
+                issue = min(1.0, clocks / ipm)
+                smem_bound = min(1.0, 128 * clocks / 4 / spm) if spm else 1.0
+                r = regs.get(name, 0)
+                row = dict(
+                    kernel=name, family=family, d=d, arch=arch, gpu=gpu, registers=r,
+                    smem_bytes=geo["smem_bytes"], threads=geo["threads"],
+                    blocks_per_sm=blocks_per_sm(r, geo["threads"], geo["smem_bytes"], smem_per_sm),
+                    inner_loops=a["inner_loops"], static_insns_per_hmma=static["insns_per_hmma"],
+                    fast=fast, masked=masked,
+                    issue_ceiling=issue, smem_ceiling=smem_bound,
+                    tflops_bound=min(issue, smem_bound) * peak,
+                )
+                want = expected_hmma(family, d, geo)
+                row["hmma_per_tile"] = want
+                # HMMAs inside rolled inner loops: the path sees fewer than a tile issues, and
+                # its per-HMMA figures are approximate.
+                row["approximate"] = want is not None and fast["hmma"] < want
+                row["budget"] = judge(row)
+                rows.append(row)
+    return rows
+
+
+def judge(row):
+    """The budget verdicts of one kernel: a list of misses (empty: within budget), or None
+    for kernels outside the budgeted head-dim classes."""
+    if row["d"] not in BUDGET_CLASSES:
+        return None
+    misses = []
+    ipm = row["fast"]["insns_per_hmma"]
+    if ipm > INSN_BUDGET[row["family"]]:
+        misses.append(f"{ipm:.1f} instructions/HMMA > {INSN_BUDGET[row['family']]:.0f}")
+    smem = SMEM_BUDGET.get(row["family"])
+    if smem is not None and row["fast"]["smem_bytes_per_hmma"] > smem:
+        misses.append(f"{row['fast']['smem_bytes_per_hmma']:.0f} smem B/HMMA > {smem:.0f}")
+    if row["inner_loops"]:
+        misses.append(f"{row['inner_loops']} inner loops")
+    if row.get("approximate"):
+        misses.append("HMMA in inner loops")
+    return misses
+
+
+def gate(rows, baseline):
+    """Regressions against the committed baseline (see the header)."""
+    base = {(b["kernel"], b["arch"]): b for b in baseline}
+    failures = []
+    for r in rows:
+        if "error" in r:
+            failures.append(f"{r['kernel']} {r['arch']}: {r['error']}")
+            continue
+        b = base.get((r["kernel"], r["arch"]))
+        if b is None or "error" in b:
+            continue
+        for key in ("insns_per_hmma", "smem_bytes_per_hmma"):
+            if r["fast"][key] > b["fast"][key] * 1.01:
+                failures.append(f"{r['kernel']} {r['arch']}: {key} {b['fast'][key]:.2f} -> {r['fast'][key]:.2f}")
+        if r["inner_loops"] > b["inner_loops"]:
+            failures.append(f"{r['kernel']} {r['arch']}: inner loops {b['inner_loops']} -> {r['inner_loops']}")
+        if b.get("budget") == [] and r["budget"]:
+            failures.append(f"{r['kernel']} {r['arch']}: met its budget, now {'; '.join(r['budget'])}")
+    return failures
+
+
+def markdown(rows):
+    out = [
+        "# Kernel budget (generated by scripts/kernel-budget.py; the model is in its header)",
+        "",
+        "Main loop of each bf16 tensor-core kernel, per warp and loop iteration (one tile), on the",
+        "fast path (no mask work) and the masked path; ceilings as fractions of the mma.sync peak;",
+        "the implied TFLOP/s is an upper bound. Budget: classes 64 and 128 only. `(n/h of t)`:",
+        "instructions and HMMAs on the path, HMMAs a tile needs; ≈: HMMAs in rolled inner loops",
+        "(the path sees fewer than a tile issues). Inner loops holding cp.async are scaled to",
+        "the tile's copy volume; `static` counts every inner loop once.",
+        "",
+        "| kernel | arch | regs | smem KiB | blocks/SM | insns/HMMA fast | static | masked | LDSM/HMMA | smem B/HMMA | gmem loads | BAR | MUFU | inner loops | issue | smem | TFLOP/s ≤ | budget |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['kernel']} | {r['arch']} | {r['error']} |" + " |" * 16)
+            continue
+        f, m = r["fast"], r["masked"]
+        budget = "—" if r["budget"] is None else ("ok" if not r["budget"] else "over: " + "; ".join(r["budget"]))
+        out.append(
+            f"| {r['kernel'][len('ringattn_'):]} | {r['arch']} | {r['registers']} | {r['smem_bytes'] / 1024:.1f} | "
+            f"{r['blocks_per_sm']} | {'≈' if r['approximate'] else ''}{f['insns_per_hmma']:.1f} ({f['instructions']}/{f['hmma']}"
+            f"{'' if r['hmma_per_tile'] is None else ' of ' + str(r['hmma_per_tile'])}) | "
+            f"{r['static_insns_per_hmma']:.1f} | "
+            f"{m['insns_per_hmma']:.1f} | {f['ldsm_per_hmma']:.2f} | {f['smem_bytes_per_hmma']:.0f} | "
+            f"{f['global_loads']} | {f['barriers']} | {f['mufu']} | {r['inner_loops']} | "
+            f"{r['issue_ceiling']:.2f} | {r['smem_ceiling']:.2f} | {r['tflops_bound']:.0f} | {budget} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sass", default="target/sass-gates")
+    ap.add_argument("--geometry", help="JSON lines of `cargo run --example kernel_geometry` (run when absent)")
+    ap.add_argument("--baseline", default="docs/kernel-budget.json")
+    ap.add_argument("--write-baseline", action="store_true", help="write the report as the new baseline")
+    ap.add_argument("--markdown", default="target/kernel-budget/kernel-budget.md")
+    ap.add_argument("--json", default="target/kernel-budget/report.json")
+    args = ap.parse_args()
+    if args.geometry:
+        text = open(args.geometry).read()
+    else:
+        text = subprocess.run(
+            ["cargo", "run", "-q", "--example", "kernel_geometry"], check=True, capture_output=True, text=True
+        ).stdout
+    geometry = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    rows = build(args.sass, geometry)
+    for path in (args.markdown, args.json):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    open(args.json, "w").write(json.dumps(rows, indent=1) + "\n")
+    md = markdown(rows)
+    open(args.markdown, "w").write(md)
+    print(md)
+    if args.write_baseline:
+        open(args.baseline, "w").write(json.dumps(rows, indent=1) + "\n")
+        open(os.path.splitext(args.baseline)[0] + ".md", "w").write(md)
+        print(f"kernel-budget: baseline written to {args.baseline}")
+        return 0
+    baseline = json.load(open(args.baseline)) if os.path.exists(args.baseline) else []
+    over = [f"{r['kernel']} {r['arch']}: {'; '.join(r['budget'])}" for r in rows if r.get("budget")]
+    if over:
+        print("kernel-budget: over budget (listed, not failed, until met):\n  " + "\n  ".join(over))
+    failures = gate(rows, baseline)
+    if failures:
+        print("kernel-budget: FAILED against the baseline:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    print(f"kernel-budget: no regression against {args.baseline} ({len(rows)} kernels)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
