@@ -58,13 +58,53 @@ __device__ __forceinline__ int swz(int r, int c) {
 template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
 __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x, int64_t bi, int64_t s, int64_t h,
                                                int64_t hi, int64_t d, int64_t r0) {
-    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    constexpr int kTotal = kRows * kChunks;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+    // sm_100 and later: a rolled loop. ptxas there keeps the unrolled chunks' operands live
+    // at once and the d128 forward (at 254 registers already) spills.
+    for (int c = threadIdx.x; c < kTotal; c += kThreads) {
         const int r = c / kChunks, col = c % kChunks;
         const int64_t row = r0 + r;
         const bool in = row < s && col * 8 < d;
         const uint16_t* src = in ? x + ((bi * s + row) * h + hi) * d + col * 8 : x;
         cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), src, in ? 16u : 0u);
     }
+#else
+    // A fixed number of chunks per thread (the launch has kThreads threads), unrolled: no
+    // loop. When a thread's chunks share their column (kThreads a multiple of kChunks), one
+    // source pointer advances by a fixed number of rows per chunk: an add per chunk, not an
+    // address chain, and one pointer live instead of one per chunk.
+    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+    const int64_t row_stride = h * d;
+    const uint16_t* base = x + (bi * s * h + hi) * d;
+    if constexpr (kThreads % kChunks == 0) {
+        constexpr int kRowStep = kThreads / kChunks;
+        const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+        // Rows of this thread still inside the sequence (none when the column is past d).
+        const int64_t left = col * 8 < d ? s - r0 - r_first : 0;
+        const uint16_t* src = base + (r0 + r_first) * row_stride + col * 8;
+        const int64_t step = kRowStep * row_stride;
+        RINGATTN_UNROLL
+        for (int i = 0; i < kIters; ++i) {
+            const int r = r_first + i * kRowStep;
+            if (kRows % kRowStep != 0 && r >= kRows) break;
+            const bool in = i * kRowStep < left;
+            cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), in ? src : x, in ? 16u : 0u);
+            src += step;
+        }
+    } else {
+        RINGATTN_UNROLL
+        for (int i = 0; i < kIters; ++i) {
+            const int c = int(threadIdx.x) + i * kThreads;
+            if (kTotal % kThreads != 0 && c >= kTotal) break;
+            const int r = c / kChunks, col = c % kChunks;
+            const int64_t row = r0 + r;
+            const bool in = row < s && col * 8 < d;
+            const uint16_t* src = in ? base + row * row_stride + col * 8 : x;
+            cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), src, in ? 16u : 0u);
+        }
+    }
+#endif
 }
 
 template <typename T>
