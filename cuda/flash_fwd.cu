@@ -86,11 +86,16 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             }
         }
         // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
-        // g + 8, g + 8; columns 2t, 2t + 1).
+        // g + 8, g + 8; columns 2t, 2t + 1). An interior tile without a mask (every row of the
+        // warp and every key of the tile inside the call, no window, no documents) sees
+        // everything: it runs without evaluating the mask or selecting scores (kFull).
         const int64_t k0 = tile * kN;
         const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
-        const uint32_t vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
-        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+        // Warp-uniform (the MMAs below are warp-wide): the warp's 16 rows, the tile's keys.
+        const bool interior = unmasked && q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
+        uint32_t vis = 0;
+        auto run_tile = [&](auto full) {
+            constexpr bool kFull = decltype(full)::value;
             float s[kNT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -118,7 +123,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             for (int n = 0; n < kNT; ++n) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    s[n][e] = (vis >> (4 * n + e) & 1u) ? s[n][e] * p.scale_log2 : -INFINITY;
+                    s[n][e] = (kFull || (vis >> (4 * n + e) & 1u)) ? s[n][e] * p.scale_log2 : -INFINITY;
                     mt[e / 2] = fmaxf(mt[e / 2], s[n][e]);
                 }
             }
@@ -160,6 +165,12 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     mma_16816<T>(acc[n + 1], a, b + 2);
                 }
             }
+        };
+        if (interior) {
+            run_tile(std::true_type{});
+        } else {
+            vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
+            if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }

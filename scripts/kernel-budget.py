@@ -8,16 +8,17 @@ ARCH/FAMILY.ptxas.txt under --sass, default target/sass-gates) and the launch ge
 class). No GPU.
 
 The model (stated here, used everywhere below):
-  * Main loop: the loop (a backward branch and the code between its target and it) holding the
-    most HMMA instructions, i.e. the loop over streamed K/V (or Q) tiles. Its body is read as a
-    control-flow graph of basic blocks; edges leaving the loop and backward edges of inner
-    loops are dropped, which leaves a DAG.
+  * Main loop: of the natural loops of the function's control-flow graph (basic blocks; back
+    edges found by a depth-first walk from the entry), the one holding the most HMMA
+    instructions, i.e. the loop over streamed K/V (or Q) tiles. Inside it, edges leaving the
+    loop and the back edges of inner loops are dropped, which leaves a DAG.
   * Paths: of the paths from the loop head to its back edge that issue the most HMMAs (a full
     tile: paths that skip the MMAs are fully masked tiles), the shortest is the "fast" path (no
     mask work: the unmasked, interior tile) and the longest the "masked" path (mask evaluated).
     Predicated instructions count as issued (they take an issue slot either way).
-  * Inner loops left in the main loop are counted once: their counts are then lower bounds,
-    and the kernel fails its budget ("inner loops") until they are unrolled.
+  * Inner loops left on the fast path are counted once (their counts are then lower bounds;
+    loops holding cp.async are scaled to the tile's copy volume, below), and the kernel fails
+    its budget ("inner loops") until they are unrolled.
   * Per path, per warp: instructions, HMMA, LDSM, LDS/STS, LDGSTS/LDG, BAR, MUFU; shared-memory
     bytes per warp = LDSM (x1 128 B, x2 256 B, x4 512 B) + LDS/STS (32 lanes x width) +
     LDGSTS (32 lanes x width, written into shared memory).
@@ -123,122 +124,159 @@ def smem_bytes(op):
     return 0
 
 
-def main_loop(insns):
-    """The back edge (head address, branch address) whose region holds the most HMMAs."""
-    best = None
-    for i, insn in enumerate(insns):
-        t = branch_target(insn)
-        if t is None or t > insn[0]:
-            continue
-        region = [x for x in insns if t <= x[0] <= insn[0]]
-        hmma = sum(1 for x in region if x[2].startswith("HMMA"))
-        key = (hmma, len(region))
-        if best is None or key > best[0]:
-            best = (key, t, insn[0])
-    if best is None or best[0][0] == 0:
-        return None
-    return best[1], best[2]
-
-
-def analyse(insns):
-    """Main-loop paths of one function (see the model in the header)."""
-    loop = main_loop(insns)
-    if loop is None:
-        return None
-    head, tail = loop
-    body = [x for x in insns if head <= x[0] <= tail]
-    addrs = [x[0] for x in body]
-    index = {a: i for i, a in enumerate(addrs)}
-    # Basic blocks: leaders are the head, branch targets inside the loop and the
-    # instructions after branches and exits.
-    leaders = {head}
-    inner = 0
-    for i, x in enumerate(body):
+def cfg(insns):
+    """Basic blocks of a function (lists of instructions) and their successors."""
+    leaders = {insns[0][0]} if insns else set()
+    for i, x in enumerate(insns):
         t = branch_target(x)
         base = x[2].split(".")[0]
         if t is not None:
-            if head <= t <= tail:
-                leaders.add(t)
-                if t <= x[0] and x[0] != tail:
-                    inner += 1
-            if i + 1 < len(body):
-                leaders.add(body[i + 1][0])
-        elif base in ("EXIT", "RET", "BRX", "JMX") and i + 1 < len(body):
-            leaders.add(body[i + 1][0])
-    starts = sorted(leaders)
-    blocks = []
-    for j, s in enumerate(starts):
-        end = starts[j + 1] if j + 1 < len(starts) else tail + 1
-        blocks.append([x for x in body if s <= x[0] < end])
-    block_of = {b[0][0]: k for k, b in enumerate(blocks) if b}
-
-    def successors(k):
-        b = blocks[k]
+            leaders.add(t)
+        if (t is not None or base in ("EXIT", "RET", "BRX", "JMX")) and i + 1 < len(insns):
+            leaders.add(insns[i + 1][0])
+    starts = sorted(a for a in leaders if any(x[0] == a for x in insns[:1]) or True)
+    blocks, cur = [], []
+    for x in insns:
+        if x[0] in leaders and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append(x)
+    if cur:
+        blocks.append(cur)
+    index = {b[0][0]: k for k, b in enumerate(blocks)}
+    succ = []
+    for k, b in enumerate(blocks):
         last = b[-1]
-        out = []
         t = branch_target(last)
         base = last[2].split(".")[0]
+        out = []
         falls = True
         if t is not None:
-            if t > last[0] and t <= tail:
-                out.append(block_of[t])
+            if t in index:
+                out.append(index[t])
             falls = last[1]  # a predicated branch may fall through
         elif base in ("EXIT", "RET", "BRX", "JMX"):
             falls = last[1]
         if falls and k + 1 < len(blocks):
             out.append(k + 1)
-        return out
+        succ.append(out)
+    return blocks, succ
 
-    def counts(b):
+
+def back_edges(succ, roots):
+    """Edges to a block on the DFS stack (from `roots`): the loops' back edges."""
+    state, edges = {}, []
+    for root in roots:
+        if root in state:
+            continue
+        stack = [(root, iter(succ[root]))]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                edges.append((node, nxt))
+            elif nxt not in state:
+                state[nxt] = 1
+                stack.append((nxt, iter(succ[nxt])))
+    return edges
+
+
+def natural_loop(succ, latch, header):
+    pred = {}
+    for u, vs in enumerate(succ):
+        for v in vs:
+            pred.setdefault(v, []).append(u)
+    body, work = {header, latch}, [latch]
+    while work:
+        n = work.pop()
+        if n == header:
+            continue
+        for p in pred.get(n, []):
+            if p not in body:
+                body.add(p)
+                work.append(p)
+    return body
+
+
+def analyse(insns):
+    """Main-loop paths of one function (see the model in the header)."""
+    if not insns:
+        return None
+    blocks, succ = cfg(insns)
+    stats = []
+    for b in blocks:
         c = Counter()
         for x in b:
-            base = x[2].split(".")[0]
             c["insns"] += 1
-            c[base] += 1
+            c[x[2].split(".")[0]] += 1
             c["smem"] += smem_bytes(x[2])
-        return c
+        stats.append(c)
+    loops = []
+    for latch, header in back_edges(succ, [0]):
+        body = natural_loop(succ, latch, header)
+        hmma = sum(stats[k]["HMMA"] for k in body)
+        loops.append(((hmma, sum(stats[k]["insns"] for k in body)), latch, header, body))
+    if not loops:
+        return None
+    (hmma, _), latch, header, body = max(loops, key=lambda l: l[0])
+    if hmma == 0:
+        return None
+    # Inner loops: the other loops whose header lies in the main loop's body.
+    inner = [l for l in loops if l[3] < body or (l[2] in body and (l[1], l[2]) != (latch, header))]
+    in_inner = set()
+    for l in inner:
+        in_inner |= l[3]
+    inner_headers = {l[2] for l in inner}
+    # The loop as a DAG: successors inside the body, without back edges (of the main loop
+    # and of inner loops).
+    dropped = {(l[1], l[2]) for l in inner} | {(latch, header)}
+    dag = {k: [s for s in succ[k] if s in body and (k, s) not in dropped] for k in body}
+    # Topological order from the header (DFS postorder, reversed).
+    order, seen = [], set()
+    stack = [(header, iter(dag[header]))]
+    seen.add(header)
+    while stack:
+        node, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            order.append(node)
+            stack.pop()
+        elif nxt not in seen:
+            seen.add(nxt)
+            stack.append((nxt, iter(dag[nxt])))
+    order.reverse()
 
-    stats = [counts(b) for b in blocks]
-    # Which blocks lie inside an inner loop (between an inner back edge's target and it).
-    inner_ranges = []
-    for x in body:
-        t = branch_target(x)
-        if t is not None and head <= t <= x[0] and x[0] != tail:
-            inner_ranges.append((t, x[0]))
-    in_inner = [any(lo <= b[0][0] <= hi for lo, hi in inner_ranges) for b in blocks]
-    last_block = len(blocks) - 1
-    # DP over the DAG in address order: per block, the best path from the head. Steady state:
-    # the most HMMAs (a full tile), then the most LDGSTS (the next tile's prefetch: not the
-    # last tile), then the fewest instructions (fast) or the most (masked).
-    fast = [None] * len(blocks)
-    slow = [None] * len(blocks)
-
-    def start(k, sign):
+    def weigh(k):
         c = Counter(stats[k])
-        if in_inner[k]:
+        if k in in_inner:
             c["inner_insns"] += stats[k]["insns"]
             c["inner_LDGSTS"] += stats[k]["LDGSTS"]
-        return (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
+        if k in inner_headers:
+            c["inner_loops"] += 1
+        return c
 
-    fast[0], slow[0] = start(0, -1), start(0, 1)
-    for k in range(len(blocks)):
-        if fast[k] is None:
-            continue
-        for s in successors(k):
-            for table, sign in ((fast, -1), (slow, 1)):
-                c = table[k][3] + start(s, sign)[3]
+    # Steady state: the most HMMAs (a full tile), then the most LDGSTS (the next tile's
+    # prefetch: not the last tile), then the fewest instructions (fast) or the most (masked).
+    fast, slow = {}, {}
+    for table, sign in ((fast, -1), (slow, 1)):
+        c = weigh(header)
+        table[header] = (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
+        for k in order:
+            if k not in table:
+                continue
+            for s in dag[k]:
+                c = table[k][3] + weigh(s)
                 cand = (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
-                if table[s] is None or cand[:3] > table[s][:3]:
+                if s not in table or cand[:3] > table[s][:3]:
                     table[s] = cand
-    if fast[last_block] is None:
+    if latch not in fast:
         return None
-    return {
-        "head": head,
-        "tail": tail,
-        "inner_loops": inner,
-        "fast": fast[last_block][3],
-        "masked": slow[last_block][3],
-    }
+    # Inner loops on the fast path (a loop duplicated on another path does not count).
+    return {"inner_loops": fast[latch][3]["inner_loops"], "fast": fast[latch][3], "masked": slow[latch][3]}
 
 
 def scale_inner(c, expected_ldgsts):
