@@ -64,6 +64,24 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
 
+    // Masked calls classify each tile from the keys' granule bounds: fully visible to the
+    // warp (run unmasked), fully masked (skipped), or mixed (the mask evaluated per score).
+    // The warp's query positions and documents, once (rows past s_q repeat the last row's:
+    // the bounds stay a superset, and a fully visible tile needs every row in range anyway).
+    static_assert(kN % MASK_GRANULE == 0 && kN <= 2 * MASK_GRANULE, "a tile spans one or two granules");
+    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    int64_t wq_lo = qpos[0] < qpos[1] ? qpos[0] : qpos[1], wq_hi = qpos[0] < qpos[1] ? qpos[1] : qpos[0];
+    uint32_t wd_lo = qdoc[0] < qdoc[1] ? qdoc[0] : qdoc[1], wd_hi = qdoc[0] < qdoc[1] ? qdoc[1] : qdoc[0];
+    if (classify) {
+        RINGATTN_UNROLL
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t lo = __shfl_xor_sync(0xffffffffu, wq_lo, o), hi = __shfl_xor_sync(0xffffffffu, wq_hi, o);
+            const uint32_t dlo = __shfl_xor_sync(0xffffffffu, wd_lo, o), dhi = __shfl_xor_sync(0xffffffffu, wd_hi, o);
+            wq_lo = lo < wq_lo ? lo : wq_lo, wq_hi = hi > wq_hi ? hi : wq_hi;
+            wd_lo = dlo < wd_lo ? dlo : wd_lo, wd_hi = dhi > wd_hi ? dhi : wd_hi;
+        }
+    }
+
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -86,13 +104,41 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             }
         }
         // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
-        // g + 8, g + 8; columns 2t, 2t + 1). An interior tile without a mask (every row of the
-        // warp and every key of the tile inside the call, no window, no documents) sees
-        // everything: it runs without evaluating the mask or selecting scores (kFull).
+        // g + 8, g + 8; columns 2t, 2t + 1). A tile fully visible to the warp (every row of the
+        // warp and every key of the tile inside the call; no mask, or the bounds say so) runs
+        // without evaluating the mask or selecting scores (kFull); a fully masked one is
+        // skipped.
         const int64_t k0 = tile * kN;
         const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
         // Warp-uniform (the MMAs below are warp-wide): the warp's 16 rows, the tile's keys.
-        const bool interior = unmasked && q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
+        const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
+        bool full = unmasked, empty = false;
+        if (classify) {
+            const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < p.s_k ? k0 + kN : p.s_k) - 1) / MASK_GRANULE;
+            int64_t k_lo = gmem_load(p.mask.k_bounds + 2 * g0), k_hi = gmem_load(p.mask.k_bounds + 2 * g0 + 1);
+            if (g1 != g0) {
+                const int64_t lo = gmem_load(p.mask.k_bounds + 2 * g1), hi = gmem_load(p.mask.k_bounds + 2 * g1 + 1);
+                k_lo = lo < k_lo ? lo : k_lo, k_hi = hi > k_hi ? hi : k_hi;
+            }
+            const int64_t wl = p.mask.window_left, wr = p.mask.window_right;
+            full = (wl < 0 || k_lo >= wq_hi - wl) && (wr < 0 || k_hi <= wq_lo + wr);
+            empty = (wl >= 0 && k_hi < wq_lo - wl) || (wr >= 0 && k_lo > wq_hi + wr);
+            if (p.mask.q_doc != nullptr) {
+                if (p.mask.k_doc_bounds != nullptr) {
+                    uint32_t d_lo = gmem_load(p.mask.k_doc_bounds + 2 * g0), d_hi = gmem_load(p.mask.k_doc_bounds + 2 * g0 + 1);
+                    if (g1 != g0) {
+                        const uint32_t lo = gmem_load(p.mask.k_doc_bounds + 2 * g1);
+                        const uint32_t hi = gmem_load(p.mask.k_doc_bounds + 2 * g1 + 1);
+                        d_lo = lo < d_lo ? lo : d_lo, d_hi = hi > d_hi ? hi : d_hi;
+                    }
+                    full = full && wd_lo == wd_hi && d_lo == d_hi && d_lo == wd_lo;
+                    empty = empty || d_hi < wd_lo || d_lo > wd_hi;
+                } else {
+                    full = false;
+                }
+            }
+        }
+        const bool interior = in_range && full;
         uint32_t vis = 0;
         auto run_tile = [&](auto full) {
             constexpr bool kFull = decltype(full)::value;
@@ -168,7 +214,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         };
         if (interior) {
             run_tile(std::true_type{});
-        } else {
+        } else if (!empty) {
             vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
             if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
         }

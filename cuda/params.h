@@ -31,9 +31,17 @@ struct MaskParams {
     const uint32_t* k_doc;  // [s_k] document index, or null without documents
     int64_t window_left;    // -1: unbounded
     int64_t window_right;   // -1: unbounded
+    // Per granule of MASK_GRANULE keys (the last one partial): min and max key position
+    // ([ceil(s_k / MASK_GRANULE)][2] int64), and min and max key document ([..][2] uint32,
+    // null without documents), so that a kernel classifies a tile as fully visible or fully
+    // masked without reading its positions. k_bounds may be null: no classification.
+    const int64_t* k_bounds;
+    const uint32_t* k_doc_bounds;
 };
 
-static_assert(sizeof(MaskParams) == 48, "MaskParams is mirrored in Rust: 4 pointers + 2 int64");
+#define MASK_GRANULE 32
+
+static_assert(sizeof(MaskParams) == 64, "MaskParams is mirrored in Rust: 6 pointers + 2 int64");
 
 // flash_fwd.cu: o, lse of queries q against keys k, values v. q, k, v hold bf16 or f16 bits
 // (the entry point names the type); o and lse are f32 and unrounded, so that ring hops merge
@@ -52,7 +60,7 @@ struct FlashFwdParams {
     float scale_log2;                   // scale * log2(e)
 };
 
-static_assert(sizeof(FlashFwdParams) == 152, "FlashFwdParams is mirrored in Rust");
+static_assert(sizeof(FlashFwdParams) == 168, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
@@ -78,7 +86,7 @@ struct FlashBwdParams {
     int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 192, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 208, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
 // ops.cu: the f32 data movements of the sequence-parallel drivers on device buffers (the

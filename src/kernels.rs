@@ -120,6 +120,38 @@ pub mod params {
         pub window_left: i64,
         /// How far ahead a query sees; -1: unbounded.
         pub window_right: i64,
+        /// `[ceil(s_k / MASK_GRANULE)][2]` i64: min and max key position per granule of
+        /// [`MASK_GRANULE`] keys, or 0 (no tile classification).
+        pub k_bounds: u64,
+        /// `[ceil(s_k / MASK_GRANULE)][2]` u32: min and max key document per granule, or 0
+        /// without documents.
+        pub k_doc_bounds: u64,
+    }
+
+    /// Keys per granule of [`MaskParams::k_bounds`] (`MASK_GRANULE` of `cuda/params.h`).
+    pub const MASK_GRANULE: usize = 32;
+
+    /// The granule bounds of a mask's keys: `(k_bounds, k_doc_bounds)` as
+    /// [`MaskParams`] takes them — per granule of [`MASK_GRANULE`] keys, min and max
+    /// position, and min and max document when there are documents.
+    ///
+    /// ```
+    /// use ringattn::kernels::params::key_bounds;
+    /// let (pos, docs) = key_bounds(&(0..40).rev().collect::<Vec<i64>>(), None);
+    /// assert_eq!(pos, vec![8, 39, 0, 7]);
+    /// assert!(docs.is_none());
+    /// ```
+    pub fn key_bounds(k_pos: &[i64], k_doc: Option<&[u32]>) -> (Vec<i64>, Option<Vec<u32>>) {
+        let pos = k_pos
+            .chunks(MASK_GRANULE)
+            .flat_map(|c| [*c.iter().min().expect("non-empty"), *c.iter().max().expect("non-empty")])
+            .collect();
+        let docs = k_doc.map(|d| {
+            d.chunks(MASK_GRANULE)
+                .flat_map(|c| [*c.iter().min().expect("non-empty"), *c.iter().max().expect("non-empty")])
+                .collect()
+        });
+        (pos, docs)
     }
 
     /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d]`, `k`, `v`
@@ -414,10 +446,10 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<OpsParams>() == 136);
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<MaskParams>() == 48);
-    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 152);
+    const _: () = assert!(std::mem::size_of::<MaskParams>() == 64);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 168);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 192);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 208);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
 }
 

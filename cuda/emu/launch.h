@@ -48,6 +48,9 @@ inline void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int
     c.globals.push_back({m.k_pos, bytes(s_k, 8), "k_pos"});
     if (m.q_doc) c.globals.push_back({m.q_doc, bytes(s_q, 4), "q_doc"});
     if (m.k_doc) c.globals.push_back({m.k_doc, bytes(s_k, 4), "k_doc"});
+    const int64_t granules = (s_k + MASK_GRANULE - 1) / MASK_GRANULE;
+    if (m.k_bounds && granules > 0) c.globals.push_back({m.k_bounds, bytes(2 * granules, 8), "k_bounds"});
+    if (m.k_doc_bounds && granules > 0) c.globals.push_back({m.k_doc_bounds, bytes(2 * granules, 4), "k_doc_bounds"});
 }
 }  // namespace emu_entry
 using namespace emu_entry;

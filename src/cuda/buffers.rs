@@ -34,6 +34,12 @@ pub struct DeviceMask {
     pub window_left: i64,
     /// How far ahead a query sees; negative: unbounded.
     pub window_right: i64,
+    /// Min and max key position per granule of `kernels::params::MASK_GRANULE` keys
+    /// (`[ceil(s_k / 32)][2]` i64): lets the kernels classify a tile as fully visible or
+    /// fully masked without reading its positions. `None`: no classification.
+    pub k_bounds: Option<CudaSlice<i64>>,
+    /// Min and max key document per granule (`[ceil(s_k / 32)][2]` u32), with documents.
+    pub k_doc_bounds: Option<CudaSlice<u32>>,
 }
 
 impl DeviceMask {
@@ -57,6 +63,7 @@ impl DeviceMask {
 
     pub(crate) fn upload(stream: &Arc<CudaStream>, vis: &Visibility) -> Result<DeviceMask> {
         let docs = |d: &Option<Vec<u32>>| d.as_deref().map(|d| upload(stream, d)).transpose();
+        let (bounds, doc_bounds) = crate::kernels::params::key_bounds(&vis.k_pos, vis.k_doc.as_deref());
         Ok(DeviceMask {
             q_pos: upload(stream, &vis.q_pos)?,
             k_pos: upload(stream, &vis.k_pos)?,
@@ -64,6 +71,8 @@ impl DeviceMask {
             k_doc: docs(&vis.k_doc)?,
             window_left: vis.left.unwrap_or(-1),
             window_right: vis.right.unwrap_or(-1),
+            k_bounds: if bounds.is_empty() { None } else { Some(upload(stream, &bounds)?) },
+            k_doc_bounds: docs(&doc_bounds)?,
         })
     }
 }

@@ -813,11 +813,15 @@ fn mask_params<'a>(
     };
     let q_doc = doc(&m.q_doc);
     let k_doc = doc(&m.k_doc);
+    let k_doc_bounds = doc(&m.k_doc_bounds);
+    let k_bounds = m.k_bounds.as_ref().map_or(0, |s| {
+        let (p, g) = s.device_ptr(stream);
+        guards.push(g);
+        p
+    });
     let side = |w: i64| if w < 0 { -1 } else { w };
-    (
-        MaskParams { q_pos, k_pos, q_doc, k_doc, window_left: side(m.window_left), window_right: side(m.window_right) },
-        guards,
-    )
+    let (window_left, window_right) = (side(m.window_left), side(m.window_right));
+    (MaskParams { q_pos, k_pos, q_doc, k_doc, window_left, window_right, k_bounds, k_doc_bounds }, guards)
 }
 
 #[cfg(test)]

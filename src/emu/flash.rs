@@ -56,8 +56,19 @@ impl Executor for Emulator<'_> {
     }
 }
 
-/// The mask of `vis` in the kernels' form; it borrows `vis`'s vectors.
-fn mask_params(vis: &Visibility) -> MaskParams {
+/// The keys' granule bounds of `vis` (what [`MaskParams::k_bounds`] and `k_doc_bounds`
+/// point at).
+struct KeyBounds(Vec<i64>, Option<Vec<u32>>);
+
+impl KeyBounds {
+    fn of(vis: &Visibility) -> Self {
+        let (pos, docs) = crate::kernels::params::key_bounds(&vis.k_pos, vis.k_doc.as_deref());
+        KeyBounds(pos, docs)
+    }
+}
+
+/// The mask of `vis` in the kernels' form; it borrows `vis`'s vectors and `bounds`.
+fn mask_params(vis: &Visibility, bounds: &KeyBounds) -> MaskParams {
     let doc = |d: &Option<Vec<u32>>| d.as_ref().map_or(0, |v| v.as_ptr() as u64);
     MaskParams {
         q_pos: vis.q_pos.as_ptr() as u64,
@@ -66,6 +77,8 @@ fn mask_params(vis: &Visibility) -> MaskParams {
         k_doc: doc(&vis.k_doc),
         window_left: vis.left.unwrap_or(-1),
         window_right: vis.right.unwrap_or(-1),
+        k_bounds: if bounds.0.is_empty() { 0 } else { bounds.0.as_ptr() as u64 },
+        k_doc_bounds: doc(&bounds.1),
     }
 }
 
@@ -87,6 +100,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
     }
     // 0xFFFF is NaN in bf16 and f16: unwritten elements show up.
     let mut o16 = if round_o { vec![0xFFFFu16; nq] } else { Vec::new() };
+    let bounds = KeyBounds::of(vis);
     let p = FlashFwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -94,7 +108,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
         o: o.as_mut_ptr() as u64,
         lse: lse.as_mut_ptr() as u64,
         o16: if round_o { o16.as_mut_ptr() as u64 } else { 0 },
-        mask: mask_params(vis),
+        mask: mask_params(vis, &bounds),
         ..FlashFwdParams::for_shape(&dims, scale)
     };
     let launch = geometry::forward(&dims);
@@ -154,6 +168,7 @@ fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec
     if nq == 0 && nkv == 0 {
         return Ok((dq, dk, dv));
     }
+    let bounds = KeyBounds::of(f.vis);
     let p = FlashBwdParams {
         q: f.q.as_ptr() as u64,
         k: f.k.as_ptr() as u64,
@@ -165,7 +180,7 @@ fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec
         dq: dq.as_mut_ptr() as u64,
         dk: dk.as_mut_ptr() as u64,
         dv: dv.as_mut_ptr() as u64,
-        mask: mask_params(f.vis),
+        mask: mask_params(f.vis, &bounds),
         ..FlashBwdParams::for_shape(&dims, f.scale, x.dq_mode)
     };
     let bf = (f.dtype == DType::BF16) as i32;
