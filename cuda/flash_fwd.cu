@@ -38,19 +38,6 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
     uint16_t* vs = ks + 2 * kN * Tr::kStride;                        // [2][kN][kStride]
 
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d,
-                                                                                      q0);
-    cp_async_commit();
-    auto stage_kv = [&](int buf, int64_t k0) {
-        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(ks + buf * kN * Tr::kStride, p.k, bi,
-                                                                                p.s_k, p.h_kv, hk, d, k0);
-        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(vs + buf * kN * Tr::kStride, p.v, bi,
-                                                                                p.s_k, p.h_kv, hk, d, k0);
-    };
-    const int64_t ntiles = (p.s_k + kN - 1) / kN;
-    if (ntiles > 0) stage_kv(0, 0);
-    cp_async_commit();
-
     // This thread's two query rows (g and g + 8 of the warp's 16): positions and documents.
     const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     int64_t qpos[2];
@@ -82,27 +69,117 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         }
     }
 
+    // Whether a tile may hold a pair visible to queries in [q_lo, q_hi] of documents
+    // [d_lo, d_hi] (false only when the keys' bounds rule every pair out).
+    auto tile_may_see = [&](int64_t tile, int64_t q_lo, int64_t q_hi, uint32_t d_lo, uint32_t d_hi) {
+        const int64_t k0 = tile * kN;
+        const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < p.s_k ? k0 + kN : p.s_k) - 1) / MASK_GRANULE;
+        int64_t k_lo = gmem_load(p.mask.k_bounds + 2 * g0), k_hi = gmem_load(p.mask.k_bounds + 2 * g0 + 1);
+        if (g1 != g0) {
+            const int64_t lo = gmem_load(p.mask.k_bounds + 2 * g1), hi = gmem_load(p.mask.k_bounds + 2 * g1 + 1);
+            k_lo = lo < k_lo ? lo : k_lo, k_hi = hi > k_hi ? hi : k_hi;
+        }
+        const int64_t wl = p.mask.window_left, wr = p.mask.window_right;
+        bool empty = (wl >= 0 && k_hi < q_lo - wl) || (wr >= 0 && k_lo > q_hi + wr);
+        if (p.mask.q_doc != nullptr && p.mask.k_doc_bounds != nullptr) {
+            uint32_t kd_lo = gmem_load(p.mask.k_doc_bounds + 2 * g0), kd_hi = gmem_load(p.mask.k_doc_bounds + 2 * g0 + 1);
+            if (g1 != g0) {
+                const uint32_t lo = gmem_load(p.mask.k_doc_bounds + 2 * g1), hi = gmem_load(p.mask.k_doc_bounds + 2 * g1 + 1);
+                kd_lo = lo < kd_lo ? lo : kd_lo, kd_hi = hi > kd_hi ? hi : kd_hi;
+            }
+            empty = empty || kd_hi < d_lo || kd_lo > d_hi;
+        }
+        return !empty;
+    };
+
+    // Loop bounds (masked calls): from the first to the last tile any warp of the block may
+    // see — tiles outside are neither loaded nor waited on (a causal block stops at its
+    // diagonal, a window starts at its left edge). The block's query bounds come from the
+    // warps' through the K buffer (not staged yet); each thread tests every kThreads-th tile
+    // and the block keeps the extremes.
+    const int64_t ntiles = (p.s_k + kN - 1) / kN;
+    int64_t t_begin = 0, t_end = ntiles;
+    if (classify && ntiles > 0) {
+        int64_t* scratch = reinterpret_cast<int64_t*>(ks);
+        if (lane == 0) {
+            smem_store(scratch + 4 * warp, wq_lo);
+            smem_store(scratch + 4 * warp + 1, wq_hi);
+            smem_store(scratch + 4 * warp + 2, int64_t(wd_lo));
+            smem_store(scratch + 4 * warp + 3, int64_t(wd_hi));
+        }
+        __syncthreads();
+        int64_t bq_lo = smem_load(scratch), bq_hi = smem_load(scratch + 1);
+        int64_t bd_lo = smem_load(scratch + 2), bd_hi = smem_load(scratch + 3);
+        for (int w = 1; w < Tr::kWarps; ++w) {
+            const int64_t a = smem_load(scratch + 4 * w), b = smem_load(scratch + 4 * w + 1);
+            const int64_t c = smem_load(scratch + 4 * w + 2), e = smem_load(scratch + 4 * w + 3);
+            bq_lo = a < bq_lo ? a : bq_lo, bq_hi = b > bq_hi ? b : bq_hi;
+            bd_lo = c < bd_lo ? c : bd_lo, bd_hi = e > bd_hi ? e : bd_hi;
+        }
+        __syncthreads();  // every thread has read the query bounds
+        int64_t first = ntiles, last = -1;
+        for (int64_t tt = threadIdx.x; tt < ntiles; tt += Tr::kThreads) {
+            if (tile_may_see(tt, bq_lo, bq_hi, uint32_t(bd_lo), uint32_t(bd_hi))) {
+                first = tt < first ? tt : first;
+                last = tt;
+            }
+        }
+        RINGATTN_UNROLL
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t f = __shfl_xor_sync(0xffffffffu, first, o), l = __shfl_xor_sync(0xffffffffu, last, o);
+            first = f < first ? f : first, last = l > last ? l : last;
+        }
+        if (lane == 0) {
+            smem_store(scratch + 2 * warp, first);
+            smem_store(scratch + 2 * warp + 1, last);
+        }
+        __syncthreads();
+        first = smem_load(scratch), last = smem_load(scratch + 1);
+        for (int w = 1; w < Tr::kWarps; ++w) {
+            const int64_t f = smem_load(scratch + 2 * w), l = smem_load(scratch + 2 * w + 1);
+            first = f < first ? f : first, last = l > last ? l : last;
+        }
+        __syncthreads();  // the K buffer is staged next
+        t_begin = first, t_end = last + 1 > first ? last + 1 : first;
+    }
+
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d,
+                                                                                      q0);
+    cp_async_commit();
+    auto stage_kv = [&](int buf, int64_t k0) {
+        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(ks + buf * kN * Tr::kStride, p.k, bi,
+                                                                                p.s_k, p.h_kv, hk, d, k0);
+        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(vs + buf * kN * Tr::kStride, p.v, bi,
+                                                                                p.s_k, p.h_kv, hk, d, k0);
+    };
+    if (t_begin < t_end) stage_kv(0, t_begin * kN);
+    cp_async_commit();
+
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     uint32_t qf[Tr::kQInRegs ? D / 16 : 1][4];
 
-    for (int64_t tile = 0; tile < ntiles; ++tile) {
-        const int buf = int(tile & 1);
-        if (tile + 1 < ntiles) stage_kv(buf ^ 1, (tile + 1) * kN);
+    if (Tr::kQInRegs && t_begin < t_end) {
+        // Q fragments into registers once, before the loop: Q (the first group) has landed.
+        cp_async_wait<1>();
+        __syncthreads();
+        RINGATTN_UNROLL
+        for (int kk = 0; kk < D / 16; ++kk) {
+            ldmatrix_x4(qf[Tr::kQInRegs ? kk : 0],
+                        qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+        }
+    }
+
+    int buf = 0;
+    for (int64_t tile = t_begin; tile < t_end; ++tile, buf ^= 1) {
+        if (tile + 1 < t_end) stage_kv(buf ^ 1, (tile + 1) * kN);
         cp_async_commit();
         cp_async_wait<1>();  // Q and this tile have landed; the next one may still be in flight
         __syncthreads();
         const uint16_t* kt = ks + buf * kN * Tr::kStride;
         const uint16_t* vt = vs + buf * kN * Tr::kStride;
-        if (tile == 0 && Tr::kQInRegs) {
-            RINGATTN_UNROLL
-            for (int kk = 0; kk < D / 16; ++kk) {
-                ldmatrix_x4(qf[Tr::kQInRegs ? kk : 0],
-                            qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
-            }
-        }
         // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
         // g + 8, g + 8; columns 2t, 2t + 1). A tile fully visible to the warp (every row of the
         // warp and every key of the tile inside the call; no mask, or the bounds say so) runs
