@@ -180,6 +180,117 @@ struct MaskEval {
     }
 };
 
+// Tile classification from the keys' granule bounds (MaskParams::k_bounds): the bounds of a
+// set of queries (a warp's, a block's) and of a tile's keys, and whether every pair between
+// them is visible or none is. Masked calls use it to run fully visible tiles without the
+// mask, skip fully masked ones, and bound their loops to the tiles they may see.
+struct RowBounds {
+    int64_t lo, hi;    // positions
+    uint32_t dlo, dhi;  // documents (0 without)
+};
+
+__device__ __forceinline__ RowBounds merge_bounds(RowBounds a, const RowBounds& b) {
+    a.lo = b.lo < a.lo ? b.lo : a.lo, a.hi = b.hi > a.hi ? b.hi : a.hi;
+    a.dlo = b.dlo < a.dlo ? b.dlo : a.dlo, a.dhi = b.dhi > a.dhi ? b.dhi : a.dhi;
+    return a;
+}
+
+// The bounds of a warp's query rows: each thread holds two rows' positions and documents.
+__device__ __forceinline__ RowBounds warp_row_bounds(const int64_t pos[2], const uint32_t doc[2]) {
+    RowBounds b{pos[0] < pos[1] ? pos[0] : pos[1], pos[0] < pos[1] ? pos[1] : pos[0],
+                doc[0] < doc[1] ? doc[0] : doc[1], doc[0] < doc[1] ? doc[1] : doc[0]};
+    RINGATTN_UNROLL
+    for (int o = 1; o < 32; o <<= 1) {
+        const RowBounds other{__shfl_xor_sync(0xffffffffu, b.lo, o), __shfl_xor_sync(0xffffffffu, b.hi, o),
+                              __shfl_xor_sync(0xffffffffu, b.dlo, o), __shfl_xor_sync(0xffffffffu, b.dhi, o)};
+        b = merge_bounds(b, other);
+    }
+    return b;
+}
+
+// Bounds of the keys of tile `tile` (kN keys from tile * kN, clipped to s_k): those of the
+// one or two granules it lies in (a tile smaller than a granule gets its granule's, a
+// superset: still sound for both tests below).
+template <int kN>
+__device__ __forceinline__ RowBounds tile_key_bounds(const MaskParams& m, int64_t tile, int64_t s_k) {
+    static_assert((MASK_GRANULE % kN == 0 || kN % MASK_GRANULE == 0) && kN <= 2 * MASK_GRANULE,
+                  "a tile lies in one or two granules");
+    const int64_t k0 = tile * kN;
+    const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < s_k ? k0 + kN : s_k) - 1) / MASK_GRANULE;
+    auto granule = [&](int64_t g) {
+        RowBounds b{gmem_load(m.k_bounds + 2 * g), gmem_load(m.k_bounds + 2 * g + 1), 0u, 0u};
+        if (m.k_doc_bounds != nullptr) b.dlo = gmem_load(m.k_doc_bounds + 2 * g), b.dhi = gmem_load(m.k_doc_bounds + 2 * g + 1);
+        return b;
+    };
+    RowBounds b = granule(g0);
+    if (g1 != g0) b = merge_bounds(b, granule(g1));
+    return b;
+}
+
+// Whether every (query, key) pair between the bounds is visible under the mask.
+__device__ __forceinline__ bool all_visible(const MaskParams& m, const RowBounds& q, const RowBounds& k) {
+    const int64_t wl = m.window_left, wr = m.window_right;
+    bool all = (wl < 0 || k.lo >= q.hi - wl) && (wr < 0 || k.hi <= q.lo + wr);
+    if (m.q_doc != nullptr) all = all && m.k_doc_bounds != nullptr && q.dlo == q.dhi && k.dlo == k.dhi && q.dlo == k.dlo;
+    return all;
+}
+
+// Whether no (query, key) pair between the bounds is visible under the mask.
+__device__ __forceinline__ bool none_visible(const MaskParams& m, const RowBounds& q, const RowBounds& k) {
+    const int64_t wl = m.window_left, wr = m.window_right;
+    bool none = (wl >= 0 && k.hi < q.lo - wl) || (wr >= 0 && k.lo > q.hi + wr);
+    if (m.q_doc != nullptr && m.k_doc_bounds != nullptr) none = none || k.dhi < q.dlo || k.dlo > q.dhi;
+    return none;
+}
+
+// The range [begin, end) of the tiles (of kN keys) that any query of the block may see: the
+// warps' bounds merged through `scratch` (4 * kWarps int64 of shared memory, free until the
+// call returns), each thread testing every kThreads-th tile. Every thread of the block calls
+// it; it synchronises the block.
+template <int kWarps, int kThreads, int kN>
+__device__ __forceinline__ void block_tile_range(const MaskParams& m, const RowBounds& warp_rows, int64_t s_k,
+                                                 int64_t ntiles, int64_t* scratch, int64_t& begin, int64_t& end) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        smem_store(scratch + 4 * warp, warp_rows.lo);
+        smem_store(scratch + 4 * warp + 1, warp_rows.hi);
+        smem_store(scratch + 4 * warp + 2, int64_t(warp_rows.dlo));
+        smem_store(scratch + 4 * warp + 3, int64_t(warp_rows.dhi));
+    }
+    __syncthreads();
+    RowBounds q = warp_rows;
+    for (int w = 0; w < kWarps; ++w) {
+        const RowBounds other{smem_load(scratch + 4 * w), smem_load(scratch + 4 * w + 1),
+                              uint32_t(smem_load(scratch + 4 * w + 2)), uint32_t(smem_load(scratch + 4 * w + 3))};
+        q = merge_bounds(q, other);
+    }
+    __syncthreads();  // every thread has read the bounds
+    int64_t first = ntiles, last = -1;
+    for (int64_t tile = threadIdx.x; tile < ntiles; tile += kThreads) {
+        if (!none_visible(m, q, tile_key_bounds<kN>(m, tile, s_k))) {
+            first = tile < first ? tile : first;
+            last = tile;
+        }
+    }
+    RINGATTN_UNROLL
+    for (int o = 1; o < 32; o <<= 1) {
+        const int64_t f = __shfl_xor_sync(0xffffffffu, first, o), l = __shfl_xor_sync(0xffffffffu, last, o);
+        first = f < first ? f : first, last = l > last ? l : last;
+    }
+    if (lane == 0) {
+        smem_store(scratch + 2 * warp, first);
+        smem_store(scratch + 2 * warp + 1, last);
+    }
+    __syncthreads();
+    for (int w = 0; w < kWarps; ++w) {
+        const int64_t f = smem_load(scratch + 2 * w), l = smem_load(scratch + 2 * w + 1);
+        first = f < first ? f : first, last = l > last ? l : last;
+    }
+    __syncthreads();  // the scratch is free again
+    begin = first;
+    end = last + 1 > first ? last + 1 : first;
+}
+
 // Visibility bits of a thread's query-row fragments against kNT n-tiles of keys k0 ..
 // (bit 4n + 2r + c: n-tile n, query row g + 8r of the warp, key k0 + 8n + 2t + c), for rows
 // that exist (`row_ok`) at positions `qpos` in documents `qdoc`; without window or documents

@@ -73,17 +73,27 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     }
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    // Masked calls classify tiles from the keys' granule bounds and bound the loop to the
+    // tiles the block may see, as the forward does (the K buffer, not staged yet, is scratch).
+    // (The warp's query bounds are recomputed per tile from qpos/qdoc, which stay live
+    // anyway, rather than kept: this kernel is at the register limit on sm_80.)
+    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    int64_t t_begin = 0, t_end = ntiles;
+    if (classify && ntiles > 0) {
+        block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_row_bounds(qpos, qdoc), p.s_k, ntiles,
+                                                       reinterpret_cast<int64_t*>(ks), t_begin, t_end);
+    }
 
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    for (int64_t tile = 0; tile < ntiles; ++tile) {
-        const int buf = Tr::kStages == 2 ? int(tile & 1) : 0;
+    for (int64_t tile = t_begin; tile < t_end; ++tile) {
+        const int buf = Tr::kStages == 2 ? int((tile - t_begin) & 1) : 0;
         if (Tr::kStages == 2) {
-            if (tile == 0) stage_kv(0, 0);
+            if (tile == t_begin) stage_kv(0, t_begin * kN);
             cp_async_commit();
-            if (tile + 1 < ntiles) stage_kv(buf ^ 1, (tile + 1) * kN);
+            if (tile + 1 < t_end) stage_kv(buf ^ 1, (tile + 1) * kN);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -96,8 +106,18 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         const uint16_t* vt = vs + buf * kN * S;
         const int64_t k0 = tile * kN;
         const bool row_ok[2] = {lse2[0] != -INFINITY, lse2[1] != -INFINITY};
-        const uint32_t vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
-        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+        // Warp-uniform: a tile fully visible to the warp's 16 rows (all inside the call) runs
+        // without the mask (kFull); a fully masked one is skipped; else the mask per score.
+        const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
+        bool full = unmasked, empty = false;
+        if (classify) {
+            const RowBounds rows = warp_row_bounds(qpos, qdoc), keys = tile_key_bounds<kN>(p.mask, tile, p.s_k);
+            full = all_visible(p.mask, rows, keys);
+            empty = none_visible(p.mask, rows, keys);
+        }
+        uint32_t vis = 0;
+        auto run_tile = [&](auto full_tile) {
+            constexpr bool kFull = decltype(full_tile)::value;
             float s[kNT][4], dp[kNT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) {
@@ -126,7 +146,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             for (int n = 0; n < kNT; ++n) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = vis >> (4 * n + e) & 1u;
+                    const bool ok = kFull || (vis >> (4 * n + e) & 1u);
                     s[n][e] = ok ? ex2_approx(s[n][e] * p.scale_log2 - lse2[e / 2]) * (dp[n][e] - delta[e / 2]) : 0.0f;
                 }
             }
@@ -144,6 +164,12 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                     mma_16816<T>(acc[n + 1], a, b + 2);
                 }
             }
+        };
+        if (in_range && full) {
+            run_tile(std::true_type{});
+        } else if (!empty) {
+            vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
+            if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }

@@ -51,96 +51,21 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
 
-    // Masked calls classify each tile from the keys' granule bounds: fully visible to the
-    // warp (run unmasked), fully masked (skipped), or mixed (the mask evaluated per score).
-    // The warp's query positions and documents, once (rows past s_q repeat the last row's:
-    // the bounds stay a superset, and a fully visible tile needs every row in range anyway).
-    static_assert(kN % MASK_GRANULE == 0 && kN <= 2 * MASK_GRANULE, "a tile spans one or two granules");
+    // Masked calls classify each tile from the keys' granule bounds (flash.cuh RowBounds):
+    // fully visible to the warp (run unmasked), fully masked (skipped), or mixed (the mask
+    // evaluated per score). The warp's query bounds, once (rows past s_q repeat the last
+    // row's: the bounds stay a superset, and a fully visible tile needs every row in range).
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
-    int64_t wq_lo = qpos[0] < qpos[1] ? qpos[0] : qpos[1], wq_hi = qpos[0] < qpos[1] ? qpos[1] : qpos[0];
-    uint32_t wd_lo = qdoc[0] < qdoc[1] ? qdoc[0] : qdoc[1], wd_hi = qdoc[0] < qdoc[1] ? qdoc[1] : qdoc[0];
-    if (classify) {
-        RINGATTN_UNROLL
-        for (int o = 1; o < 32; o <<= 1) {
-            const int64_t lo = __shfl_xor_sync(0xffffffffu, wq_lo, o), hi = __shfl_xor_sync(0xffffffffu, wq_hi, o);
-            const uint32_t dlo = __shfl_xor_sync(0xffffffffu, wd_lo, o), dhi = __shfl_xor_sync(0xffffffffu, wd_hi, o);
-            wq_lo = lo < wq_lo ? lo : wq_lo, wq_hi = hi > wq_hi ? hi : wq_hi;
-            wd_lo = dlo < wd_lo ? dlo : wd_lo, wd_hi = dhi > wd_hi ? dhi : wd_hi;
-        }
-    }
-
-    // Whether a tile may hold a pair visible to queries in [q_lo, q_hi] of documents
-    // [d_lo, d_hi] (false only when the keys' bounds rule every pair out).
-    auto tile_may_see = [&](int64_t tile, int64_t q_lo, int64_t q_hi, uint32_t d_lo, uint32_t d_hi) {
-        const int64_t k0 = tile * kN;
-        const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < p.s_k ? k0 + kN : p.s_k) - 1) / MASK_GRANULE;
-        int64_t k_lo = gmem_load(p.mask.k_bounds + 2 * g0), k_hi = gmem_load(p.mask.k_bounds + 2 * g0 + 1);
-        if (g1 != g0) {
-            const int64_t lo = gmem_load(p.mask.k_bounds + 2 * g1), hi = gmem_load(p.mask.k_bounds + 2 * g1 + 1);
-            k_lo = lo < k_lo ? lo : k_lo, k_hi = hi > k_hi ? hi : k_hi;
-        }
-        const int64_t wl = p.mask.window_left, wr = p.mask.window_right;
-        bool empty = (wl >= 0 && k_hi < q_lo - wl) || (wr >= 0 && k_lo > q_hi + wr);
-        if (p.mask.q_doc != nullptr && p.mask.k_doc_bounds != nullptr) {
-            uint32_t kd_lo = gmem_load(p.mask.k_doc_bounds + 2 * g0), kd_hi = gmem_load(p.mask.k_doc_bounds + 2 * g0 + 1);
-            if (g1 != g0) {
-                const uint32_t lo = gmem_load(p.mask.k_doc_bounds + 2 * g1), hi = gmem_load(p.mask.k_doc_bounds + 2 * g1 + 1);
-                kd_lo = lo < kd_lo ? lo : kd_lo, kd_hi = hi > kd_hi ? hi : kd_hi;
-            }
-            empty = empty || kd_hi < d_lo || kd_lo > d_hi;
-        }
-        return !empty;
-    };
+    const RowBounds warp_rows = classify ? warp_row_bounds(qpos, qdoc) : RowBounds{0, 0, 0u, 0u};
 
     // Loop bounds (masked calls): from the first to the last tile any warp of the block may
     // see — tiles outside are neither loaded nor waited on (a causal block stops at its
-    // diagonal, a window starts at its left edge). The block's query bounds come from the
-    // warps' through the K buffer (not staged yet); each thread tests every kThreads-th tile
-    // and the block keeps the extremes.
+    // diagonal, a window starts at its left edge). The K buffer (not staged yet) is scratch.
     const int64_t ntiles = (p.s_k + kN - 1) / kN;
     int64_t t_begin = 0, t_end = ntiles;
     if (classify && ntiles > 0) {
-        int64_t* scratch = reinterpret_cast<int64_t*>(ks);
-        if (lane == 0) {
-            smem_store(scratch + 4 * warp, wq_lo);
-            smem_store(scratch + 4 * warp + 1, wq_hi);
-            smem_store(scratch + 4 * warp + 2, int64_t(wd_lo));
-            smem_store(scratch + 4 * warp + 3, int64_t(wd_hi));
-        }
-        __syncthreads();
-        int64_t bq_lo = smem_load(scratch), bq_hi = smem_load(scratch + 1);
-        int64_t bd_lo = smem_load(scratch + 2), bd_hi = smem_load(scratch + 3);
-        for (int w = 1; w < Tr::kWarps; ++w) {
-            const int64_t a = smem_load(scratch + 4 * w), b = smem_load(scratch + 4 * w + 1);
-            const int64_t c = smem_load(scratch + 4 * w + 2), e = smem_load(scratch + 4 * w + 3);
-            bq_lo = a < bq_lo ? a : bq_lo, bq_hi = b > bq_hi ? b : bq_hi;
-            bd_lo = c < bd_lo ? c : bd_lo, bd_hi = e > bd_hi ? e : bd_hi;
-        }
-        __syncthreads();  // every thread has read the query bounds
-        int64_t first = ntiles, last = -1;
-        for (int64_t tt = threadIdx.x; tt < ntiles; tt += Tr::kThreads) {
-            if (tile_may_see(tt, bq_lo, bq_hi, uint32_t(bd_lo), uint32_t(bd_hi))) {
-                first = tt < first ? tt : first;
-                last = tt;
-            }
-        }
-        RINGATTN_UNROLL
-        for (int o = 1; o < 32; o <<= 1) {
-            const int64_t f = __shfl_xor_sync(0xffffffffu, first, o), l = __shfl_xor_sync(0xffffffffu, last, o);
-            first = f < first ? f : first, last = l > last ? l : last;
-        }
-        if (lane == 0) {
-            smem_store(scratch + 2 * warp, first);
-            smem_store(scratch + 2 * warp + 1, last);
-        }
-        __syncthreads();
-        first = smem_load(scratch), last = smem_load(scratch + 1);
-        for (int w = 1; w < Tr::kWarps; ++w) {
-            const int64_t f = smem_load(scratch + 2 * w), l = smem_load(scratch + 2 * w + 1);
-            first = f < first ? f : first, last = l > last ? l : last;
-        }
-        __syncthreads();  // the K buffer is staged next
-        t_begin = first, t_end = last + 1 > first ? last + 1 : first;
+        block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_rows, p.s_k, ntiles,
+                                                       reinterpret_cast<int64_t*>(ks), t_begin, t_end);
     }
 
     stage_swizzled<Tr::kBlockM, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d,
@@ -191,29 +116,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
         bool full = unmasked, empty = false;
         if (classify) {
-            const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < p.s_k ? k0 + kN : p.s_k) - 1) / MASK_GRANULE;
-            int64_t k_lo = gmem_load(p.mask.k_bounds + 2 * g0), k_hi = gmem_load(p.mask.k_bounds + 2 * g0 + 1);
-            if (g1 != g0) {
-                const int64_t lo = gmem_load(p.mask.k_bounds + 2 * g1), hi = gmem_load(p.mask.k_bounds + 2 * g1 + 1);
-                k_lo = lo < k_lo ? lo : k_lo, k_hi = hi > k_hi ? hi : k_hi;
-            }
-            const int64_t wl = p.mask.window_left, wr = p.mask.window_right;
-            full = (wl < 0 || k_lo >= wq_hi - wl) && (wr < 0 || k_hi <= wq_lo + wr);
-            empty = (wl >= 0 && k_hi < wq_lo - wl) || (wr >= 0 && k_lo > wq_hi + wr);
-            if (p.mask.q_doc != nullptr) {
-                if (p.mask.k_doc_bounds != nullptr) {
-                    uint32_t d_lo = gmem_load(p.mask.k_doc_bounds + 2 * g0), d_hi = gmem_load(p.mask.k_doc_bounds + 2 * g0 + 1);
-                    if (g1 != g0) {
-                        const uint32_t lo = gmem_load(p.mask.k_doc_bounds + 2 * g1);
-                        const uint32_t hi = gmem_load(p.mask.k_doc_bounds + 2 * g1 + 1);
-                        d_lo = lo < d_lo ? lo : d_lo, d_hi = hi > d_hi ? hi : d_hi;
-                    }
-                    full = full && wd_lo == wd_hi && d_lo == d_hi && d_lo == wd_lo;
-                    empty = empty || d_hi < wd_lo || d_lo > wd_hi;
-                } else {
-                    full = false;
-                }
-            }
+            const RowBounds keys = tile_key_bounds<kN>(p.mask, tile, p.s_k);
+            full = all_visible(p.mask, warp_rows, keys);
+            empty = none_visible(p.mask, warp_rows, keys);
         }
         const bool interior = in_range && full;
         uint32_t vis = 0;
