@@ -435,6 +435,21 @@ pub mod params {
         }
     }
 
+    /// Elements a device allocation holds for `len` values of `elem`: at least one (the
+    /// driver refuses empty allocations) and, for 16-bit values, an even number, so that the
+    /// data-movement kernels may move them as pairs ([`words`]) up to the allocation's end.
+    ///
+    /// ```
+    /// use ringattn::{kernels::params::device_capacity, Elem};
+    /// assert_eq!((device_capacity(Elem::BF16, 3), device_capacity(Elem::F32, 0)), (4, 1));
+    /// ```
+    pub fn device_capacity(elem: crate::Elem, len: usize) -> usize {
+        match elem.size_of() {
+            2 => len.div_ceil(2).max(1) * 2,
+            _ => len.max(1),
+        }
+    }
+
     /// The 4-byte word of two copies of a 16-bit pattern, as the fill kernel's f32 `value`
     /// (filling `n / 2` words fills `n` 16-bit values).
     pub fn pair_word(bits: u16) -> f32 {

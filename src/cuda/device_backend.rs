@@ -7,11 +7,11 @@ use std::time::Duration;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 
 use super::buffers::{self, kv_len, lse_len, q_len, Delta, DeviceGradients, FlashForwardArgs, SavedContext};
-use super::device_buf::{capacity, wait_event, DeviceBuf};
+use super::device_buf::{wait_event, DeviceBuf};
 use super::probe::guard;
 use super::{CudaDevice, DeviceMask};
 use crate::kernels::geometry::{DqMode, OpsKernel};
-use crate::kernels::params::{pair_word, words, OpsParams};
+use crate::kernels::params::{device_capacity as capacity, pair_word, words, OpsParams};
 use crate::parallel::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, Pending};
 use crate::{AttentionParams, DType, Dims, Elem, Error, HostBuf, Positions, Result};
 
@@ -313,10 +313,11 @@ impl Buffers for DeviceBackend {
             None => x.clone(),
             Some(kernel) => {
                 let mut out = DeviceBuf::alloc(&self.stream, Elem::F32, x.len())?;
-                let (src, _gs) = x.read_ptr(&self.stream)?;
-                let (dst, _gd) = out.write_ptr(&self.stream)?;
-                self.launch(kernel, &OpsParams::widen(dst, src, x.len()))?;
-                drop((_gs, _gd));
+                {
+                    let (src, _gs) = x.read_ptr(&self.stream)?;
+                    let (dst, _gd) = out.write_ptr(&self.stream)?;
+                    self.launch(kernel, &OpsParams::widen(dst, src, x.len()))?;
+                }
                 out
             }
         };

@@ -9,6 +9,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::probe::guard;
 use crate::comm::Payload;
+use crate::kernels::params::device_capacity as capacity;
 use crate::{Elem, Error, HostBuf, HostData, Result};
 
 /// The device allocation behind a [`DeviceBuf`], typed by what the kernels read from it.
@@ -23,7 +24,7 @@ enum Storage {
 }
 
 impl Storage {
-    /// `len` uninitialised elements of `elem` (at least [`capacity`] of them).
+    /// `len` uninitialised elements of `elem` (at least `device_capacity` of them).
     ///
     /// # Safety
     /// The caller writes every element it later reads.
@@ -93,16 +94,6 @@ impl Storage {
                 }
             })
         })
-    }
-}
-
-/// Elements allocated for `len` values of `elem`: at least one (the driver refuses empty
-/// allocations) and, for 16-bit values, an even number, so that the data-movement kernels
-/// may move them as pairs ([`crate::kernels::params::OpsUnits`]) up to the allocation's end.
-pub(crate) fn capacity(elem: Elem, len: usize) -> usize {
-    match elem {
-        Elem::BF16 | Elem::F16 => len.div_ceil(2).max(1) * 2,
-        _ => len.max(1),
     }
 }
 
@@ -267,8 +258,8 @@ impl DeviceBuf {
         Ok(out)
     }
 
-    /// `len` uninitialised values of `elem` (see [`capacity`]) on `stream`, for a kernel to
-    /// write every one of them.
+    /// `len` uninitialised values of `elem` (see `kernels::params::device_capacity`) on
+    /// `stream`, for a kernel to write every one of them.
     pub(crate) fn alloc(stream: &Arc<CudaStream>, elem: Elem, len: usize) -> Result<DeviceBuf> {
         // SAFETY: the caller writes the `len` values before anything reads them (stream
         // ordered); the padding elements are never read as values.

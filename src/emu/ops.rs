@@ -322,10 +322,7 @@ struct Alloc {
 
 impl Alloc {
     fn new(elem: Elem, len: usize) -> Alloc {
-        let cap = match elem {
-            Elem::BF16 | Elem::F16 => len.div_ceil(2).max(1) * 2,
-            _ => len.max(1),
-        };
+        let cap = crate::kernels::params::device_capacity(elem, len);
         Alloc { words: vec![0xffff_ffff; (cap * elem.size_of()).div_ceil(4)], elem, len }
     }
 
