@@ -243,6 +243,19 @@ __device__ __forceinline__ bool none_visible(const MaskParams& m, const RowBound
     return none;
 }
 
+// How a warp treats tile `tile` of kN keys, given its query bounds: fully visible (run
+// without the mask), fully masked (skip), or neither (both false: the mask per score).
+struct TileClass {
+    bool full, empty;
+};
+
+template <int kN>
+__device__ __forceinline__ TileClass classify_tile(const MaskParams& m, const RowBounds& rows, int64_t tile,
+                                                   int64_t s_k) {
+    const RowBounds keys = tile_key_bounds<kN>(m, tile, s_k);
+    return TileClass{all_visible(m, rows, keys), none_visible(m, rows, keys)};
+}
+
 // The range [begin, end) of the tiles (of kN keys) that any query of the block may see: the
 // warps' bounds merged through `scratch` (4 * kWarps int64 of shared memory, free until the
 // call returns), each thread testing every kThreads-th tile. Every thread of the block calls

@@ -109,12 +109,8 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         // Warp-uniform: a tile fully visible to the warp's 16 rows (all inside the call) runs
         // without the mask (kFull); a fully masked one is skipped; else the mask per score.
         const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
-        bool full = unmasked, empty = false;
-        if (classify) {
-            const RowBounds rows = warp_row_bounds(qpos, qdoc), keys = tile_key_bounds<kN>(p.mask, tile, p.s_k);
-            full = all_visible(p.mask, rows, keys);
-            empty = none_visible(p.mask, rows, keys);
-        }
+        const TileClass cls = classify ? classify_tile<kN>(p.mask, warp_row_bounds(qpos, qdoc), tile, p.s_k)
+                                       : TileClass{unmasked, false};
         uint32_t vis = 0;
         auto run_tile = [&](auto full_tile) {
             constexpr bool kFull = decltype(full_tile)::value;
@@ -165,9 +161,9 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                 }
             }
         };
-        if (in_range && full) {
+        if (in_range && cls.full) {
             run_tile(std::true_type{});
-        } else if (!empty) {
+        } else if (!cls.empty) {
             vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
             if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
         }

@@ -114,16 +114,11 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
         // Warp-uniform (the MMAs below are warp-wide): the warp's 16 rows, the tile's keys.
         const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
-        bool full = unmasked, empty = false;
-        if (classify) {
-            const RowBounds keys = tile_key_bounds<kN>(p.mask, tile, p.s_k);
-            full = all_visible(p.mask, warp_rows, keys);
-            empty = none_visible(p.mask, warp_rows, keys);
-        }
-        const bool interior = in_range && full;
+        const TileClass cls =
+            classify ? classify_tile<kN>(p.mask, warp_rows, tile, p.s_k) : TileClass{unmasked, false};
         uint32_t vis = 0;
-        auto run_tile = [&](auto full) {
-            constexpr bool kFull = decltype(full)::value;
+        auto run_tile = [&](auto full_tile) {
+            constexpr bool kFull = decltype(full_tile)::value;
             float s[kNT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -194,9 +189,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                 }
             }
         };
-        if (interior) {
+        if (in_range && cls.full) {
             run_tile(std::true_type{});
-        } else if (!empty) {
+        } else if (!cls.empty) {
             vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
             if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
         }

@@ -89,9 +89,11 @@ struct FlashBwdParams {
 static_assert(sizeof(FlashBwdParams) == 208, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
-// ops.cu: the f32 data movements of the sequence-parallel drivers on device buffers (the
-// `Buffers` operations of src/parallel/backend.rs). One struct for the family; each kernel
-// reads the fields its comment in ops.cu names and ignores the others (zero them).
+// ops.cu: the data movements of the sequence-parallel drivers on device buffers (the
+// `Buffers` operations of src/parallel/backend.rs) and the f32 <-> bf16/f16 conversions. One
+// struct for the family; each kernel reads the fields its comment in ops.cu names and
+// ignores the others (zero them). dst/src are 4-byte words: f32 values, or pairs of 16-bit
+// values for the movements of 16-bit buffers (fill, copy_rows, select/scatter_heads).
 struct OpsParams {
     float* dst;             // fill, add (acc), copy_rows, select_heads, scatter_heads: written
     const float* src;       // add (x), to_bf16/to_f16, copy_rows, select_heads, scatter_heads

@@ -134,7 +134,6 @@ def cfg(insns):
             leaders.add(t)
         if (t is not None or base in ("EXIT", "RET", "BRX", "JMX")) and i + 1 < len(insns):
             leaders.add(insns[i + 1][0])
-    starts = sorted(a for a in leaders if any(x[0] == a for x in insns[:1]) or True)
     blocks, cur = [], []
     for x in insns:
         if x[0] in leaders and cur:
@@ -288,14 +287,11 @@ def scale_inner(c, expected_ldgsts):
         outside = c["LDGSTS"] - c["inner_LDGSTS"]
         f = max(1.0, (expected_ldgsts - outside) / c["inner_LDGSTS"])
         extra = f - 1.0
-        for key in ("insns", "LDGSTS", "smem"):
-            inner_key = "inner_" + key if key != "smem" else None
-            if key == "insns":
-                c["insns"] += round(extra * c["inner_insns"])
-            elif key == "LDGSTS":
-                c["LDGSTS"] += round(extra * c["inner_LDGSTS"])
+        extra_copies = round(extra * c["inner_LDGSTS"])
+        c["insns"] += round(extra * c["inner_insns"])
+        c["LDGSTS"] += extra_copies
         # Each extra 16-byte cp.async writes 512 bytes of shared memory per warp.
-        c["smem"] += round(extra * c["inner_LDGSTS"]) * 512
+        c["smem"] += extra_copies * 512
     return c
 
 

@@ -288,8 +288,9 @@ pub mod params {
 
     /// `OpsParams` of `cuda/params.h` (the data movements of `cuda/ops.cu`, one struct for
     /// the family): device addresses and sizes, each kernel reading the fields its
-    /// constructor below sets (the others are zero). Element types: f32 except `dst16`
-    /// (16-bit patterns) and `heads` (i64).
+    /// constructor below sets (the others are zero). Element types: 4-byte words for `dst`
+    /// and `src` (f32 values, or pairs of 16-bit values when a 16-bit buffer moves: see
+    /// [`words`]), 16-bit patterns for `dst16` and `src16`, i64 for `heads`.
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct OpsParams {

@@ -11,14 +11,10 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaStorage, Layout};
 use half::{bf16, f16};
 
-use super::msg;
 use super::storage::CandleBuf;
+use super::{msg, wrap};
 use crate::cuda::DeviceBuf;
-use crate::{Elem, Error};
-
-fn wrap(e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e)
-}
+use crate::Elem;
 
 fn driver(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
     msg(format!("ringattn: {what}: {e}"))
