@@ -18,6 +18,11 @@ struct F16 {
     __device__ static float to_float(uint16_t h) { return f16_to_f32(h); }
 };
 
+// Two adjacent f32 values read as one 8-byte shared-memory access (LDS.64).
+struct alignas(8) F32x2 {
+    float x, y;
+};
+
 // Swizzled-tile geometry of head-dim class D (shared by the traits below).
 template <int D>
 struct TileGeom {
@@ -208,18 +213,20 @@ __device__ __forceinline__ RowBounds warp_row_bounds(const int64_t pos[2], const
     return b;
 }
 
-// Bounds of the keys of tile `tile` (kN keys from tile * kN, clipped to s_k): those of the
+// Bounds of tile `tile` of one side (kN rows from tile * kN, clipped to s) from that side's
+// granule bounds (`pos_bounds`, and `doc_bounds` or null without documents): those of the
 // one or two granules it lies in (a tile smaller than a granule gets its granule's, a
 // superset: still sound for both tests below).
 template <int kN>
-__device__ __forceinline__ RowBounds tile_key_bounds(const MaskParams& m, int64_t tile, int64_t s_k) {
+__device__ __forceinline__ RowBounds tile_bounds(const int64_t* pos_bounds, const uint32_t* doc_bounds, int64_t tile,
+                                                 int64_t s) {
     static_assert((MASK_GRANULE % kN == 0 || kN % MASK_GRANULE == 0) && kN <= 2 * MASK_GRANULE,
                   "a tile lies in one or two granules");
-    const int64_t k0 = tile * kN;
-    const int64_t g0 = k0 / MASK_GRANULE, g1 = ((k0 + kN < s_k ? k0 + kN : s_k) - 1) / MASK_GRANULE;
+    const int64_t r0 = tile * kN;
+    const int64_t g0 = r0 / MASK_GRANULE, g1 = ((r0 + kN < s ? r0 + kN : s) - 1) / MASK_GRANULE;
     auto granule = [&](int64_t g) {
-        RowBounds b{gmem_load(m.k_bounds + 2 * g), gmem_load(m.k_bounds + 2 * g + 1), 0u, 0u};
-        if (m.k_doc_bounds != nullptr) b.dlo = gmem_load(m.k_doc_bounds + 2 * g), b.dhi = gmem_load(m.k_doc_bounds + 2 * g + 1);
+        RowBounds b{gmem_load(pos_bounds + 2 * g), gmem_load(pos_bounds + 2 * g + 1), 0u, 0u};
+        if (doc_bounds != nullptr) b.dlo = gmem_load(doc_bounds + 2 * g), b.dhi = gmem_load(doc_bounds + 2 * g + 1);
         return b;
     };
     RowBounds b = granule(g0);
@@ -227,11 +234,27 @@ __device__ __forceinline__ RowBounds tile_key_bounds(const MaskParams& m, int64_
     return b;
 }
 
+// Bounds of key tile `tile` (kN keys) and of query tile `tile` (kN queries).
+template <int kN>
+__device__ __forceinline__ RowBounds tile_key_bounds(const MaskParams& m, int64_t tile, int64_t s_k) {
+    return tile_bounds<kN>(m.k_bounds, m.k_doc_bounds, tile, s_k);
+}
+template <int kN>
+__device__ __forceinline__ RowBounds tile_query_bounds(const MaskParams& m, int64_t tile, int64_t s_q) {
+    return tile_bounds<kN>(m.q_bounds, m.q_doc_bounds, tile, s_q);
+}
+
+// Whether both sides' document bounds are at hand (the host sets them with the positions'
+// bounds whenever there are documents; a side without them is never proven one document).
+__device__ __forceinline__ bool doc_bounds_known(const MaskParams& m) {
+    return m.k_doc_bounds != nullptr && m.q_doc_bounds != nullptr;
+}
+
 // Whether every (query, key) pair between the bounds is visible under the mask.
 __device__ __forceinline__ bool all_visible(const MaskParams& m, const RowBounds& q, const RowBounds& k) {
     const int64_t wl = m.window_left, wr = m.window_right;
     bool all = (wl < 0 || k.lo >= q.hi - wl) && (wr < 0 || k.hi <= q.lo + wr);
-    if (m.q_doc != nullptr) all = all && m.k_doc_bounds != nullptr && q.dlo == q.dhi && k.dlo == k.dhi && q.dlo == k.dlo;
+    if (m.q_doc != nullptr) all = all && doc_bounds_known(m) && q.dlo == q.dhi && k.dlo == k.dhi && q.dlo == k.dlo;
     return all;
 }
 
@@ -239,16 +262,17 @@ __device__ __forceinline__ bool all_visible(const MaskParams& m, const RowBounds
 __device__ __forceinline__ bool none_visible(const MaskParams& m, const RowBounds& q, const RowBounds& k) {
     const int64_t wl = m.window_left, wr = m.window_right;
     bool none = (wl >= 0 && k.hi < q.lo - wl) || (wr >= 0 && k.lo > q.hi + wr);
-    if (m.q_doc != nullptr && m.k_doc_bounds != nullptr) none = none || k.dhi < q.dlo || k.dlo > q.dhi;
+    if (m.q_doc != nullptr && doc_bounds_known(m)) none = none || k.dhi < q.dlo || k.dlo > q.dhi;
     return none;
 }
 
-// How a warp treats tile `tile` of kN keys, given its query bounds: fully visible (run
-// without the mask), fully masked (skip), or neither (both false: the mask per score).
+// How a warp treats a tile: fully visible (run without the mask), fully masked (skip), or
+// neither (both false: the mask per score).
 struct TileClass {
     bool full, empty;
 };
 
+// Key tile `tile` of kN keys against a warp's query bounds (forward, dq).
 template <int kN>
 __device__ __forceinline__ TileClass classify_tile(const MaskParams& m, const RowBounds& rows, int64_t tile,
                                                    int64_t s_k) {
@@ -256,12 +280,24 @@ __device__ __forceinline__ TileClass classify_tile(const MaskParams& m, const Ro
     return TileClass{all_visible(m, rows, keys), none_visible(m, rows, keys)};
 }
 
-// The range [begin, end) of the tiles (of kN keys) that any query of the block may see: the
-// warps' bounds merged through `scratch` (4 * kWarps int64 of shared memory, free until the
-// call returns), each thread testing every kThreads-th tile. Every thread of the block calls
-// it; it synchronises the block.
-template <int kWarps, int kThreads, int kN>
-__device__ __forceinline__ void block_tile_range(const MaskParams& m, const RowBounds& warp_rows, int64_t s_k,
+// Query tile `tile` of kN queries against a warp's key bounds (dk/dv).
+template <int kN>
+__device__ __forceinline__ TileClass classify_query_tile(const MaskParams& m, const RowBounds& keys, int64_t tile,
+                                                         int64_t s_q) {
+    const RowBounds queries = tile_query_bounds<kN>(m, tile, s_q);
+    return TileClass{all_visible(m, queries, keys), none_visible(m, queries, keys)};
+}
+
+// Which side a block's rows are: queries with key tiles streaming (forward, dq), or keys with
+// query tiles streaming (dk/dv).
+enum class BlockRows { Queries, Keys };
+
+// The range [begin, end) of the tiles (of kN rows of the other side) that any row of the
+// block may see: the warps' bounds merged through `scratch` (4 * kWarps int64 of shared
+// memory, free until the call returns), each thread testing every kThreads-th tile. Every
+// thread of the block calls it; it synchronises the block.
+template <int kWarps, int kThreads, int kN, BlockRows kRows = BlockRows::Queries>
+__device__ __forceinline__ void block_tile_range(const MaskParams& m, const RowBounds& warp_rows, int64_t s_other,
                                                  int64_t ntiles, int64_t* scratch, int64_t& begin, int64_t& end) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
@@ -271,16 +307,18 @@ __device__ __forceinline__ void block_tile_range(const MaskParams& m, const RowB
         smem_store(scratch + 4 * warp + 3, int64_t(warp_rows.dhi));
     }
     __syncthreads();
-    RowBounds q = warp_rows;
+    RowBounds rows = warp_rows;
     for (int w = 0; w < kWarps; ++w) {
         const RowBounds other{smem_load(scratch + 4 * w), smem_load(scratch + 4 * w + 1),
                               uint32_t(smem_load(scratch + 4 * w + 2)), uint32_t(smem_load(scratch + 4 * w + 3))};
-        q = merge_bounds(q, other);
+        rows = merge_bounds(rows, other);
     }
     __syncthreads();  // every thread has read the bounds
     int64_t first = ntiles, last = -1;
     for (int64_t tile = threadIdx.x; tile < ntiles; tile += kThreads) {
-        if (!none_visible(m, q, tile_key_bounds<kN>(m, tile, s_k))) {
+        const bool none = kRows == BlockRows::Queries ? none_visible(m, rows, tile_key_bounds<kN>(m, tile, s_other))
+                                                      : none_visible(m, tile_query_bounds<kN>(m, tile, s_other), rows);
+        if (!none) {
             first = tile < first ? tile : first;
             last = tile;
         }

@@ -11,6 +11,10 @@
 //   ringattn_flash_bwd_dkdv[q]_{bf16,f16}_d{D}  a block per 64 key rows (4 warps x 16) and
 //       column range, streaming the query tiles of every query head of its GQA group in a
 //       fixed order: S^T = K Q^T and dP^T = V dO^T, then dv += P^T dO and dk += dS^T Q.
+// Masked calls bound both loops from the granule bounds (MaskParams k_bounds, q_bounds):
+// the dq kernel visits the key tiles and the dk/dv kernel the query tiles that a row of
+// the block may see; tiles fully visible to a warp run without the mask, fully masked ones
+// are skipped (flash.cuh TileClass).
 // By default dq is recomputed by its own kernel instead of atomics: the price of determinism
 // is one more pass over S and dP. The atomic variant ringattn_flash_bwd_dkdvq_*_d{D} also
 // adds scale dS K into a zeroed dq with f32 atomics (dS transposed in registers by
@@ -206,23 +210,6 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto lse_tile = [&](int buf) { return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + 2 * kM * Tr::kRowBytes); };
     auto delta_tile = [&](int buf) { return lse_tile(buf) + kM; };
 
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
-    cp_async_commit();
-    const int64_t qtiles = (p.s_q + kM - 1) / kM, steps = group * qtiles;
-    // Step `it` covers query head hk * group + it / qtiles, query rows (it % qtiles) * kM.
-    auto stage_q = [&](int buf, int64_t it) {
-        const int64_t hq = hk * group + it / qtiles, q0 = (it % qtiles) * kM;
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
-        for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
-            const bool in = q0 + r < p.s_q;
-            const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
-            smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
-            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) : 0.0f);
-        }
-    };
-
     // This thread's two key rows (g and g + 8 of the warp's 16).
     const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     int64_t kpos[2];
@@ -235,6 +222,41 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     const MaskEval mask{p.mask};
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+
+    // Masked calls classify each query tile from the queries' granule bounds against the
+    // warp's 16 keys (fully visible: unmasked; fully masked: skipped; else the mask per
+    // score) and bound the loop to the query tiles any key of the block may see: a causal
+    // block starts at its diagonal, a window stops at its right edge. The stage buffers (not
+    // staged yet) are scratch.
+    // The warp's key bounds are kept for head dims up to 32 and recomputed per tile from
+    // kpos/kdoc (live anyway) above: d64 and d128 sit at the register limit (sm_90a spills).
+    const bool classify = !unmasked && p.mask.k_bounds != nullptr && p.mask.q_bounds != nullptr;
+    constexpr bool kKeepBounds = D <= 32;
+    const RowBounds kept_keys = kKeepBounds && classify ? warp_row_bounds(kpos, kdoc) : RowBounds{0, 0, 0u, 0u};
+    auto warp_keys = [&] { return kKeepBounds ? kept_keys : warp_row_bounds(kpos, kdoc); };
+    const int64_t qtiles = (p.s_q + kM - 1) / kM;
+    int64_t qt_begin = 0, qt_end = qtiles;
+    if (classify && qtiles > 0) {
+        block_tile_range<Tr::kWarps, Tr::kThreads, kM, BlockRows::Keys>(
+            p.mask, warp_keys(), p.s_q, qtiles, reinterpret_cast<int64_t*>(stages), qt_begin, qt_end);
+    }
+
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
+    cp_async_commit();
+    // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq.
+    const int64_t nq = qt_end - qt_begin, steps = group * nq;
+    auto stage_q = [&](int buf, int64_t it) {
+        const int64_t hq = hk * group + it / nq, q0 = (qt_begin + it % nq) * kM;
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+        for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
+            const bool in = q0 + r < p.s_q;
+            const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
+            smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
+            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) : 0.0f);
+        }
+    };
 
     float dk[kOT][4], dv[kOT][4];
     RINGATTN_UNROLL
@@ -261,26 +283,17 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         const uint16_t* dot = do_tile(buf);
         const float* lt = lse_tile(buf);
         const float* dt = delta_tile(buf);
-        const int64_t hq = hk * group + it / qtiles, q0 = (it % qtiles) * kM;
-        // Visibility of S^T fragments: rows are keys, columns queries.
+        const int64_t qtile = qt_begin + it % nq;
+        const int64_t hq = hk * group + it / nq, q0 = qtile * kM;
+        // Warp-uniform: a query tile fully visible to the warp's 16 keys (all inside the call)
+        // runs without the mask (kFull: its queries see a key, so their lse is finite); a fully
+        // masked one is skipped; else the mask per score.
+        const bool in_range = k0 + warp * 16 + 16 <= p.s_k && q0 + kM <= p.s_q;
+        const TileClass cls =
+            classify ? classify_query_tile<kM>(p.mask, warp_keys(), qtile, p.s_q) : TileClass{unmasked, false};
         uint32_t vis = 0;
-        RINGATTN_UNROLL
-        for (int n = 0; n < kMT; ++n) {
-            RINGATTN_UNROLL
-            for (int c = 0; c < 2; ++c) {
-                const int col = n * 8 + 2 * t + c;
-                const int64_t i = q0 + col;
-                if (i >= p.s_q || smem_load(lt + col) == -INFINITY) continue;
-                const int64_t pq = unmasked ? 0 : gmem_load(p.mask.q_pos + i);
-                const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + i) : 0;
-                RINGATTN_UNROLL
-                for (int r = 0; r < 2; ++r) {
-                    const bool ok = krow[r] < p.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
-                    vis |= uint32_t(ok) << (4 * n + 2 * r + c);
-                }
-            }
-        }
-        if (__ballot_sync(0xffffffffu, vis != 0) != 0) {
+        auto run_tile = [&](auto full_tile) {
+            constexpr bool kFull = decltype(full_tile)::value;
             float s[kMT][4], dp[kMT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kMT; ++n) {
@@ -304,15 +317,17 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dp[n + 1], av, bd + 2);
                 }
             }
-            // P^T in s, dS^T in dp.
+            // P^T in s, dS^T in dp; the columns' lse and delta as pairs (columns 2t, 2t + 1).
             RINGATTN_UNROLL
             for (int n = 0; n < kMT; ++n) {
+                const F32x2 l2 = smem_load(reinterpret_cast<const F32x2*>(lt + n * 8 + 2 * t));
+                const F32x2 d2 = smem_load(reinterpret_cast<const F32x2*>(dt + n * 8 + 2 * t));
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    const int col = n * 8 + 2 * t + (e & 1);
-                    const bool ok = vis >> (4 * n + e) & 1u;
-                    const float pv = ok ? ex2_approx(s[n][e] * p.scale_log2 - smem_load(lt + col)) : 0.0f;
-                    dp[n][e] = ok ? pv * (dp[n][e] - smem_load(dt + col)) : 0.0f;
+                    const bool ok = kFull || (vis >> (4 * n + e) & 1u);
+                    const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
+                    const float pv = ok ? ex2_approx(s[n][e] * p.scale_log2 - lse_c) : 0.0f;
+                    dp[n][e] = ok ? pv * (dp[n][e] - delta_c) : 0.0f;
                     s[n][e] = pv;
                 }
             }
@@ -367,6 +382,39 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     }
                 }
             }
+        };
+        // Fully visible tiles without the mask; the others through one call site of the
+        // masked path (each call site is inlined). The atomic variant keeps a single copy of
+        // its tile code (a second spills): a fully visible tile is its masked path with every
+        // bit set, the mask unread.
+        if (!kAtomicDq && in_range && cls.full) {
+            run_tile(std::true_type{});
+        } else {
+            bool masked_tile = false;
+            if (in_range && cls.full) {
+                vis = ~0u;
+                masked_tile = true;
+            } else if (!cls.empty) {
+                // Visibility of S^T fragments: rows are keys, columns queries.
+                RINGATTN_UNROLL
+                for (int n = 0; n < kMT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int c = 0; c < 2; ++c) {
+                        const int col = n * 8 + 2 * t + c;
+                        const int64_t i = q0 + col;
+                        if (i >= p.s_q || smem_load(lt + col) == -INFINITY) continue;
+                        const int64_t pq = unmasked ? 0 : gmem_load(p.mask.q_pos + i);
+                        const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + i) : 0;
+                        RINGATTN_UNROLL
+                        for (int r = 0; r < 2; ++r) {
+                            const bool ok = krow[r] < p.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
+                            vis |= uint32_t(ok) << (4 * n + 2 * r + c);
+                        }
+                    }
+                }
+                masked_tile = __ballot_sync(0xffffffffu, vis != 0) != 0;
+            }
+            if (masked_tile) run_tile(std::false_type{});
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
@@ -391,6 +439,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
 extern "C" __global__ void ringattn_flash_bwd_rowsum_bf16(FlashBwdParams p) { flash_bwd_rowsum<Bf16>(p); }
 extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { flash_bwd_rowsum<F16>(p); }
 
+// dkdvq: `__launch_bounds__(128, 1)` (one block per SM is enough): with (128) alone ptxas holds
+// the atomic variant at 168 registers and spills.
 #define RINGATTN_BWD_ENTRY(TY, NAME, D)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) {   \
         flash_bwd_dq_tc<TY, D>(p);                                                                              \
@@ -398,7 +448,7 @@ extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { fla
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \
         flash_bwd_dkdv_tc<TY, D, false>(p);                                                                     \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
+    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
         flash_bwd_dkdv_tc<TY, D, true>(p);                                                                      \
     }
 #define RINGATTN_BWD_ENTRIES(D) RINGATTN_BWD_ENTRY(Bf16, bf16, D) RINGATTN_BWD_ENTRY(F16, f16, D)

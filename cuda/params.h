@@ -37,11 +37,15 @@ struct MaskParams {
     // masked without reading its positions. k_bounds may be null: no classification.
     const int64_t* k_bounds;
     const uint32_t* k_doc_bounds;
+    // The same per granule of MASK_GRANULE queries ([ceil(s_q / MASK_GRANULE)][2]), for the
+    // kernels that stream query tiles (dk/dv). Set together with k_bounds, or both null.
+    const int64_t* q_bounds;
+    const uint32_t* q_doc_bounds;
 };
 
 #define MASK_GRANULE 32
 
-static_assert(sizeof(MaskParams) == 64, "MaskParams is mirrored in Rust: 6 pointers + 2 int64");
+static_assert(sizeof(MaskParams) == 80, "MaskParams is mirrored in Rust: 8 pointers + 2 int64");
 
 // flash_fwd.cu: o, lse of queries q against keys k, values v. q, k, v hold bf16 or f16 bits
 // (the entry point names the type); o and lse are f32 and unrounded, so that ring hops merge
@@ -60,7 +64,7 @@ struct FlashFwdParams {
     float scale_log2;                   // scale * log2(e)
 };
 
-static_assert(sizeof(FlashFwdParams) == 168, "FlashFwdParams is mirrored in Rust");
+static_assert(sizeof(FlashFwdParams) == 184, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
@@ -86,7 +90,7 @@ struct FlashBwdParams {
     int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 208, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 224, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
 // ops.cu: the data movements of the sequence-parallel drivers on device buffers (the

@@ -431,6 +431,7 @@ inline void cp_async(void* dst, const void* src, unsigned src_bytes) {
     if (!check_shared(dst, 16, "cp.async destination")) return;
     if (src_bytes > 0 && !check_global(src, src_bytes, "cp.async source")) return;
     shadow_access(dst, 16, true, "cp.async (issue)");
+    ++current->block->async_copies;
     std::memset(dst, 0xFF, 16);
     current->uncommitted.push_back(AsyncCopy{dst, src, src_bytes, 16 - src_bytes});
 }

@@ -8,10 +8,19 @@
 //! the JSON reports both loss curves, their largest difference, the step-1 gradient's relative
 //! error and whether the ranks' replicas stayed bit-identical.
 //!
+//! On a GPU (`--features candle,cuda`), `--backend cuda` keeps the model and the attention on
+//! the device: candle's CUDA tensors, ringattn's kernels on candle's stream, gradients
+//! summed on the device — with `--comm local` the ranks are threads sharing GPU 0 (device
+//! buffers exchanged by copies), with `--comm nccl` the processes of a launcher's job, one
+//! GPU each.
+//!
 //! ```text
 //! cargo run --release --features candle --example train_lm -- --world 4 --strategy ring \
 //!     --steps 60 --seq 512 --compare-single --json out.json
 //! mpirun -n 4 target/release/examples/train_lm --comm mpi --strategy ulysses --steps 20
+//! cargo run --release --features candle,cuda --example train_lm -- --backend cuda --dtype bf16 \
+//!     --world 4 --compare-single
+//! torchrun --nproc-per-node 8 target/release/examples/train_lm --backend cuda --comm nccl --dtype bf16
 //! ```
 
 use std::sync::Arc;
@@ -21,7 +30,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use ringattn::comm::{Communicator, LocalOptions};
 use ringattn::parallel::{Backend, CpuBackend, ParallelParams, ParallelPlan, ResolvedParams, Strategy};
-use ringattn::{candle as rc, AttentionParams, DType, Dims, HostBuf, Layout, Mask};
+use ringattn::{candle as rc, AttentionParams, DType, Dims, Layout, Mask};
 
 /// The command line's charts (line_chart: PNG and SVG, the font the crate carries).
 #[path = "../src/bin/ringattn/plot.rs"]
@@ -53,10 +62,13 @@ struct Args {
     /// Tokens per sequence (the whole sequence, split over the ranks).
     #[arg(long, default_value_t = 512)]
     seq: usize,
-    /// cpu, or emu (the CUDA kernels under the host emulator: bf16, slow).
+    /// cpu, emu (the CUDA kernels under the host emulator: bf16, slow) or cuda (the model and
+    /// the attention on the GPU; a build with --features candle,cuda; --dtype bf16 or f16).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// local (ranks as threads) or mpi (the processes of an MPI job; a build with --features mpi).
+    /// local (ranks as threads; with --backend cuda sharing GPU 0), mpi (the processes of an
+    /// MPI job; a build with --features mpi) or nccl (--backend cuda: the processes of a
+    /// launcher's job, one GPU each).
     #[arg(long, default_value = "local")]
     comm: String,
     /// Attention dtype: f32 or bf16 (parameters stay f32).
@@ -84,8 +96,8 @@ fn fail(e: impl std::fmt::Display) -> ringattn::Error {
 }
 
 /// Deterministic initial values of every parameter (the same on every rank and in the
-/// single-rank run), in a fixed order.
-fn parameters(seed: u64, seq: usize) -> candle_core::Result<Vec<Var>> {
+/// single-rank run), in a fixed order, on `device`.
+fn parameters(seed: u64, seq: usize, device: &Device) -> candle_core::Result<Vec<Var>> {
     let mut shapes: Vec<Vec<usize>> = vec![vec![VOCAB, MODEL], vec![seq, MODEL]];
     for _ in 0..LAYERS {
         shapes.extend([
@@ -104,7 +116,9 @@ fn parameters(seed: u64, seq: usize) -> candle_core::Result<Vec<Var>> {
         .map(|(i, sh)| {
             let t = ringattn::random::randn(sh.clone(), seed * 1000 + i as u64, DType::F32);
             let scale = 1.0 / (sh[0] as f64).sqrt();
-            Var::from_tensor(&(Tensor::from_vec(t.to_f32_vec(), sh.as_slice(), &Device::Cpu)? * scale)?)
+            Var::from_tensor(
+                &(Tensor::from_vec(t.to_f32_vec(), sh.as_slice(), &Device::Cpu)? * scale)?.to_device(device)?,
+            )
         })
         .collect()
 }
@@ -112,8 +126,8 @@ fn parameters(seed: u64, seq: usize) -> candle_core::Result<Vec<Var>> {
 /// One step's batch: tokens `[1, seq]` of a fixed random process, and their targets (the
 /// next token; the last position's is the first token). Each token is followed by one of its
 /// two successors (fixed for the run by `seed`), chosen at random: the loss can fall from
-/// about ln 32 towards ln 2.
-fn batch(seed: u64, step: usize, seq: usize) -> candle_core::Result<(Tensor, Tensor)> {
+/// about ln 32 towards ln 2. On `device`.
+fn batch(seed: u64, step: usize, seq: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let draw = |n: usize, salt: u64| -> Vec<usize> {
         let x = ringattn::random::randn(vec![n], seed.wrapping_mul(31) ^ salt, DType::F32);
         x.to_f32_vec().iter().map(|v| (v.abs() * 1000.0) as usize).collect()
@@ -127,7 +141,7 @@ fn batch(seed: u64, step: usize, seq: usize) -> candle_core::Result<(Tensor, Ten
         tok = successors[2 * tok + r[t + 1] % 2] % VOCAB;
     }
     let targets: Vec<u32> = (0..seq).map(|t| tokens[(t + 1) % seq]).collect();
-    Ok((Tensor::from_vec(tokens, (1, seq), &Device::Cpu)?, Tensor::from_vec(targets, (1, seq), &Device::Cpu)?))
+    Ok((Tensor::from_vec(tokens, (1, seq), device)?, Tensor::from_vec(targets, (1, seq), device)?))
 }
 
 /// `x / rms(x)` over the last axis (differentiable).
@@ -200,12 +214,12 @@ fn adamw(vars: &[Var], lr: f64) -> candle_core::Result<AdamW> {
 
 /// The single-rank run with plain attention: losses and the step-1 gradients.
 fn train_single(a: &Args) -> candle_core::Result<(Vec<f64>, Vec<f32>)> {
-    let vars = parameters(a.seed, a.seq)?;
+    let vars = parameters(a.seed, a.seq, &Device::Cpu)?;
     let mut opt = adamw(&vars, a.lr)?;
     let pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
     let (mut losses, mut first) = (Vec::new(), Vec::new());
     for step in 0..a.steps {
-        let (tokens, targets) = batch(a.seed, step, a.seq)?;
+        let (tokens, targets) = batch(a.seed, step, a.seq, &Device::Cpu)?;
         let l = loss(&vars, &tokens, &targets, &pos, a.seq, &plain_attention)?;
         let grads = l.backward()?;
         if step == 0 {
@@ -224,19 +238,27 @@ struct RankRun {
     replicas_identical: bool,
 }
 
-/// One rank of the parallel run on `comm`, attention on `backend`.
-fn train_rank<Be: Backend<Buf = HostBuf> + Send + Sync + 'static>(
+/// One rank of the parallel run on `comm`, attention on `backend`, the model on `device`
+/// (the CPU for host backends; the GPU, with device buffers, for the CUDA backend).
+fn train_rank<Be>(
     a: &Args,
-    comm: Arc<dyn Communicator<Buf = HostBuf>>,
+    comm: Arc<dyn Communicator<Buf = Be::Buf>>,
     backend: Be,
+    device: &Device,
     params: &ParallelParams,
     resolved: &ResolvedParams,
     progress: Option<&indicatif::ProgressBar>,
-) -> ringattn::Result<RankRun> {
+) -> ringattn::Result<RankRun>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: rc::CandleBuf,
+{
     let rank = comm.rank();
     let n = resolved.positions(rank).len();
     let dims = Dims { b: 1, s_q: n, s_k: n, h_q: HEADS_Q, h_kv: HEADS_KV, d: HEAD_DIM };
-    let plan = Arc::new(ParallelPlan::new_shared(comm.clone(), Arc::new(backend), params, &dims, a.dtype)?);
+    let backend = Arc::new(backend);
+    let plan = Arc::new(ParallelPlan::new_shared(comm.clone(), backend.clone(), params, &dims, a.dtype)?);
+    let add = |acc: &mut Be::Buf, x: &Be::Buf| backend.add_into(acc, x);
     let cdt = match a.dtype {
         DType::BF16 => CDType::BF16,
         DType::F16 => CDType::F16,
@@ -246,54 +268,70 @@ fn train_rank<Be: Backend<Buf = HostBuf> + Send + Sync + 'static>(
         let o = rc::ring_attention(&plan, &q.to_dtype(cdt)?, &k.to_dtype(cdt)?, &v.to_dtype(cdt)?)?;
         o.to_dtype(CDType::F32)
     };
-    let vars = parameters(a.seed, a.seq)?;
+    let vars = parameters(a.seed, a.seq, device)?;
     let mut opt = adamw(&vars, a.lr)?;
-    let all_pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
+    let all_pos = Tensor::arange(0u32, a.seq as u32, device)?;
     let pos = rc::shard(resolved, &all_pos, 0, rank)?;
     let (mut losses, mut first_grads) = (Vec::new(), Vec::new());
     for step in 0..a.steps {
-        let (tokens, targets) = batch(a.seed, step, a.seq)?;
+        let (tokens, targets) = batch(a.seed, step, a.seq, device)?;
         let (tokens, targets) = (rc::shard(resolved, &tokens, 1, rank)?, rc::shard(resolved, &targets, 1, rank)?);
         let l = loss(&vars, &tokens, &targets, &pos, a.seq, &attend)?;
         let mut grads = l.backward()?;
-        rc::all_reduce_gradients(&*comm, &vars, &mut grads)?;
+        rc::all_reduce_gradients_with(&*comm, &add, &vars, &mut grads)?;
         if step == 0 {
             first_grads = flat_grads(&vars, &grads)?;
         }
         opt.step(&grads)?;
-        let total = comm.all_reduce(HostBuf::from(vec![l.to_scalar::<f32>()?]), &ringattn::comm::add_host)?;
-        let total = f64::from(total.f32s()?[0]);
+        let total = f64::from(rc::all_reduce_sum(&*comm, &add, &l.reshape(1)?)?.to_vec1::<f32>()?[0]);
         losses.push(total);
         if let Some(pb) = progress {
             pb.set_message(format!("loss {total:.4}"));
             pb.inc(1);
         }
     }
-    // Replicas: every rank's parameters hash alike.
+    let replicas_identical = replicas_identical(&*comm, &add, &vars)?;
+    Ok(RankRun { losses, first_grads, replicas_identical })
+}
+
+/// Whether every rank's parameters are bit-identical: each rank hashes its own, and the
+/// group sums each hash byte `x` and its square — exact integers in f32 — so that
+/// `world * sum(x^2) == sum(x)^2` holds for every byte only if all ranks agree.
+fn replicas_identical<B: rc::CandleBuf>(
+    comm: &dyn Communicator<Buf = B>,
+    add: &ringattn::comm::AddFn<'_, B>,
+    vars: &[Var],
+) -> candle_core::Result<bool> {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in &vars {
+    for v in vars {
         for x in v.flatten_all()?.to_vec1::<f32>()? {
             h = (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
-    let hashes = ringattn::comm::all_gather(&*comm, HostBuf::bytes(h.to_le_bytes().to_vec()))?;
-    let replicas_identical = hashes.iter().all(|x| x.to_control_bytes() == h.to_le_bytes());
-    Ok(RankRun { losses, first_grads, replicas_identical })
+    let bytes = h.to_le_bytes().map(f32::from);
+    let both: Vec<f32> = bytes.iter().copied().chain(bytes.iter().map(|x| x * x)).collect();
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let sums = rc::all_reduce_sum(comm, add, &Tensor::from_vec(both, 16, &device)?)?.to_vec1::<f32>()?;
+    let world = comm.size() as f64;
+    Ok((0..8).all(|i| world * f64::from(sums[8 + i]) == f64::from(sums[i]).powi(2)))
 }
 
 /// The parallel run on in-process ranks or on this MPI process; rank 0's report.
 fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) -> ringattn::Result<Option<RankRun>> {
     let pb = indicatif::ProgressBar::new(a.steps as u64)
         .with_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}").map_err(fail)?);
-    let run = |comm: Arc<dyn Communicator<Buf = HostBuf>>| -> ringattn::Result<RankRun> {
+    if a.backend == "cuda" {
+        return train_parallel_cuda(a, params, resolved, &pb);
+    }
+    let run = |comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>| -> ringattn::Result<RankRun> {
         let bar = (comm.rank() == 0).then_some(&pb);
         match a.backend.as_str() {
-            "cpu" => train_rank(a, comm, CpuBackend::default(), params, resolved, bar),
+            "cpu" => train_rank(a, comm, CpuBackend::default(), &Device::Cpu, params, resolved, bar),
             "emu" => {
                 let be = ringattn::emu::EmuBackend { dtype: a.dtype, ..Default::default() };
-                train_rank(a, comm, be, params, resolved, bar)
+                train_rank(a, comm, be, &Device::Cpu, params, resolved, bar)
             }
-            other => Err(fail(format!("--backend {other}: cpu or emu (CUDA tensors are not taken yet)"))),
+            other => Err(fail(format!("--backend {other}: cpu, emu or cuda"))),
         }
     };
     let out = match a.comm.as_str() {
@@ -312,10 +350,70 @@ fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) 
             let r = run(Arc::new(comm))?;
             (rank == 0).then_some(r)
         }
-        other => return Err(fail(format!("--comm {other}: local, or mpi in a build with --features mpi"))),
+        other => {
+            return Err(fail(format!(
+                "--comm {other}: local, or mpi in a build with --features mpi (nccl: --backend cuda)"
+            )))
+        }
     };
     pb.finish();
     Ok(out)
+}
+
+/// `--backend cuda`: the model on the GPU as candle CUDA tensors, the attention through the
+/// device backend on candle's stream, device buffers between the ranks.
+#[cfg(feature = "cuda")]
+fn train_parallel_cuda(
+    a: &Args,
+    params: &ParallelParams,
+    resolved: &ResolvedParams,
+    pb: &indicatif::ProgressBar,
+) -> ringattn::Result<Option<RankRun>> {
+    use ringattn::cuda::{CudaDevice, DeviceBackend, DeviceBuf};
+    use std::time::Duration;
+    if !matches!(a.dtype, DType::BF16 | DType::F16) {
+        return Err(fail(format!("--backend cuda computes on bf16 or f16 (--dtype bf16), not {}", a.dtype)));
+    }
+    // One rank on GPU `ordinal`: candle's device, and ringattn's backend on candle's stream.
+    let rank_on = |ordinal: usize, comm: Arc<dyn Communicator<Buf = DeviceBuf>>| -> ringattn::Result<RankRun> {
+        let device = Device::new_cuda(ordinal).map_err(fail)?;
+        let stream = device.as_cuda_device().map_err(fail)?.cuda_stream();
+        let backend = DeviceBackend::on_stream(CudaDevice::shared(ordinal)?, stream, a.dtype)?;
+        let bar = (comm.rank() == 0).then_some(pb);
+        train_rank(a, comm, backend, &device, params, resolved, bar)
+    };
+    let out = match a.comm.as_str() {
+        "local" => {
+            let members = ringattn::cuda::DeviceComm::group(a.world, LocalOptions::default(), &CudaDevice::shared(0)?)?;
+            let results = ringattn::comm::spmd_owned(members, |comm| rank_on(0, comm));
+            let mut ranks = Vec::with_capacity(results.len());
+            for r in results {
+                ranks.push(r?);
+            }
+            Some(ranks.swap_remove(0))
+        }
+        "nccl" => {
+            let env = ringattn::cuda::BootstrapEnv::from_env()?;
+            let ordinal = ringattn::cuda::device_ordinal(env.local_rank, ringattn::cuda::probe()?.device_count)?;
+            let comm = ringattn::cuda::NcclComm::from_env(Duration::from_secs(300))?;
+            let rank = comm.rank();
+            let r = rank_on(ordinal, Arc::new(comm))?;
+            (rank == 0).then_some(r)
+        }
+        other => return Err(fail(format!("--comm {other} with --backend cuda: local (ranks sharing GPU 0) or nccl"))),
+    };
+    pb.finish();
+    Ok(out)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_parallel_cuda(
+    _: &Args,
+    _: &ParallelParams,
+    _: &ResolvedParams,
+    _: &indicatif::ProgressBar,
+) -> ringattn::Result<Option<RankRun>> {
+    Err(fail("--backend cuda: this build lacks the `cuda` feature (cargo build --release --features candle,cuda)"))
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
@@ -329,10 +427,11 @@ fn main() -> ringattn::Result<()> {
     let layout = a.layout.as_deref().map(str::parse::<Layout>).transpose()?;
     let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
     let params = ParallelParams { strategy: a.strategy, layout, attention, ..Default::default() };
-    let world = if a.comm == "mpi" {
-        std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(a.world)
-    } else {
-        a.world
+    let world = match a.comm.as_str() {
+        "mpi" => std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(a.world),
+        #[cfg(feature = "cuda")]
+        "nccl" => ringattn::cuda::BootstrapEnv::from_env()?.world,
+        _ => a.world,
     };
     let resolved = params.resolve(world, HEADS_Q, a.seq)?;
     let Some(run) = train_parallel(&a, &params, &resolved)? else { return Ok(()) };

@@ -126,27 +126,34 @@ pub mod params {
         /// `[ceil(s_k / MASK_GRANULE)][2]` u32: min and max key document per granule, or 0
         /// without documents.
         pub k_doc_bounds: u64,
+        /// `[ceil(s_q / MASK_GRANULE)][2]` i64: min and max query position per granule of
+        /// queries (the kernels that stream query tiles), set together with `k_bounds`.
+        pub q_bounds: u64,
+        /// `[ceil(s_q / MASK_GRANULE)][2]` u32: min and max query document per granule, or 0
+        /// without documents.
+        pub q_doc_bounds: u64,
     }
 
     /// Keys per granule of [`MaskParams::k_bounds`] (`MASK_GRANULE` of `cuda/params.h`).
     pub const MASK_GRANULE: usize = 32;
 
-    /// The granule bounds of a mask's keys: `(k_bounds, k_doc_bounds)` as
-    /// [`MaskParams`] takes them — per granule of [`MASK_GRANULE`] keys, min and max
-    /// position, and min and max document when there are documents.
+    /// The granule bounds of a mask's keys or queries: `(k_bounds, k_doc_bounds)` (or
+    /// `q_bounds`, `q_doc_bounds`) as [`MaskParams`] takes them — per granule of
+    /// [`MASK_GRANULE`] rows, min and max position, and min and max document when there are
+    /// documents.
     ///
     /// ```
-    /// use ringattn::kernels::params::key_bounds;
-    /// let (pos, docs) = key_bounds(&(0..40).rev().collect::<Vec<i64>>(), None);
+    /// use ringattn::kernels::params::granule_bounds;
+    /// let (pos, docs) = granule_bounds(&(0..40).rev().collect::<Vec<i64>>(), None);
     /// assert_eq!(pos, vec![8, 39, 0, 7]);
     /// assert!(docs.is_none());
     /// ```
-    pub fn key_bounds(k_pos: &[i64], k_doc: Option<&[u32]>) -> (Vec<i64>, Option<Vec<u32>>) {
-        let pos = k_pos
+    pub fn granule_bounds(pos: &[i64], doc: Option<&[u32]>) -> (Vec<i64>, Option<Vec<u32>>) {
+        let pos = pos
             .chunks(MASK_GRANULE)
             .flat_map(|c| [*c.iter().min().expect("non-empty"), *c.iter().max().expect("non-empty")])
             .collect();
-        let docs = k_doc.map(|d| {
+        let docs = doc.map(|d| {
             d.chunks(MASK_GRANULE)
                 .flat_map(|c| [*c.iter().min().expect("non-empty"), *c.iter().max().expect("non-empty")])
                 .collect()
@@ -462,10 +469,10 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<OpsParams>() == 136);
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<MaskParams>() == 64);
-    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 168);
+    const _: () = assert!(std::mem::size_of::<MaskParams>() == 80);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 184);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 208);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 224);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
 }
 
@@ -620,16 +627,27 @@ pub mod geometry {
         }
     }
 
+    /// Column ranges of the dk/dv kernel (`DkDvTraits::kSplits`): blocks per 64 keys, each
+    /// with its share of the head dim's columns — two above d = 128, and at 128 in the
+    /// atomic variant (registers for its dq product); one otherwise.
+    pub fn dkdv_splits(d: usize, mode: DqMode) -> usize {
+        let dc = head_dim_class(d);
+        if dc > 128 || (mode == DqMode::Atomic && dc == 128) {
+            2
+        } else {
+            1
+        }
+    }
+
     /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`, or under
     /// [`DqMode::Atomic`] `ringattn_flash_bwd_dkdvq_*`, which also adds dq): 4 warps of 16 key
     /// rows, one block per 64 keys and column range (two ranges above d = 128, and at 128 in
     /// the atomic variant); query tiles stream (`DkDvTraits<D, atomic>::kSmem`).
     pub fn dkdv(dims: &Dims, mode: DqMode) -> Launch {
         let dc = head_dim_class(dims.d);
-        let atomic = mode == DqMode::Atomic;
         let row = tc_stride(dc) * 2;
         let block_m = dkdv_tile(dims.d, mode).0;
-        let splits = if dc > 128 || (atomic && dc == 128) { 2 } else { 1 };
+        let splits = dkdv_splits(dims.d, mode);
         let kv = 64 * row;
         let stage = 2 * block_m * row + 2 * block_m * 4;
         let stages = if 2 * kv + 2 * stage <= SMEM_LIMIT { 2 } else { 1 };

@@ -189,7 +189,30 @@ impl Visibility {
             None => (None, None),
             Some(docs) => (Some(doc_ids(docs, &q_pos, "query")?), Some(doc_ids(docs, &k_pos, "key")?)),
         };
-        Ok(Visibility { q_pos, k_pos, q_doc, k_doc, left, right })
+        let mut vis = Visibility { q_pos, k_pos, q_doc, k_doc, left, right };
+        // A call whose every pair is visible (a ring hop wholly after its keys, one document)
+        // runs unmasked: no window, no documents, so that no backend evaluates a mask.
+        if vis.every_pair_visible() {
+            (vis.left, vis.right, vis.q_doc, vis.k_doc) = (None, None, None, None);
+        }
+        Ok(vis)
+    }
+
+    /// Whether every (query, key) pair is visible: the window holds between the extreme
+    /// positions, and with documents every row lies in the same one. False without rows.
+    pub fn every_pair_visible(&self) -> bool {
+        let extremes = |p: &[i64]| Some((*p.iter().min()?, *p.iter().max()?));
+        let (Some((q_lo, q_hi)), Some((k_lo, k_hi))) = (extremes(&self.q_pos), extremes(&self.k_pos)) else {
+            return false;
+        };
+        // Visible iff pq - left <= pk <= pq + right.
+        let left_ok = self.left.is_none_or(|l| k_lo >= q_hi.saturating_sub(l));
+        let right_ok = self.right.is_none_or(|r| k_hi <= q_lo.saturating_add(r));
+        let one_doc = match (&self.q_doc, &self.k_doc) {
+            (Some(qd), Some(kd)) => qd.iter().chain(kd).all(|&d| d == qd[0]),
+            _ => true,
+        };
+        left_ok && right_ok && one_doc
     }
 
     /// For a single-device call: also checks that the documents cover exactly `s_k` tokens.
@@ -287,4 +310,43 @@ fn doc_ids(docs: &Documents, pos: &[i64], side: &str) -> Result<Vec<u32>> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Documents, Mask};
+
+    fn causal() -> AttentionParams {
+        AttentionParams { mask: Mask::Causal, ..Default::default() }
+    }
+
+    #[test]
+    fn a_call_whose_every_pair_is_visible_runs_unmasked() {
+        // A ring hop whose keys all precede its queries: no window left to evaluate.
+        let v = Visibility::new(&causal(), &Positions::contiguous(100, 20), &Positions::contiguous(40, 60)).unwrap();
+        assert_eq!((v.left, v.right), (None, None));
+        // The last key at the first query's position: still every pair.
+        let v = Visibility::new(&causal(), &Positions::contiguous(100, 20), &Positions::contiguous(41, 60)).unwrap();
+        assert_eq!((v.left, v.right), (None, None));
+        // One key after the first query: the mask stays.
+        let v = Visibility::new(&causal(), &Positions::contiguous(100, 20), &Positions::contiguous(42, 60)).unwrap();
+        assert_eq!((v.left, v.right), (None, Some(0)));
+        // A window: the farthest pair decides.
+        let w = AttentionParams { mask: Mask::Window { left: Some(30), right: Some(0) }, ..Default::default() };
+        let v = Visibility::new(&w, &Positions::contiguous(100, 10), &Positions::contiguous(79, 21)).unwrap();
+        assert_eq!((v.left, v.right), (None, None));
+        let v = Visibility::new(&w, &Positions::contiguous(100, 10), &Positions::contiguous(78, 21)).unwrap();
+        assert_eq!((v.left, v.right), (Some(30), Some(0)));
+        // Documents: dropped only when every row lies in one.
+        let docs = Documents::new(vec![50, 150]).unwrap();
+        let p = AttentionParams { documents: Some(docs), ..causal() };
+        let v = Visibility::new(&p, &Positions::contiguous(120, 20), &Positions::contiguous(60, 50)).unwrap();
+        assert!(v.q_doc.is_none() && v.k_doc.is_none() && v.right.is_none());
+        let v = Visibility::new(&p, &Positions::contiguous(120, 20), &Positions::contiguous(40, 50)).unwrap();
+        assert!(v.q_doc.is_some() && v.k_doc.is_some() && v.right == Some(0));
+        // No rows: nothing to decide.
+        let v = Visibility::new(&causal(), &Positions::contiguous(0, 0), &Positions::contiguous(0, 5)).unwrap();
+        assert_eq!(v.right, Some(0));
+    }
 }

@@ -177,6 +177,9 @@ struct LaunchConfig {
     unsigned workers = 1;
     // The global buffers of the launch; when empty, global accesses are not checked.
     std::vector<Range> globals;
+    // When set, [grid.x * grid.y * grid.z] (block x + grid.x (y + grid.y z)): each block's
+    // count of cp.async copies issued (tests of the kernels' loop bounds).
+    uint64_t* block_copies = nullptr;
 };
 
 // Race shadow of one 4-byte word of shared memory: its last writer and the readers of the
@@ -217,6 +220,8 @@ struct Block {
 #endif
     const std::function<void()>* body = nullptr;
     std::string error;
+    // cp.async copies its threads issued (LaunchConfig::block_copies).
+    uint64_t async_copies = 0;
 };
 
 inline thread_local Thread* current = nullptr;
@@ -424,6 +429,7 @@ inline std::string launch(const LaunchConfig& config, const std::function<void()
             b.seed = config.seed;
             b.config = &config;
             run_block(b, config.smem_bytes);
+            if (config.block_copies != nullptr) config.block_copies[i] = b.async_copies;
             if (!b.error.empty()) {
                 errors[i] = "block (" + std::to_string(b.bid.x) + "," + std::to_string(b.bid.y) + "," +
                             std::to_string(b.bid.z) + "): " + b.error;

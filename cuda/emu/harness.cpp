@@ -51,7 +51,7 @@ int main() {
         lb[3] = -INFINITY;
         la[3] = -INFINITY;
         MergeParams p{oa.data(), la.data(), ob.data(), lb.data(), b, s, h, d};
-        const EmuLaunch l{{unsigned((b * h * s * 32 + 255) / 256), 1, 1}, 256, 0, 2, 0, 7};
+        const EmuLaunch l{{unsigned((b * h * s * 32 + 255) / 256), 1, 1}, 256, 0, 2, 0, 7, nullptr};
         const int code = ringattn_emu_merge_f32(p, l, msg, sizeof msg);
         check(code == 0, "merge launches");
         // lse index 0 is (b0, h0, s0): row s0, head h0 in o.
@@ -92,7 +92,7 @@ int main() {
                           scale * 1.4426950408889634f};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 16 rows,
         // 64-key tiles double-buffered (src/kernels.rs `geometry::forward`).
-        EmuLaunch fl{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 64 * 32 * 2 + 4 * 64 * 32 * 2, 2, 2, 9};
+        EmuLaunch fl{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 64 * 32 * 2 + 4 * 64 * 32 * 2, 2, 2, 9, nullptr};
         check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
         double worst = 0.0;
         for (int64_t h = 0; h < hq; ++h) {
@@ -120,12 +120,12 @@ int main() {
         FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
                           dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f, 0, 0};
         // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32.
-        EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0};
+        EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0, nullptr};
         bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, rl, msg, sizeof msg) == 0;
-        EmuLaunch ql{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 2 * 64 * 64 + 2 * 2 * 64 * 64, 2, 2, 9};
+        EmuLaunch ql{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 2 * 64 * 64 + 2 * 2 * 64 * 64, 2, 2, 9, nullptr};
         ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 32, ql, msg, sizeof msg) == 0;
         EmuLaunch kl{{unsigned((s + 63) / 64), unsigned(hkv), unsigned(b)}, 128, 2 * 64 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 4),
-                     2, 2, 9};
+                     2, 2, 9, nullptr};
         ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 32, kl, msg, sizeof msg) == 0;
         check(ok, "flash backward runs clean");
         bool finite = true;

@@ -12,8 +12,9 @@ struct EmuLaunch {
     int32_t schedule;  // 0 forward, 1 reverse, 2 seeded random fiber order (emu::Schedule)
     uint32_t workers;  // OS threads for blocks, 0: one per core
     uint64_t seed;
+    uint64_t* block_copies;  // null, or per block: the cp.async copies it issued (emu::LaunchConfig)
 };
-static_assert(sizeof(EmuLaunch) == 40, "EmuLaunch is mirrored in Rust");
+static_assert(sizeof(EmuLaunch) == 48, "EmuLaunch is mirrored in Rust");
 
 #ifdef RINGATTN_EMU_ENTRY_HELPERS
 #include <cstdio>
@@ -38,6 +39,7 @@ inline emu::LaunchConfig config(const EmuLaunch& l) {
     c.schedule = emu::Schedule(l.schedule);
     c.seed = l.seed;
     c.workers = l.workers;
+    c.block_copies = l.block_copies;
     return c;
 }
 
@@ -51,6 +53,9 @@ inline void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int
     const int64_t granules = (s_k + MASK_GRANULE - 1) / MASK_GRANULE;
     if (m.k_bounds && granules > 0) c.globals.push_back({m.k_bounds, bytes(2 * granules, 8), "k_bounds"});
     if (m.k_doc_bounds && granules > 0) c.globals.push_back({m.k_doc_bounds, bytes(2 * granules, 4), "k_doc_bounds"});
+    const int64_t q_granules = (s_q + MASK_GRANULE - 1) / MASK_GRANULE;
+    if (m.q_bounds && q_granules > 0) c.globals.push_back({m.q_bounds, bytes(2 * q_granules, 8), "q_bounds"});
+    if (m.q_doc_bounds && q_granules > 0) c.globals.push_back({m.q_doc_bounds, bytes(2 * q_granules, 4), "q_doc_bounds"});
 }
 }  // namespace emu_entry
 using namespace emu_entry;

@@ -274,9 +274,7 @@ pub fn all_reduce_gradients_with<B: CandleBuf>(
             None => Tensor::zeros(v.elem_count(), CDType::F32, &device)?,
         });
     }
-    let flat = Tensor::cat(&parts, 0)?;
-    let sum = comm.all_reduce(tensor_buf(&flat, DType::F32)?, add).map_err(wrap)?;
-    let sum = buf_tensor(sum, flat.shape(), &flat)?;
+    let sum = all_reduce_sum(comm, add, &Tensor::cat(&parts, 0)?)?;
     let mut off = 0;
     for v in vars {
         let n = v.elem_count();
@@ -285,4 +283,38 @@ pub fn all_reduce_gradients_with<B: CandleBuf>(
         off += n;
     }
     Ok(())
+}
+
+/// The sum over the group of every rank's `t` (any shape, f32, on the device its buffers
+/// live on: CPU tensors with a host communicator, CUDA tensors with a device one): every
+/// rank gets the same f32 tensor of `t`'s shape, summed in rank order
+/// ([`Communicator::all_reduce`]) — a loss or metric summed over the ranks without a host
+/// round trip. `add` adds two buffers (a backend's
+/// [`crate::parallel::Buffers::add_into`], or [`crate::comm::add_host`]).
+///
+/// # Errors
+/// Communication errors (wrapped); a `t` that is not f32 or not contiguous.
+///
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{Device, Tensor};
+/// use ringattn::comm::{add_host, spmd_shared, Communicator, LocalOptions};
+/// let sums = spmd_shared(3, LocalOptions::default(), |comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>| {
+///     let mine = Tensor::new(&[comm.rank() as f32, 1.0], &Device::Cpu).map_err(|e| ringattn::Error::InvalidArgument(e.to_string()))?;
+///     let sum = ringattn::candle::all_reduce_sum(&*comm, &add_host, &mine)
+///         .map_err(|e| ringattn::Error::InvalidArgument(e.to_string()))?;
+///     Ok(sum.to_vec1::<f32>().map_err(|e| ringattn::Error::InvalidArgument(e.to_string()))?)
+/// });
+/// assert!(sums.into_iter().all(|s| s.unwrap() == vec![3.0, 3.0]));
+/// ```
+pub fn all_reduce_sum<B: CandleBuf>(
+    comm: &dyn Communicator<Buf = B>,
+    add: &crate::comm::AddFn<'_, B>,
+    t: &Tensor,
+) -> candle_core::Result<Tensor> {
+    if t.dtype() != CDType::F32 {
+        return Err(msg(format!("ringattn: all_reduce_sum takes f32 tensors, not {:?}", t.dtype())));
+    }
+    let sum = comm.all_reduce(tensor_buf(t, DType::F32)?, add).map_err(wrap)?;
+    buf_tensor(sum, t.shape(), t)
 }

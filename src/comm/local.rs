@@ -419,6 +419,30 @@ pub fn spmd_shared<T: Send>(
     run_each(&comms, options.threads_per_rank, |c| f(c.clone()))
 }
 
+/// [`spmd_shared`] over the members of any group (a [`crate::cuda::DeviceComm`] group of
+/// ranks sharing one GPU, or any other [`Communicator`]): one thread per rank, each handed
+/// its own member as an owned `Arc`; a rank whose closure errors or panics aborts the group,
+/// so the others fail promptly instead of waiting. Results are indexed by position in
+/// `members`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use ringattn::comm::{spmd_owned, Communicator, LocalComm, LocalOptions};
+/// let members = LocalComm::<ringattn::HostBuf>::group(2, LocalOptions::default());
+/// let ranks = spmd_owned(members, |comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>| Ok(comm.rank()));
+/// assert_eq!(ranks.into_iter().map(|r| r.unwrap()).collect::<Vec<_>>(), vec![0, 1]);
+/// ```
+pub fn spmd_owned<C, T: Send>(
+    members: Vec<C>,
+    f: impl Fn(Arc<dyn Communicator<Buf = C::Buf>>) -> Result<T> + Sync,
+) -> Vec<Result<T>>
+where
+    C: Communicator + Send + Sync + 'static,
+{
+    let comms: Vec<Arc<C>> = members.into_iter().map(Arc::new).collect();
+    run_each(&comms, None, |c| f(c.clone()))
+}
+
 /// The SPMD core of [`spmd`] over any communicators of one group, one thread each (in a
 /// rayon pool of `threads_per_rank` threads when given): a rank that errors or panics
 /// aborts the group (handshake errors excepted: every rank finds them).

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 #[cfg(feature = "cuda")]
 pub(crate) use local::run_each;
-pub use local::{spmd, spmd_shared, LinkModel, LocalComm, LocalOptions, MessageOrder};
+pub use local::{spmd, spmd_owned, spmd_shared, LinkModel, LocalComm, LocalOptions, MessageOrder};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};
 

@@ -40,6 +40,11 @@ pub struct DeviceMask {
     pub k_bounds: Option<CudaSlice<i64>>,
     /// Min and max key document per granule (`[ceil(s_k / 32)][2]` u32), with documents.
     pub k_doc_bounds: Option<CudaSlice<u32>>,
+    /// The same per granule of queries (`[ceil(s_q / 32)][2]`; for the kernels that stream
+    /// query tiles): present exactly when `k_bounds` is.
+    pub q_bounds: Option<CudaSlice<i64>>,
+    /// Min and max query document per granule, with documents (and `q_bounds`).
+    pub q_doc_bounds: Option<CudaSlice<u32>>,
 }
 
 impl DeviceMask {
@@ -63,7 +68,13 @@ impl DeviceMask {
 
     pub(crate) fn upload(stream: &Arc<CudaStream>, vis: &Visibility) -> Result<DeviceMask> {
         let docs = |d: &Option<Vec<u32>>| d.as_deref().map(|d| upload(stream, d)).transpose();
-        let (bounds, doc_bounds) = crate::kernels::params::key_bounds(&vis.k_pos, vis.k_doc.as_deref());
+        use crate::kernels::params::granule_bounds;
+        let (bounds, doc_bounds) = granule_bounds(&vis.k_pos, vis.k_doc.as_deref());
+        let (q_bounds, q_doc_bounds) = granule_bounds(&vis.q_pos, vis.q_doc.as_deref());
+        // Both sides' bounds or neither (an empty side: no rows to classify against).
+        let with_bounds = !bounds.is_empty() && !q_bounds.is_empty();
+        let some = |b: &[i64]| if with_bounds { upload(stream, b).map(Some) } else { Ok(None) };
+        let some_docs = |d: &Option<Vec<u32>>| if with_bounds { docs(d) } else { Ok(None) };
         Ok(DeviceMask {
             q_pos: upload(stream, &vis.q_pos)?,
             k_pos: upload(stream, &vis.k_pos)?,
@@ -71,8 +82,10 @@ impl DeviceMask {
             k_doc: docs(&vis.k_doc)?,
             window_left: vis.left.unwrap_or(-1),
             window_right: vis.right.unwrap_or(-1),
-            k_bounds: if bounds.is_empty() { None } else { Some(upload(stream, &bounds)?) },
-            k_doc_bounds: docs(&doc_bounds)?,
+            k_bounds: some(&bounds)?,
+            k_doc_bounds: some_docs(&doc_bounds)?,
+            q_bounds: some(&q_bounds)?,
+            q_doc_bounds: some_docs(&q_doc_bounds)?,
         })
     }
 }

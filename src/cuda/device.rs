@@ -796,7 +796,7 @@ fn mask_params<'a>(
     m: &'a super::DeviceMask,
     stream: &'a CudaStream,
 ) -> (MaskParams, Vec<cudarc::driver::SyncOnDrop<'a>>) {
-    let mut guards = Vec::with_capacity(4);
+    let mut guards = Vec::with_capacity(8);
     let mut ptr = |s: &'a CudaSlice<_>| {
         let (p, g) = s.device_ptr(stream);
         guards.push(g);
@@ -814,14 +814,31 @@ fn mask_params<'a>(
     let q_doc = doc(&m.q_doc);
     let k_doc = doc(&m.k_doc);
     let k_doc_bounds = doc(&m.k_doc_bounds);
-    let k_bounds = m.k_bounds.as_ref().map_or(0, |s| {
-        let (p, g) = s.device_ptr(stream);
-        guards.push(g);
-        p
-    });
+    let q_doc_bounds = doc(&m.q_doc_bounds);
+    let mut bounds = |b: &'a Option<CudaSlice<i64>>| {
+        b.as_ref().map_or(0, |s| {
+            let (p, g) = s.device_ptr(stream);
+            guards.push(g);
+            p
+        })
+    };
+    let k_bounds = bounds(&m.k_bounds);
+    let q_bounds = bounds(&m.q_bounds);
     let side = |w: i64| if w < 0 { -1 } else { w };
     let (window_left, window_right) = (side(m.window_left), side(m.window_right));
-    (MaskParams { q_pos, k_pos, q_doc, k_doc, window_left, window_right, k_bounds, k_doc_bounds }, guards)
+    let params = MaskParams {
+        q_pos,
+        k_pos,
+        q_doc,
+        k_doc,
+        window_left,
+        window_right,
+        k_bounds,
+        k_doc_bounds,
+        q_bounds,
+        q_doc_bounds,
+    };
+    (params, guards)
 }
 
 #[cfg(test)]

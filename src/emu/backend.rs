@@ -54,7 +54,7 @@ impl Backend for EmuBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
-        let e = Emulator(&self.options);
+        let e = Emulator::new(&self.options);
         Ok(Pending::ready(runner::forward_block(&e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
 
@@ -73,11 +73,11 @@ impl Backend for EmuBackend {
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
-        let e = Emulator(&self.options);
+        let e = Emulator::new(&self.options);
         Ok(Pending::ready(runner::backward_block(&e, self.dtype, self.options.dq_mode, &x)?))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
-        runner::rowsum_block(&Emulator(&self.options), self.dtype, dims, o, d_o)
+        runner::rowsum_block(&Emulator::new(&self.options), self.dtype, dims, o, d_o)
     }
 }

@@ -6,7 +6,7 @@ use std::ffi::c_char;
 
 use half::{bf16, f16};
 
-use super::{check, EmuLaunch, EmuOptions};
+use super::{check, CopyCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
@@ -37,39 +37,72 @@ extern "C" {
 /// Name of this backend in errors.
 pub(crate) const BACKEND: &str = "emu";
 
-/// The emulator as an executor of the kernels, with its options.
-pub(crate) struct Emulator<'a>(pub &'a EmuOptions);
+/// The emulator as an executor of the kernels, with its options, recording the blocks'
+/// cp.async copies of every launch when `copies` is set.
+pub(crate) struct Emulator<'a> {
+    pub opts: &'a EmuOptions,
+    pub copies: Option<&'a CopyCounts>,
+}
+
+impl<'a> Emulator<'a> {
+    pub(crate) fn new(opts: &'a EmuOptions) -> Self {
+        Emulator { opts, copies: None }
+    }
+
+    /// The launch record of `launch`, with a copy-count slot when counting.
+    fn launch(&self, launch: geometry::Launch) -> Result<(EmuLaunch, Option<Vec<u64>>)> {
+        let mut l = EmuLaunch::new(launch, self.opts)?;
+        let slot = self.copies.map(|c| c.slot(&mut l));
+        Ok((l, slot))
+    }
+
+    /// Keeps the counts of a launch that ran (see [`Emulator::launch`]).
+    fn record(&self, kernel: &'static str, slot: Option<Vec<u64>>) {
+        if let (Some(c), Some(v)) = (self.copies, slot) {
+            c.record(kernel, v);
+        }
+    }
+}
 
 impl Executor for Emulator<'_> {
     const NAME: &'static str = BACKEND;
 
     fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
-        forward_job(x, self.0)
+        forward_job(x, self)
     }
 
     fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        backward_job(x, self.0)
+        backward_job(x, self)
     }
 
     fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
-        rowsum(*dims, o, d_o, dtype, self.0)
+        rowsum(*dims, o, d_o, dtype, self.opts)
     }
 }
 
-/// The keys' granule bounds of `vis` (what [`MaskParams::k_bounds`] and `k_doc_bounds`
-/// point at).
-struct KeyBounds(Vec<i64>, Option<Vec<u32>>);
+/// The granule bounds of `vis`'s keys and queries (what [`MaskParams::k_bounds`],
+/// `k_doc_bounds`, `q_bounds` and `q_doc_bounds` point at).
+struct GranuleBounds {
+    keys: (Vec<i64>, Option<Vec<u32>>),
+    queries: (Vec<i64>, Option<Vec<u32>>),
+}
 
-impl KeyBounds {
+impl GranuleBounds {
     fn of(vis: &Visibility) -> Self {
-        let (pos, docs) = crate::kernels::params::key_bounds(&vis.k_pos, vis.k_doc.as_deref());
-        KeyBounds(pos, docs)
+        use crate::kernels::params::granule_bounds;
+        GranuleBounds {
+            keys: granule_bounds(&vis.k_pos, vis.k_doc.as_deref()),
+            queries: granule_bounds(&vis.q_pos, vis.q_doc.as_deref()),
+        }
     }
 }
 
 /// The mask of `vis` in the kernels' form; it borrows `vis`'s vectors and `bounds`.
-fn mask_params(vis: &Visibility, bounds: &KeyBounds) -> MaskParams {
+fn mask_params(vis: &Visibility, bounds: &GranuleBounds) -> MaskParams {
     let doc = |d: &Option<Vec<u32>>| d.as_ref().map_or(0, |v| v.as_ptr() as u64);
+    // Both sides' bounds or neither (an empty side: no rows to classify against).
+    let with_bounds = !bounds.keys.0.is_empty() && !bounds.queries.0.is_empty();
+    let pos = |b: &Vec<i64>| if with_bounds { b.as_ptr() as u64 } else { 0 };
     MaskParams {
         q_pos: vis.q_pos.as_ptr() as u64,
         k_pos: vis.k_pos.as_ptr() as u64,
@@ -77,13 +110,15 @@ fn mask_params(vis: &Visibility, bounds: &KeyBounds) -> MaskParams {
         k_doc: doc(&vis.k_doc),
         window_left: vis.left.unwrap_or(-1),
         window_right: vis.right.unwrap_or(-1),
-        k_bounds: if bounds.0.is_empty() { 0 } else { bounds.0.as_ptr() as u64 },
-        k_doc_bounds: doc(&bounds.1),
+        k_bounds: pos(&bounds.keys.0),
+        k_doc_bounds: if with_bounds { doc(&bounds.keys.1) } else { 0 },
+        q_bounds: pos(&bounds.queries.0),
+        q_doc_bounds: if with_bounds { doc(&bounds.queries.1) } else { 0 },
     }
 }
 
 /// Forward of one block: f32 `(o, lse)`, unrounded unless `x.round_o`.
-fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>)> {
+fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
     let ForwardJob { dims, dtype, q, k, v, vis, scale, round_o } = *x;
     check_supported(BACKEND, &dims, dtype)?;
     let nq = dims.b * dims.s_q * dims.h_q * dims.d;
@@ -100,7 +135,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
     }
     // 0xFFFF is NaN in bf16 and f16: unwritten elements show up.
     let mut o16 = if round_o { vec![0xFFFFu16; nq] } else { Vec::new() };
-    let bounds = KeyBounds::of(vis);
+    let bounds = GranuleBounds::of(vis);
     let p = FlashFwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -112,10 +147,11 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
         ..FlashFwdParams::for_shape(&dims, scale)
     };
     let launch = geometry::forward(&dims);
-    let l = EmuLaunch::new(launch, opts)?;
+    let (l, slot) = emu.launch(launch)?;
     let mut msg = [0u8; 1024];
     // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
-    // the call; o and lse are exclusively borrowed; the emulator runs synchronously.
+    // the call (the copy counts' slot, one u64 per block, too); o and lse are exclusively
+    // borrowed; the emulator runs synchronously.
     let code = unsafe {
         ringattn_emu_flash_fwd(
             p,
@@ -127,6 +163,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
         )
     };
     check(code, &msg, "flash_fwd")?;
+    emu.record("flash_fwd", slot);
     if round_o {
         o = match dtype {
             DType::F16 => o16.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
@@ -137,7 +174,7 @@ fn forward_job(x: &ForwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f
 }
 
 /// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.
-fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let f = &x.fwd;
     let dims = f.dims;
     check_supported(BACKEND, &dims, f.dtype)?;
@@ -168,7 +205,7 @@ fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec
     if nq == 0 && nkv == 0 {
         return Ok((dq, dk, dv));
     }
-    let bounds = KeyBounds::of(f.vis);
+    let bounds = GranuleBounds::of(f.vis);
     let p = FlashBwdParams {
         q: f.q.as_ptr() as u64,
         k: f.k.as_ptr() as u64,
@@ -191,12 +228,13 @@ fn backward_job(x: &BackwardJob<'_>, opts: &EmuOptions) -> Result<(Vec<f32>, Vec
             BackwardKernel::DkDv => 2,
             BackwardKernel::DkDvDq => 3,
         };
-        let l = EmuLaunch::new(launch, opts)?;
+        let (l, slot) = emu.launch(launch)?;
         let mut msg = [0u8; 1024];
         // SAFETY: as in forward_job; delta, dq, dk and dv are exclusively owned here.
         let dclass = launch.head_dim_class as i32;
         let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
+        emu.record(kernel.name(), slot);
     }
     Ok((dq, dk, dv))
 }
@@ -258,7 +296,7 @@ pub fn forward(
     params: &AttentionParams,
     opts: &EmuOptions,
 ) -> Result<ForwardOutput> {
-    runner::forward_tensors(&Emulator(opts), q, k, v, positions, params)
+    runner::forward_tensors(&Emulator::new(opts), q, k, v, positions, params)
 }
 
 /// Single-device backward through the emulated `flash_bwd.cu` kernels: the contract of
@@ -289,5 +327,5 @@ pub fn backward(
     params: &AttentionParams,
     opts: &EmuOptions,
 ) -> Result<Gradients> {
-    runner::backward_tensors(&Emulator(opts), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
+    runner::backward_tensors(&Emulator::new(opts), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
 }

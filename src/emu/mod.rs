@@ -22,6 +22,8 @@ mod backend;
 mod flash;
 #[cfg(test)]
 mod ops;
+#[cfg(test)]
+mod tile_counts;
 
 pub use backend::EmuBackend;
 pub use flash::{backward, forward};
@@ -47,9 +49,11 @@ pub(crate) struct EmuLaunch {
     pub schedule: i32,
     pub workers: u32,
     pub seed: u64,
+    /// Null, or `[blocks]` u64: each block's count of cp.async copies (see [`CopyCounts`]).
+    pub block_copies: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<EmuLaunch>() == 40);
+const _: () = assert!(std::mem::size_of::<EmuLaunch>() == 48);
 
 impl EmuLaunch {
     /// A launch of `grid` blocks of `block` threads with `smem` bytes of dynamic shared
@@ -70,7 +74,40 @@ impl EmuLaunch {
             schedule,
             workers: opts.workers as u32,
             seed,
+            block_copies: 0,
         })
+    }
+
+    /// Blocks of the launch.
+    fn blocks(&self) -> usize {
+        self.grid.iter().map(|&g| g as usize).product()
+    }
+}
+
+/// Per kernel launch, the 16-byte cp.async copies each block of the grid issued (linear block
+/// index `x + grid_x (y + grid_y z)`): what the kernels' loop bounds made them load. Recorded
+/// by an [`flash::Emulator`] that holds one; the loop-bound tests compare them with the
+/// tiles a mask's geometry says each block must visit.
+#[derive(Debug, Default)]
+pub(crate) struct CopyCounts(std::sync::Mutex<Vec<(&'static str, Vec<u64>)>>);
+
+impl CopyCounts {
+    /// A zeroed record for the blocks of `l`, and `l` pointing at it; `record` stores it
+    /// under `kernel` once the launch has run.
+    fn slot(&self, l: &mut EmuLaunch) -> Vec<u64> {
+        let mut v = vec![0u64; l.blocks()];
+        l.block_copies = v.as_mut_ptr() as u64;
+        v
+    }
+
+    fn record(&self, kernel: &'static str, counts: Vec<u64>) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push((kernel, counts));
+    }
+
+    /// The records so far, in launch order, and cleared.
+    #[cfg(test)]
+    pub(crate) fn take(&self) -> Vec<(&'static str, Vec<u64>)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 

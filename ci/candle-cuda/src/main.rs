@@ -17,8 +17,7 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> 
     let (_, s, _, d) = q.dims4()?;
     let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
     let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    let mask: Vec<f32> =
-        (0..s * s).map(|i| if i % s <= i / s { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let mask: Vec<f32> = (0..s * s).map(|i| if i % s <= i / s { 0.0 } else { f32::NEG_INFINITY }).collect();
     let mask = Tensor::from_vec(mask, (s, s), q.device())?;
     let p = softmax_last(&scores.broadcast_add(&mask)?)?;
     p.matmul(&v)?.transpose(1, 2)

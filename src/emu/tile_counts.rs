@@ -1,0 +1,208 @@
+//! The kernels' loop bounds, counted: each block of the forward, dq and dk/dv kernels must
+//! load exactly the tiles from the first to the last one holding a visible (query, key) pair
+//! of its rows — no tile before a causal block's first key or after its diagonal, none
+//! outside a window or a document — and every tile in between. The emulator counts the
+//! 16-byte cp.async copies each block issues ([`CopyCounts`]); the tiles follow from the
+//! kernels' staging (every staged row is `d_class / 8` copies, zero-filled or not), and the
+//! expected span from the mask geometry, pair by pair.
+
+use super::flash::Emulator;
+use super::{CopyCounts, EmuOptions};
+use crate::kernels::geometry::{self, DqMode};
+use crate::kernels::params::MASK_GRANULE;
+use crate::params::Visibility;
+use crate::random::randn;
+use crate::runner;
+use crate::{AttentionParams, DType, Documents, Layout, Mask, Positions, Segment, Tensor};
+
+/// Which side of the pairs a kernel's blocks hold (the other side streams as tiles).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Blocks {
+    Queries,
+    Keys,
+}
+
+/// Every (query, key) pair's visibility, `[s_q][s_k]`.
+fn pairs(vis: &Visibility) -> Vec<Vec<bool>> {
+    let s_k = vis.k_pos.len();
+    (0..vis.q_pos.len())
+        .map(|i| {
+            let mut row = vec![0.0f32; s_k];
+            vis.mask_query_row(&mut row, i, 0);
+            row.iter().map(|x| x.is_finite()).collect()
+        })
+        .collect()
+}
+
+/// Per block of `block` rows of the `side` the blocks hold, the tiles of `tile` rows of the
+/// other side from the first to the last one holding a visible pair (0 when none does). A
+/// tile smaller than a granule of [`MASK_GRANULE`] rows counts as holding one when its
+/// granule does: the kernels know the other side only by its granules' bounds.
+fn expected_tiles(pairs: &[Vec<bool>], side: Blocks, block: usize, tile: usize) -> Vec<u64> {
+    let (s_q, s_k) = (pairs.len(), pairs.first().map_or(0, Vec::len));
+    let (rows, others) = if side == Blocks::Queries { (s_q, s_k) } else { (s_k, s_q) };
+    let seen = |r: usize, o: usize| if side == Blocks::Queries { pairs[r][o] } else { pairs[o][r] };
+    let span = |t: usize| {
+        let lo = if tile < MASK_GRANULE { t * tile / MASK_GRANULE * MASK_GRANULE } else { t * tile };
+        lo..(lo + tile.max(MASK_GRANULE)).min(others)
+    };
+    (0..rows.div_ceil(block))
+        .map(|b| {
+            let visible: Vec<usize> = (0..others.div_ceil(tile))
+                .filter(|&t| (b * block..((b + 1) * block).min(rows)).any(|r| span(t).any(|o| seen(r, o))))
+                .collect();
+            match (visible.first(), visible.last()) {
+                (Some(f), Some(l)) => (l - f + 1) as u64,
+                _ => 0,
+            }
+        })
+        .collect()
+}
+
+/// Tiles each block loaded, from its copies: `fixed` rows staged once (Q, or Q and dO, or K
+/// and V), `per_tile` rows per tile, `chunks` copies per row.
+fn loaded_tiles(copies: &[u64], fixed: u64, per_tile: u64, chunks: u64, what: &str) -> Vec<u64> {
+    copies
+        .iter()
+        .enumerate()
+        .map(|(b, &c)| {
+            let streamed = c.checked_sub(fixed * chunks).unwrap_or_else(|| panic!("{what}: block {b}: {c} copies"));
+            assert_eq!(streamed % (per_tile * chunks), 0, "{what}: block {b}: {c} copies are not whole tiles");
+            streamed / (per_tile * chunks)
+        })
+        .collect()
+}
+
+/// One geometry: the rows' global positions, the mask, the head dim.
+struct Case {
+    name: &'static str,
+    q_pos: Positions,
+    k_pos: Positions,
+    params: AttentionParams,
+    d: usize,
+}
+
+/// Runs the forward and backward (both dq modes) of `c` under the emulator, counting
+/// copies, and checks every block's tiles against the geometry.
+fn check(c: &Case) {
+    let (s_q, s_k, h) = (c.q_pos.len(), c.k_pos.len(), 2);
+    let q = randn(vec![1, s_q, h, c.d], 1, DType::BF16);
+    let k = randn(vec![1, s_k, h, c.d], 2, DType::BF16);
+    let v = randn(vec![1, s_k, h, c.d], 3, DType::BF16);
+    let d_o = randn(vec![1, s_q, h, c.d], 4, DType::BF16);
+    let vis = Visibility::new(&c.params, &c.q_pos, &c.k_pos).expect("visibility");
+    let pairs = pairs(&vis);
+    let chunks = (geometry::head_dim_class(c.d) / 8) as u64;
+    let pos = Some((&c.q_pos, &c.k_pos));
+    let heads = |per_block: Vec<u64>| -> Vec<u64> { (0..h).flat_map(|_| per_block.iter().copied()).collect() };
+
+    let counts = CopyCounts::default();
+    let opts = EmuOptions::default();
+    let emu = Emulator { opts: &opts, copies: Some(&counts) };
+    let f = runner::forward_tensors(&emu, &q, &k, &v, pos, &c.params).expect("forward");
+    let (fm, fnk) = geometry::forward_tile(c.d);
+    let fwd = counts.take();
+    assert_eq!(fwd.len(), 1, "{}: one forward launch", c.name);
+    let got = loaded_tiles(&fwd[0].1, fm as u64, 2 * fnk as u64, chunks, "forward");
+    assert_eq!(got, heads(expected_tiles(&pairs, Blocks::Queries, fm, fnk)), "{}: forward tiles per block", c.name);
+
+    for mode in [DqMode::Deterministic, DqMode::Atomic] {
+        let o = f.o.clone();
+        runner::backward_tensors(&emu, &q, &k, &v, &o, &f.lse, &d_o, pos, &c.params, mode).expect("backward");
+        for (kernel, copies) in counts.take() {
+            let got_expected = match kernel {
+                "rowsum" => continue,
+                "dq" => {
+                    let (m, n) = geometry::dq_tile(c.d);
+                    let got = loaded_tiles(&copies, 2 * m as u64, 2 * n as u64, chunks, "dq");
+                    (got, heads(expected_tiles(&pairs, Blocks::Queries, m, n)))
+                }
+                "dkdv" | "dkdvq" => {
+                    let (m, n) = geometry::dkdv_tile(c.d, mode);
+                    let splits = geometry::dkdv_splits(c.d, mode);
+                    let got = loaded_tiles(&copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
+                    // Query tiles of every query head of the block's GQA group (here one).
+                    let per_block = expected_tiles(&pairs, Blocks::Keys, n, m);
+                    let split: Vec<u64> = per_block.iter().flat_map(|&t| std::iter::repeat_n(t, splits)).collect();
+                    (got, heads(split))
+                }
+                other => panic!("unexpected launch {other}"),
+            };
+            assert_eq!(got_expected.0, got_expected.1, "{}: {kernel} ({mode:?}) tiles per block", c.name);
+        }
+    }
+}
+
+fn causal() -> AttentionParams {
+    AttentionParams { mask: Mask::Causal, ..Default::default() }
+}
+
+#[test]
+fn causal_blocks_stop_at_their_diagonal() {
+    for d in [64, 128] {
+        let (q_pos, k_pos) = Positions::single_device(320, 320);
+        check(&Case { name: "causal", q_pos, k_pos, params: causal(), d });
+    }
+    // Queries bottom-right aligned with more keys: every block starts at key 0.
+    let (q_pos, k_pos) = Positions::single_device(130, 300);
+    check(&Case { name: "causal, s_q < s_k", q_pos, k_pos, params: causal(), d: 64 });
+}
+
+#[test]
+fn unmasked_blocks_visit_every_tile() {
+    let (q_pos, k_pos) = Positions::single_device(150, 200);
+    check(&Case { name: "no mask", q_pos, k_pos, params: AttentionParams::default(), d: 64 });
+}
+
+#[test]
+fn ring_hops_of_zigzag_and_striped_shards_visit_their_visible_span() {
+    let (s, world) = (1024, 4);
+    for layout in [Layout::Zigzag, Layout::Striped] {
+        // The diagonal hop, a hop whose keys are all earlier, and mixed ones.
+        for (rq, rk) in [(1, 1), (3, 0), (0, 2), (2, 1)] {
+            let q_pos = layout.positions(s, world, rq);
+            let k_pos = layout.positions(s, world, rk);
+            check(&Case { name: "ring hop", q_pos, k_pos, params: causal(), d: 64 });
+        }
+    }
+}
+
+#[test]
+fn windows_start_at_their_left_edge() {
+    let (q_pos, k_pos) = Positions::single_device(400, 400);
+    let params = AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() };
+    check(&Case { name: "sliding window", q_pos, k_pos, params, d: 64 });
+    // A two-sided window on a block of keys further on in the sequence.
+    let q_pos = Positions::contiguous(1000, 256);
+    let k_pos = Positions::from_segments(vec![Segment { start: 800, stride: 1, len: 300 }]).expect("segment");
+    let params = AttentionParams { mask: Mask::Window { left: Some(90), right: Some(40) }, ..Default::default() };
+    check(&Case { name: "two-sided window", q_pos, k_pos, params, d: 128 });
+}
+
+#[test]
+fn packed_documents_bound_the_span() {
+    let docs = Documents::new(vec![100, 250, 34, 128]).expect("documents");
+    let (q_pos, k_pos) = Positions::single_device(512, 512);
+    let params = AttentionParams { mask: Mask::Causal, documents: Some(docs.clone()), ..Default::default() };
+    check(&Case { name: "causal documents", q_pos, k_pos, params, d: 64 });
+    let (q_pos, k_pos) = Positions::single_device(512, 512);
+    let params = AttentionParams { documents: Some(docs), ..Default::default() };
+    check(&Case { name: "documents", q_pos, k_pos, params, d: 64 });
+}
+
+#[test]
+fn copies_count_what_the_blocks_stage() {
+    // Without a mask every block loads every tile: the counting itself, checked against the
+    // geometry alone (a 1-block, 1-tile call; then 3 key tiles).
+    let (q_pos, k_pos) = Positions::single_device(64, 64);
+    let q = Tensor::zeros(vec![1, 64, 1, 64], DType::BF16);
+    let counts = CopyCounts::default();
+    let opts = EmuOptions::default();
+    let emu = Emulator { opts: &opts, copies: Some(&counts) };
+    runner::forward_tensors(&emu, &q, &q, &q, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
+    assert_eq!(counts.take(), vec![("flash_fwd", vec![64 * 8 + 2 * 64 * 8])]);
+    let k = Tensor::zeros(vec![1, 150, 1, 64], DType::BF16);
+    let (q_pos, k_pos) = Positions::single_device(64, 150);
+    runner::forward_tensors(&emu, &q, &k, &k, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
+    assert_eq!(counts.take(), vec![("flash_fwd", vec![64 * 8 + 3 * 2 * 64 * 8])]);
+}
