@@ -87,7 +87,7 @@ int main() {
         for (int64_t i = 0; i < s; ++i) pos[i] = i;
         std::vector<float> o(q.size(), NAN), lse(b * hq * s, NAN);
         const float scale = 0.25f;
-        MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0};
+        MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0, nullptr, nullptr, nullptr, nullptr};
         FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, scale,
                           scale * 1.4426950408889634f};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 16 rows,
