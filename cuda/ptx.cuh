@@ -297,6 +297,7 @@ inline void mma_m16n8(float d[4], const uint32_t* a, const uint32_t* b, const fl
     // This lane's D elements need A rows g and g + 8 (held by lanes 4g..4g+3) and B columns
     // 2t and 2t + 1 (held by lanes 4n..4n+3 for n = 2t, 2t + 1).
     const unsigned lane = lane_id(), g = lane >> 2, t = lane & 3;
+    current->block->mma_macs += 16 * 8 * K / 32;  // this lane's share of the warp's 16 x 8 x K
     double Ar[2][K], Bc[2][K];
     for (unsigned q = 0; q < 4; ++q) {
         for (int h = 0; h < 2; ++h) {

@@ -44,7 +44,7 @@ PASSES = ("forward", "backward")
 FATAL_MARKERS = ("no CUDA driver found", "no CUDA GPU found", "lacks the `cuda` feature", "older than the",
                  "failed to initialise")
 # Optional per-result fields of `ringattn bench --json`, kept when present.
-REPORTED_FIELDS = ("flops", "dense_flops", "visible_pairs", "tiles_total", "tiles_visible", "o_dtype")
+REPORTED_FIELDS = ("flops", "dense_flops", "visible_pairs", "tiles_total", "tiles_visible", "executed_flops", "o_dtype")
 # Steps that need the GPU (on a machine without one they fail, with the binary's message).
 GPU_STEPS = ("preflight-verify", "verify-", "overlap-", "bench-")
 

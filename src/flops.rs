@@ -20,6 +20,11 @@
 //! * **Tiles**: a tiled kernel covers the `⌈s_q/block_q⌉ × ⌈s_k/block_k⌉` (query tile, key
 //!   tile) grid per (batch element, query head) ([`TileShape`]); the *visible* tiles hold at
 //!   least one visible pair, the least a kernel that skips empty tiles must compute.
+//! * **Executed FLOPs** ([`executed_flops`]): what an executor's matrix products really
+//!   perform — every product it runs over the whole tiles it computes, with the CUDA kernels'
+//!   head-dim padding and the deterministic backward's recomputation (`S` and `dP` in both
+//!   the dq and the dk/dv kernel: 7 products where the convention counts 5). `ringattn bench`
+//!   prints both; the emulator's count of the kernels' multiply-adds checks this one.
 //!
 //! Every count is closed-form per query tile or per document (`O(s_q/block_q + documents)`),
 //! never `O(s²)`: lengths of millions are counted in microseconds.
@@ -160,6 +165,9 @@ pub struct Tiles {
     pub total: u64,
     /// Those holding at least one visible pair.
     pub visible: u64,
+    /// The (query, key) pairs of the visible tiles, visible or not (tiles at the end of a
+    /// sequence clipped to it): what a kernel that computes whole tiles computes.
+    pub visible_area: u64,
 }
 
 /// The (query tile, key tile) pairs of a single-device call of `dims` under `params` in
@@ -182,8 +190,8 @@ pub fn tiles(dims: &Dims, params: &AttentionParams, shape: TileShape) -> Result<
     let band = Band::new(dims, params)?;
     let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
     let (q_tiles, k_tiles) = (dims.s_q.div_ceil(bq), dims.s_k.div_ceil(bk));
-    let bk = bk as i128;
-    let mut visible: u64 = 0;
+    let (bk, s_k) = (bk as i128, dims.s_k as i128);
+    let (mut visible, mut area): (u64, i128) = (0, 0);
     for t in 0..q_tiles {
         let r0 = (t * bq) as i128;
         let r1 = ((t + 1) * bq).min(dims.s_q) as i128;
@@ -194,11 +202,93 @@ pub fn tiles(dims: &Dims, params: &AttentionParams, shape: TileShape) -> Result<
             let (first, end) = ((lo / bk).max(last + 1), hi / bk);
             if end >= first {
                 visible += (end - first + 1) as u64;
+                // Keys of tiles first..=end, the last one clipped to the sequence.
+                area += (r1 - r0) * (((end + 1) * bk).min(s_k) - first * bk);
                 last = end;
             }
         });
     }
-    Ok(Tiles { total: (q_tiles as u64).saturating_mul(k_tiles as u64), visible })
+    let total = (q_tiles as u64).saturating_mul(k_tiles as u64);
+    Ok(Tiles { total, visible, visible_area: saturate(area) })
+}
+
+/// What runs a pass, for [`executed_flops`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executor {
+    /// The CPU backend with these tiles.
+    Cpu(TileConfig),
+    /// The CUDA kernels (on a GPU or under the emulator); the backward in this dq mode.
+    Kernels(DqMode),
+}
+
+/// FLOPs (2 per multiply-add) that `exec`'s matrix products perform for `pass` of a
+/// single-device call — the work the hardware does, as opposed to [`flops`]' convention
+/// (visible pairs only, 5 products backward):
+///
+/// * [`Executor::Cpu`]: the forward's 2 products (`S = QKᵀ`, `PV`) and the backward's 5 (`S`,
+///   `dP = dO Vᵀ`, `dV`, `dK`, `dQ`), `2·d` FLOPs per pair each, over every pair of the visible
+///   CPU tiles (clipped to the sequence).
+/// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
+///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
+///   forward, 16 query rows × a key tile, `S` and `PV`; dq kernel (deterministic backward),
+///   16 query rows × a key tile, `S`, `dP` and `dQ`; dk/dv kernel, a query tile × 16 keys,
+///   `Sᵀ` and `dPᵀ` at full `D` in each of its column ranges, `dV` and `dK` over all columns
+///   once, and in the atomic variant `dQ` once. Tile shapes from [`geometry`].
+///
+/// ```
+/// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
+/// use ringattn::kernels::geometry::DqMode;
+/// use ringattn::{AttentionParams, Dims};
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let p = AttentionParams::default();
+/// let pairs = visible_pairs(&dims, &p)?;
+/// // Unmasked, whole tiles: the forward executes exactly the convention's FLOPs...
+/// assert_eq!(executed_flops(&dims, &p, Pass::Forward, Executor::Kernels(DqMode::Deterministic))?, flops(&dims, pairs, Pass::Forward));
+/// // ... and the deterministic backward 7 products where the convention counts 5.
+/// let bwd = executed_flops(&dims, &p, Pass::Backward, Executor::Kernels(DqMode::Deterministic))?;
+/// assert_eq!(bwd, 7.0 / 5.0 * flops(&dims, pairs, Pass::Backward));
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// As [`visible_pairs`].
+pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: Executor) -> Result<f64> {
+    let heads = (dims.b * dims.h_q) as f64;
+    let warp_tiles = |block_q: usize, block_k: usize| -> Result<f64> {
+        Ok(tiles(dims, params, TileShape { block_q, block_k })?.visible as f64)
+    };
+    let macs = match exec {
+        Executor::Cpu(t) => {
+            let products = match pass {
+                Pass::Forward => 2.0,
+                Pass::Backward => 5.0,
+            };
+            products * tiles(dims, params, t.into())?.visible_area as f64 * dims.d as f64
+        }
+        Executor::Kernels(mode) => {
+            let dc = geometry::head_dim_class(dims.d) as f64;
+            match pass {
+                Pass::Forward => {
+                    let (_, n) = geometry::forward_tile(dims.d);
+                    warp_tiles(16, n)? * 2.0 * (16 * n) as f64 * dc
+                }
+                Pass::Backward => {
+                    let (m, _) = geometry::dkdv_tile(dims.d, mode);
+                    let splits = geometry::dkdv_splits(dims.d, mode) as f64;
+                    let per_tile = (16 * m) as f64 * dc;
+                    let (dkdv_products, dq) = match mode {
+                        DqMode::Deterministic => {
+                            let (_, n) = geometry::dq_tile(dims.d);
+                            (2.0 * splits + 2.0, warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc)
+                        }
+                        DqMode::Atomic => (2.0 * splits + 3.0, 0.0),
+                    };
+                    warp_tiles(m, 16)? * dkdv_products * per_tile + dq
+                }
+            }
+        }
+    };
+    Ok(2.0 * macs * heads)
 }
 
 /// The visibility of a single-device call in closed form: query row `i` at position `i +
@@ -357,6 +447,7 @@ mod tests {
         let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
         let mut pairs = 0;
         let mut tile_seen = vec![vec![false; s_k.div_ceil(bk)]; s_q.div_ceil(bq)];
+        let extent = |i: usize, b: usize, s: usize| (s - i * b).min(b) as u64;
         for i in 0..s_q {
             for j in 0..s_k {
                 if vis.visible(i, j) {
@@ -367,7 +458,13 @@ mod tests {
         }
         let total = (s_q.div_ceil(bq) * s_k.div_ceil(bk)) as u64;
         let visible = tile_seen.iter().flatten().filter(|&&x| x).count() as u64;
-        Ok((pairs, Tiles { total, visible }))
+        let mut visible_area = 0;
+        for (ti, row) in tile_seen.iter().enumerate() {
+            for (tj, _) in row.iter().enumerate().filter(|(_, &seen)| seen) {
+                visible_area += extent(ti, bq, s_q) * extent(tj, bk, s_k);
+            }
+        }
+        Ok((pairs, Tiles { total, visible, visible_area }))
     }
 
     fn check(s_q: usize, s_k: usize, params: &AttentionParams, shape: TileShape) {

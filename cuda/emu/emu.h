@@ -177,9 +177,10 @@ struct LaunchConfig {
     unsigned workers = 1;
     // The global buffers of the launch; when empty, global accesses are not checked.
     std::vector<Range> globals;
-    // When set, [grid.x * grid.y * grid.z] (block x + grid.x (y + grid.y z)): each block's
-    // count of cp.async copies issued (tests of the kernels' loop bounds).
-    uint64_t* block_copies = nullptr;
+    // When set, [grid.x * grid.y * grid.z][2] (block x + grid.x (y + grid.y z)): each
+    // block's cp.async copies issued and mma multiply-adds (the tests of the kernels' loop
+    // bounds and of their FLOP accounting).
+    uint64_t* block_counts = nullptr;
 };
 
 // Race shadow of one 4-byte word of shared memory: its last writer and the readers of the
@@ -220,8 +221,9 @@ struct Block {
 #endif
     const std::function<void()>* body = nullptr;
     std::string error;
-    // cp.async copies its threads issued (LaunchConfig::block_copies).
-    uint64_t async_copies = 0;
+    // cp.async copies its threads issued and mma multiply-adds of its warps
+    // (LaunchConfig::block_counts).
+    uint64_t async_copies = 0, mma_macs = 0;
 };
 
 inline thread_local Thread* current = nullptr;
@@ -429,7 +431,10 @@ inline std::string launch(const LaunchConfig& config, const std::function<void()
             b.seed = config.seed;
             b.config = &config;
             run_block(b, config.smem_bytes);
-            if (config.block_copies != nullptr) config.block_copies[i] = b.async_copies;
+            if (config.block_counts != nullptr) {
+                config.block_counts[2 * i] = b.async_copies;
+                config.block_counts[2 * i + 1] = b.mma_macs;
+            }
             if (!b.error.empty()) {
                 errors[i] = "block (" + std::to_string(b.bid.x) + "," + std::to_string(b.bid.y) + "," +
                             std::to_string(b.bid.z) + "): " + b.error;

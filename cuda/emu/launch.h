@@ -12,7 +12,7 @@ struct EmuLaunch {
     int32_t schedule;  // 0 forward, 1 reverse, 2 seeded random fiber order (emu::Schedule)
     uint32_t workers;  // OS threads for blocks, 0: one per core
     uint64_t seed;
-    uint64_t* block_copies;  // null, or per block: the cp.async copies it issued (emu::LaunchConfig)
+    uint64_t* block_counts;  // null, or per block: cp.async copies, mma multiply-adds (emu::LaunchConfig)
 };
 static_assert(sizeof(EmuLaunch) == 48, "EmuLaunch is mirrored in Rust");
 
@@ -39,7 +39,7 @@ inline emu::LaunchConfig config(const EmuLaunch& l) {
     c.schedule = emu::Schedule(l.schedule);
     c.seed = l.seed;
     c.workers = l.workers;
-    c.block_copies = l.block_copies;
+    c.block_counts = l.block_counts;
     return c;
 }
 

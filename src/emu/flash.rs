@@ -6,7 +6,7 @@ use std::ffi::c_char;
 
 use half::{bf16, f16};
 
-use super::{check, CopyCounts, EmuLaunch, EmuOptions};
+use super::{check, BlockCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
@@ -37,28 +37,28 @@ extern "C" {
 /// Name of this backend in errors.
 pub(crate) const BACKEND: &str = "emu";
 
-/// The emulator as an executor of the kernels, with its options, recording the blocks'
-/// cp.async copies of every launch when `copies` is set.
+/// The emulator as an executor of the kernels, with its options, recording what the blocks
+/// of every launch did when `counts` is set.
 pub(crate) struct Emulator<'a> {
     pub opts: &'a EmuOptions,
-    pub copies: Option<&'a CopyCounts>,
+    pub counts: Option<&'a BlockCounts>,
 }
 
 impl<'a> Emulator<'a> {
     pub(crate) fn new(opts: &'a EmuOptions) -> Self {
-        Emulator { opts, copies: None }
+        Emulator { opts, counts: None }
     }
 
-    /// The launch record of `launch`, with a copy-count slot when counting.
+    /// The launch record of `launch`, with a block-count slot when counting.
     fn launch(&self, launch: geometry::Launch) -> Result<(EmuLaunch, Option<Vec<u64>>)> {
         let mut l = EmuLaunch::new(launch, self.opts)?;
-        let slot = self.copies.map(|c| c.slot(&mut l));
+        let slot = self.counts.map(|c| c.slot(&mut l));
         Ok((l, slot))
     }
 
     /// Keeps the counts of a launch that ran (see [`Emulator::launch`]).
     fn record(&self, kernel: &'static str, slot: Option<Vec<u64>>) {
-        if let (Some(c), Some(v)) = (self.copies, slot) {
+        if let (Some(c), Some(v)) = (self.counts, slot) {
             c.record(kernel, v);
         }
     }
@@ -150,7 +150,7 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
     let (l, slot) = emu.launch(launch)?;
     let mut msg = [0u8; 1024];
     // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
-    // the call (the copy counts' slot, one u64 per block, too); o and lse are exclusively
+    // the call (the block counts' slot, two u64 per block, too); o and lse are exclusively
     // borrowed; the emulator runs synchronously.
     let code = unsafe {
         ringattn_emu_flash_fwd(

@@ -49,8 +49,9 @@ pub(crate) struct EmuLaunch {
     pub schedule: i32,
     pub workers: u32,
     pub seed: u64,
-    /// Null, or `[blocks]` u64: each block's count of cp.async copies (see [`CopyCounts`]).
-    pub block_copies: u64,
+    /// Null, or `[blocks][2]` u64: each block's cp.async copies and mma multiply-adds (see
+    /// [`BlockCounts`]).
+    pub block_counts: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<EmuLaunch>() == 48);
@@ -74,7 +75,7 @@ impl EmuLaunch {
             schedule,
             workers: opts.workers as u32,
             seed,
-            block_copies: 0,
+            block_counts: 0,
         })
     }
 
@@ -84,29 +85,42 @@ impl EmuLaunch {
     }
 }
 
-/// Per kernel launch, the 16-byte cp.async copies each block of the grid issued (linear block
-/// index `x + grid_x (y + grid_y z)`): what the kernels' loop bounds made them load. Recorded
-/// by an [`flash::Emulator`] that holds one; the loop-bound tests compare them with the
-/// tiles a mask's geometry says each block must visit.
-#[derive(Debug, Default)]
-pub(crate) struct CopyCounts(std::sync::Mutex<Vec<(&'static str, Vec<u64>)>>);
+/// What one launch's blocks did (linear block index `x + grid_x (y + grid_y z)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LaunchCounts {
+    /// The kernel (`flash_fwd`, `dq`, `dkdv`, `dkdvq`, `rowsum`).
+    pub kernel: &'static str,
+    /// 16-byte cp.async copies issued per block: the tiles its loop bounds made it load.
+    pub copies: Vec<u64>,
+    /// Tensor-core multiply-adds per block (16 · 8 · K per warp-wide mma).
+    pub mma_macs: Vec<u64>,
+}
 
-impl CopyCounts {
-    /// A zeroed record for the blocks of `l`, and `l` pointing at it; `record` stores it
-    /// under `kernel` once the launch has run.
+/// Per kernel launch, what each block of the grid did ([`LaunchCounts`]), recorded by an
+/// [`flash::Emulator`] that holds one: the loop-bound tests compare the copies with the tiles
+/// a mask's geometry says each block must visit, the FLOP test the multiply-adds with
+/// [`crate::flops::executed_flops`].
+#[derive(Debug, Default)]
+pub(crate) struct BlockCounts(std::sync::Mutex<Vec<LaunchCounts>>);
+
+impl BlockCounts {
+    /// A zeroed record (`[blocks][2]`) for the blocks of `l`, and `l` pointing at it;
+    /// `record` stores it under `kernel` once the launch has run.
     fn slot(&self, l: &mut EmuLaunch) -> Vec<u64> {
-        let mut v = vec![0u64; l.blocks()];
-        l.block_copies = v.as_mut_ptr() as u64;
+        let mut v = vec![0u64; 2 * l.blocks()];
+        l.block_counts = v.as_mut_ptr() as u64;
         v
     }
 
     fn record(&self, kernel: &'static str, counts: Vec<u64>) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push((kernel, counts));
+        let copies = counts.iter().step_by(2).copied().collect();
+        let mma_macs = counts.iter().skip(1).step_by(2).copied().collect();
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(LaunchCounts { kernel, copies, mma_macs });
     }
 
     /// The records so far, in launch order, and cleared.
     #[cfg(test)]
-    pub(crate) fn take(&self) -> Vec<(&'static str, Vec<u64>)> {
+    pub(crate) fn take(&self) -> Vec<LaunchCounts> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }

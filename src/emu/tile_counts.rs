@@ -2,18 +2,21 @@
 //! load exactly the tiles from the first to the last one holding a visible (query, key) pair
 //! of its rows — no tile before a causal block's first key or after its diagonal, none
 //! outside a window or a document — and every tile in between. The emulator counts the
-//! 16-byte cp.async copies each block issues ([`CopyCounts`]); the tiles follow from the
+//! 16-byte cp.async copies each block issues ([`BlockCounts`]); the tiles follow from the
 //! kernels' staging (every staged row is `d_class / 8` copies, zero-filled or not), and the
-//! expected span from the mask geometry, pair by pair.
+//! expected span from the mask geometry, pair by pair. It also counts the blocks' tensor-core
+//! multiply-adds, which must be the work [`flops::executed_flops`] reports for the kernels
+//! (what `ringattn bench` prints beside the conventional FLOPs).
 
 use super::flash::Emulator;
-use super::{CopyCounts, EmuOptions};
+use super::{BlockCounts, EmuOptions};
+use crate::flops::{self, Executor, Pass};
 use crate::kernels::geometry::{self, DqMode};
 use crate::kernels::params::MASK_GRANULE;
 use crate::params::Visibility;
 use crate::random::randn;
 use crate::runner;
-use crate::{AttentionParams, DType, Documents, Layout, Mask, Positions, Segment, Tensor};
+use crate::{AttentionParams, DType, Dims, Documents, Layout, Mask, Positions, Segment, Tensor};
 
 /// Which side of the pairs a kernel's blocks hold (the other side streams as tiles).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -96,31 +99,32 @@ fn check(c: &Case) {
     let pos = Some((&c.q_pos, &c.k_pos));
     let heads = |per_block: Vec<u64>| -> Vec<u64> { (0..h).flat_map(|_| per_block.iter().copied()).collect() };
 
-    let counts = CopyCounts::default();
+    let counts = BlockCounts::default();
     let opts = EmuOptions::default();
-    let emu = Emulator { opts: &opts, copies: Some(&counts) };
+    let emu = Emulator { opts: &opts, counts: Some(&counts) };
     let f = runner::forward_tensors(&emu, &q, &k, &v, pos, &c.params).expect("forward");
     let (fm, fnk) = geometry::forward_tile(c.d);
     let fwd = counts.take();
     assert_eq!(fwd.len(), 1, "{}: one forward launch", c.name);
-    let got = loaded_tiles(&fwd[0].1, fm as u64, 2 * fnk as u64, chunks, "forward");
+    let got = loaded_tiles(&fwd[0].copies, fm as u64, 2 * fnk as u64, chunks, "forward");
     assert_eq!(got, heads(expected_tiles(&pairs, Blocks::Queries, fm, fnk)), "{}: forward tiles per block", c.name);
 
     for mode in [DqMode::Deterministic, DqMode::Atomic] {
         let o = f.o.clone();
         runner::backward_tensors(&emu, &q, &k, &v, &o, &f.lse, &d_o, pos, &c.params, mode).expect("backward");
-        for (kernel, copies) in counts.take() {
+        for launch in counts.take() {
+            let (kernel, copies) = (launch.kernel, &launch.copies);
             let got_expected = match kernel {
                 "rowsum" => continue,
                 "dq" => {
                     let (m, n) = geometry::dq_tile(c.d);
-                    let got = loaded_tiles(&copies, 2 * m as u64, 2 * n as u64, chunks, "dq");
+                    let got = loaded_tiles(copies, 2 * m as u64, 2 * n as u64, chunks, "dq");
                     (got, heads(expected_tiles(&pairs, Blocks::Queries, m, n)))
                 }
                 "dkdv" | "dkdvq" => {
                     let (m, n) = geometry::dkdv_tile(c.d, mode);
                     let splits = geometry::dkdv_splits(c.d, mode);
-                    let got = loaded_tiles(&copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
+                    let got = loaded_tiles(copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
                     // Query tiles of every query head of the block's GQA group (here one).
                     let per_block = expected_tiles(&pairs, Blocks::Keys, n, m);
                     let split: Vec<u64> = per_block.iter().flat_map(|&t| std::iter::repeat_n(t, splits)).collect();
@@ -196,13 +200,60 @@ fn copies_count_what_the_blocks_stage() {
     // geometry alone (a 1-block, 1-tile call; then 3 key tiles).
     let (q_pos, k_pos) = Positions::single_device(64, 64);
     let q = Tensor::zeros(vec![1, 64, 1, 64], DType::BF16);
-    let counts = CopyCounts::default();
+    let counts = BlockCounts::default();
     let opts = EmuOptions::default();
-    let emu = Emulator { opts: &opts, copies: Some(&counts) };
+    let emu = Emulator { opts: &opts, counts: Some(&counts) };
     runner::forward_tensors(&emu, &q, &q, &q, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
-    assert_eq!(counts.take(), vec![("flash_fwd", vec![64 * 8 + 2 * 64 * 8])]);
+    let one = counts.take();
+    assert_eq!((one.len(), one[0].kernel), (1, "flash_fwd"));
+    // Q and one K/V tile; 4 warps x (S: 64 keys, P V: 64 columns) x 64 deep.
+    assert_eq!(
+        (one[0].copies.clone(), one[0].mma_macs.clone()),
+        (vec![64 * 8 + 2 * 64 * 8], vec![4 * 2 * 16 * 64 * 64])
+    );
     let k = Tensor::zeros(vec![1, 150, 1, 64], DType::BF16);
     let (q_pos, k_pos) = Positions::single_device(64, 150);
     runner::forward_tensors(&emu, &q, &k, &k, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
-    assert_eq!(counts.take(), vec![("flash_fwd", vec![64 * 8 + 3 * 2 * 64 * 8])]);
+    let three = counts.take();
+    assert_eq!(three[0].copies, vec![64 * 8 + 3 * 2 * 64 * 8]);
+    assert_eq!(three[0].mma_macs, vec![3 * 4 * 2 * 16 * 64 * 64]);
+}
+
+/// The multiply-adds the emulated kernels perform for a single-device call of `dims` under
+/// `params`, per pass (forward; backward in `mode`), against [`flops::executed_flops`].
+fn check_flops(name: &str, dims: Dims, params: &AttentionParams) {
+    let q = randn(vec![dims.b, dims.s_q, dims.h_q, dims.d], 5, DType::F16);
+    let k = randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d], 6, DType::F16);
+    let v = randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d], 7, DType::F16);
+    let d_o = randn(vec![dims.b, dims.s_q, dims.h_q, dims.d], 8, DType::F16);
+    let counts = BlockCounts::default();
+    let opts = EmuOptions::default();
+    let emu = Emulator { opts: &opts, counts: Some(&counts) };
+    let flops_of = |launches: Vec<super::LaunchCounts>| -> f64 {
+        launches.iter().flat_map(|l| l.mma_macs.iter()).map(|&m| 2.0 * m as f64).sum()
+    };
+    let f = runner::forward_tensors(&emu, &q, &k, &v, None, params).expect("forward");
+    let want = flops::executed_flops(&dims, params, Pass::Forward, Executor::Kernels(DqMode::Deterministic)).unwrap();
+    assert_eq!(flops_of(counts.take()), want, "{name}: forward");
+    for mode in [DqMode::Deterministic, DqMode::Atomic] {
+        runner::backward_tensors(&emu, &q, &k, &v, &f.o, &f.lse, &d_o, None, params, mode).expect("backward");
+        let want = flops::executed_flops(&dims, params, Pass::Backward, Executor::Kernels(mode)).unwrap();
+        assert_eq!(flops_of(counts.take()), want, "{name}: backward ({mode:?})");
+    }
+}
+
+#[test]
+fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
+    let dims = |s_q, s_k, h_q, h_kv, d| Dims { b: 2, s_q, s_k, h_q, h_kv, d };
+    check_flops("unmasked", dims(100, 100, 2, 2, 64), &AttentionParams::default());
+    check_flops("causal, GQA, d 48 (class 64)", dims(200, 200, 4, 2, 48), &causal());
+    check_flops("causal, s_q < s_k, d 128", dims(70, 190, 1, 1, 128), &causal());
+    let window = AttentionParams { mask: Mask::Window { left: Some(40), right: Some(5) }, ..Default::default() };
+    check_flops("window, d 256 (two column ranges)", dims(150, 150, 1, 1, 256), &window);
+    let docs = AttentionParams {
+        mask: Mask::Causal,
+        documents: Some(Documents::new(vec![30, 90, 40]).unwrap()),
+        ..Default::default()
+    };
+    check_flops("documents, d 32", dims(160, 160, 2, 1, 32), &docs);
 }

@@ -123,6 +123,10 @@ struct PassResult {
     tiles_total: u64,
     /// Of which those holding at least one visible pair.
     tiles_visible: u64,
+    /// FLOPs the backend's matrix products perform (`flops::executed_flops`: whole tiles,
+    /// head-dim padding, the deterministic backward's recomputation); its throughput.
+    executed_flops: f64,
+    executed_tflops: f64,
 }
 
 /// The JSON report: the interface of the device-check scripts, keep it stable.
@@ -236,16 +240,21 @@ fn describe_mask(p: &AttentionParams) -> String {
     m
 }
 
-/// The work of one pass: `(flops, dense_flops, tile shape, tiles)`.
-fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles)> {
+/// The work of one pass: `(flops, dense_flops, tile shape, tiles, executed flops)`.
+fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
     let shape = tile_shape(backend, pass, dims.d, x.dq_mode);
     let tiles = flops::tiles(dims, &x.params, shape)?;
+    let executor = match backend {
+        BackendKind::Cpu => flops::Executor::Cpu(cpu::TileConfig::default()),
+        BackendKind::Emu | BackendKind::Cuda => flops::Executor::Kernels(x.dq_mode),
+    };
     Ok((
         flops::flops(dims, pairs, pass.into()),
         flops::flops(dims, flops::dense_pairs(dims), pass.into()),
         shape,
         tiles,
+        flops::executed_flops(dims, &x.params, pass.into(), executor)?,
     ))
 }
 
@@ -306,19 +315,21 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     );
     let mut results = Vec::new();
     for (pass, samples_ms) in samples {
-        let (flops, dense_flops, shape, tiles) = work(backend, &x, pass, pairs)?;
+        let (flops, dense_flops, shape, tiles, executed_flops) = work(backend, &x, pass, pairs)?;
         let median_ms = median(&samples_ms);
         let min_ms = samples_ms.iter().copied().fold(f64::INFINITY, f64::min);
         let tflops = flops / (median_ms * 1e-3) / 1e12;
+        let executed_tflops = executed_flops / (median_ms * 1e-3) / 1e12;
         println!(
-            "{:<8}: median {median_ms:10.3} ms  min {min_ms:10.3} ms  {:9.3} GFLOP (dense {:.3})  tiles {}x{}: {} of {}  {tflops:9.3} TFLOP/s",
+            "{:<8}: median {median_ms:10.3} ms  min {min_ms:10.3} ms  {:9.3} GFLOP (dense {:.3})  tiles {}x{}: {} of {}  {tflops:9.3} TFLOP/s  (executed {:.3} GFLOP: {executed_tflops:.3} TFLOP/s)",
             pass.name(),
             flops / 1e9,
             dense_flops / 1e9,
             shape.block_q,
             shape.block_k,
             tiles.visible,
-            tiles.total
+            tiles.total,
+            executed_flops / 1e9
         );
         results.push(PassResult {
             pass: pass.name(),
@@ -332,6 +343,8 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
             tile: [shape.block_q, shape.block_k],
             tiles_total: tiles.total,
             tiles_visible: tiles.visible,
+            executed_flops,
+            executed_tflops,
         });
     }
     if let Some(path) = &a.json {
@@ -515,17 +528,21 @@ mod tests {
         let x = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]);
         let pairs = flops::visible_pairs(&x.dims, &x.params).unwrap();
         assert_eq!(pairs, 512 * 513 / 2);
-        let (f, dense, shape, tiles) = work(BackendKind::Cpu, &x, Pass::Forward, pairs).unwrap();
+        let (f, dense, shape, tiles, executed) = work(BackendKind::Cpu, &x, Pass::Forward, pairs).unwrap();
         assert_eq!((f, dense), (4.0 * 64.0 * 2.0 * pairs as f64, 4.0 * 64.0 * 2.0 * 512.0 * 512.0));
         assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (256, 256, 4, 3));
-        let (fb, _, shape, tiles) = work(BackendKind::Cuda, &x, Pass::Backward, pairs).unwrap();
+        // The CPU computes its 3 visible 256 x 256 tiles whole.
+        assert_eq!(executed, 2.0 * 2.0 * 3.0 * 256.0 * 256.0 * 64.0 * 2.0);
+        let (fb, _, shape, tiles, executed) = work(BackendKind::Cuda, &x, Pass::Backward, pairs).unwrap();
         assert_eq!(fb, 2.5 * f);
         // d = 64: the dk/dv kernel's 64 query rows × 64 keys.
         assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (64, 64, 64, 36));
+        // 7 products over the warp tiles (more than the convention's 5 over the pairs).
+        assert!(executed > 7.0 / 5.0 * fb);
         let x = inputs(&["--seq", "512", "--dq-mode", "atomic", "--head-dim", "128"]);
-        let (_, _, shape, _) = work(BackendKind::Emu, &x, Pass::Backward, 0).unwrap();
+        let (_, _, shape, _, _) = work(BackendKind::Emu, &x, Pass::Backward, 0).unwrap();
         assert_eq!((shape.block_q, shape.block_k), (16, 64));
-        let (_, _, shape, _) = work(BackendKind::Emu, &x, Pass::Forward, 0).unwrap();
+        let (_, _, shape, _, _) = work(BackendKind::Emu, &x, Pass::Forward, 0).unwrap();
         assert_eq!((shape.block_q, shape.block_k), (64, 64));
     }
 
