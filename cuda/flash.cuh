@@ -174,6 +174,18 @@ struct DkDvTraits : TileGeom<D> {
     static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");
 };
 
+// The global positions and documents (0 without) of a thread's two rows `row` of one side
+// (MaskParams' q_pos/q_doc or k_pos/k_doc, `doc` null without documents); rows past `s`
+// read the last row's, so that bounds over them stay supersets.
+__device__ __forceinline__ void row_positions(const int64_t* pos, const uint32_t* doc, const int64_t row[2], int64_t s,
+                                              int64_t out_pos[2], uint32_t out_doc[2]) {
+    for (int r = 0; r < 2; ++r) {
+        const int64_t i = row[r] < s ? row[r] : s - 1;
+        out_pos[r] = gmem_load(pos + i);
+        out_doc[r] = doc != nullptr ? gmem_load(doc + i) : 0u;
+    }
+}
+
 // Visibility bits of a thread's 16 x N accumulator fragments (bit 4n + 2r + c: n-tile n,
 // row g + 8r of the warp's 16, column 2t + c), rows and columns given as global positions
 // and documents; `row_ok`/`col_ok` mark rows and columns that exist.

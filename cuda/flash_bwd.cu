@@ -64,13 +64,12 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
 
     const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     int64_t qpos[2];
-    uint32_t qdoc[2] = {0, 0};
+    uint32_t qdoc[2];
+    row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
     float lse2[2], delta[2];
     for (int r = 0; r < 2; ++r) {
         const bool in = row[r] < p.s_q;
         const int64_t i = in ? row[r] : p.s_q - 1;
-        qpos[r] = gmem_load(p.mask.q_pos + i);
-        if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
         const int64_t st = (bi * p.h_q + hq) * p.s_q + i;
         lse2[r] = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
         delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
@@ -213,12 +212,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     // This thread's two key rows (g and g + 8 of the warp's 16).
     const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     int64_t kpos[2];
-    uint32_t kdoc[2] = {0, 0};
-    for (int r = 0; r < 2; ++r) {
-        const int64_t j = krow[r] < p.s_k ? krow[r] : p.s_k - 1;
-        kpos[r] = gmem_load(p.mask.k_pos + j);
-        if (p.mask.k_doc != nullptr) kdoc[r] = gmem_load(p.mask.k_doc + j);
-    }
+    uint32_t kdoc[2];
+    row_positions(p.mask.k_pos, p.mask.k_doc, krow, p.s_k, kpos, kdoc);
     const MaskEval mask{p.mask};
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;

@@ -41,12 +41,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // This thread's two query rows (g and g + 8 of the warp's 16): positions and documents.
     const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     int64_t qpos[2];
-    uint32_t qdoc[2] = {0, 0};
-    for (int r = 0; r < 2; ++r) {
-        const int64_t i = row[r] < p.s_q ? row[r] : p.s_q - 1;
-        qpos[r] = gmem_load(p.mask.q_pos + i);
-        if (p.mask.q_doc != nullptr) qdoc[r] = gmem_load(p.mask.q_doc + i);
-    }
+    uint32_t qdoc[2];
+    row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
 
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;

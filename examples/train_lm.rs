@@ -316,6 +316,15 @@ fn replicas_identical<B: rc::CandleBuf>(
     Ok((0..8).all(|i| world * f64::from(sums[8 + i]) == f64::from(sums[i]).powi(2)))
 }
 
+/// Rank 0's report of an in-process run, or the first rank's error.
+fn rank0(results: Vec<ringattn::Result<RankRun>>) -> ringattn::Result<Option<RankRun>> {
+    let mut ranks = Vec::with_capacity(results.len());
+    for r in results {
+        ranks.push(r?);
+    }
+    Ok(ranks.into_iter().next())
+}
+
 /// The parallel run on in-process ranks or on this MPI process; rank 0's report.
 fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) -> ringattn::Result<Option<RankRun>> {
     let pb = indicatif::ProgressBar::new(a.steps as u64)
@@ -335,14 +344,7 @@ fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) 
         }
     };
     let out = match a.comm.as_str() {
-        "local" => {
-            let results = ringattn::comm::spmd_shared(a.world, LocalOptions::default(), run);
-            let mut ranks = Vec::with_capacity(results.len());
-            for r in results {
-                ranks.push(r?);
-            }
-            Some(ranks.swap_remove(0))
-        }
+        "local" => rank0(ringattn::comm::spmd_shared(a.world, LocalOptions::default(), run))?,
         #[cfg(feature = "mpi")]
         "mpi" => {
             let comm = ringattn::comm::MpiComm::init(ringattn::comm::MpiOptions::default())?;
@@ -385,12 +387,7 @@ fn train_parallel_cuda(
     let out = match a.comm.as_str() {
         "local" => {
             let members = ringattn::cuda::DeviceComm::group(a.world, LocalOptions::default(), &CudaDevice::shared(0)?)?;
-            let results = ringattn::comm::spmd_owned(members, |comm| rank_on(0, comm));
-            let mut ranks = Vec::with_capacity(results.len());
-            for r in results {
-                ranks.push(r?);
-            }
-            Some(ranks.swap_remove(0))
+            rank0(ringattn::comm::spmd_owned(members, |comm| rank_on(0, comm)))?
         }
         "nccl" => {
             let env = ringattn::cuda::BootstrapEnv::from_env()?;

@@ -797,6 +797,7 @@ fn mask_params<'a>(
     stream: &'a CudaStream,
 ) -> (MaskParams, Vec<cudarc::driver::SyncOnDrop<'a>>) {
     let mut guards = Vec::with_capacity(8);
+    // Each pointer's guard keeps the stream ordering until the launch is recorded.
     let mut ptr = |s: &'a CudaSlice<_>| {
         let (p, g) = s.device_ptr(stream);
         guards.push(g);
@@ -804,26 +805,15 @@ fn mask_params<'a>(
     };
     let q_pos = ptr(&m.q_pos);
     let k_pos = ptr(&m.k_pos);
-    let mut doc = |d: &'a Option<CudaSlice<u32>>| {
-        d.as_ref().map_or(0, |s| {
-            let (p, g) = s.device_ptr(stream);
-            guards.push(g);
-            p
-        })
+    let k_bounds = m.k_bounds.as_ref().map_or(0, &mut ptr);
+    let q_bounds = m.q_bounds.as_ref().map_or(0, &mut ptr);
+    let mut ptr32 = |s: &'a CudaSlice<u32>| {
+        let (p, g) = s.device_ptr(stream);
+        guards.push(g);
+        p
     };
-    let q_doc = doc(&m.q_doc);
-    let k_doc = doc(&m.k_doc);
-    let k_doc_bounds = doc(&m.k_doc_bounds);
-    let q_doc_bounds = doc(&m.q_doc_bounds);
-    let mut bounds = |b: &'a Option<CudaSlice<i64>>| {
-        b.as_ref().map_or(0, |s| {
-            let (p, g) = s.device_ptr(stream);
-            guards.push(g);
-            p
-        })
-    };
-    let k_bounds = bounds(&m.k_bounds);
-    let q_bounds = bounds(&m.q_bounds);
+    let [q_doc, k_doc, k_doc_bounds, q_doc_bounds] =
+        [&m.q_doc, &m.k_doc, &m.k_doc_bounds, &m.q_doc_bounds].map(|d| d.as_ref().map_or(0, &mut ptr32));
     let side = |w: i64| if w < 0 { -1 } else { w };
     let (window_left, window_right) = (side(m.window_left), side(m.window_right));
     let params = MaskParams {
