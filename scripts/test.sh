@@ -90,7 +90,9 @@ done_stage clippy
 
 stage "cargo test with features candle + mpi (unit, integration, property, CLI, candle, MPI and doc tests)"
 # One build for the default features' tests, the candle operation against the oracle and the
-# MPI jobs: the features only add code.
+# MPI jobs: the features only add code. tests/mpi.rs runs the collectives' check (an example)
+# under mpirun: `cargo test` builds examples without their plain-named binaries, so build it.
+cargo build --features candle,mpi --example collectives
 cargo test --all-targets --features candle,mpi
 cargo test --doc --features candle,mpi
 # The training example against one rank with plain candle attention (short runs; the README
