@@ -5,7 +5,8 @@
 # checks ci/candle-cuda, a downstream crate with candle-core (cuda) beside ringattn (cuda,
 # candle) whose program runs ring_attention on CUDA tensors where a GPU is. Needs nvcc
 # (scripts/test.sh installs it from PyPI into target/venv-nvcc); candle's kernel build asks
-# CUDA_COMPUTE_CAP (no GPU here). About 10 minutes cold on 2 cores (candle's CUDA kernels),
+# CUDA_COMPUTE_CAP (no GPU here). About 15 minutes cold on 2 cores (candle's CUDA kernels and
+# every dependency checked with these features),
 # seconds warm. Usage: scripts/check-candle-cuda.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
