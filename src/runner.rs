@@ -96,6 +96,30 @@ pub(crate) fn tensor_bits(t: &Tensor) -> Cow<'_, [u16]> {
 }
 
 /// Visibility of a single-device call (`positions` None) or of a block at global positions.
+/// One side's granule bounds: min and max position per granule, and per granule min and max
+/// document with documents (`kernels::params::granule_bounds`).
+pub(crate) type SideBounds = (Vec<i64>, Option<Vec<u32>>);
+
+/// The granule bounds the kernels classify tiles with (MaskParams `k_bounds`, `k_doc_bounds`,
+/// `q_bounds`, `q_doc_bounds`): both sides' or none — `None` when a side has no rows.
+pub(crate) struct MaskBounds {
+    pub keys: SideBounds,
+    pub queries: SideBounds,
+}
+
+impl MaskBounds {
+    pub(crate) fn of(vis: &Visibility) -> Option<MaskBounds> {
+        use crate::kernels::params::granule_bounds;
+        if vis.k_pos.is_empty() || vis.q_pos.is_empty() {
+            return None;
+        }
+        Some(MaskBounds {
+            keys: granule_bounds(&vis.k_pos, vis.k_doc.as_deref()),
+            queries: granule_bounds(&vis.q_pos, vis.q_doc.as_deref()),
+        })
+    }
+}
+
 pub(crate) fn visibility(
     dims: &Dims,
     positions: Option<(&Positions, &Positions)>,

@@ -68,13 +68,15 @@ impl DeviceMask {
 
     pub(crate) fn upload(stream: &Arc<CudaStream>, vis: &Visibility) -> Result<DeviceMask> {
         let docs = |d: &Option<Vec<u32>>| d.as_deref().map(|d| upload(stream, d)).transpose();
-        use crate::kernels::params::granule_bounds;
-        let (bounds, doc_bounds) = granule_bounds(&vis.k_pos, vis.k_doc.as_deref());
-        let (q_bounds, q_doc_bounds) = granule_bounds(&vis.q_pos, vis.q_doc.as_deref());
-        // Both sides' bounds or neither (an empty side: no rows to classify against).
-        let with_bounds = !bounds.is_empty() && !q_bounds.is_empty();
-        let some = |b: &[i64]| if with_bounds { upload(stream, b).map(Some) } else { Ok(None) };
-        let some_docs = |d: &Option<Vec<u32>>| if with_bounds { docs(d) } else { Ok(None) };
+        let bounds = crate::runner::MaskBounds::of(vis);
+        let side = |side: Option<&crate::runner::SideBounds>| -> Result<_> {
+            Ok(match side {
+                Some((pos, doc)) => (Some(upload(stream, pos)?), docs(doc)?),
+                None => (None, None),
+            })
+        };
+        let (k_bounds, k_doc_bounds) = side(bounds.as_ref().map(|b| &b.keys))?;
+        let (q_bounds, q_doc_bounds) = side(bounds.as_ref().map(|b| &b.queries))?;
         Ok(DeviceMask {
             q_pos: upload(stream, &vis.q_pos)?,
             k_pos: upload(stream, &vis.k_pos)?,
@@ -82,10 +84,10 @@ impl DeviceMask {
             k_doc: docs(&vis.k_doc)?,
             window_left: vis.left.unwrap_or(-1),
             window_right: vis.right.unwrap_or(-1),
-            k_bounds: some(&bounds)?,
-            k_doc_bounds: some_docs(&doc_bounds)?,
-            q_bounds: some(&q_bounds)?,
-            q_doc_bounds: some_docs(&q_doc_bounds)?,
+            k_bounds,
+            k_doc_bounds,
+            q_bounds,
+            q_doc_bounds,
         })
     }
 }

@@ -11,7 +11,7 @@ use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
 use crate::params::Visibility;
-use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob};
+use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
 extern "C" {
@@ -80,29 +80,13 @@ impl Executor for Emulator<'_> {
     }
 }
 
-/// The granule bounds of `vis`'s keys and queries (what [`MaskParams::k_bounds`],
-/// `k_doc_bounds`, `q_bounds` and `q_doc_bounds` point at).
-struct GranuleBounds {
-    keys: (Vec<i64>, Option<Vec<u32>>),
-    queries: (Vec<i64>, Option<Vec<u32>>),
-}
-
-impl GranuleBounds {
-    fn of(vis: &Visibility) -> Self {
-        use crate::kernels::params::granule_bounds;
-        GranuleBounds {
-            keys: granule_bounds(&vis.k_pos, vis.k_doc.as_deref()),
-            queries: granule_bounds(&vis.q_pos, vis.q_doc.as_deref()),
-        }
-    }
-}
-
 /// The mask of `vis` in the kernels' form; it borrows `vis`'s vectors and `bounds`.
-fn mask_params(vis: &Visibility, bounds: &GranuleBounds) -> MaskParams {
+fn mask_params(vis: &Visibility, bounds: &Option<MaskBounds>) -> MaskParams {
     let doc = |d: &Option<Vec<u32>>| d.as_ref().map_or(0, |v| v.as_ptr() as u64);
-    // Both sides' bounds or neither (an empty side: no rows to classify against).
-    let with_bounds = !bounds.keys.0.is_empty() && !bounds.queries.0.is_empty();
-    let pos = |b: &Vec<i64>| if with_bounds { b.as_ptr() as u64 } else { 0 };
+    let side = |pick: fn(&MaskBounds) -> &SideBounds| {
+        bounds.as_ref().map_or((0, 0), |b| (pick(b).0.as_ptr() as u64, doc(&pick(b).1)))
+    };
+    let ((k_bounds, k_doc_bounds), (q_bounds, q_doc_bounds)) = (side(|b| &b.keys), side(|b| &b.queries));
     MaskParams {
         q_pos: vis.q_pos.as_ptr() as u64,
         k_pos: vis.k_pos.as_ptr() as u64,
@@ -110,10 +94,10 @@ fn mask_params(vis: &Visibility, bounds: &GranuleBounds) -> MaskParams {
         k_doc: doc(&vis.k_doc),
         window_left: vis.left.unwrap_or(-1),
         window_right: vis.right.unwrap_or(-1),
-        k_bounds: pos(&bounds.keys.0),
-        k_doc_bounds: if with_bounds { doc(&bounds.keys.1) } else { 0 },
-        q_bounds: pos(&bounds.queries.0),
-        q_doc_bounds: if with_bounds { doc(&bounds.queries.1) } else { 0 },
+        k_bounds,
+        k_doc_bounds,
+        q_bounds,
+        q_doc_bounds,
     }
 }
 
@@ -135,7 +119,7 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
     }
     // 0xFFFF is NaN in bf16 and f16: unwritten elements show up.
     let mut o16 = if round_o { vec![0xFFFFu16; nq] } else { Vec::new() };
-    let bounds = GranuleBounds::of(vis);
+    let bounds = MaskBounds::of(vis);
     let p = FlashFwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -205,7 +189,7 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     if nq == 0 && nkv == 0 {
         return Ok((dq, dk, dv));
     }
-    let bounds = GranuleBounds::of(f.vis);
+    let bounds = MaskBounds::of(f.vis);
     let p = FlashBwdParams {
         q: f.q.as_ptr() as u64,
         k: f.k.as_ptr() as u64,
