@@ -39,16 +39,22 @@ struct FwdTraits : TileGeom<D> {
     using G = TileGeom<D>;
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kBlockM = 16 * kWarps;         // query rows per block, 16 per warp
+    // 16-row m-tiles per warp: two up to class 64 (FlashAttention-2's 128-row blocks: each
+    // K/V fragment feeds twice the MMAs), one above: at class 96 and 128 two m-tiles' O and S
+    // accumulators (192 registers at 128) leave ptxas too few for the rest and it spills.
+    static constexpr int kRowTiles = D <= 64 ? 2 : 1;
+    static constexpr int kWarpRows = 16 * kRowTiles;
+    static constexpr int kBlockM = kWarpRows * kWarps;  // query rows per block
     static constexpr int kBlockN = D <= 128 ? 64 : 32;  // keys per tile
     static constexpr bool kQInRegs = D <= 128;           // Q fragments kept in registers
     static constexpr int kSmemQ = kBlockM * G::kRowBytes;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one K or V stage
-    static constexpr int kSmem = kSmemQ + 4 * kSmemKV;     // Q, K and V double-buffered
+    static constexpr int kSmemBounds = kWarps * 32;         // each warp's query bounds (masked calls)
+    static constexpr int kSmem = kSmemQ + 4 * kSmemKV + kSmemBounds;  // Q, K and V double-buffered
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     // f32 registers per thread for the O and S accumulators (+ Q fragments when kept).
-    static constexpr int kAccRegs = D / 2 + kBlockN / 2 + (kQInRegs ? D / 4 : 0);
-    static_assert(kAccRegs <= 176, "accumulators leave room for addressing within 255 registers");
+    static constexpr int kAccRegs = kRowTiles * (D / 2 + kBlockN / 2 + (kQInRegs ? D / 4 : 0));
+    static_assert(kAccRegs <= 192, "accumulators leave room for addressing within 255 registers");
     static_assert(kBlockN / 2 <= 32, "one visibility bit per S element in a 32-bit mask");
 };
 
@@ -57,6 +63,18 @@ template <int kStride, int kSwizzle>
 __device__ __forceinline__ int swz(int r, int c) {
     return r * kStride + ((c ^ (r & kSwizzle)) << 3);
 }
+
+// A thread's fragment row in a swizzled tile, for chunks 2j + b with b in {0, 1} fixed per
+// thread (ldmatrix's address tables): 2j + b = 2j ^ b, so the swizzled chunk is 2j ^ x with x
+// = b ^ (r & kSwizzle), and the offset of pair j costs one XOR and one shift-add, whether j
+// is a constant (unrolled loops) or not (rolled ones), with two registers live.
+template <int kStride, int kSwizzle>
+struct SwzRow {
+    int base, x;
+    __device__ __forceinline__ SwzRow(int r, int b) : base(r * kStride), x(b ^ (r & kSwizzle)) {}
+    // Element offset of chunk 2j + b of the row.
+    __device__ __forceinline__ int at(int j) const { return base + (((2 * j) ^ x) << 3); }
+};
 
 // Stages rows r0 .. r0 + rows of a [b, s, h, d] 16-bit tensor (batch bi, head hi) into the
 // swizzled `tile` with cp.async; rows past s and columns past d are zero-filled.
@@ -110,6 +128,43 @@ __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x
         }
     }
 #endif
+}
+
+// Stages rows r0 .. r0 + kRows of two [b, s, h, d] 16-bit tensors of the same shape (K and
+// V) into their swizzled tiles, as stage_swizzled does for each: one offset computation per
+// chunk serves both copies, so that the pointers held across a loop are the kernel
+// parameters' (constant bank) and the thread's one element offset.
+template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+__device__ __forceinline__ void stage_swizzled_pair(uint16_t* tile_a, uint16_t* tile_b, const uint16_t* a,
+                                                    const uint16_t* b, int64_t bi, int64_t s, int64_t h, int64_t hi,
+                                                    int64_t d, int64_t r0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+    constexpr bool kShared = false;  // sm_100+: stage_swizzled's rolled loop, per tensor
+#else
+    constexpr bool kShared = kThreads % kChunks == 0;  // a thread's chunks share their column
+#endif
+    if constexpr (!kShared) {
+        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_a, a, bi, s, h, hi, d, r0);
+        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_b, b, bi, s, h, hi, d, r0);
+        return;
+    }
+    constexpr int kTotal = kRows * kChunks;
+    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+    constexpr int kRowStep = kThreads / kChunks;
+    const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+    const int64_t left = col * 8 < d ? s - r0 - r_first : 0;
+    const int64_t row_stride = h * d;
+    int64_t off = ((bi * s + r0 + r_first) * h + hi) * d + col * 8;
+    RINGATTN_UNROLL
+    for (int i = 0; i < kIters; ++i) {
+        const int r = r_first + i * kRowStep;
+        if (kRows % kRowStep != 0 && r >= kRows) break;
+        const bool in = i * kRowStep < left;
+        const int dst = swz<kStride, kSwizzle>(r, col);
+        cp_async_cg16(tile_a + dst, in ? a + off : a, in ? 16u : 0u);
+        cp_async_cg16(tile_b + dst, in ? b + off : b, in ? 16u : 0u);
+        off += kRowStep * row_stride;
+    }
 }
 
 template <typename T>
@@ -174,12 +229,14 @@ struct DkDvTraits : TileGeom<D> {
     static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");
 };
 
-// The global positions and documents (0 without) of a thread's two rows `row` of one side
+// The global positions and documents (0 without) of a thread's kR rows `row` of one side
 // (MaskParams' q_pos/q_doc or k_pos/k_doc, `doc` null without documents); rows past `s`
 // read the last row's, so that bounds over them stay supersets.
-__device__ __forceinline__ void row_positions(const int64_t* pos, const uint32_t* doc, const int64_t row[2], int64_t s,
-                                              int64_t out_pos[2], uint32_t out_doc[2]) {
-    for (int r = 0; r < 2; ++r) {
+template <int kR>
+__device__ __forceinline__ void row_positions(const int64_t* pos, const uint32_t* doc, const int64_t (&row)[kR],
+                                              int64_t s, int64_t (&out_pos)[kR], uint32_t (&out_doc)[kR]) {
+    RINGATTN_UNROLL
+    for (int r = 0; r < kR; ++r) {
         const int64_t i = row[r] < s ? row[r] : s - 1;
         out_pos[r] = gmem_load(pos + i);
         out_doc[r] = doc != nullptr ? gmem_load(doc + i) : 0u;
@@ -212,10 +269,12 @@ __device__ __forceinline__ RowBounds merge_bounds(RowBounds a, const RowBounds& 
     return a;
 }
 
-// The bounds of a warp's query rows: each thread holds two rows' positions and documents.
-__device__ __forceinline__ RowBounds warp_row_bounds(const int64_t pos[2], const uint32_t doc[2]) {
-    RowBounds b{pos[0] < pos[1] ? pos[0] : pos[1], pos[0] < pos[1] ? pos[1] : pos[0],
-                doc[0] < doc[1] ? doc[0] : doc[1], doc[0] < doc[1] ? doc[1] : doc[0]};
+// The bounds of a warp's rows: each thread holds kR rows' positions and documents.
+template <int kR>
+__device__ __forceinline__ RowBounds warp_row_bounds(const int64_t (&pos)[kR], const uint32_t (&doc)[kR]) {
+    RowBounds b{pos[0], pos[0], doc[0], doc[0]};
+    RINGATTN_UNROLL
+    for (int r = 1; r < kR; ++r) b = merge_bounds(b, RowBounds{pos[r], pos[r], doc[r], doc[r]});
     RINGATTN_UNROLL
     for (int o = 1; o < 32; o <<= 1) {
         const RowBounds other{__shfl_xor_sync(0xffffffffu, b.lo, o), __shfl_xor_sync(0xffffffffu, b.hi, o),
@@ -354,16 +413,19 @@ __device__ __forceinline__ void block_tile_range(const MaskParams& m, const RowB
     end = last + 1 > first ? last + 1 : first;
 }
 
-// Visibility bits of a thread's query-row fragments against kNT n-tiles of keys k0 ..
-// (bit 4n + 2r + c: n-tile n, query row g + 8r of the warp, key k0 + 8n + 2t + c), for rows
-// that exist (`row_ok`) at positions `qpos` in documents `qdoc`; without window or documents
-// (`unmasked`) no position is read.
-template <int kNT>
-__device__ __forceinline__ uint32_t query_row_visibility(const MaskParams& m, bool unmasked, const bool row_ok[2],
-                                                         const int64_t qpos[2], const uint32_t qdoc[2], int64_t k0,
-                                                         int64_t s_k, int t) {
+// Visibility bits of a thread's query-row fragments against kNT n-tiles of keys k0 .., for
+// kMT m-tiles of 16 rows: vis[mt] bit 4n + 2r + c is n-tile n, query row g + 8r of m-tile mt
+// (the thread's row 2 mt + r), key k0 + 8n + 2t + c; for rows that exist (`row_ok`) at
+// positions `qpos` in documents `qdoc`. Each key's position is read once for every row;
+// without window or documents (`unmasked`) no position is read.
+template <int kNT, int kMT>
+__device__ __forceinline__ void query_rows_visibility(const MaskParams& m, bool unmasked, const bool (&row_ok)[2 * kMT],
+                                                      const int64_t (&qpos)[2 * kMT], const uint32_t (&qdoc)[2 * kMT],
+                                                      int64_t k0, int64_t s_k, int t, uint32_t (&vis)[kMT]) {
+    static_assert(kNT <= 8, "4 bits per n-tile in a 32-bit mask");
     const MaskEval mask{m};
-    uint32_t vis = 0;
+    RINGATTN_UNROLL
+    for (int mt = 0; mt < kMT; ++mt) vis[mt] = 0;
     RINGATTN_UNROLL
     for (int n = 0; n < kNT; ++n) {
         RINGATTN_UNROLL
@@ -373,11 +435,20 @@ __device__ __forceinline__ uint32_t query_row_visibility(const MaskParams& m, bo
             const int64_t pk = unmasked ? 0 : gmem_load(m.k_pos + j);
             const uint32_t kd = m.k_doc != nullptr ? gmem_load(m.k_doc + j) : 0;
             RINGATTN_UNROLL
-            for (int r = 0; r < 2; ++r) {
+            for (int r = 0; r < 2 * kMT; ++r) {
                 const bool ok = row_ok[r] && (unmasked || mask.visible(qpos[r], qdoc[r], pk, kd));
-                vis |= uint32_t(ok) << (4 * n + 2 * r + c);
+                vis[r / 2] |= uint32_t(ok) << (4 * n + 2 * (r % 2) + c);
             }
         }
     }
-    return vis;
+}
+
+// The same for one m-tile (a thread's two rows).
+template <int kNT>
+__device__ __forceinline__ uint32_t query_row_visibility(const MaskParams& m, bool unmasked, const bool (&row_ok)[2],
+                                                         const int64_t (&qpos)[2], const uint32_t (&qdoc)[2],
+                                                         int64_t k0, int64_t s_k, int t) {
+    uint32_t vis[1];
+    query_rows_visibility<kNT, 1>(m, unmasked, row_ok, qpos, qdoc, k0, s_k, t, vis);
+    return vis[0];
 }

@@ -2,13 +2,15 @@
 // visible key rows j: s_ij = scale q_i.k_j, lse_i = log sum_j exp(s_ij),
 // o_i = sum_j exp(s_ij - lse_i) v_j.
 //
-// A block owns kBlockM = 64 query rows of one (batch, query head); each of its 4 warps owns
-// 16 rows. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async (the
-// next tile loads while this one computes). Per tile, each warp: evaluates the mask on
-// global positions for its 16 x kBlockN scores (a warp whose scores are all masked skips
-// the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments; the online softmax on
-// the accumulator fragments (base 2, scale·log2 e folded in, row max by quad shuffles, row
-// sums kept per thread and reduced once at the end); P, rounded to the input type, reused
+// A block owns kBlockM query rows of one (batch, query head); each of its 4 warps owns
+// kWarpRows: 32 (two 16-row m-tiles, FlashAttention-2's 128-row blocks) up to head-dim class
+// 64, 16 above. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async
+// (the next tile loads while this one computes). Per tile, each warp: evaluates the mask on
+// global positions for its kWarpRows x kBlockN scores (a warp whose scores are all masked
+// skips the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments (each K fragment
+// feeds every m-tile); the online softmax on the accumulator fragments (base 2, the row max
+// of the raw scores by quad shuffles, scale·log2 e folded into one FFMA per score, row sums
+// kept per thread and reduced once at the end); P, rounded to the input type, reused
 // from registers as the A operand of O += P V, with V fragments by ldmatrix.trans. GQA: the
 // query head h reads key/value head h / (h_q / h_kv). Output: f32 o and lse (unrounded, so
 // ring hops merge in f32), or o rounded to the input type into o16 when it is set; rows
@@ -16,7 +18,7 @@
 //
 // Entry points ringattn_flash_fwd_{bf16,f16}_d{32,64,96,128,192,256}: the head-dim class
 // is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
-// grid (ceil(s_q / 64), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
+// grid (ceil(s_q / kBlockM), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
 //
 // Note: as in FlashAttention, a masked key whose value row holds NaN or Inf inside a tile
 // that is partly visible to a warp reaches P V as 0 * NaN; the CPU path isolates such
@@ -27,22 +29,27 @@ template <typename T, int D>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     using Tr = FwdTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
+    constexpr int kMT = Tr::kRowTiles, kR = 2 * kMT;  // m-tiles per warp, rows per thread
+    constexpr int kStride = Tr::kStride, kSwizzle = Tr::kSwizzle;
     // Q fragments in registers need the loop unrolled; otherwise keep it rolled (live ranges).
     constexpr int kUnrollK = Tr::kQInRegs ? D / 16 : 1;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int64_t w0 = q0 + warp * Tr::kWarpRows;  // the warp's first query row
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
-    uint16_t* vs = ks + 2 * kN * Tr::kStride;                        // [2][kN][kStride]
+    uint16_t* vs = ks + 2 * kN * kStride;                            // [2][kN][kStride]
 
-    // This thread's two query rows (g and g + 8 of the warp's 16): positions and documents.
-    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    int64_t qpos[2];
-    uint32_t qdoc[2];
-    row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+    // This thread's query rows: g and g + 8 of each of the warp's m-tiles (row 2 mt + r is
+    // w0 + 16 mt + g + 8 r); their positions and documents (read again on masked tiles rather
+    // than held in registers across the loop).
+    auto thread_rows = [&](int64_t (&row)[kR]) {
+        RINGATTN_UNROLL
+        for (int r = 0; r < kR; ++r) row[r] = w0 + 16 * (r / 2) + g + 8 * (r % 2);
+    };
 
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
@@ -51,166 +58,263 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // fully visible to the warp (run unmasked), fully masked (skipped), or mixed (the mask
     // evaluated per score). The warp's query bounds, once (rows past s_q repeat the last
     // row's: the bounds stay a superset, and a fully visible tile needs every row in range).
+    // The warp's bounds wait in shared memory (registers are what the accumulators need).
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
-    const RowBounds warp_rows = classify ? warp_row_bounds(qpos, qdoc) : RowBounds{0, 0, 0u, 0u};
+    RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemQ + 4 * Tr::kSmemKV) + warp;
+    RowBounds warp_rows{0, 0, 0u, 0u};
+    if (classify) {
+        int64_t row[kR], qpos[kR];
+        uint32_t qdoc[kR];
+        thread_rows(row);
+        row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+        warp_rows = warp_row_bounds(qpos, qdoc);
+        if (lane == 0) smem_store(bounds_slot, warp_rows);
+    }
 
     // Loop bounds (masked calls): from the first to the last tile any warp of the block may
     // see — tiles outside are neither loaded nor waited on (a causal block stops at its
     // diagonal, a window starts at its left edge). The K buffer (not staged yet) is scratch.
+    // Tile indices fit in 32 bits: s_k < 2^31 kN (2^36 keys and more hold terabytes).
     const int64_t ntiles = (p.s_k + kN - 1) / kN;
-    int64_t t_begin = 0, t_end = ntiles;
+    int64_t range_begin = 0, range_end = ntiles;
     if (classify && ntiles > 0) {
         block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_rows, p.s_k, ntiles,
-                                                       reinterpret_cast<int64_t*>(ks), t_begin, t_end);
+                                                       reinterpret_cast<int64_t*>(ks), range_begin, range_end);
     }
+    const int t_begin = int(range_begin), t_end = int(range_end);
 
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d,
-                                                                                      q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
     cp_async_commit();
     auto stage_kv = [&](int buf, int64_t k0) {
-        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(ks + buf * kN * Tr::kStride, p.k, bi,
-                                                                                p.s_k, p.h_kv, hk, d, k0);
-        stage_swizzled<kN, Tr::kChunks, Tr::kStride, Tr::kSwizzle, Tr::kThreads>(vs + buf * kN * Tr::kStride, p.v, bi,
-                                                                                p.s_k, p.h_kv, hk, d, k0);
+        stage_swizzled_pair<kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(
+            ks + buf * kN * kStride, vs + buf * kN * kStride, p.k, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
     };
-    if (t_begin < t_end) stage_kv(0, t_begin * kN);
+    if (t_begin < t_end) stage_kv(0, int64_t(t_begin) * kN);
     cp_async_commit();
 
-    float acc[kDT][4];
-    RINGATTN_UNROLL
-    for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    uint32_t qf[Tr::kQInRegs ? D / 16 : 1][4];
+    // The softmax scale folded into one FFMA per score: exp2(s sc - m sc) with sc >= 0. A
+    // negative scale negates Q instead (exact in 16 bits: s sc = (-s)(-sc)), once per block.
+    const bool negate_q = p.scale_log2 < 0.0f;
+    const float sc = negate_q ? -p.scale_log2 : p.scale_log2;
 
-    if (Tr::kQInRegs && t_begin < t_end) {
-        // Q fragments into registers once, before the loop: Q (the first group) has landed.
+    // Fragment rows (flash.cuh SwzRow; the swizzle depends on the row modulo 8, so whole
+    // 8-row steps add a constant): K rows for S = Q K^T (k chunks 2kk, 2kk + 1), V rows for
+    // O += P V (column chunks 2j, 2j + 1), Q rows (when read from shared memory each tile).
+    const SwzRow<kStride, kSwizzle> krow((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<kStride, kSwizzle> vrow((lane / 8) % 2 * 8 + lane % 8, lane / 16);
+    const SwzRow<kStride, kSwizzle> qrow(warp * Tr::kWarpRows + lane % 16, lane / 16);
+
+    float acc[kMT][kDT][4];
+    RINGATTN_UNROLL
+    for (int mt = 0; mt < kMT; ++mt) {
+        RINGATTN_UNROLL
+        for (int n = 0; n < kDT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+    }
+    float m[kR], l[kR];  // running max (scaled, base 2) and this thread's share of the row sum
+    RINGATTN_UNROLL
+    for (int r = 0; r < kR; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    uint32_t qf[Tr::kQInRegs ? kMT : 1][Tr::kQInRegs ? D / 16 : 1][4];
+
+    if (t_begin < t_end) {
+        // Q (the first group) has landed.
         cp_async_wait<1>();
         __syncthreads();
-        RINGATTN_UNROLL
-        for (int kk = 0; kk < D / 16; ++kk) {
-            ldmatrix_x4(qf[Tr::kQInRegs ? kk : 0],
-                        qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+        if (negate_q) {
+            uint32_t* q32 = reinterpret_cast<uint32_t*>(qs);
+            for (int i = threadIdx.x; i < Tr::kBlockM * kStride / 2; i += Tr::kThreads) {
+                smem_store(q32 + i, smem_load(q32 + i) ^ 0x80008000u);
+            }
+            __syncthreads();
+        }
+        if constexpr (Tr::kQInRegs) {
+            // Q fragments into registers once, before the loop.
+            RINGATTN_UNROLL
+            for (int mt = 0; mt < kMT; ++mt) {
+                RINGATTN_UNROLL
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    ldmatrix_x4(qf[mt][kk], qs + qrow.at(kk) + 16 * mt * kStride);
+                }
+            }
         }
     }
 
     int buf = 0;
-    for (int64_t tile = t_begin; tile < t_end; ++tile, buf ^= 1) {
-        if (tile + 1 < t_end) stage_kv(buf ^ 1, (tile + 1) * kN);
+    for (int tile = t_begin; tile < t_end; ++tile, buf ^= 1) {
+        if (tile + 1 < t_end) stage_kv(buf ^ 1, int64_t(tile + 1) * kN);
         cp_async_commit();
         cp_async_wait<1>();  // Q and this tile have landed; the next one may still be in flight
         __syncthreads();
-        const uint16_t* kt = ks + buf * kN * Tr::kStride;
-        const uint16_t* vt = vs + buf * kN * Tr::kStride;
-        // Visibility of this thread's scores: bit 4n + e for n-tile n, element e (rows g, g,
-        // g + 8, g + 8; columns 2t, 2t + 1). A tile fully visible to the warp (every row of the
-        // warp and every key of the tile inside the call; no mask, or the bounds say so) runs
-        // without evaluating the mask or selecting scores (kFull); a fully masked one is
-        // skipped.
-        const int64_t k0 = tile * kN;
-        const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
-        // Warp-uniform (the MMAs below are warp-wide): the warp's 16 rows, the tile's keys.
-        const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
+        const uint16_t* kt = ks + buf * kN * kStride;
+        const uint16_t* vt = vs + buf * kN * kStride;
+        // Visibility of this thread's scores: vis[mt] bit 4n + e for n-tile n, element e (rows
+        // g, g, g + 8, g + 8 of m-tile mt; columns 2t, 2t + 1). A tile fully visible to the
+        // warp (every row of the warp and every key of the tile inside the call; no mask, or
+        // the bounds say so) runs without evaluating the mask or selecting scores (kFull); a
+        // fully masked one is skipped.
+        const int64_t k0 = int64_t(tile) * kN;
+        // Warp-uniform (the MMAs below are warp-wide): the warp's rows, the tile's keys.
+        const bool in_range = w0 + Tr::kWarpRows <= p.s_q && k0 + kN <= p.s_k;
         const TileClass cls =
-            classify ? classify_tile<kN>(p.mask, warp_rows, tile, p.s_k) : TileClass{unmasked, false};
-        uint32_t vis = 0;
-        auto run_tile = [&](auto full_tile) {
-            constexpr bool kFull = decltype(full_tile)::value;
-            float s[kNT][4];
+            classify ? classify_tile<kN>(p.mask, smem_load(bounds_slot), tile, p.s_k) : TileClass{unmasked, false};
+        uint32_t vis[kMT];
+        // One copy of the tile's code (a second one, specialised for masked tiles, costs the
+        // registers the accumulators need): `masked` branches around the mask's selects.
+        auto run_tile = [&](bool masked) {
+            float s[kMT][kNT][4];
             RINGATTN_UNROLL
-            for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int mt = 0; mt < kMT; ++mt) {
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+            }
             RINGATTN_UNROLL_BY(kUnrollK)
             for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                if (Tr::kQInRegs) {
-                    a[0] = qf[Tr::kQInRegs ? kk : 0][0], a[1] = qf[Tr::kQInRegs ? kk : 0][1];
-                    a[2] = qf[Tr::kQInRegs ? kk : 0][2], a[3] = qf[Tr::kQInRegs ? kk : 0][3];
-                } else {
-                    ldmatrix_x4(a, qs + swz<Tr::kStride, Tr::kSwizzle>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                uint32_t a[kMT][4];
+                RINGATTN_UNROLL
+                for (int mt = 0; mt < kMT; ++mt) {
+                    if constexpr (Tr::kQInRegs) {
+                        a[mt][0] = qf[mt][kk][0], a[mt][1] = qf[mt][kk][1];
+                        a[mt][2] = qf[mt][kk][2], a[mt][3] = qf[mt][kk][3];
+                    } else {
+                        ldmatrix_x4(a[mt], qs + qrow.at(kk) + 16 * mt * kStride);
+                    }
                 }
                 RINGATTN_UNROLL
                 for (int n = 0; n < kNT; n += 2) {
                     uint32_t b[4];  // K rows n*8 .. n*8 + 15, k chunks 2kk, 2kk + 1
-                    ldmatrix_x4(b, kt + swz<Tr::kStride, Tr::kSwizzle>(n * 8 + (lane / 16) * 8 + lane % 8,
-                                                                       2 * kk + (lane / 8) % 2));
-                    mma_16816<T>(s[n], a, b);
-                    mma_16816<T>(s[n + 1], a, b + 2);
+                    ldmatrix_x4(b, kt + krow.at(kk) + n * 8 * kStride);
+                    RINGATTN_UNROLL
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16816<T>(s[mt][n], a[mt], b);
+                        mma_16816<T>(s[mt][n + 1], a[mt], b + 2);
+                    }
                 }
             }
-            // Online softmax on the fragments (rows g: elements 0, 1; g + 8: elements 2, 3).
-            float mt[2] = {-INFINITY, -INFINITY};
-            RINGATTN_UNROLL
-            for (int n = 0; n < kNT; ++n) {
+            // Online softmax on the fragments (row 2 mt + r: elements 2r, 2r + 1 of m-tile
+            // mt), on the raw scores: the row max commutes with the scale (sc >= 0).
+            auto for_masked = [&](auto&& f) {  // f(score) for each score the mask hides
                 RINGATTN_UNROLL
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = (kFull || (vis >> (4 * n + e) & 1u)) ? s[n][e] * p.scale_log2 : -INFINITY;
-                    mt[e / 2] = fmaxf(mt[e / 2], s[n][e]);
+                for (int mt = 0; mt < kMT; ++mt) {
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kNT; ++n) {
+                        RINGATTN_UNROLL
+                        for (int e = 0; e < 4; ++e) {
+                            if (!(vis[mt] >> (4 * n + e) & 1u)) f(s[mt][n][e]);
+                        }
+                    }
+                }
+            };
+            if (masked) for_masked([](float& x) { x = -INFINITY; });
+            float mt_max[kR];
+            RINGATTN_UNROLL
+            for (int r = 0; r < kR; ++r) mt_max[r] = -INFINITY;
+            RINGATTN_UNROLL
+            for (int mt = 0; mt < kMT; ++mt) {
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) mt_max[2 * mt + e / 2] = fmaxf(mt_max[2 * mt + e / 2], s[mt][n][e]);
                 }
             }
-            float alpha[2], base[2];
+            float alpha[kR], nbase[kR];
             RINGATTN_UNROLL
-            for (int r = 0; r < 2; ++r) {
-                mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-                mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-                const float m_new = fmaxf(m[r], mt[r]);
-                base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-                alpha[r] = ex2_approx(m[r] - base[r]);         // -inf - x gives 0
+            for (int r = 0; r < kR; ++r) {
+                mt_max[r] = fmaxf(mt_max[r], __shfl_xor_sync(0xffffffffu, mt_max[r], 1));
+                mt_max[r] = fmaxf(mt_max[r], __shfl_xor_sync(0xffffffffu, mt_max[r], 2));
+                // -inf (nothing visible in the row yet) times sc stays -inf (or NaN for sc = 0,
+                // which fmaxf ignores).
+                const float m_new = fmaxf(m[r], mt_max[r] * sc);
+                const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+                alpha[r] = ex2_approx(m[r] - base);                     // -inf - x gives 0
+                nbase[r] = -base;
                 m[r] = m_new;
                 l[r] *= alpha[r];
             }
             RINGATTN_UNROLL
-            for (int n = 0; n < kNT; ++n) {
+            for (int mt = 0; mt < kMT; ++mt) {
                 RINGATTN_UNROLL
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = ex2_approx(s[n][e] - base[e / 2]);
-                    l[e / 2] += s[n][e];
+                for (int n = 0; n < kNT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) s[mt][n][e] = ex2_approx(fmaf(s[mt][n][e], sc, nbase[2 * mt + e / 2]));
                 }
             }
+            // A masked score is -inf: its exp2 is 0, except for sc = 0 (-inf * 0 is NaN).
+            if (masked && sc == 0.0f) for_masked([](float& x) { x = 0.0f; });
             RINGATTN_UNROLL
-            for (int n = 0; n < kDT; ++n) {
-                acc[n][0] *= alpha[0], acc[n][1] *= alpha[0], acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
+            for (int mt = 0; mt < kMT; ++mt) {
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) l[2 * mt + e / 2] += s[mt][n][e];
+                }
+                RINGATTN_UNROLL
+                for (int n = 0; n < kDT; ++n) {
+                    acc[mt][n][0] *= alpha[2 * mt], acc[mt][n][1] *= alpha[2 * mt];
+                    acc[mt][n][2] *= alpha[2 * mt + 1], acc[mt][n][3] *= alpha[2 * mt + 1];
+                }
             }
             // O += P V: P from registers (two S n-tiles make one A operand of 16 keys).
             RINGATTN_UNROLL
             for (int kk = 0; kk < kN / 16; ++kk) {
-                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                uint32_t a[kMT][4];
+                RINGATTN_UNROLL
+                for (int mt = 0; mt < kMT; ++mt) {
+                    a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
                 RINGATTN_UNROLL
                 for (int n = 0; n < kDT; n += 2) {
                     uint32_t b[4];  // V rows kk*16 .. +15 (keys), columns n*8 .. n*8 + 15
-                    ldmatrix_x4_trans(b, vt + swz<Tr::kStride, Tr::kSwizzle>(kk * 16 + (lane / 8) % 2 * 8 + lane % 8,
-                                                                             n + lane / 16));
-                    mma_16816<T>(acc[n], a, b);
-                    mma_16816<T>(acc[n + 1], a, b + 2);
+                    ldmatrix_x4_trans(b, vt + vrow.at(n / 2) + kk * 16 * kStride);
+                    RINGATTN_UNROLL
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16816<T>(acc[mt][n], a[mt], b);
+                        mma_16816<T>(acc[mt][n + 1], a[mt], b + 2);
+                    }
                 }
             }
         };
-        if (in_range && cls.full) {
-            run_tile(std::true_type{});
-        } else if (!cls.empty) {
-            vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
-            if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
+        bool go = in_range && cls.full, masked = false;
+        if (!go && !cls.empty) {
+            int64_t row[kR], qpos[kR] = {};
+            uint32_t qdoc[kR] = {};
+            bool row_ok[kR];
+            thread_rows(row);
+            if (!unmasked) row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+            RINGATTN_UNROLL
+            for (int r = 0; r < kR; ++r) row_ok[r] = row[r] < p.s_q;
+            query_rows_visibility<kNT, kMT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t, vis);
+            uint32_t any = 0;
+            RINGATTN_UNROLL
+            for (int mt = 0; mt < kMT; ++mt) any |= vis[mt];
+            masked = true;
+            go = __ballot_sync(0xffffffffu, any != 0) != 0;
         }
+        if (go) run_tile(masked);
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     cp_async_wait<0>();
 
     // Epilogue: row sums across the quad, then o = acc / l and lse = ln 2 (m + log2 l).
     RINGATTN_UNROLL
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kR; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
+    int64_t row[kR];
+    thread_rows(row);
     RINGATTN_UNROLL
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kR; ++r) {
         if (row[r] >= p.s_q) continue;
+        const int mt = r / 2, e0 = 2 * (r % 2);
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
             if (c >= d) continue;
-            const float x = acc[n][2 * r] * inv, y = acc[n][2 * r + 1] * inv;
+            const float x = acc[mt][n][e0] * inv, y = acc[mt][n][e0 + 1] * inv;
             if (p.o16 != nullptr) {
                 gmem_store(reinterpret_cast<uint32_t*>(p.o16 + base + c), pack2<T>(x, y));
             } else {

@@ -327,16 +327,18 @@ def expected_ldgsts(family, d, geo):
 
 
 def expected_hmma(family, d, geo):
-    """m16n8k16 HMMAs per warp per tile (16 rows of the block per warp): the forward's QKᵀ and
-    PV (N·d/64 for N keys), dq's QKᵀ, dOVᵀ and dS·K (3·N·d/128), dk/dv's four products for M
-    streamed query rows (M·d/32); None for the atomic dk/dv/dq (its dq share is split)."""
+    """m16n8k16 HMMAs per warp per tile, for the block's rows split evenly over its warps (m
+    16-row m-tiles per warp): the forward's QKᵀ and PV (m·N·d/64 for N keys), dq's QKᵀ, dOVᵀ
+    and dS·K (3·m·N·d/128), dk/dv's four products for M streamed query rows (m·M·d/32); None
+    for the atomic dk/dv/dq (its dq share is split)."""
     n = geo["tile_rows"]
+    m = geo["block_rows"] // (geo["threads"] // 32) // 16
     if family == "flash_fwd":
-        return n * d // 64
+        return m * n * d // 64
     if family == "flash_bwd_dq":
-        return 3 * n * d // 128
+        return m * 3 * n * d // 128
     if family == "flash_bwd_dkdv":
-        return n * d // 32
+        return m * n * d // 32
     return None
 
 

@@ -140,8 +140,9 @@ impl From<TileConfig> for TileShape {
 }
 
 impl TileShape {
-    /// The tiles of the CUDA forward kernel for head dimension `d`: 64 query rows (4 warps of
-    /// 16) × 64 keys, 32 above head-dim class 128 (`FwdTraits::kBlockM`, `kBlockN` in
+    /// The tiles of the CUDA forward kernel for head dimension `d`: 128 query rows (4 warps of
+    /// 32) × 64 keys up to head-dim class 64, 64 (4 × 16) × 64 up to 128, 64 × 32 above
+    /// (`FwdTraits::kBlockM`, `kBlockN` in
     /// `cuda/flash.cuh`; [`geometry::forward`]).
     pub fn cuda_forward(d: usize) -> TileShape {
         let (block_q, block_k) = geometry::forward_tile(d);
@@ -230,7 +231,8 @@ pub enum Executor {
 ///   CPU tiles (clipped to the sequence).
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
-///   forward, 16 query rows × a key tile, `S` and `PV`; dq kernel (deterministic backward),
+///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 above class 64)
+///   × a key tile, `S` and `PV`; dq kernel (deterministic backward),
 ///   16 query rows × a key tile, `S`, `dP` and `dQ`; dk/dv kernel, a query tile × 16 keys,
 ///   `Sᵀ` and `dPᵀ` at full `D` in each of its column ranges, `dV` and `dK` over all columns
 ///   once, and in the atomic variant `dQ` once. Tile shapes from [`geometry`].
@@ -270,7 +272,8 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
             match pass {
                 Pass::Forward => {
                     let (_, n) = geometry::forward_tile(dims.d);
-                    warp_tiles(16, n)? * 2.0 * (16 * n) as f64 * dc
+                    let rows = geometry::forward_warp_rows(dims.d);
+                    warp_tiles(rows, n)? * 2.0 * (rows * n) as f64 * dc
                 }
                 Pass::Backward => {
                     let (m, _) = geometry::dkdv_tile(dims.d, mode);
@@ -586,7 +589,8 @@ mod tests {
             let f = TileShape::cuda_forward(d);
             let l = geometry::forward(&dims);
             assert_eq!(l.grid[0], dims.s_q.div_ceil(f.block_q), "d = {d}");
-            assert_eq!(l.smem_bytes, f.block_q * row + 4 * f.block_k * row, "d = {d}");
+            // Q, K and V double-buffered, each warp's query bounds (4 x 32 bytes).
+            assert_eq!(l.smem_bytes, f.block_q * row + 4 * f.block_k * row + 4 * 32, "d = {d}");
             for mode in [DqMode::Deterministic, DqMode::Atomic] {
                 let b = TileShape::cuda_backward(d, mode);
                 let l = geometry::dkdv(&dims, mode);

@@ -558,10 +558,21 @@ pub mod geometry {
         }
     }
 
+    /// Query rows per warp of the tensor-core forward (`FwdTraits::kWarpRows`): two 16-row
+    /// m-tiles up to head-dim class 64 (FlashAttention-2's layout), one above.
+    pub fn forward_warp_rows(d: usize) -> usize {
+        if head_dim_class(d) <= 64 {
+            32
+        } else {
+            16
+        }
+    }
+
     /// `(query rows, keys)` of one tile of the tensor-core forward for head dimension `d`:
-    /// 64 × 64, 64 × 32 above head-dim class 128.
+    /// 128 × 64 (4 warps of 32 rows) up to head-dim class 64, 64 × 64 up to 128, 64 × 32
+    /// above.
     pub fn forward_tile(d: usize) -> (usize, usize) {
-        (64, tc_block_n(head_dim_class(d)))
+        (4 * forward_warp_rows(d), tc_block_n(head_dim_class(d)))
     }
 
     /// `(query rows, keys)` of one tile of the dq kernel: the block's 64 query rows against a
@@ -579,14 +590,17 @@ pub mod geometry {
     }
 
     /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`) for `dims`: 4 warps of
-    /// 16 query rows, K/V double-buffered (`FwdTraits<D>::kSmem`).
+    /// [`forward_warp_rows`] query rows, Q staged once, K/V double-buffered
+    /// (`FwdTraits<D>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
         let dc = head_dim_class(dims.d);
         let stride = tc_stride(dc);
+        let (block_m, block_n) = forward_tile(dims.d);
         Launch {
-            grid: [dims.s_q.div_ceil(64), dims.h_q, dims.b],
+            grid: [dims.s_q.div_ceil(block_m), dims.h_q, dims.b],
             block: 128,
-            smem_bytes: 64 * stride * 2 + 4 * tc_block_n(dc) * stride * 2,
+            // Q, K and V double-buffered, and each warp's query bounds (32 bytes).
+            smem_bytes: block_m * stride * 2 + 4 * block_n * stride * 2 + 4 * 32,
             head_dim_class: dc,
         }
     }

@@ -206,17 +206,21 @@ fn copies_count_what_the_blocks_stage() {
     runner::forward_tensors(&emu, &q, &q, &q, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
     let one = counts.take();
     assert_eq!((one.len(), one[0].kernel), (1, "flash_fwd"));
-    // Q and one K/V tile; 4 warps x (S: 64 keys, P V: 64 columns) x 64 deep.
+    // A block of 128 query rows (4 warps of 32) stages Q and one K/V tile; the 2 warps that
+    // hold rows compute (S: 64 keys, P V: 64 columns) x 64 deep for their 32 rows, the 2
+    // past the 64 queries skip the tile.
     assert_eq!(
         (one[0].copies.clone(), one[0].mma_macs.clone()),
-        (vec![64 * 8 + 2 * 64 * 8], vec![4 * 2 * 16 * 64 * 64])
+        (vec![128 * 8 + 2 * 64 * 8], vec![2 * 2 * 32 * 64 * 64])
     );
     let k = Tensor::zeros(vec![1, 150, 1, 64], DType::BF16);
     let (q_pos, k_pos) = Positions::single_device(64, 150);
     runner::forward_tensors(&emu, &q, &k, &k, Some((&q_pos, &k_pos)), &AttentionParams::default()).expect("forward");
     let three = counts.take();
-    assert_eq!(three[0].copies, vec![64 * 8 + 3 * 2 * 64 * 8]);
-    assert_eq!(three[0].mma_macs, vec![3 * 4 * 2 * 16 * 64 * 64]);
+    assert_eq!(three[0].copies, vec![128 * 8 + 3 * 2 * 64 * 8]);
+    // The last tile (keys 128..150) is partly outside the call: those warps take the masked
+    // path, which computes the whole tile all the same.
+    assert_eq!(three[0].mma_macs, vec![3 * 2 * 2 * 32 * 64 * 64]);
 }
 
 /// The multiply-adds the emulated kernels perform for a single-device call of `dims` under
