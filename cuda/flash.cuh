@@ -130,42 +130,69 @@ __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x
 #endif
 }
 
-// Stages rows r0 .. r0 + kRows of two [b, s, h, d] 16-bit tensors of the same shape (K and
-// V) into their swizzled tiles, as stage_swizzled does for each: one offset computation per
-// chunk serves both copies, so that the pointers held across a loop are the kernel
-// parameters' (constant bank) and the thread's one element offset.
+// Stages consecutive tiles of kRows rows of two [b, s, h, d] 16-bit tensors of the same shape
+// (K and V) into their swizzled tiles, as stage_swizzled does for each. The thread's offset is
+// computed once and advanced by a tile per call; a tile wholly inside the sequence (every tile
+// but the last) issues its copies without per-chunk bounds; one offset per chunk serves both
+// tensors, whose pointers stay the kernel parameters'.
 template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
-__device__ __forceinline__ void stage_swizzled_pair(uint16_t* tile_a, uint16_t* tile_b, const uint16_t* a,
-                                                    const uint16_t* b, int64_t bi, int64_t s, int64_t h, int64_t hi,
-                                                    int64_t d, int64_t r0) {
+struct PairStager {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-    constexpr bool kShared = false;  // sm_100+: stage_swizzled's rolled loop, per tensor
+    static constexpr bool kShared = false;  // sm_100+: stage_swizzled's rolled loop, per tensor
 #else
-    constexpr bool kShared = kThreads % kChunks == 0;  // a thread's chunks share their column
+    static constexpr bool kShared = kThreads % kChunks == 0;  // a thread's chunks share their column
 #endif
-    if constexpr (!kShared) {
-        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_a, a, bi, s, h, hi, d, r0);
-        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_b, b, bi, s, h, hi, d, r0);
-        return;
+    static constexpr int kIters = (kRows * kChunks + kThreads - 1) / kThreads;
+    static constexpr int kRowStep = kShared ? kThreads / kChunks : 1;
+    const uint16_t *a, *b;
+    int64_t bi, s, h, hi, d;
+    int64_t r0;    // first row of the next tile
+    int64_t off;   // element offset of this thread's first chunk of the next tile
+    int64_t step;  // elements between a thread's chunks (kRowStep rows)
+
+    __device__ __forceinline__ PairStager(const uint16_t* a_, const uint16_t* b_, int64_t bi_, int64_t s_, int64_t h_,
+                                          int64_t hi_, int64_t d_, int64_t first_row)
+        : a(a_), b(b_), bi(bi_), s(s_), h(h_), hi(hi_), d(d_), r0(first_row) {
+        const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+        off = ((bi * s + r0 + r_first) * h + hi) * d + col * 8;
+        step = kRowStep * h * d;
     }
-    constexpr int kTotal = kRows * kChunks;
-    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
-    constexpr int kRowStep = kThreads / kChunks;
-    const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
-    const int64_t left = col * 8 < d ? s - r0 - r_first : 0;
-    const int64_t row_stride = h * d;
-    int64_t off = ((bi * s + r0 + r_first) * h + hi) * d + col * 8;
-    RINGATTN_UNROLL
-    for (int i = 0; i < kIters; ++i) {
-        const int r = r_first + i * kRowStep;
-        if (kRows % kRowStep != 0 && r >= kRows) break;
-        const bool in = i * kRowStep < left;
-        const int dst = swz<kStride, kSwizzle>(r, col);
-        cp_async_cg16(tile_a + dst, in ? a + off : a, in ? 16u : 0u);
-        cp_async_cg16(tile_b + dst, in ? b + off : b, in ? 16u : 0u);
-        off += kRowStep * row_stride;
+
+    // The next tile (rows r0 .. r0 + kRows; rows past s and columns past d zero-filled) into
+    // tile_a and tile_b; then the one after it is next.
+    __device__ __forceinline__ void stage_next(uint16_t* tile_a, uint16_t* tile_b) {
+        if constexpr (!kShared) {
+            stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_a, a, bi, s, h, hi, d, r0);
+            stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_b, b, bi, s, h, hi, d, r0);
+        } else {
+            const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+            if (r0 + kRows <= s && col * 8 < d) {
+                RINGATTN_UNROLL
+                for (int i = 0; i < kIters; ++i) {
+                    const int r = r_first + i * kRowStep;
+                    if (kRows % kRowStep != 0 && r >= kRows) break;
+                    const int dst = swz<kStride, kSwizzle>(r, col);
+                    cp_async_cg16(tile_a + dst, a + off + i * step, 16u);
+                    cp_async_cg16(tile_b + dst, b + off + i * step, 16u);
+                }
+            } else {
+                const int64_t left = col * 8 < d ? s - r0 - r_first : 0;  // rows of this thread inside
+                RINGATTN_UNROLL
+                for (int i = 0; i < kIters; ++i) {
+                    const int r = r_first + i * kRowStep;
+                    if (kRows % kRowStep != 0 && r >= kRows) break;
+                    const bool in = i * kRowStep < left;
+                    const int dst = swz<kStride, kSwizzle>(r, col);
+                    cp_async_cg16(tile_a + dst, in ? a + off + i * step : a, in ? 16u : 0u);
+                    cp_async_cg16(tile_b + dst, in ? b + off + i * step : b, in ? 16u : 0u);
+                }
+            }
+            static_assert(kRows % kRowStep == 0, "a tile is a whole number of chunk steps");
+            off += (kRows / kRowStep) * step;
+        }
+        r0 += kRows;
     }
-}
+};
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {

@@ -9,8 +9,9 @@
 // global positions for its kWarpRows x kBlockN scores (a warp whose scores are all masked
 // skips the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments (each K fragment
 // feeds every m-tile); the online softmax on the accumulator fragments (base 2, the row max
-// of the raw scores by quad shuffles, scale·log2 e folded into one FFMA per score, row sums
-// kept per thread and reduced once at the end); P, rounded to the input type, reused
+// of the raw scores by quad shuffles, scale·log2 e folded into one FFMA per score, the base
+// moved lazily — only when the max passes it by more than 2^8 — row sums kept per thread
+// and reduced once at the end); P, rounded to the input type, reused
 // from registers as the A operand of O += P V, with V fragments by ldmatrix.trans. GQA: the
 // query head h reads key/value head h / (h_q / h_kv). Output: f32 o and lse (unrounded, so
 // ring hops merge in f32), or o rounded to the input type into o16 when it is set; rows
@@ -37,18 +38,20 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t w0 = q0 + warp * Tr::kWarpRows;  // the warp's first query row
+    // The warp's first query row, recomputed where needed (not a register across the loop).
+    auto first_row = [&] { return int64_t(blockIdx.x) * Tr::kBlockM + warp * Tr::kWarpRows; };
+    const bool rows_in = first_row() + Tr::kWarpRows <= p.s_q;  // every row of the warp exists
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
     uint16_t* vs = ks + 2 * kN * kStride;                            // [2][kN][kStride]
 
     // This thread's query rows: g and g + 8 of each of the warp's m-tiles (row 2 mt + r is
-    // w0 + 16 mt + g + 8 r); their positions and documents (read again on masked tiles rather
+    // first_row() + 16 mt + g + 8 r); their positions and documents (read again on masked tiles rather
     // than held in registers across the loop).
     auto thread_rows = [&](int64_t (&row)[kR]) {
         RINGATTN_UNROLL
-        for (int r = 0; r < kR; ++r) row[r] = w0 + 16 * (r / 2) + g + 8 * (r % 2);
+        for (int r = 0; r < kR; ++r) row[r] = first_row() + 16 * (r / 2) + g + 8 * (r % 2);
     };
 
     // No window and no documents: every existing pair is visible, no position is read.
@@ -85,11 +88,11 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 
     stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
     cp_async_commit();
-    auto stage_kv = [&](int buf, int64_t k0) {
-        stage_swizzled_pair<kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(
-            ks + buf * kN * kStride, vs + buf * kN * kStride, p.k, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
-    };
-    if (t_begin < t_end) stage_kv(0, int64_t(t_begin) * kN);
+    // K/V tiles t_begin, t_begin + 1, ... in turn.
+    PairStager<kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads> kv_stager(p.k, p.v, bi, p.s_k, p.h_kv, hk, d,
+                                                                           int64_t(t_begin) * kN);
+    auto stage_kv = [&](int buf) { kv_stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * kStride); };
+    if (t_begin < t_end) stage_kv(0);
     cp_async_commit();
 
     // The softmax scale folded into one FFMA per score: exp2(s sc - m sc) with sc >= 0. A
@@ -110,9 +113,12 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
     }
-    float m[kR], l[kR];  // running max (scaled, base 2) and this thread's share of the row sum
+    // Per row: the base of the exponentials (scaled, base 2; -inf until a score is visible),
+    // its negation (0 while -inf), the max the base may lag (below: lazy rescaling), this
+    // thread's share of the row sum.
+    float m[kR], nbase[kR], m_slack[kR], l[kR];
     RINGATTN_UNROLL
-    for (int r = 0; r < kR; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int r = 0; r < kR; ++r) m[r] = -INFINITY, nbase[r] = 0.0f, m_slack[r] = -INFINITY, l[r] = 0.0f;
     uint32_t qf[Tr::kQInRegs ? kMT : 1][Tr::kQInRegs ? D / 16 : 1][4];
 
     if (t_begin < t_end) {
@@ -140,7 +146,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 
     int buf = 0;
     for (int tile = t_begin; tile < t_end; ++tile, buf ^= 1) {
-        if (tile + 1 < t_end) stage_kv(buf ^ 1, int64_t(tile + 1) * kN);
+        if (tile + 1 < t_end) stage_kv(buf ^ 1);
         cp_async_commit();
         cp_async_wait<1>();  // Q and this tile have landed; the next one may still be in flight
         __syncthreads();
@@ -153,7 +159,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         // fully masked one is skipped.
         const int64_t k0 = int64_t(tile) * kN;
         // Warp-uniform (the MMAs below are warp-wide): the warp's rows, the tile's keys.
-        const bool in_range = w0 + Tr::kWarpRows <= p.s_q && k0 + kN <= p.s_k;
+        const bool in_range = rows_in && k0 + kN <= p.s_k;
         const TileClass cls =
             classify ? classify_tile<kN>(p.mask, smem_load(bounds_slot), tile, p.s_k) : TileClass{unmasked, false};
         uint32_t vis[kMT];
@@ -215,19 +221,36 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     for (int e = 0; e < 4; ++e) mt_max[2 * mt + e / 2] = fmaxf(mt_max[2 * mt + e / 2], s[mt][n][e]);
                 }
             }
-            float alpha[kR], nbase[kR];
+            // Lazy rescaling: a row's base (the max its exponentials are taken against) moves
+            // only when the row max passes it by more than kRescaleSlack (log2 units), so P <=
+            // 2^kRescaleSlack and, once the max has settled, a tile rescales nothing. When any
+            // row of the warp must move, every row takes its exact max (O and l rescaled by
+            // alpha); lse = m + log2 l holds for any base.
+            constexpr float kRescaleSlack = 8.0f;
+            float m_new[kR];
+            bool move = false;
             RINGATTN_UNROLL
             for (int r = 0; r < kR; ++r) {
                 mt_max[r] = fmaxf(mt_max[r], __shfl_xor_sync(0xffffffffu, mt_max[r], 1));
                 mt_max[r] = fmaxf(mt_max[r], __shfl_xor_sync(0xffffffffu, mt_max[r], 2));
                 // -inf (nothing visible in the row yet) times sc stays -inf (or NaN for sc = 0,
-                // which fmaxf ignores).
-                const float m_new = fmaxf(m[r], mt_max[r] * sc);
-                const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-                alpha[r] = ex2_approx(m[r] - base);                     // -inf - x gives 0
-                nbase[r] = -base;
-                m[r] = m_new;
-                l[r] *= alpha[r];
+                // which fmaxf ignores); a first visible score always moves a -inf base.
+                m_new[r] = fmaxf(m[r], mt_max[r] * sc);
+                move = move || m_new[r] > m_slack[r];
+            }
+            if (__ballot_sync(0xffffffffu, move) != 0) {
+                RINGATTN_UNROLL
+                for (int r = 0; r < kR; ++r) {
+                    const float base = m_new[r] == -INFINITY ? 0.0f : m_new[r];  // nothing visible yet
+                    const float alpha = ex2_approx(m[r] - base);                // -inf - x gives 0
+                    m[r] = m_new[r];
+                    nbase[r] = -base;
+                    m_slack[r] = m[r] + kRescaleSlack;
+                    l[r] *= alpha;
+                    const int mt = r / 2, e0 = 2 * (r % 2);
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kDT; ++n) acc[mt][n][e0] *= alpha, acc[mt][n][e0 + 1] *= alpha;
+                }
             }
             RINGATTN_UNROLL
             for (int mt = 0; mt < kMT; ++mt) {
@@ -245,11 +268,6 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                 for (int n = 0; n < kNT; ++n) {
                     RINGATTN_UNROLL
                     for (int e = 0; e < 4; ++e) l[2 * mt + e / 2] += s[mt][n][e];
-                }
-                RINGATTN_UNROLL
-                for (int n = 0; n < kDT; ++n) {
-                    acc[mt][n][0] *= alpha[2 * mt], acc[mt][n][1] *= alpha[2 * mt];
-                    acc[mt][n][2] *= alpha[2 * mt + 1], acc[mt][n][3] *= alpha[2 * mt + 1];
                 }
             }
             // O += P V: P from registers (two S n-tiles make one A operand of 16 keys).

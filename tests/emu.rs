@@ -112,6 +112,31 @@ proptest! {
 }
 
 #[test]
+fn row_maxima_that_keep_rising_rescale_the_running_output() {
+    // The forward moves a row's softmax base only when the row max passes it by more than 2^8
+    // (lazy rescaling): keys whose norms grow along the sequence make the max jump by more
+    // than that from tile to tile (both paths run: a settled max, then a jump), causal or not,
+    // with scores of either sign.
+    for (d, dtype, scale) in [(64, DType::BF16, None), (128, DType::F16, Some(-0.3f32)), (32, DType::BF16, Some(0.5))] {
+        let (s_q, s_k) = (150, 300);
+        let q = randn(vec![1, s_q, 2, d], 11, dtype);
+        let k = randn(vec![1, s_k, 1, d], 12, DType::F32).to_f32_vec();
+        let grown: Vec<f32> = k.iter().enumerate().map(|(i, &x)| x * (1.0 + (i / d) as f32 / 24.0)).collect();
+        let k = Tensor::from_f32_as(vec![1, s_k, 1, d], grown, dtype).unwrap();
+        let v = randn(vec![1, s_k, 1, d], 13, dtype);
+        let d_o = randn(vec![1, s_q, 2, d], 14, dtype);
+        for mask in [Mask::None, Mask::Causal] {
+            let params = AttentionParams { mask, scale, ..Default::default() };
+            let opts = EmuOptions::default();
+            let f = emu::forward(&q, &k, &v, None, &params, &opts).unwrap();
+            let g = emu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, None, &params, &opts).unwrap();
+            let report = verify::check_results(&q, &k, &v, Some(&d_o), None, &params, &f, Some(&g)).unwrap();
+            assert!(report.pass(), "d = {d} {dtype:?} {mask:?} scale {scale:?}\n{}", report.table());
+        }
+    }
+}
+
+#[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
     // Queries before every key under a causal mask see nothing.
     let q = randn(vec![1, 5, 1, 16], 1, DType::BF16);
