@@ -107,6 +107,7 @@ fn main() {
     if let Some(e) = errors.first() {
         panic!("{e}");
     }
+    record_inputs(&cache, &sources, &version);
     for job in &jobs {
         let file = job.output(&cache);
         let (family, target) = (&job.family, &job.target);
@@ -172,6 +173,30 @@ impl Job {
             fs::write(self.report(cache), text).map_err(|e| format!("write the ptxas report: {e}"))?;
         }
         fs::rename(&tmp, &out).map_err(|e| format!("cache {}: {e}", out.display()))
+    }
+}
+
+/// Beside the images of a cache entry: the sources and the `nvcc --version` text they were
+/// built from (`sources/`, `nvcc-version.txt`), so that `scripts/sass-gates.sh` can find the
+/// entry of the current sources and disassemble these cubins instead of compiling its own
+/// (the same nvcc flags). Written once per entry; a failure only costs the gates a compile.
+fn record_inputs(cache: &Path, sources: &[PathBuf], version: &str) {
+    let dir = cache.join("sources");
+    if dir.join(".complete").exists() {
+        return;
+    }
+    let write = || -> std::io::Result<()> {
+        fs::create_dir_all(&dir)?;
+        for s in sources {
+            if let Some(name) = s.file_name() {
+                fs::copy(s, dir.join(name))?;
+            }
+        }
+        fs::write(cache.join("nvcc-version.txt"), version)?;
+        fs::write(dir.join(".complete"), "")
+    };
+    if let Err(e) = write() {
+        println!("cargo::warning=could not record the kernels' sources in {}: {e}", dir.display());
     }
 }
 

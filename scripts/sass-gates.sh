@@ -58,6 +58,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ ${#main_override[@]} -gt 0 ]; then MAIN_KERNELS=("${main_override[@]}"); fi
+explicit_sources=${#sources[@]}
 if [ ${#sources[@]} -eq 0 ]; then sources=(cuda/*.cu); fi
 
 # --- tools (same pins as scripts/test.sh for nvcc) ---
@@ -89,6 +90,44 @@ echo "sass-gates: $("$nvcc" --version | grep -o 'release [0-9.]*'), cuobjdump $(
 mkdir -p "$out"
 rm -rf "$out"/sm_* "$out/table.txt" "$out/report.json"
 IFS=',' read -r -a archs <<<"$ARCHS"
+
+# build.rs's nvcc cache (${RINGATTN_NVCC_CACHE:-target/nvcc-cache}) holds the same cubins and
+# ptxas reports when a cuda build of these sources ran (same flags; each entry records the
+# sources and the `nvcc --version` it was built from): disassemble those rather than compile
+# again. Only for the default sources (every cuda/*.cu) and when every cubin is there.
+same_sources() { # DIR: its sources/ holds exactly the files of cuda/ (not cuda/emu), byte for byte
+  local dir=$1 f
+  [ -f "$dir/sources/.complete" ] || return 1
+  [ "$(cd cuda && find . -maxdepth 1 -type f | sort)" = \
+    "$(cd "$dir/sources" && find . -maxdepth 1 -type f ! -name .complete | sort)" ] || return 1
+  for f in cuda/*; do
+    [ -f "$f" ] || continue
+    cmp -s "$f" "$dir/sources/$(basename "$f")" || return 1
+  done
+}
+cached=""
+if [ "$explicit_sources" -eq 0 ] && [ -d "${RINGATTN_NVCC_CACHE:-target/nvcc-cache}" ]; then
+  version=$("$nvcc" --version 2>&1)
+  for dir in "${RINGATTN_NVCC_CACHE:-target/nvcc-cache}"/*/; do
+    [ -f "$dir/nvcc-version.txt" ] && [ "$(cat "$dir/nvcc-version.txt")" = "$version" ] || continue
+    same_sources "$dir" || continue
+    complete=1
+    for arch in "${archs[@]}"; do
+      arch=${arch// /}
+      case "$arch" in sm_*) ;; *) arch=sm_$arch ;; esac
+      for cu in "${sources[@]}"; do
+        family=$(basename "$cu" .cu)
+        [ -f "$dir/$family.$arch.cubin" ] && [ -f "$dir/$family.$arch.ptxas.txt" ] || complete=0
+      done
+    done
+    if [ $complete -eq 1 ]; then cached=${dir%/}; break; fi
+  done
+fi
+if [ -n "$cached" ]; then
+  echo "sass-gates: disassembling build.rs's cubins of these sources ($cached)"
+else
+  echo "sass-gates: compiling (no complete build.rs cache entry for these sources)"
+fi
 pids=()
 jobs_desc=()
 for arch in "${archs[@]}"; do
@@ -98,8 +137,13 @@ for arch in "${archs[@]}"; do
   for cu in "${sources[@]}"; do
     family=$(basename "$cu" .cu)
     (
-      "$nvcc" -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda "-arch=$arch" "$cu" -o "$out/$arch/$family.cubin" \
-        >"$out/$arch/$family.ptxas.txt" 2>&1 &&
+      if [ -n "$cached" ]; then
+        cp "$cached/$family.$arch.cubin" "$out/$arch/$family.cubin" &&
+          cp "$cached/$family.$arch.ptxas.txt" "$out/$arch/$family.ptxas.txt"
+      else
+        "$nvcc" -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda "-arch=$arch" "$cu" -o "$out/$arch/$family.cubin" \
+          >"$out/$arch/$family.ptxas.txt" 2>&1
+      fi &&
         "$cuobjdump" --dump-sass "$out/$arch/$family.cubin" >"$out/$arch/$family.sass" 2>"$out/$arch/$family.cuobjdump.err"
     ) &
     pids+=($!)
