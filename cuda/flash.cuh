@@ -229,8 +229,10 @@ struct DqTraits : TileGeom<D> {
     static constexpr int kBlockN = DQ_BLOCK_N(D);
     static constexpr int kSmemQ = kBlockM * G::kRowBytes;  // one of Q, dO
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V, one stage
-    static constexpr int kStages = 2 * kSmemQ + 4 * kSmemKV <= 99 * 1024 ? 2 : 1;
-    static constexpr int kSmem = 2 * kSmemQ + 2 * kStages * kSmemKV;
+    static constexpr int kSmemBounds = kWarps * 32;  // each warp's query bounds (masked calls)
+    static constexpr int kStages = 2 * kSmemQ + 4 * kSmemKV + kSmemBounds <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmemBoundsOffset = 2 * kSmemQ + 2 * kStages * kSmemKV;
+    static constexpr int kSmem = kSmemBoundsOffset + kSmemBounds;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     static_assert(D / 2 + kBlockN <= 160, "dq, S and dP accumulators within the register budget");
 };

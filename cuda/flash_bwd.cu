@@ -38,13 +38,21 @@ __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
 }
 
 
+// The dq kernel's S/dP loop at d128: unrolled by RINGATTN_DQ_UNROLL_D128 of its 8 steps —
+// all of them since the tile code exists once and the K/V staging and fragment addresses
+// hold few registers (168 registers, no spills on sm_80 ... sm_120; 6.9 -> 5.2 instructions
+// per HMMA on sm_90a); override with -D to experiment.
+#ifndef RINGATTN_DQ_UNROLL_D128
+#define RINGATTN_DQ_UNROLL_D128 8
+#endif
+
 template <typename T, int D>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
-    // Rolled for the largest heads (shorter live ranges); by 4 at d128 (8 spills, 4 fits in 216
-    // registers and takes the fast path from 9.2 to 6.9 instructions per HMMA on sm_90a).
-    constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? 4 : D / 16;
+    // Rolled for the largest heads and d96 (shorter live ranges); by RINGATTN_DQ_UNROLL_D128
+    // at d128, fully below.
+    constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DQ_UNROLL_D128 : D / 16;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
@@ -54,71 +62,95 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     uint16_t* dos = qs + Tr::kBlockM * S;
     uint16_t* ks = dos + Tr::kBlockM * S;      // [kStages][kN][S]
     uint16_t* vs = ks + Tr::kStages * kN * S;  // [kStages][kN][S]
+    RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemBoundsOffset) + warp;
 
     stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
     stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
     cp_async_commit();
-    auto stage_kv = [&](int buf, int64_t k0) {
-        stage_swizzled<kN, Tr::kChunks, S, W, Tr::kThreads>(ks + buf * kN * S, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-        stage_swizzled<kN, Tr::kChunks, S, W, Tr::kThreads>(vs + buf * kN * S, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
-    };
+    // Tile indices fit in 32 bits: s_k < 2^31 kN (2^35 keys and more hold terabytes).
     const int64_t ntiles = (p.s_k + kN - 1) / kN;
 
-    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    int64_t qpos[2];
-    uint32_t qdoc[2];
-    row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+    // This thread's two query rows (g and g + 8 of the warp's 16), recomputed where needed.
+    auto thread_rows = [&](int64_t (&row)[2]) {
+        row[0] = q0 + warp * 16 + g;
+        row[1] = row[0] + 8;
+    };
     float lse2[2], delta[2];
-    for (int r = 0; r < 2; ++r) {
-        const bool in = row[r] < p.s_q;
-        const int64_t i = in ? row[r] : p.s_q - 1;
-        const int64_t st = (bi * p.h_q + hq) * p.s_q + i;
-        lse2[r] = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
-        delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
+    {
+        int64_t row[2];
+        thread_rows(row);
+        for (int r = 0; r < 2; ++r) {
+            const bool in = row[r] < p.s_q;
+            const int64_t i = in ? row[r] : p.s_q - 1;
+            const int64_t st = (bi * p.h_q + hq) * p.s_q + i;
+            lse2[r] = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
+            delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
+        }
     }
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
     // Masked calls classify tiles from the keys' granule bounds and bound the loop to the
-    // tiles the block may see, as the forward does (the K buffer, not staged yet, is scratch).
-    // (The warp's query bounds are recomputed per tile from qpos/qdoc, which stay live
-    // anyway, rather than kept: this kernel is at the register limit on sm_80.)
+    // tiles the block may see, as the forward does (the K buffer, not staged yet, is
+    // scratch); the warp's query bounds wait in shared memory, the rows' positions are read
+    // again on masked tiles (registers are what the accumulators need).
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
-    int64_t t_begin = 0, t_end = ntiles;
-    if (classify && ntiles > 0) {
-        block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_row_bounds(qpos, qdoc), p.s_k, ntiles,
-                                                       reinterpret_cast<int64_t*>(ks), t_begin, t_end);
+    int64_t range_begin = 0, range_end = ntiles;
+    if (classify) {
+        int64_t row[2], qpos[2];
+        uint32_t qdoc[2];
+        thread_rows(row);
+        row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+        const RowBounds warp_rows = warp_row_bounds(qpos, qdoc);
+        if (lane == 0) smem_store(bounds_slot, warp_rows);
+        if (ntiles > 0) {
+            block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_rows, p.s_k, ntiles,
+                                                           reinterpret_cast<int64_t*>(ks), range_begin, range_end);
+        }
     }
+    const int t_begin = int(range_begin), t_end = int(range_end);
+    const bool rows_in = q0 + warp * 16 + 16 <= p.s_q;  // every row of the warp exists
+
+    // K/V tiles t_begin, t_begin + 1, ... in turn.
+    PairStager<kN, Tr::kChunks, S, W, Tr::kThreads> kv_stager(p.k, p.v, bi, p.s_k, p.h_kv, hk, d,
+                                                              int64_t(t_begin) * kN);
+    auto stage_kv = [&](int buf) { kv_stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
+
+    // Fragment rows (flash.cuh SwzRow): Q and dO rows (k chunks 2kk, 2kk + 1), K and V rows
+    // for S and dP, K rows for dq += dS K (column chunks 2j, 2j + 1, by ldmatrix.trans).
+    const SwzRow<S, W> qrow(warp * 16 + lane % 16, lane / 16);
+    const SwzRow<S, W> krow((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<S, W> ktrow((lane / 8) % 2 * 8 + lane % 8, lane / 16);
 
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    for (int64_t tile = t_begin; tile < t_end; ++tile) {
-        const int buf = Tr::kStages == 2 ? int((tile - t_begin) & 1) : 0;
+    for (int tile = t_begin; tile < t_end; ++tile) {
+        const int buf = Tr::kStages == 2 ? (tile - t_begin) & 1 : 0;
         if (Tr::kStages == 2) {
-            if (tile == t_begin) stage_kv(0, t_begin * kN);
+            if (tile == t_begin) stage_kv(0);
             cp_async_commit();
-            if (tile + 1 < t_end) stage_kv(buf ^ 1, (tile + 1) * kN);
+            if (tile + 1 < t_end) stage_kv(buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
-            stage_kv(0, tile * kN);
+            stage_kv(0);
             cp_async_commit();
             cp_async_wait<0>();
         }
         __syncthreads();
         const uint16_t* kt = ks + buf * kN * S;
         const uint16_t* vt = vs + buf * kN * S;
-        const int64_t k0 = tile * kN;
-        const bool row_ok[2] = {lse2[0] != -INFINITY, lse2[1] != -INFINITY};
+        const int64_t k0 = int64_t(tile) * kN;
         // Warp-uniform: a tile fully visible to the warp's 16 rows (all inside the call) runs
-        // without the mask (kFull); a fully masked one is skipped; else the mask per score.
-        const bool in_range = q0 + warp * 16 + 16 <= p.s_q && k0 + kN <= p.s_k;
-        const TileClass cls = classify ? classify_tile<kN>(p.mask, warp_row_bounds(qpos, qdoc), tile, p.s_k)
-                                       : TileClass{unmasked, false};
+        // without the mask; a fully masked one is skipped; else the mask per score.
+        const bool in_range = rows_in && k0 + kN <= p.s_k;
+        const TileClass cls =
+            classify ? classify_tile<kN>(p.mask, smem_load(bounds_slot), tile, p.s_k) : TileClass{unmasked, false};
         uint32_t vis = 0;
-        auto run_tile = [&](auto full_tile) {
-            constexpr bool kFull = decltype(full_tile)::value;
+        // One copy of the tile's code (a second one, specialised for masked tiles, costs the
+        // registers the accumulators need): `masked` branches around the mask's selects.
+        auto run_tile = [&](bool masked) {
             float s[kNT][4], dp[kNT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) {
@@ -128,27 +160,34 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             RINGATTN_UNROLL_BY(kUnrollK)
             for (int kk = 0; kk < D / 16; ++kk) {
                 uint32_t a[4], ad[4];
-                ldmatrix_x4(a, qs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
-                ldmatrix_x4(ad, dos + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                ldmatrix_x4(a, qs + qrow.at(kk));
+                ldmatrix_x4(ad, dos + qrow.at(kk));
                 RINGATTN_UNROLL
                 for (int n = 0; n < kNT; n += 2) {
                     uint32_t b[4], bv[4];
-                    const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
-                    ldmatrix_x4(b, kt + swz<S, W>(r, c));
-                    ldmatrix_x4(bv, vt + swz<S, W>(r, c));
+                    ldmatrix_x4(b, kt + krow.at(kk) + n * 8 * S);
+                    ldmatrix_x4(bv, vt + krow.at(kk) + n * 8 * S);
                     mma_16816<T>(s[n], a, b);
                     mma_16816<T>(s[n + 1], a, b + 2);
                     mma_16816<T>(dp[n], ad, bv);
                     mma_16816<T>(dp[n + 1], ad, bv + 2);
                 }
             }
-            // dS = P (dP - delta), in place of s.
+            // dS = P (dP - delta), in place of s; masked scores give 0.
             RINGATTN_UNROLL
             for (int n = 0; n < kNT; ++n) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = kFull || (vis >> (4 * n + e) & 1u);
-                    s[n][e] = ok ? ex2_approx(s[n][e] * p.scale_log2 - lse2[e / 2]) * (dp[n][e] - delta[e / 2]) : 0.0f;
+                    s[n][e] = ex2_approx(fmaf(s[n][e], p.scale_log2, -lse2[e / 2])) * (dp[n][e] - delta[e / 2]);
+                }
+            }
+            if (masked) {
+                RINGATTN_UNROLL
+                for (int n = 0; n < kNT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) {
+                        if (!(vis >> (4 * n + e) & 1u)) s[n][e] = 0.0f;
+                    }
                 }
             }
             // dq += dS K: dS from registers, K [key][d] by ldmatrix.trans.
@@ -160,21 +199,29 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int n = 0; n < kDT; n += 2) {
                     uint32_t b[4];
-                    ldmatrix_x4_trans(b, kt + swz<S, W>(kk * 16 + (lane / 8) % 2 * 8 + lane % 8, n + lane / 16));
+                    ldmatrix_x4_trans(b, kt + ktrow.at(n / 2) + kk * 16 * S);
                     mma_16816<T>(acc[n], a, b);
                     mma_16816<T>(acc[n + 1], a, b + 2);
                 }
             }
         };
-        if (in_range && cls.full) {
-            run_tile(std::true_type{});
-        } else if (!cls.empty) {
+        bool go = in_range && cls.full, masked = false;
+        if (!go && !cls.empty) {
+            int64_t row[2], qpos[2] = {};
+            uint32_t qdoc[2] = {};
+            thread_rows(row);
+            if (!unmasked) row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+            const bool row_ok[2] = {lse2[0] != -INFINITY, lse2[1] != -INFINITY};
             vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
-            if (__ballot_sync(0xffffffffu, vis != 0) != 0) run_tile(std::false_type{});
+            masked = true;
+            go = __ballot_sync(0xffffffffu, vis != 0) != 0;
         }
+        if (go) run_tile(masked);
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     cp_async_wait<0>();
+    int64_t row[2];
+    thread_rows(row);
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
         if (row[r] >= p.s_q) continue;
@@ -190,13 +237,11 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     }
 }
 
-// The dk/dv kernel's S^T/dP^T loop at d128, unrolled by 4 of its 8 steps where it fits in 255
-// registers (sm_80, sm_90a: 8.5 -> 5.9 instructions per HMMA on sm_90a), by 2 on sm_100 and
-// later (4 spills there).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define RINGATTN_DKDV_UNROLL_D128 2
-#else
-#define RINGATTN_DKDV_UNROLL_D128 4
+// The dk/dv kernel's S^T/dP^T loop at d128: unrolled by RINGATTN_DKDV_UNROLL_D128 of its 8
+// steps — all of them since the tile code exists once (no spills on sm_80 ... sm_120; 5.9 ->
+// 5.1 instructions per HMMA on sm_90a, no inner loop); override with -D to experiment.
+#ifndef RINGATTN_DKDV_UNROLL_D128
+#define RINGATTN_DKDV_UNROLL_D128 8
 #endif
 
 template <typename T, int D, bool kAtomicDq>
@@ -299,8 +344,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         const TileClass cls =
             classify ? classify_query_tile<kM>(p.mask, warp_keys(), qtile, p.s_q) : TileClass{unmasked, false};
         uint32_t vis = 0;
-        auto run_tile = [&](auto full_tile) {
-            constexpr bool kFull = decltype(full_tile)::value;
+        // One copy of the tile's code (a second one, specialised for fully visible tiles, costs
+        // the registers the accumulators need): `masked` branches around the mask's selects.
+        auto run_tile = [&](bool masked) {
             float s[kMT][4], dp[kMT][4];
             RINGATTN_UNROLL
             for (int n = 0; n < kMT; ++n) {
@@ -331,11 +377,21 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 const F32x2 d2 = smem_load(reinterpret_cast<const F32x2*>(dt + n * 8 + 2 * t));
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = kFull || (vis >> (4 * n + e) & 1u);
                     const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
-                    const float pv = ok ? ex2_approx(s[n][e] * p.scale_log2 - lse_c) : 0.0f;
-                    dp[n][e] = ok ? pv * (dp[n][e] - delta_c) : 0.0f;
+                    const float pv = ex2_approx(fmaf(s[n][e], p.scale_log2, -lse_c));
+                    dp[n][e] = pv * (dp[n][e] - delta_c);
                     s[n][e] = pv;
+                }
+            }
+            // Masked pairs (whatever their exponential gave: a query past the call has lse -inf)
+            // contribute nothing.
+            if (masked) {
+                RINGATTN_UNROLL
+                for (int n = 0; n < kMT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) {
+                        if (!(vis >> (4 * n + e) & 1u)) s[n][e] = dp[n][e] = 0.0f;
+                    }
                 }
             }
             // dv += P^T dO and dk += dS^T Q over this block's columns; dO and Q by ldmatrix.trans.
@@ -390,18 +446,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 }
             }
         };
-        // Fully visible tiles without the mask; the others through one call site of the
-        // masked path (each call site is inlined). The atomic variant keeps a single copy of
-        // its tile code (a second spills): a fully visible tile is its masked path with every
-        // bit set, the mask unread.
-        if (!kAtomicDq && in_range && cls.full) {
-            run_tile(std::true_type{});
-        } else {
-            bool masked_tile = false;
-            if (in_range && cls.full) {
-                vis = ~0u;
-                masked_tile = true;
-            } else if (!cls.empty) {
+        // Fully visible tiles without the mask's selects, the others with them: one call site.
+        bool go = in_range && cls.full, masked = false;
+        {
+            if (!go && !cls.empty) {
                 // Visibility of S^T fragments: rows are keys, columns queries.
                 RINGATTN_UNROLL
                 for (int n = 0; n < kMT; ++n) {
@@ -419,9 +467,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                         }
                     }
                 }
-                masked_tile = __ballot_sync(0xffffffffu, vis != 0) != 0;
+                masked = true;
+                go = __ballot_sync(0xffffffffu, vis != 0) != 0;
             }
-            if (masked_tile) run_tile(std::false_type{});
+            if (go) run_tile(masked);
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }

@@ -631,12 +631,14 @@ pub mod geometry {
         let dc = head_dim_class(dims.d);
         let row = tc_stride(dc) * 2;
         let block_n = bwd_tile(dc);
-        let two = 2 * 64 * row + 4 * block_n * row;
+        // Q and dO, K and V in one or two stages, and each warp's query bounds (32 bytes).
+        let bounds = 4 * 32;
+        let two = 2 * 64 * row + 4 * block_n * row + bounds;
         let stages = if two <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
             grid: [dims.s_q.div_ceil(64), dims.h_q, dims.b],
             block: 128,
-            smem_bytes: 2 * 64 * row + 2 * stages * block_n * row,
+            smem_bytes: 2 * 64 * row + 2 * stages * block_n * row + bounds,
             head_dim_class: dc,
         }
     }
