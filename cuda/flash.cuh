@@ -23,6 +23,14 @@ struct alignas(8) F32x2 {
     float x, y;
 };
 
+// 16-byte vectors for the epilogues' stores.
+struct alignas(16) F32x4 {
+    float x, y, z, w;
+};
+struct alignas(16) U32x4 {
+    uint32_t x, y, z, w;
+};
+
 // Swizzled-tile geometry of head-dim class D (shared by the traits below).
 template <int D>
 struct TileGeom {
@@ -257,6 +265,87 @@ struct DkDvTraits : TileGeom<D> {
     static_assert(kDOut % 16 == 0, "column ranges in whole n-tile pairs");
     static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");
 };
+
+// Epilogues go through shared memory (coalesced 16-byte stores) except on sm_100 and later,
+// where ptxas then spills the d64 forward (8 to 28 bytes): there each thread stores its
+// fragments directly (8- and 4-byte stores). The emulator runs the staged epilogue.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define RINGATTN_STAGED_EPILOGUE 0
+#else
+#define RINGATTN_STAGED_EPILOGUE 1
+#endif
+
+// Epilogue staging: a warp's output rows as f32 in shared memory, kStageStride floats apart
+// (16-byte aligned rows; the 4 floats of padding spread the fragment stores over the banks).
+template <int D>
+struct StageStride {
+    static constexpr int value = D + 4;
+};
+
+// Stages the accumulator fragments of a warp's kMT m-tiles (acc[mt][n][e]: row 16 mt + g +
+// 8 (e / 2), column 8 n + 2 t + e % 2, times `row_scale[2 mt + e / 2]`) into `stage`.
+template <int kMT, int kNT, int kStageStride>
+__device__ __forceinline__ void stage_fragments(float* stage, const float (&acc)[kMT][kNT][4],
+                                                const float (&row_scale)[2 * kMT]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    RINGATTN_UNROLL
+    for (int r = 0; r < 2 * kMT; ++r) {
+        const int mt = r / 2, e0 = 2 * (r % 2), local = 16 * mt + g + 8 * (r % 2);
+        RINGATTN_UNROLL
+        for (int n = 0; n < kNT; ++n) {
+            smem_store(reinterpret_cast<F32x2*>(stage + local * kStageStride + n * 8 + 2 * t),
+                       F32x2{acc[mt][n][e0] * row_scale[r], acc[mt][n][e0 + 1] * row_scale[r]});
+        }
+    }
+}
+
+// Writes a warp's kRows staged rows (`stage_fragments`) to global memory, coalesced: f32 rows
+// into `out32`, or rows rounded to T into `out16` when it is set, by 16-byte stores (each lane
+// a chunk of 4 f32 or 8 16-bit values; d is a multiple of 8, so chunks never straddle it).
+// `row_offset(r)` is the element offset of the warp's row r in the output, or -1 for a row
+// outside the call; columns past d are not written. A buffer that is not 16-byte aligned (an
+// offset view) is written element by element.
+template <typename T, int kRows, int D, int kStageStride, typename RowOffset>
+__device__ __forceinline__ void store_staged_rows(const float* stage, int64_t d, RowOffset row_offset, float* out32,
+                                                  uint16_t* out16) {
+    const int lane = threadIdx.x % 32;
+    if (out16 != nullptr) {
+        const bool vec = reinterpret_cast<uintptr_t>(out16) % 16 == 0;
+        constexpr int kChunks = D / 8;
+        for (int i = lane; i < kRows * kChunks; i += 32) {
+            const int r = i / kChunks, c = (i % kChunks) * 8;
+            const int64_t off = row_offset(r);
+            if (off < 0 || c >= d) continue;
+            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c));
+            const F32x4 b = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c + 4));
+            const U32x4 v{pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w)};
+            if (vec) {
+                gmem_store(reinterpret_cast<U32x4*>(out16 + off + c), v);
+            } else {
+                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+                for (int j = 0; j < 4; ++j) {
+                    gmem_store(out16 + off + c + 2 * j, uint16_t(w[j] & 0xffffu));
+                    gmem_store(out16 + off + c + 2 * j + 1, uint16_t(w[j] >> 16));
+                }
+            }
+        }
+    } else {
+        const bool vec = reinterpret_cast<uintptr_t>(out32) % 16 == 0;
+        constexpr int kChunks = D / 4;
+        for (int i = lane; i < kRows * kChunks; i += 32) {
+            const int r = i / kChunks, c = (i % kChunks) * 4;
+            const int64_t off = row_offset(r);
+            if (off < 0 || c >= d) continue;
+            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c));
+            if (vec) {
+                gmem_store(reinterpret_cast<F32x4*>(out32 + off + c), a);
+            } else {
+                gmem_store(out32 + off + c, a.x), gmem_store(out32 + off + c + 1, a.y);
+                gmem_store(out32 + off + c + 2, a.z), gmem_store(out32 + off + c + 3, a.w);
+            }
+        }
+    }
+}
 
 // The global positions and documents (0 without) of a thread's kR rows `row` of one side
 // (MaskParams' q_pos/q_doc or k_pos/k_doc, `doc` null without documents); rows past `s`

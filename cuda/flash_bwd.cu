@@ -220,6 +220,22 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     cp_async_wait<0>();
+#if RINGATTN_STAGED_EPILOGUE
+    // dq = scale acc through shared memory (Q, dO and the K/V buffers, free once every warp is
+    // past the loop), each row leaving in 16-byte stores.
+    __syncthreads();
+    constexpr int kStageStride = StageStride<D>::value;
+    static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmemBoundsOffset, "the dq rows fit where the tiles were");
+    float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
+    const float scale2[2] = {p.scale, p.scale};
+    stage_fragments<1, kDT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kDT][4]>(acc), scale2);
+    __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
+    const int64_t w0 = q0 + warp * 16;
+    store_staged_rows<T, 16, D, kStageStride>(
+        stage, d,
+        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d : int64_t(-1); }, p.dq,
+        static_cast<uint16_t*>(nullptr));
+#else
     int64_t row[2];
     thread_rows(row);
     RINGATTN_UNROLL
@@ -235,6 +251,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             }
         }
     }
+#endif
 }
 
 // The dk/dv kernel's S^T/dP^T loop at d128: unrolled by RINGATTN_DKDV_UNROLL_D128 of its 8
@@ -475,6 +492,26 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     cp_async_wait<0>();
+#if RINGATTN_STAGED_EPILOGUE
+    // dk = scale acc and dv through shared memory (the tiles are free once every warp is past
+    // the loop), one after the other, each row leaving in 16-byte stores.
+    constexpr int kStageStride = StageStride<Tr::kDOut>::value;
+    static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmem, "a warp's dk or dv rows fit where the tiles were");
+    float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
+    const int64_t col0 = int64_t(c0) * 8, w0 = k0 + warp * 16;
+    auto key_row = [&](int r) {
+        return w0 + r < p.s_k ? ((bi * p.s_k + w0 + r) * p.h_kv + hk) * d + col0 : int64_t(-1);
+    };
+    const float scale2[2] = {p.scale, p.scale}, one2[2] = {1.0f, 1.0f};
+    __syncthreads();
+    stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dk), scale2);
+    __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
+    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_row, p.dk, static_cast<uint16_t*>(nullptr));
+    __syncthreads();
+    stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dv), one2);
+    __syncthreads();
+    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_row, p.dv, static_cast<uint16_t*>(nullptr));
+#else
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
         if (krow[r] >= p.s_k) continue;
@@ -490,15 +527,17 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             }
         }
     }
+#endif
 }
 
 extern "C" __global__ void ringattn_flash_bwd_rowsum_bf16(FlashBwdParams p) { flash_bwd_rowsum<Bf16>(p); }
 extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { flash_bwd_rowsum<F16>(p); }
 
 // dkdvq: `__launch_bounds__(128, 1)` (one block per SM is enough): with (128) alone ptxas holds
-// the atomic variant at 168 registers and spills.
+// the atomic variant at 168 registers and spills. dq: (128, 2): with (128) alone ptxas aims at
+// 3 blocks per SM (168 registers) and spills 16 bytes at d64 on sm_90a.
 #define RINGATTN_BWD_ENTRY(TY, NAME, D)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) {   \
+    extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) { \
         flash_bwd_dq_tc<TY, D>(p);                                                                              \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \

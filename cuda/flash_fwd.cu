@@ -314,25 +314,42 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     }
     cp_async_wait<0>();
 
-    // Epilogue: row sums across the quad, then o = acc / l and lse = ln 2 (m + log2 l).
+    // Epilogue: row sums across the quad, then o = acc / l and lse = ln 2 (m + log2 l). O goes
+    // through shared memory (Q and the K/V buffers, free once every warp is past the loop) so
+    // that each row leaves in 16-byte stores.
+    __syncthreads();
+    float inv[kR];
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     }
     int64_t row[kR];
     thread_rows(row);
+#if RINGATTN_STAGED_EPILOGUE
+    constexpr int kStageStride = StageStride<D>::value;
+    static_assert(Tr::kWarps * Tr::kWarpRows * kStageStride * 4 <= Tr::kSmemQ + 4 * Tr::kSmemKV,
+                  "the output rows fit where Q, K and V were");
+    float* stage = reinterpret_cast<float*>(smem) + warp * Tr::kWarpRows * kStageStride;
+    stage_fragments<kMT, kDT, kStageStride>(stage, acc, inv);
+    __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
+    const int64_t w0 = first_row();
+    store_staged_rows<T, Tr::kWarpRows, D, kStageStride>(
+        stage, d,
+        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d : int64_t(-1); }, p.o,
+        p.o16);
+#else
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) {
         if (row[r] >= p.s_q) continue;
         const int mt = r / 2, e0 = 2 * (r % 2);
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
             if (c >= d) continue;
-            const float x = acc[mt][n][e0] * inv, y = acc[mt][n][e0 + 1] * inv;
+            const float x = acc[mt][n][e0] * inv[r], y = acc[mt][n][e0 + 1] * inv[r];
             if (p.o16 != nullptr) {
                 gmem_store(reinterpret_cast<uint32_t*>(p.o16 + base + c), pack2<T>(x, y));
             } else {
@@ -340,7 +357,11 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                 gmem_store(p.o + base + c + 1, y);
             }
         }
-        if (t == 0) {
+    }
+#endif
+    RINGATTN_UNROLL
+    for (int r = 0; r < kR; ++r) {
+        if (row[r] < p.s_q && t == 0) {
             gmem_store(p.lse + (bi * p.h_q + hq) * p.s_q + row[r],
                        l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY);
         }

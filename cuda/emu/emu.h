@@ -611,27 +611,42 @@ inline void shadow_access(const void* p, size_t bytes, bool write, const char* w
     }
 }
 
+// Reports an access of a T at `p` that is not aligned to alignof(T) (the device faults on a
+// misaligned vector access); returns whether it is aligned.
+template <typename T>
+inline bool check_aligned(const void* p, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T) == 0) return true;
+    fail(std::string(what) + ": " + std::to_string(sizeof(T)) + " bytes at an address not aligned to " +
+         std::to_string(alignof(T)) + " bytes");
+    return false;
+}
+
 // Checked accesses: kernels read and write shared and global memory through these (plain
-// loads and stores on the device, see common.cuh).
+// loads and stores on the device, see common.cuh): bounds, alignment, and races in shared
+// memory.
 template <typename T>
 inline T smem_load(const T* p) {
+    if (!check_aligned<T>(p, "shared load")) return T{};
     if (!check_shared(p, sizeof(T), "shared load")) return T{};
     shadow_access(p, sizeof(T), false, "shared load");
     return *p;
 }
 template <typename T>
 inline void smem_store(T* p, T v) {
+    if (!check_aligned<T>(p, "shared store")) return;
     if (!check_shared(p, sizeof(T), "shared store")) return;
     shadow_access(p, sizeof(T), true, "shared store");
     *p = v;
 }
 template <typename T>
 inline T gmem_load(const T* p) {
+    if (!check_aligned<T>(p, "global load")) return T{};
     if (!check_global(p, sizeof(T), "global load")) return T{};
     return *p;
 }
 template <typename T>
 inline void gmem_store(T* p, T v) {
+    if (!check_aligned<T>(p, "global store")) return;
     if (!check_global(p, sizeof(T), "global store")) return;
     *p = v;
 }
