@@ -309,41 +309,38 @@ template <typename T, int kRows, int D, int kStageStride, typename RowOffset>
 __device__ __forceinline__ void store_staged_rows(const float* stage, int64_t d, RowOffset row_offset, float* out32,
                                                   uint16_t* out16) {
     const int lane = threadIdx.x % 32;
+    // store(src, at): the chunk of kPer values staged at `src` to output element `at`.
+    auto each_chunk = [&](auto per, auto&& store) {
+        constexpr int kPer = decltype(per)::value, kChunks = D / kPer;
+        for (int i = lane; i < kRows * kChunks; i += 32) {
+            const int r = i / kChunks, c = (i % kChunks) * kPer;
+            const int64_t off = row_offset(r);
+            if (off >= 0 && c < d) store(stage + r * kStageStride + c, off + c);
+        }
+    };
     if (out16 != nullptr) {
         const bool vec = reinterpret_cast<uintptr_t>(out16) % 16 == 0;
-        constexpr int kChunks = D / 8;
-        for (int i = lane; i < kRows * kChunks; i += 32) {
-            const int r = i / kChunks, c = (i % kChunks) * 8;
-            const int64_t off = row_offset(r);
-            if (off < 0 || c >= d) continue;
-            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c));
-            const F32x4 b = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c + 4));
-            const U32x4 v{pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w)};
+        each_chunk(std::integral_constant<int, 8>{}, [&](const float* src, int64_t at) {
+            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(src));
+            const F32x4 b = smem_load(reinterpret_cast<const F32x4*>(src + 4));
+            const uint32_t w[4] = {pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w)};
             if (vec) {
-                gmem_store(reinterpret_cast<U32x4*>(out16 + off + c), v);
+                gmem_store(reinterpret_cast<U32x4*>(out16 + at), U32x4{w[0], w[1], w[2], w[3]});
             } else {
-                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-                for (int j = 0; j < 4; ++j) {
-                    gmem_store(out16 + off + c + 2 * j, uint16_t(w[j] & 0xffffu));
-                    gmem_store(out16 + off + c + 2 * j + 1, uint16_t(w[j] >> 16));
-                }
+                for (int k = 0; k < 8; ++k) gmem_store(out16 + at + k, uint16_t(w[k / 2] >> (16 * (k % 2))));
             }
-        }
+        });
     } else {
         const bool vec = reinterpret_cast<uintptr_t>(out32) % 16 == 0;
-        constexpr int kChunks = D / 4;
-        for (int i = lane; i < kRows * kChunks; i += 32) {
-            const int r = i / kChunks, c = (i % kChunks) * 4;
-            const int64_t off = row_offset(r);
-            if (off < 0 || c >= d) continue;
-            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(stage + r * kStageStride + c));
+        each_chunk(std::integral_constant<int, 4>{}, [&](const float* src, int64_t at) {
+            const F32x4 a = smem_load(reinterpret_cast<const F32x4*>(src));
             if (vec) {
-                gmem_store(reinterpret_cast<F32x4*>(out32 + off + c), a);
+                gmem_store(reinterpret_cast<F32x4*>(out32 + at), a);
             } else {
-                gmem_store(out32 + off + c, a.x), gmem_store(out32 + off + c + 1, a.y);
-                gmem_store(out32 + off + c + 2, a.z), gmem_store(out32 + off + c + 3, a.w);
+                const float v[4] = {a.x, a.y, a.z, a.w};
+                for (int k = 0; k < 4; ++k) gmem_store(out32 + at + k, v[k]);
             }
-        }
+        });
     }
 }
 
