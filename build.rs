@@ -165,6 +165,9 @@ impl Job {
             cmd.args(["-ptx", "-O3", "-std=c++17", "-I", "cuda"]);
         } else {
             cmd.args(["-cubin", "-O3", "-lineinfo", "-std=c++17", "-Xptxas", "-v", "-I", "cuda"]);
+            for opt in family_ptxas_options(&self.src) {
+                cmd.arg("-Xptxas").arg(opt);
+            }
         }
         cmd.arg(format!("-arch={}", self.target)).arg(&self.src).arg("-o").arg(&tmp);
         let text =
@@ -174,6 +177,17 @@ impl Job {
         }
         fs::rename(&tmp, &out).map_err(|e| format!("cache {}: {e}", out.display()))
     }
+}
+
+/// The family's own ptxas options: the words after `// ptxas-options:` on a line of its source
+/// (`scripts/sass-gates.sh` reads the same line), e.g. a register-usage level under which
+/// ptxas schedules the family's kernels without spilling.
+fn family_ptxas_options(src: &Path) -> Vec<String> {
+    let text = fs::read_to_string(src).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("// ptxas-options:"))
+        .map(|opts| opts.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
 }
 
 /// Beside the images of a cache entry: the sources and the `nvcc --version` text they were

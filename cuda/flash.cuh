@@ -47,14 +47,15 @@ struct FwdTraits : TileGeom<D> {
     using G = TileGeom<D>;
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
-    // 16-row m-tiles per warp: two up to class 64 (FlashAttention-2's 128-row blocks: each
-    // K/V fragment feeds twice the MMAs), one above: at class 96 and 128 two m-tiles' O and S
-    // accumulators (192 registers at 128) leave ptxas too few for the rest and it spills.
-    static constexpr int kRowTiles = D <= 64 ? 2 : 1;
+    // 16-row m-tiles per warp: two (FlashAttention-2's 128-row blocks: each K/V fragment
+    // feeds twice the MMAs) at classes 32, 64 and 128, one at 96 and above. At 128 the two
+    // m-tiles' O and S accumulators take 192 registers, so Q is read from shared memory each
+    // tile (kQInRegs) and flash_fwd.cu's ptxas options keep ptxas within 255 without spilling.
+    static constexpr int kRowTiles = D <= 64 || D == 128 ? 2 : 1;
     static constexpr int kWarpRows = 16 * kRowTiles;
     static constexpr int kBlockM = kWarpRows * kWarps;  // query rows per block
     static constexpr int kBlockN = D <= 128 ? 64 : 32;  // keys per tile
-    static constexpr bool kQInRegs = D <= 128;           // Q fragments kept in registers
+    static constexpr bool kQInRegs = D <= 96;          // Q fragments kept in registers
     static constexpr int kSmemQ = kBlockM * G::kRowBytes;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one K or V stage
     static constexpr int kSmemBounds = kWarps * 32;         // each warp's query bounds (masked calls)
@@ -74,14 +75,25 @@ __device__ __forceinline__ int swz(int r, int c) {
 
 // A thread's fragment row in a swizzled tile, for chunks 2j + b with b in {0, 1} fixed per
 // thread (ldmatrix's address tables): 2j + b = 2j ^ b, so the swizzled chunk is 2j ^ x with x
-// = b ^ (r & kSwizzle), and the offset of pair j costs one XOR and one shift-add, whether j
-// is a constant (unrolled loops) or not (rolled ones), with two registers live.
+// = b ^ (r & kSwizzle). When a row holds a power-of-two number of chunks (every class but
+// 192), r kStride has no bits where (2j ^ x) << 3 has any, so the offset of pair j is one XOR
+// of a single register with the constant 16 j; otherwise a shift-add on two registers.
 template <int kStride, int kSwizzle>
 struct SwzRow {
+    // Chunks per row a power of two (and the swizzle inside them): offsets XOR into the row's.
+    static constexpr int kRowChunks = kStride / 8;
+    static constexpr bool kXorOnly = (kRowChunks & (kRowChunks - 1)) == 0 && kSwizzle < kRowChunks;
     int base, x;
-    __device__ __forceinline__ SwzRow(int r, int b) : base(r * kStride), x(b ^ (r & kSwizzle)) {}
+    __device__ __forceinline__ SwzRow(int r, int b)
+        : base(kXorOnly ? r * kStride + ((b ^ (r & kSwizzle)) << 3) : r * kStride), x(b ^ (r & kSwizzle)) {}
     // Element offset of chunk 2j + b of the row.
-    __device__ __forceinline__ int at(int j) const { return base + (((2 * j) ^ x) << 3); }
+    __device__ __forceinline__ int at(int j) const {
+        if constexpr (kXorOnly) {
+            return base ^ (j << 4);
+        } else {
+            return base + (((2 * j) ^ x) << 3);
+        }
+    }
 };
 
 // Stages rows r0 .. r0 + rows of a [b, s, h, d] 16-bit tensor (batch bi, head hi) into the

@@ -3,8 +3,8 @@
 // o_i = sum_j exp(s_ij - lse_i) v_j.
 //
 // A block owns kBlockM query rows of one (batch, query head); each of its 4 warps owns
-// kWarpRows: 32 (two 16-row m-tiles, FlashAttention-2's 128-row blocks) up to head-dim class
-// 64, 16 above. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async
+// kWarpRows: 32 (two 16-row m-tiles, FlashAttention-2's 128-row blocks) at head-dim classes
+// 32, 64 and 128, 16 at 96 and above. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async
 // (the next tile loads while this one computes). Per tile, each warp: evaluates the mask on
 // global positions for its kWarpRows x kBlockN scores (a warp whose scores are all masked
 // skips the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments (each K fragment
@@ -21,6 +21,12 @@
 // is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
 // grid (ceil(s_q / kBlockM), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
 //
+// Build: at class 128 the accumulators take 192 of the 255 registers; under ptxas's default
+// register-usage level (5) its scheduler hoists fragment addresses and spills (sm_90a, sm_120),
+// at level 3 it fits on every architecture (checked by the SASS gates). The line below is read
+// by build.rs and scripts/sass-gates.sh:
+// ptxas-options: --register-usage-level=3
+//
 // Note: as in FlashAttention, a masked key whose value row holds NaN or Inf inside a tile
 // that is partly visible to a warp reaches P V as 0 * NaN; the CPU path isolates such
 // values, these kernels do not.
@@ -32,8 +38,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
     constexpr int kMT = Tr::kRowTiles, kR = 2 * kMT;  // m-tiles per warp, rows per thread
     constexpr int kStride = Tr::kStride, kSwizzle = Tr::kSwizzle;
-    // Q fragments in registers need the loop unrolled; otherwise keep it rolled (live ranges).
-    constexpr int kUnrollK = Tr::kQInRegs ? D / 16 : 1;
+    // Unrolled up to class 128 (Q fragments in registers need it; from shared memory at 128,
+    // the unrolled loop is the one ptxas schedules without spilling); rolled above (live ranges).
+    constexpr int kUnrollK = D <= 128 ? D / 16 : 1;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
@@ -116,9 +123,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // Per row: the base of the exponentials (scaled, base 2; -inf until a score is visible),
     // its negation (0 while -inf), the max the base may lag (below: lazy rescaling), this
     // thread's share of the row sum.
-    float m[kR], nbase[kR], m_slack[kR], l[kR];
+    float m[kR], l[kR];
     RINGATTN_UNROLL
-    for (int r = 0; r < kR; ++r) m[r] = -INFINITY, nbase[r] = 0.0f, m_slack[r] = -INFINITY, l[r] = 0.0f;
+    for (int r = 0; r < kR; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     uint32_t qf[Tr::kQInRegs ? kMT : 1][Tr::kQInRegs ? D / 16 : 1][4];
 
     if (t_begin < t_end) {
@@ -236,7 +243,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                 // -inf (nothing visible in the row yet) times sc stays -inf (or NaN for sc = 0,
                 // which fmaxf ignores); a first visible score always moves a -inf base.
                 m_new[r] = fmaxf(m[r], mt_max[r] * sc);
-                move = move || m_new[r] > m_slack[r];
+                move = move || m_new[r] > m[r] + kRescaleSlack;
             }
             if (__ballot_sync(0xffffffffu, move) != 0) {
                 RINGATTN_UNROLL
@@ -244,14 +251,15 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     const float base = m_new[r] == -INFINITY ? 0.0f : m_new[r];  // nothing visible yet
                     const float alpha = ex2_approx(m[r] - base);                // -inf - x gives 0
                     m[r] = m_new[r];
-                    nbase[r] = -base;
-                    m_slack[r] = m[r] + kRescaleSlack;
                     l[r] *= alpha;
                     const int mt = r / 2, e0 = 2 * (r % 2);
                     RINGATTN_UNROLL
                     for (int n = 0; n < kDT; ++n) acc[mt][n][e0] *= alpha, acc[mt][n][e0 + 1] *= alpha;
                 }
             }
+            float nbase[kR];  // the negated base (0 while nothing is visible)
+            RINGATTN_UNROLL
+            for (int r = 0; r < kR; ++r) nbase[r] = m[r] == -INFINITY ? 0.0f : -m[r];
             RINGATTN_UNROLL
             for (int mt = 0; mt < kMT; ++mt) {
                 RINGATTN_UNROLL

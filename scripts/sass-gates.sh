@@ -86,7 +86,8 @@ for tool in "$nvcc" "$cuobjdump" "$bin/nvdisasm"; do
 done
 echo "sass-gates: $("$nvcc" --version | grep -o 'release [0-9.]*'), cuobjdump $("$cuobjdump" --version | grep -o 'release [0-9.]*')"
 
-# --- compile (as build.rs: nvcc -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda -arch=ARCH) ---
+# --- compile (as build.rs: nvcc -cubin -O3 -lineinfo -std=c++17 -Xptxas -v [the family's
+# `// ptxas-options:` line, each as -Xptxas] -I cuda -arch=ARCH) ---
 mkdir -p "$out"
 rm -rf "$out"/sm_* "$out/table.txt" "$out/report.json"
 IFS=',' read -r -a archs <<<"$ARCHS"
@@ -141,8 +142,11 @@ for arch in "${archs[@]}"; do
         cp "$cached/$family.$arch.cubin" "$out/$arch/$family.cubin" &&
           cp "$cached/$family.$arch.ptxas.txt" "$out/$arch/$family.ptxas.txt"
       else
-        "$nvcc" -cubin -O3 -lineinfo -std=c++17 -Xptxas -v -I cuda "-arch=$arch" "$cu" -o "$out/$arch/$family.cubin" \
-          >"$out/$arch/$family.ptxas.txt" 2>&1
+        # The family's own ptxas options (build.rs family_ptxas_options: a `// ptxas-options:` line).
+        extra=()
+        for opt in $(sed -n 's|^// ptxas-options:||p' "$cu" | head -n 1); do extra+=(-Xptxas "$opt"); done
+        "$nvcc" -cubin -O3 -lineinfo -std=c++17 -Xptxas -v "${extra[@]}" -I cuda "-arch=$arch" "$cu" \
+          -o "$out/$arch/$family.cubin" >"$out/$arch/$family.ptxas.txt" 2>&1
       fi &&
         "$cuobjdump" --dump-sass "$out/$arch/$family.cubin" >"$out/$arch/$family.sass" 2>"$out/$arch/$family.cuobjdump.err"
     ) &

@@ -141,7 +141,7 @@ impl From<TileConfig> for TileShape {
 
 impl TileShape {
     /// The tiles of the CUDA forward kernel for head dimension `d`: 128 query rows (4 warps of
-    /// 32) × 64 keys up to head-dim class 64, 64 (4 × 16) × 64 up to 128, 64 × 32 above
+    /// 32) × 64 keys at head-dim classes 32, 64 and 128, 64 (4 × 16) × 64 at 96, 64 × 32 above
     /// (`FwdTraits::kBlockM`, `kBlockN` in
     /// `cuda/flash.cuh`; [`geometry::forward`]).
     pub fn cuda_forward(d: usize) -> TileShape {
@@ -231,7 +231,7 @@ pub enum Executor {
 ///   CPU tiles (clipped to the sequence).
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
-///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 above class 64)
+///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)
 ///   × a key tile, `S` and `PV`; dq kernel (deterministic backward),
 ///   16 query rows × a key tile, `S`, `dP` and `dQ`; dk/dv kernel, a query tile × 16 keys,
 ///   `Sᵀ` and `dPᵀ` at full `D` in each of its column ranges, `dV` and `dK` over all columns

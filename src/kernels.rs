@@ -559,9 +559,10 @@ pub mod geometry {
     }
 
     /// Query rows per warp of the tensor-core forward (`FwdTraits::kWarpRows`): two 16-row
-    /// m-tiles up to head-dim class 64 (FlashAttention-2's layout), one above.
+    /// m-tiles at head-dim classes 32, 64 and 128 (FlashAttention-2's layout), one at 96 and
+    /// above 128.
     pub fn forward_warp_rows(d: usize) -> usize {
-        if head_dim_class(d) <= 64 {
+        if matches!(head_dim_class(d), 32 | 64 | 128) {
             32
         } else {
             16
@@ -569,8 +570,8 @@ pub mod geometry {
     }
 
     /// `(query rows, keys)` of one tile of the tensor-core forward for head dimension `d`:
-    /// 128 × 64 (4 warps of 32 rows) up to head-dim class 64, 64 × 64 up to 128, 64 × 32
-    /// above.
+    /// 128 × 64 (4 warps of 32 rows) at head-dim classes 32, 64 and 128, 64 × 64 at 96,
+    /// 64 × 32 above 128.
     pub fn forward_tile(d: usize) -> (usize, usize) {
         (4 * forward_warp_rows(d), tc_block_n(head_dim_class(d)))
     }
