@@ -260,8 +260,9 @@ struct DqTraits : TileGeom<D> {
 // Backward dk/dv kernel: 4 warps of 16 key rows (K and V tiles stay); query tiles of
 // kBlockM rows (Q, dO, lse, delta) stream through kStages buffers. Head dims above 128 are
 // split in kSplits column ranges of kDOut columns (one block per range), so that the dk and
-// dv accumulators fit in registers. The atomic-dq variant (kAtomicDq) also adds dS K into dq;
-// it streams 16-row query tiles and splits d = 128 too, to leave registers for that product.
+// dv accumulators fit in registers. The atomic-dq variant (kAtomicDq) also adds dS K into dq
+// (the whole block's 64 keys per product: one atomic add per dq element per key block); it
+// streams 16-row query tiles and splits d = 128 too, to leave registers for that product.
 template <int D, bool kAtomicDq = false>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
@@ -271,8 +272,13 @@ struct DkDvTraits : TileGeom<D> {
     static constexpr int kDOut = D / kSplits;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;                         // one of K, V
     static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
-    static constexpr int kStages = 2 * kSmemKV + 2 * kSmemStage <= 99 * 1024 ? 2 : 1;
-    static constexpr int kSmem = 2 * kSmemKV + kStages * kSmemStage;
+    // Atomic dq: the block's dS^T (its 64 keys x the query tile, 16-bit, key-major) for the
+    // block-level dq product, rows padded by 8 elements (ldmatrix.trans rows on distinct
+    // banks); then one int per warp: whether it ran the tile.
+    static constexpr int kDsStride = kBlockM + 8;
+    static constexpr int kSmemDs = kAtomicDq ? kBlockN * kDsStride * 2 + kWarps * 4 : 0;
+    static constexpr int kStages = 2 * kSmemKV + 2 * kSmemStage + kSmemDs <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmem = 2 * kSmemKV + kStages * kSmemStage + kSmemDs;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     static_assert(kDOut % 16 == 0, "column ranges in whole n-tile pairs");
     static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");

@@ -17,8 +17,9 @@
 // are skipped (flash.cuh TileClass).
 // By default dq is recomputed by its own kernel instead of atomics: the price of determinism
 // is one more pass over S and dP. The atomic variant ringattn_flash_bwd_dkdvq_*_d{D} also
-// adds scale dS K into a zeroed dq with f32 atomics (dS transposed in registers by
-// movmatrix), and the dq kernel is not launched. P and dS are rounded to the input type as mma operands.
+// adds scale dS K into a zeroed dq with f32 atomics — per query tile, the block's dS^T goes
+// through shared memory and the block multiplies it by its 64 keys, so each dq element takes
+// one atomic add per key block — and the dq kernel is not launched. P and dS are rounded to the input type as mma operands.
 // Launch (src/kernels.rs `geometry::backward`): rowsum grid ceil(b h_q s_q / 256) x 256
 // threads; dq grid (ceil(s_q / 64), h_q, b) x 128, DqTraits<D>::kSmem; dkdv grid
 // (ceil(s_k / 64) kSplits, h_kv, b) x 128, DkDvTraits<D>::kSmem.
@@ -267,7 +268,6 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
     // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
     constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DKDV_UNROLL_D128 : D / 16;
-    constexpr int kUnrollDq = D <= 64 ? D / 16 : 1;  // the atomic dq columns, likewise
     const int64_t d = p.d, group = p.h_q / p.h_kv;
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int split = int(blockIdx.x % Tr::kSplits);
@@ -324,6 +324,83 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
             smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
             smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) : 0.0f);
+        }
+    };
+
+    // Atomic dq: dS^T (the block's 64 keys x the query tile) in shared memory, each warp its 16
+    // key rows; then dq (query tile x D) += scale dS K over all 64 keys, the warps splitting the
+    // (16-row tile, 8-column n-tile) pairs, dS by ldmatrix.trans from its key-major rows and K by
+    // ldmatrix.trans: one atomic add per dq element per key block (not one per warp).
+    uint16_t* ds_s = reinterpret_cast<uint16_t*>(stages + Tr::kStages * Tr::kSmemStage);
+    int* ran = reinterpret_cast<int*>(ds_s + Tr::kBlockN * Tr::kDsStride);
+    auto store_ds = [&](const float (&ds)[kMT][4]) {
+        RINGATTN_UNROLL
+        for (int n = 0; n < kMT; ++n) {
+            uint32_t* row = reinterpret_cast<uint32_t*>(ds_s + (warp * 16 + g) * Tr::kDsStride + n * 8 + 2 * t);
+            smem_store(row, pack2<T>(ds[n][0], ds[n][1]));
+            smem_store(row + 4 * Tr::kDsStride, pack2<T>(ds[n][2], ds[n][3]));  // key row g + 8
+        }
+    };
+    auto block_dq = [&](int64_t hq, int64_t q0) {
+        constexpr int kRT = kM / 16, kNTD = D / 8, kJ = kRT * kNTD / Tr::kWarps;
+        static_assert(!kAtomicDq || kRT * kNTD % Tr::kWarps == 0, "the warps share the dq tile's pairs evenly");
+        static_assert(!kAtomicDq || kRT == 1 || kNTD == Tr::kWarps, "several row tiles: one n-tile per warp");
+        // This warp's pairs j: n-tile warp + 4 j of the single row tile, or (kRT = 4) row tile j
+        // of n-tile `warp`; in chunks of up to 4 that share the A (one row tile) or B (one
+        // n-tile) fragment of each key step.
+        constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : 3;
+        static_assert(!kAtomicDq || kJ % kChunk == 0, "whole chunks");
+        RINGATTN_UNROLL
+        for (int j0 = 0; j0 < kJ; j0 += kChunk) {
+            float c[kChunk][4] = {};
+            RINGATTN_UNROLL
+            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+                // dS: queries rt*16.. x keys kk*16.. (key-major rows, transposed); K: keys kk*16.. x
+                // columns n*8.. (transposed).
+                auto load_a = [&](uint32_t (&a)[4], int rt) {
+                    ldmatrix_x4_trans(a, ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 +
+                                             (lane / 8) % 2 * 8);
+                };
+                if constexpr (kRT == 1) {
+                    uint32_t a[4];
+                    load_a(a, 0);
+                    RINGATTN_UNROLL
+                    for (int jj = 0; jj < kChunk; jj += 2) {
+                        if (jj + 1 < kChunk) {  // two n-tiles in one ldmatrix: lanes 16.. address the second
+                            uint32_t b[4];
+                            const int n = warp + Tr::kWarps * (j0 + jj + lane / 16);
+                            ldmatrix_x4_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, n));
+                            mma_16816<T>(c[jj], a, b);
+                            mma_16816<T>(c[jj + 1], a, b + 2);
+                        } else {
+                            uint32_t b[2];
+                            ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp + Tr::kWarps * (j0 + jj)));
+                            mma_16816<T>(c[jj], a, b);
+                        }
+                    }
+                } else {
+                    uint32_t b[2];
+                    ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp));
+                    RINGATTN_UNROLL
+                    for (int jj = 0; jj < kChunk; ++jj) {
+                        uint32_t a[4];
+                        load_a(a, j0 + jj);
+                        mma_16816<T>(c[jj], a, b);
+                    }
+                }
+            }
+            RINGATTN_UNROLL
+            for (int jj = 0; jj < kChunk; ++jj) {
+                const int rt = kRT == 1 ? 0 : j0 + jj, n = kRT == 1 ? warp + Tr::kWarps * (j0 + jj) : warp;
+                RINGATTN_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
+                    const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
+                    if (i < p.s_q && col < d && c[jj][e] != 0.0f) {
+                        atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[jj][e] * p.scale);
+                    }
+                }
+            }
         }
     };
 
@@ -432,36 +509,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dk[n + 1], as, bq + 2);
                 }
             }
-            // Atomic dq mode (after the dv/dk products, so P^T is dead): dq += scale dS K, dS (queries x this warp's 16 keys) transposed
-            // from the dS^T fragments by movmatrix, K by ldmatrix.trans; one column range adds.
-            if (kAtomicDq && split == 0) {
-                RINGATTN_UNROLL
-                for (int mt = 0; mt < kM / 16; ++mt) {
-                    const uint32_t a[4] = {movmatrix_trans(pack2<T>(dp[2 * mt][0], dp[2 * mt][1])),
-                                           movmatrix_trans(pack2<T>(dp[2 * mt + 1][0], dp[2 * mt + 1][1])),
-                                           movmatrix_trans(pack2<T>(dp[2 * mt][2], dp[2 * mt][3])),
-                                           movmatrix_trans(pack2<T>(dp[2 * mt + 1][2], dp[2 * mt + 1][3]))};
-                    RINGATTN_UNROLL_BY(kUnrollDq)
-                    for (int n = 0; n < D / 8; n += 2) {
-                        uint32_t b[4];
-                        ldmatrix_x4_trans(b, ks + swz<S, W>(warp * 16 + (lane / 8) % 2 * 8 + lane % 8, n + lane / 16));
-                        float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-                        mma_16816<T>(c[0], a, b);
-                        mma_16816<T>(c[1], a, b + 2);
-                        RINGATTN_UNROLL
-                        for (int h = 0; h < 2; ++h) {
-                            RINGATTN_UNROLL
-                            for (int e = 0; e < 4; ++e) {
-                                const int64_t i = q0 + mt * 16 + g + 8 * (e / 2);
-                                const int64_t col = int64_t(n + h) * 8 + 2 * t + (e & 1);
-                                if (i < p.s_q && col < d && c[h][e] != 0.0f) {
-                                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[h][e] * p.scale);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+            // Atomic dq mode: this warp's dS^T rows (rounded as mma operands) into shared memory
+            // for the block's dq product below.
+            if (kAtomicDq && split == 0) store_ds(dp);
         };
         // Fully visible tiles without the mask's selects, the others with them: one call site.
         bool go = in_range && cls.full, masked = false;
@@ -488,6 +538,21 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 go = __ballot_sync(0xffffffffu, vis != 0) != 0;
             }
             if (go) run_tile(masked);
+        }
+        if constexpr (kAtomicDq) {
+            if (split == 0) {
+                if (!go) {  // a skipped warp's keys add nothing
+                    const float zero[kMT][4] = {};
+                    store_ds(zero);
+                }
+                if (lane == 0) smem_store(ran + warp, int(go));
+                __syncthreads();  // the block's dS^T is in
+                // Only when a warp ran the tile (the block's 64 keys see one of its queries).
+                bool any = false;
+                RINGATTN_UNROLL
+                for (int w = 0; w < Tr::kWarps; ++w) any = any || smem_load(ran + w) != 0;
+                if (any) block_dq(hq, q0);
+            }
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }

@@ -22,8 +22,9 @@
 // grid (ceil(s_q / kBlockM), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
 //
 // Build: at class 128 the accumulators take 192 of the 255 registers; under ptxas's default
-// register-usage level (5) its scheduler hoists fragment addresses and spills (sm_90a, sm_120),
-// at level 3 it fits on every architecture (checked by the SASS gates). The line below is read
+// register-usage level (5) its scheduler computes fragment addresses early and spilled on
+// some architecture for every loop shape tried (8 to 108 bytes; sm_80 with this one), at
+// level 3 it fits on sm_80, sm_90a, sm_100 and sm_120 (checked by the SASS gates). The line below is read
 // by build.rs and scripts/sass-gates.sh:
 // ptxas-options: --register-usage-level=3
 //

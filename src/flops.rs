@@ -235,7 +235,8 @@ pub enum Executor {
 ///   × a key tile, `S` and `PV`; dq kernel (deterministic backward),
 ///   16 query rows × a key tile, `S`, `dP` and `dQ`; dk/dv kernel, a query tile × 16 keys,
 ///   `Sᵀ` and `dPᵀ` at full `D` in each of its column ranges, `dV` and `dK` over all columns
-///   once, and in the atomic variant `dQ` once. Tile shapes from [`geometry`].
+///   once; in the atomic variant `dQ` once per query tile × 64-key block holding a visible
+///   pair (the block's product). Tile shapes from [`geometry`].
 ///
 /// ```
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
@@ -284,7 +285,8 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
                             let (_, n) = geometry::dq_tile(dims.d);
                             (2.0 * splits + 2.0, warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc)
                         }
-                        DqMode::Atomic => (2.0 * splits + 3.0, 0.0),
+                        // dQ by the block: its 64 keys x the query tile, where a warp ran it.
+                        DqMode::Atomic => (2.0 * splits + 2.0, warp_tiles(m, 64)? * (m * 64) as f64 * dc),
                     };
                     warp_tiles(m, 16)? * dkdv_products * per_tile + dq
                 }
@@ -598,7 +600,12 @@ mod tests {
                 assert!(splits == 1 || splits == 2, "d = {d} {mode:?}");
                 assert_eq!(l.grid[0], dims.s_k.div_ceil(b.block_k) * splits, "d = {d} {mode:?}");
                 let (kv, stage) = (b.block_k * row, 2 * b.block_q * row + 8 * b.block_q);
-                assert!(l.smem_bytes == 2 * kv + stage || l.smem_bytes == 2 * kv + 2 * stage, "d = {d} {mode:?}");
+                // The atomic variant's dS^T for its block-level dq product, and 4 warp flags.
+                let ds = if mode == DqMode::Atomic { b.block_k * (b.block_q + 8) * 2 + 16 } else { 0 };
+                assert!(
+                    l.smem_bytes == 2 * kv + stage + ds || l.smem_bytes == 2 * kv + 2 * stage + ds,
+                    "d = {d} {mode:?}"
+                );
             }
         }
         let cpu = TileShape::from(TileConfig::default());

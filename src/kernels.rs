@@ -659,7 +659,8 @@ pub mod geometry {
     /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`, or under
     /// [`DqMode::Atomic`] `ringattn_flash_bwd_dkdvq_*`, which also adds dq): 4 warps of 16 key
     /// rows, one block per 64 keys and column range (two ranges above d = 128, and at 128 in
-    /// the atomic variant); query tiles stream (`DkDvTraits<D, atomic>::kSmem`).
+    /// the atomic variant); query tiles stream (`DkDvTraits<D, atomic>::kSmem`; the atomic
+    /// variant also holds the block's dS^T for its block-level dq product).
     pub fn dkdv(dims: &Dims, mode: DqMode) -> Launch {
         let dc = head_dim_class(dims.d);
         let row = tc_stride(dc) * 2;
@@ -667,11 +668,14 @@ pub mod geometry {
         let splits = dkdv_splits(dims.d, mode);
         let kv = 64 * row;
         let stage = 2 * block_m * row + 2 * block_m * 4;
-        let stages = if 2 * kv + 2 * stage <= SMEM_LIMIT { 2 } else { 1 };
+        // The atomic variant's dS^T (64 keys x (query tile + 8) 16-bit values) and one flag
+        // per warp.
+        let ds = if mode == DqMode::Atomic { 64 * (block_m + 8) * 2 + 4 * 4 } else { 0 };
+        let stages = if 2 * kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
             grid: [dims.s_k.div_ceil(64) * splits, dims.h_kv, dims.b],
             block: 128,
-            smem_bytes: 2 * kv + stages * stage,
+            smem_bytes: 2 * kv + stages * stage + ds,
             head_dim_class: dc,
         }
     }

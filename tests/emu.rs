@@ -17,7 +17,7 @@ use support::{block_positions, doc_lengths, mask, Case};
 
 /// Lengths around the kernels' 32-row inner tiles and their 16/32/64-row blocks.
 const LENGTHS: &[usize] = &[1, 2, 7, 16, 31, 32, 33, 63, 64, 65, 97, 130, 200];
-const HEAD_DIMS: &[usize] = &[8, 16, 32, 64, 80, 128, 256];
+const HEAD_DIMS: &[usize] = &[8, 16, 32, 64, 80, 128, 176, 256];
 /// Upper bound on b·h_q·s_q·s_k·d so that the emulator and the oracle stay fast.
 const WORK_CAP: usize = 2_500_000;
 
