@@ -261,13 +261,15 @@ struct DqTraits : TileGeom<D> {
 // kBlockM rows (Q, dO, lse, delta) stream through kStages buffers. Head dims above 128 are
 // split in kSplits column ranges of kDOut columns (one block per range), so that the dk and
 // dv accumulators fit in registers. The atomic-dq variant (kAtomicDq) also adds dS K into dq
-// (the whole block's 64 keys per product: one atomic add per dq element per key block); it
-// streams 16-row query tiles and splits d = 128 too, to leave registers for that product.
+// (the whole block's 64 keys per product, after the dk/dv products, from shared memory: one
+// atomic add per dq element per key block) with the same query tiles; S and dP are computed
+// once per pair up to d = 96 (five products). At 128 it splits the columns too: unsplit,
+// ptxas spilled 4 to 32 bytes on every architecture (the query stage's hoisted addresses).
 template <int D, bool kAtomicDq = false>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
     static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
-    static constexpr int kBlockM = kAtomicDq && D > 32 ? 16 : DKDV_BLOCK_M(D);
+    static constexpr int kBlockM = DKDV_BLOCK_M(D);
     static constexpr int kSplits = D > 128 || (kAtomicDq && D == 128) ? 2 : 1;
     static constexpr int kDOut = D / kSplits;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;                         // one of K, V

@@ -342,28 +342,55 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         }
     };
     auto block_dq = [&](int64_t hq, int64_t q0) {
-        constexpr int kRT = kM / 16, kNTD = D / 8, kJ = kRT * kNTD / Tr::kWarps;
-        static_assert(!kAtomicDq || kRT * kNTD % Tr::kWarps == 0, "the warps share the dq tile's pairs evenly");
-        static_assert(!kAtomicDq || kRT == 1 || kNTD == Tr::kWarps, "several row tiles: one n-tile per warp");
-        // This warp's pairs j: n-tile warp + 4 j of the single row tile, or (kRT = 4) row tile j
-        // of n-tile `warp`; in chunks of up to 4 that share the A (one row tile) or B (one
-        // n-tile) fragment of each key step.
+        constexpr int kRT = kM / 16, kNTD = D / 8, kJ = kNTD / Tr::kWarps;
+        static_assert(!kAtomicDq || kNTD % Tr::kWarps == 0, "the warps share the dq tile's n-tiles evenly");
+        // This warp's pieces: n-tiles warp + 4 j of every 16-row tile rt, in chunks of up to 4
+        // n-tiles that share the A (dS) fragment of each key step.
         constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : 3;
         static_assert(!kAtomicDq || kJ % kChunk == 0, "whole chunks");
-        RINGATTN_UNROLL
-        for (int j0 = 0; j0 < kJ; j0 += kChunk) {
-            float c[kChunk][4] = {};
+        // (A whole-tile path without the per-element tests, and row pointers, cost more
+        // instructions under ptxas than these tests.)
+        auto add = [&](const float (&c)[4], int rt, int n) {
+            RINGATTN_UNROLL
+            for (int e = 0; e < 4; ++e) {
+                const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
+                const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
+                if (i < p.s_q && col < d && c[e] != 0.0f) {
+                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e] * p.scale);
+                }
+            }
+        };
+        if constexpr (kJ == 1 && kRT > 1) {
+            // One n-tile per warp: its K fragment of each key step serves every row tile.
+            float c[kRT][4] = {};
             RINGATTN_UNROLL
             for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-                // dS: queries rt*16.. x keys kk*16.. (key-major rows, transposed); K: keys kk*16.. x
-                // columns n*8.. (transposed).
-                auto load_a = [&](uint32_t (&a)[4], int rt) {
+                uint32_t b[2];
+                ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp));
+                RINGATTN_UNROLL
+                for (int rt = 0; rt < kRT; ++rt) {
+                    uint32_t a[4];
                     ldmatrix_x4_trans(a, ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 +
                                              (lane / 8) % 2 * 8);
-                };
-                if constexpr (kRT == 1) {
+                    mma_16816<T>(c[rt], a, b);
+                }
+            }
+            RINGATTN_UNROLL
+            for (int rt = 0; rt < kRT; ++rt) add(c[rt], rt, warp);
+            return;
+        }
+        RINGATTN_UNROLL
+        for (int rt = 0; rt < kRT; ++rt) {
+            RINGATTN_UNROLL
+            for (int j0 = 0; j0 < kJ; j0 += kChunk) {
+                float c[kChunk][4] = {};
+                RINGATTN_UNROLL
+                for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+                    // dS: queries rt*16.. x keys kk*16.. (key-major rows, transposed); K: keys
+                    // kk*16.. x columns n*8.. (transposed).
                     uint32_t a[4];
-                    load_a(a, 0);
+                    ldmatrix_x4_trans(a, ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 +
+                                             (lane / 8) % 2 * 8);
                     RINGATTN_UNROLL
                     for (int jj = 0; jj < kChunk; jj += 2) {
                         if (jj + 1 < kChunk) {  // two n-tiles in one ldmatrix: lanes 16.. address the second
@@ -378,28 +405,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                             mma_16816<T>(c[jj], a, b);
                         }
                     }
-                } else {
-                    uint32_t b[2];
-                    ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp));
-                    RINGATTN_UNROLL
-                    for (int jj = 0; jj < kChunk; ++jj) {
-                        uint32_t a[4];
-                        load_a(a, j0 + jj);
-                        mma_16816<T>(c[jj], a, b);
-                    }
                 }
-            }
-            RINGATTN_UNROLL
-            for (int jj = 0; jj < kChunk; ++jj) {
-                const int rt = kRT == 1 ? 0 : j0 + jj, n = kRT == 1 ? warp + Tr::kWarps * (j0 + jj) : warp;
                 RINGATTN_UNROLL
-                for (int e = 0; e < 4; ++e) {
-                    const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
-                    const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
-                    if (i < p.s_q && col < d && c[jj][e] != 0.0f) {
-                        atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[jj][e] * p.scale);
-                    }
-                }
+                for (int jj = 0; jj < kChunk; ++jj) add(c[jj], rt, warp + Tr::kWarps * (j0 + jj));
             }
         }
     };

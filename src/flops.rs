@@ -150,9 +150,8 @@ impl TileShape {
     }
 
     /// The tiles of the CUDA backward's dk/dv kernel (which runs in both [`DqMode`]s): 64
-    /// keys per block × a streamed query tile of 64, 32 or 16 rows by head-dim class (16
-    /// above class 32 under [`DqMode::Atomic`]) (`DkDvTraits` in `cuda/flash.cuh`;
-    /// [`geometry::dkdv`]).
+    /// keys per block × a streamed query tile of 64, 32 or 16 rows by head-dim class
+    /// (`DkDvTraits` in `cuda/flash.cuh`; [`geometry::dkdv`]).
     pub fn cuda_backward(d: usize, mode: DqMode) -> TileShape {
         let (block_q, block_k) = geometry::dkdv_tile(d, mode);
         TileShape { block_q, block_k }

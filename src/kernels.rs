@@ -583,11 +583,9 @@ pub mod geometry {
     }
 
     /// `(query rows, keys)` of one tile of the dk/dv kernel (both [`DqMode`]s): a streamed
-    /// query tile of 64, 32 or 16 rows by head-dim class (16 above class 32 in the atomic
-    /// variant) against the block's 64 keys.
-    pub fn dkdv_tile(d: usize, mode: DqMode) -> (usize, usize) {
-        let dc = head_dim_class(d);
-        (if mode == DqMode::Atomic && dc > 32 { 16 } else { bwd_tile(dc) }, 64)
+    /// query tile of 64, 32 or 16 rows by head-dim class against the block's 64 keys.
+    pub fn dkdv_tile(d: usize, _mode: DqMode) -> (usize, usize) {
+        (bwd_tile(head_dim_class(d)), 64)
     }
 
     /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`) for `dims`: 4 warps of

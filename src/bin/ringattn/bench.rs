@@ -541,7 +541,7 @@ mod tests {
         assert!(executed > 7.0 / 5.0 * fb);
         let x = inputs(&["--seq", "512", "--dq-mode", "atomic", "--head-dim", "128"]);
         let (_, _, shape, _, _) = work(BackendKind::Emu, &x, Pass::Backward, 0).unwrap();
-        assert_eq!((shape.block_q, shape.block_k), (16, 64));
+        assert_eq!((shape.block_q, shape.block_k), (32, 64));
         // The d128 forward: 4 warps of 32 query rows × 64 keys.
         let (_, _, shape, _, _) = work(BackendKind::Emu, &x, Pass::Forward, 0).unwrap();
         assert_eq!((shape.block_q, shape.block_k), (128, 64));
