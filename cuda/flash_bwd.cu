@@ -323,7 +323,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             const bool in = q0 + r < p.s_q;
             const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
             smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
-            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) : 0.0f);
+            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.scale : 0.0f);  // scale delta
         }
     };
 
@@ -348,15 +348,31 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // n-tiles that share the A (dS) fragment of each key step.
         constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : 3;
         static_assert(!kAtomicDq || kJ % kChunk == 0, "whole chunks");
-        // (A whole-tile path without the per-element tests, and row pointers, cost more
-        // instructions under ptxas than these tests.)
-        auto add = [&](const float (&c)[4], int rt, int n) {
+        // A whole tile (every row inside the call, d the class) adds without per-element tests
+        // (adding 0 changes nothing; a test and branch per element cost more than the add),
+        // from one pointer per row (rows g and g + 8 of each 16-row tile) and this thread's
+        // first column: the warp's n-tiles are constant offsets from it.
+        const bool whole = q0 + kM <= p.s_q && d == D;
+        const int64_t row_step = p.h_q * d;
+        float* dq_rows = p.dq + ((bi * p.s_q + q0 + g) * p.h_q + hq) * d + warp * 8 + 2 * t;
+        // Pieces (rt, n-tile warp + 4 j).
+        auto add = [&](const float (&c)[4], int rt, int j) {
+            const int n = warp + Tr::kWarps * j;
+            if (whole) {
+                float* lo = dq_rows + (rt * 16) * row_step;
+                float* hi = lo + 8 * row_step;
+                atomicAdd(lo + Tr::kWarps * 8 * j, c[0]);
+                atomicAdd(lo + Tr::kWarps * 8 * j + 1, c[1]);
+                atomicAdd(hi + Tr::kWarps * 8 * j, c[2]);
+                atomicAdd(hi + Tr::kWarps * 8 * j + 1, c[3]);
+                return;
+            }
             RINGATTN_UNROLL
             for (int e = 0; e < 4; ++e) {
                 const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
                 const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
                 if (i < p.s_q && col < d && c[e] != 0.0f) {
-                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e] * p.scale);
+                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e]);
                 }
             }
         };
@@ -376,7 +392,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 }
             }
             RINGATTN_UNROLL
-            for (int rt = 0; rt < kRT; ++rt) add(c[rt], rt, warp);
+            for (int rt = 0; rt < kRT; ++rt) add(c[rt], rt, 0);
             return;
         }
         RINGATTN_UNROLL
@@ -407,7 +423,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     }
                 }
                 RINGATTN_UNROLL
-                for (int jj = 0; jj < kChunk; ++jj) add(c[jj], rt, warp + Tr::kWarps * (j0 + jj));
+                for (int jj = 0; jj < kChunk; ++jj) add(c[jj], rt, j0 + jj);
             }
         }
     };
@@ -472,7 +488,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dp[n + 1], av, bd + 2);
                 }
             }
-            // P^T in s, dS^T in dp; the columns' lse and delta as pairs (columns 2t, 2t + 1).
+            // P^T in s, scale dS^T in dp (the softmax scale folded in here, once per score, so
+            // that neither dk's epilogue nor dq's atomic adds multiply by it); the columns' lse
+            // and scale delta as pairs (columns 2t, 2t + 1).
             RINGATTN_UNROLL
             for (int n = 0; n < kMT; ++n) {
                 const F32x2 l2 = smem_load(reinterpret_cast<const F32x2*>(lt + n * 8 + 2 * t));
@@ -481,7 +499,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 for (int e = 0; e < 4; ++e) {
                     const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
                     const float pv = ex2_approx(fmaf(s[n][e], p.scale_log2, -lse_c));
-                    dp[n][e] = pv * (dp[n][e] - delta_c);
+                    dp[n][e] = pv * fmaf(dp[n][e], p.scale, -delta_c);
                     s[n][e] = pv;
                 }
             }
@@ -566,8 +584,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     }
     cp_async_wait<0>();
 #if RINGATTN_STAGED_EPILOGUE
-    // dk = scale acc and dv through shared memory (the tiles are free once every warp is past
-    // the loop), one after the other, each row leaving in 16-byte stores.
+    // dk (the accumulator, scaled already) and dv through shared memory (the tiles are free
+    // once every warp is past the loop), one after the other, each row leaving in 16-byte stores.
     constexpr int kStageStride = StageStride<Tr::kDOut>::value;
     static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmem, "a warp's dk or dv rows fit where the tiles were");
     float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
@@ -575,9 +593,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto key_row = [&](int r) {
         return w0 + r < p.s_k ? ((bi * p.s_k + w0 + r) * p.h_kv + hk) * d + col0 : int64_t(-1);
     };
-    const float scale2[2] = {p.scale, p.scale}, one2[2] = {1.0f, 1.0f};
+    const float one2[2] = {1.0f, 1.0f};  // (dk holds scale dS^T Q already)
     __syncthreads();
-    stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dk), scale2);
+    stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dk), one2);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_row, p.dk, static_cast<uint16_t*>(nullptr));
     __syncthreads();
@@ -593,8 +611,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         for (int n = 0; n < kOT; ++n) {
             const int64_t c = int64_t(c0 + n) * 8 + 2 * t;
             if (c < d) {
-                gmem_store(p.dk + base + c, dk[n][2 * r] * p.scale);
-                gmem_store(p.dk + base + c + 1, dk[n][2 * r + 1] * p.scale);
+                gmem_store(p.dk + base + c, dk[n][2 * r]);
+                gmem_store(p.dk + base + c + 1, dk[n][2 * r + 1]);
                 gmem_store(p.dv + base + c, dv[n][2 * r]);
                 gmem_store(p.dv + base + c + 1, dv[n][2 * r + 1]);
             }

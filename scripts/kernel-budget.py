@@ -13,8 +13,11 @@ The model (stated here, used everywhere below):
     instructions, i.e. the loop over streamed K/V (or Q) tiles. Inside it, edges leaving the
     loop and the back edges of inner loops are dropped, which leaves a DAG.
   * Paths: of the paths from the loop head to its back edge that issue the most HMMAs (a full
-    tile: paths that skip the MMAs are fully masked tiles), the shortest is the "fast" path (no
-    mask work: the unmasked, interior tile) and the longest the "masked" path (mask evaluated).
+    tile: paths that skip the MMAs are fully masked tiles), then the most LDGSTS (a tile that
+    prefetches the next), then the most global atomics (an interior tile adds its nonzero
+    results: a path branching around each add is not the steady state), the shortest is the
+    "fast" path (no mask work: the unmasked, interior tile) and the longest the "masked" path
+    (mask evaluated).
     Predicated instructions count as issued (they take an issue slot either way).
   * Inner loops left on the fast path are counted once (their counts are then lower bounds;
     loops holding cp.async are scaled to the tile's copy volume, below), and the kernel fails
@@ -211,8 +214,11 @@ def analyse(insns):
         c = Counter()
         for x in b:
             c["insns"] += 1
-            c[x[2].split(".")[0]] += 1
+            base = x[2].split(".")[0]
+            c[base] += 1
             c["smem"] += smem_bytes(x[2])
+            if base in ("RED", "REDG", "ATOM", "ATOMG"):
+                c["atomics"] += 1
         stats.append(c)
     loops = []
     for latch, header in back_edges(succ, [0]):
@@ -259,23 +265,24 @@ def analyse(insns):
         return c
 
     # Steady state: the most HMMAs (a full tile), then the most LDGSTS (the next tile's
-    # prefetch: not the last tile), then the fewest instructions (fast) or the most (masked).
+    # prefetch: not the last tile), then the most global atomics (the adds of an interior
+    # tile), then the fewest instructions (fast) or the most (masked).
     fast, slow = {}, {}
     for table, sign in ((fast, -1), (slow, 1)):
         c = weigh(header)
-        table[header] = (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
+        table[header] = (c["HMMA"], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
         for k in order:
             if k not in table:
                 continue
             for s in dag[k]:
-                c = table[k][3] + weigh(s)
-                cand = (c["HMMA"], c["LDGSTS"], sign * c["insns"], c)
-                if s not in table or cand[:3] > table[s][:3]:
+                c = table[k][4] + weigh(s)
+                cand = (c["HMMA"], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
+                if s not in table or cand[:4] > table[s][:4]:
                     table[s] = cand
     if latch not in fast:
         return None
     # Inner loops on the fast path (a loop duplicated on another path does not count).
-    return {"inner_loops": fast[latch][3]["inner_loops"], "fast": fast[latch][3], "masked": slow[latch][3]}
+    return {"inner_loops": fast[latch][4]["inner_loops"], "fast": fast[latch][4], "masked": slow[latch][4]}
 
 
 def scale_inner(c, expected_ldgsts):
