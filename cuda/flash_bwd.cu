@@ -341,7 +341,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             smem_store(row + 4 * Tr::kDsStride, pack2<T>(ds[n][2], ds[n][3]));  // key row g + 8
         }
     };
-    auto block_dq = [&](int64_t hq, int64_t q0) {
+    auto block_dq_as = [&](int64_t hq, int64_t q0, auto whole_tile, bool whole_rt) {
+        constexpr bool whole = decltype(whole_tile)::value;
         constexpr int kRT = kM / 16, kNTD = D / 8, kJ = kNTD / Tr::kWarps;
         static_assert(!kAtomicDq || kNTD % Tr::kWarps == 0, "the warps share the dq tile's n-tiles evenly");
         // This warp's pieces: n-tiles warp + 4 j of every 16-row tile rt, in chunks of up to 4
@@ -352,13 +353,12 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // (adding 0 changes nothing; a test and branch per element cost more than the add),
         // from one pointer per row (rows g and g + 8 of each 16-row tile) and this thread's
         // first column: the warp's n-tiles are constant offsets from it.
-        const bool whole = q0 + kM <= p.s_q && d == D;
         const int64_t row_step = p.h_q * d;
         float* dq_rows = p.dq + ((bi * p.s_q + q0 + g) * p.h_q + hq) * d + warp * 8 + 2 * t;
         // Pieces (rt, n-tile warp + 4 j).
         auto add = [&](const float (&c)[4], int rt, int j) {
             const int n = warp + Tr::kWarps * j;
-            if (whole) {
+            if (whole || whole_rt) {
                 float* lo = dq_rows + (rt * 16) * row_step;
                 float* hi = lo + 8 * row_step;
                 atomicAdd(lo + Tr::kWarps * 8 * j, c[0]);
@@ -376,13 +376,28 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 }
             }
         };
+        // K fragment rows kk*16 + lane % 16 at n-tile warp + 4 (j + lane / 16) (lanes 16.. address
+        // the second n-tile of an x4 load; x2 loads ignore them). Where a row holds a power of
+        // two of chunks and every pair starts at an even j, the swizzled chunk is one XOR of a
+        // per-thread constant: (warp | 4 m) ^ s = (warp ^ s) ^ 4 m, and 4 (j + h) = 4 j ^ 4 h.
+        constexpr bool kXorB = ((S / 8) & (S / 8 - 1)) == 0 && (kChunk % 2 == 0 || kChunk == kJ);
+        const int kb = (lane % 16) * S + ((warp ^ (lane & W) ^ (4 * (lane / 16))) << 3);
+        auto kfrag = [&](int kk, int j) {
+            const uint16_t* row = ks + kk * 16 * S;
+            if constexpr (kXorB) {
+                row += kb ^ (32 * j);
+            } else {
+                row += swz<S, W>(lane % 16, warp + Tr::kWarps * (j + lane / 16));
+            }
+            return row;
+        };
         if constexpr (kJ == 1 && kRT > 1) {
             // One n-tile per warp: its K fragment of each key step serves every row tile.
             float c[kRT][4] = {};
             RINGATTN_UNROLL
             for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
                 uint32_t b[2];
-                ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp));
+                ldmatrix_x2_trans(b, kfrag(kk, 0));
                 RINGATTN_UNROLL
                 for (int rt = 0; rt < kRT; ++rt) {
                     uint32_t a[4];
@@ -411,13 +426,12 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     for (int jj = 0; jj < kChunk; jj += 2) {
                         if (jj + 1 < kChunk) {  // two n-tiles in one ldmatrix: lanes 16.. address the second
                             uint32_t b[4];
-                            const int n = warp + Tr::kWarps * (j0 + jj + lane / 16);
-                            ldmatrix_x4_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, n));
+                            ldmatrix_x4_trans(b, kfrag(kk, j0 + jj));
                             mma_16816<T>(c[jj], a, b);
                             mma_16816<T>(c[jj + 1], a, b + 2);
                         } else {
                             uint32_t b[2];
-                            ldmatrix_x2_trans(b, ks + swz<S, W>(kk * 16 + lane % 16, warp + Tr::kWarps * (j0 + jj)));
+                            ldmatrix_x2_trans(b, kfrag(kk, j0 + jj));
                             mma_16816<T>(c[jj], a, b);
                         }
                     }
@@ -426,6 +440,18 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 for (int jj = 0; jj < kChunk; ++jj) add(c[jj], rt, j0 + jj);
             }
         }
+    };
+    // Up to class 128 one branch per tile between two copies of the product (a whole tile's
+    // without tests); above, one copy that branches per add (sm_120 spilled d256 with two).
+    auto block_dq = [&](int64_t hq, int64_t q0) {
+        const bool whole_tile = q0 + kM <= p.s_q && d == D;
+        if constexpr (D <= 128) {
+            if (whole_tile) {
+                block_dq_as(hq, q0, std::true_type{}, true);
+                return;
+            }
+        }
+        block_dq_as(hq, q0, std::false_type{}, whole_tile);
     };
 
     float dk[kOT][4], dv[kOT][4];
