@@ -711,7 +711,8 @@ pub mod geometry {
         /// run, one more pass over S and dP.
         #[default]
         Deterministic,
-        /// The dk/dv kernel adds its dS·K into a zeroed f32 dq with atomics (no dq kernel):
+        /// The dk/dv kernel adds its dS·K into a zeroed f32 dq with atomics, one per dq element
+        /// per 64-key block (no dq kernel; S and dP once per pair up to head-dim class 96):
         /// less work, but the order of the additions, hence the last bits of dq, varies.
         Atomic,
     }

@@ -31,7 +31,8 @@
 //! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
 //! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
 //! global-position blocks; arithmetic and accumulation in f32; the backward is deterministic
-//! by default (no atomics), or adds dq with f32 atomics under `DqMode::Atomic`.
+//! by default (no atomics), or adds dq with f32 atomics under `DqMode::Atomic` (one add per
+//! dq element per 64-key block).
 //!
 //! The embedded image is chosen per GPU ([`image_for`]): the cubin of its architecture
 //! (`sm_80` on A100 and, binary compatible, the other 8.x GPUs; `sm_90a` on H100/H200;
