@@ -419,7 +419,7 @@ pub fn spmd_shared<T: Send>(
     run_each(&comms, options.threads_per_rank, |c| f(c.clone()))
 }
 
-/// [`spmd_shared`] over the members of any group (a [`crate::cuda::DeviceComm`] group of
+/// [`spmd_shared`] over the members of any group (a `cuda::DeviceComm` group of
 /// ranks sharing one GPU, or any other [`Communicator`]): one thread per rank, each handed
 /// its own member as an owned `Arc`; a rank whose closure errors or panics aborts the group,
 /// so the others fail promptly instead of waiting. Results are indexed by position in
