@@ -391,6 +391,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             }
             return row;
         };
+        // dS fragment rows: queries rt*16.. x keys kk*16.., from its key-major rows (transposed).
+        auto ds_frag = [&](int kk, int rt) {
+            return ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 + (lane / 8) % 2 * 8;
+        };
         if constexpr (kJ == 1 && kRT > 1) {
             // One n-tile per warp: its K fragment of each key step serves every row tile.
             float c[kRT][4] = {};
@@ -401,8 +405,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int rt = 0; rt < kRT; ++rt) {
                     uint32_t a[4];
-                    ldmatrix_x4_trans(a, ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 +
-                                             (lane / 8) % 2 * 8);
+                    ldmatrix_x4_trans(a, ds_frag(kk, rt));
                     mma_16816<T>(c[rt], a, b);
                 }
             }
@@ -417,11 +420,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 float c[kChunk][4] = {};
                 RINGATTN_UNROLL
                 for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-                    // dS: queries rt*16.. x keys kk*16.. (key-major rows, transposed); K: keys
-                    // kk*16.. x columns n*8.. (transposed).
                     uint32_t a[4];
-                    ldmatrix_x4_trans(a, ds_s + (kk * 16 + (lane / 16) * 8 + lane % 8) * Tr::kDsStride + rt * 16 +
-                                             (lane / 8) % 2 * 8);
+                    ldmatrix_x4_trans(a, ds_frag(kk, rt));
                     RINGATTN_UNROLL
                     for (int jj = 0; jj < kChunk; jj += 2) {
                         if (jj + 1 < kChunk) {  // two n-tiles in one ldmatrix: lanes 16.. address the second
