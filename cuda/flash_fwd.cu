@@ -4,8 +4,8 @@
 //
 // A block owns kBlockM query rows of one (batch, query head); each of its 4 warps owns
 // kWarpRows: 32 (two 16-row m-tiles, FlashAttention-2's 128-row blocks) at head-dim classes
-// 32, 64 and 128, 16 at 96 and above. K/V tiles of kBlockN keys are double-buffered in shared memory by cp.async
-// (the next tile loads while this one computes). Per tile, each warp: evaluates the mask on
+// 32, 64 and 128, 16 at 96 and above. K/V tiles of kBlockN keys are double-buffered in shared
+// memory by cp.async (the next tile loads while this one computes). Per tile, each warp: evaluates the mask on
 // global positions for its kWarpRows x kBlockN scores (a warp whose scores are all masked
 // skips the tile); S = Q K^T with mma.sync m16n8k16 on ldmatrix fragments (each K fragment
 // feeds every m-tile); the online softmax on the accumulator fragments (base 2, the row max
@@ -24,8 +24,8 @@
 // Build: at class 128 the accumulators take 192 of the 255 registers; under ptxas's default
 // register-usage level (5) its scheduler computes fragment addresses early and spilled on
 // some architecture for every loop shape tried (8 to 108 bytes; sm_80 with this one), at
-// level 3 it fits on sm_80, sm_90a, sm_100 and sm_120 (checked by the SASS gates). The line below is read
-// by build.rs and scripts/sass-gates.sh:
+// level 3 it fits on sm_80, sm_90a, sm_100 and sm_120 (checked by the SASS gates). The line
+// below is read by build.rs and scripts/sass-gates.sh:
 // ptxas-options: --register-usage-level=3
 //
 // Note: as in FlashAttention, a masked key whose value row holds NaN or Inf inside a tile
@@ -121,9 +121,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
     }
-    // Per row: the base of the exponentials (scaled, base 2; -inf until a score is visible),
-    // its negation (0 while -inf), the max the base may lag (below: lazy rescaling), this
-    // thread's share of the row sum.
+    // Per row: the base of the exponentials (scaled, base 2; -inf until a score is visible;
+    // its negation and the slack of the lazy rescaling below are derived from it per tile),
+    // this thread's share of the row sum.
     float m[kR], l[kR];
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) m[r] = -INFINITY, l[r] = 0.0f;
