@@ -19,7 +19,8 @@
 // is one more pass over S and dP. The atomic variant ringattn_flash_bwd_dkdvq_*_d{D} also
 // adds scale dS K into a zeroed dq with f32 atomics — per query tile, the block's dS^T goes
 // through shared memory and the block multiplies it by its 64 keys, so each dq element takes
-// one atomic add per key block — and the dq kernel is not launched. P and dS are rounded to the input type as mma operands.
+// one atomic add per key block — and the dq kernel is not launched. P and dS (times the
+// softmax scale in the dk/dv kernel) are rounded to the input type as mma operands.
 // Launch (src/kernels.rs `geometry::backward`): rowsum grid ceil(b h_q s_q / 256) x 256
 // threads; dq grid (ceil(s_q / 64), h_q, b) x 128, DqTraits<D>::kSmem; dkdv grid
 // (ceil(s_k / 64) kSplits, h_kv, b) x 128, DkDvTraits<D>::kSmem.
