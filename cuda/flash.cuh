@@ -98,7 +98,10 @@ struct SwzRow {
 
 // Stages rows r0 .. r0 + rows of a [b, s, h, d] 16-bit tensor (batch bi, head hi) into the
 // swizzled `tile` with cp.async; rows past s and columns past d are zero-filled.
-template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+// kInteriorPath: a second copy of the chunk loop, without per-chunk tests, for threads whose
+// chunks all lie inside (interior tiles): it pays in the dk/dv kernel's query stage, not in
+// the forward's (where ptxas then spends more instructions per tile).
+template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads, bool kInteriorPath = false>
 __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x, int64_t bi, int64_t s, int64_t h,
                                                int64_t hi, int64_t d, int64_t r0) {
     constexpr int kTotal = kRows * kChunks;
@@ -127,6 +130,16 @@ __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x
         const int64_t left = col * 8 < d ? s - r0 - r_first : 0;
         const uint16_t* src = base + (r0 + r_first) * row_stride + col * 8;
         const int64_t step = kRowStep * row_stride;
+        if (kInteriorPath && left > (kIters - 1) * kRowStep) {
+            RINGATTN_UNROLL
+            for (int i = 0; i < kIters; ++i) {
+                const int r = r_first + i * kRowStep;
+                if (kRows % kRowStep != 0 && r >= kRows) break;
+                cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), src, 16u);
+                src += step;
+            }
+            return;
+        }
         RINGATTN_UNROLL
         for (int i = 0; i < kIters; ++i) {
             const int r = r_first + i * kRowStep;
@@ -240,8 +253,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 #define DKDV_BLOCK_M(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
 #endif
 
-// Backward dq kernel: like the forward, 4 warps of 16 query rows; Q and dO tiles stay, K/V
-// tiles of kBlockN keys stream through kStages buffers (two when they fit in 99 KiB).
+// Backward dq kernel (deterministic backward from head-dim class 128): like the forward, 4
+// warps of 16 query rows; Q and dO tiles stay, K/V tiles of kBlockN keys stream through
+// kStages buffers (two when they fit in 99 KiB).
 template <int D>
 struct DqTraits : TileGeom<D> {
     using G = TileGeom<D>;
@@ -257,28 +271,46 @@ struct DqTraits : TileGeom<D> {
     static_assert(D / 2 + kBlockN <= 160, "dq, S and dP accumulators within the register budget");
 };
 
+// What the dk/dv kernel does with dq (cuda/flash_bwd.cu).
+enum class DqAccum {
+    // Nothing: the dq kernel computes it (the deterministic backward from head-dim class 128).
+    kNone,
+    // Adds its block's dS K in 32-bit fixed point with integer atomics: each term in its row's
+    // power-of-two unit (exact), rounded to an integer and added with an integer atomic.
+    // Integer addition is associative, so dq is bit-identical whatever the order of the blocks
+    // (the deterministic backward up to class 96: five products).
+    kFixed,
+    // Adds it with f32 atomics: the order of the additions, hence dq's last bits, varies run
+    // to run (DqMode::Atomic).
+    kF32,
+};
+
 // Backward dk/dv kernel: 4 warps of 16 key rows (K and V tiles stay); query tiles of
-// kBlockM rows (Q, dO, lse, delta) stream through kStages buffers. Head dims above 128 are
-// split in kSplits column ranges of kDOut columns (one block per range), so that the dk and
-// dv accumulators fit in registers. The atomic-dq variant (kAtomicDq) also adds dS K into dq
-// (the whole block's 64 keys per product, after the dk/dv products, from shared memory: one
-// atomic add per dq element per key block) with the same query tiles; S and dP are computed
-// once per pair up to d = 96 (five products). At 128 it splits the columns too: unsplit,
-// ptxas spilled 4 to 32 bytes on every architecture (the query stage's hoisted addresses).
-template <int D, bool kAtomicDq = false>
+// kBlockM rows (Q, dO, lse, scale delta, and with dq the rows' fixed-point units) stream
+// through kStages buffers. With dq (kFixed, kF32) it also adds dS K into dq — the whole
+// block's 64 keys per product, after the dk/dv products, dS^T through shared memory: one
+// atomic add per dq element per key block — computing S and dP once per pair up to d = 96
+// (five products). Head dims above 128, and 128 with dq, are split in kSplits column ranges
+// of kDOut columns (one block per range, S and dP computed in each; the first adds dq), so
+// that the accumulators fit in registers: unsplit at 128 with dq, ptxas spilled 4 to 32 bytes
+// on every architecture (the query stage's hoisted addresses).
+template <int D, DqAccum kAccum = DqAccum::kNone>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
+    static constexpr bool kWithDq = kAccum != DqAccum::kNone;
     static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
     static constexpr int kBlockM = DKDV_BLOCK_M(D);
-    static constexpr int kSplits = D > 128 || (kAtomicDq && D == 128) ? 2 : 1;
+    static constexpr int kSplits = D > 128 || (kWithDq && D == 128) ? 2 : 1;
     static constexpr int kDOut = D / kSplits;
-    static constexpr int kSmemKV = kBlockN * G::kRowBytes;                         // one of K, V
-    static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
-    // Atomic dq: the block's dS^T (its 64 keys x the query tile, 16-bit, key-major) for the
+    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V
+    // Q, dO, then f32 per query row: lse, scale delta (and the unit with dq).
+    static constexpr int kRowScalars = kWithDq ? 3 : 2;
+    static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + kRowScalars * kBlockM * 4;
+    // With dq: the block's dS^T (its 64 keys x the query tile, 16-bit, key-major) for the
     // block-level dq product, rows padded by 8 elements (ldmatrix.trans rows on distinct
     // banks); then one int per warp: whether it ran the tile.
     static constexpr int kDsStride = kBlockM + 8;
-    static constexpr int kSmemDs = kAtomicDq ? kBlockN * kDsStride * 2 + kWarps * 4 : 0;
+    static constexpr int kSmemDs = kWithDq ? kBlockN * kDsStride * 2 + kWarps * 4 : 0;
     static constexpr int kStages = 2 * kSmemKV + 2 * kSmemStage + kSmemDs <= 99 * 1024 ? 2 : 1;
     static constexpr int kSmem = 2 * kSmemKV + kStages * kSmemStage + kSmemDs;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");

@@ -3,27 +3,44 @@
 //   p_ij = exp(scale q_i.k_j - lse_i) for visible pairs, 0 otherwise;
 //   delta_i = sum_c d_o[i][c] o[i][c];   ds_ij = p_ij (d_o_i.v_j - delta_i);
 //   dv_j = sum_i p_ij d_o_i;   dk_j = scale sum_i ds_ij q_i;   dq_i = scale sum_j ds_ij k_j.
-// Three kernels, none with atomics, so the gradients are bit-identical run to run:
+// The kernels (src/kernels.rs `geometry::backward` picks and launches them):
 //   ringattn_flash_bwd_rowsum_{bf16,f16}        one thread per (b, h_q, i): delta;
+//   ringattn_flash_bwd_dkdv{,qfx,q}_{bf16,f16}_d{D}  a block per 64 key rows (4 warps x 16)
+//       and column range, streaming the query tiles of every query head of its GQA group in a
+//       fixed order: S^T = K Q^T and dP^T = V dO^T, then dv += P^T dO and dk += dS^T Q; the
+//       qfx and q variants also add dq += dS K for the block's 64 keys (dS^T through shared
+//       memory: one atomic add per dq element per key block), in fixed point (qfx) or with
+//       f32 atomics (q);
 //   ringattn_flash_bwd_dq_{bf16,f16}_d{D}       a block per 64 query rows (4 warps x 16),
 //       streaming K/V tiles: S = Q K^T and dP = dO V^T on mma.sync, P and dS on the
 //       fragments, dq += dS K with dS reused from registers and K by ldmatrix.trans;
-//   ringattn_flash_bwd_dkdv[q]_{bf16,f16}_d{D}  a block per 64 key rows (4 warps x 16) and
-//       column range, streaming the query tiles of every query head of its GQA group in a
-//       fixed order: S^T = K Q^T and dP^T = V dO^T, then dv += P^T dO and dk += dS^T Q.
+//   ringattn_flash_bwd_kvbound_{bf16,f16}       a warp per key row: kv_bound = (max |k_jc|,
+//       max ||v_j||) per (b, h_kv) by unsigned atomicMax on the f32 bits (into zeros);
+//   ringattn_flash_bwd_rowunit_{bf16,f16}       one thread per (b, h_q, i): dq_unit;
+//   ringattn_flash_bwd_dqconvert_{bf16,f16}     a warp per dq row: fixed point to f32, in place.
+// The deterministic backward (the default, bit-identical run to run): up to head-dim class
+// 96, kvbound, rowunit, dkdvqfx and dqconvert — S and dP once per pair, five products; from
+// 128, where the dk/dv kernel with dq must split its columns (so computes S and dP twice
+// anyway), dq beside dkdv: seven products either way, and the pair issues fewer instructions
+// per HMMA (docs/kernel-budget.md). The atomic mode: dkdvq at every class.
+// Fixed-point dq: every term of row i is bounded, |scale ds_ij k_jc| <= p_ij r_i with
+//   r_i = |scale| max|k| (||d_o_i|| max||v|| + |delta_i|),
+// and sum_j p_ij <= 1 (lse covers the whole key set), so |dq_ic| <= r_i. With the unit
+// 2^(ceil(log2 r_i) - 29) (dq_unit holds its inverse), each 64-key sum of the block's dq
+// product is taken in units of its row (times a power of two: exact), rounded to an integer
+// and added with an integer atomic. Integer addition is associative, so dq is bit-identical
+// whatever order the blocks run in; it stays below 2^29 (1 + rounding) + (key blocks) / 2 <
+// 2^31 in magnitude, and its error below (key blocks) / 2 units, i.e. 2^-30 r_i per key
+// block: finer than f32 accumulation's. A non-finite r_i gives a NaN unit and a NaN dq row.
 // Masked calls bound both loops from the granule bounds (MaskParams k_bounds, q_bounds):
-// the dq kernel visits the key tiles and the dk/dv kernel the query tiles that a row of
-// the block may see; tiles fully visible to a warp run without the mask, fully masked ones
-// are skipped (flash.cuh TileClass).
-// By default dq is recomputed by its own kernel instead of atomics: the price of determinism
-// is one more pass over S and dP. The atomic variant ringattn_flash_bwd_dkdvq_*_d{D} also
-// adds scale dS K into a zeroed dq with f32 atomics — per query tile, the block's dS^T goes
-// through shared memory and the block multiplies it by its 64 keys, so each dq element takes
-// one atomic add per key block — and the dq kernel is not launched. P and dS (times the
-// softmax scale in the dk/dv kernel) are rounded to the input type as mma operands.
-// Launch (src/kernels.rs `geometry::backward`): rowsum grid ceil(b h_q s_q / 256) x 256
-// threads; dq grid (ceil(s_q / 64), h_q, b) x 128, DqTraits<D>::kSmem; dkdv grid
-// (ceil(s_k / 64) kSplits, h_kv, b) x 128, DkDvTraits<D>::kSmem.
+// the dq kernel visits the key tiles and the dk/dv kernel the query tiles that a row of the
+// block may see; tiles fully visible to a warp run without the mask, fully masked ones are
+// skipped (flash.cuh TileClass). P and dS (times the softmax scale in the dk/dv kernel) are
+// rounded to the input type as mma operands.
+// Launch: rowsum and rowunit grid ceil(b h_q s_q / 256) x 256 threads; kvbound and
+// dqconvert a warp per row, min(ceil(rows / 8), 4096) x 256; dq grid (ceil(s_q / 64), h_q,
+// b) x 128, DqTraits<D>::kSmem; dkdv* grid (ceil(s_k / 64) kSplits, h_kv, b) x 128,
+// DkDvTraits<D, kAccum>::kSmem.
 #include "flash.cuh"
 
 
@@ -39,6 +56,79 @@ __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
     gmem_store(p.delta + row, acc);
 }
 
+// kv_bound[2 (b h_kv + hk)] = max_{j,c} |k_jc| and [.. + 1] = max_j ||v_j|| over the call's
+// keys of head hk, a warp per key row. Non-negative f32 values order as their bits (and NaN
+// above +inf, so a NaN propagates): unsigned atomicMax into the caller's zeros.
+template <typename T>
+__device__ void flash_bwd_kvbound(const FlashBwdParams& p) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.b * p.s_k * p.h_kv;
+    for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+        float kmax = 0.0f, v2 = 0.0f;
+        for (int64_t c = lane; c < p.d; c += 32) {
+            const float kc = fabsf(T::to_float(gmem_load(p.k + r * p.d + c)));
+            const float vc = T::to_float(gmem_load(p.v + r * p.d + c));
+            kmax = kc > kmax || kc != kc ? kc : kmax;
+            v2 = fmaf(vc, vc, v2);
+        }
+        RINGATTN_UNROLL
+        for (int o = 16; o > 0; o /= 2) {
+            const float ko = __shfl_xor_sync(0xffffffffu, kmax, o);
+            kmax = ko > kmax || ko != ko ? ko : kmax;
+            v2 += __shfl_xor_sync(0xffffffffu, v2, o);
+        }
+        if (lane == 0) {
+            const int64_t hk = r % p.h_kv, bi = r / (p.s_k * p.h_kv);
+            unsigned* slot = reinterpret_cast<unsigned*>(p.kv_bound + 2 * (bi * p.h_kv + hk));
+            atomicMax(slot, __float_as_uint(kmax));
+            atomicMax(slot + 1, __float_as_uint(sqrtf(v2)));
+        }
+    }
+}
+
+// dq_unit[(b, h_q, i)] = 2^(29 - ceil(log2 r_i)), r_i = scale max|k| (||d_o_i|| max||v|| +
+// |delta_i|) (the header's bound on |dq_ic|): 1 where r_i = 0 (the row's dq terms are zero),
+// 2^127 below 2^-98, NaN where r_i is not finite. One thread per row.
+template <typename T>
+__device__ void flash_bwd_rowunit(const FlashBwdParams& p) {
+    const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // index of [b, h_q, s_q]
+    if (row >= p.b * p.h_q * p.s_q) return;
+    const int64_t i = row % p.s_q, hq = (row / p.s_q) % p.h_q, bi = row / (p.s_q * p.h_q);
+    const int64_t hk = hq / (p.h_q / p.h_kv);
+    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d;
+    float n2 = 0.0f;
+    for (int64_t c = 0; c < p.d; ++c) {
+        const float x = T::to_float(gmem_load(p.d_o + base + c));
+        n2 = fmaf(x, x, n2);
+    }
+    const float kmax = gmem_load(p.kv_bound + 2 * (bi * p.h_kv + hk));
+    const float vmax = gmem_load(p.kv_bound + 2 * (bi * p.h_kv + hk) + 1);
+    const float r = fabsf(p.scale) * kmax * fmaf(sqrtf(n2), vmax, fabsf(gmem_load(p.delta + row)));
+    float unit = 1.0f;
+    if (!(r < INFINITY)) {
+        unit = NAN;  // NaN or +inf
+    } else if (r > 0.0f) {
+        int e = 0;
+        frexpf(r, &e);  // r < 2^e
+        unit = __uint_as_float(unsigned(127 + (e < -98 ? 127 : 29 - e)) << 23);
+    }
+    gmem_store(p.dq_unit + row, unit);
+}
+
+// Fixed-point dq (int32 words in the f32 buffer) to f32 in place: dq_ic / dq_unit_i (exact
+// division by a power of two; NaN where the unit is NaN). A warp per row of [b, s_q, h_q].
+__device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.b * p.s_q * p.h_q;
+    for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+        const int64_t hq = r % p.h_q, i = (r / p.h_q) % p.s_q, bi = r / (p.h_q * p.s_q);
+        const float unit = gmem_load(p.dq_unit + (bi * p.h_q + hq) * p.s_q + i);
+        for (int64_t c = lane; c < p.d; c += 32) {
+            float* at = p.dq + r * p.d + c;
+            gmem_store(at, float(int(__float_as_uint(gmem_load(at)))) / unit);
+        }
+    }
+}
 
 // The dq kernel's S/dP loop at d128: unrolled by RINGATTN_DQ_UNROLL_D128 of its 8 steps —
 // all of them since the tile code exists once and the K/V staging and fragment addresses
@@ -260,12 +350,17 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
 // steps — all of them since the tile code exists once (no spills on sm_80 ... sm_120; 5.9 ->
 // 5.1 instructions per HMMA on sm_90a, no inner loop); override with -D to experiment.
 #ifndef RINGATTN_DKDV_UNROLL_D128
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define RINGATTN_DKDV_UNROLL_D128 4  // sm_100 and later: fully unrolled, ptxas spills 8 bytes
+#else
 #define RINGATTN_DKDV_UNROLL_D128 8
 #endif
+#endif
 
-template <typename T, int D, bool kAtomicDq>
+template <typename T, int D, DqAccum kAccum>
 __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
-    using Tr = DkDvTraits<D, kAtomicDq>;
+    using Tr = DkDvTraits<D, kAccum>;
+    constexpr bool kFixed = kAccum == DqAccum::kFixed, kWithDq = Tr::kWithDq;
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
     // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
     constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DKDV_UNROLL_D128 : D / 16;
@@ -283,6 +378,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto do_tile = [&](int buf) { return q_tile(buf) + kM * S; };
     auto lse_tile = [&](int buf) { return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + 2 * kM * Tr::kRowBytes); };
     auto delta_tile = [&](int buf) { return lse_tile(buf) + kM; };
+    auto unit_tile = [&](int buf) { return lse_tile(buf) + 2 * kM; };
 
     // This thread's two key rows (g and g + 8 of the warp's 16).
     const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
@@ -314,24 +410,32 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
     stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
     cp_async_commit();
-    // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq.
+    // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq,
+    // advanced step by step: a division per tile (64-bit: a subroutine call; 32-bit: about 50
+    // instructions) costs more than the tile's bookkeeping. (32-bit: heads and tiles fit.)
     const int64_t nq = qt_end - qt_begin, steps = group * nq;
-    auto stage_q = [&](int buf, int64_t it) {
-        const int64_t hq = hk * group + it / nq, q0 = (qt_begin + it % nq) * kM;
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+    struct Step {
+        int head, qtile;  // head within the GQA group, query tile
+    };
+    const int qt_first = int(qt_begin), qt_last = int(qt_end) - 1;
+    auto advance = [&](Step x) { return x.qtile < qt_last ? Step{x.head, x.qtile + 1} : Step{x.head + 1, qt_first}; };
+    auto stage_q = [&](int buf, Step x) {
+        const int64_t hq = hk * group + x.head, q0 = int64_t(x.qtile) * kM;
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
             const bool in = q0 + r < p.s_q;
             const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
             smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
             smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.scale : 0.0f);  // scale delta
+            if (kFixed) smem_store(unit_tile(buf) + r, in ? gmem_load(p.dq_unit + st) : 0.0f);
         }
     };
 
-    // Atomic dq: dS^T (the block's 64 keys x the query tile) in shared memory, each warp its 16
-    // key rows; then dq (query tile x D) += scale dS K over all 64 keys, the warps splitting the
-    // (16-row tile, 8-column n-tile) pairs, dS by ldmatrix.trans from its key-major rows and K by
-    // ldmatrix.trans: one atomic add per dq element per key block (not one per warp).
+    // dq: dS^T (the block's 64 keys x the query tile) in shared memory, each warp its 16 key
+    // rows; then dq (query tile x D) += scale dS K over all 64 keys, the warps splitting the
+    // (16-row tile, 8-column n-tile) pairs, dS by ldmatrix.trans from its key-major rows and K
+    // by ldmatrix.trans: one atomic add per dq element per key block (not one per warp).
     uint16_t* ds_s = reinterpret_cast<uint16_t*>(stages + Tr::kStages * Tr::kSmemStage);
     int* ran = reinterpret_cast<int*>(ds_s + Tr::kBlockN * Tr::kDsStride);
     auto store_ds = [&](const float (&ds)[kMT][4]) {
@@ -342,14 +446,26 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             smem_store(row + 4 * Tr::kDsStride, pack2<T>(ds[n][2], ds[n][3]));  // key row g + 8
         }
     };
-    auto block_dq_as = [&](int64_t hq, int64_t q0, auto whole_tile, bool whole_rt) {
+    // One dq term of a row whose unit is `unit`: an f32 atomic add, or in fixed point the term
+    // in the row's units (times a power of two: exact, the same bits as scaling dS before its
+    // rounding) rounded to an integer and added to the word with an integer atomic
+    // (associative: the order of the blocks does not matter).
+    auto red_dq = [&](float* at, float x, float unit) {
+        if constexpr (kFixed) {
+            atomicAdd(reinterpret_cast<int*>(at), __float2int_rn(x * unit));
+        } else {
+            (void)unit;
+            atomicAdd(at, x);
+        }
+    };
+    auto block_dq_as = [&](int64_t hq, int64_t q0, const float* units, auto whole_tile, bool whole_rt) {
         constexpr bool whole = decltype(whole_tile)::value;
         constexpr int kRT = kM / 16, kNTD = D / 8, kJ = kNTD / Tr::kWarps;
-        static_assert(!kAtomicDq || kNTD % Tr::kWarps == 0, "the warps share the dq tile's n-tiles evenly");
+        static_assert(!kWithDq || kNTD % Tr::kWarps == 0, "the warps share the dq tile's n-tiles evenly");
         // This warp's pieces: n-tiles warp + 4 j of every 16-row tile rt, in chunks of up to 4
         // n-tiles that share the A (dS) fragment of each key step.
         constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : 3;
-        static_assert(!kAtomicDq || kJ % kChunk == 0, "whole chunks");
+        static_assert(!kWithDq || kJ % kChunk == 0, "whole chunks");
         // A whole tile (every row inside the call, d the class) adds without per-element tests
         // (adding 0 changes nothing; a test and branch per element cost more than the add),
         // from one pointer per row (rows g and g + 8 of each 16-row tile) and this thread's
@@ -357,15 +473,20 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         const int64_t row_step = p.h_q * d;
         float* dq_rows = p.dq + ((bi * p.s_q + q0 + g) * p.h_q + hq) * d + warp * 8 + 2 * t;
         // Pieces (rt, n-tile warp + 4 j).
+        // Rows g and g + 8 of 16-row tile rt: their units (fixed point).
+        auto row_unit = [&](int rt, int half) {
+            return kFixed ? smem_load(units + rt * 16 + g + 8 * half) : 1.0f;
+        };
         auto add = [&](const float (&c)[4], int rt, int j) {
             const int n = warp + Tr::kWarps * j;
+            const float u[2] = {row_unit(rt, 0), row_unit(rt, 1)};
             if (whole || whole_rt) {
                 float* lo = dq_rows + (rt * 16) * row_step;
                 float* hi = lo + 8 * row_step;
-                atomicAdd(lo + Tr::kWarps * 8 * j, c[0]);
-                atomicAdd(lo + Tr::kWarps * 8 * j + 1, c[1]);
-                atomicAdd(hi + Tr::kWarps * 8 * j, c[2]);
-                atomicAdd(hi + Tr::kWarps * 8 * j + 1, c[3]);
+                red_dq(lo + Tr::kWarps * 8 * j, c[0], u[0]);
+                red_dq(lo + Tr::kWarps * 8 * j + 1, c[1], u[0]);
+                red_dq(hi + Tr::kWarps * 8 * j, c[2], u[1]);
+                red_dq(hi + Tr::kWarps * 8 * j + 1, c[3], u[1]);
                 return;
             }
             RINGATTN_UNROLL
@@ -373,7 +494,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
                 const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
                 if (i < p.s_q && col < d && c[e] != 0.0f) {
-                    atomicAdd(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e]);
+                    red_dq(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e], u[e / 2]);
                 }
             }
         };
@@ -444,15 +565,15 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     };
     // Up to class 128 one branch per tile between two copies of the product (a whole tile's
     // without tests); above, one copy that branches per add (sm_120 spilled d256 with two).
-    auto block_dq = [&](int64_t hq, int64_t q0) {
+    auto block_dq = [&](int64_t hq, int64_t q0, const float* units) {
         const bool whole_tile = q0 + kM <= p.s_q && d == D;
         if constexpr (D <= 128) {
             if (whole_tile) {
-                block_dq_as(hq, q0, std::true_type{}, true);
+                block_dq_as(hq, q0, units, std::true_type{}, true);
                 return;
             }
         }
-        block_dq_as(hq, q0, std::false_type{}, whole_tile);
+        block_dq_as(hq, q0, units, std::false_type{}, whole_tile);
     };
 
     float dk[kOT][4], dv[kOT][4];
@@ -462,16 +583,18 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
     }
 
+    Step step{0, qt_first};
     for (int64_t it = 0; it < steps; ++it) {
         const int buf = Tr::kStages == 2 ? int(it & 1) : 0;
+        const Step next = advance(step);
         if (Tr::kStages == 2) {
-            if (it == 0) stage_q(0, 0);
+            if (it == 0) stage_q(0, step);
             cp_async_commit();
-            if (it + 1 < steps) stage_q(buf ^ 1, it + 1);
+            if (it + 1 < steps) stage_q(buf ^ 1, next);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
-            stage_q(0, it);
+            stage_q(0, step);
             cp_async_commit();
             cp_async_wait<0>();
         }
@@ -480,8 +603,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         const uint16_t* dot = do_tile(buf);
         const float* lt = lse_tile(buf);
         const float* dt = delta_tile(buf);
-        const int64_t qtile = qt_begin + it % nq;
-        const int64_t hq = hk * group + it / nq, q0 = qtile * kM;
+        const int64_t qtile = step.qtile, hq = hk * group + step.head, q0 = qtile * kM;
         // Warp-uniform: a query tile fully visible to the warp's 16 keys (all inside the call)
         // runs without the mask (kFull: its queries see a key, so their lse is finite); a fully
         // masked one is skipped; else the mask per score.
@@ -562,9 +684,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dk[n + 1], as, bq + 2);
                 }
             }
-            // Atomic dq mode: this warp's dS^T rows (rounded as mma operands) into shared memory
-            // for the block's dq product below.
-            if (kAtomicDq && split == 0) store_ds(dp);
+            // This warp's dS^T rows (rounded as mma operands) into shared memory for the block's
+            // dq product below.
+            if (kWithDq && split == 0) store_ds(dp);
         };
         // Fully visible tiles without the mask's selects, the others with them: one call site.
         bool go = in_range && cls.full, masked = false;
@@ -592,22 +714,21 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             }
             if (go) run_tile(masked);
         }
-        if constexpr (kAtomicDq) {
-            if (split == 0) {
-                if (!go) {  // a skipped warp's keys add nothing
-                    const float zero[kMT][4] = {};
-                    store_ds(zero);
-                }
-                if (lane == 0) smem_store(ran + warp, int(go));
-                __syncthreads();  // the block's dS^T is in
-                // Only when a warp ran the tile (the block's 64 keys see one of its queries).
-                bool any = false;
-                RINGATTN_UNROLL
-                for (int w = 0; w < Tr::kWarps; ++w) any = any || smem_load(ran + w) != 0;
-                if (any) block_dq(hq, q0);
+        if (kWithDq && split == 0) {
+            if (!go) {  // a skipped warp's keys add nothing
+                const float zero[kMT][4] = {};
+                store_ds(zero);
             }
+            if (lane == 0) smem_store(ran + warp, int(go));
+            __syncthreads();  // the block's dS^T is in
+            // Only when a warp ran the tile (the block's 64 keys see one of its queries).
+            bool any = false;
+            RINGATTN_UNROLL
+            for (int w = 0; w < Tr::kWarps; ++w) any = any || smem_load(ran + w) != 0;
+            if (any) block_dq(hq, q0, unit_tile(buf));
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
+        step = next;
     }
     cp_async_wait<0>();
 #if RINGATTN_STAGED_EPILOGUE
@@ -651,23 +772,46 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
 extern "C" __global__ void ringattn_flash_bwd_rowsum_bf16(FlashBwdParams p) { flash_bwd_rowsum<Bf16>(p); }
 extern "C" __global__ void ringattn_flash_bwd_rowsum_f16(FlashBwdParams p) { flash_bwd_rowsum<F16>(p); }
 
-// dkdvq: `__launch_bounds__(128, 1)` (one block per SM is enough): with (128) alone ptxas holds
-// the atomic variant at 168 registers and spills. dq: (128, 2): with (128) alone ptxas aims at
-// 3 blocks per SM (168 registers) and spills 16 bytes at d64 on sm_90a.
-#define RINGATTN_BWD_ENTRY(TY, NAME, D)                                                                         \
+extern "C" __global__ void ringattn_flash_bwd_kvbound_bf16(FlashBwdParams p) { flash_bwd_kvbound<Bf16>(p); }
+extern "C" __global__ void ringattn_flash_bwd_kvbound_f16(FlashBwdParams p) { flash_bwd_kvbound<F16>(p); }
+extern "C" __global__ void ringattn_flash_bwd_rowunit_bf16(FlashBwdParams p) { flash_bwd_rowunit<Bf16>(p); }
+extern "C" __global__ void ringattn_flash_bwd_rowunit_f16(FlashBwdParams p) { flash_bwd_rowunit<F16>(p); }
+// (One conversion, named per input type like its neighbours.)
+extern "C" __global__ void ringattn_flash_bwd_dqconvert_bf16(FlashBwdParams p) { flash_bwd_dqconvert(p); }
+extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { flash_bwd_dqconvert(p); }
+
+// Which kernels each head-dim class has (src/kernels.rs `geometry::backward` launches them):
+// the deterministic backward runs the fused fixed-point dkdvqfx up to class 96 (five
+// products) and from 128 the dq kernel beside dkdv (the fused kernel splits the columns there,
+// seven products either way, and the pair issues fewer instructions per HMMA); the atomic
+// mode runs dkdvq at every class. dkdv[q[fx]]: `__launch_bounds__(128, 1)` with dq (one block
+// per SM is enough; with (128) alone ptxas holds it at 168 registers and spills). dq: (128, 2):
+// with (128) alone ptxas aims at 3 blocks per SM (168 registers) and spills 16 bytes at d64.
+#define RINGATTN_BWD_ATOMIC(TY, NAME, D)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kF32>(p);                                                                 \
+    }
+#define RINGATTN_BWD_FIXED(TY, NAME, D)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvqfx_##NAME##_d##D(FlashBwdParams p) { \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kFixed>(p);                                                                 \
+    }
+#define RINGATTN_BWD_SEPARATE(TY, NAME, D)                                                                       \
     extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) { \
         flash_bwd_dq_tc<TY, D>(p);                                                                              \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, false>(p);                                                                     \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, true>(p);                                                                      \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kNone>(p);                                                            \
     }
-#define RINGATTN_BWD_ENTRIES(D) RINGATTN_BWD_ENTRY(Bf16, bf16, D) RINGATTN_BWD_ENTRY(F16, f16, D)
-RINGATTN_BWD_ENTRIES(32)
-RINGATTN_BWD_ENTRIES(64)
-RINGATTN_BWD_ENTRIES(96)
-RINGATTN_BWD_ENTRIES(128)
-RINGATTN_BWD_ENTRIES(192)
-RINGATTN_BWD_ENTRIES(256)
+#define RINGATTN_BWD_BOTH(KIND, D) RINGATTN_BWD_##KIND(Bf16, bf16, D) RINGATTN_BWD_##KIND(F16, f16, D)
+RINGATTN_BWD_BOTH(ATOMIC, 32)
+RINGATTN_BWD_BOTH(ATOMIC, 64)
+RINGATTN_BWD_BOTH(ATOMIC, 96)
+RINGATTN_BWD_BOTH(ATOMIC, 128)
+RINGATTN_BWD_BOTH(ATOMIC, 192)
+RINGATTN_BWD_BOTH(ATOMIC, 256)
+RINGATTN_BWD_BOTH(FIXED, 32)
+RINGATTN_BWD_BOTH(FIXED, 64)
+RINGATTN_BWD_BOTH(FIXED, 96)
+RINGATTN_BWD_BOTH(SEPARATE, 128)
+RINGATTN_BWD_BOTH(SEPARATE, 192)
+RINGATTN_BWD_BOTH(SEPARATE, 256)

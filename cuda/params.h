@@ -68,8 +68,10 @@ static_assert(sizeof(FlashFwdParams) == 184, "FlashFwdParams is mirrored in Rust
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
-// delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dq, dk, dv are
-// f32 and unrounded, written (not accumulated), except dq under dq_atomic, which is added to.
+// delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dk, dv are f32
+// and unrounded, written (not accumulated); dq is added into zeros by the fused kernel — as
+// fixed-point integers (dq_accum 0, deterministic: the dqconvert kernel turns them into f32 in
+// place) or as f32 (dq_accum 1, atomic).
 struct FlashBwdParams {
     const uint16_t* q;    // [b, s_q, h_q, d]
     const uint16_t* k;    // [b, s_k, h_kv, d]
@@ -78,19 +80,20 @@ struct FlashBwdParams {
     const uint16_t* d_o;  // [b, s_q, h_q, d]
     const float* lse;     // [b, h_q, s_q] of the whole key set
     float* delta;         // [b, h_q, s_q] written by the rowsum kernel, read by the others
-    float* dq;            // [b, s_q, h_q, d] written
+    float* dq;            // [b, s_q, h_q, d] zeroed by the caller, added to
     float* dk;            // [b, s_k, h_kv, d] written
     float* dv;            // [b, s_k, h_kv, d] written
+    float* dq_unit;       // [b, h_q, s_q] fixed-point dq: 1 / each row's unit, a power of two
+    float* kv_bound;      // [b, h_kv, 2] fixed-point dq: max |k_jc| and max ||v_j||, zeroed by the caller
     MaskParams mask;
     int64_t b, s_q, s_k, h_q, h_kv, d;
     float scale;
     float scale_log2;
-    int32_t dq_atomic;  // informational: 1 when the dkdvq kernels add into a zeroed dq (no dq
-                        // kernel), 0 when the dq kernel writes it (deterministic)
+    int32_t dq_accum;  // informational: 0 fixed point (DqAccum::kFixed), 1 f32 atomics (kF32)
     int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 224, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 240, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
 // ops.cu: the data movements of the sequence-parallel drivers on device buffers (the

@@ -3,21 +3,21 @@
 //! dynamic shared memory and tile shape of each head-dim class, which only the Rust side of
 //! the kernel/host line knows): `cargo run --example kernel_geometry`.
 
-use ringattn::kernels::geometry::{self, DqMode, HEAD_DIM_CLASSES};
+use ringattn::kernels::geometry::{self, DqAccum, HEAD_DIM_CLASSES};
 use ringattn::Dims;
 
 fn main() {
     for d in HEAD_DIM_CLASSES {
         let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d };
         let (fm, fn_) = geometry::forward_tile(d);
-        let (dm, dn) = geometry::dkdv_tile(d, DqMode::Deterministic);
-        let (am, an) = geometry::dkdv_tile(d, DqMode::Atomic);
+        let (km, kn) = geometry::dkdv_tile(d);
         let (qm, qn) = geometry::dq_tile(d);
         let rows = [
             ("flash_fwd", geometry::forward(&dims), fm, fn_),
             ("flash_bwd_dq", geometry::dq(&dims), qm, qn),
-            ("flash_bwd_dkdv", geometry::dkdv(&dims, DqMode::Deterministic), dn, dm),
-            ("flash_bwd_dkdvq", geometry::dkdv(&dims, DqMode::Atomic), an, am),
+            ("flash_bwd_dkdv", geometry::dkdv(&dims, DqAccum::None), kn, km),
+            ("flash_bwd_dkdvqfx", geometry::dkdv(&dims, DqAccum::Fixed), kn, km),
+            ("flash_bwd_dkdvq", geometry::dkdv(&dims, DqAccum::F32), kn, km),
         ];
         // (family, launch, rows the block keeps, rows of each streamed tile)
         for (family, launch, rows, streamed) in rows {

@@ -29,6 +29,7 @@ MAIN_KERNELS=(
   "ringattn_flash_fwd_*:HMMA,LDSM,LDGSTS"
   "ringattn_flash_bwd_dq_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdv_*:HMMA,LDSM"
+  "ringattn_flash_bwd_dkdvqfx_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdvq_*:HMMA,LDSM"
 )
 TC_ARCHS="sm_90a"

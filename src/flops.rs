@@ -22,8 +22,9 @@
 //!   least one visible pair, the least a kernel that skips empty tiles must compute.
 //! * **Executed FLOPs** ([`executed_flops`]): what an executor's matrix products really
 //!   perform — every product it runs over the whole tiles it computes, with the CUDA kernels'
-//!   head-dim padding and the deterministic backward's recomputation (`S` and `dP` in both
-//!   the dq and the dk/dv kernel: 7 products where the convention counts 5). `ringattn bench`
+//!   head-dim padding and, where the backward computes `S` and `dP` twice (the dq kernel
+//!   beside the dk/dv kernel, or two column ranges: from head-dim class 128), 7 products
+//!   where the convention counts 5. `ringattn bench`
 //!   prints both; the emulator's count of the kernels' multiply-adds checks this one.
 //!
 //! Every count is closed-form per query tile or per document (`O(s_q/block_q + documents)`),
@@ -55,7 +56,7 @@
 //! ```
 
 use crate::cpu::TileConfig;
-use crate::kernels::geometry::{self, DqMode};
+use crate::kernels::geometry::{self, DqAccum, DqMode};
 use crate::{AttentionParams, Dims, Error, Result};
 
 /// FLOPs of the forward per visible pair and head-dimension element: `q·k` and `p·v`, 2
@@ -152,8 +153,8 @@ impl TileShape {
     /// The tiles of the CUDA backward's dk/dv kernel (which runs in both [`DqMode`]s): 64
     /// keys per block × a streamed query tile of 64, 32 or 16 rows by head-dim class
     /// (`DkDvTraits` in `cuda/flash.cuh`; [`geometry::dkdv`]).
-    pub fn cuda_backward(d: usize, mode: DqMode) -> TileShape {
-        let (block_q, block_k) = geometry::dkdv_tile(d, mode);
+    pub fn cuda_backward(d: usize) -> TileShape {
+        let (block_q, block_k) = geometry::dkdv_tile(d);
         TileShape { block_q, block_k }
     }
 }
@@ -231,11 +232,11 @@ pub enum Executor {
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
 ///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)
-///   × a key tile, `S` and `PV`; dq kernel (deterministic backward),
-///   16 query rows × a key tile, `S`, `dP` and `dQ`; dk/dv kernel, a query tile × 16 keys,
-///   `Sᵀ` and `dPᵀ` at full `D` in each of its column ranges, `dV` and `dK` over all columns
-///   once; in the atomic variant `dQ` once per query tile × 64-key block holding a visible
-///   pair (the block's product). Tile shapes from [`geometry`].
+///   × a key tile, `S` and `PV`; dk/dv kernel, a query tile × 16 keys, `Sᵀ` and `dPᵀ` at
+///   full `D` in each of its column ranges, `dV` and `dK` over all columns once; when it adds
+///   dq (atomic mode; deterministic up to class 96) `dQ` once per query tile × 64-key block
+///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
+///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
 ///
 /// ```
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
@@ -246,9 +247,9 @@ pub enum Executor {
 /// let pairs = visible_pairs(&dims, &p)?;
 /// // Unmasked, whole tiles: the forward executes exactly the convention's FLOPs...
 /// assert_eq!(executed_flops(&dims, &p, Pass::Forward, Executor::Kernels(DqMode::Deterministic))?, flops(&dims, pairs, Pass::Forward));
-/// // ... and the deterministic backward 7 products where the convention counts 5.
+/// // ... and so does the backward: five products, S and dP once per pair.
 /// let bwd = executed_flops(&dims, &p, Pass::Backward, Executor::Kernels(DqMode::Deterministic))?;
-/// assert_eq!(bwd, 7.0 / 5.0 * flops(&dims, pairs, Pass::Backward));
+/// assert_eq!(bwd, flops(&dims, pairs, Pass::Backward));
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 ///
@@ -276,18 +277,22 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
                     warp_tiles(rows, n)? * 2.0 * (rows * n) as f64 * dc
                 }
                 Pass::Backward => {
-                    let (m, _) = geometry::dkdv_tile(dims.d, mode);
-                    let splits = geometry::dkdv_splits(dims.d, mode) as f64;
-                    let per_tile = (16 * m) as f64 * dc;
-                    let (dkdv_products, dq) = match mode {
-                        DqMode::Deterministic => {
-                            let (_, n) = geometry::dq_tile(dims.d);
-                            (2.0 * splits + 2.0, warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc)
-                        }
-                        // dQ by the block: its 64 keys x the query tile, where a warp ran it.
-                        DqMode::Atomic => (2.0 * splits + 2.0, warp_tiles(m, 64)? * (m * 64) as f64 * dc),
+                    let (m, _) = geometry::dkdv_tile(dims.d);
+                    let accum = match mode {
+                        DqMode::Atomic => DqAccum::F32,
+                        _ if geometry::fixed_point_dq(dims.d, mode) => DqAccum::Fixed,
+                        _ => DqAccum::None,
                     };
-                    warp_tiles(m, 16)? * dkdv_products * per_tile + dq
+                    let splits = geometry::dkdv_splits(dims.d, accum) as f64;
+                    let per_tile = (16 * m) as f64 * dc;
+                    let dq = if accum == DqAccum::None {
+                        let (_, n) = geometry::dq_tile(dims.d);
+                        warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc
+                    } else {
+                        // dQ by the block: its 64 keys x the query tile, where a warp ran it.
+                        warp_tiles(m, 64)? * (m * 64) as f64 * dc
+                    };
+                    warp_tiles(m, 16)? * (2.0 * splits + 2.0) * per_tile + dq
                 }
             }
         }
@@ -592,18 +597,21 @@ mod tests {
             assert_eq!(l.grid[0], dims.s_q.div_ceil(f.block_q), "d = {d}");
             // Q, K and V double-buffered, each warp's query bounds (4 x 32 bytes).
             assert_eq!(l.smem_bytes, f.block_q * row + 4 * f.block_k * row + 4 * 32, "d = {d}");
-            for mode in [DqMode::Deterministic, DqMode::Atomic] {
-                let b = TileShape::cuda_backward(d, mode);
-                let l = geometry::dkdv(&dims, mode);
+            let b = TileShape::cuda_backward(d);
+            for accum in [DqAccum::None, DqAccum::Fixed, DqAccum::F32] {
+                let l = geometry::dkdv(&dims, accum);
                 let splits = l.grid[0] / dims.s_k.div_ceil(b.block_k);
-                assert!(splits == 1 || splits == 2, "d = {d} {mode:?}");
-                assert_eq!(l.grid[0], dims.s_k.div_ceil(b.block_k) * splits, "d = {d} {mode:?}");
-                let (kv, stage) = (b.block_k * row, 2 * b.block_q * row + 8 * b.block_q);
-                // The atomic variant's dS^T for its block-level dq product, and 4 warp flags.
-                let ds = if mode == DqMode::Atomic { b.block_k * (b.block_q + 8) * 2 + 16 } else { 0 };
+                assert!(splits == 1 || splits == 2, "d = {d} {accum:?}");
+                assert_eq!(l.grid[0], dims.s_k.div_ceil(b.block_k) * splits, "d = {d} {accum:?}");
+                // Q and dO, lse and scale delta per query row; with dq also each row's unit,
+                // the block's dS^T for its dq product and 4 warp flags.
+                let with_dq = accum != DqAccum::None;
+                let scalars = if with_dq { 12 } else { 8 };
+                let (kv, stage) = (b.block_k * row, 2 * b.block_q * row + scalars * b.block_q);
+                let ds = if with_dq { b.block_k * (b.block_q + 8) * 2 + 16 } else { 0 };
                 assert!(
                     l.smem_bytes == 2 * kv + stage + ds || l.smem_bytes == 2 * kv + 2 * stage + ds,
-                    "d = {d} {mode:?}"
+                    "d = {d} {accum:?}"
                 );
             }
         }

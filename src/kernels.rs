@@ -201,7 +201,8 @@ pub mod params {
 
     /// `FlashBwdParams` of `cuda/params.h` (flash backward): as [`FlashFwdParams`] plus the
     /// forward output `o` (f32), `d_o` (16-bit), the final `lse`, `delta = rowsum(dO∘O)` (f32
-    /// `[b, h_q, s_q]`, written by the rowsum kernel) and the f32 gradients, written.
+    /// `[b, h_q, s_q]`, written by the rowsum kernel), the f32 gradients (`dk`, `dv` written,
+    /// `dq` added into zeros) and the fixed-point dq's workspace (`dq_unit`, `kv_bound`).
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashBwdParams {
@@ -219,12 +220,19 @@ pub mod params {
         pub lse: u64,
         /// `rowsum(dO∘O)`, f32.
         pub delta: u64,
-        /// Query gradient, f32.
+        /// Query gradient, f32 (zeroed by the caller; int32 words between the fused kernel
+        /// and `dqconvert` under [`super::geometry::DqMode::Deterministic`]).
         pub dq: u64,
         /// Key gradient, f32.
         pub dk: u64,
         /// Value gradient, f32.
         pub dv: u64,
+        /// Fixed-point dq: `[b, h_q, s_q]` f32, one over each row's unit (a power of two),
+        /// written by the rowunit kernel.
+        pub dq_unit: u64,
+        /// Fixed-point dq: `[b, h_kv, 2]` f32, `max |k|` and `max ‖v_j‖` per head, zeroed by
+        /// the caller and raised by the kvbound kernel.
+        pub kv_bound: u64,
         /// Visibility.
         pub mask: MaskParams,
         /// Batch.
@@ -243,9 +251,10 @@ pub mod params {
         pub scale: f32,
         /// `scale · log2(e)`.
         pub scale_log2: f32,
-        /// 1: the dk/dv kernel adds dq into a zeroed `dq` with f32 atomics and no dq kernel
-        /// runs ([`super::geometry::DqMode::Atomic`]); 0: the dq kernel writes it.
-        pub dq_atomic: i32,
+        /// Informational: 0 when the fused kernel adds dq in fixed point
+        /// ([`super::geometry::DqMode::Deterministic`]), 1 with f32 atomics
+        /// ([`super::geometry::DqMode::Atomic`]).
+        pub dq_accum: i32,
         /// Zero.
         pub reserved: i32,
     }
@@ -287,7 +296,7 @@ pub mod params {
                 d,
                 scale,
                 scale_log2: scale * std::f32::consts::LOG2_E,
-                dq_atomic: (dq_mode == super::geometry::DqMode::Atomic) as i32,
+                dq_accum: (dq_mode == super::geometry::DqMode::Atomic) as i32,
                 ..Default::default()
             }
         }
@@ -472,7 +481,7 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 80);
     const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 184);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 224);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 240);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
 }
 
@@ -582,9 +591,9 @@ pub mod geometry {
         (64, bwd_tile(head_dim_class(d)))
     }
 
-    /// `(query rows, keys)` of one tile of the dk/dv kernel (both [`DqMode`]s): a streamed
+    /// `(query rows, keys)` of one tile of the dk/dv kernel (every [`DqAccum`]): a streamed
     /// query tile of 64, 32 or 16 rows by head-dim class against the block's 64 keys.
-    pub fn dkdv_tile(d: usize, _mode: DqMode) -> (usize, usize) {
+    pub fn dkdv_tile(d: usize) -> (usize, usize) {
         (bwd_tile(head_dim_class(d)), 64)
     }
 
@@ -624,8 +633,44 @@ pub mod geometry {
         }
     }
 
-    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`): 4 warps of 16
-    /// query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
+    /// Blocks of a grid-stride launch of `work` items, `per_block` per block per round: at
+    /// least one, at most [`OPS_MAX_BLOCKS`].
+    fn stride_blocks(work: usize, per_block: usize) -> usize {
+        work.div_ceil(per_block).clamp(1, OPS_MAX_BLOCKS)
+    }
+
+    /// The kvbound kernel (`ringattn_flash_bwd_kvbound_*`: `max |k|`, `max ‖v_j‖` per head for
+    /// the fixed-point dq): a warp per key row, 8 per block, grid stride.
+    pub fn kv_bound(dims: &Dims) -> Launch {
+        let rows = dims.b * dims.s_k * dims.h_kv;
+        Launch {
+            grid: [if rows == 0 { 0 } else { stride_blocks(rows, 8) }, 1, 1],
+            block: 256,
+            smem_bytes: 0,
+            head_dim_class: 0,
+        }
+    }
+
+    /// The rowunit kernel (`ringattn_flash_bwd_rowunit_*`: each query row's fixed-point unit),
+    /// one thread per row as [`rowsum`].
+    pub fn row_unit(dims: &Dims) -> Launch {
+        rowsum(dims)
+    }
+
+    /// The dqconvert kernel (`ringattn_flash_bwd_dqconvert_*`: fixed-point dq to f32 in
+    /// place): a warp per row of dq, 8 per block, grid stride.
+    pub fn dq_convert(dims: &Dims) -> Launch {
+        let rows = dims.b * dims.s_q * dims.h_q;
+        Launch {
+            grid: [if rows == 0 || dims.d == 0 { 0 } else { stride_blocks(rows, 8) }, 1, 1],
+            block: 256,
+            smem_bytes: 0,
+            head_dim_class: 0,
+        }
+    }
+
+    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, classes from 128):
+    /// 4 warps of 16 query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
     pub fn dq(dims: &Dims) -> Launch {
         let dc = head_dim_class(dims.d);
         let row = tc_stride(dc) * 2;
@@ -643,63 +688,83 @@ pub mod geometry {
     }
 
     /// Column ranges of the dk/dv kernel (`DkDvTraits::kSplits`): blocks per 64 keys, each
-    /// with its share of the head dim's columns — two above d = 128, and at 128 in the
-    /// atomic variant (registers for its dq product); one otherwise.
-    pub fn dkdv_splits(d: usize, mode: DqMode) -> usize {
+    /// with its share of the head dim's columns — two above d = 128, and at 128 when it adds
+    /// dq (registers for the dq product); one otherwise.
+    pub fn dkdv_splits(d: usize, accum: DqAccum) -> usize {
         let dc = head_dim_class(d);
-        if dc > 128 || (mode == DqMode::Atomic && dc == 128) {
+        if dc > 128 || (accum != DqAccum::None && dc == 128) {
             2
         } else {
             1
         }
     }
 
-    /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_dkdv_{bf16,f16}_d{D}`, or under
-    /// [`DqMode::Atomic`] `ringattn_flash_bwd_dkdvq_*`, which also adds dq): 4 warps of 16 key
-    /// rows, one block per 64 keys and column range (two ranges above d = 128, and at 128 in
-    /// the atomic variant); query tiles stream (`DkDvTraits<D, atomic>::kSmem`; the atomic
-    /// variant also holds the block's dS^T for its block-level dq product).
-    pub fn dkdv(dims: &Dims, mode: DqMode) -> Launch {
+    /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_{dkdv,dkdvqfx,dkdvq}_{bf16,f16}_d{D}`
+    /// by [`DqAccum`]): 4 warps of 16 key rows, one block per 64 keys and column range; query
+    /// tiles stream with their lse and delta (and the dq unit in fixed point); with dq, the
+    /// block's dS^T is held for its block-level dq product (`DkDvTraits<D, kAccum>::kSmem`).
+    pub fn dkdv(dims: &Dims, accum: DqAccum) -> Launch {
         let dc = head_dim_class(dims.d);
         let row = tc_stride(dc) * 2;
-        let block_m = dkdv_tile(dims.d, mode).0;
-        let splits = dkdv_splits(dims.d, mode);
+        let block_m = dkdv_tile(dims.d).0;
         let kv = 64 * row;
-        let stage = 2 * block_m * row + 2 * block_m * 4;
-        // The atomic variant's dS^T (64 keys x (query tile + 8) 16-bit values) and one flag
-        // per warp.
-        let ds = if mode == DqMode::Atomic { 64 * (block_m + 8) * 2 + 4 * 4 } else { 0 };
+        let (scalars, ds) = match accum {
+            DqAccum::None => (2, 0),
+            // dS^T (64 keys x (query tile + 8) 16-bit values) and one flag per warp.
+            DqAccum::Fixed | DqAccum::F32 => (3, 64 * (block_m + 8) * 2 + 4 * 4),
+        };
+        let stage = 2 * block_m * row + scalars * block_m * 4;
         let stages = if 2 * kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
-            grid: [dims.s_k.div_ceil(64) * splits, dims.h_kv, dims.b],
+            grid: [dims.s_k.div_ceil(64) * dkdv_splits(dims.d, accum), dims.h_kv, dims.b],
             block: 128,
             smem_bytes: 2 * kv + stages * stage + ds,
             head_dim_class: dc,
         }
     }
 
+    /// What the dk/dv kernel does with dq (`DqAccum` of `cuda/flash.cuh`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum DqAccum {
+        /// Nothing: the dq kernel writes it (`dkdv`).
+        None,
+        /// Adds it in 32-bit fixed point with integer atomics (`dkdvqfx`).
+        Fixed,
+        /// Adds it with f32 atomics (`dkdvq`).
+        F32,
+    }
+
     /// A backward kernel of `flash_bwd.cu`: the entry point is
-    /// `ringattn_flash_bwd_{name}_{bf16|f16}`.
+    /// `ringattn_flash_bwd_{name}_{bf16|f16}` (with `_d{D}` for the tensor-core kernels).
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum BackwardKernel {
         /// `delta = rowsum(dO∘O)`.
         Rowsum,
-        /// `dq`.
+        /// `max |k|`, `max ‖v_j‖` per head (fixed-point dq).
+        KvBound,
+        /// Each query row's unit (fixed-point dq).
+        RowUnit,
+        /// `dq` (from class 128, deterministic).
         Dq,
-        /// `dk`, `dv`.
-        DkDv,
-        /// `dk`, `dv`, and `dq` added with atomics ([`DqMode::Atomic`]).
-        DkDvDq,
+        /// `dk`, `dv`, and dq as the [`DqAccum`] says.
+        DkDv(DqAccum),
+        /// Fixed-point dq to f32, in place.
+        DqConvert,
     }
 
     impl BackwardKernel {
-        /// The entry point's middle name (`rowsum`, `dq`, `dkdv`).
+        /// The entry point's middle name (`rowsum`, `kvbound`, `rowunit`, `dq`, `dkdv`,
+        /// `dkdvqfx`, `dkdvq`, `dqconvert`).
         pub fn name(self) -> &'static str {
             match self {
                 BackwardKernel::Rowsum => "rowsum",
+                BackwardKernel::KvBound => "kvbound",
+                BackwardKernel::RowUnit => "rowunit",
                 BackwardKernel::Dq => "dq",
-                BackwardKernel::DkDv => "dkdv",
-                BackwardKernel::DkDvDq => "dkdvq",
+                BackwardKernel::DkDv(DqAccum::None) => "dkdv",
+                BackwardKernel::DkDv(DqAccum::Fixed) => "dkdvqfx",
+                BackwardKernel::DkDv(DqAccum::F32) => "dkdvq",
+                BackwardKernel::DqConvert => "dqconvert",
             }
         }
     }
@@ -707,30 +772,52 @@ pub mod geometry {
     /// How the backward computes dq.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum DqMode {
-        /// A dq kernel per query tile recomputes S and dP and writes dq: bit-identical run to
-        /// run, one more pass over S and dP.
+        /// Bit-identical run to run whatever order the blocks run in. Up to head-dim class 96
+        /// the dk/dv kernel adds dq in 32-bit fixed point with integer atomics (S and dP once
+        /// per pair: five products), each query row in its own power-of-two unit from a bound
+        /// on `|dq|` (the kvbound and rowunit kernels before it), converted to f32 after:
+        /// integer addition is associative, and the rounding error (`2^-30` of the row's
+        /// bound per 64-key block) is below f32 accumulation's. From class 128 (where the
+        /// fused kernel splits the columns, so computes S and dP twice anyway) a dq kernel
+        /// recomputes S and dP beside the dk/dv kernel: no atomics.
         #[default]
         Deterministic,
-        /// The dk/dv kernel adds its dS·K into a zeroed f32 dq with atomics, one per dq element
-        /// per 64-key block (no dq kernel; S and dP once per pair up to head-dim class 96):
-        /// less work, but the order of the additions, hence the last bits of dq, varies.
+        /// The dk/dv kernel adds dq with f32 atomics at every class: no bound, conversion or
+        /// dq kernel, but the order of the additions, hence the last bits of dq, varies.
         Atomic,
+    }
+
+    /// Whether the backward of head dim `d` in `mode` adds dq in fixed point (the
+    /// deterministic mode up to head-dim class 96): the caller then zeroes the K/V bounds of
+    /// its workspace.
+    pub fn fixed_point_dq(d: usize, mode: DqMode) -> bool {
+        mode == DqMode::Deterministic && head_dim_class(d) <= 96
+    }
+
+    /// Whether the kernels add dq into it (fixed point or f32 atomics) rather than write it:
+    /// the caller then zeroes dq first.
+    pub fn dq_added(d: usize, mode: DqMode) -> bool {
+        mode == DqMode::Atomic || fixed_point_dq(d, mode)
     }
 
     /// The kernels of a backward, in launch order, with their launches; `with_rowsum` is
     /// false when the caller already has `delta` (the ring computes it once per query block).
-    /// Under [`DqMode::Atomic`] the caller zeroes dq first (and sets `dq_atomic`).
+    /// The caller zeroes `dq` when [`dq_added`], and the K/V bounds when [`fixed_point_dq`].
     pub fn backward(dims: &Dims, with_rowsum: bool, mode: DqMode) -> Vec<(BackwardKernel, Launch)> {
-        let mut v = Vec::with_capacity(3);
+        let mut v = Vec::with_capacity(5);
         if with_rowsum {
             v.push((BackwardKernel::Rowsum, rowsum(dims)));
         }
-        match mode {
-            DqMode::Deterministic => {
-                v.push((BackwardKernel::Dq, dq(dims)));
-                v.push((BackwardKernel::DkDv, dkdv(dims, mode)));
-            }
-            DqMode::Atomic => v.push((BackwardKernel::DkDvDq, dkdv(dims, mode))),
+        if mode == DqMode::Atomic {
+            v.push((BackwardKernel::DkDv(DqAccum::F32), dkdv(dims, DqAccum::F32)));
+        } else if fixed_point_dq(dims.d, mode) {
+            v.push((BackwardKernel::KvBound, kv_bound(dims)));
+            v.push((BackwardKernel::RowUnit, row_unit(dims)));
+            v.push((BackwardKernel::DkDv(DqAccum::Fixed), dkdv(dims, DqAccum::Fixed)));
+            v.push((BackwardKernel::DqConvert, dq_convert(dims)));
+        } else {
+            v.push((BackwardKernel::Dq, dq(dims)));
+            v.push((BackwardKernel::DkDv(DqAccum::None), dkdv(dims, DqAccum::None)));
         }
         v
     }
@@ -890,7 +977,8 @@ pub mod geometry {
         fn every_kernel_fits_in_99_kib_of_shared_memory() {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
                 let dims = Dims { b: 2, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
-                for l in [forward(&dims), dq(&dims), dkdv(&dims, DqMode::Deterministic), dkdv(&dims, DqMode::Atomic)] {
+                let adding = [dkdv(&dims, DqAccum::None), dkdv(&dims, DqAccum::Fixed), dkdv(&dims, DqAccum::F32)];
+                for l in [forward(&dims), dq(&dims)].into_iter().chain(adding) {
                     assert!(l.smem_bytes <= 99 * 1024, "d = {d}: {l:?}");
                     assert!(!l.is_empty());
                 }

@@ -81,7 +81,9 @@ fn unsupported_inputs_get_clear_errors_on_any_machine() {
 #[test]
 fn workspace_and_bit_patterns() {
     let dims = Dims { b: 2, s_q: 10, s_k: 30, h_q: 4, h_kv: 2, d: 64 };
-    assert_eq!(cuda::workspace_bytes(&dims), 12 * 40 + 4 * 2 * 4 * 10);
+    // Positions and document ids, delta, and the fixed-point dq's units and K/V bounds.
+    assert_eq!(cuda::dq_workspace_len(&dims), 2 * 4 * 10 + 2 * 2 * 2);
+    assert_eq!(cuda::workspace_bytes(&dims), 12 * 40 + 4 * 2 * 4 * 10 + 4 * (2 * 4 * 10 + 2 * 2 * 2));
     let x = randn(vec![100], 3, DType::F32).to_f32_vec();
     let b = cuda::to_bits(&x, DType::BF16);
     let back: Vec<f32> = b.iter().map(|&u| half::bf16::from_bits(u).to_f32()).collect();

@@ -137,6 +137,53 @@ fn row_maxima_that_keep_rising_rescale_the_running_output() {
 }
 
 #[test]
+fn deterministic_dq_keeps_each_rows_precision_and_its_bits_on_worker_threads() {
+    // The fixed-point dq gives each query row its own unit from a bound on |dq|: rows of dO
+    // spanning 2^-60 .. 2^20 in magnitude all keep the atomic f32 mode's result to within a
+    // 16-bit rounding of either (one unit per head or per call would zero the small rows).
+    // Blocks on several OS threads add in varying orders: the same bits, every time.
+    let (s_q, s_k, h, d) = (97, 160, 2, 64);
+    for (dtype, mask) in [(DType::BF16, Mask::None), (DType::F16, Mask::Causal)] {
+        let q = randn(vec![1, s_q, h, d], 21, dtype);
+        let k = randn(vec![1, s_k, 1, d], 22, dtype);
+        let v = randn(vec![1, s_k, 1, d], 23, dtype);
+        let base = randn(vec![1, s_q, h, d], 24, DType::F32).to_f32_vec();
+        let row_exp = |i: usize| -60 + (80 * i / s_q) as i32;
+        let scaled: Vec<f32> = base.iter().enumerate().map(|(x, &y)| y * 2f32.powi(row_exp(x / (h * d)))).collect();
+        // f16 (normal from 2^-14, largest 65504) and its dq: rows spanning 2^-8 .. 2^8.
+        let scaled = if dtype == DType::F16 {
+            base.iter().enumerate().map(|(x, &y)| y * 2f32.powi(-8 + (16 * (x / (h * d)) / s_q) as i32)).collect()
+        } else {
+            scaled
+        };
+        let d_o = Tensor::from_f32_as(vec![1, s_q, h, d], scaled, dtype).unwrap();
+        let params = AttentionParams { mask, ..Default::default() };
+        let opts = |workers, dq_mode| EmuOptions { workers, dq_mode, ..Default::default() };
+        let f = emu::forward(&q, &k, &v, None, &params, &opts(1, DqMode::Deterministic)).unwrap();
+        let grads =
+            |workers, mode| emu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, None, &params, &opts(workers, mode)).unwrap();
+        let det = grads(1, DqMode::Deterministic);
+        let atomic = grads(1, DqMode::Atomic);
+        let report = verify::check_results(&q, &k, &v, Some(&d_o), None, &params, &f, Some(&det)).unwrap();
+        assert!(report.pass(), "{dtype:?} {mask:?}\n{}", report.table());
+        let ulp = if dtype == DType::BF16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
+        let (a, b) = (det.dq.to_f32_vec(), atomic.dq.to_f32_vec());
+        let mut nonzero = 0;
+        for (row, (x, y)) in a.chunks(d).zip(b.chunks(d)).enumerate() {
+            let top = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // (A causal first query sees one key: dS = P (dP - delta) = 0.)
+            nonzero += usize::from(top > 0.0);
+            let worst = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(worst <= 2.0 * ulp * top, "{dtype:?} {mask:?} row {row}: |det - atomic| {worst:e} of {top:e}");
+        }
+        assert!(nonzero >= (s_q - 1) * h, "{dtype:?} {mask:?}: {nonzero} rows of dq are not zero");
+        for workers in [2, 3, 3] {
+            assert_eq!(bits(&grads(workers, DqMode::Deterministic).dq), bits(&det.dq), "{workers} workers");
+        }
+    }
+}
+
+#[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
     // Queries before every key under a causal mask see nothing.
     let q = randn(vec![1, 5, 1, 16], 1, DType::BF16);

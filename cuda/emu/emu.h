@@ -11,7 +11,8 @@
 //   a barrier is reported as a divergent barrier), __syncwarp (the same within a warp);
 //   __shfl_sync / _xor / _down / _up and __ballot_sync over the live lanes of a warp;
 //   dynamic shared memory (RINGATTN_DYNAMIC_SMEM(), poisoned with 0xFF bytes at every block
-//   start); atomicAdd on f32, int and unsigned, correct across OS threads; warp_allgather,
+//   start); atomicAdd on f32, int and unsigned and atomicMax on unsigned, address-checked and
+//   correct across OS threads; the bit casts and __float2int_rn of the CUDA math API; warp_allgather,
 //   on which the PTX twins of ptx.cuh rebuild a warp's fragments.
 // * Checks on wrapper-mediated accesses (smem_load/smem_store, gmem_load/gmem_store, and the
 //   PTX twins): shared addresses must lie in the block's arena and global ones in a buffer
@@ -663,7 +664,9 @@ using emu::smem_store;
 
 // Atomics: correct across OS threads (blocks may run on several), built on the compiler's
 // __atomic builtins; float adds by compare-and-swap on the bit pattern.
+// Each checks its address as a global access.
 inline float atomicAdd(float* addr, float v) {
+    if (!::emu::check_global(addr, sizeof(float), "atomic add")) return 0.0f;
     uint32_t* p = reinterpret_cast<uint32_t*>(addr);
     uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
     for (;;) {
@@ -675,8 +678,40 @@ inline float atomicAdd(float* addr, float v) {
         if (__atomic_compare_exchange_n(p, &old, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f;
     }
 }
-inline int atomicAdd(int* addr, int v) { return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED); }
-inline unsigned atomicAdd(unsigned* addr, unsigned v) { return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED); }
+inline int atomicAdd(int* addr, int v) {
+    if (!::emu::check_global(addr, sizeof(int), "atomic add")) return 0;
+    return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED);
+}
+inline unsigned atomicAdd(unsigned* addr, unsigned v) {
+    if (!::emu::check_global(addr, sizeof(unsigned), "atomic add")) return 0;
+    return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED);
+}
+inline unsigned atomicMax(unsigned* addr, unsigned v) {
+    if (!::emu::check_global(addr, sizeof(unsigned), "atomic max")) return 0;
+    unsigned old = __atomic_load_n(addr, __ATOMIC_RELAXED);
+    while (old < v && !__atomic_compare_exchange_n(addr, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return old;
+}
+
+// Bit casts and conversions of the CUDA math API.
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+// cvt.rni.s32.f32: to nearest, ties to even; NaN gives 0, out-of-range values saturate.
+inline int __float2int_rn(float x) {
+    if (std::isnan(x)) return 0;
+    if (x >= 2147483648.0f) return INT32_MAX;
+    if (x <= -2147483648.0f) return INT32_MIN;
+    return int(std::nearbyint(x));
+}
 
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src, int width = 32) {

@@ -8,43 +8,85 @@
 
 #include "flash_bwd.cu"
 
-// Flash backward; `kernel`: 0 rowsum (delta), 1 dq, 2 dk and dv, 3 dk, dv and atomic dq;
-// `bf16` as above; `dclass`
-// the head-dim class of the dq and dkdv entry points.
+// Flash backward; `kernel`: 0 rowsum (delta), 1 kvbound, 2 rowunit, 3 dk/dv with fixed-point
+// dq (classes up to 96), 4 dk/dv with f32 atomic dq, 5 dqconvert, 6 dq (classes from 128), 7
+// dk/dv alone (classes from 128) (src/emu/flash.rs `kernel_code`); `bf16` as above; `dclass`
+// the head-dim class of the entry points instantiated per class.
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
                                       size_t cap) {
     emu::LaunchConfig c = config(l);
     const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
-    c.globals = {{p.q, bytes(q, 2), "q"},          {p.k, bytes(kv, 2), "k"},         {p.v, bytes(kv, 2), "v"},
-                 {p.o, bytes(q, 4), "o"},          {p.d_o, bytes(q, 2), "d_o"},      {p.lse, bytes(st, 4), "lse"},
-                 {p.delta, bytes(st, 4), "delta"}, {p.dq, bytes(q, 4), "dq"},        {p.dk, bytes(kv, 4), "dk"},
-                 {p.dv, bytes(kv, 4), "dv"}};
+    c.globals = {{p.q, bytes(q, 2), "q"},
+                 {p.k, bytes(kv, 2), "k"},
+                 {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"},
+                 {p.d_o, bytes(q, 2), "d_o"},
+                 {p.lse, bytes(st, 4), "lse"},
+                 {p.delta, bytes(st, 4), "delta"},
+                 {p.dq, bytes(q, 4), "dq"},
+                 {p.dk, bytes(kv, 4), "dk"},
+                 {p.dv, bytes(kv, 4), "dv"},
+                 {p.dq_unit, bytes(st, 4), "dq_unit"},
+                 {p.kv_bound, bytes(2 * p.b * p.h_kv, 4), "kv_bound"}};
     add_mask(c, p.mask, p.s_q, p.s_k);
     void (*fn)(FlashBwdParams) = nullptr;
-    if (kernel == 0) {
-        fn = bf16 ? ringattn_flash_bwd_rowsum_bf16 : ringattn_flash_bwd_rowsum_f16;
-    } else {
-#define RINGATTN_EMU_BWD_CASE(D)                                                                         \
-    case D:                                                                                              \
-        if (kernel == 1) {                                                                               \
-            fn = bf16 ? ringattn_flash_bwd_dq_bf16_d##D : ringattn_flash_bwd_dq_f16_d##D;              \
-        } else if (kernel == 2) {                                                                        \
-            fn = bf16 ? ringattn_flash_bwd_dkdv_bf16_d##D : ringattn_flash_bwd_dkdv_f16_d##D;          \
-        } else {                                                                                         \
-            fn = bf16 ? ringattn_flash_bwd_dkdvq_bf16_d##D : ringattn_flash_bwd_dkdvq_f16_d##D;        \
-        }                                                                                                \
+    switch (kernel) {
+        case 0:
+            fn = bf16 ? ringattn_flash_bwd_rowsum_bf16 : ringattn_flash_bwd_rowsum_f16;
+            break;
+        case 1:
+            fn = bf16 ? ringattn_flash_bwd_kvbound_bf16 : ringattn_flash_bwd_kvbound_f16;
+            break;
+        case 2:
+            fn = bf16 ? ringattn_flash_bwd_rowunit_bf16 : ringattn_flash_bwd_rowunit_f16;
+            break;
+        case 5:
+            fn = bf16 ? ringattn_flash_bwd_dqconvert_bf16 : ringattn_flash_bwd_dqconvert_f16;
+            break;
+        case 3:
+        case 4:
+        case 6:
+        case 7:
+#define RINGATTN_EMU_PICK(NAME, D) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
+#define RINGATTN_EMU_FUSED_CLASS(D)             \
+    case D:                                     \
+        if (kernel == 3) {                      \
+            RINGATTN_EMU_PICK(dkdvqfx, D);      \
+        } else if (kernel == 4) {               \
+            RINGATTN_EMU_PICK(dkdvq, D);        \
+        }                                       \
         break;
-        switch (dclass) {
-            RINGATTN_EMU_BWD_CASE(32)
-            RINGATTN_EMU_BWD_CASE(64)
-            RINGATTN_EMU_BWD_CASE(96)
-            RINGATTN_EMU_BWD_CASE(128)
-            RINGATTN_EMU_BWD_CASE(192)
-            RINGATTN_EMU_BWD_CASE(256)
-            default:
-                return report("no backward kernel for head-dim class " + std::to_string(dclass), msg, cap);
-        }
-#undef RINGATTN_EMU_BWD_CASE
+#define RINGATTN_EMU_SEPARATE_CLASS(D)          \
+    case D:                                     \
+        if (kernel == 4) {                      \
+            RINGATTN_EMU_PICK(dkdvq, D);        \
+        } else if (kernel == 6) {               \
+            RINGATTN_EMU_PICK(dq, D);           \
+        } else if (kernel == 7) {               \
+            RINGATTN_EMU_PICK(dkdv, D);         \
+        }                                       \
+        break;
+            switch (dclass) {
+                RINGATTN_EMU_FUSED_CLASS(32)
+                RINGATTN_EMU_FUSED_CLASS(64)
+                RINGATTN_EMU_FUSED_CLASS(96)
+                RINGATTN_EMU_SEPARATE_CLASS(128)
+                RINGATTN_EMU_SEPARATE_CLASS(192)
+                RINGATTN_EMU_SEPARATE_CLASS(256)
+                default:
+                    break;
+            }
+#undef RINGATTN_EMU_FUSED_CLASS
+#undef RINGATTN_EMU_SEPARATE_CLASS
+#undef RINGATTN_EMU_PICK
+            if (fn == nullptr) {
+                return report("no backward kernel " + std::to_string(kernel) + " for head-dim class " +
+                                  std::to_string(dclass),
+                              msg, cap);
+            }
+            break;
+        default:
+            return report("no backward kernel number " + std::to_string(kernel), msg, cap);
     }
     std::function<void()> body = [p, fn] { fn(p); };
     return report(emu::launch(c, body), msg, cap);

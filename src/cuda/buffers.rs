@@ -114,7 +114,8 @@ impl SavedContext {
 }
 
 /// Gradients on the device, f32 and unrounded: `dq` `[b, s_q, h_q, d]`, `dk` and `dv` `[b,
-/// s_k, h_kv, d]`. The kernels write them (they do not accumulate into them).
+/// s_k, h_kv, d]`, with the deterministic dq's workspace. A backward overwrites them (it does
+/// not accumulate into them).
 #[derive(Debug)]
 pub struct DeviceGradients {
     /// Query gradient.
@@ -123,6 +124,10 @@ pub struct DeviceGradients {
     pub dk: CudaSlice<f32>,
     /// Value gradient.
     pub dv: CudaSlice<f32>,
+    /// Workspace of the fixed-point dq ([`crate::kernels::geometry::DqMode::Deterministic`]):
+    /// each query row's unit (`[b, h_q, s_q]`) then `max |k|`, `max ‖v_j‖` per key head
+    /// (`[b, h_kv, 2]`), f32; see [`dq_workspace_len`].
+    pub dq_work: CudaSlice<f32>,
 }
 
 impl DeviceGradients {
@@ -135,6 +140,7 @@ impl DeviceGradients {
             dq: alloc_nan(stream, q_len(dims))?,
             dk: alloc_nan(stream, kv_len(dims))?,
             dv: alloc_nan(stream, kv_len(dims))?,
+            dq_work: alloc_nan(stream, dq_workspace_len(dims))?,
         })
     }
 }
@@ -188,16 +194,24 @@ pub enum Delta<'a> {
 
 /// Bytes of device memory a caller provides beyond q, k, v, `d_o` and the outputs: the
 /// mask's positions (`8 · (s_q + s_k)`), document ids when packed documents are used (`4 ·
-/// (s_q + s_k)`, counted always: an upper bound) and the backward's `delta` (`4 · b · h_q ·
-/// s_q`). The kernels allocate nothing themselves.
+/// (s_q + s_k)`, counted always: an upper bound), the backward's `delta` (`4 · b · h_q ·
+/// s_q`) and the deterministic dq's workspace in [`DeviceGradients::dq_work`] (`4 ·` its
+/// [`dq_workspace_len`]). The kernels allocate nothing themselves.
 ///
 /// ```
 /// use ringattn::Dims;
 /// let dims = Dims { b: 1, s_q: 1024, s_k: 1024, h_q: 8, h_kv: 8, d: 64 };
-/// assert_eq!(ringattn::cuda::workspace_bytes(&dims), 8 * 2048 + 4 * 2048 + 4 * 8 * 1024);
+/// let fixed_point_dq = 4 * (8 * 1024 + 2 * 8);
+/// assert_eq!(ringattn::cuda::workspace_bytes(&dims), 8 * 2048 + 4 * 2048 + 4 * 8 * 1024 + fixed_point_dq);
 /// ```
 pub fn workspace_bytes(dims: &Dims) -> usize {
-    8 * (dims.s_q + dims.s_k) + 4 * (dims.s_q + dims.s_k) + 4 * lse_len(dims)
+    8 * (dims.s_q + dims.s_k) + 4 * (dims.s_q + dims.s_k) + 4 * lse_len(dims) + 4 * dq_workspace_len(dims)
+}
+
+/// f32 elements of [`DeviceGradients::dq_work`]: a unit per query row and two bounds per key
+/// head, `b · h_q · s_q + 2 · b · h_kv`.
+pub fn dq_workspace_len(dims: &Dims) -> usize {
+    lse_len(dims) + 2 * dims.b * dims.h_kv
 }
 
 pub(crate) fn q_len(dims: &Dims) -> usize {

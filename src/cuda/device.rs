@@ -487,14 +487,16 @@ impl CudaDevice {
     }
 
     /// Enqueues the flash backward on `stream`: `delta = rowsum(dO∘O)` (the rowsum kernel,
-    /// with [`Delta::Compute`]), then `dq` (`ringattn_flash_bwd_dq_*`: 4 warps of 16 query
-    /// rows on tensor cores, key tiles streamed) and `dk`, `dv` (`ringattn_flash_bwd_dkdv_*`:
-    /// 4 warps of 16 key rows, the query tiles of its GQA group streamed; under the atomic
-    /// dq mode `ringattn_flash_bwd_dkdvq_*` also adds dq). With `P_ij = exp(scale · q_i·k_j −
-    /// lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j = Σ_i P_ij
-    /// dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element of
-    /// `grads` is written (f32; deterministic unless the atomic dq mode is asked for). Returns once
-    /// enqueued.
+    /// with [`Delta::Compute`]), then the kernels of [`geometry::backward`]: the dk/dv kernel
+    /// (`ringattn_flash_bwd_dkdv*`: 4 warps of 16 key rows on tensor cores, the query tiles of
+    /// its GQA group streamed) with dq added in fixed point under [`DqMode::Deterministic`] up
+    /// to head-dim class 96 (the kvbound and rowunit kernels before it, dqconvert after;
+    /// `grads.dq_work` the workspace) and with f32 atomics under [`DqMode::Atomic`]; from
+    /// class 128 the deterministic mode runs the dq kernel beside it. With `P_ij = exp(scale ·
+    /// q_i·k_j − lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j =
+    /// Σ_i P_ij dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element
+    /// of `grads` is written (f32; bit-identical run to run unless the atomic dq mode is asked
+    /// for). Returns once enqueued.
     ///
     /// # Errors
     /// As [`CudaDevice::forward_into`], for every buffer of `args`, `delta` and `grads`.
@@ -539,6 +541,7 @@ impl CudaDevice {
         need(self, "dq", &grads.dq, q_len(&dims))?;
         need(self, "dk", &grads.dk, kv_len(&dims))?;
         need(self, "dv", &grads.dv, kv_len(&dims))?;
+        need(self, "dq_work", &grads.dq_work, super::buffers::dq_workspace_len(&dims))?;
         let compute_delta = matches!(delta, Delta::Compute(_));
         match &delta {
             Delta::Compute(d) => need(self, "delta", &**d, lse_len(&dims))?,
@@ -558,13 +561,21 @@ impl CudaDevice {
                 Delta::Compute(d) => d.device_ptr_mut(stream),
                 Delta::Given(d) => d.device_ptr(stream),
             };
-            if dq_mode == DqMode::Atomic {
-                // The dk/dv kernel adds into dq.
+            // The dk/dv kernel adds into dq (unless the dq kernel writes it); the kvbound kernel
+            // raises the K/V bounds from zero.
+            if geometry::dq_added(dims.d, dq_mode) {
                 guard("zeroing dq", || stream.memset_zeros(&mut grads.dq))?;
+            }
+            let units = lse_len(&dims);
+            if geometry::fixed_point_dq(dims.d, dq_mode) {
+                let mut bounds = grads.dq_work.slice_mut(units..units + 2 * dims.b * dims.h_kv);
+                guard("zeroing the K/V bounds", || stream.memset_zeros(&mut bounds))?;
             }
             let (dq, _gdq) = grads.dq.device_ptr_mut(stream);
             let (dk, _gdk) = grads.dk.device_ptr_mut(stream);
             let (dv, _gdv) = grads.dv.device_ptr_mut(stream);
+            let (dq_unit, _gw) = grads.dq_work.device_ptr_mut(stream);
+            let kv_bound = dq_unit + 4 * units as u64;
             let p = FlashBwdParams {
                 q,
                 k,
@@ -576,6 +587,8 @@ impl CudaDevice {
                 dq,
                 dk,
                 dv,
+                dq_unit,
+                kv_bound,
                 mask,
                 ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode)
             };

@@ -31,8 +31,9 @@
 //! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
 //! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
 //! global-position blocks; arithmetic and accumulation in f32; the backward is deterministic
-//! by default (no atomics), or adds dq with f32 atomics under `DqMode::Atomic` (one add per
-//! dq element per 64-key block).
+//! by default (dq added in 32-bit fixed point with integer atomics up to head-dim class 96,
+//! a dq kernel from 128: bit-identical run to run), or adds dq with f32 atomics under
+//! `DqMode::Atomic` (one add per dq element per 64-key block).
 //!
 //! The embedded image is chosen per GPU ([`image_for`]): the cubin of its architecture
 //! (`sm_80` on A100 and, binary compatible, the other 8.x GPUs; `sm_90a` on H100/H200;
@@ -72,7 +73,8 @@ pub use crate::runner::to_bits;
 pub use backend::CudaBackend;
 pub use bootstrap::{broadcast_unique_id, device_ordinal, BootstrapEnv, Launcher};
 pub use buffers::{
-    workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs, SavedContext,
+    dq_workspace_len, workspace_bytes, Delta, DeviceGradients, DeviceMask, FlashBackwardArgs, FlashForwardArgs,
+    SavedContext,
 };
 /// cudarc's context, stream and buffer types, as the GPU-resident API takes them (cudarc
 /// 0.19).

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 
 use super::{check, BlockCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::kernels::geometry::{self, BackwardKernel, DqMode};
+use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode};
 use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
 use crate::params::Visibility;
 use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
@@ -177,10 +177,14 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     if !lengths_ok {
         return Err(Error::ShapeMismatch(format!("flash backward buffers disagree with {dims:?}")));
     }
-    // Atomic dq adds into zeros; otherwise every output starts as NaN, so an element the
-    // kernels fail to write shows up.
-    let mut dq = vec![if x.dq_mode == DqMode::Atomic { 0.0 } else { f32::NAN }; nq];
+    // dq is added into zeros (as f32, or as fixed-point integers converted after) or written
+    // by the dq kernel; what is written (dq then, dk, dv) starts as NaN, so an element the
+    // kernels fail to write shows up. The fixed-point dq's units start as NaN too (the rowunit
+    // kernel writes every one), its K/V bounds as zeros.
+    let mut dq = vec![if geometry::dq_added(dims.d, x.dq_mode) { 0.0 } else { f32::NAN }; nq];
     let mut dk = vec![f32::NAN; nkv];
+    let mut dq_unit = vec![f32::NAN; nst];
+    let mut kv_bound = vec![0.0f32; 2 * dims.b * dims.h_kv];
     let mut dv = vec![f32::NAN; nkv];
     let mut delta = match x.delta {
         Some(d) => d.to_vec(),
@@ -201,26 +205,39 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         dq: dq.as_mut_ptr() as u64,
         dk: dk.as_mut_ptr() as u64,
         dv: dv.as_mut_ptr() as u64,
+        dq_unit: dq_unit.as_mut_ptr() as u64,
+        kv_bound: kv_bound.as_mut_ptr() as u64,
         mask: mask_params(f.vis, &bounds),
         ..FlashBwdParams::for_shape(&dims, f.scale, x.dq_mode)
     };
     let bf = (f.dtype == DType::BF16) as i32;
     for (kernel, launch) in geometry::backward(&dims, x.delta.is_none(), x.dq_mode) {
-        let code = match kernel {
-            BackwardKernel::Rowsum => 0,
-            BackwardKernel::Dq => 1,
-            BackwardKernel::DkDv => 2,
-            BackwardKernel::DkDvDq => 3,
-        };
+        let code = kernel_code(kernel);
         let (l, slot) = emu.launch(launch)?;
         let mut msg = [0u8; 1024];
-        // SAFETY: as in forward_job; delta, dq, dk and dv are exclusively owned here.
+        // SAFETY: as in forward_job; delta, dq, dk, dv, dq_unit and kv_bound are exclusively
+        // owned here.
         let dclass = launch.head_dim_class as i32;
         let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
         emu.record(kernel.name(), slot);
     }
     Ok((dq, dk, dv))
+}
+
+/// The number of `kernel` in the emulator's entry point (`ringattn_emu_flash_bwd` in
+/// `cuda/emu/kernels_bwd.cpp`).
+fn kernel_code(kernel: BackwardKernel) -> i32 {
+    match kernel {
+        BackwardKernel::Rowsum => 0,
+        BackwardKernel::KvBound => 1,
+        BackwardKernel::RowUnit => 2,
+        BackwardKernel::DkDv(DqAccum::Fixed) => 3,
+        BackwardKernel::DkDv(DqAccum::F32) => 4,
+        BackwardKernel::DqConvert => 5,
+        BackwardKernel::Dq => 6,
+        BackwardKernel::DkDv(DqAccum::None) => 7,
+    }
 }
 
 /// `delta = rowsum(dO∘O)` `[b, h_q, s_q]` by the rowsum kernel, from f32 `o` and 16-bit

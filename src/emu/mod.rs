@@ -88,7 +88,7 @@ impl EmuLaunch {
 /// What one launch's blocks did (linear block index `x + grid_x (y + grid_y z)`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LaunchCounts {
-    /// The kernel (`flash_fwd`, `dq`, `dkdv`, `dkdvq`, `rowsum`).
+    /// The kernel (`flash_fwd`, or a [`crate::kernels::geometry::BackwardKernel`]'s name).
     pub kernel: &'static str,
     /// 16-byte cp.async copies issued per block: the tiles its loop bounds made it load.
     pub copies: Vec<u64>,

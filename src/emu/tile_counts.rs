@@ -11,7 +11,7 @@
 use super::flash::Emulator;
 use super::{BlockCounts, EmuOptions};
 use crate::flops::{self, Executor, Pass};
-use crate::kernels::geometry::{self, DqMode};
+use crate::kernels::geometry::{self, DqAccum, DqMode};
 use crate::kernels::params::MASK_GRANULE;
 use crate::params::Visibility;
 use crate::random::randn;
@@ -115,15 +115,20 @@ fn check(c: &Case) {
         for launch in counts.take() {
             let (kernel, copies) = (launch.kernel, &launch.copies);
             let got_expected = match kernel {
-                "rowsum" => continue,
+                "rowsum" | "kvbound" | "rowunit" | "dqconvert" => continue,
                 "dq" => {
                     let (m, n) = geometry::dq_tile(c.d);
                     let got = loaded_tiles(copies, 2 * m as u64, 2 * n as u64, chunks, "dq");
                     (got, heads(expected_tiles(&pairs, Blocks::Queries, m, n)))
                 }
-                "dkdv" | "dkdvq" => {
-                    let (m, n) = geometry::dkdv_tile(c.d, mode);
-                    let splits = geometry::dkdv_splits(c.d, mode);
+                "dkdv" | "dkdvqfx" | "dkdvq" => {
+                    let accum = match kernel {
+                        "dkdv" => DqAccum::None,
+                        "dkdvqfx" => DqAccum::Fixed,
+                        _ => DqAccum::F32,
+                    };
+                    let (m, n) = geometry::dkdv_tile(c.d);
+                    let splits = geometry::dkdv_splits(c.d, accum);
                     let got = loaded_tiles(copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
                     // Query tiles of every query head of the block's GQA group (here one).
                     let per_block = expected_tiles(&pairs, Blocks::Keys, n, m);

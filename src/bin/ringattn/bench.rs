@@ -90,7 +90,8 @@ pub struct BenchArgs {
     /// GPU ordinal of --backend cuda.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// How the cuda (and emu) backward computes dq: deterministic (its own kernel) or atomic
+    /// How the cuda (and emu) backward computes dq: deterministic (bit-identical run to run:
+    /// fixed point with integer atomics up to head dim 96, its own kernel from 128) or atomic
     /// (added by the dk/dv kernel with f32 atomics).
     #[arg(long, default_value = "deterministic")]
     pub dq_mode: String,
@@ -214,12 +215,12 @@ fn parse_dq_mode(s: &str) -> Result<DqMode> {
 }
 
 /// The tiles of `backend`'s tiling of `pass`: the CPU's [`cpu::TileConfig`], the CUDA
-/// kernels' tiles (forward kernel; dk/dv kernel of the backward) on emu and cuda.
-fn tile_shape(backend: BackendKind, pass: Pass, d: usize, dq_mode: DqMode) -> TileShape {
+/// kernels' tiles (forward kernel; fused kernel of the backward) on emu and cuda.
+fn tile_shape(backend: BackendKind, pass: Pass, d: usize) -> TileShape {
     match (backend, pass) {
         (BackendKind::Cpu, _) => cpu::TileConfig::default().into(),
         (_, Pass::Forward) => TileShape::cuda_forward(d),
-        (_, Pass::Backward) => TileShape::cuda_backward(d, dq_mode),
+        (_, Pass::Backward) => TileShape::cuda_backward(d),
     }
 }
 
@@ -243,7 +244,7 @@ fn describe_mask(p: &AttentionParams) -> String {
 /// The work of one pass: `(flops, dense_flops, tile shape, tiles, executed flops)`.
 fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
-    let shape = tile_shape(backend, pass, dims.d, x.dq_mode);
+    let shape = tile_shape(backend, pass, dims.d);
     let tiles = flops::tiles(dims, &x.params, shape)?;
     let executor = match backend {
         BackendKind::Cpu => flops::Executor::Cpu(cpu::TileConfig::default()),
