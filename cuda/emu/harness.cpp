@@ -90,9 +90,11 @@ int main() {
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0, nullptr, nullptr, nullptr, nullptr};
         FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, scale,
                           scale * 1.4426950408889634f};
-        // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 16 rows,
-        // 64-key tiles double-buffered (src/kernels.rs `geometry::forward`).
-        EmuLaunch fl{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 64 * 32 * 2 + 4 * 64 * 32 * 2, 2, 2, 9, nullptr};
+        // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 32 rows,
+        // 64-key tiles double-buffered, each warp's query bounds (src/kernels.rs
+        // `geometry::forward`).
+        EmuLaunch fl{{unsigned((s + 127) / 128), unsigned(hq), unsigned(b)}, 128, 128 * 32 * 2 + 4 * 64 * 32 * 2 + 4 * 32,
+                     2, 2, 9, nullptr};
         check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
         double worst = 0.0;
         for (int64_t h = 0; h < hq; ++h) {
@@ -116,20 +118,30 @@ int main() {
         // P is rounded to bf16 for the P V product (as on tensor cores): a few bf16 ulps.
         std::printf("     flash forward: largest difference from naive attention %.3g\n", worst);
         check(worst < 5e-3, "flash forward matches a naive attention");
-        std::vector<float> delta(lse.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
-        FlashBwdParams bp{q.data(), k.data(), v.data(), o.data(),  dout.data(), lse.data(), delta.data(),
-                          dq.data(), dk.data(), dv.data(), m, b, s, s, hq, hkv, d, scale, scale * 1.4426950408889634f, 0, 0};
-        // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32.
-        EmuLaunch rl{{1, 1, 1}, 256, 0, 1, 1, 0, nullptr};
+        // The deterministic backward of head-dim class 32: dq added in fixed point into zeros,
+        // the K/V bounds raised from zeros.
+        std::vector<float> delta(lse.size(), NAN), dq(q.size(), 0.0f), dk(k.size(), NAN), dv(v.size(), NAN);
+        std::vector<float> unit(lse.size(), NAN), kv_bound(2 * b * hkv, 0.0f);
+        FlashBwdParams bp{q.data(),   k.data(),     v.data(),  o.data(),  dout.data(), lse.data(), delta.data(),
+                          dq.data(),  dk.data(),    dv.data(), unit.data(), kv_bound.data(), m, b, s, s, hq, hkv, d,
+                          scale,      scale * 1.4426950408889634f, 0, 0};
+        // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32:
+        // rowsum, kvbound, rowunit, the dk/dv kernel with fixed-point dq, dqconvert.
+        const unsigned rows = unsigned((b * hq * s + 255) / 256);
+        EmuLaunch rl{{rows, 1, 1}, 256, 0, 1, 1, 0, nullptr};
         bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, rl, msg, sizeof msg) == 0;
-        EmuLaunch ql{{unsigned((s + 63) / 64), unsigned(hq), unsigned(b)}, 128, 2 * 64 * 64 + 2 * 2 * 64 * 64, 2, 2, 9, nullptr};
-        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 32, ql, msg, sizeof msg) == 0;
-        EmuLaunch kl{{unsigned((s + 63) / 64), unsigned(hkv), unsigned(b)}, 128, 2 * 64 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 4),
-                     2, 2, 9, nullptr};
-        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 32, kl, msg, sizeof msg) == 0;
+        EmuLaunch bl{{unsigned((b * s * hkv + 7) / 8), 1, 1}, 256, 0, 2, 2, 9, nullptr};
+        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 0, bl, msg, sizeof msg) == 0;
+        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 0, rl, msg, sizeof msg) == 0;
+        // 64 keys per block; Q, dO and 3 f32 per query row (64-row tiles) twice; dS^T and flags.
+        EmuLaunch kl{{unsigned((s + 63) / 64), unsigned(hkv), unsigned(b)}, 128,
+                     2 * 64 * 64 + 2 * (2 * 64 * 64 + 3 * 64 * 4) + 64 * 72 * 2 + 16, 2, 2, 9, nullptr};
+        ok = ok && ringattn_emu_flash_bwd(bp, 3, 1, 32, kl, msg, sizeof msg) == 0;
+        EmuLaunch cl{{unsigned((b * s * hq + 7) / 8), 1, 1}, 256, 0, 2, 2, 9, nullptr};
+        ok = ok && ringattn_emu_flash_bwd(bp, 5, 1, 0, cl, msg, sizeof msg) == 0;
         check(ok, "flash backward runs clean");
         bool finite = true;
-        for (const std::vector<float>* g : {&delta, &dq, &dk, &dv}) {
+        for (const std::vector<float>* g : {&delta, &dq, &dk, &dv, &unit}) {
             for (float x : *g) finite = finite && std::isfinite(x);
         }
         check(finite, "flash backward writes every gradient");
