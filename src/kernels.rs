@@ -220,8 +220,9 @@ pub mod params {
         pub lse: u64,
         /// `rowsum(dO∘O)`, f32.
         pub delta: u64,
-        /// Query gradient, f32 (zeroed by the caller; int32 words between the fused kernel
-        /// and `dqconvert` under [`super::geometry::DqMode::Deterministic`]).
+        /// Query gradient, f32: written by the dq kernel, or added into the caller's zeros by
+        /// the dk/dv kernel (as int32 words until `dqconvert` in fixed point).
+        /// [`super::geometry::dq_added`] says which.
         pub dq: u64,
         /// Key gradient, f32.
         pub dk: u64,
@@ -251,9 +252,9 @@ pub mod params {
         pub scale: f32,
         /// `scale · log2(e)`.
         pub scale_log2: f32,
-        /// Informational: 0 when the fused kernel adds dq in fixed point
-        /// ([`super::geometry::DqMode::Deterministic`]), 1 with f32 atomics
-        /// ([`super::geometry::DqMode::Atomic`]).
+        /// Informational: 0 in the deterministic mode
+        /// ([`super::geometry::DqMode::Deterministic`]), 1 when the dk/dv kernel adds dq with
+        /// f32 atomics ([`super::geometry::DqMode::Atomic`]).
         pub dq_accum: i32,
         /// Zero.
         pub reserved: i32,
@@ -777,9 +778,9 @@ pub mod geometry {
         /// per pair: five products), each query row in its own power-of-two unit from a bound
         /// on `|dq|` (the kvbound and rowunit kernels before it), converted to f32 after:
         /// integer addition is associative, and the rounding error (`2^-30` of the row's
-        /// bound per 64-key block) is below f32 accumulation's. From class 128 (where the
-        /// fused kernel splits the columns, so computes S and dP twice anyway) a dq kernel
-        /// recomputes S and dP beside the dk/dv kernel: no atomics.
+        /// bound per 64-key block) is below f32 accumulation's. From class 128 (where a dk/dv
+        /// kernel adding dq splits the columns, so computes S and dP twice anyway) a dq
+        /// kernel recomputes S and dP beside the dk/dv kernel: no atomics.
         #[default]
         Deterministic,
         /// The dk/dv kernel adds dq with f32 atomics at every class: no bound, conversion or
