@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Side-by-side CPU comparison with PyTorch SDPA (f32, forward and backward, alternating runs).
+# Side-by-side CPU comparison with PyTorch SDPA (f32 or bf16, forward and backward, alternating runs).
 # Creates a venv with torch from PyPI on first use (about 3 GB; set TORCH_VENV to reuse one).
-# Usage: scripts/compare-torch.sh [--shape b,s,hq,hkv,d] [--causal] [--rounds N] [--json FILE]
+# Usage: scripts/compare-torch.sh [--shape b,s,hq,hkv,d] [--causal] [--dtype f32|bf16] [--rounds N] [--json FILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TORCH_VENV:-target/venv-torch}
