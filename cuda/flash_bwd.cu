@@ -472,11 +472,11 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // first column: the warp's n-tiles are constant offsets from it.
         const int64_t row_step = p.h_q * d;
         float* dq_rows = p.dq + ((bi * p.s_q + q0 + g) * p.h_q + hq) * d + warp * 8 + 2 * t;
-        // Pieces (rt, n-tile warp + 4 j).
         // Rows g and g + 8 of 16-row tile rt: their units (fixed point).
         auto row_unit = [&](int rt, int half) {
             return kFixed ? smem_load(units + rt * 16 + g + 8 * half) : 1.0f;
         };
+        // Pieces (rt, n-tile warp + 4 j).
         auto add = [&](const float (&c)[4], int rt, int j) {
             const int n = warp + Tr::kWarps * j;
             const float u[2] = {row_unit(rt, 0), row_unit(rt, 1)};
