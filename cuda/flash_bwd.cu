@@ -142,9 +142,9 @@ template <typename T, int D>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
-    // Rolled for the largest heads and d96 (shorter live ranges); by RINGATTN_DQ_UNROLL_D128
-    // at d128, fully below.
-    constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DQ_UNROLL_D128 : D / 16;
+    static_assert(D >= 128, "the dq kernel serves the deterministic backward from head-dim class 128");
+    // Rolled for the largest heads (shorter live ranges); by RINGATTN_DQ_UNROLL_D128 at d128.
+    constexpr int kUnrollK = D >= 192 ? 1 : RINGATTN_DQ_UNROLL_D128;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;

@@ -278,11 +278,7 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
                 }
                 Pass::Backward => {
                     let (m, _) = geometry::dkdv_tile(dims.d);
-                    let accum = match mode {
-                        DqMode::Atomic => DqAccum::F32,
-                        _ if geometry::fixed_point_dq(dims.d, mode) => DqAccum::Fixed,
-                        _ => DqAccum::None,
-                    };
+                    let accum = geometry::dkdv_accum(dims.d, mode);
                     let splits = geometry::dkdv_splits(dims.d, accum) as f64;
                     let per_tile = (16 * m) as f64 * dc;
                     let dq = if accum == DqAccum::None {

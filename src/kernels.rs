@@ -788,17 +788,27 @@ pub mod geometry {
         Atomic,
     }
 
-    /// Whether the backward of head dim `d` in `mode` adds dq in fixed point (the
-    /// deterministic mode up to head-dim class 96): the caller then zeroes the K/V bounds of
-    /// its workspace.
+    /// What the dk/dv kernel of a backward of head dim `d` in `mode` does with dq: adds it
+    /// with f32 atomics ([`DqMode::Atomic`]), in fixed point (deterministic up to head-dim
+    /// class 96), or nothing (deterministic from 128: the dq kernel writes it).
+    pub fn dkdv_accum(d: usize, mode: DqMode) -> DqAccum {
+        match mode {
+            DqMode::Atomic => DqAccum::F32,
+            DqMode::Deterministic if head_dim_class(d) <= 96 => DqAccum::Fixed,
+            DqMode::Deterministic => DqAccum::None,
+        }
+    }
+
+    /// Whether the backward of head dim `d` in `mode` adds dq in fixed point: the caller
+    /// then zeroes the K/V bounds of its workspace.
     pub fn fixed_point_dq(d: usize, mode: DqMode) -> bool {
-        mode == DqMode::Deterministic && head_dim_class(d) <= 96
+        dkdv_accum(d, mode) == DqAccum::Fixed
     }
 
     /// Whether the kernels add dq into it (fixed point or f32 atomics) rather than write it:
     /// the caller then zeroes dq first.
     pub fn dq_added(d: usize, mode: DqMode) -> bool {
-        mode == DqMode::Atomic || fixed_point_dq(d, mode)
+        dkdv_accum(d, mode) != DqAccum::None
     }
 
     /// The kernels of a backward, in launch order, with their launches; `with_rowsum` is
@@ -809,16 +819,18 @@ pub mod geometry {
         if with_rowsum {
             v.push((BackwardKernel::Rowsum, rowsum(dims)));
         }
-        if mode == DqMode::Atomic {
-            v.push((BackwardKernel::DkDv(DqAccum::F32), dkdv(dims, DqAccum::F32)));
-        } else if fixed_point_dq(dims.d, mode) {
-            v.push((BackwardKernel::KvBound, kv_bound(dims)));
-            v.push((BackwardKernel::RowUnit, row_unit(dims)));
-            v.push((BackwardKernel::DkDv(DqAccum::Fixed), dkdv(dims, DqAccum::Fixed)));
+        let accum = dkdv_accum(dims.d, mode);
+        match accum {
+            DqAccum::F32 => {}
+            DqAccum::Fixed => {
+                v.push((BackwardKernel::KvBound, kv_bound(dims)));
+                v.push((BackwardKernel::RowUnit, row_unit(dims)));
+            }
+            DqAccum::None => v.push((BackwardKernel::Dq, dq(dims))),
+        }
+        v.push((BackwardKernel::DkDv(accum), dkdv(dims, accum)));
+        if accum == DqAccum::Fixed {
             v.push((BackwardKernel::DqConvert, dq_convert(dims)));
-        } else {
-            v.push((BackwardKernel::Dq, dq(dims)));
-            v.push((BackwardKernel::DkDv(DqAccum::None), dkdv(dims, DqAccum::None)));
         }
         v
     }

@@ -47,36 +47,32 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
         case 4:
         case 6:
         case 7:
-#define RINGATTN_EMU_PICK(NAME, D) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
-#define RINGATTN_EMU_FUSED_CLASS(D)             \
-    case D:                                     \
-        if (kernel == 3) {                      \
-            RINGATTN_EMU_PICK(dkdvqfx, D);      \
-        } else if (kernel == 4) {               \
-            RINGATTN_EMU_PICK(dkdvq, D);        \
-        }                                       \
+// Kernel CODE's entry point NAME at head-dim class D, when that is the one asked for.
+#define RINGATTN_EMU_PICK(CODE, NAME, D) \
+    if (kernel == CODE) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
+// Up to class 96: the dk/dv kernels that add dq; from 128 also the dq kernel and plain dk/dv.
+#define RINGATTN_EMU_FIXED_CLASS(D)      \
+    case D:                              \
+        RINGATTN_EMU_PICK(3, dkdvqfx, D); \
+        RINGATTN_EMU_PICK(4, dkdvq, D);   \
         break;
-#define RINGATTN_EMU_SEPARATE_CLASS(D)          \
-    case D:                                     \
-        if (kernel == 4) {                      \
-            RINGATTN_EMU_PICK(dkdvq, D);        \
-        } else if (kernel == 6) {               \
-            RINGATTN_EMU_PICK(dq, D);           \
-        } else if (kernel == 7) {               \
-            RINGATTN_EMU_PICK(dkdv, D);         \
-        }                                       \
+#define RINGATTN_EMU_SEPARATE_CLASS(D) \
+    case D:                            \
+        RINGATTN_EMU_PICK(4, dkdvq, D); \
+        RINGATTN_EMU_PICK(6, dq, D);    \
+        RINGATTN_EMU_PICK(7, dkdv, D);  \
         break;
             switch (dclass) {
-                RINGATTN_EMU_FUSED_CLASS(32)
-                RINGATTN_EMU_FUSED_CLASS(64)
-                RINGATTN_EMU_FUSED_CLASS(96)
+                RINGATTN_EMU_FIXED_CLASS(32)
+                RINGATTN_EMU_FIXED_CLASS(64)
+                RINGATTN_EMU_FIXED_CLASS(96)
                 RINGATTN_EMU_SEPARATE_CLASS(128)
                 RINGATTN_EMU_SEPARATE_CLASS(192)
                 RINGATTN_EMU_SEPARATE_CLASS(256)
                 default:
                     break;
             }
-#undef RINGATTN_EMU_FUSED_CLASS
+#undef RINGATTN_EMU_FIXED_CLASS
 #undef RINGATTN_EMU_SEPARATE_CLASS
 #undef RINGATTN_EMU_PICK
             if (fn == nullptr) {

@@ -11,7 +11,7 @@
 use super::flash::Emulator;
 use super::{BlockCounts, EmuOptions};
 use crate::flops::{self, Executor, Pass};
-use crate::kernels::geometry::{self, DqAccum, DqMode};
+use crate::kernels::geometry::{self, BackwardKernel, DqMode};
 use crate::kernels::params::MASK_GRANULE;
 use crate::params::Visibility;
 use crate::random::randn;
@@ -122,11 +122,8 @@ fn check(c: &Case) {
                     (got, heads(expected_tiles(&pairs, Blocks::Queries, m, n)))
                 }
                 "dkdv" | "dkdvqfx" | "dkdvq" => {
-                    let accum = match kernel {
-                        "dkdv" => DqAccum::None,
-                        "dkdvqfx" => DqAccum::Fixed,
-                        _ => DqAccum::F32,
-                    };
+                    let accum = geometry::dkdv_accum(c.d, mode);
+                    assert_eq!(kernel, BackwardKernel::DkDv(accum).name(), "{}: {mode:?}", c.name);
                     let (m, n) = geometry::dkdv_tile(c.d);
                     let splits = geometry::dkdv_splits(c.d, accum);
                     let got = loaded_tiles(copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
