@@ -34,7 +34,7 @@ fn main() {
     let v = randn(vec![b, s, hkv, d], 3, dtype);
     let d_o = randn(vec![b, s, hq, d], 4, dtype);
     let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
-    let cfg = cpu::CpuConfig { tiles, progress: None };
+    let cfg = cpu::CpuConfig { tiles, ..Default::default() };
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let median = |mut t: Vec<f64>| {
         t.sort_by(f64::total_cmp);

@@ -135,7 +135,7 @@ impl HostData {
     /// # Errors
     /// [`Error::ShapeMismatch`] when the byte count disagrees.
     pub fn from_bytes(elem: Elem, bytes: &[u8]) -> Result<HostData> {
-        if bytes.len() % elem.size_of() != 0 {
+        if !bytes.len().is_multiple_of(elem.size_of()) {
             return Err(Error::ShapeMismatch(format!("{} bytes are not whole {elem} values", bytes.len())));
         }
         Ok(match elem {

@@ -446,7 +446,7 @@ pub mod params {
     pub fn words(elem: crate::Elem, n: usize, what: &str) -> crate::Result<usize> {
         match elem.size_of() {
             4 => Ok(n),
-            2 if n % 2 == 0 => Ok(n / 2),
+            2 if n.is_multiple_of(2) => Ok(n / 2),
             _ => Err(crate::Error::InvalidArgument(format!(
                 "{what}: {n} {elem} values do not make whole 4-byte words for the device's data movements"
             ))),
@@ -504,7 +504,7 @@ pub mod geometry {
     /// # Errors
     /// [`Error::BackendUnsupported`] naming `d`.
     pub fn check_head_dim(backend: &'static str, d: usize) -> Result<()> {
-        if d % 8 != 0 || d == 0 || d > MAX_HEAD_DIM {
+        if !d.is_multiple_of(8) || d == 0 || d > MAX_HEAD_DIM {
             return Err(Error::BackendUnsupported {
                 backend,
                 what: format!("head dim {d} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"),

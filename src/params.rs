@@ -98,7 +98,7 @@ impl Dims {
         if dims.h_kv == 0 {
             return Err(Error::ZeroHeads { name: "h_kv" });
         }
-        if dims.h_q % dims.h_kv != 0 {
+        if !dims.h_q.is_multiple_of(dims.h_kv) {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
         if dims.d == 0 || dims.d > MAX_HEAD_DIM {

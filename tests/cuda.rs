@@ -104,6 +104,7 @@ fn case(b: usize, s_q: usize, s_k: usize, h_kv: usize, ratio: usize, d: usize, d
         positions: None,
         seed: (b * 7 + s_q * 13 + s_k * 17 + d) as u64,
         tiles: Default::default(),
+        arithmetic: Default::default(),
     }
 }
 

@@ -4,7 +4,7 @@
 mod support;
 
 use proptest::prelude::*;
-use ringattn::{AttentionParams, Documents};
+use ringattn::{cpu::Arithmetic, AttentionParams, DType, Documents};
 use support::{block_positions, check_case, doc_lengths, dtype, mask, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
@@ -16,7 +16,8 @@ const HEAD_DIMS: &[usize] = &[16, 32, 64, 80, 128, 256];
 const WORK_CAP: usize = 12_000_000;
 
 prop_compose! {
-    fn case()(
+    /// A case in the given dtypes, computed with the given arithmetic.
+    fn case_with(dtype: BoxedStrategy<DType>, arithmetic: Arithmetic)(
         b in 1usize..=3,
         s_q in prop::sample::select(LENGTHS),
         s_k in prop::sample::select(LENGTHS),
@@ -24,7 +25,7 @@ prop_compose! {
         ratio in prop::sample::select(&[1usize, 2, 4][..]),
         h_kv in 1usize..=2,
         d in prop::sample::select(HEAD_DIMS),
-        dtype in dtype(),
+        dtype in dtype,
         mask in mask(),
         block in any::<bool>(),
         q_mode in 0u8..3, k_mode in 0u8..3,
@@ -59,16 +60,40 @@ prop_compose! {
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
             params: AttentionParams { mask, documents, scale },
-            positions, seed, tiles: ringattn::cpu::TileConfig { block_q: tiles.0, block_k: tiles.1 },
+            positions, seed, tiles: ringattn::cpu::TileConfig { block_q: tiles.0, block_k: tiles.1 }, arithmetic,
         }
     }
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    case_with(dtype().boxed(), Arithmetic::Auto)
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(support::cases(64)))]
 
+    /// Every dtype with the default arithmetic (bf16 products for bf16 inputs where the
+    /// processor has them).
     #[test]
     fn cpu_flash_matches_oracle(case in case()) {
+        let report = check_case(&case);
+        prop_assert!(report.pass(), "{case:?}\n{}", report.table());
+    }
+
+    /// bf16 inputs through the fallback: widened to f32, f32 products.
+    #[test]
+    fn cpu_f32_arithmetic_on_bf16_inputs_matches_oracle(case in case_with(Just(DType::BF16).boxed(), Arithmetic::F32)) {
+        let report = check_case(&case);
+        prop_assert!(report.pass(), "{case:?}\n{}", report.table());
+    }
+
+    /// bf16 inputs through the bf16 products, asked for explicitly (skipped on processors
+    /// without AVX512_BF16, where asking is an error: see `tests/conventions.rs`).
+    #[test]
+    fn cpu_bf16_arithmetic_matches_oracle(case in case_with(Just(DType::BF16).boxed(), Arithmetic::Bf16)) {
+        if !Arithmetic::bf16_available() {
+            return Ok(());
+        }
         let report = check_case(&case);
         prop_assert!(report.pass(), "{case:?}\n{}", report.table());
     }

@@ -42,12 +42,6 @@ const TASKS_PER_BATCH: usize = 16;
 pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dm = x.dims;
     let d = dm.d;
-    let mut dq = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
-    let mut dk = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
-    let mut dv = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
-    if dq.is_empty() || dk.is_empty() {
-        return (dq, dk, dv);
-    }
     let own_d;
     let big_d: &[f32] = match x.big_d {
         Some(dd) => dd,
@@ -60,6 +54,38 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    drive(dm, x.scale, &k_spans, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
+}
+
+/// The work of one key tile, as [`drive`] runs it.
+pub(crate) trait KeyTileWork {
+    /// Computes the (unscaled) dK and dV of key tile `ks` of kv head `hk` in batch `b` over
+    /// every query head of its group, adding the tile's (unscaled) dQ into `dq_part`
+    /// (`[group][s_q][dq_rs]`, `dq_rs` as given to [`drive`]).
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]);
+    /// The last key tile's dK and dV rows (`[rows][rs]`, the first `d` columns meaningful)
+    /// and their stride `rs`.
+    fn grads(&self) -> (&[f32], &[f32], usize);
+}
+
+/// Runs one task per (batch, kv head, chunk of key tiles) on rayon's pool, each with a
+/// worker from `init`, and gathers `(dq, dk, dv)` (dk and dq multiplied by `scale`); the dq
+/// partials of one kv head (rows `dq_rs` apart) are summed in chunk order.
+pub(crate) fn drive<W: KeyTileWork>(
+    dm: Dims,
+    scale: f32,
+    k_spans: &[Span],
+    dq_rs: usize,
+    progress: Option<&AtomicU64>,
+    init: impl Fn() -> W + Sync + Send,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let d = dm.d;
+    let mut dq = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
+    let mut dk = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
+    let mut dv = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
+    if dq.is_empty() || dk.is_empty() {
+        return (dq, dk, dv);
+    }
     let heads = dm.b * dm.h_kv;
     let chunks = TASKS_PER_BATCH.div_ceil(dm.h_kv).clamp(1, k_spans.len());
     let per_chunk = k_spans.len().div_ceil(chunks);
@@ -70,33 +96,29 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dv_out = DisjointWriter::new(&mut dv);
     let partials: Vec<Vec<f32>> = (0..heads * chunks)
         .into_par_iter()
-        .map_init(
-            || Scratch::new(bq, bk, d),
-            |sc, t| {
-                let (bh, c) = (t / chunks, t % chunks);
-                let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-                let tiles = &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
-                let mut dq_part = vec![0.0f32; gs * dm.s_q * d];
-                for ks in tiles {
-                    sc.key_tile(x, big_d, b, hk, ks, &q_spans, &mut dq_part);
-                    let kv_rs = dm.h_kv * d;
-                    for j in 0..ks.len {
-                        let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
-                        debug_assert!(at + d <= kv_rs * dm.s_k * dm.b);
-                        // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
-                        let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
-                        for c2 in 0..d {
-                            dk_row[c2] = sc.dk[j * d + c2] * x.scale;
-                            dv_row[c2] = sc.dv[j * d + c2];
-                        }
+        .map_init(init, |w, t| {
+            let (bh, c) = (t / chunks, t % chunks);
+            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+            let tiles = &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
+            let mut dq_part = vec![0.0f32; gs * dm.s_q * dq_rs];
+            for ks in tiles {
+                w.key_tile(b, hk, ks, &mut dq_part);
+                let (dk_rows, dv_rows, rs) = w.grads();
+                for j in 0..ks.len {
+                    let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
+                    // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
+                    let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
+                    for c2 in 0..d {
+                        dk_row[c2] = dk_rows[j * rs + c2] * scale;
                     }
-                    if let Some(p) = x.progress {
-                        p.fetch_add(ks.len as u64, Ordering::Relaxed);
-                    }
+                    dv_row.copy_from_slice(&dv_rows[j * rs..j * rs + d]);
                 }
-                dq_part
-            },
-        )
+                if let Some(p) = progress {
+                    p.fetch_add(ks.len as u64, Ordering::Relaxed);
+                }
+            }
+            dq_part
+        })
         .collect();
 
     // Sum the partials of each kv head in chunk order and scatter into dq.
@@ -112,10 +134,10 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
                 let row = unsafe { dq_out.range(at, d) };
                 row.fill(0.0);
                 for p in parts {
-                    let src = &p[(hl * dm.s_q + i) * d..][..d];
+                    let src = &p[(hl * dm.s_q + i) * dq_rs..][..d];
                     simd::axpy(row, 1.0, src);
                 }
-                simd::scale(row, x.scale);
+                simd::scale(row, scale);
             }
         }
     });
@@ -139,31 +161,38 @@ pub(crate) fn rowsum_do_o(dm: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
     big_d
 }
 
-struct Scratch {
+struct Scratch<'a> {
+    x: &'a BackwardInputs<'a>,
+    big_d: &'a [f32],
+    q_spans: &'a [Span],
     dk: Vec<f32>,
     dv: Vec<f32>,
     p: Vec<f32>,
     dp: Vec<f32>,
 }
 
-impl Scratch {
-    fn new(bq: usize, bk: usize, d: usize) -> Self {
-        Scratch { dk: vec![0.0; bk * d], dv: vec![0.0; bk * d], p: vec![0.0; bq * bk], dp: vec![0.0; bq * bk] }
+impl<'a> Scratch<'a> {
+    fn new(x: &'a BackwardInputs<'a>, big_d: &'a [f32], q_spans: &'a [Span], bq: usize, bk: usize) -> Self {
+        let d = x.dims.d;
+        Scratch {
+            x,
+            big_d,
+            q_spans,
+            dk: vec![0.0; bk * d],
+            dv: vec![0.0; bk * d],
+            p: vec![0.0; bq * bk],
+            dp: vec![0.0; bq * bk],
+        }
+    }
+}
+
+impl KeyTileWork for Scratch<'_> {
+    fn grads(&self) -> (&[f32], &[f32], usize) {
+        (&self.dk, &self.dv, self.x.dims.d)
     }
 
-    /// Accumulates (unscaled) dK and dV of one key tile into `self.dk`, `self.dv` and the
-    /// tile's (unscaled) contribution to dQ into `dq_part` (`[gs, s_q, d]`).
-    #[allow(clippy::too_many_arguments)]
-    fn key_tile(
-        &mut self,
-        x: &BackwardInputs,
-        big_d: &[f32],
-        b: usize,
-        hk: usize,
-        ks: &Span,
-        q_spans: &[Span],
-        dq_part: &mut [f32],
-    ) {
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]) {
+        let (x, big_d, q_spans) = (self.x, self.big_d, self.q_spans);
         let dm = x.dims;
         let d = dm.d;
         let gs = dm.group();

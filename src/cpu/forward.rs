@@ -31,50 +31,71 @@ pub(crate) struct ForwardInputs<'a> {
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let d = dm.d;
-    let mut o = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
-    let mut lse = vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q];
-    if o.is_empty() && lse.is_empty() {
-        return (o, lse);
-    }
     let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
     // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
     // reads without packing.
-    let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, d);
+    let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, dm.d);
+    drive(dm, &q_spans, x.progress, || Scratch::new(x, &vt, &k_spans, bq, bk))
+}
+
+/// The work of one query tile, as [`drive`] runs it.
+pub(crate) trait QueryTileWork {
+    /// Computes the (unnormalised) output of query tile `qs` of head `h` in batch `b`.
+    fn run(&mut self, b: usize, h: usize, qs: &Span);
+    /// Normalises the tile's rows, writes their LSE into `lse` and returns the output rows
+    /// (`[rows][rs]`, the first `d` columns meaningful) with their stride `rs`.
+    fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize);
+}
+
+/// Runs one task per (batch, query head, query tile) on rayon's pool, each with a worker
+/// from `init` (one per thread, reused), and gathers `(o [b, s_q, h_q, d], lse [b, h_q, s_q])`.
+pub(crate) fn drive<W: QueryTileWork>(
+    dm: Dims,
+    q_spans: &[Span],
+    progress: Option<&AtomicU64>,
+    init: impl Fn() -> W + Sync + Send,
+) -> (Vec<f32>, Vec<f32>) {
+    let d = dm.d;
+    let mut o = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
+    let mut lse = vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q];
+    if q_spans.is_empty() || o.is_empty() {
+        return (o, lse);
+    }
     let o_out = DisjointWriter::new(&mut o);
     let lse_out = DisjointWriter::new(&mut lse);
     let n_tasks = dm.b * dm.h_q * q_spans.len();
-    (0..n_tasks).into_par_iter().for_each_init(
-        || Scratch::new(bq, bk, d),
-        |sc, t| {
-            let qt = t % q_spans.len();
-            let bh = t / q_spans.len();
-            let (b, h) = (bh / dm.h_q, bh % dm.h_q);
-            let qs = q_spans[qt];
-            sc.run(x, &vt, b, h, &qs, &k_spans);
-            // SAFETY: task (b, h, qt) alone writes the range (b, h, qs.start..) of `lse` and
-            // rows (b, qs.start.., h) of `o`.
-            let lse_rows = unsafe { lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len) };
-            sc.finish(d, lse_rows);
-            for i in 0..qs.len {
-                let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
-                // SAFETY: as above.
-                unsafe { o_out.range(at, d) }.copy_from_slice(&sc.qt[i * d..(i + 1) * d]);
-            }
-            if let Some(p) = x.progress {
-                p.fetch_add(qs.len as u64, Ordering::Relaxed);
-            }
-        },
-    );
+    (0..n_tasks).into_par_iter().for_each_init(init, |w, t| {
+        let qt = t % q_spans.len();
+        let bh = t / q_spans.len();
+        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+        let qs = q_spans[qt];
+        w.run(b, h, &qs);
+        // SAFETY: task (b, h, qt) alone writes the range (b, h, qs.start..) of `lse` and
+        // rows (b, qs.start.., h) of `o`.
+        let lse_rows = unsafe { lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len) };
+        let (rows, rs) = w.finish(lse_rows);
+        for i in 0..qs.len {
+            let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
+            // SAFETY: as above.
+            unsafe { o_out.range(at, d) }.copy_from_slice(&rows[i * rs..i * rs + d]);
+        }
+        if let Some(p) = progress {
+            p.fetch_add(qs.len as u64, Ordering::Relaxed);
+        }
+    });
     (o, lse)
 }
 
 /// Per-task state and scratch, reused across tasks on one thread. Tiles are kept
 /// column-major (query index fastest), the layout the `gemm` microkernels consume without
 /// packing; every softmax step is then a contiguous loop over the tile's queries.
-struct Scratch {
+struct Scratch<'a> {
+    x: &'a ForwardInputs<'a>,
+    /// V transposed, `[b][h_kv][d][s_k]`.
+    vt: &'a [f32],
+    k_spans: &'a [Span],
     rows: usize,
     /// Running max (log2 units), running sum, per query row.
     m: Vec<f32>,
@@ -91,9 +112,13 @@ struct Scratch {
     st: Vec<f32>,
 }
 
-impl Scratch {
-    fn new(bq: usize, bk: usize, d: usize) -> Self {
+impl<'a> Scratch<'a> {
+    fn new(x: &'a ForwardInputs<'a>, vt: &'a [f32], k_spans: &'a [Span], bq: usize, bk: usize) -> Self {
+        let d = x.dims.d;
         Scratch {
+            x,
+            vt,
+            k_spans,
             rows: 0,
             m: vec![0.0; bq],
             l: vec![0.0; bq],
@@ -105,8 +130,11 @@ impl Scratch {
             st: vec![0.0; bq * bk],
         }
     }
+}
 
-    fn run(&mut self, x: &ForwardInputs, vt: &[f32], b: usize, h: usize, qs: &Span, k_spans: &[Span]) {
+impl QueryTileWork for Scratch<'_> {
+    fn run(&mut self, b: usize, h: usize, qs: &Span) {
+        let (x, vt, k_spans) = (self.x, self.vt, self.k_spans);
         let dm = x.dims;
         let d = dm.d;
         let hk = dm.kv_head(h);
@@ -184,10 +212,9 @@ impl Scratch {
         }
     }
 
-    /// Normalises the tile's output and LSE; the output rows, transposed back to `[br][d]`,
-    /// are left in `self.qt`.
-    fn finish(&mut self, d: usize, lse: &mut [f32]) {
-        let br = self.rows;
+    /// The output rows are transposed back to `[br][d]` into `self.qt`.
+    fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
+        let (br, d) = (self.rows, self.x.dims.d);
         let rows = self.m[..br].iter().zip(&self.l[..br]).zip(&mut self.alpha[..br]).zip(lse.iter_mut());
         for (((&m, &l), inv), lse) in rows {
             if m == f32::NEG_INFINITY || l == 0.0 {
@@ -202,6 +229,7 @@ impl Scratch {
             simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
         }
         simd::transpose(&self.acc[..br * d], br, &mut self.qt[..br * d], d, d, br);
+        (&self.qt[..br * d], d)
     }
 }
 

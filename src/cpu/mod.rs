@@ -4,21 +4,32 @@
 //! and work is spread over rayon's pool. No `s_q × s_k` matrix is ever held: memory is the
 //! outputs plus tile scratch per thread (the backward adds f32 partials of dQ).
 //!
-//! Inputs of any dtype are widened to f32, computed in f32, and the outputs rounded back to
-//! the input dtype; the LSE is always f32.
+//! Products run in the [`Arithmetic`] the call resolves to: bf16 inputs on a processor with
+//! AVX512_BF16 multiply bf16 operands with f32 accumulation ([`bf16_gemm`]'s kernels, P and
+//! dS rounded to bf16 as on the GPU); every other call widens its inputs to f32 and
+//! multiplies in f32 through `gemm`. Outputs are rounded back to the input dtype; the LSE is
+//! always f32.
 
+mod arithmetic;
 mod backward;
+mod backward_bf16;
+mod bf16_gemm;
 mod forward;
+mod forward_bf16;
 mod matmul;
 pub(crate) mod simd;
 pub(crate) mod tiles;
 
 use std::sync::atomic::AtomicU64;
 
+pub use arithmetic::Arithmetic;
 pub use tiles::TileConfig;
 
+use half::bf16;
+
 use crate::params::Visibility;
-use crate::{AttentionParams, Dims, Error, Positions, Result, Tensor};
+use crate::tensor::TensorData;
+use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
 /// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
 /// in f32 (natural log; `-inf` for rows that see no key).
@@ -46,6 +57,8 @@ pub struct Gradients {
 pub struct CpuConfig<'a> {
     /// Tile sizes.
     pub tiles: TileConfig,
+    /// Arithmetic of the products (bf16 products for bf16 inputs where the processor has them).
+    pub arithmetic: Arithmetic,
     /// When set, incremented as work completes: by query rows × heads in the forward,
     /// by key rows × kv heads in the backward (for progress bars).
     pub progress: Option<&'a AtomicU64>,
@@ -111,6 +124,23 @@ pub fn forward_with(
 ) -> Result<ForwardOutput> {
     let dims = Dims::of(q, k, v)?;
     let vis = visibility(&dims, positions, params)?;
+    let arithmetic = config.arithmetic.resolve(q.dtype())?;
+    if let (Arithmetic::Bf16, Some([q, k, v])) = (arithmetic, finite_bf16([q, k, v])) {
+        let (o, lse) = forward_bf16::forward(&forward_bf16::ForwardInputs {
+            dims,
+            q,
+            k,
+            v,
+            vis: &vis,
+            scale: params.softmax_scale(dims.d),
+            tiles: config.tiles,
+            progress: config.progress,
+        });
+        return Ok(ForwardOutput {
+            o: Tensor::from_f32_owned(dims.q_shape(), o, DType::BF16)?,
+            lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+        });
+    }
     let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
     let (o, lse) = forward::forward(&forward::ForwardInputs {
         dims,
@@ -193,6 +223,29 @@ pub fn backward_with(
     let dims = Dims::of(q, k, v)?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
     let vis = visibility(&dims, positions, params)?;
+    let arithmetic = config.arithmetic.resolve(q.dtype())?;
+    if let (Arithmetic::Bf16, Some([q, k, v, d_o])) = (arithmetic, finite_bf16([q, k, v, d_o])) {
+        let lf = lse.as_f32();
+        let big_d = backward::rowsum_do_o(dims, &o.as_f32(), &d_o.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+        let (dq, dk, dv) = backward_bf16::backward(&backward_bf16::BackwardInputs {
+            dims,
+            q,
+            k,
+            v,
+            d_o,
+            lse: &lf,
+            big_d: &big_d,
+            vis: &vis,
+            scale: params.softmax_scale(dims.d),
+            tiles: config.tiles,
+            progress: config.progress,
+        });
+        return Ok(Gradients {
+            dq: Tensor::from_f32_owned(dims.q_shape(), dq, DType::BF16)?,
+            dk: Tensor::from_f32_owned(dims.kv_shape(), dk, DType::BF16)?,
+            dv: Tensor::from_f32_owned(dims.kv_shape(), dv, DType::BF16)?,
+        });
+    }
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
     let (dq, dk, dv) = backward::backward(&backward::BackwardInputs {
         dims,
@@ -273,6 +326,18 @@ pub(crate) fn backward_f32(
 /// `D = rowsum(dO ∘ O)`, `[b, h_q, s_q]`, from `[b, s_q, h_q, d]` buffers.
 pub(crate) fn softmax_grad_rowsum(dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
     backward::rowsum_do_o(dims, o, d_o)
+}
+
+/// The bf16 data of `tensors` when every one is bf16 and finite (the bf16 products' domain).
+fn finite_bf16<const N: usize>(tensors: [&Tensor; N]) -> Option<[&[bf16]; N]> {
+    let mut out = [&[][..]; N];
+    for (o, t) in out.iter_mut().zip(tensors) {
+        match t.data() {
+            TensorData::BF16(v) if v.iter().all(|x| x.is_finite()) => *o = v,
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 fn visibility(

@@ -109,6 +109,21 @@ fn max_into_impl<const FMA: bool>(m: &mut [f32], x: &[f32]) {
     }
 }
 
+/// The NaN-propagating maximum of `x` (`-inf` when empty), with 16 lanes.
+#[inline(always)]
+fn row_max_impl<const FMA: bool>(x: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; L];
+    let chunks = x.chunks_exact(L);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] = if c[l] > acc[l] || c[l].is_nan() { c[l] } else { acc[l] };
+        }
+    }
+    acc.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m })
+}
+
 /// `x[i] = 2^(x[i] − sub[i])` and `sum[i] += x[i]`.
 #[inline(always)]
 fn exp2_sub_acc_impl<const FMA: bool>(x: &mut [f32], sub: &[f32], sum: &mut [f32]) {
@@ -211,6 +226,10 @@ dispatch!(
     max_into => max_into_impl(m: &mut [f32], x: &[f32]) -> ()
 );
 dispatch!(
+    /// NaN-propagating maximum of a row.
+    row_max => row_max_impl(x: &[f32]) -> f32
+);
+dispatch!(
     /// `x = 2^(x − sub)` elementwise, adding the results into `sum`.
     exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> ()
 );
@@ -273,6 +292,20 @@ mod tests {
         assert!(m[20].is_nan());
         max_into(&mut m, &[100.0; 37]);
         assert!(m[20].is_nan() && m[19] == 100.0);
+    }
+
+    #[test]
+    fn row_max_propagates_nan_from_any_lane() {
+        let mut x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.7).sin()).collect();
+        let want = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(row_max(&x), want);
+        assert_eq!(row_max(&[]), f32::NEG_INFINITY);
+        for at in [0, 15, 16, 36] {
+            let keep = x[at];
+            x[at] = f32::NAN;
+            assert!(row_max(&x).is_nan(), "NaN at {at}");
+            x[at] = keep;
+        }
     }
 
     #[test]

@@ -359,7 +359,7 @@ fn conversion_inputs() -> Vec<f32> {
         let (v, next) = (f16::from_bits(h).to_f64(), f16::from_bits(h + 1).to_f64());
         let mid = ((v + next) / 2.0) as f32;
         assert_eq!(mid as f64, (v + next) / 2.0, "f16 midpoints are exact in f32");
-        let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+        let sign = if rng.next().is_multiple_of(2) { 1.0 } else { -1.0 };
         for m in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), v as f32] {
             x.push(sign * m);
         }

@@ -223,11 +223,11 @@ impl ParallelParams {
     /// [`Error::Parallel`] when the given degree does not divide the world size.
     pub fn usp_degree(&self, world: usize, h_q: usize) -> Result<usize> {
         match self.ulysses_degree {
-            Some(u) if u == 0 || world % u != 0 => {
+            Some(u) if u == 0 || !world.is_multiple_of(u) => {
                 Err(Error::Parallel(format!("--ulysses-degree {u} does not divide the world size {world}")))
             }
             Some(u) => Ok(u),
-            None => Ok((1..=world).rev().find(|u| world % u == 0 && h_q % u == 0).unwrap_or(1)),
+            None => Ok((1..=world).rev().find(|u| world.is_multiple_of(*u) && h_q.is_multiple_of(*u)).unwrap_or(1)),
         }
     }
 

@@ -29,7 +29,7 @@ impl Rules for Usp {
             return Err(Error::Parallel("usp works with the contiguous or zigzag layout, not striped".into()));
         }
         let u = params.usp_degree(world, h_q)?;
-        if h_q % u != 0 {
+        if !h_q.is_multiple_of(u) {
             return Err(Error::Parallel(format!(
                 "usp needs h_q divisible by the Ulysses degree: h_q = {h_q}, degree = {u}"
             )));
@@ -64,7 +64,7 @@ impl Rules for Ulysses {
     const USES_MESH: bool = true;
 
     fn validate(_params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
-        if h_q % world != 0 {
+        if !h_q.is_multiple_of(world) {
             return Err(Error::Parallel(format!(
                 "ulysses needs h_q divisible by the world size: h_q = {h_q}, world = {world}"
             )));
@@ -146,7 +146,7 @@ impl HeadPlan {
     /// # Errors
     /// [`Error::Parallel`] when `h_q` is not a multiple of the group size.
     pub fn new(h_q: usize, h_kv: usize, p: usize) -> Result<Self> {
-        if h_q % p != 0 {
+        if !h_q.is_multiple_of(p) {
             return Err(Error::Parallel(format!(
                 "Ulysses needs the query heads to divide evenly over its ranks: h_q = {h_q} is not a multiple of the Ulysses degree {p}"
             )));

@@ -56,7 +56,7 @@ pub fn head_split(h_q: usize, h_kv: usize, u: usize) -> Result<HeadSplit> {
     if h_kv == 0 {
         return Err(Error::ZeroHeads { name: "h_kv" });
     }
-    if h_q % h_kv != 0 {
+    if !h_q.is_multiple_of(h_kv) {
         return Err(Error::HeadRatio { h_q, h_kv });
     }
     if u == 0 {

@@ -325,7 +325,7 @@ impl JobSpec {
         if self.kv_heads == 0 {
             return Err(Error::ZeroHeads { name: "h_kv" });
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::HeadRatio { h_q: self.heads, h_kv: self.kv_heads });
         }
         for (name, v) in
@@ -485,7 +485,7 @@ pub fn placements(gpus: usize, gpus_per_node: usize) -> Vec<Placement> {
         return vec![Placement::single()];
     }
     let mut out = vec![Placement::ring(gpus), Placement::all_gather(gpus), Placement::ulysses(gpus)];
-    for u in (2..gpus).filter(|u| gpus % u == 0) {
+    for u in (2..gpus).filter(|u| gpus.is_multiple_of(*u)) {
         out.push(Placement::usp(u, gpus / u, Nesting::UlyssesInNode));
         if gpus > gpus_per_node {
             out.push(Placement::usp(u, gpus / u, Nesting::RingInNode));

@@ -442,7 +442,7 @@ proptest! {
         prop_assert!(p.choices.windows(2).all(|w| w[0].time_s <= w[1].time_s));
         for r in &p.rejected {
             prop_assert!(!r.reason.is_empty());
-            let heads_ok = job.heads % r.placement.ulysses == 0;
+            let heads_ok = job.heads.is_multiple_of(r.placement.ulysses);
             let over = r.estimate.as_ref().is_some_and(|e| e.memory_bytes as f64 > memory_gib * GIB);
             prop_assert!(!heads_ok || over || (1usize << seq_log) < gpus, "{:?}: {}", r.placement, r.reason);
         }

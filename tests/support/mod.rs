@@ -24,6 +24,8 @@ pub struct Case {
     pub seed: u64,
     /// Tile sizes of the CPU implementation (small ones put tile edges inside the case).
     pub tiles: cpu::TileConfig,
+    /// Arithmetic of the CPU implementation's products.
+    pub arithmetic: cpu::Arithmetic,
 }
 
 pub struct CaseInputs {
@@ -58,7 +60,7 @@ pub fn check_case(case: &Case) -> verify::Report {
 
 pub fn check_inputs(case: &Case, x: &CaseInputs) -> verify::Report {
     let p = &case.params;
-    let cfg = cpu::CpuConfig { tiles: case.tiles, ..Default::default() };
+    let cfg = cpu::CpuConfig { tiles: case.tiles, arithmetic: case.arithmetic, ..Default::default() };
     let fwd = cpu::forward_with(&x.q, &x.k, &x.v, case.pos(), p, &cfg).expect("forward");
     let grads = cpu::backward_with(&x.q, &x.k, &x.v, &fwd.o, &fwd.lse, &x.d_o, case.pos(), p, &cfg).expect("backward");
     verify::check_results(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), p, &fwd, Some(&grads)).expect("oracle")

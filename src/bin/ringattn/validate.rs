@@ -86,7 +86,7 @@ impl Config {
                 s => (s, 1),
             },
         };
-        if ranks < 2 || seq < ranks || ulysses == 0 || ranks % ulysses != 0 {
+        if ranks < 2 || seq < ranks || ulysses == 0 || !ranks.is_multiple_of(ulysses) {
             return Err(bad());
         }
         Ok(Config { strategy, ulysses, ranks, seq, causal: parts.len() == 4 })

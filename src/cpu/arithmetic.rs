@@ -1,0 +1,66 @@
+//! Which arithmetic the CPU's products use, chosen per call from the input dtype and the
+//! processor.
+
+use crate::{DType, Error, Result};
+
+use super::bf16_gemm;
+
+/// The arithmetic of the CPU's matrix products (`Q·Kᵀ`, `P·V` and the backward's five).
+/// Softmax statistics, accumulations and outputs are f32 either way; outputs are rounded to
+/// the input dtype at the end.
+///
+/// ```
+/// use ringattn::{cpu::Arithmetic, DType};
+/// // f32 and f16 inputs always take the f32 path; bf16 takes bf16 products where the
+/// // processor has them.
+/// assert_eq!(Arithmetic::Auto.resolve(DType::F16)?, Arithmetic::F32);
+/// let bf16 = Arithmetic::Auto.resolve(DType::BF16)?;
+/// assert_eq!(bf16 == Arithmetic::Bf16, Arithmetic::bf16_available());
+/// // Asking for bf16 products on f32 inputs is an error, not a silent rounding.
+/// assert!(Arithmetic::Bf16.resolve(DType::F32).is_err());
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Arithmetic {
+    /// [`Arithmetic::Bf16`] for bf16 inputs on a processor with AVX512_BF16,
+    /// [`Arithmetic::F32`] otherwise.
+    #[default]
+    Auto,
+    /// Inputs widened to f32, products in f32 (FMA): any dtype, any processor.
+    F32,
+    /// bf16 operands, f32 accumulation (`vdpbf16ps`): bf16 inputs only. The probabilities
+    /// (and in the backward `dS`) are rounded to bf16 before their products, as the GPU
+    /// kernels do. Calls whose inputs hold NaN or infinities run the f32 path instead, which
+    /// keeps masked non-finite values out of visible rows exactly.
+    Bf16,
+}
+
+impl Arithmetic {
+    /// Whether this processor has the bf16 products (x86-64 with AVX512F and AVX512_BF16).
+    pub fn bf16_available() -> bool {
+        bf16_gemm::available()
+    }
+
+    /// The arithmetic a call on `dtype` inputs runs: [`Arithmetic::F32`] or
+    /// [`Arithmetic::Bf16`].
+    ///
+    /// # Errors
+    /// [`Error::BackendUnsupported`] for [`Arithmetic::Bf16`] on inputs other than bf16 or on
+    /// a processor without AVX512_BF16.
+    pub fn resolve(self, dtype: DType) -> Result<Arithmetic> {
+        match self {
+            Arithmetic::F32 => Ok(Arithmetic::F32),
+            Arithmetic::Auto if dtype == DType::BF16 && Self::bf16_available() => Ok(Arithmetic::Bf16),
+            Arithmetic::Auto => Ok(Arithmetic::F32),
+            Arithmetic::Bf16 if dtype != DType::BF16 => Err(Error::BackendUnsupported {
+                backend: "cpu",
+                what: format!("bf16 products (Arithmetic::Bf16) on {dtype:?} inputs; they need BF16 inputs"),
+            }),
+            Arithmetic::Bf16 if !Self::bf16_available() => Err(Error::BackendUnsupported {
+                backend: "cpu",
+                what: "bf16 products (Arithmetic::Bf16) on this processor: it lacks AVX512_BF16".into(),
+            }),
+            Arithmetic::Bf16 => Ok(Arithmetic::Bf16),
+        }
+    }
+}

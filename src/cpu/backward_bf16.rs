@@ -1,0 +1,239 @@
+//! Tiled flash-attention backward on bf16 inputs with all five products on bf16 operands
+//! (`vdpbf16ps`, f32 accumulation), per key tile and visible query tile:
+//! `S = Q Kᵀ`, `dP = dO Vᵀ` (f32, keys as lanes), `P = 2^(c·S − LSE·log2 e)`,
+//! `dS = P ∘ (dP − D)`, then `dV += Pᵀ dO`, `dK += dSᵀ Q`, `dQ += dS K` with P and dS
+//! rounded to bf16 (as the GPU kernels round them for their MMAs).
+//!
+//! Q and dO are packed once per call (as A pairs along the head dimension, and per query
+//! tile with their rows as pair steps); each worker packs its key tile (K and V with rows
+//! as lanes, K with rows as pair steps). Pᵀ and dSᵀ are read from row pairs interleaved
+//! while rounding. Task split, dQ partials and their fixed-order sum are those of the f32
+//! path ([`super::backward::drive`]), so gradients are bit-identical run to run. Inputs must
+//! be finite (the caller sends others to the f32 path).
+
+use std::sync::atomic::AtomicU64;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::backward::{drive, KeyTileWork};
+use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
+use super::simd;
+use super::tiles::{classify, spans, Span, TileConfig, TileKind};
+use crate::params::Visibility;
+use crate::Dims;
+
+pub(crate) struct BackwardInputs<'a> {
+    pub dims: Dims,
+    pub q: &'a [bf16],
+    pub k: &'a [bf16],
+    pub v: &'a [bf16],
+    pub d_o: &'a [bf16],
+    pub lse: &'a [f32],
+    /// `D = rowsum(dO∘O)`, `[b, h_q, s_q]`.
+    pub big_d: &'a [f32],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    pub tiles: TileConfig,
+    pub progress: Option<&'a AtomicU64>,
+}
+
+/// Returns `(dq, dk, dv)` in f32 (unrounded), layouts as q and k.
+pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let dm = x.dims;
+    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
+    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
+    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
+    let dq_rs = mm::vectors(dm.d) * 16;
+    drive(dm, x.scale, &k_spans, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
+}
+
+/// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
+/// pair steps of a B operand.
+struct PackedQueries {
+    /// `[b][h_q][s_q][pairs(d)]`.
+    q_rows: Vec<u32>,
+    do_rows: Vec<u32>,
+    /// `[b][h_q][tile]` blocks of `steps_len`.
+    q_steps: Vec<u16>,
+    do_steps: Vec<u16>,
+    steps_len: usize,
+    tiles: usize,
+}
+
+impl PackedQueries {
+    fn new(dm: Dims, q: &[bf16], d_o: &[bf16], q_spans: &[Span], bq: usize) -> Self {
+        let d = dm.d;
+        let (dp, tiles) = (mm::pairs(d), q_spans.len());
+        let steps_len = mm::pairs(bq) * mm::odd(mm::vectors(d)) * 32;
+        let heads = dm.b * dm.h_q;
+        let rs = dm.h_q * d;
+        let base = |bh: usize| ((bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q) * d;
+        let mut q_rows = vec![0u32; heads * dm.s_q * dp];
+        let mut do_rows = vec![0u32; heads * dm.s_q * dp];
+        if !q_rows.is_empty() {
+            q_rows.par_chunks_mut(dm.s_q * dp).zip(do_rows.par_chunks_mut(dm.s_q * dp)).enumerate().for_each(
+                |(bh, (qr, dr))| {
+                    mm::pack_row_pairs(&q[base(bh)..], dm.s_q, rs, d, qr);
+                    mm::pack_row_pairs(&d_o[base(bh)..], dm.s_q, rs, d, dr);
+                },
+            );
+        }
+        let mut q_steps = vec![0u16; heads * tiles * steps_len];
+        let mut do_steps = vec![0u16; heads * tiles * steps_len];
+        if !q_steps.is_empty() {
+            q_steps.par_chunks_mut(steps_len).zip(do_steps.par_chunks_mut(steps_len)).enumerate().for_each(
+                |(blk, (qs, ds))| {
+                    let (bh, t) = (blk / tiles, blk % tiles);
+                    let span = &q_spans[t];
+                    let at = base(bh) + span.start * rs;
+                    mm::pack_rows_as_steps(&q[at..], span.len, rs, d, mm::odd(mm::vectors(d)), qs);
+                    mm::pack_rows_as_steps(&d_o[at..], span.len, rs, d, mm::odd(mm::vectors(d)), ds);
+                },
+            );
+        }
+        PackedQueries { q_rows, do_rows, q_steps, do_steps, steps_len, tiles }
+    }
+}
+
+/// Per-thread state of the key tiles it runs.
+struct Worker<'a> {
+    x: &'a BackwardInputs<'a>,
+    queries: &'a PackedQueries,
+    q_spans: &'a [Span],
+    /// Row length of the f32 tiles (keys as lanes, a multiple of 16).
+    sr: usize,
+    /// The key tile: K and V with rows as lanes (B of `Q Kᵀ`, `dO Vᵀ`), K with rows as steps
+    /// (B of `dS K`).
+    k_lanes: Vec<u16>,
+    v_lanes: Vec<u16>,
+    k_steps: Vec<u16>,
+    /// P, then dS, and dP: `[block_q][sr]` f32, keys as lanes.
+    p: Vec<f32>,
+    dp: Vec<f32>,
+    /// P and dS rounded, query rows interleaved in pairs: `[pairs(block_q)][sr]` A pairs.
+    p_pairs: Vec<u32>,
+    ds_pairs: Vec<u32>,
+    /// dS rounded, row-major: `[block_q][sr / 2]` A pairs.
+    ds_rows: Vec<u32>,
+    /// Unscaled dK and dV of the key tile, `[block_k][gr]`.
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl<'a> Worker<'a> {
+    fn new(x: &'a BackwardInputs<'a>, queries: &'a PackedQueries, q_spans: &'a [Span], bk: usize) -> Self {
+        let d = x.dims.d;
+        let bq = q_spans.iter().map(|s| s.len).max().unwrap_or(0);
+        let (sr, gr) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16);
+        Worker {
+            x,
+            queries,
+            q_spans,
+            sr,
+            k_lanes: vec![0; mm::pairs(d) * sr * 2],
+            v_lanes: vec![0; mm::pairs(d) * sr * 2],
+            k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 32],
+            p: vec![0.0; bq * sr],
+            dp: vec![0.0; bq * sr],
+            p_pairs: vec![0; mm::pairs(bq) * sr],
+            ds_pairs: vec![0; mm::pairs(bq) * sr],
+            ds_rows: vec![0; bq * sr / 2],
+            dk: vec![0.0; bk * gr],
+            dv: vec![0.0; bk * gr],
+        }
+    }
+}
+
+/// Rounds rows `2i`, `2i + 1` of `src` (`rows` rows of `n` values, `sr` apart) into the
+/// interleaved pairs `dst[i · sr..]`.
+fn interleave(src: &[f32], rows: usize, n: usize, sr: usize, dst: &mut [u32]) {
+    for ip in 0..mm::pairs(rows) {
+        let lo = &src[2 * ip * sr..][..n];
+        let hi = (2 * ip + 1 < rows).then(|| &src[(2 * ip + 1) * sr..][..n]);
+        mm::interleave_rows(lo, hi, &mut dst[ip * sr..]);
+    }
+}
+
+impl KeyTileWork for Worker<'_> {
+    fn grads(&self) -> (&[f32], &[f32], usize) {
+        (&self.dk, &self.dv, mm::vectors(self.x.dims.d) * 16)
+    }
+
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]) {
+        let (x, pq) = (self.x, self.queries);
+        let dm = x.dims;
+        let (d, gs, bc) = (dm.d, dm.group(), ks.len);
+        let (dp, gv, sv) = (mm::pairs(d), mm::vectors(d), mm::odd(mm::vectors(d)));
+        let (sr, gr) = (self.sr, gv * 16);
+        let kv_rs = dm.h_kv * d;
+        let kv0 = (b * dm.s_k * dm.h_kv + hk) * d + ks.start * kv_rs;
+        let key_vectors = sr / 16;
+        mm::pack_rows_as_lanes(&x.k[kv0..], bc, kv_rs, d, key_vectors, &mut self.k_lanes);
+        mm::pack_rows_as_lanes(&x.v[kv0..], bc, kv_rs, d, key_vectors, &mut self.v_lanes);
+        mm::pack_rows_as_steps(&x.k[kv0..], bc, kv_rs, d, sv, &mut self.k_steps);
+        let k_lanes = BOperand { data: &self.k_lanes, vectors: key_vectors };
+        let v_lanes = BOperand { data: &self.v_lanes, vectors: key_vectors };
+        let k_steps = BOperand { data: &self.k_steps, vectors: sv };
+        self.dk[..bc * gr].fill(0.0);
+        self.dv[..bc * gr].fill(0.0);
+        let c = x.scale * std::f32::consts::LOG2_E;
+        for hl in 0..gs {
+            let h = hk * gs + hl;
+            let bh = b * dm.h_q + h;
+            let lse = &x.lse[bh * dm.s_q..][..dm.s_q];
+            let dd = &x.big_d[bh * dm.s_q..][..dm.s_q];
+            for (t, qs) in self.q_spans.iter().enumerate() {
+                let kind = classify(x.vis, qs, ks);
+                if kind == TileKind::Skip {
+                    continue;
+                }
+                let br = qs.len;
+                let rows_at = (bh * dm.s_q + qs.start) * dp;
+                let qa = AOperand { data: &pq.q_rows[rows_at..], rs: dp, ps: 1 };
+                let doa = AOperand { data: &pq.do_rows[rows_at..], rs: dp, ps: 1 };
+                let steps_at = (bh * pq.tiles + t) * pq.steps_len;
+                let q_steps = BOperand { data: &pq.q_steps[steps_at..][..pq.steps_len], vectors: sv };
+                let do_steps = BOperand { data: &pq.do_steps[steps_at..][..pq.steps_len], vectors: sv };
+                let kv = mm::vectors(bc);
+
+                let p = &mut self.p[..br * sr];
+                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c));
+                for i in 0..br {
+                    let row = &mut p[i * sr..][..bc];
+                    if kind == TileKind::Partial {
+                        x.vis.mask_query_row(row, qs.start + i, ks.start);
+                    }
+                    let l = lse[qs.start + i];
+                    if l == f32::NEG_INFINITY {
+                        row.fill(0.0); // fully masked row: no gradient flows
+                    } else {
+                        simd::exp2_sub(row, l * std::f32::consts::LOG2_E);
+                    }
+                }
+                interleave(p, br, bc, sr, &mut self.p_pairs);
+                let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
+                mm::product(&mut self.dv[..bc * gr], gr, bc, gv, pt, do_steps, mm::pairs(br), Epilogue::Add);
+
+                let dpv = &mut self.dp[..br * sr];
+                mm::product(dpv, sr, br, kv, doa, v_lanes, dp, Epilogue::Set(1.0));
+                let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
+                for i in 0..br {
+                    let row = &mut p[i * sr..][..bc];
+                    simd::softmax_grad(row, &dpv[i * sr..][..bc], dd[qs.start + i]);
+                    mm::round_row(row, &mut ds16[i * sr..][..bc]);
+                    if bc % 2 == 1 {
+                        ds16[i * sr + bc] = 0; // the odd key's partner in the last pair step
+                    }
+                }
+                interleave(p, br, bc, sr, &mut self.ds_pairs);
+                let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
+                mm::product(&mut self.dk[..bc * gr], gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add);
+                let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
+                let dq_rows = &mut dq_part[(hl * dm.s_q + qs.start) * gr..][..br * gr];
+                mm::product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add);
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Tiled flash-attention forward on bf16 inputs with bf16 products (`vdpbf16ps`, f32
+//! accumulation): `S = (scale·log2 e)·Q Kᵀ` and `O += P V` with `P = 2^(S − m)` rounded to
+//! bf16 (as the GPU kernels round it for their MMA); the online softmax in f32.
+//!
+//! K and V are packed once per call (K with its rows as lanes, V with its rows as the pair
+//! steps, per key tile; see [`super::bf16_gemm`]); each task (batch, query head, query
+//! tile) packs its Q rows and keeps `S` row-major (keys as lanes), so the softmax runs
+//! along rows and the P·V product reads P as it was written. Inputs must be finite (the
+//! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
+
+use std::sync::atomic::AtomicU64;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
+use super::forward::{drive, QueryTileWork};
+use super::simd;
+use super::tiles::{classify, spans, Span, TileConfig, TileKind};
+use crate::params::Visibility;
+use crate::Dims;
+
+pub(crate) struct ForwardInputs<'a> {
+    pub dims: Dims,
+    pub q: &'a [bf16],
+    pub k: &'a [bf16],
+    pub v: &'a [bf16],
+    pub vis: &'a Visibility,
+    pub scale: f32,
+    pub tiles: TileConfig,
+    pub progress: Option<&'a AtomicU64>,
+}
+
+/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32 (`o` unrounded).
+pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
+    let dm = x.dims;
+    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
+    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
+    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
+    drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &k_spans, bq))
+}
+
+/// K and V of every (batch, kv head, key tile), packed as the B operands of `Q·Kᵀ` and `P·V`.
+struct PackedKeys {
+    /// `[b][h_kv][tile]` blocks of `k_len`: rows as lanes, columns as pair steps.
+    k: Vec<u16>,
+    k_len: usize,
+    /// `[b][h_kv][tile]` blocks of `v_len`: rows as pair steps, columns as lanes.
+    v: Vec<u16>,
+    v_len: usize,
+    tiles: usize,
+    /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
+    key_vectors: usize,
+    value_vectors: usize,
+}
+
+impl PackedKeys {
+    fn new(dm: Dims, k: &[bf16], v: &[bf16], k_spans: &[Span], bk: usize) -> Self {
+        let d = dm.d;
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
+        let k_len = mm::pairs(d) * key_vectors * 32;
+        let v_len = mm::pairs(bk) * value_vectors * 32;
+        let tiles = k_spans.len();
+        let blocks = dm.b * dm.h_kv * tiles;
+        let mut pk = vec![0u16; blocks * k_len];
+        let mut pv = vec![0u16; blocks * v_len];
+        let rs = dm.h_kv * d;
+        let at = |blk: usize| {
+            let (bh, t) = (blk / tiles, blk % tiles);
+            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+            (&k_spans[t], (b * dm.s_k * dm.h_kv + hk) * d)
+        };
+        if blocks > 0 {
+            pk.par_chunks_mut(k_len).zip(pv.par_chunks_mut(v_len)).enumerate().for_each(|(blk, (dk, dv))| {
+                let (ks, base) = at(blk);
+                let row0 = base + ks.start * rs;
+                mm::pack_rows_as_lanes(&k[row0..], ks.len, rs, d, key_vectors, dk);
+                mm::pack_rows_as_steps(&v[row0..], ks.len, rs, d, value_vectors, dv);
+            });
+        }
+        PackedKeys { k: pk, k_len, v: pv, v_len, tiles, key_vectors, value_vectors }
+    }
+
+    /// Packed K and V of key tile `t` of kv head `hk` in batch `b`.
+    fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[u16], &[u16]) {
+        let blk = (b * dm.h_kv + hk) * self.tiles + t;
+        (&self.k[blk * self.k_len..][..self.k_len], &self.v[blk * self.v_len..][..self.v_len])
+    }
+}
+
+/// Per-thread state of the query tiles it runs.
+struct Worker<'a> {
+    x: &'a ForwardInputs<'a>,
+    keys: &'a PackedKeys,
+    k_spans: &'a [Span],
+    rows: usize,
+    /// Running max (log2 units), running sum, rescale factor, per query row.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    alpha: Vec<f32>,
+    /// The query tile as A pairs, `[block_q][pairs(d)]`.
+    qa: Vec<u32>,
+    /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
+    s: Vec<f32>,
+    /// The probabilities in bf16 as A pairs, `[block_q][sr / 2]`.
+    p: Vec<u32>,
+    /// Unnormalised output, `[block_q][or]`.
+    acc: Vec<f32>,
+}
+
+impl<'a> Worker<'a> {
+    fn new(x: &'a ForwardInputs<'a>, keys: &'a PackedKeys, k_spans: &'a [Span], bq: usize) -> Self {
+        let d = x.dims.d;
+        let sr = keys.key_vectors * 16;
+        Worker {
+            x,
+            keys,
+            k_spans,
+            rows: 0,
+            m: vec![0.0; bq],
+            l: vec![0.0; bq],
+            alpha: vec![0.0; bq],
+            qa: vec![0; bq * mm::pairs(d)],
+            s: vec![0.0; bq * sr],
+            p: vec![0; bq * sr / 2],
+            acc: vec![0.0; bq * mm::vectors(d) * 16],
+        }
+    }
+}
+
+impl QueryTileWork for Worker<'_> {
+    fn run(&mut self, b: usize, h: usize, qs: &Span) {
+        let (x, keys) = (self.x, self.keys);
+        let dm = x.dims;
+        let d = dm.d;
+        let hk = dm.kv_head(h);
+        let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d) * 16);
+        self.rows = br;
+        self.m[..br].fill(f32::NEG_INFINITY);
+        self.l[..br].fill(0.0);
+        self.acc[..br * or].fill(0.0);
+        let c = x.scale * std::f32::consts::LOG2_E;
+        let q_rs = dm.h_q * d;
+        let q0 = (b * dm.s_q * dm.h_q + h) * d + qs.start * q_rs;
+        mm::pack_row_pairs(&x.q[q0..], br, q_rs, d, &mut self.qa);
+        let qa = AOperand { data: &self.qa, rs: dp, ps: 1 };
+        for (t, ks) in self.k_spans.iter().enumerate() {
+            let kind = classify(x.vis, qs, ks);
+            if kind == TileKind::Skip {
+                continue;
+            }
+            let bc = ks.len;
+            let (kt, vt) = keys.tile(&dm, b, hk, t);
+            let s = &mut self.s[..br * sr];
+            let kop = BOperand { data: kt, vectors: keys.key_vectors };
+            mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c));
+            let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
+            for i in 0..br {
+                let row = &mut s[i * sr..][..bc];
+                if kind == TileKind::Partial {
+                    x.vis.mask_query_row(row, qs.start + i, ks.start);
+                }
+                let t_max = simd::row_max(row);
+                let m_old = self.m[i];
+                let m_new = if t_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t_max) };
+                // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
+                let sub = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
+                let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
+                self.m[i] = m_new;
+                self.alpha[i] = alpha;
+                simd::exp2_sub(row, sub);
+                let prow = &mut p16[i * sr..][..sr];
+                // The normaliser sums the rounded probabilities: the weights P·V multiplies.
+                self.l[i] = self.l[i] * alpha + mm::round_row(row, prow);
+                if bc % 2 == 1 {
+                    prow[bc] = 0; // the odd key's partner in the last pair step
+                }
+            }
+            let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
+            let vop = BOperand { data: vt, vectors: keys.value_vectors };
+            let alpha = Epilogue::Rescale(&self.alpha[..br]);
+            mm::product(&mut self.acc[..br * or], or, br, mm::vectors(d), pa, vop, mm::pairs(bc), alpha);
+        }
+    }
+
+    fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
+        let (br, or) = (self.rows, mm::vectors(self.x.dims.d) * 16);
+        let rows = self.m[..br].iter().zip(&self.l[..br]).zip(lse.iter_mut()).zip(self.acc.chunks_mut(or));
+        for (((&m, &l), lse), acc) in rows {
+            let inv = if m == f32::NEG_INFINITY || l == 0.0 {
+                *lse = f32::NEG_INFINITY; // fully masked row: o = 0
+                0.0
+            } else {
+                *lse = (m + l.log2()) * std::f32::consts::LN_2;
+                1.0 / l
+            };
+            simd::scale(acc, inv);
+        }
+        (&self.acc[..br * or], or)
+    }
+}
