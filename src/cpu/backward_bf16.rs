@@ -56,8 +56,8 @@ struct PackedQueries {
     q_rows: Vec<u32>,
     do_rows: Vec<u32>,
     /// `[b][h_q][tile]` blocks of `steps_len`.
-    q_steps: Vec<u16>,
-    do_steps: Vec<u16>,
+    q_steps: Vec<u32>,
+    do_steps: Vec<u32>,
     steps_len: usize,
     tiles: usize,
 }
@@ -66,7 +66,7 @@ impl PackedQueries {
     fn new(dm: Dims, q: &[bf16], d_o: &[bf16], q_spans: &[Span], bq: usize) -> Self {
         let d = dm.d;
         let (dp, tiles) = (mm::pairs(d), q_spans.len());
-        let steps_len = mm::pairs(bq) * mm::odd(mm::vectors(d)) * 32;
+        let steps_len = mm::pairs(bq) * mm::odd(mm::vectors(d)) * 16;
         let heads = dm.b * dm.h_q;
         let rs = dm.h_q * d;
         let base = |bh: usize| ((bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q) * d;
@@ -80,8 +80,8 @@ impl PackedQueries {
                 },
             );
         }
-        let mut q_steps = vec![0u16; heads * tiles * steps_len];
-        let mut do_steps = vec![0u16; heads * tiles * steps_len];
+        let mut q_steps = vec![0u32; heads * tiles * steps_len];
+        let mut do_steps = vec![0u32; heads * tiles * steps_len];
         if !q_steps.is_empty() {
             q_steps.par_chunks_mut(steps_len).zip(do_steps.par_chunks_mut(steps_len)).enumerate().for_each(
                 |(blk, (qs, ds))| {
@@ -106,9 +106,9 @@ struct Worker<'a> {
     sr: usize,
     /// The key tile: K and V with rows as lanes (B of `Q Kᵀ`, `dO Vᵀ`), K with rows as steps
     /// (B of `dS K`).
-    k_lanes: Vec<u16>,
-    v_lanes: Vec<u16>,
-    k_steps: Vec<u16>,
+    k_lanes: Vec<u32>,
+    v_lanes: Vec<u32>,
+    k_steps: Vec<u32>,
     /// P, then dS, and dP: `[block_q][sr]` f32, keys as lanes.
     p: Vec<f32>,
     dp: Vec<f32>,
@@ -132,9 +132,9 @@ impl<'a> Worker<'a> {
             queries,
             q_spans,
             sr,
-            k_lanes: vec![0; mm::pairs(d) * sr * 2],
-            v_lanes: vec![0; mm::pairs(d) * sr * 2],
-            k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 32],
+            k_lanes: vec![0; mm::pairs(d) * sr],
+            v_lanes: vec![0; mm::pairs(d) * sr],
+            k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 16],
             p: vec![0.0; bq * sr],
             dp: vec![0.0; bq * sr],
             p_pairs: vec![0; mm::pairs(bq) * sr],

@@ -44,10 +44,10 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
 /// K and V of every (batch, kv head, key tile), packed as the B operands of `Q·Kᵀ` and `P·V`.
 struct PackedKeys {
     /// `[b][h_kv][tile]` blocks of `k_len`: rows as lanes, columns as pair steps.
-    k: Vec<u16>,
+    k: Vec<u32>,
     k_len: usize,
     /// `[b][h_kv][tile]` blocks of `v_len`: rows as pair steps, columns as lanes.
-    v: Vec<u16>,
+    v: Vec<u32>,
     v_len: usize,
     tiles: usize,
     /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
@@ -59,12 +59,12 @@ impl PackedKeys {
     fn new(dm: Dims, k: &[bf16], v: &[bf16], k_spans: &[Span], bk: usize) -> Self {
         let d = dm.d;
         let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
-        let k_len = mm::pairs(d) * key_vectors * 32;
-        let v_len = mm::pairs(bk) * value_vectors * 32;
+        let k_len = mm::pairs(d) * key_vectors * 16;
+        let v_len = mm::pairs(bk) * value_vectors * 16;
         let tiles = k_spans.len();
         let blocks = dm.b * dm.h_kv * tiles;
-        let mut pk = vec![0u16; blocks * k_len];
-        let mut pv = vec![0u16; blocks * v_len];
+        let mut pk = vec![0u32; blocks * k_len];
+        let mut pv = vec![0u32; blocks * v_len];
         let rs = dm.h_kv * d;
         let at = |blk: usize| {
             let (bh, t) = (blk / tiles, blk % tiles);
@@ -83,7 +83,7 @@ impl PackedKeys {
     }
 
     /// Packed K and V of key tile `t` of kv head `hk` in batch `b`.
-    fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[u16], &[u16]) {
+    fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[u32], &[u32]) {
         let blk = (b * dm.h_kv + hk) * self.tiles + t;
         (&self.k[blk * self.k_len..][..self.k_len], &self.v[blk * self.v_len..][..self.v_len])
     }
@@ -169,10 +169,9 @@ impl QueryTileWork for Worker<'_> {
                 let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
                 self.m[i] = m_new;
                 self.alpha[i] = alpha;
-                simd::exp2_sub(row, sub);
                 let prow = &mut p16[i * sr..][..sr];
-                // The normaliser sums the rounded probabilities: the weights P·V multiplies.
-                self.l[i] = self.l[i] * alpha + mm::round_row(row, prow);
+                // The normaliser sums the probabilities before rounding (f32-accurate LSE).
+                self.l[i] = self.l[i] * alpha + mm::exp2_round_row(row, sub, prow);
                 if bc % 2 == 1 {
                     prow[bc] = 0; // the odd key's partner in the last pair step
                 }

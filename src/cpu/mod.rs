@@ -291,6 +291,59 @@ pub(crate) fn forward_f32(
     })
 }
 
+/// [`forward_f32`] on bf16 buffers with bf16 products (finite inputs, a processor with
+/// AVX512_BF16: the caller checks both).
+pub(crate) fn forward_bf16(
+    dims: Dims,
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    vis: &Visibility,
+    params: &AttentionParams,
+    tiles: TileConfig,
+) -> (Vec<f32>, Vec<f32>) {
+    forward_bf16::forward(&forward_bf16::ForwardInputs {
+        dims,
+        q,
+        k,
+        v,
+        vis,
+        scale: params.softmax_scale(dims.d),
+        tiles,
+        progress: None,
+    })
+}
+
+/// [`backward_f32`] on bf16 buffers with bf16 products, given the (global) `lse` and
+/// `D = rowsum(dO∘O)` (as [`forward_bf16`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_bf16(
+    dims: Dims,
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    lse: &[f32],
+    d_o: &[bf16],
+    big_d: &[f32],
+    vis: &Visibility,
+    params: &AttentionParams,
+    tiles: TileConfig,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    backward_bf16::backward(&backward_bf16::BackwardInputs {
+        dims,
+        q,
+        k,
+        v,
+        d_o,
+        lse,
+        big_d,
+        vis,
+        scale: params.softmax_scale(dims.d),
+        tiles,
+        progress: None,
+    })
+}
+
 /// Backward of a block on f32 buffers given the (global) `o`, `lse` and, when known, `D =
 /// rowsum(dO∘O)` (`[b, h_q, s_q]`); returns f32 `(dq, dk, dv)` without rounding.
 #[allow(clippy::too_many_arguments)]

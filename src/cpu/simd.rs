@@ -15,6 +15,18 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// Taylor coefficients 1…7 of `2^f = e^(f ln 2)` (the constant term is 1), evaluated on the
+/// reduced argument `f ∈ [-0.5, 0.5]` by every `exp2` of the crate's CPU paths.
+pub(crate) const EXP2_TAYLOR: [f32; 7] = [
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+    0.000_015_252_734,
+];
+
 /// `2^x` for `x <= 128`; see the module docs for accuracy. `FMA` selects fused multiply-adds,
 /// which only the dispatchers compiled with the `fma` feature may ask for.
 #[inline(always)]
@@ -29,20 +41,13 @@ pub(crate) fn exp2<const FMA: bool>(x: f32) -> f32 {
     let f = xc - n;
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     let pow = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    // Taylor coefficients of 2^f = e^(f ln 2).
-    const C1: f32 = std::f32::consts::LN_2;
-    const C2: f32 = 0.240_226_5;
-    const C3: f32 = 0.055_504_11;
-    const C4: f32 = 0.009_618_129;
-    const C5: f32 = 0.001_333_355_8;
-    const C6: f32 = 0.000_154_035_3;
-    const C7: f32 = 0.000_015_252_734;
-    let p = madd::<FMA>(f, C7, C6);
-    let p = madd::<FMA>(f, p, C5);
-    let p = madd::<FMA>(f, p, C4);
-    let p = madd::<FMA>(f, p, C3);
-    let p = madd::<FMA>(f, p, C2);
-    let p = madd::<FMA>(f, p, C1);
+    let [c1, c2, c3, c4, c5, c6, c7] = EXP2_TAYLOR;
+    let p = madd::<FMA>(f, c7, c6);
+    let p = madd::<FMA>(f, p, c5);
+    let p = madd::<FMA>(f, p, c4);
+    let p = madd::<FMA>(f, p, c3);
+    let p = madd::<FMA>(f, p, c2);
+    let p = madd::<FMA>(f, p, c1);
     let p = madd::<FMA>(f, p, 1.0);
     let y = p * pow;
     if x < -126.0 {

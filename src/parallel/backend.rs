@@ -1,11 +1,12 @@
 //! The backend seam: the local attention steps the drivers run on each rank.
 
 use super::seq;
-use crate::buf::HostData;
+use crate::buf::{Elem, HostData};
 use crate::comm::Payload;
 use crate::cpu::{self, TileConfig};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
+use half::bf16;
 
 /// A local step in flight: [`Backend`] calls enqueue work and return one; `wait` returns the
 /// result. The CPU backend computes at once, so its steps are born complete; a device
@@ -223,6 +224,10 @@ pub trait Backend: Buffers {
 pub struct CpuBackend {
     /// Tile sizes.
     pub tiles: TileConfig,
+    /// Arithmetic of the products ([`cpu::Arithmetic`]): by default bf16 products for bf16
+    /// inputs where the processor has them, whose steps then read q, k, v and `d_o` as bf16
+    /// (K/V travel the ring in bf16 either way).
+    pub arithmetic: cpu::Arithmetic,
 }
 
 /// Marker of backends whose buffers are [`HostBuf`]s: they get [`Buffers`] from the
@@ -345,9 +350,29 @@ fn host2((a, b): (Vec<f32>, Vec<f32>)) -> ForwardPartial<HostBuf> {
     (a.into(), b.into())
 }
 
+impl CpuBackend {
+    /// The bf16 data of `bufs` when this backend's arithmetic resolves to bf16 products for
+    /// them and they are finite (the bf16 steps' domain), else `None` (the f32 steps).
+    fn bf16_steps<'a, const N: usize>(&self, bufs: [&'a HostBuf; N]) -> Result<Option<[&'a [bf16]; N]>> {
+        if self.arithmetic.resolve(DType::BF16)? != cpu::Arithmetic::Bf16 {
+            return Ok(None);
+        }
+        let mut out = [&[][..]; N];
+        for (o, b) in out.iter_mut().zip(bufs) {
+            match b.data() {
+                HostData::BF16(v) if v.iter().all(|x| x.is_finite()) => *o = v,
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
 impl Backend for CpuBackend {
     fn step_input(&self, x: &HostBuf) -> Result<HostBuf> {
-        Ok(x.converted(DType::F32))
+        // bf16 inputs stay bf16 for the bf16 steps; everything else is widened once.
+        let keep = x.elem() == Elem::BF16 && self.arithmetic.resolve(DType::BF16)? == cpu::Arithmetic::Bf16;
+        Ok(if keep { x.clone() } else { x.converted(DType::F32) })
     }
 
     fn forward_block(
@@ -361,6 +386,9 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let vis = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        if let Some([q, k, v]) = self.bf16_steps([q, k, v])? {
+            return Ok(Pending::ready(host2(cpu::forward_bf16(dims, q, k, v, &vis, params, self.tiles))));
+        }
         let (q, k, v) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
         Ok(Pending::ready(host2(cpu::forward_f32(dims, &q, &k, &v, &vis, params, self.tiles))))
     }
@@ -380,6 +408,11 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let vis: Visibility = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        if let Some([q, k, v, d_o]) = self.bf16_steps([q, k, v, d_o])? {
+            let (lse, big_d) = (lse.f32s()?, big_d.f32s()?);
+            let (dq, dk, dv) = cpu::backward_bf16(dims, q, k, v, lse, d_o, big_d, &vis, params, self.tiles);
+            return Ok(Pending::ready((dq.into(), dk.into(), dv.into())));
+        }
         let (q, k, v, o, d_o) = (q.to_f32()?, k.to_f32()?, v.to_f32()?, o.to_f32()?, d_o.to_f32()?);
         let (dq, dk, dv) =
             cpu::backward_f32(dims, &q, &k, &v, &o, lse.f32s()?, &d_o, Some(big_d.f32s()?), &vis, params, self.tiles);
