@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::backward::{drive, KeyTileWork};
 use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
-use super::simd;
+use super::bf16_rows as rows;
 use super::tiles::{classify, spans, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
@@ -146,16 +146,6 @@ impl<'a> Worker<'a> {
     }
 }
 
-/// Rounds rows `2i`, `2i + 1` of `src` (`rows` rows of `n` values, `sr` apart) into the
-/// interleaved pairs `dst[i · sr..]`.
-fn interleave(src: &[f32], rows: usize, n: usize, sr: usize, dst: &mut [u32]) {
-    for ip in 0..mm::pairs(rows) {
-        let lo = &src[2 * ip * sr..][..n];
-        let hi = (2 * ip + 1 < rows).then(|| &src[(2 * ip + 1) * sr..][..n]);
-        mm::interleave_rows(lo, hi, &mut dst[ip * sr..]);
-    }
-}
-
 impl KeyTileWork for Worker<'_> {
     fn grads(&self) -> (&[f32], &[f32], usize) {
         (&self.dk, &self.dv, mm::vectors(self.x.dims.d) * 16)
@@ -200,34 +190,55 @@ impl KeyTileWork for Worker<'_> {
 
                 let p = &mut self.p[..br * sr];
                 mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c));
-                for i in 0..br {
-                    let row = &mut p[i * sr..][..bc];
-                    if kind == TileKind::Partial {
-                        x.vis.mask_query_row(row, qs.start + i, ks.start);
-                    }
-                    let l = lse[qs.start + i];
-                    if l == f32::NEG_INFINITY {
-                        row.fill(0.0); // fully masked row: no gradient flows
-                    } else {
-                        simd::exp2_sub(row, l * std::f32::consts::LOG2_E);
+                if kind == TileKind::Partial {
+                    for i in 0..br {
+                        x.vis.mask_query_row(&mut p[i * sr..][..bc], qs.start + i, ks.start);
                     }
                 }
-                interleave(p, br, bc, sr, &mut self.p_pairs);
+                // P in place and, rounded, as Pᵀ's A pairs, two query rows at a time. A row
+                // whose LSE is −inf sees no key: subtracting +inf makes its P exactly 0.
+                let sub = |i: usize| {
+                    let l = lse.get(qs.start + i).map_or(f32::NEG_INFINITY, |&l| l);
+                    if l == f32::NEG_INFINITY {
+                        f32::INFINITY
+                    } else {
+                        l * std::f32::consts::LOG2_E
+                    }
+                };
+                for (ip, pair) in p.chunks_mut(2 * sr).enumerate() {
+                    let (lo, hi) = pair.split_at_mut(sr.min(pair.len()));
+                    let hi = (2 * ip + 1 < br).then(|| &mut hi[..bc]);
+                    rows::exp2_pairs(&mut lo[..bc], hi, [sub(2 * ip), sub(2 * ip + 1)], &mut self.p_pairs[ip * sr..]);
+                }
                 let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
                 mm::product(&mut self.dv[..bc * gr], gr, bc, gv, pt, do_steps, mm::pairs(br), Epilogue::Add);
 
                 let dpv = &mut self.dp[..br * sr];
                 mm::product(dpv, sr, br, kv, doa, v_lanes, dp, Epilogue::Set(1.0));
+                // dS rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
-                for i in 0..br {
-                    let row = &mut p[i * sr..][..bc];
-                    simd::softmax_grad(row, &dpv[i * sr..][..bc], dd[qs.start + i]);
-                    mm::round_row(row, &mut ds16[i * sr..][..bc]);
-                    if bc % 2 == 1 {
+                let mut ds_rows = ds16.chunks_mut(sr);
+                for ip in 0..mm::pairs(br) {
+                    let i = 2 * ip;
+                    let lo = rows::GradRow {
+                        p: &p[i * sr..][..bc],
+                        dp: &dpv[i * sr..][..bc],
+                        d: dd[qs.start + i],
+                        ds: ds_rows.next().expect("a dS row per query"),
+                    };
+                    let hi = (i + 1 < br).then(|| rows::GradRow {
+                        p: &p[(i + 1) * sr..][..bc],
+                        dp: &dpv[(i + 1) * sr..][..bc],
+                        d: dd[qs.start + i + 1],
+                        ds: ds_rows.next().expect("a dS row per query"),
+                    });
+                    rows::softmax_grad_pairs(lo, hi, &mut self.ds_pairs[ip * sr..]);
+                }
+                if bc % 2 == 1 {
+                    for i in 0..br {
                         ds16[i * sr + bc] = 0; // the odd key's partner in the last pair step
                     }
                 }
-                interleave(p, br, bc, sr, &mut self.ds_pairs);
                 let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
                 mm::product(&mut self.dk[..bc * gr], gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add);
                 let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };

@@ -14,6 +14,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
+use super::bf16_rows as rows;
 use super::forward::{drive, QueryTileWork};
 use super::simd;
 use super::tiles::{classify, spans, Span, TileConfig, TileKind};
@@ -171,7 +172,7 @@ impl QueryTileWork for Worker<'_> {
                 self.alpha[i] = alpha;
                 let prow = &mut p16[i * sr..][..sr];
                 // The normaliser sums the probabilities before rounding (f32-accurate LSE).
-                self.l[i] = self.l[i] * alpha + mm::exp2_round_row(row, sub, prow);
+                self.l[i] = self.l[i] * alpha + rows::exp2_round_row(row, sub, prow);
                 if bc % 2 == 1 {
                     prow[bc] = 0; // the odd key's partner in the last pair step
                 }

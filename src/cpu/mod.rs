@@ -14,6 +14,7 @@ mod arithmetic;
 mod backward;
 mod backward_bf16;
 mod bf16_gemm;
+mod bf16_rows;
 mod forward;
 mod forward_bf16;
 mod matmul;
