@@ -4,8 +4,9 @@
 //! `dS = P ∘ (dP − D)`, then `dV += Pᵀ dO`, `dK += dSᵀ Q`, `dQ += dS K` with P and dS
 //! rounded to bf16 (as the GPU kernels round them for their MMAs).
 //!
-//! Q and dO are packed once per call (as A pairs along the head dimension, and per query
-//! tile with their rows as pair steps); each worker packs its key tile (K and V with rows
+//! Q and dO are read in place as A pairs along the head dimension
+//! ([`super::bf16_gemm::RowPairs`]) and packed once per call per query tile with their rows
+//! as pair steps; each worker packs its key tile (K and V with rows
 //! as lanes, K with rows as pair steps). Pᵀ and dSᵀ are read from row pairs interleaved
 //! while rounding. Task split, dQ partials and their fixed-order sum are those of the f32
 //! path ([`super::backward::drive`]), so gradients are bit-identical run to run. Inputs must
@@ -51,10 +52,10 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
 /// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
 /// pair steps of a B operand.
-struct PackedQueries {
+struct PackedQueries<'a> {
     /// `[b][h_q][s_q][pairs(d)]`.
-    q_rows: Vec<u32>,
-    do_rows: Vec<u32>,
+    q_rows: mm::RowPairs<'a>,
+    do_rows: mm::RowPairs<'a>,
     /// `[b][h_q][tile]` blocks of `steps_len`.
     q_steps: Vec<u32>,
     do_steps: Vec<u32>,
@@ -62,24 +63,16 @@ struct PackedQueries {
     tiles: usize,
 }
 
-impl PackedQueries {
-    fn new(dm: Dims, q: &[bf16], d_o: &[bf16], q_spans: &[Span], bq: usize) -> Self {
+impl<'a> PackedQueries<'a> {
+    fn new(dm: Dims, q: &'a [bf16], d_o: &'a [bf16], q_spans: &[Span], bq: usize) -> Self {
         let d = dm.d;
-        let (dp, tiles) = (mm::pairs(d), q_spans.len());
+        let tiles = q_spans.len();
         let steps_len = mm::pairs(bq) * mm::odd(mm::vectors(d)) * 16;
         let heads = dm.b * dm.h_q;
         let rs = dm.h_q * d;
         let base = |bh: usize| ((bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q) * d;
-        let mut q_rows = vec![0u32; heads * dm.s_q * dp];
-        let mut do_rows = vec![0u32; heads * dm.s_q * dp];
-        if !q_rows.is_empty() {
-            q_rows.par_chunks_mut(dm.s_q * dp).zip(do_rows.par_chunks_mut(dm.s_q * dp)).enumerate().for_each(
-                |(bh, (qr, dr))| {
-                    mm::pack_row_pairs(&q[base(bh)..], dm.s_q, rs, d, qr);
-                    mm::pack_row_pairs(&d_o[base(bh)..], dm.s_q, rs, d, dr);
-                },
-            );
-        }
+        let shape = [dm.b, dm.s_q, dm.h_q, d];
+        let (q_rows, do_rows) = (mm::RowPairs::new(q, shape), mm::RowPairs::new(d_o, shape));
         let mut q_steps = vec![0u32; heads * tiles * steps_len];
         let mut do_steps = vec![0u32; heads * tiles * steps_len];
         if !q_steps.is_empty() {
@@ -100,7 +93,7 @@ impl PackedQueries {
 /// Per-thread state of the key tiles it runs.
 struct Worker<'a> {
     x: &'a BackwardInputs<'a>,
-    queries: &'a PackedQueries,
+    queries: &'a PackedQueries<'a>,
     q_spans: &'a [Span],
     /// Row length of the f32 tiles (keys as lanes, a multiple of 16).
     sr: usize,
@@ -123,7 +116,7 @@ struct Worker<'a> {
 }
 
 impl<'a> Worker<'a> {
-    fn new(x: &'a BackwardInputs<'a>, queries: &'a PackedQueries, q_spans: &'a [Span], bk: usize) -> Self {
+    fn new(x: &'a BackwardInputs<'a>, queries: &'a PackedQueries<'a>, q_spans: &'a [Span], bk: usize) -> Self {
         let d = x.dims.d;
         let bq = q_spans.iter().map(|s| s.len).max().unwrap_or(0);
         let (sr, gr) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16);
@@ -180,9 +173,8 @@ impl KeyTileWork for Worker<'_> {
                     continue;
                 }
                 let br = qs.len;
-                let rows_at = (bh * dm.s_q + qs.start) * dp;
-                let qa = AOperand { data: &pq.q_rows[rows_at..], rs: dp, ps: 1 };
-                let doa = AOperand { data: &pq.do_rows[rows_at..], rs: dp, ps: 1 };
+                let qa = pq.q_rows.at(b, h, qs.start);
+                let doa = pq.do_rows.at(b, h, qs.start);
                 let steps_at = (bh * pq.tiles + t) * pq.steps_len;
                 let q_steps = BOperand { data: &pq.q_steps[steps_at..][..pq.steps_len], vectors: sv };
                 let do_steps = BOperand { data: &pq.do_steps[steps_at..][..pq.steps_len], vectors: sv };

@@ -202,6 +202,42 @@ fn pair(row: &[bf16], p: usize) -> u32 {
     lo | (hi << 16)
 }
 
+/// Rows of a `[b, s, h, d]` bf16 tensor as A pairs along `d`: the tensor itself when `d`
+/// is even and its data 4-byte aligned (no copy), else a packed copy `[b][h][s][pairs(d)]`.
+pub(crate) struct RowPairs<'a> {
+    data: std::borrow::Cow<'a, [u32]>,
+    /// Pairs between rows.
+    pub rs: usize,
+    shape: [usize; 4],
+}
+
+impl<'a> RowPairs<'a> {
+    pub(crate) fn new(x: &'a [bf16], shape: [usize; 4]) -> Self {
+        let [b, s, h, d] = shape;
+        if d % 2 == 0 && cfg!(target_endian = "little") {
+            if let Ok(pairs) = bytemuck::try_cast_slice::<bf16, u32>(x) {
+                return RowPairs { data: pairs.into(), rs: h * d / 2, shape };
+            }
+        }
+        let dp = pairs(d);
+        let mut out = vec![0u32; b * h * s * dp];
+        for (bh, dst) in out.chunks_mut((s * dp).max(1)).enumerate().take(b * h) {
+            pack_row_pairs(&x[((bh / h) * s * h + bh % h) * d..], s, h * d, d, dst);
+        }
+        RowPairs { data: out.into(), rs: dp, shape }
+    }
+
+    /// The A operand whose row 0 is row `i` of head `hh` in batch `bi`.
+    pub(crate) fn at(&self, bi: usize, hh: usize, i: usize) -> AOperand<'_> {
+        let [_, s, h, d] = self.shape;
+        let at = match self.data {
+            std::borrow::Cow::Borrowed(_) => ((bi * s + i) * h + hh) * d / 2,
+            std::borrow::Cow::Owned(_) => ((bi * h + hh) * s + i) * pairs(d),
+        };
+        AOperand { data: &self.data[at..], rs: self.rs, ps: 1 }
+    }
+}
+
 /// A operand of `rows` rows of width `d` (row `r` at `src[r · rs..]`): `dst[r · pairs(d) + p]`
 /// holds elements `2p`, `2p + 1` of row `r`, the odd tail padded with zero.
 pub(crate) fn pack_row_pairs(src: &[bf16], rows: usize, rs: usize, d: usize, dst: &mut [u32]) {

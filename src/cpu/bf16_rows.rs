@@ -52,6 +52,22 @@ fn round32(x: __m512) -> __m512i {
     _mm512_cvtepu16_epi32(h)
 }
 
+/// `src` rounded to bf16 (the bf16 path's outputs), 16 lanes at a time.
+pub(crate) fn round_vec(src: &[f32]) -> Vec<half::bf16> {
+    let mut out = vec![half::bf16::ZERO; src.len()];
+    let bits: &mut [u16] = bytemuck::cast_slice_mut(&mut out);
+    for (s, d) in src.chunks(1 << 16).zip(bits.chunks_mut(1 << 16)) {
+        round_row(s, d);
+    }
+    out
+}
+
+/// Whether every value is finite (exponent bits not all ones), without early exit so that
+/// it vectorises.
+pub(crate) fn all_finite(x: &[half::bf16]) -> bool {
+    x.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80 != 0x7f80))
+}
+
 /// `dst = bf16(2^(src − sub))` (the forward's probabilities) and the sum of the values
 /// before rounding (the normaliser, so that the LSE keeps f32 accuracy).
 pub(crate) fn exp2_round_row(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
@@ -81,6 +97,21 @@ unsafe fn exp2_round_row_avx512(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
         sum = _mm512_mask_add_ps(sum, m, sum, y);
     }
     _mm512_reduce_add_ps(sum)
+}
+
+/// `dst = bf16(src)`, rounded to nearest even.
+pub(crate) fn round_row(src: &[f32], dst: &mut [u16]) {
+    assert!(available(), "bf16 row kernels need AVX512_BF16");
+    let dst = &mut dst[..src.len()];
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the processor has the instructions (asserted); lengths equal (sliced above).
+    unsafe {
+        for i in (0..src.len()).step_by(16) {
+            let m = lanes(src.len() - i);
+            let x = round32(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)));
+            _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, x);
+        }
+    }
 }
 
 /// The backward's probabilities for query rows `2i` and `2i + 1`: `row = 2^(row − sub)` in
@@ -222,6 +253,22 @@ mod tests {
             let s = exp2_round_row(&row, 3.0, &mut dst) as f64;
             let want: f64 = row.iter().map(|&x| 2f64.powf(x as f64 - 3.0)).sum();
             assert!((s - want).abs() <= 1e-6 * want, "n = {n}: {s} vs {want}");
+        }
+    }
+
+    #[test]
+    fn output_rounding_and_finiteness_match_half() {
+        if !available() {
+            return;
+        }
+        let src: Vec<f32> = (0..70_001).map(|i| (i as f32 * 0.37).sin() * 3.0e3 + 1e-3).collect();
+        let out = round_vec(&src);
+        assert!(out.iter().zip(&src).all(|(o, &x)| *o == bf16::from_f32(x)));
+        assert!(all_finite(&out));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut v = out.clone();
+            v[69_999] = bf16::from_f32(bad);
+            assert!(!all_finite(&v));
         }
     }
 

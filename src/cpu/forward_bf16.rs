@@ -3,8 +3,9 @@
 //! bf16 (as the GPU kernels round it for their MMA); the online softmax in f32.
 //!
 //! K and V are packed once per call (K with its rows as lanes, V with its rows as the pair
-//! steps, per key tile; see [`super::bf16_gemm`]); each task (batch, query head, query
-//! tile) packs its Q rows and keeps `S` row-major (keys as lanes), so the softmax runs
+//! steps, per key tile; see [`super::bf16_gemm`]), Q read in place as A pairs
+//! ([`super::bf16_gemm::RowPairs`]); each task (batch, query head, query tile) keeps `S`
+//! row-major (keys as lanes), so the softmax runs
 //! along rows and the P·V product reads P as it was written. Inputs must be finite (the
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
@@ -39,7 +40,8 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
     let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
-    drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &k_spans, bq))
+    let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
+    drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))
 }
 
 /// K and V of every (batch, kv head, key tile), packed as the B operands of `Q·Kᵀ` and `P·V`.
@@ -94,14 +96,14 @@ impl PackedKeys {
 struct Worker<'a> {
     x: &'a ForwardInputs<'a>,
     keys: &'a PackedKeys,
+    /// The queries as A pairs.
+    queries: &'a mm::RowPairs<'a>,
     k_spans: &'a [Span],
     rows: usize,
     /// Running max (log2 units), running sum, rescale factor, per query row.
     m: Vec<f32>,
     l: Vec<f32>,
     alpha: Vec<f32>,
-    /// The query tile as A pairs, `[block_q][pairs(d)]`.
-    qa: Vec<u32>,
     /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
     s: Vec<f32>,
     /// The probabilities in bf16 as A pairs, `[block_q][sr / 2]`.
@@ -111,18 +113,24 @@ struct Worker<'a> {
 }
 
 impl<'a> Worker<'a> {
-    fn new(x: &'a ForwardInputs<'a>, keys: &'a PackedKeys, k_spans: &'a [Span], bq: usize) -> Self {
+    fn new(
+        x: &'a ForwardInputs<'a>,
+        keys: &'a PackedKeys,
+        queries: &'a mm::RowPairs<'a>,
+        k_spans: &'a [Span],
+        bq: usize,
+    ) -> Self {
         let d = x.dims.d;
         let sr = keys.key_vectors * 16;
         Worker {
             x,
             keys,
+            queries,
             k_spans,
             rows: 0,
             m: vec![0.0; bq],
             l: vec![0.0; bq],
             alpha: vec![0.0; bq],
-            qa: vec![0; bq * mm::pairs(d)],
             s: vec![0.0; bq * sr],
             p: vec![0; bq * sr / 2],
             acc: vec![0.0; bq * mm::vectors(d) * 16],
@@ -142,10 +150,7 @@ impl QueryTileWork for Worker<'_> {
         self.l[..br].fill(0.0);
         self.acc[..br * or].fill(0.0);
         let c = x.scale * std::f32::consts::LOG2_E;
-        let q_rs = dm.h_q * d;
-        let q0 = (b * dm.s_q * dm.h_q + h) * d + qs.start * q_rs;
-        mm::pack_row_pairs(&x.q[q0..], br, q_rs, d, &mut self.qa);
-        let qa = AOperand { data: &self.qa, rs: dp, ps: 1 };
+        let qa = self.queries.at(b, h, qs.start);
         for (t, ks) in self.k_spans.iter().enumerate() {
             let kind = classify(x.vis, qs, ks);
             if kind == TileKind::Skip {

@@ -30,7 +30,7 @@ use half::bf16;
 
 use crate::params::Visibility;
 use crate::tensor::TensorData;
-use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
+use crate::{AttentionParams, Dims, Error, Positions, Result, Tensor};
 
 /// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
 /// in f32 (natural log; `-inf` for rows that see no key).
@@ -138,7 +138,7 @@ pub fn forward_with(
             progress: config.progress,
         });
         return Ok(ForwardOutput {
-            o: Tensor::from_f32_owned(dims.q_shape(), o, DType::BF16)?,
+            o: Tensor::new(dims.q_shape(), TensorData::BF16(bf16_rows::round_vec(&o)))?,
             lse: Tensor::from_f32(dims.lse_shape(), lse)?,
         });
     }
@@ -241,10 +241,11 @@ pub fn backward_with(
             tiles: config.tiles,
             progress: config.progress,
         });
+        let round = |x: Vec<f32>| TensorData::BF16(bf16_rows::round_vec(&x));
         return Ok(Gradients {
-            dq: Tensor::from_f32_owned(dims.q_shape(), dq, DType::BF16)?,
-            dk: Tensor::from_f32_owned(dims.kv_shape(), dk, DType::BF16)?,
-            dv: Tensor::from_f32_owned(dims.kv_shape(), dv, DType::BF16)?,
+            dq: Tensor::new(dims.q_shape(), round(dq))?,
+            dk: Tensor::new(dims.kv_shape(), round(dk))?,
+            dv: Tensor::new(dims.kv_shape(), round(dv))?,
         });
     }
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
@@ -382,12 +383,17 @@ pub(crate) fn softmax_grad_rowsum(dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32
     backward::rowsum_do_o(dims, o, d_o)
 }
 
+/// Whether every value of `x` is finite (the bf16 products' domain).
+pub(crate) fn bf16_finite(x: &[bf16]) -> bool {
+    bf16_rows::all_finite(x)
+}
+
 /// The bf16 data of `tensors` when every one is bf16 and finite (the bf16 products' domain).
 fn finite_bf16<const N: usize>(tensors: [&Tensor; N]) -> Option<[&[bf16]; N]> {
     let mut out = [&[][..]; N];
     for (o, t) in out.iter_mut().zip(tensors) {
         match t.data() {
-            TensorData::BF16(v) if v.iter().all(|x| x.is_finite()) => *o = v,
+            TensorData::BF16(v) if bf16_finite(v) => *o = v,
             _ => return None,
         }
     }
