@@ -370,7 +370,7 @@ impl CudaDevice {
         self.check_stream(stream)?;
         let dims = x.dims;
         crate::runner::check_supported(super::BACKEND, &dims, x.dtype)?;
-        if dims.h_kv == 0 || dims.h_q == 0 || dims.h_q % dims.h_kv != 0 {
+        if dims.h_kv == 0 || dims.h_q == 0 || !dims.h_q.is_multiple_of(dims.h_kv) {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
         if !x.scale.is_finite() {

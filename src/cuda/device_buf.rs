@@ -181,7 +181,7 @@ impl DeviceBuf {
         if elem.size_of() != 2 {
             return Err(Error::InvalidArgument(format!("DeviceBuf::from_bits: {elem} is not a 16-bit type")));
         }
-        if slice.len() % 2 != 0 {
+        if !slice.len().is_multiple_of(2) {
             return Err(Error::ShapeMismatch(format!(
                 "a 16-bit device buffer needs an even allocation (the kernels move pairs), not {}",
                 slice.len()
