@@ -54,15 +54,43 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
     let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
-    drive(dm, x.scale, &k_spans, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
+    let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
+    drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
+}
+
+/// The tiles of a backward call: their spans and the visibility that classifies them.
+pub(crate) struct Tiles<'a> {
+    pub vis: &'a Visibility,
+    pub q_spans: &'a [Span],
+    pub k_spans: &'a [Span],
+}
+
+/// The dQ rows one task adds to: query rows `lo..lo + rows` (those its key tiles can see) of
+/// every query head of its group, `[group][rows][rs]`.
+pub(crate) struct DqPartial<'a> {
+    data: &'a mut [f32],
+    lo: usize,
+    rows: usize,
+    rs: usize,
+}
+
+impl DqPartial<'_> {
+    /// Rows `start..start + len` of the group's query head `hl`, `[len][rs]`.
+    ///
+    /// # Panics
+    /// When the rows lie outside the task's reach (a query tile its key tiles cannot see).
+    pub(crate) fn rows(&mut self, hl: usize, start: usize, len: usize) -> &mut [f32] {
+        assert!(start >= self.lo && start + len <= self.lo + self.rows, "dQ rows outside the task's reach");
+        &mut self.data[(hl * self.rows + start - self.lo) * self.rs..][..len * self.rs]
+    }
 }
 
 /// The work of one key tile, as [`drive`] runs it.
 pub(crate) trait KeyTileWork {
     /// Computes the (unscaled) dK and dV of key tile `ks` of kv head `hk` in batch `b` over
-    /// every query head of its group, adding the tile's (unscaled) dQ into `dq_part`
-    /// (`[group][s_q][dq_rs]`, `dq_rs` as given to [`drive`]).
-    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]);
+    /// every query head of its group, adding the tile's (unscaled) dQ into `dq` (rows
+    /// `dq_rs` apart, as given to [`drive`]).
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial);
     /// The last key tile's dK and dV rows (`[rows][rs]`, the first `d` columns meaningful)
     /// and their stride `rs`.
     fn grads(&self) -> (&[f32], &[f32], usize);
@@ -70,11 +98,12 @@ pub(crate) trait KeyTileWork {
 
 /// Runs one task per (batch, kv head, chunk of key tiles) on rayon's pool, each with a
 /// worker from `init`, and gathers `(dq, dk, dv)` (dk and dq multiplied by `scale`); the dq
-/// partials of one kv head (rows `dq_rs` apart) are summed in chunk order.
+/// partials of one kv head (rows `dq_rs` apart, covering the query rows the chunk's key
+/// tiles can see) are summed in chunk order.
 pub(crate) fn drive<W: KeyTileWork>(
     dm: Dims,
     scale: f32,
-    k_spans: &[Span],
+    tiles: &Tiles,
     dq_rs: usize,
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
@@ -86,11 +115,24 @@ pub(crate) fn drive<W: KeyTileWork>(
     if dq.is_empty() || dk.is_empty() {
         return (dq, dk, dv);
     }
+    let k_spans = tiles.k_spans;
     let heads = dm.b * dm.h_kv;
     let chunks = TASKS_PER_BATCH.div_ceil(dm.h_kv).clamp(1, k_spans.len());
     let per_chunk = k_spans.len().div_ceil(chunks);
     let chunks = k_spans.len().div_ceil(per_chunk);
     let gs = dm.group();
+    let chunk_tiles = |c: usize| &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
+    // The query rows each chunk's key tiles can see (positions only: the same for every head).
+    let reach: Vec<(usize, usize)> = (0..chunks)
+        .map(|c| {
+            let seen = tiles
+                .q_spans
+                .iter()
+                .filter(|qs| chunk_tiles(c).iter().any(|ks| classify(tiles.vis, qs, ks) != TileKind::Skip));
+            seen.fold((usize::MAX, 0), |(lo, hi), qs| (lo.min(qs.start), hi.max(qs.start + qs.len)))
+        })
+        .map(|(lo, hi)| if lo < hi { (lo, hi - lo) } else { (0, 0) })
+        .collect();
 
     let dk_out = DisjointWriter::new(&mut dk);
     let dv_out = DisjointWriter::new(&mut dv);
@@ -99,10 +141,11 @@ pub(crate) fn drive<W: KeyTileWork>(
         .map_init(init, |w, t| {
             let (bh, c) = (t / chunks, t % chunks);
             let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-            let tiles = &k_spans[c * per_chunk..((c + 1) * per_chunk).min(k_spans.len())];
-            let mut dq_part = vec![0.0f32; gs * dm.s_q * dq_rs];
-            for ks in tiles {
-                w.key_tile(b, hk, ks, &mut dq_part);
+            let (lo, rows) = reach[c];
+            let mut dq_part = vec![0.0f32; gs * rows * dq_rs];
+            let mut dq = DqPartial { data: &mut dq_part, lo, rows, rs: dq_rs };
+            for ks in chunk_tiles(c) {
+                w.key_tile(b, hk, ks, &mut dq);
                 let (dk_rows, dv_rows, rs) = w.grads();
                 for j in 0..ks.len {
                     let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
@@ -133,9 +176,10 @@ pub(crate) fn drive<W: KeyTileWork>(
                 // SAFETY: kv head (b, hk) alone writes the dq rows of its query heads.
                 let row = unsafe { dq_out.range(at, d) };
                 row.fill(0.0);
-                for p in parts {
-                    let src = &p[(hl * dm.s_q + i) * dq_rs..][..d];
-                    simd::axpy(row, 1.0, src);
+                for (p, &(lo, rows)) in parts.iter().zip(&reach) {
+                    if (lo..lo + rows).contains(&i) {
+                        simd::axpy(row, 1.0, &p[(hl * rows + i - lo) * dq_rs..][..d]);
+                    }
                 }
                 simd::scale(row, scale);
             }
@@ -191,7 +235,7 @@ impl KeyTileWork for Scratch<'_> {
         (&self.dk, &self.dv, self.x.dims.d)
     }
 
-    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]) {
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial) {
         let (x, big_d, q_spans) = (self.x, self.big_d, self.q_spans);
         let dm = x.dims;
         let d = dm.d;
@@ -245,7 +289,7 @@ impl KeyTileWork for Scratch<'_> {
                         simd::exp2_sub(row, l * std::f32::consts::LOG2_E);
                     }
                 }
-                let dq_tile = &mut dq_part[(hl * dm.s_q + qs.start) * d..][..br * d];
+                let dq_tile = dq.rows(hl, qs.start, br);
                 if exact {
                     let bases = Bases { q: q_base, d_o: do_base, k: k_base, v: v_base, dd };
                     exact_tile(x, qs, ks, &bases, p, dk, dv, dq_tile);

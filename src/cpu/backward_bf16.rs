@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicU64;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::backward::{drive, KeyTileWork};
+use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
 use super::tiles::{classify, spans, Span, TileConfig, TileKind};
@@ -47,7 +47,8 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
     let dq_rs = mm::vectors(dm.d) * 16;
-    drive(dm, x.scale, &k_spans, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
+    let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
+    drive(dm, x.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
 }
 
 /// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
@@ -144,7 +145,7 @@ impl KeyTileWork for Worker<'_> {
         (&self.dk, &self.dv, mm::vectors(self.x.dims.d) * 16)
     }
 
-    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq_part: &mut [f32]) {
+    fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial) {
         let (x, pq) = (self.x, self.queries);
         let dm = x.dims;
         let (d, gs, bc) = (dm.d, dm.group(), ks.len);
@@ -234,7 +235,7 @@ impl KeyTileWork for Worker<'_> {
                 let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
                 mm::product(&mut self.dk[..bc * gr], gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add);
                 let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
-                let dq_rows = &mut dq_part[(hl * dm.s_q + qs.start) * gr..][..br * gr];
+                let dq_rows = dq.rows(hl, qs.start, br);
                 mm::product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add);
             }
         }
