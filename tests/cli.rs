@@ -199,6 +199,27 @@ fn verify_passes_on_random_and_file_inputs() {
     assert_eq!(report["rows"].as_array().unwrap().len(), 5);
 }
 
+/// `--cpu-arithmetic`: both paths verify on bf16 inputs, single-device and on a ring; asking
+/// for bf16 products on f32 inputs, or for an unknown arithmetic, fails naming the value.
+#[test]
+fn cpu_arithmetic_is_chosen_on_the_command_line() {
+    for arithmetic in ["auto", "f32"] {
+        for strategy in [&["--strategy", "single"][..], &["--strategy", "ring", "--world", "3"][..]] {
+            let mut args = vec!["verify", "--shape", "1,90,4,2,48", "--dtype", "bf16", "--causal"];
+            args.extend(["--cpu-arithmetic", arithmetic]);
+            args.extend(strategy);
+            let r = ringattn(&args);
+            assert!(r.status.success(), "{arithmetic} {strategy:?}: {}", String::from_utf8_lossy(&r.stdout));
+        }
+    }
+    let r = ringattn(&["verify", "--shape", "1,20,1,1,16", "--dtype", "f32", "--cpu-arithmetic", "bf16"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("F32"), "{err}");
+    let r = ringattn(&["verify", "--shape", "1,20,1,1,16", "--cpu-arithmetic", "fp8"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("fp8"), "{err}");
+}
+
 #[test]
 fn demo_runs_small() {
     let r = ringattn(&["demo", "--seq", "600", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]);

@@ -18,6 +18,7 @@ use super::bf16_gemm;
 /// assert_eq!(bf16 == Arithmetic::Bf16, Arithmetic::bf16_available());
 /// // Asking for bf16 products on f32 inputs is an error, not a silent rounding.
 /// assert!(Arithmetic::Bf16.resolve(DType::F32).is_err());
+/// assert_eq!("f32".parse::<Arithmetic>()?, Arithmetic::F32);
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,6 +34,20 @@ pub enum Arithmetic {
     /// kernels do. Calls whose inputs hold NaN or infinities run the f32 path instead, which
     /// keeps masked non-finite values out of visible rows exactly.
     Bf16,
+}
+
+impl std::str::FromStr for Arithmetic {
+    type Err = Error;
+
+    /// `auto`, `f32` or `bf16` (the CLI's `--cpu-arithmetic`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Arithmetic::Auto),
+            "f32" => Ok(Arithmetic::F32),
+            "bf16" => Ok(Arithmetic::Bf16),
+            other => Err(Error::InvalidArgument(format!("CPU arithmetic `{other}`: expected auto, f32 or bf16"))),
+        }
+    }
 }
 
 impl Arithmetic {

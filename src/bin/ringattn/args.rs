@@ -91,6 +91,12 @@ pub struct ExecArgs {
     /// in-process ranks then share the GPU, their buffers resident on it).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Arithmetic of the cpu backend's products: auto (bf16 products with f32 accumulation
+    /// for bf16 inputs where the processor has AVX512_BF16, f32 otherwise), f32 (inputs
+    /// widened to f32: the fallback, on any processor) or bf16 (bf16 inputs only; an error
+    /// elsewhere).
+    #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
+    pub cpu_arithmetic: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.
     #[arg(long, value_name = "SECS", default_value_t = 600.0)]
     pub timeout: f64,
@@ -139,9 +145,25 @@ impl ExecArgs {
         parse_backend(&self.backend)
     }
 
+    /// The cpu backend's arithmetic (--cpu-arithmetic).
+    pub fn arithmetic(&self) -> Result<cpu::Arithmetic> {
+        self.cpu_arithmetic.parse()
+    }
+
+    /// The cpu backend of the parallel drivers, with --cpu-arithmetic.
+    pub fn cpu_backend(&self) -> Result<CpuBackend> {
+        Ok(CpuBackend { arithmetic: self.arithmetic()?, ..Default::default() })
+    }
+
+    /// The cpu backend's configuration, with --cpu-arithmetic and an optional progress counter.
+    pub fn cpu_config<'a>(&self, progress: Option<&'a std::sync::atomic::AtomicU64>) -> Result<cpu::CpuConfig<'a>> {
+        Ok(cpu::CpuConfig { arithmetic: self.arithmetic()?, progress, ..Default::default() })
+    }
+
     /// The parallel parameters these options describe (sequence length filled in later).
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         self.backend()?;
+        self.arithmetic()?;
         self.comm_kind()?;
         let strategy: Strategy = self.strategy.parse()?;
         let layout = self.layout.as_deref().map(str::parse::<Layout>).transpose()?;
@@ -229,7 +251,7 @@ pub fn forward_single(
     v: &Tensor,
 ) -> Result<ForwardOutput> {
     match exec.backend()? {
-        BackendKind::Cpu => cpu::forward(q, k, v, params),
+        BackendKind::Cpu => cpu::forward_with(q, k, v, None, params, &exec.cpu_config(None)?),
         #[cfg(feature = "emu")]
         BackendKind::Emu => ringattn::emu::forward(q, k, v, None, params, &emu_options()),
         #[cfg(feature = "cuda")]
@@ -251,7 +273,7 @@ pub fn backward_single(
 ) -> Result<Gradients> {
     let (o, lse) = (&fwd.o, &fwd.lse);
     match exec.backend()? {
-        BackendKind::Cpu => cpu::backward(q, k, v, o, lse, d_o, params),
+        BackendKind::Cpu => cpu::backward_with(q, k, v, o, lse, d_o, None, params, &exec.cpu_config(None)?),
         #[cfg(feature = "emu")]
         BackendKind::Emu => ringattn::emu::backward(q, k, v, o, lse, d_o, None, params, &emu_options()),
         #[cfg(feature = "cuda")]
@@ -279,7 +301,7 @@ pub fn run_parallel(
 ) -> Result<ProcessRun> {
     let (world, options) = (exec.world(), exec.local_options()?);
     match exec.backend()? {
-        BackendKind::Cpu => run_in_process(world, options, &CpuBackend::default(), q, k, v, d_o, parallel),
+        BackendKind::Cpu => run_in_process(world, options, &exec.cpu_backend()?, q, k, v, d_o, parallel),
         #[cfg(feature = "emu")]
         BackendKind::Emu => {
             let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), ..Default::default() };

@@ -212,7 +212,7 @@ fn single(
     memory::reset_peak();
     let t = Instant::now();
     let fwd = with_progress("forward", (b * hq * s) as u64, |p| {
-        cpu::forward_with(q, k, v, None, params, &cpu::CpuConfig { progress: Some(p), ..Default::default() })
+        cpu::forward_with(q, k, v, None, params, &a.exec.cpu_config(Some(p))?)
     })?;
     let secs = t.elapsed().as_secs_f64();
     let out_bytes = fwd.o.len() * dtype.size_of() + fwd.lse.len() * 4;
@@ -237,7 +237,7 @@ fn single(
         memory::reset_peak();
         let t = Instant::now();
         let g = with_progress("backward", (b * hkv * s) as u64, |p| {
-            let cfg = cpu::CpuConfig { progress: Some(p), ..Default::default() };
+            let cfg = a.exec.cpu_config(Some(p))?;
             cpu::backward_with(q, k, v, &fwd.o, &fwd.lse, d_o, None, params, &cfg)
         })?;
         let secs = t.elapsed().as_secs_f64();

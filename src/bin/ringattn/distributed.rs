@@ -16,8 +16,6 @@ use ringattn::comm::{all_gather, all_gather_v, Communicator, Payload, RecvHandle
 #[cfg(feature = "mpi")]
 use ringattn::comm::{MpiComm, MpiOptions};
 use ringattn::io::TensorFile;
-#[cfg(feature = "mpi")]
-use ringattn::parallel::CpuBackend;
 use ringattn::parallel::{gather_results, Backend, Buffers, ParallelParams, ParallelPlan, Stats, Strategy};
 use ringattn::{Dims, Elem, Error, HostBuf, Result};
 
@@ -214,7 +212,7 @@ fn input_dtype(a: &RunArgs) -> Result<ringattn::DType> {
 #[cfg(feature = "mpi")]
 fn run_host(comm: &dyn Communicator<Buf = HostBuf>, a: &RunArgs, params: ParallelParams) -> Result<()> {
     match a.exec.backend()? {
-        BackendKind::Cpu => run_rank(comm, &CpuBackend::default(), a, params),
+        BackendKind::Cpu => run_rank(comm, &a.exec.cpu_backend()?, a, params),
         #[cfg(feature = "emu")]
         BackendKind::Emu => {
             let dtype = TensorFile::open(&a.input)?.info("q").map_or(ringattn::DType::BF16, |(d, _)| d);
