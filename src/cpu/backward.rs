@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
 use super::simd;
-use super::tiles::{classify, rows_finite, spans, DisjointWriter, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -51,9 +51,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         }
     };
 
-    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
-    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
-    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
     drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
 }

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
-use super::tiles::{classify, spans, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -42,9 +42,7 @@ pub(crate) struct BackwardInputs<'a> {
 /// Returns `(dq, dk, dv)` in f32 (unrounded), layouts as q and k.
 pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
-    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
-    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
     let dq_rs = mm::vectors(dm.d) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };

@@ -12,15 +12,17 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul_strided, View};
 use super::simd;
-use super::tiles::{classify, rows_finite, spans, DisjointWriter, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
-pub(crate) struct ForwardInputs<'a> {
+/// A forward call's inputs, `q`, `k`, `v` in the element type of its path (f32 here, bf16
+/// for [`super::forward_bf16`]).
+pub(crate) struct ForwardInputs<'a, T = f32> {
     pub dims: Dims,
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub vis: &'a Visibility,
     pub scale: f32,
     pub tiles: TileConfig,
@@ -31,9 +33,7 @@ pub(crate) struct ForwardInputs<'a> {
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
-    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
-    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
     // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
     // reads without packing.
     let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, dm.d);

@@ -9,8 +9,6 @@
 //! along rows and the P·V product reads P as it was written. Inputs must be finite (the
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
-use std::sync::atomic::AtomicU64;
-
 use half::bf16;
 use rayon::prelude::*;
 
@@ -18,27 +16,16 @@ use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
 use super::forward::{drive, QueryTileWork};
 use super::simd;
-use super::tiles::{classify, spans, Span, TileConfig, TileKind};
-use crate::params::Visibility;
+use super::tiles::{call_spans, classify, Span, TileKind};
 use crate::Dims;
 
-pub(crate) struct ForwardInputs<'a> {
-    pub dims: Dims,
-    pub q: &'a [bf16],
-    pub k: &'a [bf16],
-    pub v: &'a [bf16],
-    pub vis: &'a Visibility,
-    pub scale: f32,
-    pub tiles: TileConfig,
-    pub progress: Option<&'a AtomicU64>,
-}
+/// The bf16 path's inputs.
+pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32 (`o` unrounded).
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk) = (x.tiles.block_q.max(1), x.tiles.block_k.max(1));
-    let q_spans = spans(&x.vis.q_pos, x.vis.q_doc.as_deref(), bq);
-    let k_spans = spans(&x.vis.k_pos, x.vis.k_doc.as_deref(), bk);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
     let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
     drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))

@@ -41,6 +41,13 @@ pub(crate) enum TileKind {
     Partial,
 }
 
+/// The query and key tiles of a call: `(block_q, block_k, query spans, key spans)` (block
+/// sizes at least 1).
+pub(crate) fn call_spans(vis: &Visibility, tiles: TileConfig) -> (usize, usize, Vec<Span>, Vec<Span>) {
+    let (bq, bk) = (tiles.block_q.max(1), tiles.block_k.max(1));
+    (bq, bk, spans(&vis.q_pos, vis.q_doc.as_deref(), bq), spans(&vis.k_pos, vis.k_doc.as_deref(), bk))
+}
+
 /// Splits `pos` into tiles of `block` rows and records each tile's ranges.
 pub(crate) fn spans(pos: &[i64], doc: Option<&[u32]>, block: usize) -> Vec<Span> {
     (0..pos.len())
