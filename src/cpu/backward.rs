@@ -1,10 +1,12 @@
-//! Tiled flash-attention backward on f32 buffers.
+//! Tiled flash-attention backward: the task driver both arithmetic paths share ([`drive`])
+//! and the f32 path's tile work.
 //!
 //! `D_i = Σ_c dO_ic O_ic` first. Then one task per (batch, kv head, chunk of key tiles):
 //! for each key tile it accumulates `dV += Pᵀ dO` and `dK += dSᵀ Q` in registers-worth of
 //! scratch over every query head of its group and every visible query tile, recomputing
 //! `P = 2^(scale·log2 e·Q Kᵀ − LSE·log2 e)` and `dS = P ∘ (dO Vᵀ − D)`; `dQ += dS K` goes to
-//! a per-task partial. The partials of one kv head are summed in chunk order, so gradients
+//! a per-task partial over the query rows the task's key tiles can see. The partials of one
+//! kv head are summed in chunk order, so gradients
 //! are bit-identical run to run whatever the thread count. The number of chunks per head
 //! depends on the shape only.
 

@@ -1,4 +1,5 @@
-//! Tiled flash-attention forward on f32 buffers.
+//! Tiled flash-attention forward: the task driver both arithmetic paths share ([`drive`])
+//! and the f32 path's tile work.
 //!
 //! One task per (batch, query head, query tile), run by rayon. Each task keeps the running
 //! row maximum `m` (in log2 units), row sum `l` and unnormalised output `acc` of its tile
