@@ -5,7 +5,7 @@
 //! outputs plus tile scratch per thread (the backward adds f32 partials of dQ).
 //!
 //! Products run in the [`Arithmetic`] the call resolves to: bf16 inputs on a processor with
-//! AVX512_BF16 multiply bf16 operands with f32 accumulation ([`bf16_gemm`]'s kernels, P and
+//! AVX512_BF16 multiply bf16 operands with f32 accumulation (the `vdpbf16ps` kernels of `bf16_gemm.rs`, P and
 //! dS rounded to bf16 as on the GPU); every other call widens its inputs to f32 and
 //! multiplies in f32 through `gemm`. Outputs are rounded back to the input dtype; the LSE is
 //! always f32.
