@@ -240,7 +240,7 @@ impl<'a> RowPairs<'a> {
 
 /// A operand of `rows` rows of width `d` (row `r` at `src[r · rs..]`): `dst[r · pairs(d) + p]`
 /// holds elements `2p`, `2p + 1` of row `r`, the odd tail padded with zero.
-pub(crate) fn pack_row_pairs(src: &[bf16], rows: usize, rs: usize, d: usize, dst: &mut [u32]) {
+fn pack_row_pairs(src: &[bf16], rows: usize, rs: usize, d: usize, dst: &mut [u32]) {
     let dp = pairs(d);
     for r in 0..rows {
         let row = &src[r * rs..][..d];

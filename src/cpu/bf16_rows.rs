@@ -4,7 +4,7 @@
 //!
 //! `exp2` here is [`super::simd::exp2`]'s Taylor polynomial with the power of two applied by
 //! `vscalefps`: exactly 0 below 2^-126 (masked entries are −inf), NaN kept. Rounding is to
-//! nearest even (`vcvtneps2bf16`). Every function needs [`super::bf16_gemm::available`]
+//! nearest even (`vcvtneps2bf16`). Every kernel needs [`super::bf16_gemm::available`]
 //! (asserted), as the bf16 path runs only where it holds.
 
 #[cfg(target_arch = "x86_64")]
@@ -100,7 +100,7 @@ unsafe fn exp2_round_row_avx512(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
 }
 
 /// `dst = bf16(src)`, rounded to nearest even.
-pub(crate) fn round_row(src: &[f32], dst: &mut [u16]) {
+fn round_row(src: &[f32], dst: &mut [u16]) {
     assert!(available(), "bf16 row kernels need AVX512_BF16");
     let dst = &mut dst[..src.len()];
     #[cfg(target_arch = "x86_64")]
