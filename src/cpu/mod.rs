@@ -225,15 +225,15 @@ pub fn backward_with(
     dims.expect_backward_inputs(q, o, lse, d_o)?;
     let vis = visibility(&dims, positions, params)?;
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
-    if let (Arithmetic::Bf16, Some([q, k, v, d_o])) = (arithmetic, finite_bf16([q, k, v, d_o])) {
+    if let (Arithmetic::Bf16, Some([qb, kb, vb, dob])) = (arithmetic, finite_bf16([q, k, v, d_o])) {
         let lf = lse.as_f32();
-        let big_d = backward::rowsum_do_o(dims, &o.as_f32(), &d_o.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+        let big_d = backward::rowsum_do_o(dims, &o.as_f32(), &d_o.as_f32());
         let (dq, dk, dv) = backward_bf16::backward(&backward_bf16::BackwardInputs {
             dims,
-            q,
-            k,
-            v,
-            d_o,
+            q: qb,
+            k: kb,
+            v: vb,
+            d_o: dob,
             lse: &lf,
             big_d: &big_d,
             vis: &vis,
