@@ -253,7 +253,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 #define DKDV_BLOCK_M(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
 #endif
 
-// Backward dq kernel (deterministic backward from head-dim class 128): like the forward, 4
+// Backward dq kernel (deterministic backward from head-dim class 192): like the forward, 4
 // warps of 16 query rows; Q and dO tiles stay, K/V tiles of kBlockN keys stream through
 // kStages buffers (two when they fit in 99 KiB).
 template <int D>
@@ -273,12 +273,12 @@ struct DqTraits : TileGeom<D> {
 
 // What the dk/dv kernel does with dq (cuda/flash_bwd.cu).
 enum class DqAccum {
-    // Nothing: the dq kernel computes it (the deterministic backward from head-dim class 128).
+    // Nothing: the dq kernel computes it (the deterministic backward from head-dim class 192).
     kNone,
     // Adds its block's dS K in 32-bit fixed point with integer atomics: each term in its row's
     // power-of-two unit (exact), rounded to an integer and added with an integer atomic.
     // Integer addition is associative, so dq is bit-identical whatever the order of the blocks
-    // (the deterministic backward up to class 96: five products).
+    // (the deterministic backward up to class 128: five products).
     kFixed,
     // Adds it with f32 atomics: the order of the additions, hence dq's last bits, varies run
     // to run (DqMode::Atomic).
@@ -290,17 +290,18 @@ enum class DqAccum {
 // through kStages buffers. With dq (kFixed, kF32) it also adds dS K into dq — the whole
 // block's 64 keys per product, after the dk/dv products, dS^T through shared memory: one
 // atomic add per dq element per key block — computing S and dP once per pair up to d = 96
-// (five products). Head dims above 128, and 128 with dq, are split in kSplits column ranges
-// of kDOut columns (one block per range, S and dP computed in each; the first adds dq), so
-// that the accumulators fit in registers: unsplit at 128 with dq, ptxas spilled 4 to 32 bytes
-// on every architecture (the query stage's hoisted addresses).
+// (five products) up to d = 128. Head dims above 128 are split in kSplits column ranges of
+// kDOut columns (one block per range, S and dP computed in each; the first adds dq), so that
+// the accumulators fit in registers. At 128 with dq the kernel runs unsplit at 254-255
+// registers without spilling on sm_80 ... sm_120 (an earlier version spilled 4 to 32 bytes
+// there, the query stage's hoisted addresses, and split the columns).
 template <int D, DqAccum kAccum = DqAccum::kNone>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
     static constexpr bool kWithDq = kAccum != DqAccum::kNone;
     static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
     static constexpr int kBlockM = DKDV_BLOCK_M(D);
-    static constexpr int kSplits = D > 128 || (kWithDq && D == 128) ? 2 : 1;
+    static constexpr int kSplits = D > 128 ? 2 : 1;
     static constexpr int kDOut = D / kSplits;
     static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V
     // Q, dO, then f32 per query row: lse, scale delta (and the unit with dq).

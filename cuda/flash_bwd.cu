@@ -19,8 +19,8 @@
 //   ringattn_flash_bwd_rowunit_{bf16,f16}       one thread per (b, h_q, i): dq_unit;
 //   ringattn_flash_bwd_dqconvert_{bf16,f16}     a warp per dq row: fixed point to f32, in place.
 // The deterministic backward (the default, bit-identical run to run): up to head-dim class
-// 96, kvbound, rowunit, dkdvqfx and dqconvert — S and dP once per pair, five products; from
-// 128, where the dk/dv kernel with dq must split its columns (so computes S and dP twice
+// 128, kvbound, rowunit, dkdvqfx and dqconvert — S and dP once per pair, five products; from
+// 192, where the dk/dv kernel with dq must split its columns (so computes S and dP twice
 // anyway), dq beside dkdv: seven products either way, and the pair issues fewer instructions
 // per HMMA (docs/kernel-budget.md). The atomic mode: dkdvq at every class.
 // Fixed-point dq: every term of row i is bounded, |scale ds_ij k_jc| <= p_ij r_i with
@@ -130,21 +130,13 @@ __device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
     }
 }
 
-// The dq kernel's S/dP loop at d128: unrolled by RINGATTN_DQ_UNROLL_D128 of its 8 steps —
-// all of them since the tile code exists once and the K/V staging and fragment addresses
-// hold few registers (168 registers, no spills on sm_80 ... sm_120; 6.9 -> 5.2 instructions
-// per HMMA on sm_90a); override with -D to experiment.
-#ifndef RINGATTN_DQ_UNROLL_D128
-#define RINGATTN_DQ_UNROLL_D128 8
-#endif
-
 template <typename T, int D>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
-    static_assert(D >= 128, "the dq kernel serves the deterministic backward from head-dim class 128");
-    // Rolled for the largest heads (shorter live ranges); by RINGATTN_DQ_UNROLL_D128 at d128.
-    constexpr int kUnrollK = D >= 192 ? 1 : RINGATTN_DQ_UNROLL_D128;
+    static_assert(D >= 192, "the dq kernel serves the deterministic backward from head-dim class 192");
+    // Rolled (the largest heads: shorter live ranges).
+    constexpr int kUnrollK = 1;
     const int64_t d = p.d;
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
@@ -781,8 +773,8 @@ extern "C" __global__ void ringattn_flash_bwd_dqconvert_bf16(FlashBwdParams p) {
 extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { flash_bwd_dqconvert(p); }
 
 // Which kernels each head-dim class has (src/kernels.rs `geometry::backward` launches them):
-// the deterministic backward runs the fused fixed-point dkdvqfx up to class 96 (five
-// products) and from 128 the dq kernel beside dkdv (the fused kernel splits the columns there,
+// the deterministic backward runs the fused fixed-point dkdvqfx up to class 128 (five
+// products) and from 192 the dq kernel beside dkdv (the fused kernel splits the columns there,
 // seven products either way, and the pair issues fewer instructions per HMMA); the atomic
 // mode runs dkdvq at every class. dkdv[q[fx]]: `__launch_bounds__(128, 1)` with dq (one block
 // per SM is enough; with (128) alone ptxas holds it at 168 registers and spills). dq: (128, 2):
@@ -812,6 +804,6 @@ RINGATTN_BWD_BOTH(ATOMIC, 256)
 RINGATTN_BWD_BOTH(FIXED, 32)
 RINGATTN_BWD_BOTH(FIXED, 64)
 RINGATTN_BWD_BOTH(FIXED, 96)
-RINGATTN_BWD_BOTH(SEPARATE, 128)
+RINGATTN_BWD_BOTH(FIXED, 128)
 RINGATTN_BWD_BOTH(SEPARATE, 192)
 RINGATTN_BWD_BOTH(SEPARATE, 256)

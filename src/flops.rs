@@ -23,7 +23,7 @@
 //! * **Executed FLOPs** ([`executed_flops`]): what an executor's matrix products really
 //!   perform — every product it runs over the whole tiles it computes, with the CUDA kernels'
 //!   head-dim padding and, where the backward computes `S` and `dP` twice (the dq kernel
-//!   beside the dk/dv kernel, or two column ranges: from head-dim class 128), 7 products
+//!   beside the dk/dv kernel, or two column ranges: from head-dim class 192), 7 products
 //!   where the convention counts 5. `ringattn bench`
 //!   prints both; the emulator's count of the kernels' multiply-adds checks this one.
 //!
@@ -234,7 +234,7 @@ pub enum Executor {
 ///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)
 ///   × a key tile, `S` and `PV`; dk/dv kernel, a query tile × 16 keys, `Sᵀ` and `dPᵀ` at
 ///   full `D` in each of its column ranges, `dV` and `dK` over all columns once; when it adds
-///   dq (atomic mode; deterministic up to class 96) `dQ` once per query tile × 64-key block
+///   dq (atomic mode; deterministic up to class 128) `dQ` once per query tile × 64-key block
 ///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
 ///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
 ///
@@ -279,7 +279,7 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
                 Pass::Backward => {
                     let (m, _) = geometry::dkdv_tile(dims.d);
                     let accum = geometry::dkdv_accum(dims.d, mode);
-                    let splits = geometry::dkdv_splits(dims.d, accum) as f64;
+                    let splits = geometry::dkdv_splits(dims.d) as f64;
                     let per_tile = (16 * m) as f64 * dc;
                     let dq = if accum == DqAccum::None {
                         let (_, n) = geometry::dq_tile(dims.d);

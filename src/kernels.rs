@@ -670,7 +670,7 @@ pub mod geometry {
         }
     }
 
-    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, classes from 128):
+    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, classes from 192):
     /// 4 warps of 16 query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
     pub fn dq(dims: &Dims) -> Launch {
         let dc = head_dim_class(dims.d);
@@ -688,12 +688,11 @@ pub mod geometry {
         }
     }
 
-    /// Column ranges of the dk/dv kernel (`DkDvTraits::kSplits`): blocks per 64 keys, each
-    /// with its share of the head dim's columns — two above d = 128, and at 128 when it adds
-    /// dq (registers for the dq product); one otherwise.
-    pub fn dkdv_splits(d: usize, accum: DqAccum) -> usize {
-        let dc = head_dim_class(d);
-        if dc > 128 || (accum != DqAccum::None && dc == 128) {
+    /// Column ranges of the dk/dv kernel (`DkDvTraits::kSplits`, every [`DqAccum`]): blocks
+    /// per 64 keys, each with its share of the head dim's columns — two above head-dim class
+    /// 128 (registers for the accumulators), one otherwise.
+    pub fn dkdv_splits(d: usize) -> usize {
+        if head_dim_class(d) > 128 {
             2
         } else {
             1
@@ -717,7 +716,7 @@ pub mod geometry {
         let stage = 2 * block_m * row + scalars * block_m * 4;
         let stages = if 2 * kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
-            grid: [dims.s_k.div_ceil(64) * dkdv_splits(dims.d, accum), dims.h_kv, dims.b],
+            grid: [dims.s_k.div_ceil(64) * dkdv_splits(dims.d), dims.h_kv, dims.b],
             block: 128,
             smem_bytes: 2 * kv + stages * stage + ds,
             head_dim_class: dc,
@@ -745,7 +744,7 @@ pub mod geometry {
         KvBound,
         /// Each query row's unit (fixed-point dq).
         RowUnit,
-        /// `dq` (from class 128, deterministic).
+        /// `dq` (from class 192, deterministic).
         Dq,
         /// `dk`, `dv`, and dq as the [`DqAccum`] says.
         DkDv(DqAccum),
@@ -773,14 +772,14 @@ pub mod geometry {
     /// How the backward computes dq.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum DqMode {
-        /// Bit-identical run to run whatever order the blocks run in. Up to head-dim class 96
+        /// Bit-identical run to run whatever order the blocks run in. Up to head-dim class 128
         /// the dk/dv kernel adds dq in 32-bit fixed point with integer atomics (S and dP once
         /// per pair: five products), each query row in its own power-of-two unit from a bound
         /// on `|dq|` (the kvbound and rowunit kernels before it), converted to f32 after:
         /// integer addition is associative, and the rounding error (`2^-30` of the row's
-        /// bound per 64-key block) is below f32 accumulation's. From class 128 (where a dk/dv
-        /// kernel adding dq splits the columns, so computes S and dP twice anyway) a dq
-        /// kernel recomputes S and dP beside the dk/dv kernel: no atomics.
+        /// bound per 64-key block) is below f32 accumulation's. From class 192 (where a dk/dv
+        /// kernel splits the columns, so computes S and dP twice anyway) a dq kernel
+        /// recomputes S and dP beside the dk/dv kernel: no atomics.
         #[default]
         Deterministic,
         /// The dk/dv kernel adds dq with f32 atomics at every class: no bound, conversion or
@@ -790,11 +789,11 @@ pub mod geometry {
 
     /// What the dk/dv kernel of a backward of head dim `d` in `mode` does with dq: adds it
     /// with f32 atomics ([`DqMode::Atomic`]), in fixed point (deterministic up to head-dim
-    /// class 96), or nothing (deterministic from 128: the dq kernel writes it).
+    /// class 128), or nothing (deterministic from 192: the dq kernel writes it).
     pub fn dkdv_accum(d: usize, mode: DqMode) -> DqAccum {
         match mode {
             DqMode::Atomic => DqAccum::F32,
-            DqMode::Deterministic if head_dim_class(d) <= 96 => DqAccum::Fixed,
+            DqMode::Deterministic if head_dim_class(d) <= 128 => DqAccum::Fixed,
             DqMode::Deterministic => DqAccum::None,
         }
     }

@@ -9,8 +9,8 @@
 #include "flash_bwd.cu"
 
 // Flash backward; `kernel`: 0 rowsum (delta), 1 kvbound, 2 rowunit, 3 dk/dv with fixed-point
-// dq (classes up to 96), 4 dk/dv with f32 atomic dq, 5 dqconvert, 6 dq (classes from 128), 7
-// dk/dv alone (classes from 128) (src/emu/flash.rs `kernel_code`); `bf16` as above; `dclass`
+// dq (classes up to 128), 4 dk/dv with f32 atomic dq, 5 dqconvert, 6 dq (classes from 192), 7
+// dk/dv alone (classes from 192) (src/emu/flash.rs `kernel_code`); `bf16` as above; `dclass`
 // the head-dim class of the entry points instantiated per class.
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
                                       size_t cap) {
@@ -50,7 +50,7 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
 // Kernel CODE's entry point NAME at head-dim class D, when that is the one asked for.
 #define RINGATTN_EMU_PICK(CODE, NAME, D) \
     if (kernel == CODE) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
-// Up to class 96: the dk/dv kernels that add dq; from 128 also the dq kernel and plain dk/dv.
+// Up to class 128: the dk/dv kernels that add dq; from 192 also the dq kernel and plain dk/dv.
 #define RINGATTN_EMU_FIXED_CLASS(D)      \
     case D:                              \
         RINGATTN_EMU_PICK(3, dkdvqfx, D); \
@@ -66,7 +66,7 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
                 RINGATTN_EMU_FIXED_CLASS(32)
                 RINGATTN_EMU_FIXED_CLASS(64)
                 RINGATTN_EMU_FIXED_CLASS(96)
-                RINGATTN_EMU_SEPARATE_CLASS(128)
+                RINGATTN_EMU_FIXED_CLASS(128)
                 RINGATTN_EMU_SEPARATE_CLASS(192)
                 RINGATTN_EMU_SEPARATE_CLASS(256)
                 default:

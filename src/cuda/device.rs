@@ -490,9 +490,9 @@ impl CudaDevice {
     /// with [`Delta::Compute`]), then the kernels of [`geometry::backward`]: the dk/dv kernel
     /// (`ringattn_flash_bwd_dkdv*`: 4 warps of 16 key rows on tensor cores, the query tiles of
     /// its GQA group streamed) with dq added in fixed point under [`DqMode::Deterministic`] up
-    /// to head-dim class 96 (the kvbound and rowunit kernels before it, dqconvert after;
+    /// to head-dim class 128 (the kvbound and rowunit kernels before it, dqconvert after;
     /// `grads.dq_work` the workspace) and with f32 atomics under [`DqMode::Atomic`]; from
-    /// class 128 the deterministic mode runs the dq kernel beside it. With `P_ij = exp(scale ·
+    /// class 192 the deterministic mode runs the dq kernel beside it. With `P_ij = exp(scale ·
     /// q_i·k_j − lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j =
     /// Σ_i P_ij dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element
     /// of `grads` is written (f32; bit-identical run to run unless the atomic dq mode is asked

@@ -31,8 +31,8 @@
 //! [`Error::BackendUnsupported`]: converting silently would change the precision asked for),
 //! head dimensions that are multiples of 8 up to 256, every mask, packed documents and
 //! global-position blocks; arithmetic and accumulation in f32; the backward is deterministic
-//! by default (dq added in 32-bit fixed point with integer atomics up to head-dim class 96,
-//! a dq kernel from 128: bit-identical run to run), or adds dq with f32 atomics under
+//! by default (dq added in 32-bit fixed point with integer atomics up to head-dim class 128,
+//! a dq kernel from 192: bit-identical run to run), or adds dq with f32 atomics under
 //! `DqMode::Atomic` (one add per dq element per 64-key block).
 //!
 //! The embedded image is chosen per GPU ([`image_for`]): the cubin of its architecture

@@ -125,7 +125,7 @@ fn check(c: &Case) {
                     let accum = geometry::dkdv_accum(c.d, mode);
                     assert_eq!(kernel, BackwardKernel::DkDv(accum).name(), "{}: {mode:?}", c.name);
                     let (m, n) = geometry::dkdv_tile(c.d);
-                    let splits = geometry::dkdv_splits(c.d, accum);
+                    let splits = geometry::dkdv_splits(c.d);
                     let got = loaded_tiles(copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
                     // Query tiles of every query head of the block's GQA group (here one).
                     let per_block = expected_tiles(&pairs, Blocks::Keys, n, m);

@@ -91,7 +91,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
     /// How the cuda (and emu) backward computes dq: deterministic (bit-identical run to run:
-    /// fixed point with integer atomics up to head dim 96, its own kernel from 128) or atomic
+    /// fixed point with integer atomics up to head dim 128, its own kernel from 192) or atomic
     /// (added by the dk/dv kernel with f32 atomics).
     #[arg(long, default_value = "deterministic")]
     pub dq_mode: String,
@@ -541,9 +541,13 @@ mod tests {
         // d = 64, deterministic: five products (the dk/dv kernel adds dq in fixed point) over
         // whole warp tiles — more than the convention's 5 over the pairs on the diagonal.
         assert!(executed > fb && executed < 7.0 / 5.0 * fb, "{executed} against {fb}");
-        // d = 128, deterministic: the dq kernel beside the dk/dv kernel, 7 products.
+        // d = 128, deterministic: five products as well (the dk/dv kernel, unsplit, adds dq).
         let x128 = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "128", "--causal"]);
         let (fb, _, _, _, executed) = work(BackendKind::Cuda, &x128, Pass::Backward, pairs).unwrap();
+        assert!(executed > fb && executed < 7.0 / 5.0 * fb, "{executed} against {fb}");
+        // d = 256, deterministic: the dq kernel beside the dk/dv kernel, 7 products.
+        let x256 = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "256", "--causal"]);
+        let (fb, _, _, _, executed) = work(BackendKind::Cuda, &x256, Pass::Backward, pairs).unwrap();
         assert!(executed > 7.0 / 5.0 * fb, "{executed} against {fb}");
         let x = inputs(&["--seq", "512", "--dq-mode", "atomic", "--head-dim", "128"]);
         let (_, _, shape, _, _) = work(BackendKind::Emu, &x, Pass::Backward, 0).unwrap();
