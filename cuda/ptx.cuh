@@ -241,6 +241,90 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
     return d;
 }
 
+// ---- Hopper (sm_90): mbarrier, election (../shared/reference/hopper-ptx.md §3, §5) ----
+//
+// An mbarrier is an 8-byte, 8-byte aligned object in shared memory with a current phase,
+// a pending and an expected arrival count (1 ... 2^20 - 1) and a transaction count
+// (-(2^20 - 1) ... 2^20 - 1). A phase completes when its pending arrivals and its
+// transaction count both reach zero: the phase advances and the pending count resets to the
+// expected one. Waits name the phase by its parity: waiting on parity P returns once the
+// phase of parity P has completed, i.e. when the current phase's parity differs from P (on a
+// fresh barrier, parity 1 returns at once: a producer's first wait on an empty slot).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+
+// mbarrier.init: phase 0, `count` expected arrivals, no transactions. The barrier must not
+// be live; other threads may use it after a block barrier (fence_mbarrier_init first).
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// Orders this thread's earlier mbarrier.init before the block barrier that publishes them.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival (release, CTA scope).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
+// expect-tx(bytes) then one arrival: the producer's announcement of an asynchronous copy of
+// `bytes` that completes on this barrier.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+                     smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// complete-tx(bytes): what an asynchronous copy does when `bytes` of it land (issued by hand
+// only to simulate one).
+__device__ __forceinline__ void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// Whether the phase of parity `parity` has completed (acquire, CTA scope); may suspend the
+// thread for a while first, so callers loop.
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// Waits for the phase of parity `parity` to complete. Never hangs: after
+// RINGATTN_MBARRIER_DEADLINE_NS of the global timer (10 s) the thread traps, which fails the
+// launch with an error the host reports.
+#ifndef RINGATTN_MBARRIER_DEADLINE_NS
+#define RINGATTN_MBARRIER_DEADLINE_NS 10000000000ull
+#endif
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+    if (mbarrier_try_wait_parity(bar, parity)) return;
+    const uint64_t start = global_timer_ns();
+    while (!mbarrier_try_wait_parity(bar, parity)) {
+        if (global_timer_ns() - start > RINGATTN_MBARRIER_DEADLINE_NS) __trap();
+    }
+}
+
+// elect.sync: true in exactly one lane of `mask` (every lane of the mask must call it).
+__device__ __forceinline__ bool elect_one_sync(uint32_t mask = 0xffffffffu) {
+    uint32_t elected;
+    asm volatile("{\n.reg .pred p;\nelect.sync _|p, %1;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(elected) : "r"(mask));
+    return elected != 0;
+}
+
+#endif  // sm_90
+
 #else  // the emulated twins
 
 namespace emu {
@@ -464,6 +548,129 @@ inline void cp_async_commit() { ::emu::cp_async_commit_group(); }
 template <int N>
 inline void cp_async_wait() {
     ::emu::cp_async_wait_group(N);
+}
+
+// mbarrier twins. The 8 bytes hold the state (hopper-ptx.md §3): bits 0..19 the pending
+// arrivals, 20..39 the expected ones, 40..60 the transaction count (21-bit two's complement),
+// 61 the current phase's parity; bits 62 and 63 are zero in a live barrier, so the 0xFF
+// poison of fresh shared memory (and a zeroed word: no expected arrivals) reads as "not
+// initialised". Operations are atomic (the fibers of a block run one at a time) and bypass
+// the race shadow (they synchronise). Misuse is reported: an object outside shared memory or
+// not 8-byte aligned, use before init, counts or transaction counts outside their ranges.
+// Waits suspend the fiber until the phase completes (a valid try_wait: it may block until
+// completion); a wait that can never complete is reported as a deadlock by the scheduler.
+namespace emu {
+constexpr uint64_t kMbarField = (1ull << 20) - 1;
+
+struct MbarState {
+    uint32_t pending, expected, parity;
+    int32_t tx;
+};
+
+inline bool mbar_load(const uint64_t* bar, const char* what, MbarState& st) {
+    if (reinterpret_cast<uintptr_t>(bar) % 8 != 0) {
+        fail(std::string(what) + ": mbarrier not 8-byte aligned");
+        return false;
+    }
+    if (!check_shared(bar, 8, what)) return false;
+    uint64_t v;
+    std::memcpy(&v, bar, 8);
+    st.pending = uint32_t(v & kMbarField);
+    st.expected = uint32_t((v >> 20) & kMbarField);
+    const uint32_t tx = uint32_t((v >> 40) & ((1ull << 21) - 1));
+    st.tx = tx & (1u << 20) ? int32_t(tx) - (1 << 21) : int32_t(tx);
+    st.parity = uint32_t(v >> 61) & 1u;
+    if ((v >> 62) != 0 || st.expected == 0) {
+        fail(std::string(what) + ": mbarrier used before mbarrier.init (or overwritten)");
+        return false;
+    }
+    return true;
+}
+
+inline void mbar_store(uint64_t* bar, const MbarState& st) {
+    const uint64_t v = uint64_t(st.pending) | (uint64_t(st.expected) << 20) |
+                       ((uint64_t(uint32_t(st.tx)) & ((1ull << 21) - 1)) << 40) | (uint64_t(st.parity) << 61);
+    std::memcpy(bar, &v, 8);
+}
+
+// Completes the phase when its arrivals and transactions are all in.
+inline void mbar_settle(MbarState& st) {
+    if (st.pending == 0 && st.tx == 0) {
+        st.parity ^= 1u;
+        st.pending = st.expected;
+    }
+}
+
+// tx += delta, checked against the valid range.
+inline bool mbar_add_tx(MbarState& st, int64_t delta, const char* what) {
+    const int64_t tx = int64_t(st.tx) + delta;
+    if (tx > int64_t(kMbarField) || tx < -int64_t(kMbarField)) {
+        fail(std::string(what) + ": mbarrier transaction count " + std::to_string(tx) + " outside +-(2^20 - 1)");
+        return false;
+    }
+    st.tx = int32_t(tx);
+    return true;
+}
+
+inline void mbar_arrive(uint64_t* bar, uint32_t tx, const char* what) {
+    MbarState st;
+    if (!mbar_load(bar, what, st)) return;
+    if (tx > kMbarField) {
+        fail(std::string(what) + ": expect-tx of " + std::to_string(tx) + " bytes exceeds 2^20 - 1");
+        return;
+    }
+    if (!mbar_add_tx(st, tx, what)) return;
+    st.pending -= 1;  // >= 1 in a live phase: it resets to expected >= 1 on completion
+    mbar_settle(st);
+    mbar_store(bar, st);
+}
+}  // namespace emu
+
+inline void mbarrier_init(uint64_t* bar, uint32_t count) {
+    if (reinterpret_cast<uintptr_t>(bar) % 8 != 0) {
+        ::emu::fail("mbarrier.init: mbarrier not 8-byte aligned");
+        return;
+    }
+    if (!::emu::check_shared(bar, 8, "mbarrier.init")) return;
+    if (count == 0 || count > ::emu::kMbarField) {
+        ::emu::fail("mbarrier.init: expected count " + std::to_string(count) + " outside 1 ... 2^20 - 1");
+        return;
+    }
+    ::emu::mbar_store(bar, ::emu::MbarState{count, count, 0, 0});
+}
+inline void fence_mbarrier_init() {}
+inline void mbarrier_arrive(uint64_t* bar) { ::emu::mbar_arrive(bar, 0, "mbarrier.arrive"); }
+inline void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    ::emu::mbar_arrive(bar, bytes, "mbarrier.arrive.expect_tx");
+}
+inline void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
+    ::emu::MbarState st;
+    if (!::emu::mbar_load(bar, "mbarrier.complete_tx", st)) return;
+    if (!::emu::mbar_add_tx(st, -int64_t(bytes), "mbarrier.complete_tx")) return;
+    ::emu::mbar_settle(st);
+    ::emu::mbar_store(bar, st);
+}
+inline bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+    ::emu::MbarState st;
+    if (!::emu::mbar_load(bar, "mbarrier.try_wait.parity", st)) return true;  // reported; do not hang
+    if (st.parity != (parity & 1u)) return true;
+    ::emu::Thread* t = ::emu::current;
+    t->mbar = bar;
+    t->mbar_parity = parity & 1u;
+    ::emu::yield(::emu::Wait::Mbarrier);
+    return true;
+}
+inline void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
+
+// elect.sync twin: the lowest lane of `mask` is elected (PTX leaves which one unspecified);
+// every lane of the mask must call it (a warp collective, like __ballot_sync).
+inline bool elect_one_sync(uint32_t mask = 0xffffffffu) {
+    const unsigned lane = ::emu::lane_id();
+    const unsigned callers = __ballot_sync(mask, 1);
+    if ((callers & mask) != mask) {
+        ::emu::fail("elect.sync: not every lane of the member mask called it");
+    }
+    return (mask >> lane & 1u) && lane == unsigned(__builtin_ctz(mask));
 }
 
 // ex2.approx twin: the correctly rounded 2^x (within the instruction's 2 ulp), -inf -> +0,

@@ -13,7 +13,10 @@
 //   dynamic shared memory (RINGATTN_DYNAMIC_SMEM(), poisoned with 0xFF bytes at every block
 //   start); atomicAdd on f32, int and unsigned and atomicMax on unsigned, address-checked and
 //   correct across OS threads; the bit casts and __float2int_rn of the CUDA math API; warp_allgather,
-//   on which the PTX twins of ptx.cuh rebuild a warp's fragments.
+//   on which the PTX twins of ptx.cuh rebuild a warp's fragments; mbarrier waits (a fiber
+//   suspended until the phase it waits for completes; see ptx.cuh's mbarrier twins).
+// * Deadlocks (no fiber can run: barriers or mbarrier phases that can never complete) end the
+//   block with an error, unless a thread reported one first (its cause is kept).
 // * Checks on wrapper-mediated accesses (smem_load/smem_store, gmem_load/gmem_store, and the
 //   PTX twins): shared addresses must lie in the block's arena and global ones in a buffer
 //   registered with the launch (LaunchConfig::globals); a race shadow over the arena reports
@@ -91,7 +94,9 @@ namespace emu {
 
 struct Block;
 
-enum class Wait { None, Block, Warp };
+// What a suspended fiber waits for: a block barrier, a warp barrier, or the completion of an
+// mbarrier phase (Thread::mbar, Thread::mbar_parity).
+enum class Wait { None, Block, Warp, Mbarrier };
 
 // One cp.async copy in flight: performed when its group retires.
 struct AsyncCopy {
@@ -150,6 +155,9 @@ struct Thread {
 #endif
     bool done = false;
     Wait wait = Wait::None;
+    // With Wait::Mbarrier: the barrier (in shared memory) and the parity of the phase awaited.
+    const uint64_t* mbar = nullptr;
+    uint32_t mbar_parity = 0;
 #ifdef RINGATTN_EMU_ASAN
     const void* stack_bottom = nullptr;
     size_t stack_size = 0;
@@ -371,6 +379,17 @@ inline void run_block(Block& b, size_t smem_bytes) {
             resume(b, t);
             progressed = true;
         }
+        // Release threads whose mbarrier phase has completed (the phase's parity bit is the
+        // mbarrier state's bit 61, see ptx.cuh's twins).
+        for (Thread& t : b.threads) {
+            if (t.done || t.wait != Wait::Mbarrier) continue;
+            uint64_t state;
+            std::memcpy(&state, t.mbar, 8);
+            if (((uint32_t(state >> 61) & 1u) ^ t.mbar_parity) != 0) {
+                t.wait = Wait::None;
+                progressed = true;
+            }
+        }
         // Release warps whose live lanes all wait at __syncwarp.
         for (unsigned w0 = 0; w0 < n; w0 += 32) {
             unsigned w1 = w0 + 32 < n ? w0 + 32 : n;
@@ -386,11 +405,12 @@ inline void run_block(Block& b, size_t smem_bytes) {
                 progressed = true;
             }
         }
-        unsigned live = 0, at_barrier = 0, finished = 0;
+        unsigned live = 0, at_barrier = 0, finished = 0, at_mbarrier = 0;
         for (const Thread& t : b.threads) {
             if (t.done) { ++finished; continue; }
             ++live;
             if (t.wait == Wait::Block) ++at_barrier;
+            if (t.wait == Wait::Mbarrier) ++at_mbarrier;
         }
         if (live == 0) return;
         if (at_barrier == live) {
@@ -404,7 +424,12 @@ inline void run_block(Block& b, size_t smem_bytes) {
             continue;
         }
         if (!progressed) {
-            b.error = "deadlock: threads wait at barriers that can never complete";
+            // (An error a thread reported first, e.g. a misused barrier, is the cause: kept.)
+            if (b.error.empty()) {
+                b.error = at_mbarrier > 0 ? "deadlock: " + std::to_string(at_mbarrier) +
+                                                " thread(s) wait on mbarrier phases that can never complete"
+                                          : "deadlock: threads wait at barriers that can never complete";
+            }
             return;
         }
     }

@@ -152,3 +152,63 @@ extern "C" int ringattn_emu_selftest_movmatrix(const uint32_t* in, uint32_t* out
     std::function<void()> body = [=] { movmatrix_lanes(in, out); };
     return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
 }
+
+namespace {
+// The mbarrier protocol of a producer/consumer ring, the shape of a warp-specialised kernel:
+// 128 threads; warp 0 produces `rounds` slots of kSlotFloats values into `stages` buffers,
+// one elected lane writing each slot, announcing it with arrive.expect_tx and delivering it
+// with complete_tx (as an asynchronous copy would); warps 1-3 (96 consumers) wait for each
+// slot (`full`, parity of its round through the ring), read their value and free the slot
+// (`empty`, 96 arrivals). The producer's first wait on a fresh `empty` uses parity 1.
+// out[c] = the sum of consumer c's values. `fault` plants one bug: 1 delivers 4 bytes fewer
+// than announced, 2 starts the producer on parity 0, 3 initialises with count 0, 4 uses the
+// barriers without initialising them.
+constexpr int kSlotFloats = 96;
+
+__global__ void mbarrier_ring(int stages, int rounds, int fault, float* out) {
+    unsigned char* sm = RINGATTN_DYNAMIC_SMEM();
+    uint64_t* full = reinterpret_cast<uint64_t*>(sm);
+    uint64_t* empty = full + stages;
+    float* data = reinterpret_cast<float*>(empty + stages);
+    const unsigned tid = threadIdx.x, warp = tid / 32;
+    if (tid == 0 && fault != 4) {
+        for (int s = 0; s < stages; ++s) {
+            mbarrier_init(&full[s], fault == 3 ? 0 : 1);
+            mbarrier_init(&empty[s], kSlotFloats);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    const uint32_t bytes = kSlotFloats * 4;
+    if (warp == 0) {
+        const bool leader = elect_one_sync();
+        for (int r = 0; r < rounds; ++r) {
+            const int s = r % stages;
+            const uint32_t parity = uint32_t(r / stages) & 1u;
+            if (!leader) continue;
+            mbarrier_wait_parity(&empty[s], parity ^ (fault == 2 ? 0u : 1u));
+            for (int i = 0; i < kSlotFloats; ++i) data[s * kSlotFloats + i] = float(r * 1000 + i);
+            mbarrier_arrive_expect_tx(&full[s], bytes);
+            mbarrier_complete_tx(&full[s], fault == 1 ? bytes - 4 : bytes);
+        }
+    } else {
+        const unsigned c = tid - 32;
+        float acc = 0.0f;
+        for (int r = 0; r < rounds; ++r) {
+            const int s = r % stages;
+            mbarrier_wait_parity(&full[s], uint32_t(r / stages) & 1u);
+            acc += data[s * kSlotFloats + c];
+            mbarrier_arrive(&empty[s]);
+        }
+        out[c] = acc;
+    }
+}
+}  // namespace
+
+// out: 96 floats; schedule 0 forward, 1 reverse, 2 random (seed).
+extern "C" int ringattn_emu_selftest_mbarrier_ring(int stages, int rounds, int fault, int schedule, uint64_t seed,
+                                                   float* out, char* msg, size_t cap) {
+    std::function<void()> body = [=] { mbarrier_ring(stages, rounds, fault, out); };
+    const size_t smem = size_t(stages) * (16 + kSlotFloats * 4);
+    return report(emu::launch(dim3(1), dim3(128), body, smem, emu::Schedule(schedule), seed), msg, cap);
+}

@@ -481,3 +481,68 @@ fn movmatrix_trans_transposes_the_quadrant_layout() {
         assert_eq!(got & 0xffff, code(c, r), "lane {l} low half is src[{c}][{r}]");
     }
 }
+
+extern "C" {
+    fn ringattn_emu_selftest_mbarrier_ring(
+        stages: i32,
+        rounds: i32,
+        fault: i32,
+        schedule: i32,
+        seed: u64,
+        out: *mut f32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+/// Runs the producer/consumer ring of `cuda/emu/selftest_ptx.cpp` (`fault` plants a bug);
+/// returns the consumers' sums or the emulator's error.
+fn mbarrier_ring(stages: i32, rounds: i32, fault: i32, schedule: i32, seed: u64) -> Result<Vec<f32>, String> {
+    let mut out = vec![f32::NAN; 96];
+    let mut msg = [0u8; 256];
+    // SAFETY: `out` holds the 96 consumers' sums the kernel writes.
+    let rc = unsafe {
+        ringattn_emu_selftest_mbarrier_ring(
+            stages,
+            rounds,
+            fault,
+            schedule,
+            seed,
+            out.as_mut_ptr(),
+            msg.as_mut_ptr().cast(),
+            256,
+        )
+    };
+    if rc == 0 {
+        Ok(out)
+    } else {
+        Err(text(&msg))
+    }
+}
+
+/// mbarrier phases by the rules of the PTX ISA (§9.7.13.15, hopper-ptx.md §3), written here
+/// independently of the twins: a phase completes when its arrivals and its transaction
+/// count are in, waits name the phase by parity (a fresh barrier's parity-1 wait returns at
+/// once), and a ring of `stages` slots reuses each barrier every `stages` rounds. Every
+/// consumer must see every round's value, whatever order the fibers run in.
+#[test]
+fn mbarrier_phases_carry_a_producer_consumer_ring_under_every_schedule() {
+    for (stages, rounds) in [(1, 3), (2, 7), (3, 12)] {
+        let want: Vec<f32> = (0..96).map(|c| (0..rounds).map(|r| (r * 1000 + c) as f32).sum()).collect();
+        for (schedule, seed) in [(0, 0), (1, 0), (2, 7), (2, 99)] {
+            let got = mbarrier_ring(stages, rounds, 0, schedule, seed).unwrap();
+            assert_eq!(got, want, "{stages} stages, {rounds} rounds, schedule {schedule}/{seed}");
+        }
+    }
+}
+
+/// Planted bugs are reported, never hang: a transaction count short of what was announced and
+/// a producer starting on the wrong parity leave waits that can never complete (a deadlock),
+/// a count outside 1 ... 2^20 - 1 and a barrier used before init are misuse.
+#[test]
+fn mbarrier_misuse_and_impossible_waits_are_reported() {
+    for (fault, expect) in [(1, "deadlock"), (2, "deadlock"), (3, "expected count 0"), (4, "before mbarrier.init")] {
+        let err = mbarrier_ring(2, 5, fault, 0, 0).expect_err("a planted bug must fail");
+        assert!(err.contains(expect), "fault {fault}: {err}");
+    }
+}
