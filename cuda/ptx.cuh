@@ -4,6 +4,26 @@
 #pragma once
 #include <stdint.h>
 
+// wgmma shared-memory matrix descriptors (PTX §9.7.15.5.1.2; hopper-ptx.md §2), on both
+// paths: bits 0-13 the start address, 16-29 the leading-dimension byte offset (LBO), 32-45
+// the stride-dimension byte offset (SBO), each as (bytes & 0x3FFFF) >> 4; bits 49-51 the
+// base offset (0 here: swizzled tiles are kept aligned to their swizzle repeat); bits 62-63
+// the swizzle. The swizzle code is the reverse of the tensor map's enum.
+enum class WgmmaSwizzle : uint32_t { kNone = 0, k128B = 1, k64B = 2, k32B = 3 };
+
+// 16-byte units in one row of the swizzle pattern (W): 1 without swizzle (a core matrix row),
+// 8, 4, 2 for 128B, 64B, 32B; the pattern repeats every 8 rows (128 W bytes).
+__host__ __device__ constexpr uint32_t wgmma_swizzle_units(WgmmaSwizzle s) {
+    return s == WgmmaSwizzle::kNone ? 1u : s == WgmmaSwizzle::k128B ? 8u : s == WgmmaSwizzle::k64B ? 4u : 2u;
+}
+
+// The descriptor of a matrix at shared address `smem_addr` (smem_u32 of its first byte).
+__host__ __device__ inline uint64_t make_wgmma_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                                    WgmmaSwizzle swizzle) {
+    return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t((lbo_bytes & 0x3FFFFu) >> 4) << 16) |
+           (uint64_t((sbo_bytes & 0x3FFFFu) >> 4) << 32) | (uint64_t(swizzle) << 62);
+}
+
 #ifdef __CUDACC__
 
 // D = A·B + C for one warp: A 16x16 (row), B 16x8 (col), bf16 inputs, f32 accumulate.
@@ -672,6 +692,55 @@ inline bool elect_one_sync(uint32_t mask = 0xffffffffu) {
     }
     return (mask >> lane & 1u) && lane == unsigned(__builtin_ctz(mask));
 }
+
+namespace emu {
+// Which dimension of a wgmma operand is contiguous in shared memory: K (K-major, no
+// transpose) or M/N (imm-trans 1).
+enum class WgmmaMajor : int { kK = 0, kMN = 1 };
+
+// The shared-window byte address of 16-bit element (mn, k) of the matrix a wgmma descriptor
+// describes, from the canonical layouts (hopper-ptx.md §2, in bytes; T = 8 elements = 16 B,
+// W = wgmma_swizzle_units):
+//   K-major, no swizzle   ((8,m),(8,2k)) : ((16, SBO), (2, LBO))     8x16 B core matrices
+//   K-major, swizzled     ((8,m),(8W))   : ((16W, SBO), 2)
+//   MN-major, no swizzle  ((8,m),(8,k))  : ((2, SBO), (16, LBO))
+//   MN-major, swizzled    ((8,W,m),(8,k)): ((2, 16, LBO), (16W, SBO))
+// then, swizzled, the 16-byte chunk bits [4, 4 + log2 W) XORed with bits [7, 7 + log2 W).
+// Misuse is reported (returns UINT32_MAX): bits outside the fields, a non-zero base offset,
+// a swizzled start more than 128 B past its 1024/512/256-byte repeat (only K-step offsets
+// may be added to an aligned tile's start).
+inline uint32_t wgmma_desc_address(uint64_t desc, WgmmaMajor major, uint32_t mn, uint32_t k) {
+    const uint64_t fields = 0x3FFFull | (0x3FFFull << 16) | (0x3FFFull << 32) | (7ull << 49) | (3ull << 62);
+    if (desc & ~fields) {
+        fail("wgmma descriptor: bits set outside its fields");
+        return UINT32_MAX;
+    }
+    const uint32_t start = uint32_t(desc & 0x3FFF) << 4, lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
+    const uint32_t sbo = uint32_t((desc >> 32) & 0x3FFF) << 4, base = uint32_t((desc >> 49) & 7);
+    const WgmmaSwizzle sw = WgmmaSwizzle(uint32_t(desc >> 62));
+    const uint32_t w = wgmma_swizzle_units(sw);
+    if (base != 0) {
+        fail("wgmma descriptor: base offset " + std::to_string(base) + " (keep swizzled tiles aligned to their repeat)");
+        return UINT32_MAX;
+    }
+    if (sw != WgmmaSwizzle::kNone && start % (128 * w) >= 128) {
+        fail("wgmma descriptor: swizzled start " + std::to_string(start) + " is " + std::to_string(start % (128 * w)) +
+             " bytes past its " + std::to_string(128 * w) + "-byte repeat (at most a K-step, < 128, may be added)");
+        return UINT32_MAX;
+    }
+    uint32_t off;
+    if (major == WgmmaMajor::kK) {
+        off = sw == WgmmaSwizzle::kNone ? (mn % 8) * 16 + (mn / 8) * sbo + (k / 8) * lbo + (k % 8) * 2
+                                        : (mn % 8) * 16 * w + (mn / 8) * sbo + k * 2;
+    } else {
+        off = sw == WgmmaSwizzle::kNone
+                  ? (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo
+                  : (mn % 8) * 2 + ((mn / 8) % w) * 16 + (mn / (8 * w)) * lbo + (k % 8) * 16 * w + (k / 8) * sbo;
+    }
+    const uint32_t a = start + off;
+    return a ^ (((a >> 7) & (w - 1)) << 4);
+}
+}  // namespace emu
 
 // ex2.approx twin: the correctly rounded 2^x (within the instruction's 2 ulp), -inf -> +0,
 // subnormal results flushed to zero as .ftz does.

@@ -212,3 +212,20 @@ extern "C" int ringattn_emu_selftest_mbarrier_ring(int stages, int rounds, int f
     const size_t smem = size_t(stages) * (16 + kSlotFloats * 4);
     return report(emu::launch(dim3(1), dim3(128), body, smem, emu::Schedule(schedule), seed), msg, cap);
 }
+
+// out[mn * cols + k] = the shared byte address of element (mn, k) of the wgmma operand whose
+// descriptor is make_wgmma_desc(start, lbo, sbo, swizzle) | extra (extra plants bad bits),
+// major 0 K-major, 1 MN-major.
+extern "C" int ringattn_emu_selftest_wgmma_desc(uint32_t start, uint32_t lbo, uint32_t sbo, uint32_t swizzle,
+                                                uint64_t extra, int major, uint32_t rows, uint32_t cols, uint32_t* out,
+                                                char* msg, size_t cap) {
+    std::function<void()> body = [=] {
+        const uint64_t desc = make_wgmma_desc(start, lbo, sbo, WgmmaSwizzle(swizzle)) | extra;
+        for (uint32_t mn = 0; mn < rows; ++mn) {
+            for (uint32_t k = 0; k < cols; ++k) {
+                out[mn * cols + k] = emu::wgmma_desc_address(desc, emu::WgmmaMajor(major), mn, k);
+            }
+        }
+    };
+    return report(emu::launch(dim3(1), dim3(1), body), msg, cap);
+}

@@ -546,3 +546,125 @@ fn mbarrier_misuse_and_impossible_waits_are_reported() {
         assert!(err.contains(expect), "fault {fault}: {err}");
     }
 }
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn ringattn_emu_selftest_wgmma_desc(
+        start: u32,
+        lbo: u32,
+        sbo: u32,
+        swizzle: u32,
+        extra: u64,
+        major: i32,
+        rows: u32,
+        cols: u32,
+        out: *mut u32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+/// wgmma descriptor swizzle codes (hopper-ptx.md §2: the reverse of the tensor map's enum).
+const SW_NONE: u32 = 0;
+const SW_128: u32 = 1;
+const SW_64: u32 = 2;
+const SW_32: u32 = 3;
+const K_MAJOR: i32 = 0;
+const MN_MAJOR: i32 = 1;
+
+/// The twin's addresses of a `rows × cols` (MN × K) operand, or its error.
+#[allow(clippy::too_many_arguments)]
+fn desc_addresses(
+    start: u32,
+    lbo: u32,
+    sbo: u32,
+    swizzle: u32,
+    extra: u64,
+    major: i32,
+    rows: u32,
+    cols: u32,
+) -> Result<Vec<u32>, String> {
+    let mut out = vec![0u32; (rows * cols) as usize];
+    let mut msg = [0u8; 256];
+    // SAFETY: `out` holds rows × cols addresses.
+    let rc = unsafe {
+        ringattn_emu_selftest_wgmma_desc(
+            start,
+            lbo,
+            sbo,
+            swizzle,
+            extra,
+            major,
+            rows,
+            cols,
+            out.as_mut_ptr(),
+            msg.as_mut_ptr().cast(),
+            256,
+        )
+    };
+    if rc == 0 {
+        Ok(out)
+    } else {
+        Err(text(&msg))
+    }
+}
+
+/// Descriptors address the tiles where a tensor-map copy puts them (written here from the
+/// placement, not from the canonical layouts the twin codes): a K-major tile with rows of
+/// `16 W` bytes (W = 8, 4, 2 for 128B, 64B, 32B) holds row r's 16-byte chunk c at chunk
+/// `c ^ ((r · 16 W / 128) mod W)` of its row; the descriptor of K-step s starts 32 s bytes in
+/// (SBO = 8 rows, LBO unused). Without swizzle, 8 × 16-byte core matrices (mi, kc) at
+/// `mi · SBO + kc · LBO`. V as an MN-major 128B operand: 128 keys × 128 columns loaded as
+/// two 64-column halves 16 KiB apart, each key's 128-byte row chunk-swizzled by key mod 8;
+/// the descriptor of 16-key step s starts 2048 s bytes in (LBO = 16384, SBO = 1024).
+#[test]
+fn wgmma_descriptors_address_tiles_as_tensor_maps_place_them() {
+    let base = 4096u32;
+    for (swizzle, w) in [(SW_128, 8u32), (SW_64, 4), (SW_32, 2)] {
+        let row_bytes = 16 * w;
+        for s in 0..(8 * w / 16) {
+            let got = desc_addresses(base + 32 * s, 16, 8 * row_bytes, swizzle, 0, K_MAJOR, 64, 16).unwrap();
+            for r in 0..64u32 {
+                for k in 0..16u32 {
+                    let col = 16 * s + k;
+                    let chunk = (col / 8) ^ ((r * row_bytes / 128) % w);
+                    let want = base + r * row_bytes + chunk * 16 + (col % 8) * 2;
+                    assert_eq!(got[(r * 16 + k) as usize], want, "W {w} step {s} ({r}, {k})");
+                }
+            }
+        }
+    }
+    // No swizzle: core matrices along K 128 bytes apart, 8-row groups 256 apart.
+    let got = desc_addresses(base, 128, 256, SW_NONE, 0, K_MAJOR, 64, 16).unwrap();
+    for r in 0..64u32 {
+        for k in 0..16u32 {
+            let want = base + (r / 8) * 256 + (k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2;
+            assert_eq!(got[(r * 16 + k) as usize], want, "interleaved ({r}, {k})");
+        }
+    }
+    // V: MN-major, 128B.
+    for s in 0..8u32 {
+        let got = desc_addresses(base + 2048 * s, 16384, 1024, SW_128, 0, MN_MAJOR, 128, 16).unwrap();
+        for n in 0..128u32 {
+            for kk in 0..16u32 {
+                let key = 16 * s + kk;
+                let want = base + (n / 64) * 16384 + key * 128 + (((n % 64) / 8) ^ (key % 8)) * 16 + (n % 8) * 2;
+                assert_eq!(got[(n * 16 + kk) as usize], want, "V step {s} (n {n}, key {key})");
+            }
+        }
+    }
+}
+
+/// Descriptor misuse is reported: bits outside the fields, a base offset (its semantics are
+/// not confirmed: tiles stay aligned), a swizzled start past the first 128 bytes of its
+/// repeat.
+#[test]
+fn wgmma_descriptor_misuse_is_reported() {
+    let bad = |extra: u64, start: u32, swizzle: u32| desc_addresses(start, 16, 1024, swizzle, extra, K_MAJOR, 8, 8);
+    assert!(bad(1 << 14, 0, SW_128).unwrap_err().contains("outside its fields"));
+    assert!(bad(1 << 49, 0, SW_128).unwrap_err().contains("base offset"));
+    assert!(bad(0, 1024 + 256, SW_128).unwrap_err().contains("past its 1024-byte repeat"));
+    assert!(bad(0, 512 + 128, SW_64).unwrap_err().contains("past its 512-byte repeat"));
+    assert!(bad(0, 1024 + 96, SW_128).is_ok());
+    assert!(bad(0, 1024 + 256, SW_NONE).is_ok());
+}
