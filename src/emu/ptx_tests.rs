@@ -57,6 +57,15 @@ fn text(msg: &[u8]) -> String {
     String::from_utf8_lossy(&msg[..end]).into_owned()
 }
 
+/// Runs a self-test entry given its message buffer: `Ok` when it returns 0, else its message.
+fn selftest(entry: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), String> {
+    let mut msg = [0u8; 256];
+    match entry(msg.as_mut_ptr().cast(), msg.len()) {
+        0 => Ok(()),
+        _ => Err(text(&msg)),
+    }
+}
+
 /// A small deterministic generator (splitmix64) for bit patterns.
 struct SplitMix(u64);
 
@@ -499,25 +508,11 @@ extern "C" {
 /// returns the consumers' sums or the emulator's error.
 fn mbarrier_ring(stages: i32, rounds: i32, fault: i32, schedule: i32, seed: u64) -> Result<Vec<f32>, String> {
     let mut out = vec![f32::NAN; 96];
-    let mut msg = [0u8; 256];
     // SAFETY: `out` holds the 96 consumers' sums the kernel writes.
-    let rc = unsafe {
-        ringattn_emu_selftest_mbarrier_ring(
-            stages,
-            rounds,
-            fault,
-            schedule,
-            seed,
-            out.as_mut_ptr(),
-            msg.as_mut_ptr().cast(),
-            256,
-        )
-    };
-    if rc == 0 {
-        Ok(out)
-    } else {
-        Err(text(&msg))
-    }
+    selftest(|msg, cap| unsafe {
+        ringattn_emu_selftest_mbarrier_ring(stages, rounds, fault, schedule, seed, out.as_mut_ptr(), msg, cap)
+    })?;
+    Ok(out)
 }
 
 /// mbarrier phases by the rules of the PTX ISA (§9.7.13.15, hopper-ptx.md §3), written here
@@ -572,40 +567,45 @@ const SW_32: u32 = 3;
 const K_MAJOR: i32 = 0;
 const MN_MAJOR: i32 = 1;
 
-/// The twin's addresses of a `rows × cols` (MN × K) operand, or its error.
-#[allow(clippy::too_many_arguments)]
-fn desc_addresses(
+/// A wgmma operand: its descriptor's fields as `make_wgmma_desc` takes them (bytes), `extra`
+/// bits ORed into the descriptor, and its major-ness.
+#[derive(Clone, Copy)]
+struct Operand {
     start: u32,
     lbo: u32,
     sbo: u32,
     swizzle: u32,
     extra: u64,
     major: i32,
-    rows: u32,
-    cols: u32,
-) -> Result<Vec<u32>, String> {
-    let mut out = vec![0u32; (rows * cols) as usize];
-    let mut msg = [0u8; 256];
-    // SAFETY: `out` holds rows × cols addresses.
-    let rc = unsafe {
-        ringattn_emu_selftest_wgmma_desc(
-            start,
-            lbo,
-            sbo,
-            swizzle,
-            extra,
-            major,
-            rows,
-            cols,
-            out.as_mut_ptr(),
-            msg.as_mut_ptr().cast(),
-            256,
-        )
-    };
-    if rc == 0 {
+}
+
+impl Operand {
+    fn k_major(start: u32, lbo: u32, sbo: u32, swizzle: u32) -> Self {
+        Operand { start, lbo, sbo, swizzle, extra: 0, major: K_MAJOR }
+    }
+
+    /// The twin's addresses of the operand's first `rows × cols` (MN × K) elements, or its
+    /// error.
+    fn addresses(self, rows: u32, cols: u32) -> Result<Vec<u32>, String> {
+        let Operand { start, lbo, sbo, swizzle, extra, major } = self;
+        let mut out = vec![0u32; (rows * cols) as usize];
+        // SAFETY: `out` holds rows × cols addresses.
+        selftest(|msg, cap| unsafe {
+            ringattn_emu_selftest_wgmma_desc(
+                start,
+                lbo,
+                sbo,
+                swizzle,
+                extra,
+                major,
+                rows,
+                cols,
+                out.as_mut_ptr(),
+                msg,
+                cap,
+            )
+        })?;
         Ok(out)
-    } else {
-        Err(text(&msg))
     }
 }
 
@@ -623,7 +623,7 @@ fn wgmma_descriptors_address_tiles_as_tensor_maps_place_them() {
     for (swizzle, w) in [(SW_128, 8u32), (SW_64, 4), (SW_32, 2)] {
         let row_bytes = 16 * w;
         for s in 0..(8 * w / 16) {
-            let got = desc_addresses(base + 32 * s, 16, 8 * row_bytes, swizzle, 0, K_MAJOR, 64, 16).unwrap();
+            let got = Operand::k_major(base + 32 * s, 16, 8 * row_bytes, swizzle).addresses(64, 16).unwrap();
             for r in 0..64u32 {
                 for k in 0..16u32 {
                     let col = 16 * s + k;
@@ -635,7 +635,7 @@ fn wgmma_descriptors_address_tiles_as_tensor_maps_place_them() {
         }
     }
     // No swizzle: core matrices along K 128 bytes apart, 8-row groups 256 apart.
-    let got = desc_addresses(base, 128, 256, SW_NONE, 0, K_MAJOR, 64, 16).unwrap();
+    let got = Operand::k_major(base, 128, 256, SW_NONE).addresses(64, 16).unwrap();
     for r in 0..64u32 {
         for k in 0..16u32 {
             let want = base + (r / 8) * 256 + (k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2;
@@ -644,7 +644,8 @@ fn wgmma_descriptors_address_tiles_as_tensor_maps_place_them() {
     }
     // V: MN-major, 128B.
     for s in 0..8u32 {
-        let got = desc_addresses(base + 2048 * s, 16384, 1024, SW_128, 0, MN_MAJOR, 128, 16).unwrap();
+        let v = Operand { major: MN_MAJOR, ..Operand::k_major(base + 2048 * s, 16384, 1024, SW_128) };
+        let got = v.addresses(128, 16).unwrap();
         for n in 0..128u32 {
             for kk in 0..16u32 {
                 let key = 16 * s + kk;
@@ -660,7 +661,9 @@ fn wgmma_descriptors_address_tiles_as_tensor_maps_place_them() {
 /// repeat.
 #[test]
 fn wgmma_descriptor_misuse_is_reported() {
-    let bad = |extra: u64, start: u32, swizzle: u32| desc_addresses(start, 16, 1024, swizzle, extra, K_MAJOR, 8, 8);
+    let bad = |extra: u64, start: u32, swizzle: u32| {
+        Operand { extra, ..Operand::k_major(start, 16, 1024, swizzle) }.addresses(8, 8)
+    };
     assert!(bad(1 << 14, 0, SW_128).unwrap_err().contains("outside its fields"));
     assert!(bad(1 << 49, 0, SW_128).unwrap_err().contains("base offset"));
     assert!(bad(0, 1024 + 256, SW_128).unwrap_err().contains("past its 1024-byte repeat"));
