@@ -289,8 +289,8 @@ enum class DqAccum {
 // kBlockM rows (Q, dO, lse, scale delta, and with dq the rows' fixed-point units) stream
 // through kStages buffers. With dq (kFixed, kF32) it also adds dS K into dq — the whole
 // block's 64 keys per product, after the dk/dv products, dS^T through shared memory: one
-// atomic add per dq element per key block — computing S and dP once per pair up to d = 96
-// (five products) up to d = 128. Head dims above 128 are split in kSplits column ranges of
+// atomic add per dq element per key block — computing S and dP once per pair (five
+// products) up to d = 128. Head dims above 128 are split in kSplits column ranges of
 // kDOut columns (one block per range, S and dP computed in each; the first adds dq), so that
 // the accumulators fit in registers. At 128 with dq the kernel runs unsplit at 254-255
 // registers without spilling on sm_80 ... sm_120 (an earlier version spilled 4 to 32 bytes
