@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 // wgmma shared-memory matrix descriptors (PTX §9.7.15.5.1.2; hopper-ptx.md §2), on both
-// paths: bits 0-13 the start address, 16-29 the leading-dimension byte offset (LBO), 32-45
+// paths: bits 0-13 the start address, 16-29 its leading-dimension byte offset (LBO), 32-45
 // the stride-dimension byte offset (SBO), each as (bytes & 0x3FFFF) >> 4; bits 49-51 the
 // base offset (0 here: swizzled tiles are kept aligned to their swizzle repeat); bits 62-63
 // the swizzle. The swizzle code is the reverse of the tensor map's enum.
