@@ -17,6 +17,17 @@ __host__ __device__ constexpr uint32_t wgmma_swizzle_units(WgmmaSwizzle s) {
     return s == WgmmaSwizzle::kNone ? 1u : s == WgmmaSwizzle::k128B ? 8u : s == WgmmaSwizzle::k64B ? 4u : 2u;
 }
 
+// The element type of a wgmma's A and B operands (the accumulator is f32).
+enum class WgmmaInput : uint32_t { kBF16 = 0, kF16 = 1 };
+
+// Which dimension of a wgmma operand read through a descriptor is contiguous in shared
+// memory: K (K-major, imm-trans 0) or M/N (imm-trans 1). A from registers is K-major.
+enum class WgmmaMajor : int { kK = 0, kMN = 1 };
+
+// scale-d: whether a wgmma adds A·B to the accumulator (kAdd) or overwrites it (kOverwrite:
+// the old value is not read, so a fresh accumulator needs no zeroing).
+enum class WgmmaAccumulate : uint32_t { kOverwrite = 0, kAdd = 1 };
+
 // The descriptor of a matrix at shared address `smem_addr` (smem_u32 of its first byte).
 __host__ __device__ inline uint64_t make_wgmma_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
                                                     WgmmaSwizzle swizzle) {
@@ -345,6 +356,173 @@ __device__ __forceinline__ bool elect_one_sync(uint32_t mask = 0xffffffffu) {
 
 #endif  // sm_90
 
+// ---- Hopper (sm_90a): wgmma, setmaxnreg; sm_90: fence.proxy.async (hopper-ptx.md §1, §5) ----
+//
+// A warpgroup (4 consecutive warps from a warp rank that is a multiple of 4; all 128 threads
+// execute each wgmma) computes D (64 x N, f32) = A (64 x 16) · B (16 x N) (+ D) per
+// wgmma.mma_async, asynchronously: issue with wgmma_fence() first (it orders the threads'
+// earlier register accesses before the wgmma), commit the issued ones as a group, and read
+// the accumulators only after wgmma_wait_group has retired that group. Fragment of thread
+// (warp w of the warpgroup, lane = 4g + t), element v of the accumulator (v < N/2):
+//   row 16w + g + 8((v >> 1) & 1), column 8(v >> 2) + 2t + (v & 1);
+// A from registers (a[0..3], two 16-bit values each, low half first): a[i] holds
+//   A[16w + g + 8(i & 1)][2t + 8(i >> 1) + {0, 1}],
+// i.e. the accumulator layout of columns 16s ... 16s + 15 packed in pairs (P = softmax(S) is
+// fed back without shuffles). B (and A in the SS form) come from shared memory through
+// descriptors (make_wgmma_desc).
+// Device builds for other architectures have none of these but fence_proxy_async: like
+// stmatrix, they are templates that fail a static_assert there, so kernels guard their use.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// (`dependent_true` is a template-dependent expression that is true: the assertion fires only
+// where the template is used.)
+#define RINGATTN_WGMMA_UNAVAILABLE(dependent_true) \
+    static_assert(!(dependent_true), "wgmma and setmaxnreg need sm_90a: guard their use with __CUDA_ARCH_FEAT_SM90_ALL")
+#else
+#define RINGATTN_WGMMA_UNAVAILABLE(dependent_true)
+#endif
+
+// One warpgroup's accumulator fragment for N columns: N/2 f32 registers per thread in the
+// layout above. Kernels index it with compile-time constants (reg_ is the wrappers' own).
+template <int N>
+struct WgmmaAcc {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma wrappers exist for N = 64, 128, 256");
+    float reg_[N / 2];
+    __device__ __forceinline__ float& operator[](int i) { return reg_[i]; }
+    __device__ __forceinline__ float operator[](int i) const { return reg_[i]; }
+};
+
+#define RINGATTN_WGMMA_REGS_32 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define RINGATTN_WGMMA_REGS_64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define RINGATTN_WGMMA_REGS_128 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+
+#define RINGATTN_F8(v, i)                                                                                    \
+    "+f"(v[i]), "+f"(v[i + 1]), "+f"(v[i + 2]), "+f"(v[i + 3]), "+f"(v[i + 4]), "+f"(v[i + 5]), "+f"(v[i + 6]), \
+        "+f"(v[i + 7])
+#define RINGATTN_F32(v, i) RINGATTN_F8(v, i), RINGATTN_F8(v, i + 8), RINGATTN_F8(v, i + 16), RINGATTN_F8(v, i + 24)
+#define RINGATTN_F_32(v) RINGATTN_F32(v, 0)
+#define RINGATTN_F_64(v) RINGATTN_F32(v, 0), RINGATTN_F32(v, 32)
+#define RINGATTN_F_128(v) RINGATTN_F32(v, 0), RINGATTN_F32(v, 32), RINGATTN_F32(v, 64), RINGATTN_F32(v, 96)
+
+// The SS and RS forms for one shape and type: REGS the accumulators' operand list, then the
+// operand numbers of the descriptors / A registers, scale-d and the transposes.
+#define RINGATTN_WGMMA_SS_ASM(N, TY, R, A, B, S, TA, TB)                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N             \
+                 "k16.f32." TY "." TY " {" RINGATTN_WGMMA_REGS_##R "}, %" #A ", %" #B ", p, 1, 1, %" #TA ", %" #TB \
+                 ";\n}\n"                                                                                       \
+                 : RINGATTN_F_##R(d.reg_)                                                                       \
+                 : "l"(a_desc), "l"(b_desc), "r"(uint32_t(accumulate)), "n"(int(TransA)), "n"(int(TransB))     \
+                 : "memory")
+#define RINGATTN_WGMMA_RS_ASM(N, TY, R, A0, A1, A2, A3, B, S, TB)                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N           \
+                 "k16.f32." TY "." TY " {" RINGATTN_WGMMA_REGS_##R "}, {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3  \
+                 "}, %" #B ", p, 1, 1, %" #TB ";\n}\n"                                                        \
+                 : RINGATTN_F_##R(d.reg_)                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(uint32_t(accumulate)),       \
+                   "n"(int(TransB))                                                                           \
+                 : "memory")
+
+// wgmma.fence.sync.aligned: before the first wgmma, and between any access to accumulator or
+// A-fragment registers and a wgmma that uses them.
+template <bool Enable = true>
+__device__ __forceinline__ void wgmma_fence() {
+    RINGATTN_WGMMA_UNAVAILABLE(Enable);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+// D (+)= A · B, A (64 x 16) and B (16 x N) in shared memory through their descriptors,
+// TransA/TransB their major dimension.
+template <WgmmaInput In, WgmmaMajor TransA, WgmmaMajor TransB, int N>
+__device__ __forceinline__ void wgmma_ss(WgmmaAcc<N>& d, uint64_t a_desc, uint64_t b_desc,
+                                         WgmmaAccumulate accumulate) {
+    RINGATTN_WGMMA_UNAVAILABLE(N > 0);
+    if constexpr (In == WgmmaInput::kBF16) {
+        if constexpr (N == 64) RINGATTN_WGMMA_SS_ASM(64, "bf16", 32, 32, 33, 34, 35, 36);
+        if constexpr (N == 128) RINGATTN_WGMMA_SS_ASM(128, "bf16", 64, 64, 65, 66, 67, 68);
+        if constexpr (N == 256) RINGATTN_WGMMA_SS_ASM(256, "bf16", 128, 128, 129, 130, 131, 132);
+    } else {
+        if constexpr (N == 64) RINGATTN_WGMMA_SS_ASM(64, "f16", 32, 32, 33, 34, 35, 36);
+        if constexpr (N == 128) RINGATTN_WGMMA_SS_ASM(128, "f16", 64, 64, 65, 66, 67, 68);
+        if constexpr (N == 256) RINGATTN_WGMMA_SS_ASM(256, "f16", 128, 128, 129, 130, 131, 132);
+    }
+}
+
+// D (+)= A · B, A from this thread's four registers (the fragment above, K-major), B in shared
+// memory through its descriptor.
+template <WgmmaInput In, WgmmaMajor TransB, int N>
+__device__ __forceinline__ void wgmma_rs(WgmmaAcc<N>& d, const uint32_t a[4], uint64_t b_desc,
+                                         WgmmaAccumulate accumulate) {
+    RINGATTN_WGMMA_UNAVAILABLE(N > 0);
+    if constexpr (In == WgmmaInput::kBF16) {
+        if constexpr (N == 64) RINGATTN_WGMMA_RS_ASM(64, "bf16", 32, 32, 33, 34, 35, 36, 37, 38);
+        if constexpr (N == 128) RINGATTN_WGMMA_RS_ASM(128, "bf16", 64, 64, 65, 66, 67, 68, 69, 70);
+        if constexpr (N == 256) RINGATTN_WGMMA_RS_ASM(256, "bf16", 128, 128, 129, 130, 131, 132, 133, 134);
+    } else {
+        if constexpr (N == 64) RINGATTN_WGMMA_RS_ASM(64, "f16", 32, 32, 33, 34, 35, 36, 37, 38);
+        if constexpr (N == 128) RINGATTN_WGMMA_RS_ASM(128, "f16", 64, 64, 65, 66, 67, 68, 69, 70);
+        if constexpr (N == 256) RINGATTN_WGMMA_RS_ASM(256, "f16", 128, 128, 129, 130, 131, 132, 133, 134);
+    }
+}
+
+// wgmma.commit_group: the thread's uncommitted wgmmas become one group (possibly empty).
+template <bool Enable = true>
+__device__ __forceinline__ void wgmma_commit_group() {
+    RINGATTN_WGMMA_UNAVAILABLE(Enable);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// wgmma.wait_group Pending: waits until at most `Pending` of the latest groups are in flight,
+// then ties `accs` (the accumulators the retired groups wrote) to the wait so that the
+// compiler cannot move their reads above it.
+template <int Pending, int... Ns>
+__device__ __forceinline__ void wgmma_wait_group(WgmmaAcc<Ns>&... accs) {
+    RINGATTN_WGMMA_UNAVAILABLE(Pending >= 0);
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+    (
+        [&] {
+#pragma unroll
+            for (int i = 0; i < int(sizeof(accs.reg_) / sizeof(float)); ++i) asm volatile("" : "+f"(accs.reg_[i])::"memory");
+        }(),
+        ...);
+}
+
+// setmaxnreg.inc / .dec (sm_90a): the warpgroup's register budget per thread becomes Regs
+// (24 ... 256, a multiple of 8); every warp of the warpgroup executes it. The kernel needs a
+// register cap at entry (__launch_bounds__(threads, 1)), or ptxas ignores it (C7508).
+template <uint32_t Regs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(Regs >= 24 && Regs <= 256 && Regs % 8 == 0, "setmaxnreg: 24 ... 256, a multiple of 8");
+    RINGATTN_WGMMA_UNAVAILABLE(Regs > 0);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+template <uint32_t Regs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(Regs >= 24 && Regs <= 256 && Regs % 8 == 0, "setmaxnreg: 24 ... 256, a multiple of 8");
+    RINGATTN_WGMMA_UNAVAILABLE(Regs > 0);
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// fence.proxy.async.shared::cta: orders this thread's earlier ordinary shared-memory stores
+// (st.shared, stmatrix) before later reads of them by the async proxy (wgmma, bulk copies);
+// each writing thread executes it before the barrier that publishes the data.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif
+
 #else  // the emulated twins
 
 namespace emu {
@@ -483,7 +661,9 @@ inline void stmatrix(const uint32_t* r, int count, bool trans, void* row) {
                 mcol = 2 * (lane % 4) + half;
             }
             const uint16_t h = uint16_t(half ? r[j] >> 16 : r[j] & 0xffffu);
-            std::memcpy(reinterpret_cast<unsigned char*>(addr[8 * j + mrow]) + 2 * mcol, &h, 2);
+            unsigned char* dst = reinterpret_cast<unsigned char*>(addr[8 * j + mrow]) + 2 * mcol;
+            proxy_generic_write(dst, 2);
+            std::memcpy(dst, &h, 2);
         }
     }
 }
@@ -694,9 +874,6 @@ inline bool elect_one_sync(uint32_t mask = 0xffffffffu) {
 }
 
 namespace emu {
-// Which dimension of a wgmma operand is contiguous in shared memory: K (K-major, no
-// transpose) or M/N (imm-trans 1).
-enum class WgmmaMajor : int { kK = 0, kMN = 1 };
 
 // The shared-window byte address of 16-bit element (mn, k) of the matrix a wgmma descriptor
 // describes, from the canonical layouts (hopper-ptx.md §2, in bytes; T = 8 elements = 16 B,
@@ -741,6 +918,265 @@ inline uint32_t wgmma_desc_address(uint64_t desc, WgmmaMajor major, uint32_t mn,
     return a ^ (((a >> 7) & (w - 1)) << 4);
 }
 }  // namespace emu
+
+// ---- wgmma, setmaxnreg, fence.proxy.async twins ----
+//
+// A wgmma is a warpgroup rendezvous (emu::warpgroup_gather): all 128 threads of an aligned
+// warpgroup must issue it with the same shape, type, transposes, scale-d and descriptors
+// (reported otherwise; a warpgroup whose other warps never come is a deadlock naming it).
+// The first thread past the rendezvous reads the operands: A and B through the descriptors
+// (wgmma_desc_address: swizzle and layout misuse reported; every element inside the block's
+// shared memory; none stored by a thread that has not executed fence.proxy.async since), or A
+// from the warpgroup's registers. Each thread's accumulator fragment is then in flight: its
+// registers hold NaN and any access through WgmmaAcc::operator[] is reported until
+// wgmma_wait_group retires the group, which computes the fragment (exact products summed in
+// double, the old D added, rounded once to f32) and reports a write to the shared memory the
+// wgmma read. Further wgmmas may chain on an in-flight accumulator of the same shape (PTX
+// orders them). wgmma.fence is checked: a wgmma needs one since the thread last accessed the
+// accumulator. Not modelled: changes to A-fragment registers in flight (their values are
+// taken at issue), the proxy fence for accumulator-to-shared stores read back by wgmma in the
+// same thread without a barrier.
+namespace emu {
+constexpr uint32_t kWgmmaPoison = 0x7FC0DEADu;  // a quiet NaN
+
+// Reports an access to an accumulator fragment whose wgmma is in flight; marks the access for
+// the wgmma.fence check.
+inline void wgmma_acc_access(uint32_t in_flight, uint64_t& touched) {
+    Thread* t = current;
+    if (t == nullptr) return;
+    touched = t->acc_seq;
+    if (in_flight != 0) {
+        fail("wgmma accumulator accessed while " + std::to_string(in_flight) +
+             " wgmma(s) writing it are in flight: wgmma.wait_group must retire them first");
+    }
+}
+}  // namespace emu
+
+template <int N>
+struct WgmmaAcc {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma wrappers exist for N = 64, 128, 256");
+    float reg_[N / 2];
+    // Emulator only: the fragment the in-flight wgmmas build, how many are in flight, and the
+    // thread's access number of the last access (Thread::acc_seq).
+    float value_[N / 2];
+    uint32_t in_flight_ = 0;
+    mutable uint64_t touched_ = 0;
+    float& operator[](int i) {
+        ::emu::wgmma_acc_access(in_flight_, touched_);
+        return reg_[i];
+    }
+    float operator[](int i) const {
+        ::emu::wgmma_acc_access(in_flight_, touched_);
+        return reg_[i];
+    }
+};
+
+namespace emu {
+// The shared-window address of p (smem_u32 on the device): its offset in the block's arena.
+inline uint32_t smem_offset_of(const void* p) {
+    Block* b = current->block;
+    return uint32_t(static_cast<const unsigned char*>(p) - (b->smem.data() + b->smem_offset));
+}
+
+// Reads the 16-bit element at shared address `addr` for an async-proxy reader, recording it
+// in `op`; false (reported) outside shared memory or unfenced.
+inline bool wgmma_read(WgmmaOp& op, uint32_t addr, bool bf16, double& out, const char* what) {
+    if (addr == UINT32_MAX) return false;  // descriptor misuse, reported
+    Block* b = current->block;
+    const unsigned char* p = b->smem.data() + b->smem_offset + addr;
+    if (!check_shared(p, 2, what)) return false;
+    if (!proxy_fenced(addr, what)) return false;
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    out = double(bf16 ? bf16_to_float(h) : f16_to_float(h));
+    op.smem_at.push_back(addr);
+    op.smem_was.push_back(h);
+    return true;
+}
+
+// Builds the op of a warpgroup's rendezvous: `slots` are the 128 records (see wgmma_issue).
+inline std::shared_ptr<const WgmmaOp> wgmma_build(const WarpgroupSlot* slots, bool rs, uint32_t n, bool bf16,
+                                                  WgmmaMajor ta, WgmmaMajor tb, bool scale_d) {
+    auto op = std::make_shared<WgmmaOp>();
+    op->n = n;
+    op->scale_d = scale_d;
+    op->a.assign(64 * 16, 0.0);
+    op->b.assign(16 * size_t(n), 0.0);
+    const uint64_t a_desc = slots[0].words[1], b_desc = slots[0].words[2];
+    if (rs) {
+        for (unsigned th = 0; th < 128; ++th) {
+            const unsigned w = th / 32, g = (th % 32) / 4, t = th % 4;
+            for (unsigned i = 0; i < 4; ++i) {
+                const uint32_t r = uint32_t(slots[th].words[3 + i / 2] >> (32 * (i % 2)));
+                for (unsigned h = 0; h < 2; ++h) {
+                    const uint16_t bits = uint16_t(h ? r >> 16 : r & 0xffffu);
+                    const unsigned row = 16 * w + g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1) + h;
+                    op->a[row * 16 + col] = double(bf16 ? bf16_to_float(bits) : f16_to_float(bits));
+                }
+            }
+        }
+    } else {
+        for (uint32_t m = 0; m < 64; ++m) {
+            for (uint32_t k = 0; k < 16; ++k) {
+                if (!wgmma_read(*op, wgmma_desc_address(a_desc, ta, m, k), bf16, op->a[m * 16 + k], "wgmma (A operand)"))
+                    return op;
+            }
+        }
+    }
+    for (uint32_t k = 0; k < 16; ++k) {
+        for (uint32_t c = 0; c < n; ++c) {
+            if (!wgmma_read(*op, wgmma_desc_address(b_desc, tb, c, k), bf16, op->b[k * n + c], "wgmma (B operand)"))
+                return op;
+        }
+    }
+    return op;
+}
+
+// wgmma.mma_async: the checks and rendezvous above; `a_regs` is null in the SS form.
+inline void wgmma_issue(float* visible, float* value, uint32_t* in_flight, uint64_t touched, uint32_t n,
+                        WgmmaInput in, WgmmaMajor ta, WgmmaMajor tb, uint64_t a_desc, uint64_t b_desc,
+                        const uint32_t* a_regs, WgmmaAccumulate accumulate) {
+    Thread* t = current;
+    const bool rs = a_regs != nullptr;
+    if (t->fence_mark == 0) {
+        fail("wgmma issued without a wgmma.fence before it (needed before the first wgmma)");
+    } else if (touched > t->fence_mark) {
+        fail("wgmma uses an accumulator this thread accessed after its last wgmma.fence: wgmma.fence must "
+             "separate register accesses from the wgmma that uses the registers");
+    }
+    WarpgroupSlot mine{};
+    mine.words[0] = (rs ? 2u : 1u) | (uint64_t(n) << 8) | (uint64_t(in) << 20) | (uint64_t(ta) << 24) |
+                    (uint64_t(tb) << 26) | (uint64_t(accumulate) << 28);
+    mine.words[1] = rs ? 0 : a_desc;
+    mine.words[2] = b_desc;
+    if (rs) {
+        mine.words[3] = uint64_t(a_regs[0]) | (uint64_t(a_regs[1]) << 32);
+        mine.words[4] = uint64_t(a_regs[2]) | (uint64_t(a_regs[3]) << 32);
+    }
+    const WarpgroupSlot* slots = warpgroup_gather(mine, "wgmma.mma_async");
+    if (slots == nullptr) return;
+    for (unsigned i = 0; i < 128; ++i) {
+        const char* what = slots[i].words[0] != mine.words[0] ? "shape, type, form, transposes or scale-d"
+                           : slots[i].words[1] != mine.words[1] ? "A descriptor"
+                           : slots[i].words[2] != mine.words[2] ? "B descriptor"
+                                                                : nullptr;
+        if (what != nullptr) {
+            fail(std::string("wgmma.mma_async: the ") + what + " differs between threads " +
+                 std::to_string(t->linear & ~127u) + " and " + std::to_string((t->linear & ~127u) + i) +
+                 " of the warpgroup (it must be the same in all 128)");
+            return;
+        }
+    }
+    Block* b = t->block;
+    auto& cur = b->wg_current[t->linear / 128];
+    if (cur.first != t->wg_ops || cur.second == nullptr) {
+        cur = {t->wg_ops, wgmma_build(slots, rs, n, in == WgmmaInput::kBF16, ta, tb,
+                                      accumulate == WgmmaAccumulate::kAdd)};
+        b->mma_macs += 64ull * n * 16;
+    }
+    if (*in_flight == 0) {
+        std::memcpy(value, visible, sizeof(float) * n / 2);
+        for (uint32_t i = 0; i < n / 2; ++i) std::memcpy(&visible[i], &kWgmmaPoison, 4);
+    }
+    ++*in_flight;
+    t->wgmma_uncommitted.push_back(WgmmaPending{cur.second, visible, value, in_flight});
+}
+
+// Completes one op for this thread: the shared-memory check (once per op), then the fragment.
+inline void wgmma_retire(const WgmmaPending& p) {
+    WgmmaOp& op = const_cast<WgmmaOp&>(*p.op);
+    if (!op.verified) {
+        op.verified = true;
+        const unsigned char* base = current->block->smem.data() + current->block->smem_offset;
+        for (size_t i = 0; i < op.smem_at.size(); ++i) {
+            uint16_t now;
+            std::memcpy(&now, base + op.smem_at[i], 2);
+            if (now != op.smem_was[i]) {
+                fail("shared memory at offset " + std::to_string(op.smem_at[i]) +
+                     " read by an in-flight wgmma was overwritten before wgmma.wait_group retired it");
+                break;
+            }
+        }
+    }
+    const unsigned th = current->linear % 128, w = th / 32, g = (th % 32) / 4, t = th % 4;
+    for (uint32_t v = 0; v < op.n / 2; ++v) {
+        const unsigned row = 16 * w + g + 8 * ((v >> 1) & 1), col = 8 * (v >> 2) + 2 * t + (v & 1);
+        double acc = 0.0;
+        for (unsigned k = 0; k < 16; ++k) acc += op.a[row * 16 + k] * op.b[k * op.n + col];
+        p.value[v] = float(acc + (op.scale_d ? double(p.value[v]) : 0.0));
+    }
+    if (--*p.in_flight == 0) std::memcpy(p.visible, p.value, sizeof(float) * op.n / 2);
+}
+}  // namespace emu
+
+inline uint32_t smem_u32(const void* p) { return ::emu::smem_offset_of(p); }
+
+template <bool Enable = true>
+inline void wgmma_fence() {
+    ::emu::Thread* t = ::emu::current;
+    t->fence_mark = t->acc_seq++;
+}
+
+template <WgmmaInput In, WgmmaMajor TransA, WgmmaMajor TransB, int N>
+inline void wgmma_ss(WgmmaAcc<N>& d, uint64_t a_desc, uint64_t b_desc, WgmmaAccumulate accumulate) {
+    ::emu::wgmma_issue(d.reg_, d.value_, &d.in_flight_, d.touched_, N, In, TransA, TransB, a_desc, b_desc, nullptr,
+                       accumulate);
+}
+
+template <WgmmaInput In, WgmmaMajor TransB, int N>
+inline void wgmma_rs(WgmmaAcc<N>& d, const uint32_t a[4], uint64_t b_desc, WgmmaAccumulate accumulate) {
+    ::emu::wgmma_issue(d.reg_, d.value_, &d.in_flight_, d.touched_, N, In, WgmmaMajor::kK, TransB, 0, b_desc, a,
+                       accumulate);
+}
+
+template <bool Enable = true>
+inline void wgmma_commit_group() {
+    ::emu::Thread* t = ::emu::current;
+    t->wgmma_groups.push_back(std::move(t->wgmma_uncommitted));
+    t->wgmma_uncommitted.clear();
+}
+
+template <int Pending, int... Ns>
+inline void wgmma_wait_group(WgmmaAcc<Ns>&...) {
+    static_assert(Pending >= 0, "wgmma.wait_group: a non-negative immediate");
+    ::emu::Thread* t = ::emu::current;
+    while (t->wgmma_groups.size() > size_t(Pending)) {
+        for (const ::emu::WgmmaPending& p : t->wgmma_groups.front()) ::emu::wgmma_retire(p);
+        t->wgmma_groups.erase(t->wgmma_groups.begin());
+    }
+}
+
+namespace emu {
+// setmaxnreg twin: a warpgroup rendezvous (all 128 threads, the same instruction); the
+// register budget itself has no effect here.
+inline void setmaxnreg(uint32_t regs, bool inc) {
+    WarpgroupSlot mine{};
+    mine.words[0] = 0x100u | (inc ? 1u : 0u) | (uint64_t(regs) << 16);
+    const WarpgroupSlot* slots = warpgroup_gather(mine, inc ? "setmaxnreg.inc" : "setmaxnreg.dec");
+    if (slots == nullptr) return;
+    for (unsigned i = 0; i < 128; ++i) {
+        if (slots[i].words[0] != mine.words[0]) {
+            fail("setmaxnreg: threads of one warpgroup execute different setmaxnreg instructions at the same point");
+            return;
+        }
+    }
+}
+}  // namespace emu
+
+template <uint32_t Regs>
+inline void setmaxnreg_inc() {
+    static_assert(Regs >= 24 && Regs <= 256 && Regs % 8 == 0, "setmaxnreg: 24 ... 256, a multiple of 8");
+    ::emu::setmaxnreg(Regs, true);
+}
+template <uint32_t Regs>
+inline void setmaxnreg_dec() {
+    static_assert(Regs >= 24 && Regs <= 256 && Regs % 8 == 0, "setmaxnreg: 24 ... 256, a multiple of 8");
+    ::emu::setmaxnreg(Regs, false);
+}
+
+// fence.proxy.async twin: this thread's earlier generic stores become visible to async-proxy
+// readers (see emu::proxy_fenced).
+inline void fence_proxy_async() { ++::emu::current->proxy_gen; }
 
 // ex2.approx twin: the correctly rounded 2^x (within the instruction's 2 ulp), -inf -> +0,
 // subnormal results flushed to zero as .ftz does.

@@ -39,6 +39,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <sys/mman.h>
 #if defined(__SANITIZE_ADDRESS__)
@@ -96,7 +97,9 @@ struct Block;
 
 // What a suspended fiber waits for: a block barrier, a warp barrier, or the completion of an
 // mbarrier phase (Thread::mbar, Thread::mbar_parity).
-enum class Wait { None, Block, Warp, Mbarrier };
+// mbarrier phase (Thread::mbar, Thread::mbar_parity), or the rest of a warpgroup at a
+// warpgroup-wide instruction (wgmma, setmaxnreg).
+enum class Wait { None, Block, Warp, Mbarrier, Warpgroup };
 
 // One cp.async copy in flight: performed when its group retires.
 struct AsyncCopy {
@@ -104,6 +107,33 @@ struct AsyncCopy {
     const void* src;
     unsigned bytes;      // bytes read from src
     unsigned zero_fill;  // bytes of dst after them set to 0
+};
+
+// One wgmma.mma_async of a warpgroup (D = A·B + D, 64 x n x 16), shared by its 128 threads:
+// the operands as read at issue (values exact in double), and the shared memory they came
+// from, to report a write to it before the wgmma completes.
+struct WgmmaOp {
+    uint32_t n = 0;
+    bool scale_d = true;             // false: D = A·B, the old D not read
+    std::vector<double> a, b;        // A[64][16], B[16][n], row-major
+    std::vector<uint32_t> smem_at;   // shared offsets of the 16-bit elements read
+    std::vector<uint16_t> smem_was;  // and their values at issue
+    bool verified = false;           // the shared-memory check ran (by the first thread to retire it)
+};
+
+// A thread's share of an in-flight wgmma: the op and the thread's accumulator fragment (the
+// hidden state of a WgmmaAcc, see ptx.cuh): its visible values (poisoned while in flight),
+// the values the chain of in-flight wgmmas builds, and how many are in flight on it.
+struct WgmmaPending {
+    std::shared_ptr<const WgmmaOp> op;
+    float* visible;
+    float* value;
+    uint32_t* in_flight;
+};
+
+// One thread's record at a warpgroup rendezvous (see warpgroup_gather).
+struct WarpgroupSlot {
+    uint64_t words[8];
 };
 
 // A fiber's stack: mmap'ed with a PROT_NONE guard page below it, reused across blocks.
@@ -158,6 +188,17 @@ struct Thread {
     // With Wait::Mbarrier: the barrier (in shared memory) and the parity of the phase awaited.
     const uint64_t* mbar = nullptr;
     uint32_t mbar_parity = 0;
+    // Warpgroup rendezvous performed (double-buffers Block::wg_slots, as warp_ops does slots).
+    uint64_t wg_ops = 0;
+    // wgmma: ops not yet committed, and committed groups oldest first.
+    std::vector<WgmmaPending> wgmma_uncommitted;
+    std::vector<std::vector<WgmmaPending>> wgmma_groups;
+    // wgmma.fence: accesses to accumulator fragments are numbered (acc_seq); fence_mark is the
+    // number at this thread's last wgmma.fence (0: none yet).
+    uint64_t acc_seq = 1, fence_mark = 0;
+    // fence.proxy.async executed so far: shared words this thread stored since its last one
+    // (Block::proxy) are unfenced generic writes.
+    uint32_t proxy_gen = 0;
 #ifdef RINGATTN_EMU_ASAN
     const void* stack_bottom = nullptr;
     size_t stack_size = 0;
@@ -233,6 +274,17 @@ struct Block {
     // cp.async copies its threads issued and mma multiply-adds of its warps
     // (LaunchConfig::block_counts).
     uint64_t async_copies = 0, mma_macs = 0;
+    // Warpgroup rendezvous slots, double-buffered by each thread's wg_ops: wg_slots[parity][thread].
+    std::vector<WarpgroupSlot> wg_slots[2];
+    // Per warpgroup: the wgmma op built from its latest rendezvous, and that rendezvous' number.
+    std::vector<std::pair<uint64_t, std::shared_ptr<const WgmmaOp>>> wg_current;
+    // Per shared word: the last thread (+1; 0: none) that stored to it through the generic
+    // proxy, and that thread's proxy_gen then. The store is unfenced while they are equal.
+    struct ProxyWord {
+        uint32_t gen = 0;
+        uint16_t writer = 0;
+    };
+    std::vector<ProxyWord> proxy;
 };
 
 inline thread_local Thread* current = nullptr;
@@ -293,6 +345,9 @@ inline void resume(Block& b, Thread& t) {
     if (!t->uncommitted.empty() || !t->groups.empty()) {
         fail("exited with cp.async copies never waited for");
     }
+    if (!t->wgmma_uncommitted.empty() || !t->wgmma_groups.empty()) {
+        fail("exited with wgmma operations never waited for (wgmma.wait_group)");
+    }
     t->done = true;
     t->wait = Wait::None;
 #ifdef RINGATTN_EMU_ASM_SWITCH
@@ -347,6 +402,10 @@ inline void run_block(Block& b, size_t smem_bytes) {
     b.threads.assign(n, Thread{});
     b.slots[0].assign(n, 0);
     b.slots[1].assign(n, 0);
+    b.wg_slots[0].assign(n, WarpgroupSlot{});
+    b.wg_slots[1].assign(n, WarpgroupSlot{});
+    b.wg_current.assign((n + 127) / 128, {0, nullptr});
+    b.proxy.assign((smem_bytes + 3) / 4, Block::ProxyWord{});
     StackPool& pool = stack_pool();
     if (!pool.reserve(n)) {
         b.error = "cannot map " + std::to_string(n) + " fiber stacks";
@@ -405,12 +464,25 @@ inline void run_block(Block& b, size_t smem_bytes) {
                 progressed = true;
             }
         }
-        unsigned live = 0, at_barrier = 0, finished = 0, at_mbarrier = 0;
+        // Release warpgroups (128 threads from a multiple of 128) whose threads all wait at a
+        // warpgroup rendezvous.
+        for (unsigned w0 = 0; w0 + 128 <= n; w0 += 128) {
+            bool all = true;
+            for (unsigned i = w0; i < w0 + 128 && all; ++i) {
+                all = !b.threads[i].done && b.threads[i].wait == Wait::Warpgroup;
+            }
+            if (all) {
+                for (unsigned i = w0; i < w0 + 128; ++i) b.threads[i].wait = Wait::None;
+                progressed = true;
+            }
+        }
+        unsigned live = 0, at_barrier = 0, finished = 0, at_mbarrier = 0, at_warpgroup = 0;
         for (const Thread& t : b.threads) {
             if (t.done) { ++finished; continue; }
             ++live;
             if (t.wait == Wait::Block) ++at_barrier;
             if (t.wait == Wait::Mbarrier) ++at_mbarrier;
+            if (t.wait == Wait::Warpgroup) ++at_warpgroup;
         }
         if (live == 0) return;
         if (at_barrier == live) {
@@ -426,9 +498,22 @@ inline void run_block(Block& b, size_t smem_bytes) {
         if (!progressed) {
             // (An error a thread reported first, e.g. a misused barrier, is the cause: kept.)
             if (b.error.empty()) {
-                b.error = at_mbarrier > 0 ? "deadlock: " + std::to_string(at_mbarrier) +
-                                                " thread(s) wait on mbarrier phases that can never complete"
-                                          : "deadlock: threads wait at barriers that can never complete";
+                if (at_warpgroup > 0) {
+                    unsigned first = 0;
+                    while (b.threads[first].done || b.threads[first].wait != Wait::Warpgroup) ++first;
+                    b.error = "deadlock: " + std::to_string(at_warpgroup) +
+                              " thread(s) wait at a warpgroup-wide instruction (wgmma, setmaxnreg) that the rest "
+                              "of their warpgroup never reaches; the first is thread " + std::to_string(first) +
+                              " of warpgroup " + std::to_string(first / 128) + " (warps " +
+                              std::to_string(first / 128 * 4) + "-" + std::to_string(first / 128 * 4 + 3) +
+                              "): a warpgroup is 4 consecutive warps from a warp rank that is a multiple of 4, "
+                              "and all 128 threads must issue the instruction";
+                } else if (at_mbarrier > 0) {
+                    b.error = "deadlock: " + std::to_string(at_mbarrier) +
+                              " thread(s) wait on mbarrier phases that can never complete";
+                } else {
+                    b.error = "deadlock: threads wait at barriers that can never complete";
+                }
             }
             return;
         }
@@ -647,6 +732,52 @@ inline bool check_aligned(const void* p, const char* what) {
     return false;
 }
 
+// Async proxy (fence.proxy.async): records a store of `bytes` at shared `p` by the current
+// thread through the generic proxy (ordinary stores, stmatrix); wgmma and bulk-copy reads of
+// those words are reported until the thread executes fence.proxy.async.
+inline void proxy_generic_write(const void* p, size_t bytes) {
+    Block* b = current->block;
+    const size_t off = size_t(static_cast<const unsigned char*>(p) - (b->smem.data() + b->smem_offset));
+    for (size_t w = off / 4; w < (off + bytes + 3) / 4 && w < b->proxy.size(); ++w) {
+        b->proxy[w] = Block::ProxyWord{current->proxy_gen, uint16_t(current->linear + 1)};
+    }
+}
+
+// Whether the shared word holding byte offset `off` was stored through the generic proxy by
+// a thread that has not executed fence.proxy.async since; reports it for `what` (an
+// async-proxy reader) and returns false then.
+inline bool proxy_fenced(size_t off, const char* what) {
+    Block* b = current->block;
+    if (off / 4 >= b->proxy.size()) return true;
+    const Block::ProxyWord& pw = b->proxy[off / 4];
+    if (pw.writer == 0 || b->threads[pw.writer - 1u].proxy_gen != pw.gen) return true;
+    fail(std::string(what) + " reads shared memory at offset " + std::to_string(off) + " that thread " +
+         std::to_string(pw.writer - 1u) +
+         " stored with an ordinary (generic-proxy) store and has not fenced since: the writer must execute "
+         "fence.proxy.async before the barrier that publishes it");
+    return false;
+}
+
+// Warpgroup rendezvous: publishes this thread's record, waits until the 128 threads of its
+// warpgroup (threads 128k ... 128k + 127: warps 4k ... 4k + 3) have published theirs, and
+// returns their records (valid until this thread's next rendezvous). nullptr (reported) when
+// the block's threads do not complete the warpgroup.
+inline const WarpgroupSlot* warpgroup_gather(const WarpgroupSlot& mine, const char* what) {
+    Thread* t = current;
+    Block* b = t->block;
+    const unsigned n = unsigned(b->threads.size()), w0 = t->linear & ~127u;
+    if (w0 + 128 > n) {
+        fail(std::string(what) + ": warpgroup " + std::to_string(w0 / 128) + " (threads " + std::to_string(w0) +
+             "-" + std::to_string(w0 + 127) + ") is incomplete in a block of " + std::to_string(n) +
+             " threads: warpgroup instructions need all 4 warps of an aligned warpgroup");
+        return nullptr;
+    }
+    const unsigned parity = unsigned(t->wg_ops++ & 1u);
+    b->wg_slots[parity][t->linear] = mine;
+    yield(Wait::Warpgroup);
+    return &b->wg_slots[parity][w0];
+}
+
 // Checked accesses: kernels read and write shared and global memory through these (plain
 // loads and stores on the device, see common.cuh): bounds, alignment, and races in shared
 // memory.
@@ -662,6 +793,7 @@ inline void smem_store(T* p, T v) {
     if (!check_aligned<T>(p, "shared store")) return;
     if (!check_shared(p, sizeof(T), "shared store")) return;
     shadow_access(p, sizeof(T), true, "shared store");
+    proxy_generic_write(p, sizeof(T));
     *p = v;
 }
 template <typename T>

@@ -223,9 +223,137 @@ extern "C" int ringattn_emu_selftest_wgmma_desc(uint32_t start, uint32_t lbo, ui
         const uint64_t desc = make_wgmma_desc(start, lbo, sbo, WgmmaSwizzle(swizzle)) | extra;
         for (uint32_t mn = 0; mn < rows; ++mn) {
             for (uint32_t k = 0; k < cols; ++k) {
-                out[mn * cols + k] = emu::wgmma_desc_address(desc, emu::WgmmaMajor(major), mn, k);
+                out[mn * cols + k] = emu::wgmma_desc_address(desc, WgmmaMajor(major), mn, k);
             }
         }
     };
     return report(emu::launch(dim3(1), dim3(1), body), msg, cap);
+}
+
+namespace {
+// A warpgroup GEMM on the wgmma twins: D (64 x n) = C + A (64 x 16 ksteps) · B, K-step s
+// reading A and B through a_desc[s] / b_desc[s] (or A from a_regs in the RS form) in a shared
+// memory image the caller laid out. Mirrored in src/emu/ptx_tests.rs.
+struct WgmmaCase {
+    const uint32_t* image;  // the shared-memory image, image_words words
+    uint32_t image_words;
+    uint32_t n;       // 64, 128 or 256
+    uint32_t ksteps;  // 1 ... 8
+    uint32_t input;   // WgmmaInput
+    uint32_t rs;      // 1: A from a_regs
+    uint32_t trans_a, trans_b;  // WgmmaMajor
+    uint32_t pipelined;         // 1: one group per K-step, waiting with wait_group<1>
+    uint32_t overwrite_at;      // fault 4: the shared byte offset overwritten while in flight
+    uint64_t a_desc[8], b_desc[8];
+    const uint32_t* a_regs;  // [ksteps][128][4]
+    const float* c;          // [128][n/2]; null: the first K-step overwrites
+    float* out;              // [128][n/2]
+    int32_t fault;           // see ringattn_emu_selftest_wgmma
+    uint32_t threads;        // block size
+};
+
+// Planted bugs.
+enum WgmmaFault : int32_t {
+    kFaultNone = 0,
+    kFaultNoProxyFence = 1,     // the image's writers skip fence.proxy.async
+    kFaultReadInFlight = 2,     // an accumulator read before wgmma.wait_group
+    kFaultMisaligned = 3,       // warps 2-5 of a 256-thread block act as the warpgroup
+    kFaultOverwrite = 4,        // a shared word under an in-flight wgmma is stored to
+    kFaultNoWgmmaFence = 5,     // no wgmma.fence before the first wgmma
+    kFaultNonUniformDesc = 6,   // one thread's B descriptor differs
+    kFaultNoWait = 7,           // the thread exits with its group in flight
+    kFaultFenceAfterAccess = 8, // the accumulator written after the wgmma.fence
+};
+
+template <int N, WgmmaInput In, WgmmaMajor TA, WgmmaMajor TB>
+void wgmma_gemm(const WgmmaCase& c) {
+    unsigned char* sm = RINGATTN_DYNAMIC_SMEM();
+    const unsigned tid = threadIdx.x;
+    for (unsigned i = tid; i < c.image_words; i += c.threads) {
+        smem_store(reinterpret_cast<uint32_t*>(sm) + i, c.image[i]);
+    }
+    if (c.fault != kFaultNoProxyFence) fence_proxy_async();
+    __syncthreads();
+    const unsigned first = c.fault == kFaultMisaligned ? 64 : 0;
+    if (tid < first || tid >= first + 128) return;
+    const unsigned th = tid - first;
+    WgmmaAcc<N> acc;
+    for (int v = 0; v < N / 2; ++v) acc[v] = c.c ? c.c[th * (N / 2) + v] : __uint_as_float(0xFFFFFFFFu);
+    if (c.fault != kFaultNoWgmmaFence) wgmma_fence();
+    if (c.fault == kFaultFenceAfterAccess) acc[0] = 0.0f;
+    for (uint32_t s = 0; s < c.ksteps; ++s) {
+        const WgmmaAccumulate mode = s == 0 && c.c == nullptr ? WgmmaAccumulate::kOverwrite : WgmmaAccumulate::kAdd;
+        const uint64_t b_desc = c.b_desc[s] + (c.fault == kFaultNonUniformDesc && th == 37 ? 1 : 0);
+        if (c.rs) {
+            wgmma_rs<In, TB>(acc, c.a_regs + (size_t(s) * 128 + th) * 4, b_desc, mode);
+        } else {
+            wgmma_ss<In, TA, TB>(acc, c.a_desc[s], b_desc, mode);
+        }
+        if (c.fault == kFaultReadInFlight && s == 0) c.out[th * (N / 2)] = acc[0];
+        if (c.fault == kFaultOverwrite && s == 0 && th == 0) {
+            smem_store(reinterpret_cast<uint16_t*>(sm + c.overwrite_at), uint16_t(0x3F80));
+        }
+        if (c.pipelined) {
+            wgmma_commit_group();
+            wgmma_wait_group<1>(acc);
+        }
+    }
+    wgmma_commit_group();
+    if (c.fault == kFaultNoWait) return;
+    wgmma_wait_group<0>(acc);
+    for (int v = 0; v < N / 2; ++v) c.out[th * (N / 2) + v] = acc[v];
+}
+
+template <int N>
+void wgmma_gemm_n(const WgmmaCase& c) {
+    const bool bf = c.input == uint32_t(WgmmaInput::kBF16);
+    const bool ka = c.trans_a == 0, kb = c.trans_b == 0;
+    constexpr WgmmaMajor K = WgmmaMajor::kK, MN = WgmmaMajor::kMN;
+    constexpr WgmmaInput B = WgmmaInput::kBF16, F = WgmmaInput::kF16;
+    if (bf) {
+        ka ? (kb ? wgmma_gemm<N, B, K, K>(c) : wgmma_gemm<N, B, K, MN>(c))
+           : (kb ? wgmma_gemm<N, B, MN, K>(c) : wgmma_gemm<N, B, MN, MN>(c));
+    } else {
+        ka ? (kb ? wgmma_gemm<N, F, K, K>(c) : wgmma_gemm<N, F, K, MN>(c))
+           : (kb ? wgmma_gemm<N, F, MN, K>(c) : wgmma_gemm<N, F, MN, MN>(c));
+    }
+}
+}  // namespace
+
+// Runs the WgmmaCase GEMM in one block of c.threads threads with image_words * 4 bytes of
+// shared memory; schedule 0 forward, 1 reverse, 2 random (seed).
+extern "C" int ringattn_emu_selftest_wgmma(const WgmmaCase* c, int schedule, uint64_t seed, char* msg, size_t cap) {
+    const WgmmaCase cc = *c;
+    if (cc.ksteps < 1 || cc.ksteps > 8) return report("ksteps outside 1 ... 8", msg, cap);
+    std::function<void()> body = [cc] {
+        if (cc.n == 64) wgmma_gemm_n<64>(cc);
+        if (cc.n == 128) wgmma_gemm_n<128>(cc);
+        if (cc.n == 256) wgmma_gemm_n<256>(cc);
+    };
+    return report(emu::launch(dim3(1), dim3(cc.threads), body, size_t(cc.image_words) * 4, emu::Schedule(schedule), seed),
+                  msg, cap);
+}
+
+namespace {
+// Three warpgroups in producer/consumer roles: warpgroup 0 gives registers back
+// (setmaxnreg.dec 40), 1 and 2 take them (setmaxnreg.inc 232). fault 1: only warps 0-1 of
+// warpgroup 0 execute its setmaxnreg; 2: warp 3 of warpgroup 0 executes .inc instead.
+__global__ void setmaxnreg_roles(int fault) {
+    const unsigned warp = threadIdx.x / 32;
+    if (warp < 4) {
+        if (fault == 1 && warp >= 2) return;
+        if (fault == 2 && warp == 3) {
+            setmaxnreg_inc<40>();
+        } else {
+            setmaxnreg_dec<40>();
+        }
+    } else {
+        setmaxnreg_inc<232>();
+    }
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_setmaxnreg(int fault, char* msg, size_t cap) {
+    std::function<void()> body = [=] { setmaxnreg_roles(fault); };
+    return report(emu::launch(dim3(1), dim3(384), body), msg, cap);
 }

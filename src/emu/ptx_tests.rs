@@ -671,3 +671,349 @@ fn wgmma_descriptor_misuse_is_reported() {
     assert!(bad(0, 1024 + 96, SW_128).is_ok());
     assert!(bad(0, 1024 + 256, SW_NONE).is_ok());
 }
+
+/// The twin's GEMM case (`WgmmaCase` of cuda/emu/selftest_ptx.cpp).
+#[repr(C)]
+struct WgmmaCase {
+    image: *const u32,
+    image_words: u32,
+    n: u32,
+    ksteps: u32,
+    input: u32,
+    rs: u32,
+    trans_a: u32,
+    trans_b: u32,
+    pipelined: u32,
+    overwrite_at: u32,
+    a_desc: [u64; 8],
+    b_desc: [u64; 8],
+    a_regs: *const u32,
+    c: *const f32,
+    out: *mut f32,
+    fault: i32,
+    threads: u32,
+}
+
+extern "C" {
+    fn ringattn_emu_selftest_wgmma(
+        case: *const WgmmaCase,
+        schedule: i32,
+        seed: u64,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_selftest_setmaxnreg(fault: i32, msg: *mut c_char, cap: usize) -> i32;
+}
+
+/// Planted bugs of the wgmma self-test kernel (`WgmmaFault`).
+const FAULT_NO_PROXY_FENCE: i32 = 1;
+const FAULT_READ_IN_FLIGHT: i32 = 2;
+const FAULT_MISALIGNED: i32 = 3;
+const FAULT_OVERWRITE: i32 = 4;
+const FAULT_NO_WGMMA_FENCE: i32 = 5;
+const FAULT_NON_UNIFORM: i32 = 6;
+const FAULT_NO_WAIT: i32 = 7;
+const FAULT_ACCESS_AFTER_FENCE: i32 = 8;
+
+/// 16-byte units per row of a swizzle pattern (1 without swizzle).
+fn swizzle_units(swizzle: u32) -> u32 {
+    match swizzle {
+        SW_128 => 8,
+        SW_64 => 4,
+        SW_32 => 2,
+        _ => 1,
+    }
+}
+
+/// A wgmma descriptor (hopper-ptx.md §2): start, LBO and SBO in 16-byte units at bits 0, 16
+/// and 32, the swizzle code at bit 62.
+fn descriptor(start: u32, lbo: u32, sbo: u32, swizzle: u32) -> u64 {
+    u64::from(start >> 4) | (u64::from(lbo >> 4) << 16) | (u64::from(sbo >> 4) << 32) | (u64::from(swizzle) << 62)
+}
+
+/// Where an `mn × k` operand lies in shared memory from byte `base`, as a tensor-map copy
+/// places swizzled tiles: K-major, blocks of 8W elements along K (each `mn` rows of 16W
+/// bytes); MN-major, blocks of 8W elements along MN (each `k` rows of 16W bytes); in a row,
+/// 16-byte chunk c lands at `c ^ ((row address / 128) mod W)`. Without swizzle, 8 × 8 core
+/// matrices of 16-byte rows (along K for K-major, along MN for MN-major), 128 bytes apart
+/// along K, `k / 8 · 128` apart along MN.
+#[derive(Clone, Copy, Debug)]
+struct Placement {
+    major: i32,
+    swizzle: u32,
+    mn: u32,
+    k: u32,
+    base: u32,
+}
+
+impl Placement {
+    /// One past the last byte (swizzled rows are 16W bytes even when K or MN is shorter).
+    fn end(&self) -> u32 {
+        let last = (0..self.mn).flat_map(|mn| (0..self.k).map(move |k| (mn, k))).map(|(mn, k)| self.at(mn, k)).max();
+        last.map_or(self.base, |a| a + 2)
+    }
+
+    /// Byte address of element (mn, k).
+    fn at(&self, mn: u32, k: u32) -> u32 {
+        let w = swizzle_units(self.swizzle);
+        let (e, row) = (8 * w, 16 * w);
+        let swz = |row_addr: u32, chunk: u32| (chunk ^ ((row_addr / 128) % w)) * 16;
+        match (self.major, self.swizzle) {
+            (K_MAJOR, SW_NONE) => {
+                self.base + (mn / 8) * (self.k / 8) * 128 + (k / 8) * 128 + (mn % 8) * 16 + (k % 8) * 2
+            }
+            (K_MAJOR, _) => {
+                let r = (k / e) * (self.mn * row) + mn * row;
+                self.base + r + swz(r, (k % e) / 8) + (k % 8) * 2
+            }
+            (_, SW_NONE) => self.base + (mn / 8) * (self.k / 8) * 128 + (k / 8) * 128 + (k % 8) * 16 + (mn % 8) * 2,
+            _ => {
+                let r = (mn / e) * (self.k * row) + k * row;
+                self.base + r + swz(r, (mn % e) / 8) + (mn % 8) * 2
+            }
+        }
+    }
+
+    /// The descriptor of K-step `s` (elements 16s ... 16s + 15 along K).
+    fn desc(&self, s: u32) -> u64 {
+        let w = swizzle_units(self.swizzle);
+        let (start, lbo, sbo) = match (self.major, self.swizzle) {
+            (_, SW_NONE) => (self.base + 256 * s, 128, self.k / 8 * 128),
+            (K_MAJOR, _) => (self.base + (16 * s / (8 * w)) * (self.mn * 16 * w) + (16 * s % (8 * w)) * 2, 16, 128 * w),
+            _ => (self.base + 256 * w * s, self.k * 16 * w, 128 * w),
+        };
+        descriptor(start, lbo, sbo, self.swizzle)
+    }
+}
+
+/// One GEMM of the wgmma twin: D (64 × n) = C + A (64 × 16 ksteps) · B, the operands rounded
+/// to `dtype`.
+#[derive(Clone, Copy, Debug)]
+struct Gemm {
+    n: u32,
+    ksteps: u32,
+    dtype: DType,
+    rs: bool,
+    a: (i32, u32),
+    b: (i32, u32),
+    with_c: bool,
+    pipelined: bool,
+}
+
+/// What a GEMM run gives: the twin's D, the float64 reference and its error bound, per element.
+struct GemmRun {
+    got: Vec<f32>,
+    want: Vec<f64>,
+    bound: Vec<f64>,
+}
+
+fn round_to(dtype: DType, x: f32) -> (u16, f64) {
+    match dtype {
+        DType::BF16 => {
+            let h = bf16::from_f32(x);
+            (h.to_bits(), f64::from(h.to_f32()))
+        }
+        _ => {
+            let h = f16::from_f32(x);
+            (h.to_bits(), f64::from(h.to_f32()))
+        }
+    }
+}
+
+impl Gemm {
+    fn run(&self, fault: i32, schedule: i32, seed: u64, tweak: impl FnOnce(&mut WgmmaCase)) -> Result<GemmRun, String> {
+        let (n, kk) = (self.n as usize, 16 * self.ksteps as usize);
+        let mut rng = SplitMix(seed ^ 0x5eed);
+        let mut uniform = || ((rng.next() >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+        let a: Vec<(u16, f64)> = (0..64 * kk).map(|_| round_to(self.dtype, uniform())).collect();
+        let b: Vec<(u16, f64)> = (0..kk * n).map(|_| round_to(self.dtype, uniform())).collect();
+        let c: Vec<f32> = (0..128 * n / 2).map(|_| uniform()).collect();
+        let pa = Placement { major: self.a.0, swizzle: self.a.1, mn: 64, k: kk as u32, base: 0 };
+        let b_base = pa.end().div_ceil(1024) * 1024;
+        let pb = Placement { major: self.b.0, swizzle: self.b.1, mn: self.n, k: kk as u32, base: b_base };
+        let mut image = vec![0u16; (pb.end().div_ceil(1024) * 512) as usize];
+        for m in 0..64 {
+            for k in 0..kk {
+                image[(pa.at(m as u32, k as u32) / 2) as usize] = a[m * kk + k].0;
+            }
+        }
+        for k in 0..kk {
+            for j in 0..n {
+                image[(pb.at(j as u32, k as u32) / 2) as usize] = b[k * n + j].0;
+            }
+        }
+        let words: Vec<u32> = image.chunks(2).map(|p| u32::from(p[0]) | (u32::from(p[1]) << 16)).collect();
+        // A fragments (PTX table, hopper-ptx.md §1.3): thread 32w + 4g + t, register i holds
+        // A[16w + g + 8(i & 1)][16s + 2t + 8(i >> 1) + {0, 1}].
+        let mut regs = vec![0u32; self.ksteps as usize * 128 * 4];
+        for s in 0..self.ksteps as usize {
+            for th in 0..128 {
+                let (w, g, t) = (th / 32, (th % 32) / 4, th % 4);
+                for i in 0..4 {
+                    let row = 16 * w + g + 8 * (i & 1);
+                    let col = 16 * s + 2 * t + 8 * (i >> 1);
+                    regs[(s * 128 + th) * 4 + i] =
+                        u32::from(a[row * kk + col].0) | (u32::from(a[row * kk + col + 1].0) << 16);
+                }
+            }
+        }
+        let mut out = vec![f32::NAN; 128 * n / 2];
+        let mut case = WgmmaCase {
+            image: words.as_ptr(),
+            image_words: words.len() as u32,
+            n: self.n,
+            ksteps: self.ksteps,
+            input: u32::from(self.dtype != DType::BF16),
+            rs: u32::from(self.rs),
+            trans_a: self.a.0 as u32,
+            trans_b: self.b.0 as u32,
+            pipelined: u32::from(self.pipelined),
+            overwrite_at: pb.at(0, 0),
+            a_desc: [0; 8],
+            b_desc: [0; 8],
+            a_regs: regs.as_ptr(),
+            c: if self.with_c { c.as_ptr() } else { std::ptr::null() },
+            out: out.as_mut_ptr(),
+            fault,
+            threads: if fault == FAULT_MISALIGNED { 256 } else { 128 },
+        };
+        for s in 0..self.ksteps {
+            case.a_desc[s as usize] = pa.desc(s);
+            case.b_desc[s as usize] = pb.desc(s);
+        }
+        tweak(&mut case);
+        // SAFETY: every pointer of `case` covers what the kernel reads or writes (see WgmmaCase).
+        selftest(|msg, cap| unsafe { ringattn_emu_selftest_wgmma(&case, schedule, seed, msg, cap) })?;
+        // D fragments: thread 32w + 4g + t, element v at row 16w + g + 8((v >> 1) & 1),
+        // column 8(v >> 2) + 2t + (v & 1).
+        let (mut want, mut bound) = (vec![0.0; out.len()], vec![0.0; out.len()]);
+        for th in 0..128 {
+            let (w, g, t) = (th / 32, (th % 32) / 4, th % 4);
+            for v in 0..n / 2 {
+                let (row, col) = (16 * w + g + 8 * ((v >> 1) & 1), 8 * (v >> 2) + 2 * t + (v & 1));
+                let c0 = if self.with_c { f64::from(c[th * n / 2 + v]) } else { 0.0 };
+                let (mut sum, mut mag) = (c0, c0.abs());
+                for k in 0..kk {
+                    sum += a[row * kk + k].1 * b[k * n + col].1;
+                    mag += (a[row * kk + k].1 * b[k * n + col].1).abs();
+                }
+                want[th * n / 2 + v] = sum;
+                // One f32 rounding per K-step (exact products, wide sums): ksteps · 2^-24 · Σ|terms|.
+                bound[th * n / 2 + v] = f64::from(self.ksteps) * f64::EPSILON.max(2f64.powi(-24)) * mag;
+            }
+        }
+        Ok(GemmRun { got: out, want, bound })
+    }
+}
+
+#[test]
+fn wgmma_twin_computes_warpgroup_products_for_every_layout_form_and_type() {
+    let a_layouts = [(K_MAJOR, SW_128), (K_MAJOR, SW_64), (K_MAJOR, SW_32), (K_MAJOR, SW_NONE), (MN_MAJOR, SW_128)];
+    let b_layouts = [(K_MAJOR, SW_128), (K_MAJOR, SW_NONE), (MN_MAJOR, SW_128), (MN_MAJOR, SW_64), (MN_MAJOR, SW_32)];
+    let mut index = 0u64;
+    for n in [64u32, 128, 256] {
+        for dtype in [DType::BF16, DType::F16] {
+            for rs in [false, true] {
+                for a in a_layouts {
+                    if rs && a.0 == MN_MAJOR {
+                        continue; // A from registers is always K-major
+                    }
+                    for b in b_layouts {
+                        index += 1;
+                        let gemm = Gemm {
+                            n,
+                            ksteps: 4,
+                            dtype,
+                            rs,
+                            a,
+                            b,
+                            with_c: index.is_multiple_of(2),
+                            pipelined: index.is_multiple_of(3),
+                        };
+                        let schedule = (index % 3) as i32;
+                        let run = gemm.run(0, schedule, index, |_| {}).unwrap_or_else(|e| panic!("{gemm:?}: {e}"));
+                        for (i, ((&got, &want), &bound)) in run.got.iter().zip(&run.want).zip(&run.bound).enumerate() {
+                            assert!(
+                                (f64::from(got) - want).abs() <= bound,
+                                "{gemm:?} element {i}: {got} vs {want} (bound {bound:e})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn wgmma_twin_is_schedule_independent_and_exact_for_a_single_step() {
+    // One K-step: one f32 rounding of an exact double sum, the same under every schedule.
+    let gemm = Gemm {
+        n: 128,
+        ksteps: 1,
+        dtype: DType::BF16,
+        rs: true,
+        a: (K_MAJOR, SW_128),
+        b: (MN_MAJOR, SW_128),
+        with_c: true,
+        pipelined: false,
+    };
+    let runs: Vec<GemmRun> = (0..3).map(|s| gemm.run(0, s, 7, |_| {}).unwrap()).collect();
+    for run in &runs {
+        assert_eq!(run.got, runs[0].got);
+        for (&got, &want) in run.got.iter().zip(&run.want) {
+            assert_eq!(got, want as f32, "a single wgmma rounds once");
+        }
+    }
+}
+
+#[test]
+fn wgmma_misuse_is_reported() {
+    let gemm = Gemm {
+        n: 64,
+        ksteps: 2,
+        dtype: DType::BF16,
+        rs: false,
+        a: (K_MAJOR, SW_128),
+        b: (K_MAJOR, SW_128),
+        with_c: true,
+        pipelined: false,
+    };
+    let cases = [
+        (FAULT_NO_PROXY_FENCE, "has not fenced since"),
+        (FAULT_READ_IN_FLIGHT, "accumulator accessed while 1 wgmma(s) writing it are in flight"),
+        (FAULT_MISALIGNED, "never reaches; the first is thread 64 of warpgroup 0"),
+        (FAULT_OVERWRITE, "read by an in-flight wgmma was overwritten before wgmma.wait_group"),
+        (FAULT_NO_WGMMA_FENCE, "without a wgmma.fence before it"),
+        (FAULT_NON_UNIFORM, "the B descriptor differs between threads 0 and 37"),
+        (FAULT_NO_WAIT, "exited with wgmma operations never waited for"),
+        (FAULT_ACCESS_AFTER_FENCE, "accessed after its last wgmma.fence"),
+    ];
+    for (fault, expect) in cases {
+        for schedule in 0..3 {
+            let err = gemm.run(fault, schedule, 3, |_| {}).err().unwrap_or_else(|| panic!("fault {fault}: no error"));
+            assert!(err.contains(expect), "fault {fault}, schedule {schedule}: {err}");
+        }
+    }
+    // The bug-free kernel passes on the same inputs.
+    gemm.run(0, 0, 3, |_| {}).unwrap();
+    // A swizzled descriptor whose start is not where a K-step of an aligned tile can be.
+    let err = gemm.run(0, 0, 3, |c| c.a_desc[1] += 256 >> 4).err().expect("bad swizzle start");
+    assert!(err.contains("past its 1024-byte repeat"), "{err}");
+    // A descriptor pointing past the block's shared memory.
+    let err = gemm.run(0, 0, 3, |c| c.b_desc[0] += 1 << 12).err().expect("outside shared memory");
+    assert!(err.contains("outside the block's"), "{err}");
+    // Too few threads for a warpgroup.
+    let err = gemm.run(0, 0, 3, |c| c.threads = 96).err().expect("incomplete warpgroup");
+    assert!(err.contains("incomplete in a block of 96 threads"), "{err}");
+}
+
+#[test]
+fn setmaxnreg_is_a_warpgroup_instruction() {
+    // SAFETY: the entry writes only its message.
+    selftest(|msg, cap| unsafe { ringattn_emu_selftest_setmaxnreg(0, msg, cap) }).unwrap();
+    let err = selftest(|msg, cap| unsafe { ringattn_emu_selftest_setmaxnreg(1, msg, cap) }).unwrap_err();
+    assert!(err.contains("never reaches"), "{err}");
+    let err = selftest(|msg, cap| unsafe { ringattn_emu_selftest_setmaxnreg(2, msg, cap) }).unwrap_err();
+    assert!(err.contains("different setmaxnreg"), "{err}");
+}
