@@ -20,6 +20,17 @@ struct MergeParams {
 static_assert(sizeof(MergeParams) == 64, "MergeParams is mirrored in Rust: 4 pointers + 4 int64");
 static_assert(alignof(MergeParams) == 8, "MergeParams alignment");
 
+// A tensor map (the operand of the bulk tensor copies, TMA): 128 bytes, 64-byte aligned.
+// On the device the driver's CUtensorMap (cuTensorMapEncodeTiled); in the emulator its own
+// encoding of the same fields (src/kernels/tensor_map.rs writes both; ptx.cuh reads the
+// emulator's). Kernels take it inside their params struct, passed as a __grid_constant__.
+struct alignas(64) TensorMap {
+    uint64_t words[16];
+};
+
+static_assert(sizeof(TensorMap) == 128, "TensorMap is mirrored in Rust: 16 words");
+static_assert(alignof(TensorMap) == 64, "TensorMap alignment (CUtensorMap's)");
+
 // Visibility of (query row i, key row j), evaluated per pair on global positions, the rule of
 // src/mask.rs: visible iff k_pos[j] >= q_pos[i] - window_left (when window_left >= 0),
 // k_pos[j] <= q_pos[i] + window_right (when window_right >= 0) and, with documents,

@@ -4,6 +4,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "params.h"
+
 // wgmma shared-memory matrix descriptors (PTX §9.7.15.5.1.2; hopper-ptx.md §2), on both
 // paths: bits 0-13 the start address, 16-29 its leading-dimension byte offset (LBO), 32-45
 // the stride-dimension byte offset (SBO), each as (bytes & 0x3FFFF) >> 4; bits 49-51 the
@@ -522,6 +524,73 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // each writing thread executes it before the barrier that publishes the data.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 #endif
+
+// ---- Hopper (sm_90): bulk tensor copies, TMA (hopper-ptx.md §4) ----
+//
+// tma_load_Nd (N = 2, 3, 4): copies the box of the tensor map `map` whose first element is at
+// coordinates (c0, c1, ...) (c0 innermost, in elements; may lie outside the tensor: those
+// elements are filled with zeros) into shared memory at `dst` (128-byte aligned; the box
+// dense, dim 0 fastest, 16-byte chunks swizzled by the map's mode on the absolute shared
+// address), and completes its bytes (the whole box, filled elements included) as
+// transactions on the mbarrier `bar`: the issuing thread announces them first with
+// mbarrier_arrive_expect_tx. tma_store_Nd copies a box from shared memory to the tensor
+// (elements outside it are not written); tma_store_commit groups the thread's stores and
+// tma_store_wait_read<N> waits until at most N groups still read their shared source.
+// Shared memory written by ordinary stores needs fence_proxy_async before a store reads it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                                            int32_t c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                                            int32_t c2, int32_t c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const TensorMap* map, const void* src, int32_t c0, int32_t c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const TensorMap* map, const void* src, int32_t c0, int32_t c1,
+                                             int32_t c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int32_t c0, int32_t c1,
+                                             int32_t c2, int32_t c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+}
+// Fetches the map into the cache ahead of its first use.
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+#endif  // sm_90
 
 #else  // the emulated twins
 
@@ -1177,6 +1246,229 @@ inline void setmaxnreg_dec() {
 // fence.proxy.async twin: this thread's earlier generic stores become visible to async-proxy
 // readers (see emu::proxy_fenced).
 inline void fence_proxy_async() { ++::emu::current->proxy_gen; }
+
+// ---- bulk tensor copy (TMA) twins ----
+//
+// The map is the emulator's encoding (src/kernels/tensor_map.rs, TensorMapSpec::encode_emulated):
+// word 0 the magic 0x5241544D in bits 0-31, the data type (CUtensorMapDataType) in 32-39,
+// the rank in 40-43, the swizzle (CUtensorMapSwizzle: 0 none, 1 32B, 2 64B, 3 128B) in
+// 44-47, the out-of-bounds fill (0 zeros, 1 NaN) in 48-51; word 1 the global address; words
+// 2-6 the dims (elements); words 7-10 the byte strides of dims 1-4; word 11 the box dims,
+// 12 bits each. A load poisons its destination and marks it in flight at issue; it lands (the
+// copy, then complete-tx of the box's bytes on the mbarrier) at the end of a scheduler round
+// (later under the random schedule), so reading the destination without waiting on the
+// mbarrier is reported (shared loads and async-proxy reads of words in flight), and so is a
+// load landing on words stored with ordinary stores that their writer has not fenced. A
+// store reads its shared source at issue (async proxy: checked like a wgmma operand) and
+// writes the tensor then, clipping elements outside it; a write to the source before
+// tma_store_wait_read retires it is reported.
+namespace emu {
+struct TensorMapView {
+    uint32_t dtype, rank, swizzle, oob, elem;
+    uint64_t address;
+    uint64_t dims[5], strides[5];  // strides in bytes, strides[0] = elem
+    uint32_t box[5];
+    uint64_t box_bytes;
+};
+
+inline bool tensor_map_view(const TensorMap* map, TensorMapView& v, const char* what) {
+    const uint64_t w0 = map->words[0];
+    if (uint32_t(w0) != 0x5241544Du) {
+        fail(std::string(what) + ": the tensor map was not encoded for the emulator "
+                                 "(TensorMapSpec::encode_emulated)");
+        return false;
+    }
+    v.dtype = uint32_t(w0 >> 32) & 0xFF;
+    v.rank = uint32_t(w0 >> 40) & 0xF;
+    v.swizzle = uint32_t(w0 >> 44) & 0xF;
+    v.oob = uint32_t(w0 >> 48) & 0xF;
+    v.elem = v.dtype == 7 ? 4 : 2;  // FLOAT32, else BFLOAT16 (9) / FLOAT16 (6)
+    v.address = map->words[1];
+    v.box_bytes = v.elem;
+    for (uint32_t d = 0; d < 5; ++d) {
+        v.dims[d] = d < v.rank ? map->words[2 + d] : 1;
+        v.strides[d] = d == 0 ? v.elem : d < v.rank ? map->words[6 + d] : 0;
+        v.box[d] = d < v.rank ? uint32_t(map->words[11] >> (12 * d)) & 0xFFF : 1;
+        v.box_bytes *= v.box[d];
+    }
+    return true;
+}
+
+// The shared offset where byte `dense` of a box starting at shared offset `dst` lands: the
+// 16-byte chunk bits [4, 4 + b) XOR-ed with the absolute address bits [7, 7 + b), b = 3, 2, 1
+// for 128B, 64B, 32B (hopper-ptx.md §4.3).
+inline uint32_t tma_swizzled(uint32_t dst, uint64_t dense, uint32_t swizzle) {
+    const uint32_t a = dst + uint32_t(dense);
+    const uint32_t mask = swizzle == 3 ? 7u : swizzle == 2 ? 3u : swizzle == 1 ? 1u : 0u;
+    return a ^ (((a >> 7) & mask) << 4);
+}
+
+// Visits the box's elements: f(dense byte offset, global element address or null when outside
+// the tensor).
+template <typename F>
+inline void tma_box_for_each(const TensorMapView& v, const int32_t* c, F f) {
+    uint64_t dense = 0;
+    for (uint32_t i4 = 0; i4 < v.box[4]; ++i4)
+        for (uint32_t i3 = 0; i3 < v.box[3]; ++i3)
+            for (uint32_t i2 = 0; i2 < v.box[2]; ++i2)
+                for (uint32_t i1 = 0; i1 < v.box[1]; ++i1)
+                    for (uint32_t i0 = 0; i0 < v.box[0]; ++i0, dense += v.elem) {
+                        const uint32_t idx[5] = {i0, i1, i2, i3, i4};
+                        bool inside = true;
+                        uint64_t addr = v.address;
+                        for (uint32_t d = 0; d < 5; ++d) {
+                            const int64_t g = int64_t(d < v.rank ? c[d] : 0) + idx[d];
+                            inside = inside && g >= 0 && uint64_t(g) < v.dims[d];
+                            addr += uint64_t(g) * v.strides[d];
+                        }
+                        f(dense, inside ? reinterpret_cast<unsigned char*>(addr) : nullptr);
+                    }
+}
+
+inline bool tma_shared_box(const void* smem, const TensorMapView& v, const char* what) {
+    if (smem_offset_of(smem) % 128 != 0) {
+        fail(std::string(what) + ": shared address " + std::to_string(smem_offset_of(smem)) +
+             " is not 128-byte aligned");
+        return false;
+    }
+    if (v.swizzle != 0) {
+        const uint32_t repeat = 256u << (v.swizzle - 1);
+        if (smem_offset_of(smem) % repeat != 0) {
+            fail(std::string(what) + ": a swizzled box at shared offset " + std::to_string(smem_offset_of(smem)) +
+                 " is not aligned to its " + std::to_string(repeat) +
+                 "-byte swizzle repeat (wgmma descriptors and the kernels' addressing assume it)");
+            return false;
+        }
+    }
+    return check_shared(smem, size_t(v.box_bytes), what);
+}
+
+inline void tma_load(void* dst, const TensorMap* map, uint64_t* bar, const int32_t* c, uint32_t n) {
+    const char* what = "cp.async.bulk.tensor (load)";
+    TensorMapView v;
+    if (!tensor_map_view(map, v, what)) return;
+    if (v.rank != n) {
+        fail(std::string(what) + ": a " + std::to_string(n) + "-d copy with a tensor map of rank " +
+             std::to_string(v.rank));
+        return;
+    }
+    if (!tma_shared_box(dst, v, what)) return;
+    MbarState st;
+    if (!mbar_load(bar, what, st)) return;
+    Block* b = current->block;
+    const uint32_t off = smem_offset_of(dst);
+    for (uint64_t w = off / 4; w < (off + v.box_bytes) / 4; ++w) {
+        if (!proxy_fenced(4 * w, what, "lands on")) return;
+    }
+    std::memset(dst, 0xFF, size_t(v.box_bytes));
+    for (uint64_t w = off / 4; w < (off + v.box_bytes) / 4; ++w) ++b->proxy[w].bulk_pending;
+    ++b->async_copies;
+    std::array<int32_t, 5> coords{};
+    for (uint32_t d = 0; d < n; ++d) coords[d] = c[d];
+    b->bulk_loads.push_back(BulkLoad{current->linear, [v, coords, off, bar, what] {
+        Block* blk = current->block;
+        unsigned char* base = blk->smem.data() + blk->smem_offset;
+        for (uint64_t w = off / 4; w < (off + v.box_bytes) / 4; ++w) --blk->proxy[w].bulk_pending;
+        tma_box_for_each(v, coords.data(), [&](uint64_t dense, const unsigned char* src) {
+            unsigned char* to = base + tma_swizzled(off, dense, v.swizzle);
+            if (src == nullptr) {
+                if (v.oob == 1) {
+                    const uint32_t nan32 = 0x7FC00000u;
+                    const uint16_t nan16 = v.dtype == 9 ? 0x7FC0 : 0x7E00;
+                    v.elem == 4 ? std::memcpy(to, &nan32, 4) : std::memcpy(to, &nan16, 2);
+                } else {
+                    std::memset(to, 0, v.elem);
+                }
+            } else if (check_global(src, v.elem, what)) {
+                std::memcpy(to, src, v.elem);
+            }
+        });
+        MbarState s;
+        if (!mbar_load(bar, what, s)) return;
+        if (!mbar_add_tx(s, -int64_t(v.box_bytes), what)) return;
+        mbar_settle(s);
+        mbar_store(bar, s);
+    }});
+}
+
+inline void tma_store(const TensorMap* map, const void* src, const int32_t* c, uint32_t n) {
+    const char* what = "cp.async.bulk.tensor (store)";
+    TensorMapView v;
+    if (!tensor_map_view(map, v, what)) return;
+    if (v.rank != n) {
+        fail(std::string(what) + ": a " + std::to_string(n) + "-d copy with a tensor map of rank " +
+             std::to_string(v.rank));
+        return;
+    }
+    if (!tma_shared_box(src, v, what)) return;
+    for (uint32_t d = 0; d < n; ++d) {
+        if (c[d] < 0) {
+            fail(std::string(what) + ": negative start coordinate " + std::to_string(c[d]) + " in dim " +
+                 std::to_string(d) + " (stores need non-negative coordinates)");
+            return;
+        }
+    }
+    const uint32_t off = smem_offset_of(src);
+    for (uint64_t w = off / 4; w < (off + v.box_bytes) / 4; ++w) {
+        if (!proxy_fenced(4 * w, what)) return;
+    }
+    const unsigned char* base = current->block->smem.data() + current->block->smem_offset;
+    tma_box_for_each(v, c, [&](uint64_t dense, unsigned char* dst) {
+        if (dst != nullptr && check_global(dst, v.elem, what)) {
+            std::memcpy(dst, base + tma_swizzled(off, dense, v.swizzle), v.elem);
+        }
+    });
+    current->bulk_uncommitted.push_back(
+        BulkStoreSource{off, std::vector<unsigned char>(base + off, base + off + v.box_bytes)});
+}
+}  // namespace emu
+
+inline void tma_load_2d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1) {
+    const int32_t c[2] = {c0, c1};
+    ::emu::tma_load(dst, map, bar, c, 2);
+}
+inline void tma_load_3d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1, int32_t c2) {
+    const int32_t c[3] = {c0, c1, c2};
+    ::emu::tma_load(dst, map, bar, c, 3);
+}
+inline void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, int32_t c0, int32_t c1, int32_t c2,
+                        int32_t c3) {
+    const int32_t c[4] = {c0, c1, c2, c3};
+    ::emu::tma_load(dst, map, bar, c, 4);
+}
+inline void tma_store_2d(const TensorMap* map, const void* src, int32_t c0, int32_t c1) {
+    const int32_t c[2] = {c0, c1};
+    ::emu::tma_store(map, src, c, 2);
+}
+inline void tma_store_3d(const TensorMap* map, const void* src, int32_t c0, int32_t c1, int32_t c2) {
+    const int32_t c[3] = {c0, c1, c2};
+    ::emu::tma_store(map, src, c, 3);
+}
+inline void tma_store_4d(const TensorMap* map, const void* src, int32_t c0, int32_t c1, int32_t c2, int32_t c3) {
+    const int32_t c[4] = {c0, c1, c2, c3};
+    ::emu::tma_store(map, src, c, 4);
+}
+inline void tma_store_commit() {
+    ::emu::Thread* t = ::emu::current;
+    t->bulk_groups.push_back(std::move(t->bulk_uncommitted));
+    t->bulk_uncommitted.clear();
+}
+template <int Pending>
+inline void tma_store_wait_read() {
+    ::emu::Thread* t = ::emu::current;
+    const unsigned char* base = t->block->smem.data() + t->block->smem_offset;
+    while (t->bulk_groups.size() > size_t(Pending)) {
+        for (const ::emu::BulkStoreSource& src : t->bulk_groups.front()) {
+            if (std::memcmp(base + src.offset, src.bytes.data(), src.bytes.size()) != 0) {
+                ::emu::fail("shared memory at offset " + std::to_string(src.offset) +
+                            " read by a bulk tensor store was overwritten before cp.async.bulk.wait_group.read "
+                            "retired it");
+            }
+        }
+        t->bulk_groups.erase(t->bulk_groups.begin());
+    }
+}
+inline void tma_prefetch_map(const TensorMap*) {}
 
 // ex2.approx twin: the correctly rounded 2^x (within the instruction's 2 ulp), -inf -> +0,
 // subnormal results flushed to zero as .ftz does.

@@ -163,6 +163,10 @@ pub enum Error {
     /// A strategy cannot run this configuration (layout, heads, world size).
     #[error("invalid parallel configuration: {0}")]
     Parallel(String),
+    /// A tensor map (the bulk tensor copies' operand) that the driver's rules reject, naming
+    /// the field and its value.
+    #[error("tensor map: {0}")]
+    TensorMap(String),
     /// Any other invalid argument, with a message naming it.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -474,6 +474,16 @@ pub mod params {
         f32::from_bits(u32::from(bits) << 16 | u32::from(bits))
     }
 
+    /// `TensorMap` of `cuda/params.h`: the 128-byte, 64-byte aligned operand of the bulk
+    /// tensor copies — the driver's `CUtensorMap` on a GPU, the emulator's encoding of the
+    /// same fields under the emulator (written by [`super::tensor_map::TensorMapSpec`]).
+    #[repr(C, align(64))]
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct TensorMap {
+        /// The encoded words.
+        pub words: [u64; 16],
+    }
+
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
     const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
     const _: () = assert!(std::mem::size_of::<OpsParams>() == 136);
@@ -484,7 +494,11 @@ pub mod params {
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 240);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
+    const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
+    const _: () = assert!(std::mem::align_of::<TensorMap>() == 64);
 }
+
+pub mod tensor_map;
 
 /// Launch geometry of the flash kernels (`cuda/flash.cuh` documents the same shared-memory
 /// layouts): blocks of query rows, key/value tiles ([`geometry::forward_tile`],

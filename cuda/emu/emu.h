@@ -131,6 +131,20 @@ struct WgmmaPending {
     uint32_t* in_flight;
 };
 
+// A bulk tensor copy (TMA load) in flight: `land` performs it (as thread `issuer`: the copy,
+// then complete-tx on its mbarrier) when the scheduler lets it land, a round or more later.
+struct BulkLoad {
+    unsigned issuer;
+    std::function<void()> land;
+};
+
+// The shared bytes a bulk tensor store read, kept until cp.async.bulk.wait_group.read
+// retires it, to report a write to them before that.
+struct BulkStoreSource {
+    uint32_t offset;
+    std::vector<unsigned char> bytes;
+};
+
 // One thread's record at a warpgroup rendezvous (see warpgroup_gather).
 struct WarpgroupSlot {
     uint64_t words[8];
@@ -199,6 +213,9 @@ struct Thread {
     // fence.proxy.async executed so far: shared words this thread stored since its last one
     // (Block::proxy) are unfenced generic writes.
     uint32_t proxy_gen = 0;
+    // Bulk tensor stores: not yet committed, and committed groups oldest first.
+    std::vector<BulkStoreSource> bulk_uncommitted;
+    std::vector<std::vector<BulkStoreSource>> bulk_groups;
 #ifdef RINGATTN_EMU_ASAN
     const void* stack_bottom = nullptr;
     size_t stack_size = 0;
@@ -280,11 +297,15 @@ struct Block {
     std::vector<std::pair<uint64_t, std::shared_ptr<const WgmmaOp>>> wg_current;
     // Per shared word: the last thread (+1; 0: none) that stored to it through the generic
     // proxy, and that thread's proxy_gen then. The store is unfenced while they are equal.
+    // Also the bulk tensor copies in flight that will write the word.
     struct ProxyWord {
         uint32_t gen = 0;
         uint16_t writer = 0;
+        uint16_t bulk_pending = 0;
     };
     std::vector<ProxyWord> proxy;
+    // Bulk tensor copies in flight, in issue order.
+    std::vector<BulkLoad> bulk_loads;
 };
 
 inline thread_local Thread* current = nullptr;
@@ -348,6 +369,9 @@ inline void resume(Block& b, Thread& t) {
     if (!t->wgmma_uncommitted.empty() || !t->wgmma_groups.empty()) {
         fail("exited with wgmma operations never waited for (wgmma.wait_group)");
     }
+    if (!t->bulk_uncommitted.empty() || !t->bulk_groups.empty()) {
+        fail("exited with bulk tensor stores never waited for (cp.async.bulk.wait_group)");
+    }
     t->done = true;
     t->wait = Wait::None;
 #ifdef RINGATTN_EMU_ASM_SWITCH
@@ -406,6 +430,7 @@ inline void run_block(Block& b, size_t smem_bytes) {
     b.wg_slots[1].assign(n, WarpgroupSlot{});
     b.wg_current.assign((n + 127) / 128, {0, nullptr});
     b.proxy.assign((smem_bytes + 3) / 4, Block::ProxyWord{});
+    b.bulk_loads.clear();
     StackPool& pool = stack_pool();
     if (!pool.reserve(n)) {
         b.error = "cannot map " + std::to_string(n) + " fiber stacks";
@@ -437,6 +462,22 @@ inline void run_block(Block& b, size_t smem_bytes) {
             if (t.done || t.wait != Wait::None) continue;
             resume(b, t);
             progressed = true;
+        }
+        // Land the bulk tensor copies issued so far (under the random schedule each may wait
+        // further rounds while fibers still progress), as their issuing thread.
+        if (!b.bulk_loads.empty()) {
+            std::vector<BulkLoad> pending = std::move(b.bulk_loads);
+            b.bulk_loads.clear();
+            for (BulkLoad& c : pending) {
+                if (b.schedule == Schedule::Random && progressed && (next_random() & 1u)) {
+                    b.bulk_loads.push_back(std::move(c));
+                    continue;
+                }
+                current = &b.threads[c.issuer];
+                c.land();
+                current = nullptr;
+                progressed = true;
+            }
         }
         // Release threads whose mbarrier phase has completed (the phase's parity bit is the
         // mbarrier state's bit 61, see ptx.cuh's twins).
@@ -484,7 +525,13 @@ inline void run_block(Block& b, size_t smem_bytes) {
             if (t.wait == Wait::Mbarrier) ++at_mbarrier;
             if (t.wait == Wait::Warpgroup) ++at_warpgroup;
         }
-        if (live == 0) return;
+        if (live == 0) {
+            if (!b.bulk_loads.empty() && b.error.empty()) {
+                b.error = "the block exited with " + std::to_string(b.bulk_loads.size()) +
+                          " bulk tensor copies in flight (never waited for on their mbarriers)";
+            }
+            return;
+        }
         if (at_barrier == live) {
             if (finished > 0) {
                 b.error = "divergent __syncthreads: " + std::to_string(finished) +
@@ -746,16 +793,35 @@ inline void proxy_generic_write(const void* p, size_t bytes) {
 // Whether the shared word holding byte offset `off` was stored through the generic proxy by
 // a thread that has not executed fence.proxy.async since; reports it for `what` (an
 // async-proxy reader) and returns false then.
-inline bool proxy_fenced(size_t off, const char* what) {
+inline bool proxy_fenced(size_t off, const char* what, const char* verb = "reads") {
     Block* b = current->block;
     if (off / 4 >= b->proxy.size()) return true;
     const Block::ProxyWord& pw = b->proxy[off / 4];
+    if (pw.bulk_pending != 0) {
+        fail(std::string(what) + " " + verb + " shared memory at offset " + std::to_string(off) +
+             " while a bulk tensor copy to it is in flight (wait on its mbarrier first)");
+        return false;
+    }
     if (pw.writer == 0 || b->threads[pw.writer - 1u].proxy_gen != pw.gen) return true;
-    fail(std::string(what) + " reads shared memory at offset " + std::to_string(off) + " that thread " +
+    fail(std::string(what) + " " + verb + " shared memory at offset " + std::to_string(off) + " that thread " +
          std::to_string(pw.writer - 1u) +
          " stored with an ordinary (generic-proxy) store and has not fenced since: the writer must execute "
          "fence.proxy.async before the barrier that publishes it");
     return false;
+}
+
+// Reports an ordinary access to shared words a bulk tensor copy in flight will write.
+inline bool bulk_settled(const void* p, size_t bytes, const char* what) {
+    Block* b = current->block;
+    const size_t off = size_t(static_cast<const unsigned char*>(p) - (b->smem.data() + b->smem_offset));
+    for (size_t w = off / 4; w < (off + bytes + 3) / 4 && w < b->proxy.size(); ++w) {
+        if (b->proxy[w].bulk_pending != 0) {
+            fail(std::string(what) + " at shared offset " + std::to_string(4 * w) +
+                 " while a bulk tensor copy to it is in flight (wait on its mbarrier first)");
+            return false;
+        }
+    }
+    return true;
 }
 
 // Warpgroup rendezvous: publishes this thread's record, waits until the 128 threads of its
@@ -785,6 +851,7 @@ template <typename T>
 inline T smem_load(const T* p) {
     if (!check_aligned<T>(p, "shared load")) return T{};
     if (!check_shared(p, sizeof(T), "shared load")) return T{};
+    if (!bulk_settled(p, sizeof(T), "shared load")) return T{};
     shadow_access(p, sizeof(T), false, "shared load");
     return *p;
 }
@@ -792,6 +859,7 @@ template <typename T>
 inline void smem_store(T* p, T v) {
     if (!check_aligned<T>(p, "shared store")) return;
     if (!check_shared(p, sizeof(T), "shared store")) return;
+    if (!bulk_settled(p, sizeof(T), "shared store")) return;
     shadow_access(p, sizeof(T), true, "shared store");
     proxy_generic_write(p, sizeof(T));
     *p = v;

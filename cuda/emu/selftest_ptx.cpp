@@ -357,3 +357,70 @@ extern "C" int ringattn_emu_selftest_setmaxnreg(int fault, char* msg, size_t cap
     std::function<void()> body = [=] { setmaxnreg_roles(fault); };
     return report(emu::launch(dim3(1), dim3(384), body), msg, cap);
 }
+
+namespace {
+// Bulk tensor copies through the emulator's tensor maps: one elected thread of a 128-thread
+// block loads the box at `coords` of `load_map` into shared memory at `dst_offset`
+// (arrive.expect_tx of `expect_bytes`, then the copy completing on an mbarrier); every thread
+// waits on the phase; `image` receives the whole shared memory (image_bytes); then the box is
+// stored back through `store_map` (if any) at `coords`, committed and waited for. Planted bugs
+// (fault): 1 the issuing thread reads the box before waiting on the mbarrier;
+// 2 the store's source is overwritten before wait_group.read; 3 the store's source was
+// written with ordinary stores and no fence.proxy.async; 4 the load lands on shared memory
+// stored with ordinary stores that were not fenced.
+struct TmaCase {
+    const TensorMap* load_map;
+    const TensorMap* store_map;
+    int32_t coords[4];
+    uint32_t rank;
+    uint32_t dst_offset;
+    uint32_t expect_bytes;
+    uint32_t image_bytes;
+    unsigned char* image;
+    int32_t fault;
+    uint32_t pad;
+};
+
+void tma_roundtrip(const TmaCase& c) {
+    unsigned char* sm = RINGATTN_DYNAMIC_SMEM();
+    uint64_t* bar = reinterpret_cast<uint64_t*>(sm);
+    unsigned char* dst = sm + c.dst_offset;
+    const unsigned tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(bar, 1);
+        fence_mbarrier_init();
+    }
+    if (c.fault == 4 && tid == 5) smem_store(reinterpret_cast<uint32_t*>(dst) + 3, 7u);
+    __syncthreads();
+    const bool leader = tid < 32 && elect_one_sync();
+    if (leader) {
+        mbarrier_arrive_expect_tx(bar, c.expect_bytes);
+        const int32_t* x = c.coords;
+        if (c.rank == 2) tma_load_2d(dst, c.load_map, bar, x[0], x[1]);
+        if (c.rank == 3) tma_load_3d(dst, c.load_map, bar, x[0], x[1], x[2]);
+        if (c.rank == 4) tma_load_4d(dst, c.load_map, bar, x[0], x[1], x[2], x[3]);
+    }
+    if (c.fault == 1 && leader) (void)smem_load(reinterpret_cast<const uint32_t*>(dst) + 10);
+    mbarrier_wait_parity(bar, 0);
+    for (unsigned i = tid; i < c.image_bytes; i += 128) c.image[i] = sm[i];
+    if (c.fault == 3 && tid == 9) smem_store(reinterpret_cast<uint32_t*>(dst) + 1, smem_load(reinterpret_cast<uint32_t*>(dst) + 1));
+    __syncthreads();
+    if (leader && c.store_map != nullptr) {
+        const int32_t* x = c.coords;
+        if (c.rank == 2) tma_store_2d(c.store_map, dst, x[0], x[1]);
+        if (c.rank == 3) tma_store_3d(c.store_map, dst, x[0], x[1], x[2]);
+        if (c.rank == 4) tma_store_4d(c.store_map, dst, x[0], x[1], x[2], x[3]);
+        tma_store_commit();
+        if (c.fault == 2) dst[0] ^= 1;
+        tma_store_wait_read<0>();
+    }
+}
+}  // namespace
+
+// Runs a TmaCase in one block of 128 threads with image_bytes of shared memory; schedule 0
+// forward, 1 reverse, 2 random (seed).
+extern "C" int ringattn_emu_selftest_tma(const TmaCase* c, int schedule, uint64_t seed, char* msg, size_t cap) {
+    const TmaCase cc = *c;
+    std::function<void()> body = [cc] { tma_roundtrip(cc); };
+    return report(emu::launch(dim3(1), dim3(128), body, cc.image_bytes, emu::Schedule(schedule), seed), msg, cap);
+}

@@ -6,6 +6,8 @@
 //! conversions are checked against the `half` crate (round to nearest even).
 
 use super::*;
+use crate::kernels::params::TensorMap;
+use crate::kernels::tensor_map::{OobFill, TensorMapDType, TensorMapSpec, TensorMapSwizzle};
 use crate::random::randn;
 use crate::DType;
 use half::{bf16, f16};
@@ -1016,4 +1018,227 @@ fn setmaxnreg_is_a_warpgroup_instruction() {
     assert!(err.contains("never reaches"), "{err}");
     let err = selftest(|msg, cap| unsafe { ringattn_emu_selftest_setmaxnreg(2, msg, cap) }).unwrap_err();
     assert!(err.contains("different setmaxnreg"), "{err}");
+}
+
+/// A bulk tensor copy case (`TmaCase` of cuda/emu/selftest_ptx.cpp).
+#[repr(C)]
+struct TmaCase {
+    load_map: *const TensorMap,
+    store_map: *const TensorMap,
+    coords: [i32; 4],
+    rank: u32,
+    dst_offset: u32,
+    expect_bytes: u32,
+    image_bytes: u32,
+    image: *mut u8,
+    fault: i32,
+    pad: u32,
+}
+
+extern "C" {
+    fn ringattn_emu_selftest_tma(case: *const TmaCase, schedule: i32, seed: u64, msg: *mut c_char, cap: usize) -> i32;
+}
+
+/// A tensor in host memory (elements of `dtype`, as raw bytes), its map and a box to copy.
+struct TmaTensor {
+    spec: TensorMapSpec,
+    data: Vec<u8>,
+}
+
+impl TmaTensor {
+    /// A packed tensor of `dims` (innermost first) with distinct nonzero element patterns.
+    fn new(dtype: TensorMapDType, dims: &[u64], box_dims: &[u32], swizzle: TensorMapSwizzle, seed: u64) -> Self {
+        let size = dtype.size();
+        let count: u64 = dims.iter().product();
+        let mut rng = SplitMix(seed);
+        let mut data = vec![0u8; (count * size) as usize];
+        for e in data.chunks_mut(size as usize) {
+            let bits = rng.next() | 1;
+            e.copy_from_slice(&bits.to_le_bytes()[..size as usize]);
+        }
+        let mut strides = Vec::new();
+        let mut s = size * dims[0];
+        for &d in &dims[1..] {
+            strides.push(s);
+            s *= d;
+        }
+        let spec = TensorMapSpec {
+            dtype,
+            address: data.as_ptr() as u64,
+            dims: dims.to_vec(),
+            strides,
+            box_dims: box_dims.to_vec(),
+            swizzle,
+            oob_fill: OobFill::Zeros,
+        };
+        TmaTensor { spec, data }
+    }
+
+    /// The byte offset of the element at (global) coordinates `g`, if inside the tensor.
+    fn offset(&self, g: &[i64]) -> Option<usize> {
+        let mut off = 0u64;
+        let mut stride = self.spec.dtype.size();
+        for (d, &x) in g.iter().enumerate() {
+            if x < 0 || x as u64 >= self.spec.dims[d] {
+                return None;
+            }
+            off += x as u64 * stride;
+            stride *= self.spec.dims[d];
+        }
+        Some(off as usize)
+    }
+
+    /// Every box element from `coords`: (dense byte offset in the box, byte offset in the
+    /// tensor or None outside it).
+    fn box_elements(&self, coords: &[i32]) -> Vec<(usize, Option<usize>)> {
+        let size = self.spec.dtype.size() as usize;
+        let b = &self.spec.box_dims;
+        let mut idx = vec![0u32; b.len()];
+        let mut out = Vec::new();
+        for dense in 0..b.iter().map(|&x| x as usize).product::<usize>() {
+            let g: Vec<i64> = idx.iter().zip(coords).map(|(&i, &c)| i64::from(c) + i64::from(i)).collect();
+            out.push((dense * size, self.offset(&g)));
+            for d in 0..b.len() {
+                idx[d] += 1;
+                if idx[d] < b[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        out
+    }
+}
+
+/// Where byte `dense` of a box placed at shared offset `dst` lands (hopper-ptx.md §4.3): the
+/// 16-byte chunk index XOR-ed with the 128-byte line index mod 8 / 4 / 2 (128B / 64B / 32B).
+fn swizzled_offset(dst: usize, dense: usize, swizzle: TensorMapSwizzle) -> usize {
+    let a = dst + dense;
+    let lines = match swizzle {
+        TensorMapSwizzle::None => 1,
+        TensorMapSwizzle::B32 => 2,
+        TensorMapSwizzle::B64 => 4,
+        TensorMapSwizzle::B128 => 8,
+    };
+    let chunk = (a / 16) % 8;
+    a - chunk * 16 + ((chunk ^ ((a / 128) % lines)) % 8) * 16
+}
+
+fn run_tma(
+    t: &TmaTensor,
+    store: Option<&TmaTensor>,
+    coords: &[i32],
+    dst_offset: u32,
+    tweak: impl FnOnce(&mut TmaCase),
+    schedule: i32,
+) -> Result<Vec<u8>, String> {
+    let load_map = t.spec.encode_emulated().map_err(|e| e.to_string())?;
+    let store_map = store.map(|s| s.spec.encode_emulated().unwrap());
+    let image_bytes = (dst_offset as u64 + t.spec.box_bytes()).div_ceil(1024) * 1024;
+    let mut image = vec![0u8; image_bytes as usize];
+    let mut c = [0i32; 4];
+    c[..coords.len()].copy_from_slice(coords);
+    let mut case = TmaCase {
+        load_map: &load_map,
+        store_map: store_map.as_ref().map_or(std::ptr::null(), |m| m as *const TensorMap),
+        coords: c,
+        rank: coords.len() as u32,
+        dst_offset,
+        expect_bytes: t.spec.box_bytes() as u32,
+        image_bytes: image_bytes as u32,
+        image: image.as_mut_ptr(),
+        fault: 0,
+        pad: 0,
+    };
+    tweak(&mut case);
+    // SAFETY: the maps address live tensors (`t.data`, `store.data`) of their dims; `image`
+    // holds image_bytes bytes.
+    selftest(|msg, cap| unsafe { ringattn_emu_selftest_tma(&case, schedule, 11, msg, cap) })?;
+    Ok(image)
+}
+
+#[test]
+fn bulk_tensor_copies_place_boxes_as_the_ptx_describes_and_fill_outside_the_tensor() {
+    use TensorMapSwizzle::*;
+    // (dtype, dims, box, swizzle, coords): K/V-like boxes of every rank, boxes reaching past
+    // either end of the tensor, each swizzle.
+    type Case = (TensorMapDType, Vec<u64>, Vec<u32>, TensorMapSwizzle, Vec<i32>);
+    let cases: Vec<Case> = vec![
+        (TensorMapDType::BF16, vec![96, 50], vec![32, 16], B64, vec![80, 40]),
+        (TensorMapDType::BF16, vec![96, 50], vec![32, 16], B64, vec![-16, -4]),
+        (TensorMapDType::BF16, vec![64, 3, 70], vec![64, 1, 32], B128, vec![0, 2, 50]),
+        (TensorMapDType::F16, vec![128, 3, 70], vec![128, 1, 8], None, vec![0, 1, 3]),
+        (TensorMapDType::F16, vec![16, 5, 33], vec![16, 2, 20], B32, vec![0, 4, 20]),
+        (TensorMapDType::F32, vec![32, 2, 40, 2], vec![32, 1, 16, 1], B128, vec![0, 1, 30, 1]),
+    ];
+    for (i, (dtype, dims, box_dims, swizzle, coords)) in cases.into_iter().enumerate() {
+        let t = TmaTensor::new(dtype, &dims, &box_dims, swizzle, i as u64 + 1);
+        let mut out = TmaTensor::new(dtype, &dims, &box_dims, swizzle, 0);
+        out.data.fill(0);
+        let stores = coords.iter().all(|&c| c >= 0);
+        let dst = 1024;
+        for schedule in 0..3 {
+            let image = run_tma(&t, stores.then_some(&out), &coords, dst as u32, |_| {}, schedule)
+                .unwrap_or_else(|e| panic!("case {i}: {e}"));
+            let size = dtype.size() as usize;
+            for (dense, src) in t.box_elements(&coords) {
+                let at = swizzled_offset(dst, dense, swizzle);
+                let want = src.map_or(vec![0u8; size], |o| t.data[o..o + size].to_vec());
+                assert_eq!(&image[at..at + size], &want[..], "case {i}: box byte {dense} at shared {at}");
+            }
+        }
+        if stores {
+            // The store wrote exactly the box's elements inside the tensor.
+            let inside: std::collections::HashSet<usize> =
+                t.box_elements(&coords).into_iter().filter_map(|(_, o)| o).collect();
+            let size = dtype.size() as usize;
+            for o in (0..t.data.len()).step_by(size) {
+                let want = if inside.contains(&o) { &t.data[o..o + size] } else { &[0u8; 4][..size] };
+                assert_eq!(&out.data[o..o + size], want, "case {i}: stored element at byte {o}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bulk_tensor_copy_misuse_is_reported() {
+    let t = TmaTensor::new(TensorMapDType::BF16, &[64, 3, 70], &[64, 1, 32], TensorMapSwizzle::B128, 5);
+    let mut out = TmaTensor::new(TensorMapDType::BF16, &[64, 3, 70], &[64, 1, 32], TensorMapSwizzle::B128, 0);
+    out.data.fill(0);
+    let coords = [0, 1, 10];
+    let err = |fault: i32, tweak: &dyn Fn(&mut TmaCase), dst: u32| {
+        run_tma(
+            &t,
+            Some(&out),
+            &coords,
+            dst,
+            |c| {
+                c.fault = fault;
+                tweak(c);
+            },
+            0,
+        )
+        .err()
+        .unwrap_or_else(|| panic!("fault {fault}: no error"))
+    };
+    let box_bytes = t.spec.box_bytes() as u32;
+    let cases: Vec<(String, &str)> = vec![
+        // A transaction count that does not match the box: the phase never completes.
+        (err(0, &|c| c.expect_bytes = box_bytes - 16, 1024), "wait on mbarrier phases that can never complete"),
+        (err(0, &|c| c.expect_bytes = box_bytes + 16, 1024), "wait on mbarrier phases that can never complete"),
+        (err(1, &|_| {}, 1024), "shared load at shared offset 1064 while a bulk tensor copy to it is in flight"),
+        (err(2, &|_| {}, 1024), "read by a bulk tensor store was overwritten before"),
+        (err(3, &|_| {}, 1024), "that thread 9 stored with an ordinary (generic-proxy) store"),
+        (err(4, &|_| {}, 1024), "lands on shared memory at offset 1036 that thread 5 stored"),
+        (err(0, &|_| {}, 1024 + 64), "is not 128-byte aligned"),
+        (err(0, &|_| {}, 1024 + 512), "not aligned to its 1024-byte swizzle repeat"),
+        (err(0, &|c| c.rank = 2, 1024), "a 2-d copy with a tensor map of rank 3"),
+        (err(0, &|c| c.coords[2] = -1, 1024), "negative start coordinate -1 in dim 2"),
+    ];
+    for (got, want) in cases {
+        assert!(got.contains(want), "want `{want}` in: {got}");
+    }
+    let blank = TensorMap::default();
+    let e = run_tma(&t, None, &coords, 1024, |c| c.load_map = &blank, 0).unwrap_err();
+    assert!(e.contains("not encoded for the emulator"), "{e}");
 }

@@ -1,0 +1,329 @@
+//! Tensor maps: the operand of the bulk tensor copies (TMA) of the Hopper kernels.
+//!
+//! A [`TensorMapSpec`] names a tiled view of a tensor in global memory — data type, base
+//! address, dims (innermost first, in elements), the byte strides of dims 1.., the box a copy
+//! moves, its shared-memory swizzle and the fill of elements outside the tensor — and is
+//! validated once against the driver's rules (`cuTensorMapEncodeTiled`,
+//! `../shared/reference/hopper-ptx.md` §4.2), so that both encoders see the same accepted
+//! input: [`TensorMapSpec::encode_emulated`] writes the emulator's encoding (read by the
+//! twins in `cuda/ptx.cuh`), [`TensorMapSpec::encode_driver`] (feature `cuda`) the driver's.
+//!
+//! ```
+//! use ringattn::kernels::tensor_map::{TensorMapDType, TensorMapSpec, TensorMapSwizzle};
+//!
+//! // K of layout [b = 1, s = 1000, h_kv = 2, d = 64] in bf16: boxes of 64 columns x 128
+//! // keys of one head, 128-byte swizzled.
+//! let (s, h, d) = (1000u64, 2u64, 64u64);
+//! let spec = TensorMapSpec {
+//!     dtype: TensorMapDType::BF16,
+//!     address: 0x7f00_0000_0000,
+//!     dims: vec![d, h, s],
+//!     strides: vec![d * 2, h * d * 2],
+//!     box_dims: vec![64, 1, 128],
+//!     swizzle: TensorMapSwizzle::B128,
+//!     ..Default::default()
+//! };
+//! assert_eq!(spec.box_bytes(), 64 * 128 * 2);
+//! let map = spec.encode_emulated()?;
+//! assert_eq!(map.words[2..5], [64, 2, 1000]);
+//! // A box row wider than the swizzle span is refused, naming it.
+//! let wide = TensorMapSpec { box_dims: vec![128, 1, 64], ..spec };
+//! assert!(wide.validate().unwrap_err().to_string().contains("128-byte swizzle"));
+//! # Ok::<(), ringattn::Error>(())
+//! ```
+
+use super::params::TensorMap;
+use crate::{Error, Result};
+
+/// Element type of a tensor map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TensorMapDType {
+    /// bfloat16 (`CU_TENSOR_MAP_DATA_TYPE_BFLOAT16`).
+    #[default]
+    BF16,
+    /// IEEE half (`CU_TENSOR_MAP_DATA_TYPE_FLOAT16`).
+    F16,
+    /// f32 (`CU_TENSOR_MAP_DATA_TYPE_FLOAT32`).
+    F32,
+}
+
+impl TensorMapDType {
+    /// The driver's `CUtensorMapDataType` value.
+    pub fn code(self) -> u32 {
+        match self {
+            TensorMapDType::BF16 => 9,
+            TensorMapDType::F16 => 6,
+            TensorMapDType::F32 => 7,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            TensorMapDType::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// Shared-memory swizzle of the boxes a tensor map copies: 16-byte chunks XOR-ed by the
+/// absolute shared address (`../shared/reference/hopper-ptx.md` §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TensorMapSwizzle {
+    /// No swizzle.
+    None,
+    /// 32-byte span (pattern repeats every 256 bytes).
+    B32,
+    /// 64-byte span (every 512 bytes).
+    B64,
+    /// 128-byte span (every 1024 bytes): what wgmma operands of 64 bf16 columns use.
+    #[default]
+    B128,
+}
+
+impl TensorMapSwizzle {
+    /// The driver's `CUtensorMapSwizzle` value.
+    pub fn code(self) -> u32 {
+        match self {
+            TensorMapSwizzle::None => 0,
+            TensorMapSwizzle::B32 => 1,
+            TensorMapSwizzle::B64 => 2,
+            TensorMapSwizzle::B128 => 3,
+        }
+    }
+
+    /// The widest box row (bytes) the swizzle allows, `None` for no limit.
+    pub fn span(self) -> Option<u64> {
+        match self {
+            TensorMapSwizzle::None => None,
+            TensorMapSwizzle::B32 => Some(32),
+            TensorMapSwizzle::B64 => Some(64),
+            TensorMapSwizzle::B128 => Some(128),
+        }
+    }
+}
+
+/// What a load writes for box elements outside the tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OobFill {
+    /// Zeros (`CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`).
+    #[default]
+    Zeros,
+    /// NaN (`..._NAN_REQUEST_ZERO_FMA`; float types only).
+    Nan,
+}
+
+/// A tiled view of a tensor for the bulk tensor copies; see the module documentation.
+/// Interleave is none, element strides 1, L2 promotion 128 bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TensorMapSpec {
+    /// Element type.
+    pub dtype: TensorMapDType,
+    /// Global address of element (0, 0, ...): 16-byte aligned (a host address under the
+    /// emulator, a device address on a GPU).
+    pub address: u64,
+    /// Extent of each dim in elements, innermost first (rank = `dims.len()`, 1 ... 5), each
+    /// 1 ... 2^32.
+    pub dims: Vec<u64>,
+    /// Byte stride of dims 1 ... rank - 1 (dim 0 is contiguous): multiples of 16, < 2^40.
+    pub strides: Vec<u64>,
+    /// Elements per dim of the box one copy moves: 1 ... 256 each; the innermost row
+    /// (`box_dims[0]` elements) a multiple of 16 bytes and at most the swizzle span.
+    pub box_dims: Vec<u32>,
+    /// Shared-memory swizzle of the box.
+    pub swizzle: TensorMapSwizzle,
+    /// Fill of elements outside the tensor.
+    pub oob_fill: OobFill,
+}
+
+fn invalid(msg: String) -> Error {
+    Error::TensorMap(msg)
+}
+
+impl TensorMapSpec {
+    /// The rank (number of dims).
+    pub fn rank(&self) -> usize {
+        self.dims.len()
+    }
+
+    /// Bytes one copy moves (the whole box, elements outside the tensor included): what the
+    /// mbarrier's expect-tx must announce.
+    pub fn box_bytes(&self) -> u64 {
+        self.box_dims.iter().map(|&b| u64::from(b)).product::<u64>() * self.dtype.size()
+    }
+
+    /// Checks the driver's rules; [`Error::TensorMap`] names the first field that breaks one.
+    pub fn validate(&self) -> Result<()> {
+        let rank = self.rank();
+        if !(1..=5).contains(&rank) {
+            return Err(invalid(format!("rank {rank} outside 1 ... 5 (dims {:?})", self.dims)));
+        }
+        if self.strides.len() != rank - 1 {
+            return Err(invalid(format!(
+                "{} strides for rank {rank} (one per dim after the first)",
+                self.strides.len()
+            )));
+        }
+        if self.box_dims.len() != rank {
+            return Err(invalid(format!("{} box dims for rank {rank}", self.box_dims.len())));
+        }
+        if !self.address.is_multiple_of(16) {
+            return Err(invalid(format!("global address {:#x} is not 16-byte aligned", self.address)));
+        }
+        for (i, &d) in self.dims.iter().enumerate() {
+            if d == 0 || d > 1 << 32 {
+                return Err(invalid(format!("dim {i} = {d} outside 1 ... 2^32")));
+            }
+        }
+        for (i, &s) in self.strides.iter().enumerate() {
+            if !s.is_multiple_of(16) || s >= 1 << 40 {
+                return Err(invalid(format!(
+                    "stride of dim {} = {s} bytes: must be a multiple of 16 below 2^40",
+                    i + 1
+                )));
+            }
+        }
+        for (i, &b) in self.box_dims.iter().enumerate() {
+            if !(1..=256).contains(&b) {
+                return Err(invalid(format!("box dim {i} = {b} outside 1 ... 256")));
+            }
+        }
+        let row = u64::from(self.box_dims[0]) * self.dtype.size();
+        if !row.is_multiple_of(16) {
+            return Err(invalid(format!("box row of {row} bytes is not a multiple of 16")));
+        }
+        if let Some(span) = self.swizzle.span() {
+            if row > span {
+                return Err(invalid(format!(
+                    "box row of {row} bytes exceeds the {span}-byte swizzle span (box dim 0 = {})",
+                    self.box_dims[0]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The emulator's encoding (`cuda/ptx.cuh`, bulk tensor copy twins): word 0 the magic
+    /// `0x5241544D`, data type, rank, swizzle and fill; word 1 the address; words 2-6 the
+    /// dims; 7-10 the strides; 11 the box dims (12 bits each).
+    pub fn encode_emulated(&self) -> Result<TensorMap> {
+        self.validate()?;
+        let mut w = [0u64; 16];
+        let fill = match self.oob_fill {
+            OobFill::Zeros => 0u64,
+            OobFill::Nan => 1,
+        };
+        w[0] = 0x5241_544D
+            | u64::from(self.dtype.code()) << 32
+            | (self.rank() as u64) << 40
+            | u64::from(self.swizzle.code()) << 44
+            | fill << 48;
+        w[1] = self.address;
+        w[2..2 + self.rank()].copy_from_slice(&self.dims);
+        w[7..7 + self.strides.len()].copy_from_slice(&self.strides);
+        w[11] = self.box_dims.iter().enumerate().map(|(i, &b)| u64::from(b) << (12 * i)).fold(0, |a, b| a | b);
+        Ok(TensorMap { words: w })
+    }
+
+    /// The driver's encoding (`cuTensorMapEncodeTiled`), for kernels on a GPU; the driver's
+    /// refusal comes back as [`Error::TensorMap`] with its status.
+    #[cfg(feature = "cuda")]
+    pub fn encode_driver(&self) -> Result<TensorMap> {
+        use cudarc::driver::sys;
+        self.validate()?;
+        let dtype = match self.dtype {
+            TensorMapDType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            TensorMapDType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            TensorMapDType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        };
+        let swizzle = match self.swizzle {
+            TensorMapSwizzle::None => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+            TensorMapSwizzle::B32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+            TensorMapSwizzle::B64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+            TensorMapSwizzle::B128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        };
+        let fill = match self.oob_fill {
+            OobFill::Zeros => sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            OobFill::Nan => sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA,
+        };
+        let element_strides = vec![1u32; self.rank()];
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        // SAFETY: the arrays hold `rank` dims and box dims, `rank - 1` strides and `rank`
+        // element strides (validated above); `map` is a 64-byte aligned CUtensorMap the call
+        // writes. The address is only recorded, not dereferenced.
+        let status = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                dtype,
+                self.rank() as u32,
+                self.address as *mut std::ffi::c_void,
+                self.dims.as_ptr(),
+                self.strides.as_ptr(),
+                self.box_dims.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                fill,
+            )
+        };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(invalid(format!("cuTensorMapEncodeTiled refused {self:?}: {status:?}")));
+        }
+        Ok(TensorMap { words: map.opaque })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> TensorMapSpec {
+        TensorMapSpec {
+            dtype: TensorMapDType::BF16,
+            address: 4096,
+            dims: vec![128, 8, 300],
+            strides: vec![256, 2048],
+            box_dims: vec![64, 1, 64],
+            swizzle: TensorMapSwizzle::B128,
+            oob_fill: OobFill::Zeros,
+        }
+    }
+
+    #[test]
+    fn the_drivers_rules_are_checked_naming_the_field() {
+        spec().validate().unwrap();
+        let cases: Vec<(TensorMapSpec, &str)> = vec![
+            (TensorMapSpec { dims: vec![], strides: vec![], box_dims: vec![], ..spec() }, "rank 0"),
+            (TensorMapSpec { strides: vec![256], ..spec() }, "1 strides for rank 3"),
+            (TensorMapSpec { box_dims: vec![64, 1], ..spec() }, "2 box dims"),
+            (TensorMapSpec { address: 4100, ..spec() }, "not 16-byte aligned"),
+            (TensorMapSpec { dims: vec![128, 0, 300], ..spec() }, "dim 1 = 0"),
+            (TensorMapSpec { strides: vec![250, 2048], ..spec() }, "stride of dim 1 = 250"),
+            (TensorMapSpec { box_dims: vec![64, 1, 257], ..spec() }, "box dim 2 = 257"),
+            (TensorMapSpec { box_dims: vec![4, 1, 64], ..spec() }, "8 bytes is not a multiple of 16"),
+            (TensorMapSpec { box_dims: vec![128, 1, 64], ..spec() }, "256 bytes exceeds the 128-byte"),
+            (
+                TensorMapSpec { box_dims: vec![64, 1, 64], swizzle: TensorMapSwizzle::B64, ..spec() },
+                "exceeds the 64-byte",
+            ),
+        ];
+        for (bad, want) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{bad:?}: {err}");
+            assert!(bad.encode_emulated().is_err());
+        }
+        TensorMapSpec { box_dims: vec![128, 1, 64], swizzle: TensorMapSwizzle::None, ..spec() }.validate().unwrap();
+    }
+
+    #[test]
+    fn the_emulated_encoding_holds_every_field() {
+        let m = spec().encode_emulated().unwrap();
+        assert_eq!(m.words[0], 0x5241_544D | 9 << 32 | 3 << 40 | 3 << 44);
+        assert_eq!(m.words[1], 4096);
+        assert_eq!(&m.words[2..7], &[128, 8, 300, 0, 0]);
+        assert_eq!(&m.words[7..11], &[256, 2048, 0, 0]);
+        assert_eq!(m.words[11], 64 | 1 << 12 | 64 << 24);
+        assert_eq!(spec().box_bytes(), 64 * 64 * 2);
+    }
+}
