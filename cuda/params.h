@@ -78,6 +78,18 @@ struct FlashFwdParams {
 static_assert(sizeof(FlashFwdParams) == 184, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
+// flash_fwd_hopper.cu (sm_90a): the forward's params plus the tensor maps of q, k and v
+// ([b, s, h, d] as 4-d maps: dims {d, h, s, b}, boxes of 64 columns x 1 head x kBlockM
+// (q) or kBlockN (k, v) rows x 1, 128-byte swizzle). Passed as a __grid_constant__.
+struct FlashFwdHopperParams {
+    FlashFwdParams p;
+    uint64_t reserved;  // pads p to 192 bytes: the maps are 64-byte aligned
+    TensorMap q, k, v;
+};
+
+static_assert(sizeof(FlashFwdHopperParams) == 576, "FlashFwdHopperParams is mirrored in Rust");
+static_assert(alignof(FlashFwdHopperParams) == 64, "FlashFwdHopperParams alignment");
+
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
 // delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dk, dv are f32
 // and unrounded, written (not accumulated); dq is added into zeros by the fused kernel — as

@@ -349,6 +349,16 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
     }
 }
 
+// The same without a deadline of its own, for waits that another thread of the block covers:
+// a thread that outlives this one (a producer's final wait on every stage, which has the
+// deadline) traps, and a trap ends the whole launch. A deadline in the consumers' loop would
+// cost them registers: ptxas then keeps the warp-specialised branch at the kernel's entry
+// register count instead of its setmaxnreg budget.
+__device__ __forceinline__ void mbarrier_wait_parity_covered(uint64_t* bar, uint32_t parity) {
+    while (!mbarrier_try_wait_parity(bar, parity)) {
+    }
+}
+
 // elect.sync: true in exactly one lane of `mask` (every lane of the mask must call it).
 __device__ __forceinline__ bool elect_one_sync(uint32_t mask = 0xffffffffu) {
     uint32_t elected;
@@ -930,6 +940,7 @@ inline bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
     return true;
 }
 inline void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
+inline void mbarrier_wait_parity_covered(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
 
 // elect.sync twin: the lowest lane of `mask` is elected (PTX leaves which one unspecified);
 // every lane of the mask must call it (a warp collective, like __ballot_sync).

@@ -5,9 +5,13 @@
 #   * local    the SASS holds no LDL / STL (local memory: spills or indexed register arrays);
 #   * tensor   the main attention kernels (MAIN_KERNELS below), in the cubins of TC_ARCHS,
 #              hold each instruction their entry names (HMMA = mma.sync, LDSM = ldmatrix,
-#              LDGSTS = cp.async; "A|B" accepts either). The small kernels (merge.cu, and
+#              LDGSTS = cp.async, HGMMA = wgmma, UTMALDG = a tensor copy, SYNCS = mbarrier
+#              operations, USETMAXREG = setmaxnreg; "A|B" accepts either) and none of those
+#              it names with "!" (the Hopper kernels: no HMMA). The small kernels (merge.cu, and
 #              the element-wise data movements of ops.cu, ringattn_ops_*) need none of
-#              these: they are held to the spill and local-memory rules only.
+#              these: they are held to the spill and local-memory rules only;
+#   * setmaxnreg  no ptxas warning C75xx (setmaxnreg ignored, wgmma serialised, ...) in any
+#              family's report.
 # Prints a table (kernel, arch, registers, stack, spills, LDL/STL, HMMA, HGMMA, LDSM, LDGSTS,
 # verdict) and exits 1 naming each failing kernel and rule; 2 when a tool or a compile fails.
 # Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
@@ -31,6 +35,7 @@ MAIN_KERNELS=(
   "ringattn_flash_bwd_dkdv_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdvqfx_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdvq_*:HMMA,LDSM"
+  "ringattn_hopper_flash_fwd_*:HGMMA,UTMALDG,SYNCS,USETMAXREG,!HMMA"
 )
 TC_ARCHS="sm_90a"
 ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a,sm_100,sm_120}" # build.rs's default
@@ -181,7 +186,7 @@ main = []
 for spec in sys.argv[1:]:
     pattern, _, ops = spec.partition(":")
     main.append((pattern, [alt.split("|") for alt in ops.split(",") if alt]))
-COUNTED = ["LDL", "STL", "HMMA", "HGMMA", "LDSM", "LDGSTS"]
+COUNTED = ["LDL", "STL", "HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SYNCS", "USETMAXREG"]
 
 def ptxas_report(text):
     """Per function: registers, stack frame, spill stores, spill loads; and the entry names."""
@@ -226,7 +231,10 @@ matched = {p: 0 for p, _ in main}
 for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
     arch = os.path.basename(os.path.dirname(ptxas))
     family = os.path.basename(ptxas)[: -len(".ptxas.txt")]
-    funcs, entries = ptxas_report(open(ptxas).read())
+    ptxas_text = open(ptxas).read()
+    for w in sorted(set(re.findall(r"\(C75\d\d\)[^\n]*", ptxas_text))):
+        failures.append(f"{family} [{arch}]: ptxas warning {w}")
+    funcs, entries = ptxas_report(ptxas_text)
     sass = sass_counts(open(os.path.join(out, arch, family + ".sass")).read())
     for name in entries + sorted(set(funcs) - set(entries)) + sorted(set(sass) - set(funcs)):
         f, c = funcs.get(name, {}), sass.get(name, Counter())
@@ -242,7 +250,10 @@ for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
                 if fnmatch.fnmatchcase(name, pattern):
                     matched[pattern] += 1
                     for alts in needs:
-                        if not any(c[op] for op in alts):
+                        banned = [op[1:] for op in alts if op.startswith("!")]
+                        if banned:
+                            rules += [f"{op} present ({c[op]})" for op in banned if c[op]]
+                        elif not any(c[op] for op in alts):
                             rules.append(f"no {'/'.join(alts)}")
         row = dict(kernel=name, family=family, arch=arch, entry=name in entries,
                    registers=f.get("regs"), stack=f.get("stack", 0),
@@ -254,11 +265,11 @@ for pattern, n in matched.items():
     if tc_archs and n == 0:
         failures.append(f"main kernel pattern {pattern!r}: matches no kernel in {','.join(sorted(tc_archs))}")
 
-head = f"{'kernel':<34} {'arch':<7} {'regs':>4} {'stack':>5} {'spill st/ld':>11} {'LDL/STL':>7} {'HMMA':>5} {'HGMMA':>5} {'LDSM':>5} {'LDGSTS':>6}  verdict"
+head = f"{'kernel':<36} {'arch':<7} {'regs':>4} {'stack':>5} {'spill st/ld':>11} {'LDL/STL':>7} {'HMMA':>5} {'HGMMA':>5} {'LDSM':>5} {'LDGSTS':>6}  verdict"
 lines = [head, "-" * len(head)]
 for r in rows:
     verdict = "pass" if not r["failures"] else "FAIL: " + "; ".join(r["failures"])
-    lines.append(f"{r['kernel']:<34} {r['arch']:<7} {r['registers'] if r['registers'] is not None else '-':>4} "
+    lines.append(f"{r['kernel']:<36} {r['arch']:<7} {r['registers'] if r['registers'] is not None else '-':>4} "
                  f"{r['stack']:>5} {str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} "
                  f"{str(r['LDL']) + '/' + str(r['STL']):>7} {r['HMMA']:>5} {r['HGMMA']:>5} {r['LDSM']:>5} "
                  f"{r['LDGSTS']:>6}  {verdict}")

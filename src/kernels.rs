@@ -199,6 +199,25 @@ pub mod params {
         pub scale_log2: f32,
     }
 
+    /// `FlashFwdHopperParams` of `cuda/params.h` (the sm_90a forward, `flash_fwd_hopper.cu`):
+    /// the forward's params and the tensor maps of `q`, `k` and `v` (4-d views `{d, h, s, b}`
+    /// with boxes of 64 columns × 1 head × the tile's rows × 1, 128-byte swizzled; see
+    /// [`super::tensor_map::bshd_tile_map`]).
+    #[repr(C, align(64))]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct FlashFwdHopperParams {
+        /// Everything but the maps.
+        pub p: FlashFwdParams,
+        /// Padding (the maps are 64-byte aligned).
+        pub reserved: u64,
+        /// Queries' map (boxes of 128 rows).
+        pub q: TensorMap,
+        /// Keys' map (boxes of the key tile).
+        pub k: TensorMap,
+        /// Values' map (boxes of the key tile).
+        pub v: TensorMap,
+    }
+
     /// `FlashBwdParams` of `cuda/params.h` (flash backward): as [`FlashFwdParams`] plus the
     /// forward output `o` (f32), `d_o` (16-bit), the final `lse`, `delta = rowsum(dO∘O)` (f32
     /// `[b, h_q, s_q]`, written by the rowsum kernel), the f32 gradients (`dk`, `dv` written,
@@ -495,6 +514,8 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 240);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
+    const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 576);
+    const _: () = assert!(std::mem::align_of::<FlashFwdHopperParams>() == 64);
     const _: () = assert!(std::mem::align_of::<TensorMap>() == 64);
 }
 
@@ -624,6 +645,41 @@ pub mod geometry {
             block: 128,
             // Q, K and V double-buffered, and each warp's query bounds (32 bytes).
             smem_bytes: block_m * stride * 2 + 4 * block_n * stride * 2 + 4 * 32,
+            head_dim_class: dc,
+        }
+    }
+
+    /// Head-dim class of the Hopper forward for head dim `d`: 64, 128 or 256 (columns past
+    /// `d` are zero-filled by the tensor copies).
+    pub fn hopper_head_dim_class(d: usize) -> usize {
+        if d <= 64 {
+            64
+        } else if d <= 128 {
+            128
+        } else {
+            256
+        }
+    }
+
+    /// `(query rows, keys)` of one tile of the Hopper forward: 128 query rows (two consumer
+    /// warpgroups of 64) against 128 keys up to class 128, 64 at 256.
+    pub fn hopper_forward_tile(d: usize) -> (usize, usize) {
+        (128, if hopper_head_dim_class(d) <= 128 { 128 } else { 64 })
+    }
+
+    /// The sm_90a forward (`ringattn_hopper_flash_fwd_{bf16,f16}_d{64,128,256}`) for `dims`:
+    /// 384 threads (a producer warpgroup and two consumer warpgroups), Q once and K/V tiles
+    /// in two stages (`HopperFwdTraits<D>::kSmem`: tiles, 7 mbarriers, the block's tile-range
+    /// scratch and 1024 bytes to align the base to the 128-byte swizzle's repeat).
+    pub fn forward_hopper(dims: &Dims) -> Launch {
+        let dc = hopper_head_dim_class(dims.d);
+        let (block_m, block_n) = hopper_forward_tile(dims.d);
+        let stages = 2;
+        let tiles = block_m * dc * 2 + 2 * stages * block_n * dc * 2;
+        Launch {
+            grid: [dims.s_q.div_ceil(block_m), dims.h_q, dims.b],
+            block: 384,
+            smem_bytes: tiles + 8 * (1 + 3 * stages) + 4 * 12 * 8 + 1024,
             head_dim_class: dc,
         }
     }
@@ -779,6 +835,35 @@ pub mod geometry {
                 BackwardKernel::DkDv(DqAccum::Fixed) => "dkdvqfx",
                 BackwardKernel::DkDv(DqAccum::F32) => "dkdvq",
                 BackwardKernel::DqConvert => "dqconvert",
+            }
+        }
+    }
+
+    /// Which family of tensor-core kernels runs the forward.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum KernelFamily {
+        /// The Hopper family on compute capability 9.0 where its image is present and the
+        /// shape is supported, the FA2 family otherwise (the emulator, which has no compute
+        /// capability, runs the FA2 family).
+        #[default]
+        Auto,
+        /// The FlashAttention-2 class kernels (`flash_fwd.cu`, mma.sync): every GPU, every
+        /// shape.
+        Fa2,
+        /// The sm_90a kernels (`flash_fwd_hopper.cu`: wgmma, TMA, mbarriers, warp
+        /// specialisation); the emulator runs them whatever the host. The backward still
+        /// runs the FA2 family.
+        Hopper,
+    }
+
+    impl std::str::FromStr for KernelFamily {
+        type Err = crate::Error;
+        fn from_str(s: &str) -> crate::Result<Self> {
+            match s {
+                "auto" => Ok(KernelFamily::Auto),
+                "fa2" => Ok(KernelFamily::Fa2),
+                "hopper" => Ok(KernelFamily::Hopper),
+                _ => Err(crate::Error::InvalidArgument(format!("--kernels `{s}` (available: auto, fa2, hopper)"))),
             }
         }
     }

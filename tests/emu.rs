@@ -23,7 +23,7 @@ const WORK_CAP: usize = 2_500_000;
 
 fn run(case: &Case, schedule: Schedule, dq_mode: DqMode) -> (ForwardOutput, Gradients) {
     let x = case.inputs();
-    let opts = EmuOptions { schedule, workers: 1, dq_mode };
+    let opts = EmuOptions { schedule, workers: 1, dq_mode, ..Default::default() };
     let f = emu::forward(&x.q, &x.k, &x.v, case.pos(), &case.params, &opts).expect("emulated forward");
     let g = emu::backward(&x.q, &x.k, &x.v, &f.o, &f.lse, &x.d_o, case.pos(), &case.params, &opts)
         .expect("emulated backward");

@@ -630,6 +630,7 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define threadIdx (::emu::current->tid)
 #define blockIdx (::emu::current->block->bid)
 #define blockDim (::emu::current->block->bdim)

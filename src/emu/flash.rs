@@ -8,8 +8,9 @@ use half::{bf16, f16};
 
 use super::{check, BlockCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
-use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode};
-use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams};
+use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode, KernelFamily};
+use crate::kernels::params::{FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
+use crate::kernels::tensor_map::{bshd_tile_map, TensorMapDType};
 use crate::params::Visibility;
 use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
@@ -17,6 +18,14 @@ use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 extern "C" {
     fn ringattn_emu_flash_fwd(
         p: FlashFwdParams,
+        bf16: i32,
+        dclass: i32,
+        l: EmuLaunch,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_flash_fwd_hopper(
+        p: *const FlashFwdHopperParams,
         bf16: i32,
         dclass: i32,
         l: EmuLaunch,
@@ -130,24 +139,37 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
         mask: mask_params(vis, &bounds),
         ..FlashFwdParams::for_shape(&dims, scale)
     };
-    let launch = geometry::forward(&dims);
-    let (l, slot) = emu.launch(launch)?;
     let mut msg = [0u8; 1024];
-    // SAFETY: every buffer holds what the params' dims address (checked above) and lives for
-    // the call (the block counts' slot, two u64 per block, too); o and lse are exclusively
-    // borrowed; the emulator runs synchronously.
-    let code = unsafe {
-        ringattn_emu_flash_fwd(
-            p,
-            (dtype == DType::BF16) as i32,
-            launch.head_dim_class as i32,
-            l,
-            msg.as_mut_ptr().cast(),
-            msg.len(),
-        )
-    };
-    check(code, &msg, "flash_fwd")?;
-    emu.record("flash_fwd", slot);
+    let bf16 = (dtype == DType::BF16) as i32;
+    if emu.opts.kernels == KernelFamily::Hopper {
+        let launch = geometry::forward_hopper(&dims);
+        let hp = hopper_params(p, &dims, dtype)?;
+        let (l, slot) = emu.launch(launch)?;
+        // SAFETY: as below; the tensor maps address q, k and v with their dims.
+        let code = unsafe {
+            ringattn_emu_flash_fwd_hopper(
+                &hp,
+                bf16,
+                launch.head_dim_class as i32,
+                l,
+                msg.as_mut_ptr().cast(),
+                msg.len(),
+            )
+        };
+        check(code, &msg, "flash_fwd_hopper")?;
+        emu.record("flash_fwd_hopper", slot);
+    } else {
+        let launch = geometry::forward(&dims);
+        let (l, slot) = emu.launch(launch)?;
+        // SAFETY: every buffer holds what the params' dims address (checked above) and lives
+        // for the call (the block counts' slot, two u64 per block, too); o and lse are
+        // exclusively borrowed; the emulator runs synchronously.
+        let code = unsafe {
+            ringattn_emu_flash_fwd(p, bf16, launch.head_dim_class as i32, l, msg.as_mut_ptr().cast(), msg.len())
+        };
+        check(code, &msg, "flash_fwd")?;
+        emu.record("flash_fwd", slot);
+    }
     if round_o {
         o = match dtype {
             DType::F16 => o16.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
@@ -155,6 +177,23 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
         };
     }
     Ok((o, lse))
+}
+
+/// The Hopper forward's params: `p` and the emulator's tensor maps of q, k and v (a side
+/// without rows gets a one-row map, never read).
+fn hopper_params(p: FlashFwdParams, dims: &Dims, dtype: DType) -> Result<FlashFwdHopperParams> {
+    let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
+    let (block_m, block_n) = geometry::hopper_forward_tile(dims.d);
+    let map = |addr: u64, s: usize, h: usize, rows: usize| {
+        bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32).encode_emulated()
+    };
+    Ok(FlashFwdHopperParams {
+        p,
+        reserved: 0,
+        q: map(p.q, dims.s_q, dims.h_q, block_m)?,
+        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
+        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
+    })
 }
 
 /// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.

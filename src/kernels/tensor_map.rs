@@ -274,6 +274,32 @@ impl TensorMapSpec {
     }
 }
 
+/// The map of a `[b, s, h, d]` 16-bit tensor at `address` as the flash kernels copy it: a
+/// 4-d view `{d, h, s, b}` (innermost first) whose boxes are 64 columns (128 bytes,
+/// 128-byte swizzled) × 1 head × `rows` rows × 1 batch; a kernel copies `ceil(d / 64)` boxes
+/// side by side for a tile of `rows` rows (columns past `d` and rows past `s` arrive as zeros).
+pub fn bshd_tile_map(
+    dtype: TensorMapDType,
+    address: u64,
+    b: usize,
+    s: usize,
+    h: usize,
+    d: usize,
+    rows: u32,
+) -> TensorMapSpec {
+    let e = dtype.size();
+    let (b, s, h, d) = (b as u64, s as u64, h as u64, d as u64);
+    TensorMapSpec {
+        dtype,
+        address,
+        dims: vec![d, h, s, b],
+        strides: vec![d * e, h * d * e, s * h * d * e],
+        box_dims: vec![64, 1, rows, 1],
+        swizzle: TensorMapSwizzle::B128,
+        oob_fill: OobFill::Zeros,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,38 @@
+// The Hopper forward kernels of cuda/flash_fwd_hopper.cu compiled for the host against the
+// emulator, with its C entry point (as kernels_fwd.cpp for the FA2-class forward): the
+// emulator runs the sm_90a family whatever the host; the tensor maps are the emulator's
+// encoding (src/kernels/tensor_map.rs).
+#include "emu/emu.h"
+#define RINGATTN_EMU_ENTRY_HELPERS
+#include "emu/launch.h"
+
+#include "flash_fwd_hopper.cu"
+
+// `bf16`: 1 for bf16 inputs, 0 for f16; `dclass` 64, 128 or 256 (src/kernels.rs
+// `geometry::forward_hopper`).
+extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int bf16, int dclass, EmuLaunch l,
+                                             char* msg, size_t cap) {
+    const FlashFwdHopperParams params = *hp;
+    const FlashFwdParams& p = params.p;
+    emu::LaunchConfig c = config(l);
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
+    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
+    if (p.o16) c.globals.push_back({p.o16, bytes(q, 2), "o16"});
+    add_mask(c, p.mask, p.s_q, p.s_k);
+    void (*kernel)(FlashFwdHopperParams) = nullptr;
+#define RINGATTN_EMU_FWD_HOPPER_CASE(D)                                                              \
+    case D:                                                                                          \
+        kernel = bf16 ? ringattn_hopper_flash_fwd_bf16_d##D : ringattn_hopper_flash_fwd_f16_d##D; \
+        break;
+    switch (dclass) {
+        RINGATTN_EMU_FWD_HOPPER_CASE(64)
+        RINGATTN_EMU_FWD_HOPPER_CASE(128)
+        RINGATTN_EMU_FWD_HOPPER_CASE(256)
+        default:
+            return report("no Hopper forward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+    }
+#undef RINGATTN_EMU_FWD_HOPPER_CASE
+    std::function<void()> body = [params, kernel] { kernel(params); };
+    return report(emu::launch(c, body), msg, cap);
+}
