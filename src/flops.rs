@@ -220,6 +220,8 @@ pub enum Executor {
     Cpu(TileConfig),
     /// The CUDA kernels (on a GPU or under the emulator); the backward in this dq mode.
     Kernels(DqMode),
+    /// The same with the forward on the Hopper family (`flash_fwd_hopper.cu`).
+    Hopper(DqMode),
 }
 
 /// FLOPs (2 per multiply-add) that `exec`'s matrix products perform for `pass` of a
@@ -237,6 +239,11 @@ pub enum Executor {
 ///   dq (atomic mode; deterministic up to class 128) `dQ` once per query tile × 64-key block
 ///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
 ///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
+/// * [`Executor::Hopper`]: the forward by consumer warpgroup (64 query rows) × key tile
+///   ([`geometry::hopper_forward_tile`]) holding a visible pair, `S` and `PV` at the Hopper
+///   class (64, 128, 256); with documents the kernel classifies tiles by the documents'
+///   bounds and may run a few that hold none, so this is then a lower bound. The backward as
+///   [`Executor::Kernels`].
 ///
 /// ```
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
@@ -268,7 +275,12 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
             };
             products * tiles(dims, params, t.into())?.visible_area as f64 * dims.d as f64
         }
-        Executor::Kernels(mode) => {
+        Executor::Hopper(_) if pass == Pass::Forward => {
+            let dc = geometry::hopper_head_dim_class(dims.d) as f64;
+            let (_, n) = geometry::hopper_forward_tile(dims.d);
+            warp_tiles(64, n)? * 2.0 * (64 * n) as f64 * dc
+        }
+        Executor::Kernels(mode) | Executor::Hopper(mode) => {
             let dc = geometry::head_dim_class(dims.d) as f64;
             match pass {
                 Pass::Forward => {

@@ -131,3 +131,15 @@ fn rounded_output_and_the_fa2_family_agree() {
     let diff = a.o.to_f32_vec().iter().zip(b.o.to_f32_vec()).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     assert!(diff < 0.02, "hopper vs fa2: {diff}");
 }
+
+// Every strategy, layout and mask with the Hopper forward (the backward on the FA2 family)
+// over in-process ranks, against the oracle.
+support::conformance::conformance!(
+    every_strategy_runs_with_the_hopper_forward,
+    ringattn::emu::EmuBackend {
+        dtype: DType::BF16,
+        options: EmuOptions { workers: 1, kernels: KernelFamily::Hopper, ..Default::default() }
+    },
+    DType::BF16,
+    ringattn::comm::MessageOrder::PerPeerFifo
+);

@@ -263,3 +263,45 @@ fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
     };
     check_flops("documents, d 32", dims(160, 160, 2, 1, 32), &docs);
 }
+
+/// The Hopper forward: each block (128 query rows) loads Q once (one 64-column box per
+/// column block) and the K and V tiles from the first to the last one any of its rows may
+/// see (two boxes per column block per tile), nothing when it sees none; its consumer
+/// warpgroups' wgmma multiply-adds are what [`flops::executed_flops`] reports for
+/// [`Executor::Hopper`] (no documents: tiles are classified exactly).
+#[test]
+fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
+    use crate::kernels::geometry::KernelFamily;
+    let cases = [
+        ("causal", Positions::single_device(300, 300), causal(), 64),
+        ("no mask, s_q < s_k", Positions::single_device(130, 260), AttentionParams::default(), 128),
+        (
+            "sliding window",
+            Positions::single_device(400, 400),
+            AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() },
+            256,
+        ),
+    ];
+    for (name, (q_pos, k_pos), params, d) in cases {
+        let (s_q, s_k, h) = (q_pos.len(), k_pos.len(), 2);
+        let q = randn(vec![1, s_q, h, d], 1, DType::BF16);
+        let k = randn(vec![1, s_k, h, d], 2, DType::BF16);
+        let counts = BlockCounts::default();
+        let opts = EmuOptions { kernels: KernelFamily::Hopper, ..Default::default() };
+        let emu = Emulator { opts: &opts, counts: Some(&counts) };
+        runner::forward_tensors(&emu, &q, &k, &k, Some((&q_pos, &k_pos)), &params).expect("forward");
+        let launch = counts.take().remove(0);
+        assert_eq!(launch.kernel, "flash_fwd_hopper");
+        let boxes = (geometry::hopper_head_dim_class(d) / 64) as u64;
+        let (m, n) = geometry::hopper_forward_tile(d);
+        let vis = Visibility::new(&params, &q_pos, &k_pos).expect("visibility");
+        let want: Vec<u64> = expected_tiles(&pairs(&vis), Blocks::Queries, m, n).repeat(h);
+        let got: Vec<u64> = launch.copies.iter().map(|&c| if c == 0 { 0 } else { (c - boxes) / (2 * boxes) }).collect();
+        assert_eq!(got, want, "{name}: tiles per block");
+        let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d };
+        let flops =
+            flops::executed_flops(&dims, &params, Pass::Forward, Executor::Hopper(DqMode::Deterministic)).unwrap();
+        let macs: u64 = launch.mma_macs.iter().sum();
+        assert_eq!(2.0 * macs as f64, flops, "{name}: executed FLOPs");
+    }
+}

@@ -3,6 +3,7 @@
 use clap::Args;
 use ringattn::comm::LocalOptions;
 use ringattn::cpu::{self, ForwardOutput, Gradients};
+use ringattn::kernels::geometry::KernelFamily;
 use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, ProcessRun, Strategy};
 use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result, Tensor};
 
@@ -97,6 +98,13 @@ pub struct ExecArgs {
     /// elsewhere).
     #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
     pub cpu_arithmetic: String,
+    /// Tensor-core kernel family of the emu and cuda backends' forward: auto (the Hopper
+    /// family on an H100/H200 where it supports the shape, the FA2 family otherwise; the
+    /// emulator runs the FA2 family), fa2 (mma.sync, every GPU) or hopper (wgmma, TMA and
+    /// warp specialisation, sm_90a; the emulator runs it whatever the host). The backward runs
+    /// the FA2 family.
+    #[arg(long, default_value = "auto", value_name = "auto|fa2|hopper")]
+    pub kernels: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.
     #[arg(long, value_name = "SECS", default_value_t = 600.0)]
     pub timeout: f64,
@@ -145,6 +153,17 @@ impl ExecArgs {
         parse_backend(&self.backend)
     }
 
+    /// The kernel family of --kernels, checked against --backend.
+    pub fn kernels(&self) -> Result<KernelFamily> {
+        kernel_family(&self.kernels, self.backend()?)
+    }
+
+    /// The emulator's options: every core, --kernels.
+    #[cfg(feature = "emu")]
+    pub fn emu_options(&self) -> Result<ringattn::emu::EmuOptions> {
+        Ok(ringattn::emu::EmuOptions { workers: 0, kernels: self.kernels()?, ..Default::default() })
+    }
+
     /// The cpu backend's arithmetic (--cpu-arithmetic).
     pub fn arithmetic(&self) -> Result<cpu::Arithmetic> {
         self.cpu_arithmetic.parse()
@@ -164,6 +183,7 @@ impl ExecArgs {
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         self.backend()?;
         self.arithmetic()?;
+        self.kernels()?;
         self.comm_kind()?;
         let strategy: Strategy = self.strategy.parse()?;
         let layout = self.layout.as_deref().map(str::parse::<Layout>).transpose()?;
@@ -221,6 +241,24 @@ pub fn parse_backend(name: &str) -> Result<BackendKind> {
     }
 }
 
+/// The kernel family `name` (--kernels) for `backend`: the cpu backend has none to choose
+/// (auto only); the cuda backend does not dispatch the Hopper family yet.
+pub fn kernel_family(name: &str, backend: BackendKind) -> Result<KernelFamily> {
+    let family: KernelFamily = name.parse()?;
+    match (backend, family) {
+        (_, KernelFamily::Auto) | (BackendKind::Emu, _) | (BackendKind::Cuda, KernelFamily::Fa2) => Ok(family),
+        (BackendKind::Cpu, _) => Err(Error::InvalidArgument(format!(
+            "--kernels {name}: selects the tensor-core kernels of --backend emu or cuda, not cpu"
+        ))),
+        (BackendKind::Cuda, KernelFamily::Hopper) => Err(Error::BackendUnsupported {
+            backend: "cuda",
+            what: "--kernels hopper yet (the Hopper forward runs under --backend emu; auto and fa2 run the FA2 \
+                   family on the GPU)"
+                .into(),
+        }),
+    }
+}
+
 /// Forward (and backward when `d_o` is given) of full tensors as `exec` says: one device or
 /// in-process ranks, on the chosen backend.
 pub fn compute(
@@ -253,7 +291,7 @@ pub fn forward_single(
     match exec.backend()? {
         BackendKind::Cpu => cpu::forward_with(q, k, v, None, params, &exec.cpu_config(None)?),
         #[cfg(feature = "emu")]
-        BackendKind::Emu => ringattn::emu::forward(q, k, v, None, params, &emu_options()),
+        BackendKind::Emu => ringattn::emu::forward(q, k, v, None, params, &exec.emu_options()?),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => ringattn::cuda::forward(q, k, v, None, params, &Default::default()),
         #[allow(unreachable_patterns)]
@@ -275,18 +313,12 @@ pub fn backward_single(
     match exec.backend()? {
         BackendKind::Cpu => cpu::backward_with(q, k, v, o, lse, d_o, None, params, &exec.cpu_config(None)?),
         #[cfg(feature = "emu")]
-        BackendKind::Emu => ringattn::emu::backward(q, k, v, o, lse, d_o, None, params, &emu_options()),
+        BackendKind::Emu => ringattn::emu::backward(q, k, v, o, lse, d_o, None, params, &exec.emu_options()?),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => ringattn::cuda::backward(q, k, v, o, lse, d_o, None, params, &Default::default()),
         #[allow(unreachable_patterns)]
         other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
     }
-}
-
-/// The emulator's options for the CLI: every core.
-#[cfg(feature = "emu")]
-fn emu_options() -> ringattn::emu::EmuOptions {
-    ringattn::emu::EmuOptions { workers: 0, ..Default::default() }
 }
 
 /// The full tensors sharded over `exec.world()` in-process ranks running `parallel` on the
@@ -304,7 +336,8 @@ pub fn run_parallel(
         BackendKind::Cpu => run_in_process(world, options, &exec.cpu_backend()?, q, k, v, d_o, parallel),
         #[cfg(feature = "emu")]
         BackendKind::Emu => {
-            let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), ..Default::default() };
+            let emu = ringattn::emu::EmuOptions { kernels: exec.kernels()?, ..Default::default() };
+            let backend = ringattn::emu::EmuBackend { dtype: q.dtype(), options: emu };
             run_in_process(world, options, &backend, q, k, v, d_o, parallel)
         }
         // Device-resident: every rank's buffers on GPU 0, exchanges by device copies.

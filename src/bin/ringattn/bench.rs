@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ringattn::flops::{self, TileShape, Tiles};
-use ringattn::kernels::geometry::DqMode;
+use ringattn::kernels::geometry::{self, DqMode, KernelFamily};
 use ringattn::{cpu, random::randn, AttentionParams, DType, Dims, Error, Mask, Result, Tensor};
 use serde::Serialize;
 
@@ -95,6 +95,10 @@ pub struct BenchArgs {
     /// (added by the dk/dv kernel with f32 atomics).
     #[arg(long, default_value = "deterministic")]
     pub dq_mode: String,
+    /// Tensor-core kernel family of the emu and cuda forward: auto, fa2 or hopper (as
+    /// `ringattn run --kernels`).
+    #[arg(long, default_value = "auto", value_name = "auto|fa2|hopper")]
+    pub kernels: String,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -155,6 +159,7 @@ struct Inputs {
     dtype: DType,
     params: AttentionParams,
     dq_mode: DqMode,
+    kernels: KernelFamily,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -244,10 +249,16 @@ fn describe_mask(p: &AttentionParams) -> String {
 /// The work of one pass: `(flops, dense_flops, tile shape, tiles, executed flops)`.
 fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
-    let shape = tile_shape(backend, pass, dims.d);
+    let shape = match (backend, pass, x.kernels) {
+        (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
+            TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d).1 }
+        }
+        _ => tile_shape(backend, pass, dims.d),
+    };
     let tiles = flops::tiles(dims, &x.params, shape)?;
     let executor = match backend {
         BackendKind::Cpu => flops::Executor::Cpu(cpu::TileConfig::default()),
+        BackendKind::Emu | BackendKind::Cuda if x.kernels == KernelFamily::Hopper => flops::Executor::Hopper(x.dq_mode),
         BackendKind::Emu | BackendKind::Cuda => flops::Executor::Kernels(x.dq_mode),
     };
     Ok((
@@ -272,6 +283,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let backend = parse_backend(&a.backend)?;
     let passes = passes(&a.pass)?;
     let dq_mode = parse_dq_mode(&a.dq_mode)?;
+    let kernels = crate::args::kernel_family(&a.kernels, backend)?;
     let mask_args =
         MaskArgs { causal: a.causal, window: a.window.clone(), seqlens: a.seqlens.clone(), ..Default::default() };
     let params = mask_args.params()?;
@@ -293,7 +305,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let dims = Dims::of(&q, &k, &v)?;
     // Counted before timing: refuses documents that disagree with --seq up front.
     let pairs = flops::visible_pairs(&dims, &params)?;
-    let x = Inputs { dims, dtype, params, dq_mode, q, k, v, d_o };
+    let x = Inputs { dims, dtype, params, dq_mode, kernels, q, k, v, d_o };
     let (device, samples) = match backend {
         BackendKind::Cpu => ("cpu".to_string(), host_bench(a, &x, &passes, cpu_forward, cpu_backward)?),
         BackendKind::Emu => ("cpu".to_string(), emu_bench(a, &x, &passes)?),
@@ -416,7 +428,7 @@ fn host_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass], fwd: Fwd, bwd: Bwd) ->
 #[cfg(feature = "emu")]
 fn emu_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<Samples> {
     fn opts(x: &Inputs) -> ringattn::emu::EmuOptions {
-        ringattn::emu::EmuOptions { workers: 0, dq_mode: x.dq_mode, ..Default::default() }
+        ringattn::emu::EmuOptions { workers: 0, dq_mode: x.dq_mode, kernels: x.kernels, ..Default::default() }
     }
     // The forward rounds `o` to the input dtype in the kernel's epilogue (`o16`), as the cuda
     // bench's forward does.
@@ -519,7 +531,17 @@ mod tests {
         let (q, k) = (t(a.heads), t(a.kv_heads.unwrap_or(a.heads)));
         let dims = Dims::of(&q, &k, &k).unwrap();
         let dq_mode = parse_dq_mode(&a.dq_mode).unwrap();
-        Inputs { dims, dtype: DType::BF16, params, dq_mode, q: q.clone(), k: k.clone(), v: k, d_o: q }
+        Inputs {
+            dims,
+            dtype: DType::BF16,
+            params,
+            dq_mode,
+            kernels: KernelFamily::Auto,
+            q: q.clone(),
+            k: k.clone(),
+            v: k,
+            d_o: q,
+        }
     }
 
     /// The figures a bench reports: visible-pair FLOPs against the dense count, tiles of the
