@@ -231,8 +231,9 @@ def subroutine_call(insns, x):
     return False
 
 
-def analyse(insns):
-    """Main-loop paths of one function (see the model in the header)."""
+def analyse(insns, key="HMMA"):
+    """Main-loop paths of one function (see the model in the header); `key` is the tensor-core
+    instruction that marks the main loop and the steady state (HGMMA for the Hopper family)."""
     if not insns:
         return None
     blocks, succ = cfg(insns)
@@ -252,7 +253,7 @@ def analyse(insns):
     loops = []
     for latch, header in back_edges(succ, [0]):
         body = natural_loop(succ, latch, header)
-        hmma = sum(stats[k]["HMMA"] for k in body)
+        hmma = sum(stats[k][key] for k in body)
         loops.append(((hmma, sum(stats[k]["insns"] for k in body)), latch, header, body))
     if not loops:
         return None
@@ -299,13 +300,13 @@ def analyse(insns):
     fast, slow = {}, {}
     for table, sign in ((fast, -1), (slow, 1)):
         c = weigh(header)
-        table[header] = (c["HMMA"], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
+        table[header] = (c[key], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
         for k in order:
             if k not in table:
                 continue
             for s in dag[k]:
                 c = table[k][4] + weigh(s)
-                cand = (c["HMMA"], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
+                cand = (c[key], c["LDGSTS"], c["atomics"], sign * c["insns"], c)
                 if s not in table or cand[:4] > table[s][:4]:
                     table[s] = cand
     if latch not in fast:
@@ -430,6 +431,64 @@ def build(sass_dir, geometry):
     return rows
 
 
+HOPPER_CLASSES = (64, 128, 256)
+
+
+def hopper_rows(sass_dir):
+    """The Hopper forward (flash_fwd_hopper.cu, sm_90a): its consumer loop, the natural loop
+    with the most HGMMA, per warp and tile on the fast and masked paths (the mbarrier waits'
+    spin loops are inner loops, counted once: a wait that succeeds at once). Report only."""
+    arch = "sm_90a"
+    sass_path = os.path.join(sass_dir, arch, "flash_fwd_hopper.sass")
+    ptxas_path = os.path.join(sass_dir, arch, "flash_fwd_hopper.ptxas.txt")
+    if not os.path.exists(sass_path):
+        sys.exit(f"kernel-budget: {sass_path} is missing (run scripts/sass-gates.sh first)")
+    funcs = functions(open(sass_path).read())
+    regs = registers(open(ptxas_path).read())
+    rows = []
+    for d in HOPPER_CLASSES:
+        name = f"ringattn_hopper_flash_fwd_bf16_d{d}"
+        a = analyse(funcs.get(name, []), key="HGMMA")
+        if a is None:
+            rows.append(dict(kernel=name, arch=arch, error="no consumer loop with HGMMA"))
+            continue
+        f, m = a["fast"], a["masked"]
+        n = 128 if d <= 128 else 64
+        rows.append(dict(
+            kernel=name, arch=arch, d=d, entry_registers=regs.get(name, 0), hgmma=f["HGMMA"],
+            hgmma_per_tile=d // 16 + n // 16, instructions=f["insns"],
+            insns_per_hgmma=f["insns"] / f["HGMMA"], masked_insns_per_hgmma=m["insns"] / m["HGMMA"],
+            mufu=f["MUFU"], inner_loops=a["inner_loops"],
+        ))
+    return rows
+
+
+def hopper_markdown(rows):
+    out = [
+        "",
+        "## Hopper forward (sm_90a; report only)",
+        "",
+        "Consumer loop of `flash_fwd_hopper.cu` per warp and key tile (one 64-row warpgroup's",
+        "S = QKᵀ and O += PV on wgmma), fast path (no mask work) and masked path. An HGMMA here is a",
+        "warpgroup's m64nNk16 (N = 128 for S up to class 128, 64 at 256; N = the class for PV): 8 to",
+        "16 times an m16n8k16 HMMA's work per warp. Inner loops: the mbarrier waits' spin loops,",
+        "counted once. Registers: at entry (the consumers run at setmaxnreg 232).",
+        "",
+        "| kernel | regs at entry | HGMMA on path (of tile) | insns/HGMMA fast | masked | MUFU | inner loops |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['kernel']} | {r['error']} |" + " |" * 5)
+            continue
+        out.append(
+            f"| {r['kernel'][len('ringattn_'):]} | {r['entry_registers']} | {r['hgmma']} (of {r['hgmma_per_tile']}) | "
+            f"{r['insns_per_hgmma']:.1f} ({r['instructions']}) | {r['masked_insns_per_hgmma']:.1f} | {r['mufu']} | "
+            f"{r['inner_loops']} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def judge(row):
     """The budget verdicts of one kernel: a list of misses (empty: within budget), or None
     for kernels outside the budgeted head-dim classes."""
@@ -531,7 +590,9 @@ def main():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     open(args.json, "w").write(json.dumps(rows, indent=1) + "\n")
     before = json.load(open(args.before)) if os.path.exists(args.before) else None
-    md = markdown(rows, before)
+    hopper = hopper_rows(args.sass)
+    open(os.path.splitext(args.json)[0] + "-hopper.json", "w").write(json.dumps(hopper, indent=1) + "\n")
+    md = markdown(rows, before) + hopper_markdown(hopper)
     open(args.markdown, "w").write(md)
     print(md)
     if args.write_baseline:
@@ -543,7 +604,7 @@ def main():
     over = [f"{r['kernel']} {r['arch']}: {'; '.join(r['budget'])}" for r in rows if r.get("budget")]
     if over:
         print("kernel-budget: over budget (listed, not failed, until met):\n  " + "\n  ".join(over))
-    failures = gate(rows, baseline)
+    failures = gate(rows, baseline) + [f"{r['kernel']} {r['arch']}: {r['error']}" for r in hopper if "error" in r]
     if failures:
         print("kernel-budget: FAILED against the baseline:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
