@@ -129,7 +129,7 @@ stage "candle-core with CUDA beside ringattn (cuda, candle, mpi): lints of every
 scripts/check-candle-cuda.sh
 done_stage candle-cuda
 
-stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the attention kernels; the kernel budget"
+stage "static SASS gates: no spills or local memory in any kernel; HMMA + LDSM (+ LDGSTS) in the FA2-class kernels, HGMMA + UTMALDG + SYNCS + USETMAXREG and no HMMA in the Hopper ones; the kernel budget"
 scripts/sass-gates.sh
 # The main loops' instructions and shared-memory bytes per HMMA (docs/kernel-budget.md), gated
 # against the committed baseline (docs/kernel-budget.json): no kernel gets worse.

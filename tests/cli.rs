@@ -199,6 +199,53 @@ fn verify_passes_on_random_and_file_inputs() {
     assert_eq!(report["rows"].as_array().unwrap().len(), 5);
 }
 
+/// `--kernels hopper`: the Hopper forward under the emulator, single device and a ring (verify
+/// checks it against the oracle), and bench; an unknown family, or one the cpu backend does
+/// not have, fails naming it.
+#[test]
+fn the_kernel_family_is_chosen_on_the_command_line() {
+    for strategy in [&["--strategy", "single"][..], &["--strategy", "ring", "--world", "3"][..]] {
+        let mut args = vec!["verify", "--backend", "emu", "--kernels", "hopper", "--shape", "1,150,2,1,64", "--causal"];
+        args.extend(strategy);
+        let r = ringattn(&args);
+        assert!(
+            r.status.success(),
+            "{strategy:?}: {}{}",
+            String::from_utf8_lossy(&r.stdout),
+            String::from_utf8_lossy(&r.stderr)
+        );
+    }
+    let r = ringattn(&[
+        "bench",
+        "--backend",
+        "emu",
+        "--kernels",
+        "hopper",
+        "--seq",
+        "130",
+        "--heads",
+        "1",
+        "--head-dim",
+        "64",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--pass",
+        "forward",
+    ]);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{stdout}{}", String::from_utf8_lossy(&r.stderr));
+    for (args, want) in [
+        (&["verify", "--kernels", "hopper", "--shape", "1,20,1,1,16"][..], "not cpu"),
+        (&["verify", "--backend", "emu", "--kernels", "fa3", "--shape", "1,20,1,1,16"][..], "--kernels `fa3`"),
+    ] {
+        let r = ringattn(args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success() && err.contains(want), "{args:?}: {err}");
+    }
+}
+
 /// `--cpu-arithmetic`: both paths verify on bf16 inputs, single-device and on a ring; asking
 /// for bf16 products on f32 inputs, or for an unknown arithmetic, fails naming the value.
 #[test]

@@ -231,6 +231,7 @@ fn the_device_resident_api_matches_the_host_path() {
         v: &v,
         mask: &mask,
         scale: c.params.softmax_scale(64),
+        kernels: Default::default(),
     };
     let saved = dev.forward(&stream, &args).unwrap();
     let o = dev.download_f32(&saved.o, dims.b * dims.s_q * dims.h_q * dims.d).unwrap();

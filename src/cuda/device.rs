@@ -16,8 +16,11 @@ use super::buffers::{
 };
 use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
-use crate::kernels::geometry::{self, DqMode, Launch, OpsKernel};
-use crate::kernels::params::{FlashBwdParams, FlashFwdParams, MaskParams, MergeParams, OpsParams};
+use crate::kernels::geometry::{self, DqMode, KernelFamily, Launch, OpsKernel};
+use crate::kernels::params::{
+    FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams, MergeParams, OpsParams,
+};
+use crate::kernels::tensor_map::{hopper_forward_params, TensorMapSpec};
 use crate::kernels::{self, ImageKind, KernelImage};
 use crate::{DType, Dims, Error, Result};
 
@@ -25,6 +28,7 @@ use crate::{DType, Dims, Error, Result};
 // alignment of their C twins in cuda/params.h (asserted in src/kernels.rs), passed by value as
 // a kernel's single parameter; cuLaunchKernel copies them at launch.
 unsafe impl DeviceRepr for FlashFwdParams {}
+unsafe impl DeviceRepr for FlashFwdHopperParams {}
 unsafe impl DeviceRepr for FlashBwdParams {}
 unsafe impl DeviceRepr for MergeParams {}
 unsafe impl DeviceRepr for MaskParams {}
@@ -33,8 +37,9 @@ unsafe impl DeviceRepr for OpsParams {}
 /// The kernel families of `cuda/` (one module each), with an entry point checked when the
 /// device opens where the family has one without a head-dim class; the others load on first
 /// launch.
-const FAMILIES: [(&str, Option<&str>); 4] = [
+const FAMILIES: [(&str, Option<&str>); 5] = [
     ("flash_fwd", None),
+    ("flash_fwd_hopper", None),
     ("flash_bwd", Some("ringattn_flash_bwd_rowsum_bf16")),
     ("merge", Some("ringattn_merge_f32")),
     ("ops", Some("ringattn_ops_fill_f32")),
@@ -71,7 +76,8 @@ struct Kernel {
 /// let q = dev.upload_bits(&to_bits(&x, DType::BF16))?;
 /// let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
 /// let mask = dev.mask(&dims, None, &params)?;
-/// let args = FlashForwardArgs { dims, dtype: DType::BF16, q: &q, k: &q, v: &q, mask: &mask, scale: params.softmax_scale(64) };
+/// let scale = params.softmax_scale(64);
+/// let args = FlashForwardArgs { dims, dtype: DType::BF16, q: &q, k: &q, v: &q, mask: &mask, scale, kernels: Default::default() };
 /// let saved = dev.forward(dev.stream(), &args)?; // o and lse stay on the GPU
 /// let lse = dev.download_f32(&saved.lse, 8 * 4096)?;
 /// # Ok::<(), ringattn::Error>(())
@@ -471,7 +477,44 @@ impl CudaDevice {
         let (v, _gv) = args.v.device_ptr(stream);
         let (mask, _gm) = mask_params(args.mask, stream);
         let p = FlashFwdParams { q, k, v, lse, mask, ..o.params(FlashFwdParams::for_shape(&args.dims, args.scale)) };
+        if self.hopper_forward(args, [q, k, v])? {
+            let hp = hopper_forward_params(p, &args.dims, args.dtype, TensorMapSpec::encode_driver)?;
+            let base = format!("ringattn_hopper_flash_fwd_{}", if args.dtype == DType::F16 { "f16" } else { "bf16" });
+            return self.launch(stream, "flash_fwd_hopper", &base, geometry::forward_hopper(&args.dims), &hp);
+        }
         self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&args.dims), &p)
+    }
+
+    /// Whether this GPU runs the Hopper forward (compute capability 9.0, the
+    /// `flash_fwd_hopper` family loaded from its sm_90a cubin).
+    pub fn has_hopper_kernels(&self) -> bool {
+        self.cc == (9, 0)
+            && self.modules.iter().any(|(family, _, image)| {
+                *family == "flash_fwd_hopper" && image.target == "sm_90a" && image.kind == ImageKind::Cubin
+            })
+    }
+
+    /// Whether the forward of `args` (inputs at the device addresses `qkv`) runs on the
+    /// Hopper family: [`KernelFamily::Auto`] where [`CudaDevice::has_hopper_kernels`] and the
+    /// tensor copies can address the inputs (16-byte aligned); [`KernelFamily::Hopper`]
+    /// requires the former (the latter then fails with the encoder's error).
+    fn hopper_forward(&self, args: &FlashForwardArgs<'_>, qkv: [u64; 3]) -> Result<bool> {
+        match args.kernels {
+            KernelFamily::Fa2 => Ok(false),
+            KernelFamily::Auto => Ok(self.has_hopper_kernels() && qkv.iter().all(|a| a % 16 == 0)),
+            KernelFamily::Hopper if self.has_hopper_kernels() => Ok(true),
+            KernelFamily::Hopper => Err(Error::BackendUnsupported {
+                backend: super::BACKEND,
+                what: format!(
+                    "the Hopper kernels on {} (compute capability {}.{}; they need 9.0 and an sm_90a cubin in \
+                     RINGATTN_CUDA_ARCHS; this build embedded {})",
+                    self.name,
+                    self.cc.0,
+                    self.cc.1,
+                    images::embedded(kernels::images(), "flash_fwd_hopper")
+                ),
+            }),
+        }
     }
 
     /// [`CudaDevice::forward_into`] into new buffers ([`SavedContext::alloc`], stream

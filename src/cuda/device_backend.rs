@@ -10,7 +10,7 @@ use super::buffers::{self, kv_len, lse_len, q_len, Delta, DeviceGradients, Flash
 use super::device_buf::{wait_event, DeviceBuf};
 use super::probe::guard;
 use super::{CudaDevice, DeviceMask};
-use crate::kernels::geometry::{DqMode, OpsKernel};
+use crate::kernels::geometry::{DqMode, KernelFamily, OpsKernel};
 use crate::kernels::params::{device_capacity as capacity, pair_word, words, OpsParams};
 use crate::parallel::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, Pending};
 use crate::{AttentionParams, DType, Dims, Elem, Error, HostBuf, Positions, Result};
@@ -52,6 +52,7 @@ pub struct DeviceBackend {
     stream: Arc<CudaStream>,
     dtype: DType,
     dq_mode: DqMode,
+    kernels: KernelFamily,
     step_deadline: Duration,
     /// Head-index lists on the device, by list (the Ulysses plans reuse a few).
     heads: Mutex<HashMap<Vec<usize>, Arc<CudaSlice<i64>>>>,
@@ -70,6 +71,7 @@ impl std::fmt::Debug for DeviceBackend {
             .field("device", &self.device)
             .field("dtype", &self.dtype)
             .field("dq_mode", &self.dq_mode)
+            .field("kernels", &self.kernels)
             .field("step_deadline", &self.step_deadline)
             .finish()
     }
@@ -109,6 +111,7 @@ impl DeviceBackend {
             stream,
             dtype,
             dq_mode: DqMode::default(),
+            kernels: KernelFamily::default(),
             step_deadline: Duration::from_secs(300),
             heads: Mutex::new(HashMap::new()),
             masks: Mutex::new(HashMap::new()),
@@ -141,6 +144,13 @@ impl DeviceBackend {
     /// With the backward's dq mode (deterministic by default).
     pub fn with_dq_mode(mut self, dq_mode: DqMode) -> Self {
         self.dq_mode = dq_mode;
+        self
+    }
+
+    /// With the forward's kernel family (auto by default: the Hopper family on an H100/H200
+    /// with an sm_90a image, the FA2 family otherwise).
+    pub fn with_kernels(mut self, kernels: KernelFamily) -> Self {
+        self.kernels = kernels;
         self
     }
 
@@ -554,6 +564,7 @@ impl Backend for DeviceBackend {
             v: v16.bits()?,
             mask: &mask,
             scale: params.softmax_scale(dims.d),
+            kernels: self.kernels,
         };
         self.device.forward_into(&self.stream, &args, &mut out)?;
         self.step_end(start)?;
@@ -617,6 +628,7 @@ impl Backend for DeviceBackend {
             v: v16.bits()?,
             mask: &mask,
             scale: params.softmax_scale(dims.d),
+            kernels: self.kernels,
         };
         // `delta` is given: the kernels do not read `o` (which may be 16-bit).
         let saved = (None, lse.f32s()?);

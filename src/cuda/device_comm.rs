@@ -233,6 +233,8 @@ pub struct DeviceRunOptions {
     pub device: usize,
     /// How the backward computes dq.
     pub dq_mode: DqMode,
+    /// Which kernel family runs the forward.
+    pub kernels: crate::kernels::geometry::KernelFamily,
     /// What runs: everything, or compute or communication alone (for overlap measurements).
     pub mode: DeviceRunMode,
 }
@@ -449,7 +451,7 @@ fn run_ranks(
     }
     let backends = (0..world)
         .map(|_| {
-            let be = DeviceBackend::new(device.clone(), q.dtype())?.with_dq_mode(run.dq_mode);
+            let be = DeviceBackend::new(device.clone(), q.dtype())?.with_dq_mode(run.dq_mode).with_kernels(run.kernels);
             Ok(if run.mode == DeviceRunMode::CommOnly { be.without_compute() } else { be })
         })
         .collect::<Result<Vec<_>>>()?;

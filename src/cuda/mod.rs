@@ -91,6 +91,7 @@ pub use nccl_lib::{nccl_candidates, nccl_info, NcclInfo, NcclVersion, OLDEST_NCC
 pub use probe::{driver_facts, gpus, probe, required_driver_version, DriverInfo, GpuInfo};
 
 use crate::cpu::{ForwardOutput, Gradients};
+use crate::kernels::geometry::KernelFamily;
 use crate::runner::{self, BackwardJob, Executor, ForwardJob};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
 
@@ -104,13 +105,16 @@ pub struct CudaOptions {
     pub device: usize,
     /// How the backward computes dq (deterministic by default).
     pub dq_mode: crate::kernels::geometry::DqMode,
+    /// Which kernel family runs the forward (auto: the Hopper family on an H100/H200 with an
+    /// sm_90a image, the FA2 family otherwise).
+    pub kernels: KernelFamily,
 }
 
 impl Executor for CudaDevice {
     const NAME: &'static str = BACKEND;
 
     fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.forward_host(x)
+        self.forward_host(x, KernelFamily::Auto)
     }
 
     fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -119,6 +123,25 @@ impl Executor for CudaDevice {
 
     fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
         self.rowsum_host(dims, dtype, o, d_o)
+    }
+}
+
+/// A device with the forward's kernel family chosen ([`CudaOptions::kernels`]).
+struct WithKernels<'a>(&'a CudaDevice, KernelFamily);
+
+impl Executor for WithKernels<'_> {
+    const NAME: &'static str = BACKEND;
+
+    fn forward(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.0.forward_host(x, self.1)
+    }
+
+    fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        self.0.backward_host(x)
+    }
+
+    fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
+        self.0.rowsum_host(dims, dtype, o, d_o)
     }
 }
 
@@ -133,7 +156,7 @@ impl CudaDevice {
     /// Forward of host buffers on this device's stream: upload, launch, download; f32 `(o,
     /// lse)`, unrounded unless `x.round_o` (then `o` holds values of `x.dtype`, rounded to
     /// nearest even after the download, as the emulator's kernel epilogue rounds them).
-    pub(crate) fn forward_host(&self, x: &ForwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub(crate) fn forward_host(&self, x: &ForwardJob<'_>, kernels: KernelFamily) -> Result<(Vec<f32>, Vec<f32>)> {
         let dims = x.dims;
         runner::check_supported(BACKEND, &dims, x.dtype)?;
         host_len("q", x.q, buffers::q_len(&dims))?;
@@ -142,7 +165,7 @@ impl CudaDevice {
         let s = self.stream();
         let (q, k, v) = (self.upload_bits(x.q)?, self.upload_bits(x.k)?, self.upload_bits(x.v)?);
         let mask = DeviceMask::upload(s, x.vis)?;
-        let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale };
+        let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale, kernels };
         let saved = self.forward(s, &args)?;
         let mut o = buffers::download(s, &saved.o, buffers::q_len(&dims))?;
         if x.round_o {
@@ -172,7 +195,16 @@ impl CudaDevice {
         let saved = SavedContext { o: buffers::upload(s, x.o)?, lse: buffers::upload(s, x.lse)? };
         let mask = DeviceMask::upload(s, f.vis)?;
         let args = FlashBackwardArgs {
-            forward: FlashForwardArgs { dims, dtype: f.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: f.scale },
+            forward: FlashForwardArgs {
+                dims,
+                dtype: f.dtype,
+                q: &q,
+                k: &k,
+                v: &v,
+                mask: &mask,
+                scale: f.scale,
+                kernels: KernelFamily::Auto,
+            },
             saved: &saved,
             d_o: &d_o,
             dq_mode: x.dq_mode,
@@ -245,7 +277,8 @@ pub fn forward(
     let dims = Dims::of(q, k, v)?;
     runner::check_supported(BACKEND, &dims, q.dtype())?;
     runner::visibility(&dims, positions, params)?;
-    runner::forward_tensors(&*CudaDevice::shared(opts.device)?, q, k, v, positions, params)
+    let dev = CudaDevice::shared(opts.device)?;
+    runner::forward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, positions, params)
 }
 
 /// Single-device backward on GPU `opts.device`: the contract of [`crate::cpu::backward`]

@@ -10,7 +10,7 @@ use super::{check, BlockCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode, KernelFamily};
 use crate::kernels::params::{FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
-use crate::kernels::tensor_map::{bshd_tile_map, TensorMapDType};
+use crate::kernels::tensor_map::{hopper_forward_params, TensorMapSpec};
 use crate::params::Visibility;
 use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
@@ -143,7 +143,7 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
     let bf16 = (dtype == DType::BF16) as i32;
     if emu.opts.kernels == KernelFamily::Hopper {
         let launch = geometry::forward_hopper(&dims);
-        let hp = hopper_params(p, &dims, dtype)?;
+        let hp = hopper_forward_params(p, &dims, dtype, TensorMapSpec::encode_emulated)?;
         let (l, slot) = emu.launch(launch)?;
         // SAFETY: as below; the tensor maps address q, k and v with their dims.
         let code = unsafe {
@@ -177,23 +177,6 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
         };
     }
     Ok((o, lse))
-}
-
-/// The Hopper forward's params: `p` and the emulator's tensor maps of q, k and v (a side
-/// without rows gets a one-row map, never read).
-fn hopper_params(p: FlashFwdParams, dims: &Dims, dtype: DType) -> Result<FlashFwdHopperParams> {
-    let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
-    let (block_m, block_n) = geometry::hopper_forward_tile(dims.d);
-    let map = |addr: u64, s: usize, h: usize, rows: usize| {
-        bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32).encode_emulated()
-    };
-    Ok(FlashFwdHopperParams {
-        p,
-        reserved: 0,
-        q: map(p.q, dims.s_q, dims.h_q, block_m)?,
-        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
-        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
-    })
 }
 
 /// Backward of one key block: f32 `(dq, dk, dv)`, unrounded.

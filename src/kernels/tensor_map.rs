@@ -32,8 +32,9 @@
 //! # Ok::<(), ringattn::Error>(())
 //! ```
 
-use super::params::TensorMap;
-use crate::{Error, Result};
+use super::geometry;
+use super::params::{FlashFwdHopperParams, FlashFwdParams, TensorMap};
+use crate::{DType, Dims, Error, Result};
 
 /// Element type of a tensor map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -298,6 +299,35 @@ pub fn bshd_tile_map(
         swizzle: TensorMapSwizzle::B128,
         oob_fill: OobFill::Zeros,
     }
+}
+
+/// The Hopper forward's params: `p` (whose `q`, `k`, `v` addresses and dims they describe)
+/// with the maps of q, k and v as the kernel copies them ([`bshd_tile_map`]; tiles of
+/// [`geometry::hopper_forward_tile`]), each encoded by `encode` (the driver's encoder on a GPU,
+/// [`TensorMapSpec::encode_emulated`] under the emulator). A side without rows gets a one-row
+/// map, never read.
+///
+/// # Errors
+/// [`Error::TensorMap`] from the encoder (an address that is not 16-byte aligned, for
+/// example).
+pub fn hopper_forward_params(
+    p: FlashFwdParams,
+    dims: &Dims,
+    dtype: DType,
+    encode: impl Fn(&TensorMapSpec) -> Result<TensorMap>,
+) -> Result<FlashFwdHopperParams> {
+    let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
+    let (block_m, block_n) = geometry::hopper_forward_tile(dims.d);
+    let map = |addr: u64, s: usize, h: usize, rows: usize| {
+        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32))
+    };
+    Ok(FlashFwdHopperParams {
+        p,
+        reserved: 0,
+        q: map(p.q, dims.s_q, dims.h_q, block_m)?,
+        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
+        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
+    })
 }
 
 #[cfg(test)]

@@ -242,21 +242,15 @@ pub fn parse_backend(name: &str) -> Result<BackendKind> {
 }
 
 /// The kernel family `name` (--kernels) for `backend`: the cpu backend has none to choose
-/// (auto only); the cuda backend does not dispatch the Hopper family yet.
+/// (auto only).
 pub fn kernel_family(name: &str, backend: BackendKind) -> Result<KernelFamily> {
     let family: KernelFamily = name.parse()?;
-    match (backend, family) {
-        (_, KernelFamily::Auto) | (BackendKind::Emu, _) | (BackendKind::Cuda, KernelFamily::Fa2) => Ok(family),
-        (BackendKind::Cpu, _) => Err(Error::InvalidArgument(format!(
+    if backend == BackendKind::Cpu && family != KernelFamily::Auto {
+        return Err(Error::InvalidArgument(format!(
             "--kernels {name}: selects the tensor-core kernels of --backend emu or cuda, not cpu"
-        ))),
-        (BackendKind::Cuda, KernelFamily::Hopper) => Err(Error::BackendUnsupported {
-            backend: "cuda",
-            what: "--kernels hopper yet (the Hopper forward runs under --backend emu; auto and fa2 run the FA2 \
-                   family on the GPU)"
-                .into(),
-        }),
+        )));
     }
+    Ok(family)
 }
 
 /// Forward (and backward when `d_o` is given) of full tensors as `exec` says: one device or
@@ -293,7 +287,10 @@ pub fn forward_single(
         #[cfg(feature = "emu")]
         BackendKind::Emu => ringattn::emu::forward(q, k, v, None, params, &exec.emu_options()?),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => ringattn::cuda::forward(q, k, v, None, params, &Default::default()),
+        BackendKind::Cuda => {
+            let opts = ringattn::cuda::CudaOptions { kernels: exec.kernels()?, ..Default::default() };
+            ringattn::cuda::forward(q, k, v, None, params, &opts)
+        }
         #[allow(unreachable_patterns)]
         other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
     }
@@ -343,7 +340,7 @@ pub fn run_parallel(
         // Device-resident: every rank's buffers on GPU 0, exchanges by device copies.
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
-            let run = ringattn::cuda::DeviceRunOptions::default();
+            let run = ringattn::cuda::DeviceRunOptions { kernels: exec.kernels()?, ..Default::default() };
             ringattn::cuda::run_on_device(world, options, &run, q, k, v, d_o, parallel)
         }
         #[allow(unreachable_patterns)]

@@ -477,6 +477,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
         v: &v,
         mask: &mask,
         scale: x.params.softmax_scale(dims.d),
+        kernels: x.kernels,
     };
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let mut out = Vec::new();
