@@ -7,18 +7,20 @@
 // warpgroup 0 is the producer (setmaxnreg down to 24 registers; one elected thread issues
 // every copy), warpgroups 1 and 2 the consumers (setmaxnreg up to 240), 64 query rows each.
 // The producer loads Q once (q_full) and K and V tiles of kBlockN keys into a ring of
-// kStages shared-memory stages: per stage a K and a V barrier that the tensor copies
-// complete (expect-tx of the tile's bytes), and an `empty` barrier that the 256 consumer
-// threads arrive on when they are done with the stage (the producer's first wait on a fresh
-// stage is on parity 1). Per tile each consumer warpgroup: S = Q K^T by wgmma (A = its 64 Q
-// rows and B = the K tile from shared memory, both K-major, 128-byte swizzled as the copies
-// place them); the mask on global positions where the tile is neither fully visible nor
-// fully masked (classified per warpgroup from the granule bounds; a fully masked tile is
-// skipped); the online softmax on the accumulator fragments (base 2, the lazy rescaling of
-// flash_fwd.cu); P packed from the fragments as the A registers of O += P V (B = the V tile,
-// MN-major). Loops are bounded by the mask (the block's tile range, as flash_fwd.cu).
-// Not yet: the intra-warpgroup overlap of the softmax with the next tile's Q K^T and the
-// ping-pong between consumer warpgroups (each wgmma group is waited on at once).
+// kStages shared-memory stages (4, 3, 2 at classes 64, 128, 256): per stage a K and a V
+// barrier that the tensor copies complete (expect-tx of the tile's bytes), and an `empty`
+// barrier that the 256 consumer threads arrive on when they are done with the stage (the
+// producer's first wait on a fresh stage is on parity 1). Per tile each consumer
+// warpgroup: S = Q K^T by wgmma (A = its 64 Q rows and B = the K tile from shared memory,
+// both K-major, 128-byte swizzled as the copies place them); the mask on global positions
+// unless the tile is fully visible to the warpgroup (classified from the granule bounds);
+// the online softmax on the accumulator fragments (base 2, the lazy rescaling of
+// flash_fwd.cu); P packed from the fragments as the A registers of O += P V (B = the V
+// tile, MN-major). Loops are bounded by the mask (the block's tile range, as flash_fwd.cu);
+// inside it every tile runs (wgmmas under data-dependent branches would be serialised).
+// Intra-warpgroup pipelining up to class 128: a tile's Q K^T is issued before the previous
+// tile's P V, so the softmax overlaps the tensor cores' P V (O's rescale waits for it).
+// Not yet: the ping-pong scheduling between the consumer warpgroups (named barriers).
 //
 // Entry points ringattn_hopper_flash_fwd_{bf16,f16}_d{64,128,256}: the head-dim class is
 // the head dim rounded up to 64, 128 or 256 (src/kernels.rs `geometry::forward_hopper`, with
@@ -31,7 +33,8 @@ struct HopperFwdTraits {
     static_assert(D == 64 || D == 128 || D == 256, "head-dim classes 64, 128, 256");
     static constexpr int kBlockM = 128, kThreads = 384, kWarps = 12;
     static constexpr int kBlockN = D <= 128 ? 128 : 64;
-    static constexpr int kStages = 2;
+    // K/V stages: as many as fit (with Q) in 227 KiB: 4 at class 64, 3 at 128, 2 at 256.
+    static constexpr int kStages = D == 64 ? 4 : D == 128 ? 3 : 2;
     static constexpr int kColBlocks = D / 64;  // 64-column (128-byte) boxes per row
     static constexpr uint32_t kQBytes = kBlockM * D * 2, kTileBytes = kBlockN * D * 2;
     // Shared memory from a 1024-byte aligned base (the 128-byte swizzle's repeat).
@@ -119,7 +122,7 @@ __device__ void flash_fwd_hopper(const FlashFwdHopperParams& hp) {
 
     if (warp < 4) {
         // Producer.
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<24>();
         // (Nothing to load when the mask leaves the block no tile: the consumers then write
         // o = 0, lse = -inf without waiting for Q.)
         if (warp == 0 && elect_one_sync() && t_begin < t_end) {
@@ -181,7 +184,7 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     uint64_t* empty = v_full + kStages;
     const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<240>();
     const int c = warp / 4 - 1, w = warp % 4;
     int64_t row[2];
     row[0] = q0 + 64 * c + 16 * w + g;
@@ -205,106 +208,155 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     if (t_begin < t_end) mbarrier_wait_parity_covered(q_full, 0);
 
-    for (int tile = t_begin, i = 0; tile < t_end; ++tile, ++i) {
+    // Intra-warpgroup pipelining: tile i's S = QK^T is issued before tile i-1's O += P V, so
+    // the softmax of tile i waits only for the former while the tensor cores run the latter;
+    // O's rescale by tile i's new base waits for that P V, and P stays in f32 (in S's
+    // registers) until then: `pa` holds the packed P of the pending P V. Every tile of the
+    // block's range runs (a tile the bounds show fully masked for this warpgroup runs masked):
+    // wgmmas under data-dependent branches are serialised by ptxas (C7520).
+    uint32_t pa[kN / 16][4];
+    // Tile `tile` (the i-th) up to its softmax: S issued, then the pending P V of the
+    // previous tile (when `with_pv`), S waited for, masked, exponentiated in place; returns
+    // whether O must be rescaled by `alpha` (after the pending P V).
+    auto qk_softmax = [&](int tile, int i, bool with_pv, WgmmaAcc<kN>& s, float (&alpha)[2]) {
         const int stage = i % kStages;
         const uint32_t phase = uint32_t(i / kStages) & 1u;
         const int64_t k0 = int64_t(tile) * kN;
-        bool full = unmasked, empty_tile = !wg_live;
+        bool full = unmasked;
         if (classify && wg_live) {
-            full = true, empty_tile = true;
+            full = true;
             RINGATTN_UNROLL
             for (int h = 0; h < kPer64; ++h) {
                 if (k0 + 64 * h >= p.s_k) continue;
                 const RowBounds keys = tile_key_bounds<64>(p.mask, int64_t(tile) * kPer64 + h, p.s_k);
                 full = full && all_visible(p.mask, wg_rows, keys);
-                empty_tile = empty_tile && none_visible(p.mask, wg_rows, keys);
             }
         }
         full = full && rows_in && k0 + kN <= p.s_k;
         mbarrier_wait_parity_covered(&k_full[stage], phase);
-        mbarrier_wait_parity_covered(&v_full[stage], phase);
-        if (!empty_tile) {
-            const uint32_t k_base = smem_u32(smem + Tr::kOffK + stage * Tr::kTileBytes);
-            const uint32_t v_base = smem_u32(smem + Tr::kOffV + stage * Tr::kTileBytes);
-            WgmmaAcc<kN> s;
-            wgmma_fence();
-            RINGATTN_UNROLL
-            for (int ks = 0; ks < D / 16; ++ks) {
-                wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(s, kmajor_desc(q_base, Tr::kBlockM * 128, ks),
-                                                              kmajor_desc(k_base, kN * 128, ks),
-                                                              ks == 0 ? WgmmaAccumulate::kOverwrite : WgmmaAccumulate::kAdd);
-            }
-            wgmma_commit_group();
-            wgmma_wait_group<0>(s);
-            if (negate) {
-                RINGATTN_UNROLL
-                for (int v = 0; v < kN / 2; ++v) s[v] = -s[v];
-            }
-            // The mask: element v of the fragment is row (v >> 1) & 1, key k0 + 8 (v >> 2) +
-            // 2t + (v & 1), i.e. bit v % 32 of the visibility of 64-key half v / 32.
-            uint32_t vis[kPer64];
-            RINGATTN_UNROLL
-            for (int h = 0; h < kPer64; ++h) vis[h] = ~0u;
-            if (!full) {
-                RINGATTN_UNROLL
-                for (int h = 0; h < kPer64; ++h) {
-                    vis[h] = query_row_visibility<8>(p.mask, unmasked, row_ok, qpos, qdoc, k0 + 64 * h, p.s_k, t);
-                }
-                RINGATTN_UNROLL
-                for (int v = 0; v < kN / 2; ++v) {
-                    if (!(vis[v / 32] >> (v % 32) & 1u)) s[v] = -INFINITY;
-                }
-            }
-            // Online softmax (flash_fwd.cu's, per thread: its two rows live in one quad).
-            float mx[2] = {-INFINITY, -INFINITY};
-            RINGATTN_UNROLL
-            for (int v = 0; v < kN / 2; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
-            constexpr float kRescaleSlack = 8.0f;
-            bool move = false;
-            float m_new[2];
-            RINGATTN_UNROLL
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                m_new[r] = fmaxf(m[r], mx[r] * sc);
-                move = move || m_new[r] > m[r] + kRescaleSlack;
-            }
-            if (move) {
-                float alpha[2];
-                RINGATTN_UNROLL
-                for (int r = 0; r < 2; ++r) {
-                    const float base = m_new[r] == -INFINITY ? 0.0f : m_new[r];  // nothing visible yet
-                    alpha[r] = ex2_approx(m[r] - base);                         // -inf - x gives 0
-                    m[r] = m_new[r];
-                    l[r] *= alpha[r];
-                }
-                RINGATTN_UNROLL
-                for (int v = 0; v < D / 2; ++v) o[v] *= alpha[(v >> 1) & 1];
-            }
-            float nbase[2];
-            RINGATTN_UNROLL
-            for (int r = 0; r < 2; ++r) nbase[r] = m[r] == -INFINITY ? 0.0f : -m[r];
-            uint32_t pa[kN / 16][4];
-            RINGATTN_UNROLL
-            for (int v = 0; v < kN / 2; v += 2) {
-                float x = ex2_approx(fmaf(s[v], sc, nbase[(v >> 1) & 1]));
-                float y = ex2_approx(fmaf(s[v + 1], sc, nbase[(v >> 1) & 1]));
-                if (sc == 0.0f && !full) {
-                    if (!(vis[v / 32] >> (v % 32) & 1u)) x = 0.0f;
-                    if (!(vis[(v + 1) / 32] >> ((v + 1) % 32) & 1u)) y = 0.0f;
-                }
-                l[(v >> 1) & 1] += x + y;
-                pa[v / 8][(v % 8) / 2] = pack2<T>(x, y);
-            }
-            wgmma_fence();
+        // Orders the last softmax's register accesses (S, P, O's rescale) before the wgmmas.
+        wgmma_fence();
+        const uint32_t k_base = smem_u32(smem + Tr::kOffK + stage * Tr::kTileBytes);
+        RINGATTN_UNROLL
+        for (int ks = 0; ks < D / 16; ++ks) {
+            wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(s, kmajor_desc(q_base, Tr::kBlockM * 128, ks),
+                                                          kmajor_desc(k_base, kN * 128, ks),
+                                                          ks == 0 ? WgmmaAccumulate::kOverwrite : WgmmaAccumulate::kAdd);
+        }
+        wgmma_commit_group();
+        if (with_pv) {
+            const int ps = (i - 1) % kStages;
+            mbarrier_wait_parity_covered(&v_full[ps], uint32_t((i - 1) / kStages) & 1u);
+            const uint32_t v_base = smem_u32(smem + Tr::kOffV + ps * Tr::kTileBytes);
             RINGATTN_UNROLL
             for (int ks = 0; ks < kN / 16; ++ks) {
                 wgmma_rs<kIn, WgmmaMajor::kMN>(o, pa[ks], mnmajor_desc(v_base, kN * 128, ks), WgmmaAccumulate::kAdd);
             }
             wgmma_commit_group();
-            wgmma_wait_group<0>(o);
+            wgmma_wait_group<1>(s);  // S has landed; P V may still run
+        } else {
+            wgmma_wait_group<0>(s);
         }
-        mbarrier_arrive(&empty[stage]);
+        if (negate) {
+            RINGATTN_UNROLL
+            for (int v = 0; v < kN / 2; ++v) s[v] = -s[v];
+        }
+        // The mask: element v of the fragment is row (v >> 1) & 1, key k0 + 8 (v >> 2) + 2t +
+        // (v & 1), i.e. bit v % 32 of the visibility of 64-key half v / 32.
+        uint32_t vis[kPer64];
+        RINGATTN_UNROLL
+        for (int h = 0; h < kPer64; ++h) vis[h] = ~0u;
+        if (!full) {
+            RINGATTN_UNROLL
+            for (int h = 0; h < kPer64; ++h) {
+                vis[h] = query_row_visibility<8>(p.mask, unmasked, row_ok, qpos, qdoc, k0 + 64 * h, p.s_k, t);
+            }
+            RINGATTN_UNROLL
+            for (int v = 0; v < kN / 2; ++v) {
+                if (!(vis[v / 32] >> (v % 32) & 1u)) s[v] = -INFINITY;
+            }
+        }
+        // Online softmax (flash_fwd.cu's, per thread: its two rows live in one quad), the
+        // base moved lazily.
+        float mx[2] = {-INFINITY, -INFINITY};
+        RINGATTN_UNROLL
+        for (int v = 0; v < kN / 2; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+        constexpr float kRescaleSlack = 8.0f;
+        float m_new[2];
+        bool move = false;
+        RINGATTN_UNROLL
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            m_new[r] = fmaxf(m[r], mx[r] * sc);
+            move = move || m_new[r] > m[r] + kRescaleSlack;
+        }
+        if (move) {
+            RINGATTN_UNROLL
+            for (int r = 0; r < 2; ++r) {
+                const float base = m_new[r] == -INFINITY ? 0.0f : m_new[r];  // nothing visible yet
+                alpha[r] = ex2_approx(m[r] - base);                         // -inf - x gives 0
+                m[r] = m_new[r];
+                l[r] *= alpha[r];
+            }
+        }
+        float nbase[2];
+        RINGATTN_UNROLL
+        for (int r = 0; r < 2; ++r) nbase[r] = m[r] == -INFINITY ? 0.0f : -m[r];
+        RINGATTN_UNROLL
+        for (int v = 0; v < kN / 2; v += 2) {
+            float x = ex2_approx(fmaf(s[v], sc, nbase[(v >> 1) & 1]));
+            float y = ex2_approx(fmaf(s[v + 1], sc, nbase[(v >> 1) & 1]));
+            if (sc == 0.0f && !full) {
+                if (!(vis[v / 32] >> (v % 32) & 1u)) x = 0.0f;
+                if (!(vis[(v + 1) / 32] >> ((v + 1) % 32) & 1u)) y = 0.0f;
+            }
+            l[(v >> 1) & 1] += x + y;
+            s[v] = x, s[v + 1] = y;
+        }
+        return move;
+    };
+    // After the pending P V: O rescaled, the stage of the previous tile released, this tile's
+    // P packed (K-step ks, register r: elements 8 ks + 2r and 8 ks + 2r + 1 of the fragment).
+    auto finish = [&](int i, bool with_pv, bool move, const float (&alpha)[2], WgmmaAcc<kN>& s) {
+        if (with_pv) {
+            wgmma_wait_group<0>(o);
+            mbarrier_arrive(&empty[(i - 1) % kStages]);
+        }
+        if (move) {
+            RINGATTN_UNROLL
+            for (int v = 0; v < D / 2; ++v) o[v] *= alpha[(v >> 1) & 1];
+        }
+        RINGATTN_UNROLL
+        for (int v = 0; v < kN / 2; v += 2) pa[v / 8][(v % 8) / 2] = pack2<T>(s[v], s[v + 1]);
+    };
+    // Tile i's P V, issued and waited for, then its stage released.
+    auto pv_now = [&](int i) {
+        const int st = i % kStages;
+        mbarrier_wait_parity_covered(&v_full[st], uint32_t(i / kStages) & 1u);
+        wgmma_fence();
+        const uint32_t v_base = smem_u32(smem + Tr::kOffV + st * Tr::kTileBytes);
+        RINGATTN_UNROLL
+        for (int ks = 0; ks < kN / 16; ++ks) {
+            wgmma_rs<kIn, WgmmaMajor::kMN>(o, pa[ks], mnmajor_desc(v_base, kN * 128, ks), WgmmaAccumulate::kAdd);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>(o);
+        mbarrier_arrive(&empty[st]);
+    };
+    // Class 256 runs unpipelined: its O takes 128 registers, and a second tile's S in flight
+    // beside it spills.
+    constexpr bool kPipelined = D <= 128;
+    if (t_begin < t_end) {
+        for (int tile = t_begin, i = 0; tile < t_end; ++tile, ++i) {
+            const bool with_pv = kPipelined && i > 0;
+            WgmmaAcc<kN> s;
+            float alpha[2] = {1.0f, 1.0f};
+            const bool move = qk_softmax(tile, i, with_pv, s, alpha);
+            finish(i, with_pv, move, alpha, s);
+            if (!kPipelined) pv_now(i);
+        }
+        if (kPipelined) pv_now(t_end - t_begin - 1);  // the last tile's P V
     }
 
     // Epilogue: row sums across the quad, o = acc / l, lse = ln 2 (m + log2 l).

@@ -354,9 +354,15 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
 // deadline) traps, and a trap ends the whole launch. A deadline in the consumers' loop would
 // cost them registers: ptxas then keeps the warp-specialised branch at the kernel's entry
 // register count instead of its setmaxnreg budget.
+// The loop is inside one asm block (labels are local to its braces), so the compiler sees
+// straight-line code: a C++ loop here is a divergent path before the wgmmas that follow,
+// which ptxas then serialises (warning C7520).
 __device__ __forceinline__ void mbarrier_wait_parity_covered(uint64_t* bar, uint32_t parity) {
-    while (!mbarrier_try_wait_parity(bar, parity)) {
-    }
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(
+            smem_u32(bar)),
+        "r"(parity)
+        : "memory");
 }
 
 // elect.sync: true in exactly one lane of `mask` (every lane of the mask must call it).

@@ -472,7 +472,7 @@ def hopper_markdown(rows):
         "S = QKᵀ and O += PV on wgmma), fast path (no mask work) and masked path. An HGMMA here is a",
         "warpgroup's m64nNk16 (N = 128 for S up to class 128, 64 at 256; N = the class for PV): 8 to",
         "16 times an m16n8k16 HMMA's work per warp. Inner loops: the mbarrier waits' spin loops,",
-        "counted once. Registers: at entry (the consumers run at setmaxnreg 232).",
+        "counted once. Registers: at entry (the consumers run at setmaxnreg 240).",
         "",
         "| kernel | regs at entry | HGMMA on path (of tile) | insns/HGMMA fast | masked | MUFU | inner loops |",
         "|---|---|---|---|---|---|---|",

@@ -11,7 +11,7 @@
 #              the element-wise data movements of ops.cu, ringattn_ops_*) need none of
 #              these: they are held to the spill and local-memory rules only;
 #   * setmaxnreg  no ptxas warning C75xx (setmaxnreg ignored, wgmma serialised, ...) in any
-#              family's report.
+#              family's report (infos such as C7519, an injected warpgroup.arrive, pass).
 # Prints a table (kernel, arch, registers, stack, spills, LDL/STL, HMMA, HGMMA, LDSM, LDGSTS,
 # verdict) and exits 1 naming each failing kernel and rule; 2 when a tool or a compile fails.
 # Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
@@ -232,7 +232,7 @@ for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
     arch = os.path.basename(os.path.dirname(ptxas))
     family = os.path.basename(ptxas)[: -len(".ptxas.txt")]
     ptxas_text = open(ptxas).read()
-    for w in sorted(set(re.findall(r"\(C75\d\d\)[^\n]*", ptxas_text))):
+    for w in sorted(set(re.findall(r"warning[^\n]*?(\(C75\d\d\)[^\n]*)", ptxas_text))):
         failures.append(f"{family} [{arch}]: ptxas warning {w}")
     funcs, entries = ptxas_report(ptxas_text)
     sass = sass_counts(open(os.path.join(out, arch, family + ".sass")).read())

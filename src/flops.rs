@@ -169,6 +169,9 @@ pub struct Tiles {
     /// The (query, key) pairs of the visible tiles, visible or not (tiles at the end of a
     /// sequence clipped to it): what a kernel that computes whole tiles computes.
     pub visible_area: u64,
+    /// Per query tile, the key tiles from its first to its last visible one (a kernel
+    /// whose loop is bounded by them and skips no tile inside runs these).
+    pub spanned: u64,
 }
 
 /// The (query tile, key tile) pairs of a single-device call of `dims` under `params` in
@@ -192,25 +195,29 @@ pub fn tiles(dims: &Dims, params: &AttentionParams, shape: TileShape) -> Result<
     let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
     let (q_tiles, k_tiles) = (dims.s_q.div_ceil(bq), dims.s_k.div_ceil(bk));
     let (bk, s_k) = (bk as i128, dims.s_k as i128);
-    let (mut visible, mut area): (u64, i128) = (0, 0);
+    let (mut visible, mut area, mut spanned): (u64, i128, u64) = (0, 0, 0);
     for t in 0..q_tiles {
         let r0 = (t * bq) as i128;
         let r1 = ((t + 1) * bq).min(dims.s_q) as i128;
         // Key spans arrive disjoint and in increasing order; count the key tiles they touch
         // once each.
-        let mut last: i128 = -1;
+        let (mut last, mut first_seen): (i128, Option<i128>) = (-1, None);
         band.key_spans(r0, r1, |lo, hi| {
             let (first, end) = ((lo / bk).max(last + 1), hi / bk);
             if end >= first {
                 visible += (end - first + 1) as u64;
                 // Keys of tiles first..=end, the last one clipped to the sequence.
                 area += (r1 - r0) * (((end + 1) * bk).min(s_k) - first * bk);
+                first_seen.get_or_insert(first);
                 last = end;
             }
         });
+        if let Some(f) = first_seen {
+            spanned += (last - f + 1) as u64;
+        }
     }
     let total = (q_tiles as u64).saturating_mul(k_tiles as u64);
-    Ok(Tiles { total, visible, visible_area: saturate(area) })
+    Ok(Tiles { total, visible, visible_area: saturate(area), spanned })
 }
 
 /// What runs a pass, for [`executed_flops`].
@@ -239,11 +246,11 @@ pub enum Executor {
 ///   dq (atomic mode; deterministic up to class 128) `dQ` once per query tile × 64-key block
 ///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
 ///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
-/// * [`Executor::Hopper`]: the forward by consumer warpgroup (64 query rows) × key tile
-///   ([`geometry::hopper_forward_tile`]) holding a visible pair, `S` and `PV` at the Hopper
-///   class (64, 128, 256); with documents the kernel classifies tiles by the documents'
-///   bounds and may run a few that hold none, so this is then a lower bound. The backward as
-///   [`Executor::Kernels`].
+/// * [`Executor::Hopper`]: the forward by block (128 query rows: both consumer warpgroups)
+///   × every key tile ([`geometry::hopper_forward_tile`]) from the block's first to its last
+///   visible one, `S` and `PV` at the Hopper class (64, 128, 256); with documents the kernel
+///   bounds its loop by the documents' bounds and may run a few more, so this is then a lower
+///   bound. The backward as [`Executor::Kernels`].
 ///
 /// ```
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
@@ -277,8 +284,9 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
         }
         Executor::Hopper(_) if pass == Pass::Forward => {
             let dc = geometry::hopper_head_dim_class(dims.d) as f64;
-            let (_, n) = geometry::hopper_forward_tile(dims.d);
-            warp_tiles(64, n)? * 2.0 * (64 * n) as f64 * dc
+            let (m, n) = geometry::hopper_forward_tile(dims.d);
+            let spanned = tiles(dims, params, TileShape { block_q: m, block_k: n })?.spanned as f64;
+            spanned * 2.0 * (m * n) as f64 * dc
         }
         Executor::Kernels(mode) | Executor::Hopper(mode) => {
             let dc = geometry::head_dim_class(dims.d) as f64;
@@ -481,7 +489,14 @@ mod tests {
                 visible_area += extent(ti, bq, s_q) * extent(tj, bk, s_k);
             }
         }
-        Ok((pairs, Tiles { total, visible, visible_area }))
+        let spanned = tile_seen
+            .iter()
+            .map(|row| match (row.iter().position(|&x| x), row.iter().rposition(|&x| x)) {
+                (Some(f), Some(l)) => (l - f + 1) as u64,
+                _ => 0,
+            })
+            .sum();
+        Ok((pairs, Tiles { total, visible, visible_area, spanned }))
     }
 
     fn check(s_q: usize, s_k: usize, params: &AttentionParams, shape: TileShape) {

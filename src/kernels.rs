@@ -669,12 +669,18 @@ pub mod geometry {
 
     /// The sm_90a forward (`ringattn_hopper_flash_fwd_{bf16,f16}_d{64,128,256}`) for `dims`:
     /// 384 threads (a producer warpgroup and two consumer warpgroups), Q once and K/V tiles
-    /// in two stages (`HopperFwdTraits<D>::kSmem`: tiles, 7 mbarriers, the block's tile-range
-    /// scratch and 1024 bytes to align the base to the 128-byte swizzle's repeat).
+    /// in 4, 3 or 2 stages at classes 64, 128, 256 (`HopperFwdTraits<D>::kSmem`: tiles, the
+    /// mbarriers, the block's tile-range scratch and 1024 bytes to align the base to the
+    /// 128-byte swizzle's repeat).
     pub fn forward_hopper(dims: &Dims) -> Launch {
         let dc = hopper_head_dim_class(dims.d);
         let (block_m, block_n) = hopper_forward_tile(dims.d);
-        let stages = 2;
+        // As many K/V stages as fit in 227 KiB with Q (`HopperFwdTraits::kStages`).
+        let stages = match dc {
+            64 => 4,
+            128 => 3,
+            _ => 2,
+        };
         let tiles = block_m * dc * 2 + 2 * stages * block_n * dc * 2;
         Launch {
             grid: [dims.s_q.div_ceil(block_m), dims.h_q, dims.b],
@@ -842,9 +848,10 @@ pub mod geometry {
     /// Which family of tensor-core kernels runs the forward.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum KernelFamily {
-        /// The Hopper family on compute capability 9.0 where its image is present and the
-        /// shape is supported, the FA2 family otherwise (the emulator, which has no compute
-        /// capability, runs the FA2 family).
+        /// The FA2 family, for now: the Hopper family, which has run under the emulator
+        /// only, becomes auto's choice on compute capability 9.0 (where its sm_90a image is
+        /// present and the inputs are 16-byte aligned) once it has been verified on a GPU.
+        /// The emulator, which has no compute capability, runs the FA2 family.
         #[default]
         Auto,
         /// The FlashAttention-2 class kernels (`flash_fwd.cu`, mma.sync): every GPU, every

@@ -165,8 +165,8 @@ pub struct FlashForwardArgs<'a> {
     pub mask: &'a DeviceMask,
     /// Softmax scale (finite).
     pub scale: f32,
-    /// Which kernel family runs a forward (auto: the Hopper family on compute capability
-    /// 9.0 with an sm_90a image, the FA2 family otherwise); a backward ignores it.
+    /// Which kernel family runs a forward (see [`crate::kernels::geometry::KernelFamily`]);
+    /// a backward ignores it.
     pub kernels: crate::kernels::geometry::KernelFamily,
 }
 

@@ -147,8 +147,7 @@ impl DeviceBackend {
         self
     }
 
-    /// With the forward's kernel family (auto by default: the Hopper family on an H100/H200
-    /// with an sm_90a image, the FA2 family otherwise).
+    /// With the forward's kernel family (auto by default; see [`KernelFamily`]).
     pub fn with_kernels(mut self, kernels: KernelFamily) -> Self {
         self.kernels = kernels;
         self

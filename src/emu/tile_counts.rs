@@ -266,9 +266,10 @@ fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
 
 /// The Hopper forward: each block (128 query rows) loads Q once (one 64-column box per
 /// column block) and the K and V tiles from the first to the last one any of its rows may
-/// see (two boxes per column block per tile), nothing when it sees none; its consumer
-/// warpgroups' wgmma multiply-adds are what [`flops::executed_flops`] reports for
-/// [`Executor::Hopper`] (no documents: tiles are classified exactly).
+/// see (two boxes per column block per tile), nothing when it sees none; both consumer
+/// warpgroups compute every tile loaded, and their wgmma multiply-adds are what
+/// [`flops::executed_flops`] reports for [`Executor::Hopper`] (no documents: the loop bounds
+/// are exact).
 #[test]
 fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
     use crate::kernels::geometry::KernelFamily;
