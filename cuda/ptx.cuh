@@ -897,6 +897,15 @@ inline bool mbar_add_tx(MbarState& st, int64_t delta, const char* what) {
     return true;
 }
 
+// complete-tx(bytes): the transactions of a phase land.
+inline void mbar_complete_tx(uint64_t* bar, uint32_t bytes, const char* what) {
+    MbarState st;
+    if (!mbar_load(bar, what, st)) return;
+    if (!mbar_add_tx(st, -int64_t(bytes), what)) return;
+    mbar_settle(st);
+    mbar_store(bar, st);
+}
+
 inline void mbar_arrive(uint64_t* bar, uint32_t tx, const char* what) {
     MbarState st;
     if (!mbar_load(bar, what, st)) return;
@@ -929,11 +938,7 @@ inline void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
     ::emu::mbar_arrive(bar, bytes, "mbarrier.arrive.expect_tx");
 }
 inline void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
-    ::emu::MbarState st;
-    if (!::emu::mbar_load(bar, "mbarrier.complete_tx", st)) return;
-    if (!::emu::mbar_add_tx(st, -int64_t(bytes), "mbarrier.complete_tx")) return;
-    ::emu::mbar_settle(st);
-    ::emu::mbar_store(bar, st);
+    ::emu::mbar_complete_tx(bar, bytes, "mbarrier.complete_tx");
 }
 inline bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
     ::emu::MbarState st;
@@ -1360,16 +1365,22 @@ inline bool tma_shared_box(const void* smem, const TensorMapView& v, const char*
     return check_shared(smem, size_t(v.box_bytes), what);
 }
 
-inline void tma_load(void* dst, const TensorMap* map, uint64_t* bar, const int32_t* c, uint32_t n) {
-    const char* what = "cp.async.bulk.tensor (load)";
-    TensorMapView v;
-    if (!tensor_map_view(map, v, what)) return;
+// The operands of an n-d copy: the map decoded into `v`, its rank n, the shared box placed
+// as tma_shared_box requires; false (reported) otherwise.
+inline bool tma_operands(const TensorMap* map, const void* smem, uint32_t n, const char* what, TensorMapView& v) {
+    if (!tensor_map_view(map, v, what)) return false;
     if (v.rank != n) {
         fail(std::string(what) + ": a " + std::to_string(n) + "-d copy with a tensor map of rank " +
              std::to_string(v.rank));
-        return;
+        return false;
     }
-    if (!tma_shared_box(dst, v, what)) return;
+    return tma_shared_box(smem, v, what);
+}
+
+inline void tma_load(void* dst, const TensorMap* map, uint64_t* bar, const int32_t* c, uint32_t n) {
+    const char* what = "cp.async.bulk.tensor (load)";
+    TensorMapView v;
+    if (!tma_operands(map, dst, n, what, v)) return;
     MbarState st;
     if (!mbar_load(bar, what, st)) return;
     Block* b = current->block;
@@ -1400,24 +1411,14 @@ inline void tma_load(void* dst, const TensorMap* map, uint64_t* bar, const int32
                 std::memcpy(to, src, v.elem);
             }
         });
-        MbarState s;
-        if (!mbar_load(bar, what, s)) return;
-        if (!mbar_add_tx(s, -int64_t(v.box_bytes), what)) return;
-        mbar_settle(s);
-        mbar_store(bar, s);
+        mbar_complete_tx(bar, uint32_t(v.box_bytes), what);
     }});
 }
 
 inline void tma_store(const TensorMap* map, const void* src, const int32_t* c, uint32_t n) {
     const char* what = "cp.async.bulk.tensor (store)";
     TensorMapView v;
-    if (!tensor_map_view(map, v, what)) return;
-    if (v.rank != n) {
-        fail(std::string(what) + ": a " + std::to_string(n) + "-d copy with a tensor map of rank " +
-             std::to_string(v.rank));
-        return;
-    }
-    if (!tma_shared_box(src, v, what)) return;
+    if (!tma_operands(map, src, n, what, v)) return;
     for (uint32_t d = 0; d < n; ++d) {
         if (c[d] < 0) {
             fail(std::string(what) + ": negative start coordinate " + std::to_string(c[d]) + " in dim " +

@@ -11,8 +11,8 @@ use proptest::prelude::*;
 use ringattn::cpu::ForwardOutput;
 use ringattn::emu::{self, EmuOptions, Schedule};
 use ringattn::kernels::geometry::KernelFamily;
-use ringattn::{random::randn, verify, AttentionParams, DType, Documents, Mask, Tensor};
-use support::{block_positions, doc_lengths, mask, Case};
+use ringattn::{random::randn, verify, AttentionParams, DType, Mask, Tensor};
+use support::{mask, placement, Case};
 
 /// Lengths around the kernel's 64-row consumer tiles and 64/128-key tiles.
 const LENGTHS: &[usize] = &[1, 7, 63, 64, 65, 127, 128, 129, 200];
@@ -44,30 +44,14 @@ prop_compose! {
         d in prop::sample::select(HEAD_DIMS),
         bf16 in any::<bool>(),
         mask in mask(),
-        block in any::<bool>(),
-        q_mode in 0u8..3, k_mode in 0u8..3,
-        q_start in 0i64..200, k_start in 0i64..200,
-        q_stride in 1i64..4, k_stride in 1i64..4,
-        gap in 0i64..100,
-        docs in any::<bool>(),
-        cuts in prop::collection::vec(0usize..1000, 0..4),
+        placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         seed in 0u64..1_000_000,
     ) -> Case {
         let s_k = if same_len { s_q } else { s_k };
         let (mut s_q, mut s_k) = (s_q, s_k);
         while ratio * s_q * s_k * d > WORK_CAP { s_q = s_q.div_ceil(2); s_k = s_k.div_ceil(2); }
-        let positions = block.then(|| {
-            (block_positions(s_q, q_mode, q_start, q_stride, gap), block_positions(s_k, k_mode, k_start, k_stride, gap))
-        });
-        let documents = docs.then(|| {
-            let total = match &positions {
-                None => s_k,
-                Some((qp, kp)) => (qp.iter().chain(kp.iter()).max().unwrap_or(0) + 1) as usize,
-            };
-            Documents::new(doc_lengths(total, &cuts)).unwrap()
-        });
-        let documents = documents.filter(|_| positions.is_some() || s_q <= s_k);
+        let (positions, documents) = placement.apply(s_q, s_k);
         Case {
             b: 1, s_q, s_k, h_q: ratio, h_kv: 1, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },

@@ -4,8 +4,8 @@
 mod support;
 
 use proptest::prelude::*;
-use ringattn::{cpu::Arithmetic, AttentionParams, DType, Documents};
-use support::{block_positions, check_case, doc_lengths, dtype, mask, Case};
+use ringattn::{cpu::Arithmetic, AttentionParams, DType};
+use support::{check_case, dtype, mask, placement, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
 const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
@@ -27,13 +27,7 @@ prop_compose! {
         d in prop::sample::select(HEAD_DIMS),
         dtype in dtype,
         mask in mask(),
-        block in any::<bool>(),
-        q_mode in 0u8..3, k_mode in 0u8..3,
-        q_start in 0i64..200, k_start in 0i64..200,
-        q_stride in 1i64..4, k_stride in 1i64..4,
-        gap in 0i64..100,
-        docs in any::<bool>(),
-        cuts in prop::collection::vec(0usize..1000, 0..4),
+        placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         seed in 0u64..1_000_000,
         tiles in prop::sample::select(TILES),
@@ -44,19 +38,7 @@ prop_compose! {
         let work = |b: usize, h_kv: usize, s_q: usize, s_k: usize| b * h_kv * ratio * s_q * s_k * d;
         if work(b, h_kv, s_q, s_k) > WORK_CAP { b = 1; h_kv = 1; }
         while work(b, h_kv, s_q, s_k) > WORK_CAP { s_q = s_q.div_ceil(2); s_k = s_k.div_ceil(2); }
-        let positions = block.then(|| {
-            (block_positions(s_q, q_mode, q_start, q_stride, gap), block_positions(s_k, k_mode, k_start, k_stride, gap))
-        });
-        let documents = docs.then(|| {
-            let total = match &positions {
-                None => s_k,
-                Some((qp, kp)) => (qp.iter().chain(kp.iter()).max().unwrap_or(0) + 1) as usize,
-            };
-            Documents::new(doc_lengths(total, &cuts)).unwrap()
-        });
-        // Single-device calls with s_q > s_k put queries at negative positions, outside any
-        // document: only use documents there when s_q <= s_k.
-        let documents = documents.filter(|_| positions.is_some() || s_q <= s_k);
+        let (positions, documents) = placement.apply(s_q, s_k);
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
             params: AttentionParams { mask, documents, scale },

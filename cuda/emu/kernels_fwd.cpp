@@ -12,11 +12,7 @@
 // entry point (src/kernels.rs `geometry::forward`).
 extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap) {
     emu::LaunchConfig c = config(l);
-    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
-    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
-                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
-    if (p.o16) c.globals.push_back({p.o16, bytes(q, 2), "o16"});
-    add_mask(c, p.mask, p.s_q, p.s_k);
+    add_forward_globals(c, p);
     void (*kernel)(FlashFwdParams) = nullptr;
 #define RINGATTN_EMU_FWD_CASE(D)                                                       \
     case D:                                                                            \

@@ -15,11 +15,7 @@ extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int
     const FlashFwdHopperParams params = *hp;
     const FlashFwdParams& p = params.p;
     emu::LaunchConfig c = config(l);
-    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
-    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
-                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
-    if (p.o16) c.globals.push_back({p.o16, bytes(q, 2), "o16"});
-    add_mask(c, p.mask, p.s_q, p.s_k);
+    add_forward_globals(c, p);
     void (*kernel)(FlashFwdHopperParams) = nullptr;
 #define RINGATTN_EMU_FWD_HOPPER_CASE(D)                                                              \
     case D:                                                                                          \

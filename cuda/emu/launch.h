@@ -57,6 +57,15 @@ inline void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int
     if (m.q_bounds && q_granules > 0) c.globals.push_back({m.q_bounds, bytes(2 * q_granules, 8), "q_bounds"});
     if (m.q_doc_bounds && q_granules > 0) c.globals.push_back({m.q_doc_bounds, bytes(2 * q_granules, 4), "q_doc_bounds"});
 }
+
+// The buffers a flash forward (either family) reads and writes, and its mask's.
+inline void add_forward_globals(emu::LaunchConfig& c, const FlashFwdParams& p) {
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d;
+    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(kv, 2), "k"},           {p.v, bytes(kv, 2), "v"},
+                 {p.o, bytes(q, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
+    if (p.o16) c.globals.push_back({p.o16, bytes(q, 2), "o16"});
+    add_mask(c, p.mask, p.s_q, p.s_k);
+}
 }  // namespace emu_entry
 using namespace emu_entry;
 #endif

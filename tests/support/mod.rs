@@ -114,6 +114,58 @@ pub fn doc_lengths(n: usize, cuts: &[usize]) -> Vec<usize> {
     out
 }
 
+/// Where a case's rows sit: block positions on both sides (a ring hop's call) or a
+/// single-device call, and packed documents over them or none (see [`placement`]).
+#[derive(Debug, Clone)]
+pub struct Placement {
+    block: bool,
+    modes: (u8, u8),
+    starts: (i64, i64),
+    strides: (i64, i64),
+    gap: i64,
+    docs: bool,
+    cuts: Vec<usize>,
+}
+
+prop_compose! {
+    /// Block positions (one segment, strided, or two segments with a gap; at offsets up to
+    /// 200) on half the cases, and 1-4 packed documents on half.
+    pub fn placement()(
+        block in any::<bool>(),
+        q_mode in 0u8..3, k_mode in 0u8..3,
+        q_start in 0i64..200, k_start in 0i64..200,
+        q_stride in 1i64..4, k_stride in 1i64..4,
+        gap in 0i64..100,
+        docs in any::<bool>(),
+        cuts in prop::collection::vec(0usize..1000, 0..4),
+    ) -> Placement {
+        Placement { block, modes: (q_mode, k_mode), starts: (q_start, k_start), strides: (q_stride, k_stride), gap, docs, cuts }
+    }
+}
+
+impl Placement {
+    /// The positions (`None`: a single-device call) and documents of a case of `s_q` queries
+    /// and `s_k` keys. A single-device call with `s_q > s_k` puts queries at negative
+    /// positions, outside any document: it gets none.
+    pub fn apply(&self, s_q: usize, s_k: usize) -> (Option<(Positions, Positions)>, Option<ringattn::Documents>) {
+        let positions = self.block.then(|| {
+            (
+                block_positions(s_q, self.modes.0, self.starts.0, self.strides.0, self.gap),
+                block_positions(s_k, self.modes.1, self.starts.1, self.strides.1, self.gap),
+            )
+        });
+        let documents = self.docs.then(|| {
+            let total = match &positions {
+                None => s_k,
+                Some((qp, kp)) => (qp.iter().chain(kp.iter()).max().unwrap_or(0) + 1) as usize,
+            };
+            ringattn::Documents::new(doc_lengths(total, &self.cuts)).unwrap()
+        });
+        let documents = documents.filter(|_| positions.is_some() || s_q <= s_k);
+        (positions, documents)
+    }
+}
+
 /// A block's positions: one segment, a strided one, or two segments (zigzag-like).
 pub fn block_positions(len: usize, mode: u8, start: i64, stride: i64, gap: i64) -> Positions {
     let segs = match mode % 3 {
