@@ -17,6 +17,8 @@ extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, 
 
 extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap);
+extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int bf16, int dclass, EmuLaunch l,
+                                             char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
                                       size_t cap);
 
@@ -31,6 +33,19 @@ static float from_bf16(uint16_t h) {
     float f;
     std::memcpy(&f, &b, 4);
     return f;
+}
+
+// The emulator's encoding of a bf16 [b, s, h, d] tensor's map with boxes of 64 columns x 1 x
+// `rows` x 1, 128-byte swizzled (src/kernels/tensor_map.rs `bshd_tile_map`, encode_emulated).
+static TensorMap emu_bshd_map(const void* addr, int64_t b, int64_t s, int64_t h, int64_t d, uint32_t rows) {
+    TensorMap m{};
+    m.words[0] = 0x5241544Du | (uint64_t(9) << 32) | (uint64_t(4) << 40) | (uint64_t(3) << 44);
+    m.words[1] = uint64_t(reinterpret_cast<uintptr_t>(addr));
+    const uint64_t dims[4] = {uint64_t(d), uint64_t(h), uint64_t(s), uint64_t(b)};
+    for (int i = 0; i < 4; ++i) m.words[2 + i] = dims[i];
+    m.words[7] = uint64_t(d) * 2, m.words[8] = uint64_t(h * d) * 2, m.words[9] = uint64_t(s * h * d) * 2;
+    m.words[11] = 64 | (uint64_t(1) << 12) | (uint64_t(rows) << 24) | (uint64_t(1) << 36);
+    return m;
 }
 
 static int failures = 0;
@@ -96,7 +111,9 @@ int main() {
         EmuLaunch fl{{unsigned((s + 127) / 128), unsigned(hq), unsigned(b)}, 128, 128 * 32 * 2 + 4 * 64 * 32 * 2 + 4 * 32,
                      2, 2, 9, nullptr};
         check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
-        double worst = 0.0;
+        // The largest difference of (o, lse) from a naive double-precision attention.
+        auto worst_error = [&] {
+            double worst = 0.0;
         for (int64_t h = 0; h < hq; ++h) {
             for (int64_t i = 0; i < s; ++i) {
                 double mx = -INFINITY, sum = 0.0;
@@ -115,9 +132,32 @@ int main() {
                 worst = std::max(worst, std::fabs(mx + std::log(sum) - lse[h * s + i]));
             }
         }
+        return worst;
+        };
         // P is rounded to bf16 for the P V product (as on tensor cores): a few bf16 ulps.
+        double worst = worst_error();
         std::printf("     flash forward: largest difference from naive attention %.3g\n", worst);
         check(worst < 5e-3, "flash forward matches a naive attention");
+        {
+            // The Hopper forward (wgmma, TMA, mbarriers; class 64 with d = 16 zero-filled by
+            // the copies): 384 threads, Q and 4 K/V stages of 128 x 64, 13 mbarriers, the
+            // tile-range scratch, 1024 bytes of alignment (src/kernels.rs `geometry::forward_hopper`).
+            std::vector<float> o2(q.size(), NAN), lse2(lse.size(), NAN);
+            std::swap(o, o2), std::swap(lse, lse2);
+            FlashFwdHopperParams hp{};
+            hp.p = fp;
+            hp.p.o = o.data(), hp.p.lse = lse.data();
+            hp.q = emu_bshd_map(q.data(), b, s, hq, d, 128);
+            hp.k = emu_bshd_map(k.data(), b, s, hkv, d, 128);
+            hp.v = emu_bshd_map(v.data(), b, s, hkv, d, 128);
+            EmuLaunch hl{{unsigned((s + 127) / 128), unsigned(hq), unsigned(b)}, 384,
+                         128 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + 8 * 13 + 4 * 12 * 8 + 1024, 2, 2, 9, nullptr};
+            check(ringattn_emu_flash_fwd_hopper(&hp, 1, 64, hl, msg, sizeof msg) == 0, "Hopper forward runs clean");
+            const double hw = worst_error();
+            std::printf("     Hopper forward: largest difference from naive attention %.3g\n", hw);
+            check(hw < 5e-3, "Hopper forward matches a naive attention");
+            std::swap(o, o2), std::swap(lse, lse2);
+        }
         // The deterministic backward of head-dim class 32: dq added in fixed point into zeros,
         // the K/V bounds raised from zeros.
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), 0.0f), dk(k.size(), NAN), dv(v.size(), NAN);
