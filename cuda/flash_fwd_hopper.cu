@@ -20,7 +20,8 @@
 // inside it every tile runs (wgmmas under data-dependent branches would be serialised).
 // Intra-warpgroup pipelining up to class 128: a tile's Q K^T is issued before the previous
 // tile's P V, so the softmax overlaps the tensor cores' P V (O's rescale waits for it).
-// Not yet: the ping-pong scheduling between the consumer warpgroups (named barriers).
+// Ping-pong between the consumer warpgroups: named barriers hand the turn to issue a tile's
+// wgmmas from one to the other, so one's softmax overlaps the other's products.
 //
 // Entry points ringattn_hopper_flash_fwd_{bf16,f16}_d{64,128,256}: the head-dim class is
 // the head dim rounded up to 64, 128 or 256 (src/kernels.rs `geometry::forward_hopper`, with
@@ -218,6 +219,16 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     // Tile `tile` (the i-th) up to its softmax: S issued, then the pending P V of the
     // previous tile (when `with_pv`), S waited for, masked, exponentiated in place; returns
     // whether O must be rescaled by `alpha` (after the pending P V).
+    // Ping-pong between the two consumer warpgroups: each issues a tile's wgmmas only in its
+    // turn (named barrier kTurnBarrier + c: its own 128 syncs and the other warpgroup's 128
+    // arrives) and hands the turn over once they are issued, so one warpgroup's softmax runs
+    // while the other's wgmmas keep the tensor cores busy. Warpgroup 1 hands warpgroup 0 the
+    // first turn and takes none back after its last tile: every barrier completes as often
+    // as it is waited on.
+    constexpr uint32_t kTurnBarrier = 1;
+    const uint32_t my_turn = kTurnBarrier + uint32_t(c), other_turn = kTurnBarrier + uint32_t(1 - c);
+    const int n_tiles = t_end - t_begin;
+    if (c == 1 && n_tiles > 0) named_barrier_arrive(other_turn, 256);
     auto qk_softmax = [&](int tile, int i, bool with_pv, WgmmaAcc<kN>& s, float (&alpha)[2]) {
         const int stage = i % kStages;
         const uint32_t phase = uint32_t(i / kStages) & 1u;
@@ -234,6 +245,7 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
         }
         full = full && rows_in && k0 + kN <= p.s_k;
         mbarrier_wait_parity_covered(&k_full[stage], phase);
+        named_barrier_sync(my_turn, 256);
         // Orders the last softmax's register accesses (S, P, O's rescale) before the wgmmas.
         wgmma_fence();
         const uint32_t k_base = smem_u32(smem + Tr::kOffK + stage * Tr::kTileBytes);
@@ -253,6 +265,9 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
                 wgmma_rs<kIn, WgmmaMajor::kMN>(o, pa[ks], mnmajor_desc(v_base, kN * 128, ks), WgmmaAccumulate::kAdd);
             }
             wgmma_commit_group();
+        }
+        if (!(c == 1 && i == n_tiles - 1)) named_barrier_arrive(other_turn, 256);
+        if (with_pv) {
             wgmma_wait_group<1>(s);  // S has landed; P V may still run
         } else {
             wgmma_wait_group<0>(s);

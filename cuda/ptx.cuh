@@ -274,6 +274,17 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
     return d;
 }
 
+// Named barriers (bar.sync / bar.arrive, hopper-ptx.md §5): barrier `id` (1 ... 15; 0 is
+// __syncthreads') completes when `threads` threads (a multiple of 32) have arrived; sync
+// arrives and waits for the completion, arrive only arrives. They order the participants'
+// own memory accesses, not in-flight wgmma or copies.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- Hopper (sm_90): mbarrier, election (../shared/reference/hopper-ptx.md §3, §5) ----
 //
 // An mbarrier is an 8-byte, 8-byte aligned object in shared memory with a current phase,
@@ -952,6 +963,11 @@ inline bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
 }
 inline void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
 inline void mbarrier_wait_parity_covered(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
+
+inline void named_barrier_sync(uint32_t id, uint32_t threads) { ::emu::named_barrier(id, threads, true, "bar.sync"); }
+inline void named_barrier_arrive(uint32_t id, uint32_t threads) {
+    ::emu::named_barrier(id, threads, false, "bar.arrive");
+}
 
 // elect.sync twin: the lowest lane of `mask` is elected (PTX leaves which one unspecified);
 // every lane of the mask must call it (a warp collective, like __ballot_sync).

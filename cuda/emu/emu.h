@@ -97,9 +97,10 @@ struct Block;
 
 // What a suspended fiber waits for: a block barrier, a warp barrier, or the completion of an
 // mbarrier phase (Thread::mbar, Thread::mbar_parity).
-// mbarrier phase (Thread::mbar, Thread::mbar_parity), or the rest of a warpgroup at a
-// warpgroup-wide instruction (wgmma, setmaxnreg).
-enum class Wait { None, Block, Warp, Mbarrier, Warpgroup };
+// mbarrier phase (Thread::mbar, Thread::mbar_parity), the rest of a warpgroup at a
+// warpgroup-wide instruction (wgmma, setmaxnreg), or a named barrier (Thread::named_id,
+// completing when its generation moves past Thread::named_gen).
+enum class Wait { None, Block, Warp, Mbarrier, Warpgroup, Named };
 
 // One cp.async copy in flight: performed when its group retires.
 struct AsyncCopy {
@@ -202,6 +203,8 @@ struct Thread {
     // With Wait::Mbarrier: the barrier (in shared memory) and the parity of the phase awaited.
     const uint64_t* mbar = nullptr;
     uint32_t mbar_parity = 0;
+    // With Wait::Named: the barrier and the generation this thread arrived in.
+    uint32_t named_id = 0, named_gen = 0;
     // Warpgroup rendezvous performed (double-buffers Block::wg_slots, as warp_ops does slots).
     uint64_t wg_ops = 0;
     // wgmma: ops not yet committed, and committed groups oldest first.
@@ -306,6 +309,12 @@ struct Block {
     std::vector<ProxyWord> proxy;
     // Bulk tensor copies in flight, in issue order.
     std::vector<BulkLoad> bulk_loads;
+    // Named barriers 1-15 (bar.sync / bar.arrive id, count): the thread count of the current
+    // generation (0: idle), arrivals so far, and the generation (completions so far).
+    struct NamedBarrier {
+        uint32_t count = 0, arrived = 0, generation = 0;
+    };
+    NamedBarrier named[16];
 };
 
 inline thread_local Thread* current = nullptr;
@@ -431,6 +440,7 @@ inline void run_block(Block& b, size_t smem_bytes) {
     b.wg_current.assign((n + 127) / 128, {0, nullptr});
     b.proxy.assign((smem_bytes + 3) / 4, Block::ProxyWord{});
     b.bulk_loads.clear();
+    for (Block::NamedBarrier& nb : b.named) nb = Block::NamedBarrier{};
     StackPool& pool = stack_pool();
     if (!pool.reserve(n)) {
         b.error = "cannot map " + std::to_string(n) + " fiber stacks";
@@ -505,6 +515,13 @@ inline void run_block(Block& b, size_t smem_bytes) {
                 progressed = true;
             }
         }
+        // Release threads whose named barrier has completed since they arrived.
+        for (Thread& t : b.threads) {
+            if (!t.done && t.wait == Wait::Named && b.named[t.named_id].generation != t.named_gen) {
+                t.wait = Wait::None;
+                progressed = true;
+            }
+        }
         // Release warpgroups (128 threads from a multiple of 128) whose threads all wait at a
         // warpgroup rendezvous.
         for (unsigned w0 = 0; w0 + 128 <= n; w0 += 128) {
@@ -517,13 +534,14 @@ inline void run_block(Block& b, size_t smem_bytes) {
                 progressed = true;
             }
         }
-        unsigned live = 0, at_barrier = 0, finished = 0, at_mbarrier = 0, at_warpgroup = 0;
+        unsigned live = 0, at_barrier = 0, finished = 0, at_mbarrier = 0, at_warpgroup = 0, at_named = 0;
         for (const Thread& t : b.threads) {
             if (t.done) { ++finished; continue; }
             ++live;
             if (t.wait == Wait::Block) ++at_barrier;
             if (t.wait == Wait::Mbarrier) ++at_mbarrier;
             if (t.wait == Wait::Warpgroup) ++at_warpgroup;
+            if (t.wait == Wait::Named) ++at_named;
         }
         if (live == 0) {
             if (!b.bulk_loads.empty() && b.error.empty()) {
@@ -555,6 +573,13 @@ inline void run_block(Block& b, size_t smem_bytes) {
                               std::to_string(first / 128 * 4) + "-" + std::to_string(first / 128 * 4 + 3) +
                               "): a warpgroup is 4 consecutive warps from a warp rank that is a multiple of 4, "
                               "and all 128 threads must issue the instruction";
+                } else if (at_named > 0) {
+                    unsigned first = 0;
+                    while (b.threads[first].done || b.threads[first].wait != Wait::Named) ++first;
+                    const Block::NamedBarrier& nb = b.named[b.threads[first].named_id];
+                    b.error = "deadlock: " + std::to_string(at_named) + " thread(s) wait at named barrier " +
+                              std::to_string(b.threads[first].named_id) + " (" + std::to_string(nb.arrived) + " of " +
+                              std::to_string(nb.count) + " threads arrived) and no thread can arrive";
                 } else if (at_mbarrier > 0) {
                     b.error = "deadlock: " + std::to_string(at_mbarrier) +
                               " thread(s) wait on mbarrier phases that can never complete";
@@ -637,6 +662,45 @@ inline std::string launch(dim3 grid, dim3 block, const std::function<void()>& bo
 #define gridDim (::emu::current->block->gdim)
 
 inline void __syncthreads() { ::emu::yield(::emu::Wait::Block); }
+
+namespace emu {
+// bar.sync / bar.arrive id, count twin: the barrier completes when `count` threads (a
+// multiple of 32) have arrived, counting every sync and arrive; sync waits for that
+// completion. Reported: id 0 (__syncthreads' barrier) or above 15, a count that is not a
+// positive multiple of 32 or exceeds the block, threads naming different counts in one
+// generation.
+inline void named_barrier(uint32_t id, uint32_t count, bool wait, const char* what) {
+    Thread* t = current;
+    Block* b = t->block;
+    if (id == 0 || id > 15) {
+        fail(std::string(what) + ": barrier id " + std::to_string(id) + " outside 1 ... 15 (0 is __syncthreads')");
+        return;
+    }
+    if (count == 0 || count % 32 != 0 || count > b->threads.size()) {
+        fail(std::string(what) + ": thread count " + std::to_string(count) +
+             " is not a positive multiple of 32 within the block");
+        return;
+    }
+    Block::NamedBarrier& nb = b->named[id];
+    if (nb.arrived == 0) {
+        nb.count = count;
+    } else if (nb.count != count) {
+        fail(std::string(what) + ": barrier " + std::to_string(id) + " expects " + std::to_string(nb.count) +
+             " threads in this generation, this thread names " + std::to_string(count));
+        return;
+    }
+    const uint32_t gen = nb.generation;
+    if (++nb.arrived == nb.count) {
+        nb.arrived = 0;
+        ++nb.generation;
+        return;
+    }
+    if (!wait) return;
+    t->named_id = id;
+    t->named_gen = gen;
+    yield(Wait::Named);
+}
+}  // namespace emu
 inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::yield(::emu::Wait::Warp); }
 
 namespace emu {

@@ -424,3 +424,30 @@ extern "C" int ringattn_emu_selftest_tma(const TmaCase* c, int schedule, uint64_
     std::function<void()> body = [cc] { tma_roundtrip(cc); };
     return report(emu::launch(dim3(1), dim3(128), body, cc.image_bytes, emu::Schedule(schedule), seed), msg, cap);
 }
+
+namespace {
+// Two groups of 128 threads take turns through named barriers 1 and 2 (the consumers'
+// ping-pong): group c waits on barrier 1 + c (256 threads: its own syncs and the other
+// group's arrives), its first thread appends c to `log`, then it arrives on the other
+// group's barrier; group 1 arrives on group 0's first, and neither arrives after its last
+// turn. log[0] counts the entries. fault 1: group 1 skips its first arrive (deadlock);
+// 2: group 1 names 192 threads; 3: barrier id 0.
+__global__ void named_turns(int rounds, int fault, int* log) {
+    const int c = int(threadIdx.x / 128);
+    const uint32_t mine = fault == 3 ? 0u : 1u + uint32_t(c), other = 2u - uint32_t(c);
+    const uint32_t n = fault == 2 && c == 1 ? 192u : 256u;
+    if (c == 1 && fault != 1) named_barrier_arrive(other, n);
+    for (int r = 0; r < rounds; ++r) {
+        named_barrier_sync(mine, n);
+        if (threadIdx.x % 128 == 0) log[1 + log[0]++] = c;
+        if (!(c == 1 && r == rounds - 1)) named_barrier_arrive(other, n);
+    }
+}
+}  // namespace
+
+// log: 1 + 2 rounds ints; schedule 0 forward, 1 reverse, 2 random (seed).
+extern "C" int ringattn_emu_selftest_named_barriers(int rounds, int fault, int schedule, uint64_t seed, int* log,
+                                                    char* msg, size_t cap) {
+    std::function<void()> body = [=] { named_turns(rounds, fault, log); };
+    return report(emu::launch(dim3(1), dim3(256), body, 0, emu::Schedule(schedule), seed), msg, cap);
+}

@@ -1242,3 +1242,37 @@ fn bulk_tensor_copy_misuse_is_reported() {
     let e = run_tma(&t, None, &coords, 1024, |c| c.load_map = &blank, 0).unwrap_err();
     assert!(e.contains("not encoded for the emulator"), "{e}");
 }
+
+extern "C" {
+    fn ringattn_emu_selftest_named_barriers(
+        rounds: i32,
+        fault: i32,
+        schedule: i32,
+        seed: u64,
+        log: *mut i32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+fn named_turns(rounds: i32, fault: i32, schedule: i32) -> Result<Vec<i32>, String> {
+    let mut log = vec![0i32; 1 + 2 * rounds as usize];
+    // SAFETY: `log` holds 1 + 2 rounds entries, what the kernel writes at most.
+    selftest(|msg, cap| unsafe {
+        ringattn_emu_selftest_named_barriers(rounds, fault, schedule, 5, log.as_mut_ptr(), msg, cap)
+    })?;
+    Ok(log)
+}
+
+/// Named barriers carry two groups' turns in strict alternation under every schedule (bar.sync
+/// completes at its count of syncs and arrives); misuse is reported.
+#[test]
+fn named_barriers_alternate_two_groups_and_report_misuse() {
+    for schedule in 0..3 {
+        let log = named_turns(5, 0, schedule).unwrap();
+        assert_eq!(log, [10, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1], "schedule {schedule}");
+    }
+    assert!(named_turns(3, 1, 0).unwrap_err().contains("deadlock"));
+    assert!(named_turns(3, 2, 0).unwrap_err().contains("expects 256 threads"));
+    assert!(named_turns(3, 3, 0).unwrap_err().contains("outside 1 ... 15"));
+}
