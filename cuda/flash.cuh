@@ -422,6 +422,12 @@ struct MaskEval {
     }
 };
 
+// No window and no documents: every existing (query, key) pair is visible, no position is
+// read.
+__device__ __forceinline__ bool mask_is_none(const MaskParams& m) {
+    return m.window_left < 0 && m.window_right < 0 && m.q_doc == nullptr;
+}
+
 // Tile classification from the keys' granule bounds (MaskParams::k_bounds): the bounds of a
 // set of queries (a warp's, a block's) and of a tile's keys, and whether every pair between
 // them is visible or none is. Masked calls use it to run fully visible tiles without the

@@ -172,7 +172,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         }
     }
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    const bool unmasked = mask_is_none(p.mask);
     // Masked calls classify tiles from the keys' granule bounds and bound the loop to the
     // tiles the block may see, as the forward does (the K buffer, not staged yet, is
     // scratch); the warp's query bounds wait in shared memory, the rows' positions are read
@@ -379,7 +379,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     row_positions(p.mask.k_pos, p.mask.k_doc, krow, p.s_k, kpos, kdoc);
     const MaskEval mask{p.mask};
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    const bool unmasked = mask_is_none(p.mask);
 
     // Masked calls classify each query tile from the queries' granule bounds against the
     // warp's 16 keys (fully visible: unmasked; fully masked: skipped; else the mask per

@@ -63,7 +63,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     };
 
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    const bool unmasked = mask_is_none(p.mask);
 
     // Masked calls classify each tile from the keys' granule bounds (flash.cuh RowBounds):
     // fully visible to the warp (run unmasked), fully masked (skipped), or mixed (the mask

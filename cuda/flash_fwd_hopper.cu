@@ -48,6 +48,16 @@ struct HopperFwdTraits {
     static_assert(kSmem <= 227 * 1024, "fits in Hopper's 227 KiB of shared memory per block");
 };
 
+// The block's mbarriers (HopperFwdTraits::kOffBars): Q landed, and per stage K landed, V
+// landed, and the stage released by the consumers.
+template <int kStages>
+struct FwdBarriers {
+    uint64_t *q_full, *k_full, *v_full, *empty;
+    __device__ explicit FwdBarriers(unsigned char* at)
+        : q_full(reinterpret_cast<uint64_t*>(at)), k_full(q_full + 1), v_full(k_full + kStages),
+          empty(v_full + kStages) {}
+};
+
 // The descriptor of a 128-byte swizzled operand: a tile of rows of 64 16-bit columns in
 // 128-byte rows, `col_blocks` of them `block_bytes` apart (a tensor copy's boxes).
 // K-major (Q, K): K-step s (columns 16s ...) starts in column block 16s / 64, 32 (16s % 64)
@@ -80,12 +90,10 @@ __device__ void flash_fwd_hopper(const FlashFwdHopperParams& hp) {
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
     unsigned char* raw = RINGATTN_DYNAMIC_SMEM();
     unsigned char* smem = raw + (1024 - smem_u32(raw) % 1024) % 1024;
-    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tr::kOffBars);
-    uint64_t* k_full = q_full + 1;
-    uint64_t* v_full = k_full + kStages;
-    uint64_t* empty = v_full + kStages;
+    const FwdBarriers<kStages> bars(smem + Tr::kOffBars);
+    uint64_t *q_full = bars.q_full, *k_full = bars.k_full, *v_full = bars.v_full, *empty = bars.empty;
 
-    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    const bool unmasked = mask_is_none(p.mask);
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
 
     // The tiles any row of the block may see (every thread; producer warps stand in for the
@@ -179,11 +187,9 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     const int64_t hq = blockIdx.y, bi = blockIdx.z;
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tr::kOffBars);
-    uint64_t* k_full = q_full + 1;
-    uint64_t* v_full = k_full + kStages;
-    uint64_t* empty = v_full + kStages;
-    const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_doc == nullptr;
+    const FwdBarriers<kStages> bars(smem + Tr::kOffBars);
+    uint64_t *q_full = bars.q_full, *k_full = bars.k_full, *v_full = bars.v_full, *empty = bars.empty;
+    const bool unmasked = mask_is_none(p.mask);
     const bool classify = !unmasked && p.mask.k_bounds != nullptr;
     setmaxnreg_inc<240>();
     const int c = warp / 4 - 1, w = warp % 4;
