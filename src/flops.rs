@@ -237,7 +237,8 @@ pub enum Executor {
 ///
 /// * [`Executor::Cpu`]: the forward's 2 products (`S = QKᵀ`, `PV`) and the backward's 5 (`S`,
 ///   `dP = dO Vᵀ`, `dV`, `dK`, `dQ`), `2·d` FLOPs per pair each, over every pair of the visible
-///   CPU tiles (clipped to the sequence).
+///   CPU tiles (clipped to the sequence). The bf16 path multiplies only the part of a
+///   partially visible tile that each 12-row block can see: an upper bound there.
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
 ///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)
@@ -638,7 +639,7 @@ mod tests {
                 );
             }
         }
-        let cpu = TileShape::from(TileConfig::default());
+        let cpu = TileShape::from(TileConfig::default().resolved(crate::cpu::Arithmetic::F32));
         assert_eq!((cpu.block_q, cpu.block_k), (256, 256));
     }
 

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
 use super::simd;
-use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -53,7 +53,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         }
     };
 
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
     drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
 }
@@ -97,21 +97,22 @@ pub(crate) trait KeyTileWork {
 }
 
 /// Runs one task per (batch, kv head, chunk of key tiles) on rayon's pool, each with a
-/// worker from `init`, and gathers `(dq, dk, dv)` (dk and dq multiplied by `scale`); the dq
+/// worker from `init` (one per thread per call, reused), and gathers `(dq, dk, dv)` in the
+/// output element `O` (dk and dq multiplied by `scale`); the dq
 /// partials of one kv head (rows `dq_rs` apart, covering the query rows the chunk's key
 /// tiles can see) are summed in chunk order.
-pub(crate) fn drive<W: KeyTileWork>(
+pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
     dm: Dims,
     scale: f32,
     tiles: &Tiles,
     dq_rs: usize,
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<O>, Vec<O>, Vec<O>) {
     let d = dm.d;
-    let mut dq = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
-    let mut dk = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
-    let mut dv = vec![0.0f32; dm.b * dm.s_k * dm.h_kv * d];
+    let mut dq = vec![O::default(); dm.b * dm.s_q * dm.h_q * d];
+    let mut dk = vec![O::default(); dm.b * dm.s_k * dm.h_kv * d];
+    let mut dv = vec![O::default(); dm.b * dm.s_k * dm.h_kv * d];
     if dq.is_empty() || dk.is_empty() {
         return (dq, dk, dv);
     }
@@ -136,31 +137,36 @@ pub(crate) fn drive<W: KeyTileWork>(
 
     let dk_out = DisjointWriter::new(&mut dk);
     let dv_out = DisjointWriter::new(&mut dv);
+    let workers = PerThread::new();
     let partials: Vec<Vec<f32>> = (0..heads * chunks)
         .into_par_iter()
-        .map_init(init, |w, t| {
-            let (bh, c) = (t / chunks, t % chunks);
-            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-            let (lo, rows) = reach[c];
-            let mut dq_part = vec![0.0f32; gs * rows * dq_rs];
-            let mut dq = DqPartial { data: &mut dq_part, lo, rows, rs: dq_rs };
-            for ks in chunk_tiles(c) {
-                w.key_tile(b, hk, ks, &mut dq);
-                let (dk_rows, dv_rows, rs) = w.grads();
-                for j in 0..ks.len {
-                    let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
-                    // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
-                    let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
-                    for c2 in 0..d {
-                        dk_row[c2] = dk_rows[j * rs + c2] * scale;
+        .map(|t| {
+            workers.with(&init, |w| {
+                let (bh, c) = (t / chunks, t % chunks);
+                let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+                let (lo, rows) = reach[c];
+                // Zeros written, not allocated zeroed: the products read the partial first, and
+                // a read of never-written pages maps the shared zero page, which each first write
+                // then copies (a fault and a TLB flush per page).
+                let mut dq_part = Vec::with_capacity(gs * rows * dq_rs);
+                dq_part.resize(gs * rows * dq_rs, 0.0f32);
+                let mut dq = DqPartial { data: &mut dq_part, lo, rows, rs: dq_rs };
+                for ks in chunk_tiles(c) {
+                    w.key_tile(b, hk, ks, &mut dq);
+                    let (dk_rows, dv_rows, rs) = w.grads();
+                    for j in 0..ks.len {
+                        let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
+                        // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
+                        let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
+                        O::store(dk_row, &dk_rows[j * rs..j * rs + d], scale);
+                        O::store(dv_row, &dv_rows[j * rs..j * rs + d], 1.0);
                     }
-                    dv_row.copy_from_slice(&dv_rows[j * rs..j * rs + d]);
+                    if let Some(p) = progress {
+                        p.fetch_add(ks.len as u64, Ordering::Relaxed);
+                    }
                 }
-                if let Some(p) = progress {
-                    p.fetch_add(ks.len as u64, Ordering::Relaxed);
-                }
-            }
-            dq_part
+                dq_part
+            })
         })
         .collect();
 
@@ -169,27 +175,29 @@ pub(crate) fn drive<W: KeyTileWork>(
     (0..heads).into_par_iter().for_each(|bh| {
         let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
         let parts = &partials[bh * chunks..(bh + 1) * chunks];
+        let mut row = vec![0.0f32; d];
         for hl in 0..gs {
             let h = hk * gs + hl;
             for i in 0..dm.s_q {
                 let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
                 // SAFETY: kv head (b, hk) alone writes the dq rows of its query heads.
-                let row = unsafe { dq_out.range(at, d) };
+                let out = unsafe { dq_out.range(at, d) };
                 row.fill(0.0);
                 for (p, &(lo, rows)) in parts.iter().zip(&reach) {
                     if (lo..lo + rows).contains(&i) {
-                        simd::axpy(row, 1.0, &p[(hl * rows + i - lo) * dq_rs..][..d]);
+                        simd::axpy(&mut row, 1.0, &p[(hl * rows + i - lo) * dq_rs..][..d]);
                     }
                 }
-                simd::scale(row, scale);
+                O::store(out, &row, scale);
             }
         }
     });
     (dq, dk, dv)
 }
 
-/// `D = rowsum(dO ∘ O)`, layout `[b, h_q, s_q]`.
-pub(crate) fn rowsum_do_o(dm: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+/// `D = rowsum(dO ∘ O)`, layout `[b, h_q, s_q]`, from `[b, s_q, h_q, d]` rows of f32 or
+/// bf16 (widened row by row: no f32 copy of the tensors).
+pub(crate) fn rowsum_do_o<T: Copy + Sync + Into<f32>>(dm: Dims, o: &[T], d_o: &[T]) -> Vec<f32> {
     let d = dm.d;
     let mut big_d = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
     if big_d.is_empty() {
@@ -197,9 +205,13 @@ pub(crate) fn rowsum_do_o(dm: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
     }
     big_d.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
         let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+        let (mut dor, mut or) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (i, t) in row.iter_mut().enumerate() {
             let at = ((b * dm.s_q + i) * dm.h_q + h) * d;
-            *t = simd::dot(&d_o[at..at + d], &o[at..at + d]);
+            for ((x, y), (&a, &c)) in dor.iter_mut().zip(&mut or).zip(d_o[at..at + d].iter().zip(&o[at..at + d])) {
+                (*x, *y) = (a.into(), c.into());
+            }
+            *t = simd::dot(&dor, &or);
         }
     });
     big_d

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
-use super::tiles::{call_spans, classify, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -39,10 +39,10 @@ pub(crate) struct BackwardInputs<'a> {
     pub progress: Option<&'a AtomicU64>,
 }
 
-/// Returns `(dq, dk, dv)` in f32 (unrounded), layouts as q and k.
-pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q and k.
+pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16);
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
     let dq_rs = mm::vectors(dm.d) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
@@ -179,8 +179,24 @@ impl KeyTileWork for Worker<'_> {
                 let do_steps = BOperand { data: &pq.do_steps[steps_at..][..pq.steps_len], vectors: sv };
                 let kv = mm::vectors(bc);
 
+                // On a partial tile each block of rows computes only the part it may see: key
+                // ranges per block of query rows (S, dP, dQ), query ranges per block of key
+                // rows (dV, dK).
+                let (key_reach, query_reach) = match kind {
+                    TileKind::Partial => (
+                        reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
+                        reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::KeyBlocks),
+                    ),
+                    _ => (Vec::new(), Vec::new()),
+                };
+                let (lanes, key_steps, query_steps) = match kind {
+                    TileKind::Partial => {
+                        (mm::Reach::Lanes(&key_reach), mm::Reach::Steps(&key_reach), mm::Reach::Steps(&query_reach))
+                    }
+                    _ => (mm::Reach::All, mm::Reach::All, mm::Reach::All),
+                };
                 let p = &mut self.p[..br * sr];
-                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c));
+                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c), lanes);
                 if kind == TileKind::Partial {
                     for i in 0..br {
                         x.vis.mask_query_row(&mut p[i * sr..][..bc], qs.start + i, ks.start);
@@ -202,10 +218,20 @@ impl KeyTileWork for Worker<'_> {
                     rows::exp2_pairs(&mut lo[..bc], hi, [sub(2 * ip), sub(2 * ip + 1)], &mut self.p_pairs[ip * sr..]);
                 }
                 let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
-                mm::product(&mut self.dv[..bc * gr], gr, bc, gv, pt, do_steps, mm::pairs(br), Epilogue::Add);
+                mm::product(
+                    &mut self.dv[..bc * gr],
+                    gr,
+                    bc,
+                    gv,
+                    pt,
+                    do_steps,
+                    mm::pairs(br),
+                    Epilogue::Add,
+                    query_steps,
+                );
 
                 let dpv = &mut self.dp[..br * sr];
-                mm::product(dpv, sr, br, kv, doa, v_lanes, dp, Epilogue::Set(1.0));
+                mm::product(dpv, sr, br, kv, doa, v_lanes, dp, Epilogue::Set(1.0), lanes);
                 // dS rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
                 let mut ds_rows = ds16.chunks_mut(sr);
@@ -231,10 +257,20 @@ impl KeyTileWork for Worker<'_> {
                     }
                 }
                 let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
-                mm::product(&mut self.dk[..bc * gr], gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add);
+                mm::product(
+                    &mut self.dk[..bc * gr],
+                    gr,
+                    bc,
+                    gv,
+                    dst,
+                    q_steps,
+                    mm::pairs(br),
+                    Epilogue::Add,
+                    query_steps,
+                );
                 let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
                 let dq_rows = dq.rows(hl, qs.start, br);
-                mm::product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add);
+                mm::product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add, key_steps);
             }
         }
     }

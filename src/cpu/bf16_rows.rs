@@ -52,12 +52,13 @@ fn round32(x: __m512) -> __m512i {
     _mm512_cvtepu16_epi32(h)
 }
 
-/// `src` rounded to bf16 (the bf16 path's outputs), 16 lanes at a time.
+/// `src` rounded to bf16, 16 lanes at a time.
+#[cfg(test)]
 pub(crate) fn round_vec(src: &[f32]) -> Vec<half::bf16> {
     let mut out = vec![half::bf16::ZERO; src.len()];
     let bits: &mut [u16] = bytemuck::cast_slice_mut(&mut out);
     for (s, d) in src.chunks(1 << 16).zip(bits.chunks_mut(1 << 16)) {
-        round_row(s, d);
+        round_row_scaled(s, 1.0, d);
     }
     out
 }
@@ -99,18 +100,30 @@ unsafe fn exp2_round_row_avx512(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
-/// `dst = bf16(src)`, rounded to nearest even.
-fn round_row(src: &[f32], dst: &mut [u16]) {
+/// `dst = bf16(scale · src)` (the product rounded to f32 first), rounded to nearest even:
+/// the bf16 path's outputs. `dst` at least as long as `src`.
+pub(crate) fn round_row_scaled(src: &[f32], scale: f32, dst: &mut [u16]) {
     assert!(available(), "bf16 row kernels need AVX512_BF16");
     let dst = &mut dst[..src.len()];
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the processor has the instructions (asserted); lengths equal (sliced above).
     unsafe {
-        for i in (0..src.len()).step_by(16) {
-            let m = lanes(src.len() - i);
-            let x = round32(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)));
-            _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, x);
-        }
+        round_row_scaled_avx512(src, scale, dst)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("bf16 row kernels on a processor without AVX512_BF16 ({scale})")
+}
+
+/// # Safety
+/// AVX512F and AVX512_BF16 present; `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+unsafe fn round_row_scaled_avx512(src: &[f32], scale: f32, dst: &mut [u16]) {
+    let sv = _mm512_set1_ps(scale);
+    for i in (0..src.len()).step_by(16) {
+        let m = lanes(src.len() - i);
+        let x = round32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), sv));
+        _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, x);
     }
 }
 
@@ -330,7 +343,7 @@ mod tests {
         let mut dv = vec![0.0f32; keys * c_rs];
         let aop = AOperand { data: &il, rs: 1, ps: keys };
         let bop = BOperand { data: &bs, vectors: mm::vectors(d) };
-        mm::product(&mut dv, c_rs, keys, mm::vectors(d), aop, bop, mm::pairs(rows), Epilogue::Add);
+        mm::product(&mut dv, c_rs, keys, mm::vectors(d), aop, bop, mm::pairs(rows), Epilogue::Add, mm::Reach::All);
         for j in 0..keys {
             for c in 0..d {
                 let want: f64 = (0..rows).map(|i| widen(round(p[i][j])) as f64 * dout[i * d + c].to_f64()).sum();

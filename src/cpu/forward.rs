@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul_strided, View};
 use super::simd;
-use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -34,7 +34,7 @@ pub(crate) struct ForwardInputs<'a, T = f32> {
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32);
     // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
     // reads without packing.
     let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, dm.d);
@@ -51,15 +51,16 @@ pub(crate) trait QueryTileWork {
 }
 
 /// Runs one task per (batch, query head, query tile) on rayon's pool, each with a worker
-/// from `init` (one per thread, reused), and gathers `(o [b, s_q, h_q, d], lse [b, h_q, s_q])`.
-pub(crate) fn drive<W: QueryTileWork>(
+/// from `init` (one per thread per call, reused), and gathers `(o [b, s_q, h_q, d], lse [b,
+/// h_q, s_q])`, `o` in the output element `O`.
+pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
     dm: Dims,
     q_spans: &[Span],
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
-) -> (Vec<f32>, Vec<f32>) {
+) -> (Vec<O>, Vec<f32>) {
     let d = dm.d;
-    let mut o = vec![0.0f32; dm.b * dm.s_q * dm.h_q * d];
+    let mut o = vec![O::default(); dm.b * dm.s_q * dm.h_q * d];
     let mut lse = vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q];
     if q_spans.is_empty() || o.is_empty() {
         return (o, lse);
@@ -67,24 +68,27 @@ pub(crate) fn drive<W: QueryTileWork>(
     let o_out = DisjointWriter::new(&mut o);
     let lse_out = DisjointWriter::new(&mut lse);
     let n_tasks = dm.b * dm.h_q * q_spans.len();
-    (0..n_tasks).into_par_iter().for_each_init(init, |w, t| {
-        let qt = t % q_spans.len();
-        let bh = t / q_spans.len();
-        let (b, h) = (bh / dm.h_q, bh % dm.h_q);
-        let qs = q_spans[qt];
-        w.run(b, h, &qs);
-        // SAFETY: task (b, h, qt) alone writes the range (b, h, qs.start..) of `lse` and
-        // rows (b, qs.start.., h) of `o`.
-        let lse_rows = unsafe { lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len) };
-        let (rows, rs) = w.finish(lse_rows);
-        for i in 0..qs.len {
-            let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
-            // SAFETY: as above.
-            unsafe { o_out.range(at, d) }.copy_from_slice(&rows[i * rs..i * rs + d]);
-        }
-        if let Some(p) = progress {
-            p.fetch_add(qs.len as u64, Ordering::Relaxed);
-        }
+    let workers = PerThread::new();
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        workers.with(&init, |w| {
+            let qt = t % q_spans.len();
+            let bh = t / q_spans.len();
+            let (b, h) = (bh / dm.h_q, bh % dm.h_q);
+            let qs = q_spans[qt];
+            w.run(b, h, &qs);
+            // SAFETY: task (b, h, qt) alone writes the range (b, h, qs.start..) of `lse` and
+            // rows (b, qs.start.., h) of `o`.
+            let lse_rows = unsafe { lse_out.range((b * dm.h_q + h) * dm.s_q + qs.start, qs.len) };
+            let (rows, rs) = w.finish(lse_rows);
+            for i in 0..qs.len {
+                let at = ((b * dm.s_q + qs.start + i) * dm.h_q + h) * d;
+                // SAFETY: as above.
+                O::store(unsafe { o_out.range(at, d) }, &rows[i * rs..i * rs + d], 1.0);
+            }
+            if let Some(p) = progress {
+                p.fetch_add(qs.len as u64, Ordering::Relaxed);
+            }
+        })
     });
     (o, lse)
 }

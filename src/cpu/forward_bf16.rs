@@ -16,16 +16,17 @@ use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
 use super::forward::{drive, QueryTileWork};
 use super::simd;
-use super::tiles::{call_spans, classify, Span, TileKind};
+use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileKind};
 use crate::Dims;
 
 /// The bf16 path's inputs.
 pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 
-/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32 (`o` unrounded).
-pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
+/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])`, `o` in `O` (f32: unrounded, the
+/// drivers' partial results; bf16: rounded, a final output) and `lse` in f32.
+pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16);
     let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
     drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))
@@ -147,7 +148,16 @@ impl QueryTileWork for Worker<'_> {
             let (kt, vt) = keys.tile(&dm, b, hk, t);
             let s = &mut self.s[..br * sr];
             let kop = BOperand { data: kt, vectors: keys.key_vectors };
-            mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c));
+            // On a partial tile each block of query rows computes only the keys it may see.
+            let key_reach = match kind {
+                TileKind::Partial => reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
+                _ => Vec::new(),
+            };
+            let (lanes, steps) = match kind {
+                TileKind::Partial => (mm::Reach::Lanes(&key_reach), mm::Reach::Steps(&key_reach)),
+                _ => (mm::Reach::All, mm::Reach::All),
+            };
+            mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
             let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
             for i in 0..br {
                 let row = &mut s[i * sr..][..bc];
@@ -172,7 +182,7 @@ impl QueryTileWork for Worker<'_> {
             let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
             let alpha = Epilogue::Rescale(&self.alpha[..br]);
-            mm::product(&mut self.acc[..br * or], or, br, mm::vectors(d), pa, vop, mm::pairs(bc), alpha);
+            mm::product(&mut self.acc[..br * or], or, br, mm::vectors(d), pa, vop, mm::pairs(bc), alpha, steps);
         }
     }
 

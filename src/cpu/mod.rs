@@ -127,7 +127,7 @@ pub fn forward_with(
     let vis = visibility(&dims, positions, params)?;
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
     if let (Arithmetic::Bf16, Some([q, k, v])) = (arithmetic, finite_bf16([q, k, v])) {
-        let (o, lse) = forward_bf16::forward(&forward_bf16::ForwardInputs {
+        let (o, lse) = forward_bf16::forward::<bf16>(&forward_bf16::ForwardInputs {
             dims,
             q,
             k,
@@ -138,7 +138,7 @@ pub fn forward_with(
             progress: config.progress,
         });
         return Ok(ForwardOutput {
-            o: Tensor::new(dims.q_shape(), TensorData::BF16(bf16_rows::round_vec(&o)))?,
+            o: Tensor::new(dims.q_shape(), TensorData::BF16(o))?,
             lse: Tensor::from_f32(dims.lse_shape(), lse)?,
         });
     }
@@ -227,8 +227,11 @@ pub fn backward_with(
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
     if let (Arithmetic::Bf16, Some([qb, kb, vb, dob])) = (arithmetic, finite_bf16([q, k, v, d_o])) {
         let lf = lse.as_f32();
-        let big_d = backward::rowsum_do_o(dims, &o.as_f32(), &d_o.as_f32());
-        let (dq, dk, dv) = backward_bf16::backward(&backward_bf16::BackwardInputs {
+        let big_d = match o.data() {
+            TensorData::BF16(ob) => backward::rowsum_do_o(dims, ob, dob),
+            _ => backward::rowsum_do_o(dims, &o.as_f32(), &d_o.as_f32()),
+        };
+        let (dq, dk, dv) = backward_bf16::backward::<bf16>(&backward_bf16::BackwardInputs {
             dims,
             q: qb,
             k: kb,
@@ -241,11 +244,10 @@ pub fn backward_with(
             tiles: config.tiles,
             progress: config.progress,
         });
-        let round = |x: Vec<f32>| TensorData::BF16(bf16_rows::round_vec(&x));
         return Ok(Gradients {
-            dq: Tensor::new(dims.q_shape(), round(dq))?,
-            dk: Tensor::new(dims.kv_shape(), round(dk))?,
-            dv: Tensor::new(dims.kv_shape(), round(dv))?,
+            dq: Tensor::new(dims.q_shape(), TensorData::BF16(dq))?,
+            dk: Tensor::new(dims.kv_shape(), TensorData::BF16(dk))?,
+            dv: Tensor::new(dims.kv_shape(), TensorData::BF16(dv))?,
         });
     }
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
@@ -379,7 +381,7 @@ pub(crate) fn backward_f32(
 }
 
 /// `D = rowsum(dO ∘ O)`, `[b, h_q, s_q]`, from `[b, s_q, h_q, d]` buffers.
-pub(crate) fn softmax_grad_rowsum(dims: Dims, o: &[f32], d_o: &[f32]) -> Vec<f32> {
+pub(crate) fn softmax_grad_rowsum<T: Copy + Sync + Into<f32>>(dims: Dims, o: &[T], d_o: &[T]) -> Vec<f32> {
     backward::rowsum_do_o(dims, o, d_o)
 }
 

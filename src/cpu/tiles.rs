@@ -1,21 +1,39 @@
 //! Tile geometry: which (query tile, key tile) pairs are skipped, fully visible, or
 //! need the per-element mask, decided from the tiles' global position and document ranges.
 
+use super::Arithmetic;
 use crate::params::Visibility;
 
-/// Tile sizes of the CPU implementation. `Default` is tuned for the 2-core AVX-512
-/// machines the crate is developed on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Tile sizes of the CPU implementation. A size of 0 (the `Default`) means the tuned size of
+/// the path the call runs: 256 × 256 for f32 products, 128 × 512 for bf16 products (tuned on
+/// the 2-vCPU AVX-512 EPYC machines the crate is developed on: 128 × 512 ran the bf16 path
+/// up to 10% faster than 256 × 256 at s = 4096, and the f32 path 2–5% slower).
+///
+/// ```
+/// use ringattn::cpu::{Arithmetic, TileConfig};
+/// let auto = TileConfig::default();
+/// assert_eq!(auto.resolved(Arithmetic::Bf16), TileConfig { block_q: 128, block_k: 512 });
+/// let mine = TileConfig { block_q: 64, block_k: 0 };
+/// assert_eq!(mine.resolved(Arithmetic::F32), TileConfig { block_q: 64, block_k: 256 });
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TileConfig {
-    /// Query rows per tile.
+    /// Query rows per tile (0: the path's tuned size).
     pub block_q: usize,
-    /// Key rows per tile.
+    /// Key rows per tile (0: the path's tuned size).
     pub block_k: usize,
 }
 
-impl Default for TileConfig {
-    fn default() -> Self {
-        TileConfig { block_q: 256, block_k: 256 }
+impl TileConfig {
+    /// The sizes a call with products in `arithmetic` runs with: each 0 replaced by that
+    /// path's tuned size ([`Arithmetic::Auto`] counts as f32).
+    pub fn resolved(self, arithmetic: Arithmetic) -> TileConfig {
+        let (q, k) = match arithmetic {
+            Arithmetic::Bf16 => (128, 512),
+            Arithmetic::F32 | Arithmetic::Auto => (256, 256),
+        };
+        let or = |x: usize, tuned: usize| if x == 0 { tuned } else { x };
+        TileConfig { block_q: or(self.block_q, q), block_k: or(self.block_k, k) }
     }
 }
 
@@ -41,10 +59,15 @@ pub(crate) enum TileKind {
     Partial,
 }
 
-/// The query and key tiles of a call: `(block_q, block_k, query spans, key spans)` (block
-/// sizes at least 1).
-pub(crate) fn call_spans(vis: &Visibility, tiles: TileConfig) -> (usize, usize, Vec<Span>, Vec<Span>) {
-    let (bq, bk) = (tiles.block_q.max(1), tiles.block_k.max(1));
+/// The query and key tiles of a call with products in `arithmetic`: `(block_q, block_k,
+/// query spans, key spans)` (sizes [`TileConfig::resolved`]).
+pub(crate) fn call_spans(
+    vis: &Visibility,
+    tiles: TileConfig,
+    arithmetic: Arithmetic,
+) -> (usize, usize, Vec<Span>, Vec<Span>) {
+    let tiles = tiles.resolved(arithmetic);
+    let (bq, bk) = (tiles.block_q, tiles.block_k);
     (bq, bk, spans(&vis.q_pos, vis.q_doc.as_deref(), bq), spans(&vis.k_pos, vis.k_doc.as_deref(), bk))
 }
 
@@ -74,6 +97,56 @@ pub(crate) fn spans(pos: &[i64], doc: Option<&[u32]>, block: usize) -> Vec<Span>
         .collect()
 }
 
+/// Which rows a [`reach`] gives ranges for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReachOf {
+    /// For each block of query rows, the key rows its visible pairs lie in.
+    QueryBlocks,
+    /// For each block of key rows, the query rows its visible pairs lie in.
+    KeyBlocks,
+}
+
+/// Rows of the tile covered by `span`, in sub-spans of `block` rows (starts absolute).
+fn sub_spans(pos: &[i64], doc: Option<&[u32]>, span: &Span, block: usize) -> Vec<Span> {
+    let rows = span.start..span.start + span.len;
+    let mut out = spans(&pos[rows.clone()], doc.map(|d| &d[rows]), block);
+    for s in &mut out {
+        s.start += span.start;
+    }
+    out
+}
+
+/// Where the visible pairs of tile pair (`qs`, `ks`) lie: per block of `rows` rows of one
+/// side (`of`), the range of the other side's rows (tile-local, at 16-row granularity)
+/// outside which no pair is visible — empty when the block sees nothing. Conservative as
+/// [`classify`] is: every visible pair lies inside.
+pub(crate) fn reach(vis: &Visibility, qs: &Span, ks: &Span, rows: usize, of: ReachOf) -> Vec<std::ops::Range<usize>> {
+    let (q_block, k_block) = match of {
+        ReachOf::QueryBlocks => (rows, 16),
+        ReachOf::KeyBlocks => (16, rows),
+    };
+    let q_sub = sub_spans(&vis.q_pos, vis.q_doc.as_deref(), qs, q_block);
+    let k_sub = sub_spans(&vis.k_pos, vis.k_doc.as_deref(), ks, k_block);
+    let range = |seen: &mut dyn Iterator<Item = &Span>, base: usize| {
+        let (lo, hi) = seen.fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.start), hi.max(s.start + s.len)));
+        if lo < hi {
+            lo - base..hi - base
+        } else {
+            0..0
+        }
+    };
+    match of {
+        ReachOf::QueryBlocks => q_sub
+            .iter()
+            .map(|q| range(&mut k_sub.iter().filter(|k| classify(vis, q, k) != TileKind::Skip), ks.start))
+            .collect(),
+        ReachOf::KeyBlocks => k_sub
+            .iter()
+            .map(|k| range(&mut q_sub.iter().filter(|q| classify(vis, q, k) != TileKind::Skip), qs.start))
+            .collect(),
+    }
+}
+
 /// Classifies a pair of tiles. `Skip` and `Full` are exact claims; `Partial` is the
 /// conservative remainder.
 pub(crate) fn classify(vis: &Visibility, q: &Span, k: &Span) -> TileKind {
@@ -99,19 +172,40 @@ pub(crate) fn rows_finite(data: &[f32], r0: usize, rows: usize, d: usize, rs: us
 }
 
 /// A buffer that parallel tasks write in disjoint ranges.
-pub(crate) struct DisjointWriter<'a> {
-    ptr: *mut f32,
+pub(crate) struct DisjointWriter<'a, T = f32> {
+    ptr: *mut T,
     len: usize,
-    _borrow: std::marker::PhantomData<&'a mut [f32]>,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
 }
 
 // SAFETY: the writer hands out `&mut` sub-slices only through `range`, whose contract
-// requires disjoint ranges across concurrent callers; f32 is Send.
-unsafe impl Send for DisjointWriter<'_> {}
-unsafe impl Sync for DisjointWriter<'_> {}
+// requires disjoint ranges across concurrent callers; the elements are Send.
+unsafe impl<T: Send> Send for DisjointWriter<'_, T> {}
+unsafe impl<T: Send> Sync for DisjointWriter<'_, T> {}
 
-impl<'a> DisjointWriter<'a> {
-    pub fn new(buf: &'a mut [f32]) -> Self {
+/// The element a driver writes its outputs in: f32 (the drivers' partial results) or bf16
+/// (the bf16 path's final outputs, rounded as they are written: no f32 copy of the outputs).
+pub(crate) trait Output: Copy + Default + Send + Sync {
+    /// `dst = scale · src`, rounded to this type (`src` and `dst` of one length).
+    fn store(dst: &mut [Self], src: &[f32], scale: f32);
+}
+
+impl Output for f32 {
+    fn store(dst: &mut [f32], src: &[f32], scale: f32) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s * scale;
+        }
+    }
+}
+
+impl Output for half::bf16 {
+    fn store(dst: &mut [half::bf16], src: &[f32], scale: f32) {
+        super::bf16_rows::round_row_scaled(src, scale, bytemuck::cast_slice_mut(dst));
+    }
+}
+
+impl<'a, T> DisjointWriter<'a, T> {
+    pub fn new(buf: &'a mut [T]) -> Self {
         DisjointWriter { ptr: buf.as_mut_ptr(), len: buf.len(), _borrow: std::marker::PhantomData }
     }
 
@@ -120,9 +214,115 @@ impl<'a> DisjointWriter<'a> {
     /// # Safety
     /// No two live slices obtained from this writer may overlap.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [f32] {
+    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
         assert!(start + len <= self.len, "disjoint writer range out of bounds");
         // SAFETY: in bounds (checked); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+/// One worker per rayon thread for the tasks of one call, made on first use and reused by
+/// every later task of that thread (rayon's `*_init` adaptors make one per job split, each
+/// allocating and freeing its scratch). A task must not wait on rayon work while it holds its
+/// worker: a task stolen meanwhile by the same thread would wait for the same slot.
+pub(crate) struct PerThread<W> {
+    slots: Vec<std::sync::Mutex<Option<W>>>,
+}
+
+impl<W> PerThread<W> {
+    pub(crate) fn new() -> Self {
+        PerThread { slots: (0..rayon::current_num_threads().max(1)).map(|_| std::sync::Mutex::new(None)).collect() }
+    }
+
+    /// Runs `f` on the current thread's worker (made by `init` when it has none yet).
+    pub(crate) fn with<R>(&self, init: impl FnOnce() -> W, f: impl FnOnce(&mut W) -> R) -> R {
+        let at = rayon::current_thread_index().unwrap_or(0) % self.slots.len();
+        // A slot is only ever contended when tasks run outside this pool (then it serialises
+        // them); a panicking task's worker holds no invariant the next task relies on.
+        let mut slot = self.slots[at].lock().unwrap_or_else(|e| e.into_inner());
+        f(slot.get_or_insert_with(init))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AttentionParams, Documents, Mask, Positions};
+
+    /// Every visible pair of a partial tile lies inside its reach, in both orientations and at
+    /// every block size; and the reach is narrower than the tile somewhere (it can fail).
+    #[test]
+    fn reach_holds_every_visible_pair() {
+        let masks = [
+            Mask::Causal,
+            Mask::Window { left: Some(37), right: Some(5) },
+            Mask::Window { left: Some(3), right: None },
+        ];
+        let placements = [
+            (Positions::contiguous(0, 200), Positions::contiguous(0, 200)),
+            (Positions::strided(1, 2, 100).unwrap(), Positions::strided(0, 2, 100).unwrap()),
+            (Positions::contiguous(150, 50), Positions::contiguous(0, 200)),
+        ];
+        let (mut narrowed, mut checked) = (0, 0);
+        for mask in masks {
+            for documents in [None, Some(Documents::new(vec![50, 13, 137]).unwrap())] {
+                for (qp, kp) in &placements {
+                    let params = AttentionParams { mask, documents: documents.clone(), ..Default::default() };
+                    let vis = Visibility::new(&params, qp, kp).unwrap();
+                    for (bq, bk, rows) in [(64, 48, 12), (7, 13, 4), (256, 256, 12), (33, 100, 12)] {
+                        let (_, _, q_spans, k_spans) =
+                            call_spans(&vis, TileConfig { block_q: bq, block_k: bk }, Arithmetic::F32);
+                        for qs in &q_spans {
+                            for ks in &k_spans {
+                                if classify(&vis, qs, ks) != TileKind::Partial {
+                                    continue;
+                                }
+                                let by_q = reach(&vis, qs, ks, rows, ReachOf::QueryBlocks);
+                                let by_k = reach(&vis, qs, ks, rows, ReachOf::KeyBlocks);
+                                assert_eq!((by_q.len(), by_k.len()), (qs.len.div_ceil(rows), ks.len.div_ceil(rows)));
+                                for i in 0..qs.len {
+                                    for j in 0..ks.len {
+                                        if vis.visible(qs.start + i, ks.start + j) {
+                                            assert!(by_q[i / rows].contains(&j), "{mask:?} key {j} of query {i}");
+                                            assert!(by_k[j / rows].contains(&i), "{mask:?} query {i} of key {j}");
+                                        }
+                                    }
+                                }
+                                checked += 1;
+                                narrowed += by_q.iter().filter(|r| r.len() < ks.len).count();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 100 && narrowed > 100, "{checked} partial tiles, {narrowed} narrowed blocks");
+    }
+
+    /// Tasks reuse their thread's worker: at most one is made per thread, and every task runs.
+    #[test]
+    fn per_thread_makes_one_worker_per_thread() {
+        use rayon::prelude::*;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let made = AtomicUsize::new(0);
+        let workers = PerThread::new();
+        let init = || {
+            made.fetch_add(1, Ordering::Relaxed);
+            0usize
+        };
+        let sum: usize = (0..10_000usize)
+            .into_par_iter()
+            .map(|i| {
+                workers.with(init, |w| {
+                    *w += 1;
+                    i
+                })
+            })
+            .sum();
+        assert_eq!(sum, 10_000 * 9_999 / 2);
+        let made = made.into_inner();
+        assert!((1..=rayon::current_num_threads()).contains(&made), "{made} workers");
+        let runs: usize = workers.slots.into_iter().map(|s| s.into_inner().unwrap().unwrap_or(0)).sum();
+        assert_eq!(runs, 10_000);
     }
 }

@@ -420,7 +420,11 @@ impl Backend for CpuBackend {
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
-        Ok(cpu::softmax_grad_rowsum(dims, &o.to_f32()?, &d_o.to_f32()?).into())
+        Ok(match (o.data(), d_o.data()) {
+            (HostData::BF16(ob), HostData::BF16(dob)) => cpu::softmax_grad_rowsum(dims, ob, dob),
+            _ => cpu::softmax_grad_rowsum(dims, &o.to_f32()?, &d_o.to_f32()?),
+        }
+        .into())
     }
 }
 

@@ -221,9 +221,9 @@ fn parse_dq_mode(s: &str) -> Result<DqMode> {
 
 /// The tiles of `backend`'s tiling of `pass`: the CPU's [`cpu::TileConfig`], the CUDA
 /// kernels' tiles (forward kernel; fused kernel of the backward) on emu and cuda.
-fn tile_shape(backend: BackendKind, pass: Pass, d: usize) -> TileShape {
+fn tile_shape(backend: BackendKind, pass: Pass, d: usize, cpu_tiles: cpu::TileConfig) -> TileShape {
     match (backend, pass) {
-        (BackendKind::Cpu, _) => cpu::TileConfig::default().into(),
+        (BackendKind::Cpu, _) => cpu_tiles.into(),
         (_, Pass::Forward) => TileShape::cuda_forward(d),
         (_, Pass::Backward) => TileShape::cuda_backward(d),
     }
@@ -249,15 +249,17 @@ fn describe_mask(p: &AttentionParams) -> String {
 /// The work of one pass: `(flops, dense_flops, tile shape, tiles, executed flops)`.
 fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
+    // The cpu backend's default tiles, as the path its products take resolves them.
+    let cpu_tiles = cpu::TileConfig::default().resolved(cpu::Arithmetic::Auto.resolve(x.dtype)?);
     let shape = match (backend, pass, x.kernels) {
         (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
             TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d).1 }
         }
-        _ => tile_shape(backend, pass, dims.d),
+        _ => tile_shape(backend, pass, dims.d, cpu_tiles),
     };
     let tiles = flops::tiles(dims, &x.params, shape)?;
     let executor = match backend {
-        BackendKind::Cpu => flops::Executor::Cpu(cpu::TileConfig::default()),
+        BackendKind::Cpu => flops::Executor::Cpu(cpu_tiles),
         BackendKind::Emu | BackendKind::Cuda if x.kernels == KernelFamily::Hopper => flops::Executor::Hopper(x.dq_mode),
         BackendKind::Emu | BackendKind::Cuda => flops::Executor::Kernels(x.dq_mode),
     };
@@ -552,7 +554,10 @@ mod tests {
         let x = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]);
         let pairs = flops::visible_pairs(&x.dims, &x.params).unwrap();
         assert_eq!(pairs, 512 * 513 / 2);
-        let (f, dense, shape, tiles, executed) = work(BackendKind::Cpu, &x, Pass::Forward, pairs).unwrap();
+        // f32 inputs: the f32 path's 256 × 256 tiles on every processor.
+        let x32 =
+            Inputs { dtype: DType::F32, ..inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]) };
+        let (f, dense, shape, tiles, executed) = work(BackendKind::Cpu, &x32, Pass::Forward, pairs).unwrap();
         assert_eq!((f, dense), (4.0 * 64.0 * 2.0 * pairs as f64, 4.0 * 64.0 * 2.0 * 512.0 * 512.0));
         assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (256, 256, 4, 3));
         // The CPU computes its 3 visible 256 x 256 tiles whole.
