@@ -189,12 +189,8 @@ impl KeyTileWork for Worker<'_> {
                     ),
                     _ => (Vec::new(), Vec::new()),
                 };
-                let (lanes, key_steps, query_steps) = match kind {
-                    TileKind::Partial => {
-                        (mm::Reach::Lanes(&key_reach), mm::Reach::Steps(&key_reach), mm::Reach::Steps(&query_reach))
-                    }
-                    _ => (mm::Reach::All, mm::Reach::All, mm::Reach::All),
-                };
+                let (lanes, key_steps) = (mm::Reach::lanes(&key_reach), mm::Reach::steps(&key_reach));
+                let query_steps = mm::Reach::steps(&query_reach);
                 let p = &mut self.p[..br * sr];
                 mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c), lanes);
                 if kind == TileKind::Partial {

@@ -73,6 +73,9 @@ pub(crate) struct BOperand<'a> {
 /// [`Reach`] ranges are given per block of this many rows.
 pub(crate) const BLOCK_ROWS: usize = 12;
 
+/// 16-lane vectors of a register block (a strip of 32 lanes of `C`).
+const BLOCK_VECTORS: usize = 2;
+
 /// Which part of a product each block of [`BLOCK_ROWS`] rows computes: on partially masked
 /// tiles, the part that holds every visible pair, the rest being exactly zero (P or dS) or
 /// masked afterwards (scores).
@@ -89,14 +92,33 @@ pub(crate) enum Reach<'a> {
     Steps(&'a [std::ops::Range<usize>]),
 }
 
-impl Reach<'_> {
-    /// The steps (of `k2`) that row block `blk` (index) runs on vectors `v0..v0 + 2`.
-    fn steps(self, blk: usize, v0: usize, k2: usize) -> std::ops::Range<usize> {
+impl<'a> Reach<'a> {
+    /// [`Reach::Lanes`] over `ranges`, or [`Reach::All`] when there are none (a tile without
+    /// a mask).
+    pub(crate) fn lanes(ranges: &'a [std::ops::Range<usize>]) -> Self {
+        if ranges.is_empty() {
+            Reach::All
+        } else {
+            Reach::Lanes(ranges)
+        }
+    }
+
+    /// [`Reach::Steps`] over `ranges`, or [`Reach::All`] when there are none.
+    pub(crate) fn steps(ranges: &'a [std::ops::Range<usize>]) -> Self {
+        if ranges.is_empty() {
+            Reach::All
+        } else {
+            Reach::Steps(ranges)
+        }
+    }
+
+    /// The steps (of `k2`) that row block `blk` (index) runs on the strip of vectors from `v0`.
+    fn block_steps(self, blk: usize, v0: usize, k2: usize) -> std::ops::Range<usize> {
         match self {
             Reach::All => 0..k2,
             Reach::Lanes(r) => {
                 let r = &r[blk];
-                if r.start < r.end && r.start < 16 * (v0 + 2) && r.end > 16 * v0 {
+                if r.start < r.end && r.start < 16 * (v0 + BLOCK_VECTORS) && r.end > 16 * v0 {
                     0..k2
                 } else {
                     0..0
@@ -159,11 +181,11 @@ pub(crate) fn product(
         assert!(r.len() >= rows.div_ceil(BLOCK_ROWS), "reach of {} row blocks for {rows} rows", r.len());
     }
     #[cfg(target_arch = "x86_64")]
-    for v0 in (0..n16).step_by(2) {
-        let nv = (n16 - v0).min(2);
+    for v0 in (0..n16).step_by(BLOCK_VECTORS) {
+        let nv = (n16 - v0).min(BLOCK_VECTORS);
         for r0 in (0..rows).step_by(BLOCK_ROWS) {
             let nr = (rows - r0).min(BLOCK_ROWS);
-            let steps = reach.steps(r0 / BLOCK_ROWS, v0, k2);
+            let steps = reach.block_steps(r0 / BLOCK_ROWS, v0, k2);
             let blk = Block {
                 a: a.data[r0 * a.rs + steps.start * a.ps..].as_ptr(),
                 a_rs: a.rs,

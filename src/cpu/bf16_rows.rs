@@ -52,17 +52,6 @@ fn round32(x: __m512) -> __m512i {
     _mm512_cvtepu16_epi32(h)
 }
 
-/// `src` rounded to bf16, 16 lanes at a time.
-#[cfg(test)]
-pub(crate) fn round_vec(src: &[f32]) -> Vec<half::bf16> {
-    let mut out = vec![half::bf16::ZERO; src.len()];
-    let bits: &mut [u16] = bytemuck::cast_slice_mut(&mut out);
-    for (s, d) in src.chunks(1 << 16).zip(bits.chunks_mut(1 << 16)) {
-        round_row_scaled(s, 1.0, d);
-    }
-    out
-}
-
 /// Whether every value is finite (exponent bits not all ones), without early exit so that
 /// it vectorises.
 pub(crate) fn all_finite(x: &[half::bf16]) -> bool {
@@ -275,8 +264,15 @@ mod tests {
             return;
         }
         let src: Vec<f32> = (0..70_001).map(|i| (i as f32 * 0.37).sin() * 3.0e3 + 1e-3).collect();
-        let out = round_vec(&src);
-        assert!(out.iter().zip(&src).all(|(o, &x)| *o == bf16::from_f32(x)));
+        // As the drivers store outputs (`tiles::Output`): scaled in f32, then rounded.
+        for scale in [1.0f32, 0.37] {
+            let mut out = vec![bf16::ZERO; src.len() + 1];
+            <bf16 as crate::cpu::tiles::Output>::store(&mut out, &src, scale);
+            assert!(out.iter().zip(&src).all(|(o, &x)| *o == bf16::from_f32(x * scale)), "scale {scale}");
+            assert_eq!(out[src.len()], bf16::ZERO, "written past the row");
+        }
+        let mut out = vec![bf16::ZERO; src.len()];
+        <bf16 as crate::cpu::tiles::Output>::store(&mut out, &src, 1.0);
         assert!(all_finite(&out));
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut v = out.clone();

@@ -153,10 +153,7 @@ impl QueryTileWork for Worker<'_> {
                 TileKind::Partial => reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
                 _ => Vec::new(),
             };
-            let (lanes, steps) = match kind {
-                TileKind::Partial => (mm::Reach::Lanes(&key_reach), mm::Reach::Steps(&key_reach)),
-                _ => (mm::Reach::All, mm::Reach::All),
-            };
+            let lanes = mm::Reach::lanes(&key_reach);
             mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
             let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
             for i in 0..br {
@@ -182,7 +179,17 @@ impl QueryTileWork for Worker<'_> {
             let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
             let alpha = Epilogue::Rescale(&self.alpha[..br]);
-            mm::product(&mut self.acc[..br * or], or, br, mm::vectors(d), pa, vop, mm::pairs(bc), alpha, steps);
+            mm::product(
+                &mut self.acc[..br * or],
+                or,
+                br,
+                mm::vectors(d),
+                pa,
+                vop,
+                mm::pairs(bc),
+                alpha,
+                mm::Reach::steps(&key_reach),
+            );
         }
     }
 

@@ -186,7 +186,8 @@ unsafe impl<T: Send> Sync for DisjointWriter<'_, T> {}
 /// The element a driver writes its outputs in: f32 (the drivers' partial results) or bf16
 /// (the bf16 path's final outputs, rounded as they are written: no f32 copy of the outputs).
 pub(crate) trait Output: Copy + Default + Send + Sync {
-    /// `dst = scale · src`, rounded to this type (`src` and `dst` of one length).
+    /// `dst[..src.len()] = scale · src` (the product in f32), rounded to this type; `dst` at
+    /// least as long as `src`, nothing past it written.
     fn store(dst: &mut [Self], src: &[f32], scale: f32);
 }
 
