@@ -224,6 +224,7 @@ fn build_emulator() {
         .file("cuda/emu/kernels_fwd.cpp")
         .file("cuda/emu/kernels_bwd.cpp")
         .file("cuda/emu/kernels_fwd_hopper.cpp")
+        .file("cuda/emu/kernels_bwd_hopper.cpp")
         .file("cuda/emu/selftest.cpp")
         .file("cuda/emu/selftest_ptx.cpp")
         .opt_level(2)

@@ -119,6 +119,19 @@ struct FlashBwdParams {
 static_assert(sizeof(FlashBwdParams) == 240, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
+// flash_bwd_hopper.cu (sm_90a): the backward's params plus the tensor maps of q, k, v and d_o
+// (as FlashFwdHopperParams': boxes of 64 columns x 1 head x 64 query rows (q, d_o) or the key
+// block's rows (k, v) x 1, 128-byte swizzle) and of lse and delta (f32 [b, h_q, s_q] as 2-d
+// maps {b h_q s_q, 1}: boxes of 64 x 1, no swizzle). Passed as a __grid_constant__.
+struct FlashBwdHopperParams {
+    FlashBwdParams p;
+    uint64_t reserved[2];  // pads p to 256 bytes: the maps are 64-byte aligned
+    TensorMap q, k, v, d_o, lse, delta;
+};
+
+static_assert(sizeof(FlashBwdHopperParams) == 1024, "FlashBwdHopperParams is mirrored in Rust");
+static_assert(alignof(FlashBwdHopperParams) == 64, "FlashBwdHopperParams alignment");
+
 // ops.cu: the data movements of the sequence-parallel drivers on device buffers (the
 // `Buffers` operations of src/parallel/backend.rs) and the f32 <-> bf16/f16 conversions. One
 // struct for the family; each kernel reads the fields its comment in ops.cu names and

@@ -70,7 +70,7 @@ mkdir -p target/emu-harness-obj
 sanitize="-std=c++17 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -Wall -Wextra -Wno-psabi -I cuda"
 # One object per translation unit, two at a time (the flash families are the slow ones).
 printf '%s\n' cuda/emu/harness.cpp cuda/emu/kernels.cpp cuda/emu/kernels_fwd.cpp cuda/emu/kernels_bwd.cpp \
-  cuda/emu/kernels_fwd_hopper.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp |
+  cuda/emu/kernels_fwd_hopper.cpp cuda/emu/kernels_bwd_hopper.cpp cuda/emu/selftest.cpp cuda/emu/selftest_ptx.cpp |
   xargs -P "$(nproc)" -I{} sh -c 'c++ '"$sanitize"' -c "$1" -o "target/emu-harness-obj/$(basename "$1" .cpp).o"' _ {}
 c++ -fsanitize=address,undefined target/emu-harness-obj/*.o -pthread -o target/emu-harness
 ASAN_OPTIONS=detect_leaks=1 target/emu-harness

@@ -322,6 +322,32 @@ pub mod params {
         }
     }
 
+    /// `FlashBwdHopperParams` of `cuda/params.h` (the sm_90a backward,
+    /// `flash_bwd_hopper.cu`): the backward's params and the tensor maps of `q`, `k`, `v` and
+    /// `d_o` (4-d views `{d, h, s, b}` with boxes of 64 columns × 1 head × 64 query rows or the
+    /// key block's rows × 1, 128-byte swizzled; see [`super::tensor_map::bshd_tile_map`]) and of
+    /// `lse` and `delta` (f32 rows of 64, [`super::tensor_map::row_stats_map`]).
+    #[repr(C, align(64))]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct FlashBwdHopperParams {
+        /// Everything but the maps.
+        pub p: FlashBwdParams,
+        /// Padding (the maps are 64-byte aligned).
+        pub reserved: [u64; 2],
+        /// Queries' map (boxes of 64 rows).
+        pub q: TensorMap,
+        /// Keys' map (boxes of the key block).
+        pub k: TensorMap,
+        /// Values' map (boxes of the key block).
+        pub v: TensorMap,
+        /// Output gradient's map (boxes of 64 rows).
+        pub d_o: TensorMap,
+        /// `lse`'s map (f32, boxes of 64 rows).
+        pub lse: TensorMap,
+        /// `delta`'s map (f32, boxes of 64 rows).
+        pub delta: TensorMap,
+    }
+
     /// `OpsParams` of `cuda/params.h` (the data movements of `cuda/ops.cu`, one struct for
     /// the family): device addresses and sizes, each kernel reading the fields its
     /// constructor below sets (the others are zero). Element types: 4-byte words for `dst`
@@ -517,6 +543,8 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 576);
     const _: () = assert!(std::mem::align_of::<FlashFwdHopperParams>() == 64);
     const _: () = assert!(std::mem::align_of::<TensorMap>() == 64);
+    const _: () = assert!(std::mem::size_of::<FlashBwdHopperParams>() == 1024);
+    const _: () = assert!(std::mem::align_of::<FlashBwdHopperParams>() == 64);
 }
 
 pub mod tensor_map;
@@ -826,6 +854,10 @@ pub mod geometry {
         DkDv(DqAccum),
         /// Fixed-point dq to f32, in place.
         DqConvert,
+        /// The sm_90a dk/dv kernel of `flash_bwd_hopper.cu`, which adds dq as the
+        /// [`DqAccum`] says (`Fixed` or `F32`): entry points
+        /// `ringattn_hopper_flash_bwd_{dkdvqfx|dkdvq}_{bf16|f16}_d{64|128|256}`.
+        HopperDkDv(DqAccum),
     }
 
     impl BackwardKernel {
@@ -841,7 +873,33 @@ pub mod geometry {
                 BackwardKernel::DkDv(DqAccum::Fixed) => "dkdvqfx",
                 BackwardKernel::DkDv(DqAccum::F32) => "dkdvq",
                 BackwardKernel::DqConvert => "dqconvert",
+                BackwardKernel::HopperDkDv(DqAccum::F32) => "hopper_dkdvq",
+                BackwardKernel::HopperDkDv(_) => "hopper_dkdvqfx",
             }
+        }
+
+        /// The kernel family (`cuda/` file stem) holding this kernel.
+        pub fn family(self) -> &'static str {
+            match self {
+                BackwardKernel::HopperDkDv(_) => "flash_bwd_hopper",
+                _ => "flash_bwd",
+            }
+        }
+
+        /// The entry point's name for `dtype` without the head-dim class suffix:
+        /// `ringattn_flash_bwd_{name}_{bf16|f16}`, `ringattn_hopper_flash_bwd_{dkdvqfx|dkdvq}_…`.
+        pub fn entry_base(self, dtype: crate::DType) -> String {
+            let ty = if dtype == crate::DType::F16 { "f16" } else { "bf16" };
+            match self {
+                BackwardKernel::HopperDkDv(DqAccum::F32) => format!("ringattn_hopper_flash_bwd_dkdvq_{ty}"),
+                BackwardKernel::HopperDkDv(_) => format!("ringattn_hopper_flash_bwd_dkdvqfx_{ty}"),
+                k => format!("ringattn_flash_bwd_{}_{ty}", k.name()),
+            }
+        }
+
+        /// Whether this kernel adds into dq (the caller zeroes dq first).
+        pub fn adds_dq(self) -> bool {
+            matches!(self, BackwardKernel::DkDv(DqAccum::Fixed | DqAccum::F32) | BackwardKernel::HopperDkDv(_))
         }
     }
 
@@ -938,6 +996,101 @@ pub mod geometry {
             v.push((BackwardKernel::DqConvert, dq_convert(dims)));
         }
         v
+    }
+
+    /// Keys per block of the Hopper backward (`HopperBwdTraits<D>::kBlockN`): 128 (two
+    /// consumer warpgroups of 64 keys) up to class 128, 64 at 256 (the warpgroups split the
+    /// columns).
+    pub fn hopper_backward_block(d: usize) -> usize {
+        if hopper_head_dim_class(d) <= 128 {
+            128
+        } else {
+            64
+        }
+    }
+
+    /// The sm_90a dk/dv kernel with dq (`ringattn_hopper_flash_bwd_{dkdvqfx,dkdvq}_*_d{64,128,256}`):
+    /// 384 threads (a producer warpgroup and two consumers), a block per
+    /// [`hopper_backward_block`] keys; K and V once, Q and dO tiles of 64 rows in 4, 3 or 2
+    /// stages at classes 64, 128, 256 (with their lse and delta rows), the two warpgroups'
+    /// dS^T tiles, the mbarriers, the block's tile range and its scratch, and 1024 bytes to align the base
+    /// (`HopperBwdTraits<D>::kSmem`).
+    pub fn dkdv_hopper(dims: &Dims) -> Launch {
+        let dc = hopper_head_dim_class(dims.d);
+        let block_n = hopper_backward_block(dims.d);
+        let stages = match dc {
+            64 => 4,
+            128 => 3,
+            _ => 2,
+        };
+        let tiles = 2 * block_n * dc * 2 + stages * 2 * 64 * dc * 2 + 2 * 64 * 64 * 2;
+        // Per stage the query tile's lse and delta (64 f32 each).
+        let stats = stages * 2 * 64 * 4;
+        Launch {
+            grid: [dims.s_k.div_ceil(block_n), dims.h_kv, dims.b],
+            block: 384,
+            // + the mbarriers, the tile range (two i32), the scratch of the block's tile range.
+            smem_bytes: tiles + stats + 8 * (1 + 2 * stages) + 8 + 4 * 12 * 8 + 1024,
+            head_dim_class: dc,
+        }
+    }
+
+    /// The kernels of a backward on the Hopper family, in launch order, with their launches:
+    /// as [`backward`], with the sm_90a dk/dv kernel, which adds dq at every head-dim class
+    /// (in fixed point under [`DqMode::Deterministic`], with the kvbound and rowunit kernels
+    /// before it and dqconvert after; with f32 atomics under [`DqMode::Atomic`]). The caller
+    /// zeroes dq (every kernel list here adds into it, [`BackwardKernel::adds_dq`]) and, in
+    /// fixed point, the K/V bounds.
+    pub fn backward_hopper(dims: &Dims, with_rowsum: bool, mode: DqMode) -> Vec<(BackwardKernel, Launch)> {
+        let mut v = Vec::with_capacity(5);
+        if with_rowsum {
+            v.push((BackwardKernel::Rowsum, rowsum(dims)));
+        }
+        let accum = match mode {
+            DqMode::Deterministic => DqAccum::Fixed,
+            DqMode::Atomic => DqAccum::F32,
+        };
+        if accum == DqAccum::Fixed {
+            v.push((BackwardKernel::KvBound, kv_bound(dims)));
+            v.push((BackwardKernel::RowUnit, row_unit(dims)));
+        }
+        v.push((BackwardKernel::HopperDkDv(accum), dkdv_hopper(dims)));
+        if accum == DqAccum::Fixed {
+            v.push((BackwardKernel::DqConvert, dq_convert(dims)));
+        }
+        v
+    }
+
+    /// The backward's kernels on `family` ([`backward_hopper`] or [`backward`]).
+    pub fn backward_on(
+        family: Backward,
+        dims: &Dims,
+        with_rowsum: bool,
+        mode: DqMode,
+    ) -> Vec<(BackwardKernel, Launch)> {
+        match family {
+            Backward::Fa2 => backward(dims, with_rowsum, mode),
+            Backward::Hopper => backward_hopper(dims, with_rowsum, mode),
+        }
+    }
+
+    /// The family a backward runs on, once [`KernelFamily`] is resolved for the device.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum Backward {
+        /// `flash_bwd.cu` (mma.sync).
+        #[default]
+        Fa2,
+        /// `flash_bwd_hopper.cu` (wgmma, TMA, mbarriers) for the dk/dv kernel, `flash_bwd.cu`
+        /// for the small kernels around it.
+        Hopper,
+    }
+
+    /// What a kernel list asks of the caller before it runs: whether dq must be zeroed (a
+    /// kernel adds into it) and whether the K/V bounds must be (fixed-point dq).
+    pub fn backward_zeroing(kernels: &[(BackwardKernel, Launch)]) -> (bool, bool) {
+        let dq = kernels.iter().any(|(k, _)| k.adds_dq());
+        let bounds = kernels.iter().any(|(k, _)| *k == BackwardKernel::KvBound);
+        (dq, bounds)
     }
 
     /// Threads per block of the ops kernels (`cuda/ops.cu`).

@@ -1,16 +1,16 @@
-//! The Hopper (sm_90a) forward of `cuda/flash_fwd_hopper.cu` — wgmma, TMA, mbarriers, warp
-//! specialisation — run by the host emulator against the float64 oracle: every mask,
-//! documents, GQA, block positions at global offsets, bf16 and f16, head dims around the
-//! classes 64, 128 and 256, lengths around its 64/128-row tiles, with the same bits under the
-//! three fiber schedules.
+//! The Hopper (sm_90a) kernels of `cuda/flash_fwd_hopper.cu` and `cuda/flash_bwd_hopper.cu` —
+//! wgmma, TMA, mbarriers, warp specialisation — run by the host emulator against the float64
+//! oracle: every mask, documents, GQA, block positions at global offsets, bf16 and f16, head
+//! dims around the classes 64, 128 and 256, lengths around their 64/128-row tiles, with the
+//! same bits under the three fiber schedules (dq too, where it is deterministic).
 #![cfg(feature = "emu")]
 
 mod support;
 
 use proptest::prelude::*;
-use ringattn::cpu::ForwardOutput;
+use ringattn::cpu::{ForwardOutput, Gradients};
 use ringattn::emu::{self, EmuOptions, Schedule};
-use ringattn::kernels::geometry::KernelFamily;
+use ringattn::kernels::geometry::{DqMode, KernelFamily};
 use ringattn::{random::randn, verify, AttentionParams, DType, Mask, Tensor};
 use support::{mask, placement, Case};
 
@@ -24,6 +24,13 @@ fn forward(case: &Case, schedule: Schedule) -> ForwardOutput {
     let x = case.inputs();
     let opts = EmuOptions { schedule, workers: 1, kernels: KernelFamily::Hopper, ..Default::default() };
     emu::forward(&x.q, &x.k, &x.v, case.pos(), &case.params, &opts).expect("emulated Hopper forward")
+}
+
+fn backward(case: &Case, f: &ForwardOutput, schedule: Schedule, dq_mode: DqMode) -> Gradients {
+    let x = case.inputs();
+    let opts = EmuOptions { schedule, workers: 1, kernels: KernelFamily::Hopper, dq_mode };
+    emu::backward(&x.q, &x.k, &x.v, &f.o, &f.lse, &x.d_o, case.pos(), &case.params, &opts)
+        .expect("emulated Hopper backward")
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -67,6 +74,30 @@ proptest! {
     /// The forward against the oracle, and the same bits under reverse and random fiber
     /// orders (any difference is a race between the producer and the consumers).
     #[test]
+    fn the_hopper_backward_matches_the_oracle_under_every_schedule(
+        case in case(),
+        sched_seed in any::<u64>(),
+        atomic in any::<bool>(),
+    ) {
+        let x = case.inputs();
+        let mode = if atomic { DqMode::Atomic } else { DqMode::Deterministic };
+        let f = forward(&case, Schedule::Forward);
+        let g = backward(&case, &f, Schedule::Forward, mode);
+        let report = verify::check_results(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), &case.params, &f, Some(&g))
+            .unwrap();
+        prop_assert!(report.pass(), "{mode:?} {case:?}\n{}", report.table());
+        for schedule in [Schedule::Reverse, Schedule::Random(sched_seed)] {
+            let g2 = backward(&case, &f, schedule, mode);
+            for (name, a, b) in [("dq", &g.dq, &g2.dq), ("dk", &g.dk, &g2.dk), ("dv", &g.dv, &g2.dv)] {
+                if name == "dq" && atomic {
+                    continue;
+                }
+                prop_assert!(bits(a) == bits(b), "{name} differs under {schedule:?}: {case:?}");
+            }
+        }
+    }
+
+    #[test]
     fn the_hopper_forward_matches_the_oracle_under_every_schedule(case in case(), sched_seed in any::<u64>()) {
         let f = forward(&case, Schedule::Forward);
         let report = check(&case, &f);
@@ -78,7 +109,8 @@ proptest! {
     }
 }
 
-/// Each head-dim class, causal, several key tiles (the stage ring wraps), GQA and batch.
+/// Each head-dim class, causal, several key tiles (the stage ring wraps), GQA and batch, forward
+/// and backward.
 #[test]
 fn every_head_dim_class_runs_causal_with_gqa_over_several_tiles() {
     for (d, dtype) in [(64, DType::BF16), (128, DType::F16), (256, DType::BF16)] {
@@ -97,7 +129,10 @@ fn every_head_dim_class_runs_causal_with_gqa_over_several_tiles() {
             arithmetic: Default::default(),
         };
         let f = forward(&case, Schedule::Random(d as u64));
-        let report = check(&case, &f);
+        let g = backward(&case, &f, Schedule::Random(d as u64 + 1), DqMode::Deterministic);
+        let x = case.inputs();
+        let report =
+            verify::check_results(&x.q, &x.k, &x.v, Some(&x.d_o), case.pos(), &case.params, &f, Some(&g)).unwrap();
         assert!(report.pass(), "d {d}\n{}", report.table());
     }
 }
@@ -116,10 +151,10 @@ fn rounded_output_and_the_fa2_family_agree() {
     assert!(diff < 0.02, "hopper vs fa2: {diff}");
 }
 
-// Every strategy, layout and mask with the Hopper forward (the backward on the FA2 family)
-// over in-process ranks, against the oracle.
+// Every strategy, layout and mask with the Hopper kernels, forward and backward, over
+// in-process ranks, against the oracle.
 support::conformance::conformance!(
-    every_strategy_runs_with_the_hopper_forward,
+    every_strategy_runs_with_the_hopper_kernels,
     ringattn::emu::EmuBackend {
         dtype: DType::BF16,
         options: EmuOptions { workers: 1, kernels: KernelFamily::Hopper, ..Default::default() }

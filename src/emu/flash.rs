@@ -9,8 +9,8 @@ use half::{bf16, f16};
 use super::{check, BlockCounts, EmuLaunch, EmuOptions};
 use crate::cpu::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode, KernelFamily};
-use crate::kernels::params::{FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
-use crate::kernels::tensor_map::{hopper_forward_params, TensorMapSpec};
+use crate::kernels::params::{FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
+use crate::kernels::tensor_map::{hopper_backward_params, hopper_forward_params, TensorMapSpec};
 use crate::params::Visibility;
 use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};
@@ -26,6 +26,15 @@ extern "C" {
     ) -> i32;
     fn ringattn_emu_flash_fwd_hopper(
         p: *const FlashFwdHopperParams,
+        bf16: i32,
+        dclass: i32,
+        l: EmuLaunch,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    fn ringattn_emu_flash_bwd_hopper(
+        p: *const FlashBwdHopperParams,
+        fixed: i32,
         bf16: i32,
         dclass: i32,
         l: EmuLaunch,
@@ -203,7 +212,11 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     // by the dq kernel; what is written (dq then, dk, dv) starts as NaN, so an element the
     // kernels fail to write shows up. The fixed-point dq's units start as NaN too (the rowunit
     // kernel writes every one), its K/V bounds as zeros.
-    let mut dq = vec![if geometry::dq_added(dims.d, x.dq_mode) { 0.0 } else { f32::NAN }; nq];
+    let family =
+        if emu.opts.kernels == KernelFamily::Hopper { geometry::Backward::Hopper } else { geometry::Backward::Fa2 };
+    let kernels = geometry::backward_on(family, &dims, x.delta.is_none(), x.dq_mode);
+    let (dq_added, _) = geometry::backward_zeroing(&kernels);
+    let mut dq = vec![if dq_added { 0.0 } else { f32::NAN }; nq];
     let mut dk = vec![f32::NAN; nkv];
     let mut dq_unit = vec![f32::NAN; nst];
     let mut kv_bound = vec![0.0f32; 2 * dims.b * dims.h_kv];
@@ -233,14 +246,20 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         ..FlashBwdParams::for_shape(&dims, f.scale, x.dq_mode)
     };
     let bf = (f.dtype == DType::BF16) as i32;
-    for (kernel, launch) in geometry::backward(&dims, x.delta.is_none(), x.dq_mode) {
-        let code = kernel_code(kernel);
+    for (kernel, launch) in kernels {
         let (l, slot) = emu.launch(launch)?;
         let mut msg = [0u8; 1024];
-        // SAFETY: as in forward_job; delta, dq, dk, dv, dq_unit and kv_bound are exclusively
-        // owned here.
         let dclass = launch.head_dim_class as i32;
-        let rc = unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) };
+        let rc = if let BackwardKernel::HopperDkDv(accum) = kernel {
+            let hp = hopper_backward_params(p, &dims, f.dtype, TensorMapSpec::encode_emulated)?;
+            let fixed = (accum == DqAccum::Fixed) as i32;
+            // SAFETY: as below; the tensor maps address q, k, v and d_o with their dims.
+            unsafe { ringattn_emu_flash_bwd_hopper(&hp, fixed, bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) }
+        } else {
+            // SAFETY: as in forward_job; delta, dq, dk, dv, dq_unit and kv_bound are
+            // exclusively owned here.
+            unsafe { ringattn_emu_flash_bwd(p, kernel_code(kernel), bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) }
+        };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
         emu.record(kernel.name(), slot);
     }
@@ -259,6 +278,8 @@ fn kernel_code(kernel: BackwardKernel) -> i32 {
         BackwardKernel::DqConvert => 5,
         BackwardKernel::Dq => 6,
         BackwardKernel::DkDv(DqAccum::None) => 7,
+        // (its own entry point, ringattn_emu_flash_bwd_hopper)
+        BackwardKernel::HopperDkDv(_) => -1,
     }
 }
 

@@ -33,7 +33,7 @@
 //! ```
 
 use super::geometry;
-use super::params::{FlashFwdHopperParams, FlashFwdParams, TensorMap};
+use super::params::{FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, TensorMap};
 use crate::{DType, Dims, Error, Result};
 
 /// Element type of a tensor map.
@@ -327,6 +327,60 @@ pub fn hopper_forward_params(
         q: map(p.q, dims.s_q, dims.h_q, block_m)?,
         k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
         v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
+    })
+}
+
+/// The Hopper backward's params: `p` (whose `q`, `k`, `v`, `d_o` addresses and dims they
+/// describe) with the maps of q and d_o (boxes of 64 query rows) and of k and v (boxes of
+/// [`geometry::hopper_backward_block`] keys) as `flash_bwd_hopper.cu` copies them, each
+/// encoded by `encode` as in [`hopper_forward_params`].
+///
+/// # Errors
+/// As [`hopper_forward_params`].
+pub fn hopper_backward_params(
+    p: FlashBwdParams,
+    dims: &Dims,
+    dtype: DType,
+    encode: impl Fn(&TensorMapSpec) -> Result<TensorMap>,
+) -> Result<FlashBwdHopperParams> {
+    let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
+    let block_n = geometry::hopper_backward_block(dims.d);
+    let map = |addr: u64, s: usize, h: usize, rows: usize| {
+        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32))
+    };
+    Ok(FlashBwdHopperParams {
+        p,
+        reserved: [0; 2],
+        q: map(p.q, dims.s_q, dims.h_q, 64)?,
+        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
+        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
+        d_o: map(p.d_o, dims.s_q, dims.h_q, 64)?,
+        lse: encode(&row_stats_map(p.lse, dims)?)?,
+        delta: encode(&row_stats_map(p.delta, dims)?)?,
+    })
+}
+
+/// The map of an f32 `[b, h_q, s_q]` row statistic (`lse`, `delta`) at `address` as the
+/// Hopper backward copies it: the `b · h_q · s_q` values as a 2-d view `{n, 1}` (the second dim
+/// only makes the copy 2-d; its stride is never taken) with boxes of 64 × 1, unswizzled. A
+/// box of the last rows of a head runs on into the next head's (the kernel masks rows past
+/// `s_q`); past the end it reads zeros.
+///
+/// # Errors
+/// [`Error::TensorMap`] when `b · h_q · s_q` does not fit the copies' 32-bit coordinates.
+pub fn row_stats_map(address: u64, dims: &Dims) -> Result<TensorMapSpec> {
+    let n = (dims.b * dims.h_q * dims.s_q).max(1) as u64;
+    if n >= 1 << 31 {
+        return Err(invalid(format!("{n} rows of lse/delta exceed the tensor copies' 2^31 coordinates")));
+    }
+    Ok(TensorMapSpec {
+        dtype: TensorMapDType::F32,
+        address,
+        dims: vec![n, 1],
+        strides: vec![(4 * n).next_multiple_of(16)],
+        box_dims: vec![64, 1],
+        swizzle: TensorMapSwizzle::None,
+        oob_fill: OobFill::Zeros,
     })
 }
 

@@ -1,0 +1,44 @@
+// The Hopper backward kernels of cuda/flash_bwd_hopper.cu compiled for the host against the
+// emulator, with their C entry point (as kernels_fwd_hopper.cpp for the Hopper forward): the
+// emulator runs the sm_90a family whatever the host; the tensor maps are the emulator's
+// encoding (src/kernels/tensor_map.rs). The kvbound, rowunit, rowsum and dqconvert kernels
+// around it are flash_bwd.cu's (kernels_bwd.cpp).
+#include "emu/emu.h"
+#define RINGATTN_EMU_ENTRY_HELPERS
+#include "emu/launch.h"
+
+#include "flash_bwd_hopper.cu"
+
+// `fixed`: 1 for fixed-point dq (dkdvqfx), 0 for f32 atomics (dkdvq); `bf16`: 1 for bf16
+// inputs, 0 for f16; `dclass` 64, 128 or 256 (src/kernels.rs `geometry::dkdv_hopper`).
+extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int fixed, int bf16, int dclass,
+                                             EmuLaunch l, char* msg, size_t cap) {
+    const FlashBwdHopperParams params = *hp;
+    const FlashBwdParams& p = params.p;
+    emu::LaunchConfig c = config(l);
+    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
+    c.globals = {{p.q, bytes(q, 2), "q"},           {p.k, bytes(kv, 2), "k"},         {p.v, bytes(kv, 2), "v"},
+                 {p.d_o, bytes(q, 2), "d_o"},       {p.lse, bytes(st, 4), "lse"},     {p.delta, bytes(st, 4), "delta"},
+                 {p.dq, bytes(q, 4), "dq"},         {p.dk, bytes(kv, 4), "dk"},       {p.dv, bytes(kv, 4), "dv"},
+                 {p.dq_unit, bytes(st, 4), "dq_unit"}};
+    add_mask(c, p.mask, p.s_q, p.s_k);
+    void (*kernel)(FlashBwdHopperParams) = nullptr;
+#define RINGATTN_EMU_BWD_HOPPER_CASE(D)                                                                          \
+    case D:                                                                                                      \
+        if (fixed) {                                                                                             \
+            kernel = bf16 ? ringattn_hopper_flash_bwd_dkdvqfx_bf16_d##D : ringattn_hopper_flash_bwd_dkdvqfx_f16_d##D; \
+        } else {                                                                                                 \
+            kernel = bf16 ? ringattn_hopper_flash_bwd_dkdvq_bf16_d##D : ringattn_hopper_flash_bwd_dkdvq_f16_d##D;     \
+        }                                                                                                        \
+        break;
+    switch (dclass) {
+        RINGATTN_EMU_BWD_HOPPER_CASE(64)
+        RINGATTN_EMU_BWD_HOPPER_CASE(128)
+        RINGATTN_EMU_BWD_HOPPER_CASE(256)
+        default:
+            return report("no Hopper backward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+    }
+#undef RINGATTN_EMU_BWD_HOPPER_CASE
+    std::function<void()> body = [params, kernel] { kernel(params); };
+    return report(emu::launch(c, body), msg, cap);
+}
