@@ -381,9 +381,9 @@ verify_cases=(
   "d128-window|1,513,4,4,128|bf16|--window 64,16"
   "d64-docs-causal|1,600,4,2,64|bf16|--causal --seqlens 100,250,250"
   "d64-mqa-causal-f16|1,384,6,1,64|f16|--causal"
-  # The Hopper forward (sm_90a: wgmma, TMA, mbarriers), verified on hardware for the first
-  # time here; --kernels auto keeps the FA2 family until these pass (src/cuda/device.rs
-  # HOPPER_BY_DEFAULT). The backward runs the FA2 family.
+  # The Hopper kernels (sm_90a: wgmma, TMA, mbarriers), forward and backward, verified on
+  # hardware for the first time here; --kernels auto keeps the FA2 family until these pass
+  # (src/cuda/device.rs HOPPER_BY_DEFAULT).
   "hopper-d128-gqa4-causal|1,640,8,2,128|bf16|--causal --kernels hopper"
   "hopper-d64-full-f16|2,257,4,2,64|f16|--kernels hopper"
   "hopper-d256-causal|1,300,4,2,256|bf16|--causal --kernels hopper"
@@ -460,10 +460,12 @@ for run in $overlap_runs; do
   done
 done
 
-# --- 3b. the Hopper forward against the FA2 forward, same shape, same run ---
+# --- 3b. the Hopper kernels against the FA2 kernels, same shape, same run ---
 for fam in hopper fa2; do
   run_step "bench-forward-$fam" 40 "$bin" bench --backend cuda --kernels "$fam" --pass forward --seq 8192 \
     --heads 16 --head-dim 128 --dtype bf16 --iters 20 --json "$work/bench-forward-$fam.json"
+  run_step "bench-backward-$fam" 40 "$bin" bench --backend cuda --kernels "$fam" --pass backward --seq 8192 \
+    --heads 16 --head-dim 128 --dtype bf16 --iters 20 --json "$work/bench-backward-$fam.json"
 done
 
 # --- 4. timings, in the time left: torch gets up to 45% of it, ringattn the rest ---

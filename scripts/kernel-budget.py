@@ -434,45 +434,72 @@ def build(sass_dir, geometry):
 HOPPER_CLASSES = (64, 128, 256)
 
 
-def hopper_rows(sass_dir):
-    """The Hopper forward (flash_fwd_hopper.cu, sm_90a): its consumer loop, the natural loop
-    with the most HGMMA, per warp and tile on the fast and masked paths (the mbarrier waits'
-    spin loops are inner loops, counted once: a wait that succeeds at once). Report only."""
+def hopper_hgmma_per_tile(family, d):
+    """HGMMAs a consumer warpgroup issues per tile: forward, S (d/16 K-steps) and PV (a key
+    tile's 16-key steps); backward, S^T and dP^T (d/16 each), dV and dK (four 16-query steps
+    each) and dQ (four 16-key steps per 64-column chunk of the warpgroup's columns)."""
+    if family == "flash_fwd_hopper":
+        n = 128 if d <= 128 else 64
+        return d // 16 + n // 16
+    cols = d if d <= 128 else 128
+    return 2 * (d // 16) + 8 + 4 * (cols // 64)
+
+
+def hopper_rows(sass_dir, family="flash_fwd_hopper"):
+    """A Hopper family (flash_fwd_hopper.cu or flash_bwd_hopper.cu, sm_90a): its consumer
+    loop, the natural loop with the most HGMMA, per warp and tile on the fast and masked
+    paths (the mbarrier waits' spin loops are inner loops, counted once: a wait that succeeds
+    at once). Report only."""
     arch = "sm_90a"
-    sass_path = os.path.join(sass_dir, arch, "flash_fwd_hopper.sass")
-    ptxas_path = os.path.join(sass_dir, arch, "flash_fwd_hopper.ptxas.txt")
+    sass_path = os.path.join(sass_dir, arch, f"{family}.sass")
+    ptxas_path = os.path.join(sass_dir, arch, f"{family}.ptxas.txt")
     if not os.path.exists(sass_path):
         sys.exit(f"kernel-budget: {sass_path} is missing (run scripts/sass-gates.sh first)")
     funcs = functions(open(sass_path).read())
     regs = registers(open(ptxas_path).read())
     rows = []
     for d in HOPPER_CLASSES:
-        name = f"ringattn_hopper_flash_fwd_bf16_d{d}"
+        name = (
+            f"ringattn_hopper_flash_fwd_bf16_d{d}"
+            if family == "flash_fwd_hopper"
+            else f"ringattn_hopper_flash_bwd_dkdvqfx_bf16_d{d}"
+        )
         a = analyse(funcs.get(name, []), key="HGMMA")
         if a is None:
             rows.append(dict(kernel=name, arch=arch, error="no consumer loop with HGMMA"))
             continue
         f, m = a["fast"], a["masked"]
-        n = 128 if d <= 128 else 64
         rows.append(dict(
             kernel=name, arch=arch, d=d, entry_registers=regs.get(name, 0), hgmma=f["HGMMA"],
-            hgmma_per_tile=d // 16 + n // 16, instructions=f["insns"],
+            hgmma_per_tile=hopper_hgmma_per_tile(family, d), instructions=f["insns"],
             insns_per_hgmma=f["insns"] / f["HGMMA"], masked_insns_per_hgmma=m["insns"] / m["HGMMA"],
             mufu=f["MUFU"], inner_loops=a["inner_loops"],
         ))
     return rows
 
 
-def hopper_markdown(rows):
-    out = [
-        "",
-        "## Hopper forward (sm_90a; report only)",
-        "",
-        "Consumer loop of `flash_fwd_hopper.cu` per warp and key tile (one 64-row warpgroup's",
-        "S = QKᵀ and O += PV on wgmma), fast path (no mask work) and masked path. An HGMMA here is a",
-        "warpgroup's m64nNk16 (N = 128 for S up to class 128, 64 at 256; N = the class for PV): 8 to",
-        "16 times an m16n8k16 HMMA's work per warp. Inner loops: the mbarrier waits' spin loops,",
-        "counted once. Registers: at entry (the consumers run at setmaxnreg 240).",
+def hopper_markdown(rows, family="flash_fwd_hopper"):
+    if family == "flash_fwd_hopper":
+        intro = [
+            "## Hopper forward (sm_90a; report only)",
+            "",
+            "Consumer loop of `flash_fwd_hopper.cu` per warp and key tile (one 64-row warpgroup's",
+            "S = QKᵀ and O += PV on wgmma), fast path (no mask work) and masked path. An HGMMA here is a",
+            "warpgroup's m64nNk16 (N = 128 for S up to class 128, 64 at 256; N = the class for PV): 8 to",
+            "16 times an m16n8k16 HMMA's work per warp. Inner loops: the mbarrier waits' spin loops,",
+            "counted once. Registers: at entry (the consumers run at setmaxnreg 240).",
+        ]
+    else:
+        intro = [
+            "## Hopper backward (sm_90a; report only)",
+            "",
+            "Consumer loop of `flash_bwd_hopper.cu` (fixed-point dq) per warp and query tile (one",
+            "64-key warpgroup's Sᵀ = KQᵀ, dPᵀ = VdOᵀ, dV += PᵀdO, dK += dSᵀQ and dQ = dS K on wgmma, N = 64",
+            "for Sᵀ, dPᵀ and each 64-column dQ chunk, the warpgroup's columns for dV and dK), fast and",
+            "masked paths; dq's atomics are in the loop. Inner loops: the mbarrier waits' spin loops,",
+            "counted once. Registers: at entry (the consumers run at setmaxnreg 240).",
+        ]
+    out = [""] + intro + [
         "",
         "| kernel | regs at entry | HGMMA on path (of tile) | insns/HGMMA fast | masked | MUFU | inner loops |",
         "|---|---|---|---|---|---|---|",
@@ -591,8 +618,9 @@ def main():
     open(args.json, "w").write(json.dumps(rows, indent=1) + "\n")
     before = json.load(open(args.before)) if os.path.exists(args.before) else None
     hopper = hopper_rows(args.sass)
-    open(os.path.splitext(args.json)[0] + "-hopper.json", "w").write(json.dumps(hopper, indent=1) + "\n")
-    md = markdown(rows, before) + hopper_markdown(hopper)
+    hopper_bwd = hopper_rows(args.sass, "flash_bwd_hopper")
+    open(os.path.splitext(args.json)[0] + "-hopper.json", "w").write(json.dumps(hopper + hopper_bwd, indent=1) + "\n")
+    md = markdown(rows, before) + hopper_markdown(hopper) + hopper_markdown(hopper_bwd, "flash_bwd_hopper")
     open(args.markdown, "w").write(md)
     print(md)
     if args.write_baseline:
@@ -604,7 +632,9 @@ def main():
     over = [f"{r['kernel']} {r['arch']}: {'; '.join(r['budget'])}" for r in rows if r.get("budget")]
     if over:
         print("kernel-budget: over budget (listed, not failed, until met):\n  " + "\n  ".join(over))
-    failures = gate(rows, baseline) + [f"{r['kernel']} {r['arch']}: {r['error']}" for r in hopper if "error" in r]
+    failures = gate(rows, baseline) + [
+        f"{r['kernel']} {r['arch']}: {r['error']}" for r in hopper + hopper_bwd if "error" in r
+    ]
     if failures:
         print("kernel-budget: FAILED against the baseline:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

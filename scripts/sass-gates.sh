@@ -36,6 +36,7 @@ MAIN_KERNELS=(
   "ringattn_flash_bwd_dkdvqfx_*:HMMA,LDSM"
   "ringattn_flash_bwd_dkdvq_*:HMMA,LDSM"
   "ringattn_hopper_flash_fwd_*:HGMMA,UTMALDG,SYNCS,USETMAXREG,!HMMA"
+  "ringattn_hopper_flash_bwd_*:HGMMA,UTMALDG,SYNCS,USETMAXREG,!HMMA"
 )
 TC_ARCHS="sm_90a"
 ARCHS="${RINGATTN_CUDA_ARCHS:-sm_80,sm_90a,sm_100,sm_120}" # build.rs's default

@@ -174,6 +174,41 @@ pub struct Tiles {
     pub spanned: u64,
 }
 
+/// Per key tile of `shape`, the query tiles from its first to its last visible one, summed
+/// over the key tiles (per batch element and query head): what a kernel whose blocks own key
+/// tiles and stream the query tiles their keys may see runs (the Hopper backward).
+///
+/// ```
+/// use ringattn::flops::{key_tile_spans, TileShape};
+/// use ringattn::{AttentionParams, Dims, Mask};
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// // Key tile j of 64 is seen by query tiles j ... 3.
+/// assert_eq!(key_tile_spans(&dims, &causal, TileShape { block_q: 64, block_k: 64 })?, 4 + 3 + 2 + 1);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// As [`visible_pairs`].
+pub fn key_tile_spans(dims: &Dims, params: &AttentionParams, shape: TileShape) -> Result<u64> {
+    let band = Band::new(dims, params)?;
+    let (bq, bk) = (shape.block_q.max(1), shape.block_k.max(1));
+    let q_tiles = dims.s_q.div_ceil(bq);
+    // (first, last) query tile seeing each key tile.
+    let mut seen: Vec<Option<(usize, usize)>> = vec![None; dims.s_k.div_ceil(bk)];
+    for t in 0..q_tiles {
+        let r0 = (t * bq) as i128;
+        let r1 = ((t + 1) * bq).min(dims.s_q) as i128;
+        band.key_spans(r0, r1, |lo, hi| {
+            for kt in (lo / bk as i128)..=(hi / bk as i128) {
+                let e = &mut seen[kt as usize];
+                *e = Some(e.map_or((t, t), |(f, _)| (f, t)));
+            }
+        });
+    }
+    Ok(seen.iter().flatten().map(|&(f, l)| (l - f + 1) as u64).sum())
+}
+
 /// The (query tile, key tile) pairs of a single-device call of `dims` under `params` in
 /// tiles of `shape`, and how many hold a visible pair.
 ///
@@ -227,7 +262,8 @@ pub enum Executor {
     Cpu(TileConfig),
     /// The CUDA kernels (on a GPU or under the emulator); the backward in this dq mode.
     Kernels(DqMode),
-    /// The same with the forward on the Hopper family (`flash_fwd_hopper.cu`).
+    /// The Hopper family (`flash_fwd_hopper.cu`, `flash_bwd_hopper.cu`); the backward in this
+    /// dq mode (the same products either way).
     Hopper(DqMode),
 }
 
@@ -249,9 +285,12 @@ pub enum Executor {
 ///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
 /// * [`Executor::Hopper`]: the forward by block (128 query rows: both consumer warpgroups)
 ///   × every key tile ([`geometry::hopper_forward_tile`]) from the block's first to its last
-///   visible one, `S` and `PV` at the Hopper class (64, 128, 256); with documents the kernel
-///   bounds its loop by the documents' bounds and may run a few more, so this is then a lower
-///   bound. The backward as [`Executor::Kernels`].
+///   visible one, `S` and `PV` at the Hopper class (64, 128, 256); the backward by key block
+///   ([`geometry::hopper_backward_block`] keys) × every 64-row query tile from the block's
+///   first to its last visible one ([`key_tile_spans`]), five products (`Sᵀ`, `dPᵀ`, `dV`,
+///   `dK`, `dQ`; seven at class 256, where both consumer warpgroups compute `Sᵀ` and `dPᵀ`).
+///   With documents the kernels bound their loops by the documents' bounds and may run a few
+///   more tiles, so these are then lower bounds.
 ///
 /// ```
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
@@ -289,7 +328,14 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
             let spanned = tiles(dims, params, TileShape { block_q: m, block_k: n })?.spanned as f64;
             spanned * 2.0 * (m * n) as f64 * dc
         }
-        Executor::Kernels(mode) | Executor::Hopper(mode) => {
+        Executor::Hopper(_) => {
+            let dc = geometry::hopper_head_dim_class(dims.d);
+            let n = geometry::hopper_backward_block(dims.d);
+            let spanned = key_tile_spans(dims, params, TileShape { block_q: 64, block_k: n })? as f64;
+            let products = if dc <= 128 { 5.0 } else { 7.0 };
+            spanned * products * (64 * n * dc) as f64
+        }
+        Executor::Kernels(mode) => {
             let dc = geometry::head_dim_class(dims.d) as f64;
             match pass {
                 Pass::Forward => {

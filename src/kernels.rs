@@ -903,7 +903,7 @@ pub mod geometry {
         }
     }
 
-    /// Which family of tensor-core kernels runs the forward.
+    /// Which family of tensor-core kernels runs the forward and the backward.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum KernelFamily {
         /// The FA2 family, for now: the Hopper family, which has run under the emulator
@@ -915,9 +915,10 @@ pub mod geometry {
         /// The FlashAttention-2 class kernels (`flash_fwd.cu`, mma.sync): every GPU, every
         /// shape.
         Fa2,
-        /// The sm_90a kernels (`flash_fwd_hopper.cu`: wgmma, TMA, mbarriers, warp
-        /// specialisation); the emulator runs them whatever the host. The backward still
-        /// runs the FA2 family.
+        /// The sm_90a kernels (`flash_fwd_hopper.cu`, `flash_bwd_hopper.cu`: wgmma, TMA,
+        /// mbarriers, warp specialisation) for the forward and the backward's dk/dv/dq kernel
+        /// (the small kernels around it are the FA2 family's); the emulator runs them
+        /// whatever the host.
         Hopper,
     }
 

@@ -165,8 +165,8 @@ pub struct FlashForwardArgs<'a> {
     pub mask: &'a DeviceMask,
     /// Softmax scale (finite).
     pub scale: f32,
-    /// Which kernel family runs a forward (see [`crate::kernels::geometry::KernelFamily`]);
-    /// a backward ignores it.
+    /// Which kernel family runs a forward, and the dk/dv kernel of a backward with these
+    /// arguments (see [`crate::kernels::geometry::KernelFamily`]).
     pub kernels: crate::kernels::geometry::KernelFamily,
 }
 

@@ -16,20 +16,21 @@ use super::buffers::{
 };
 use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
-use crate::kernels::geometry::{self, DqMode, KernelFamily, Launch, OpsKernel};
+use crate::kernels::geometry::{self, BackwardKernel, DqMode, KernelFamily, Launch, OpsKernel};
 use crate::kernels::params::{
-    FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams, MergeParams, OpsParams,
+    FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams, MergeParams, OpsParams,
 };
-use crate::kernels::tensor_map::{hopper_forward_params, TensorMapSpec};
+use crate::kernels::tensor_map::{hopper_backward_params, hopper_forward_params, TensorMapSpec};
 use crate::kernels::{self, ImageKind, KernelImage};
 use crate::{DType, Dims, Error, Result};
 
-// SAFETY (all five): `#[repr(C)]` structs of plain integers and floats with the size and
+// SAFETY (all seven): `#[repr(C)]` structs of plain integers and floats with the size and
 // alignment of their C twins in cuda/params.h (asserted in src/kernels.rs), passed by value as
 // a kernel's single parameter; cuLaunchKernel copies them at launch.
 unsafe impl DeviceRepr for FlashFwdParams {}
 unsafe impl DeviceRepr for FlashFwdHopperParams {}
 unsafe impl DeviceRepr for FlashBwdParams {}
+unsafe impl DeviceRepr for FlashBwdHopperParams {}
 unsafe impl DeviceRepr for MergeParams {}
 unsafe impl DeviceRepr for MaskParams {}
 unsafe impl DeviceRepr for OpsParams {}
@@ -37,10 +38,11 @@ unsafe impl DeviceRepr for OpsParams {}
 /// The kernel families of `cuda/` (one module each), with an entry point checked when the
 /// device opens where the family has one without a head-dim class; the others load on first
 /// launch.
-const FAMILIES: [(&str, Option<&str>); 5] = [
+const FAMILIES: [(&str, Option<&str>); 6] = [
     ("flash_fwd", None),
     ("flash_fwd_hopper", None),
     ("flash_bwd", Some("ringattn_flash_bwd_rowsum_bf16")),
+    ("flash_bwd_hopper", None),
     ("merge", Some("ringattn_merge_f32")),
     ("ops", Some("ringattn_ops_fill_f32")),
 ];
@@ -482,7 +484,7 @@ impl CudaDevice {
         let (v, _gv) = args.v.device_ptr(stream);
         let (mask, _gm) = mask_params(args.mask, stream);
         let p = FlashFwdParams { q, k, v, lse, mask, ..o.params(FlashFwdParams::for_shape(&args.dims, args.scale)) };
-        if self.hopper_forward(args, [q, k, v])? {
+        if self.hopper_family(args.kernels, &[q, k, v])? {
             let hp = hopper_forward_params(p, &args.dims, args.dtype, TensorMapSpec::encode_driver)?;
             let base = format!("ringattn_hopper_flash_fwd_{}", if args.dtype == DType::F16 { "f16" } else { "bf16" });
             return self.launch(stream, "flash_fwd_hopper", &base, geometry::forward_hopper(&args.dims), &hp);
@@ -490,35 +492,41 @@ impl CudaDevice {
         self.launch(stream, "flash_fwd", &entry("flash_fwd", args.dtype), geometry::forward(&args.dims), &p)
     }
 
-    /// Whether this GPU runs the Hopper forward (compute capability 9.0, the
-    /// `flash_fwd_hopper` family loaded from its sm_90a cubin).
+    /// Whether this GPU runs the Hopper kernels (compute capability 9.0, the
+    /// `flash_fwd_hopper` and `flash_bwd_hopper` families loaded from their sm_90a cubins).
     pub fn has_hopper_kernels(&self) -> bool {
         self.cc == (9, 0)
-            && self.modules.iter().any(|(family, _, image)| {
-                *family == "flash_fwd_hopper" && image.target == "sm_90a" && image.kind == ImageKind::Cubin
+            && ["flash_fwd_hopper", "flash_bwd_hopper"].iter().all(|f| {
+                self.modules
+                    .iter()
+                    .any(|(family, _, image)| family == f && image.target == "sm_90a" && image.kind == ImageKind::Cubin)
             })
     }
 
-    /// Whether the forward of `args` (inputs at the device addresses `qkv`) runs on the
-    /// Hopper family: [`KernelFamily::Hopper`] requires [`CudaDevice::has_hopper_kernels`]
-    /// (inputs the tensor copies cannot address, not 16-byte aligned, then fail with the
-    /// encoder's error). [`KernelFamily::Auto`] runs the FA2 family for now: the Hopper
-    /// kernels have run under the emulator only, and become the default on 9.0 once
-    /// `scripts/device-check.sh` has verified them on a GPU (`HOPPER_BY_DEFAULT`).
-    fn hopper_forward(&self, args: &FlashForwardArgs<'_>, qkv: [u64; 3]) -> Result<bool> {
-        match args.kernels {
+    /// Whether a forward or backward asked to run on `kernels`, with the operands the tensor
+    /// copies read at the device addresses `copied`, runs on the Hopper family:
+    /// [`KernelFamily::Hopper`] requires [`CudaDevice::has_hopper_kernels`] (operands the
+    /// copies cannot address, not 16-byte aligned, then fail with the encoder's error).
+    /// [`KernelFamily::Auto`] runs the FA2 family for now: the Hopper kernels have run under
+    /// the emulator only, and become the default on 9.0 once `scripts/device-check.sh` has
+    /// verified them on a GPU (`HOPPER_BY_DEFAULT`).
+    fn hopper_family(&self, kernels: KernelFamily, copied: &[u64]) -> Result<bool> {
+        match kernels {
             KernelFamily::Fa2 => Ok(false),
-            KernelFamily::Auto => Ok(HOPPER_BY_DEFAULT && self.has_hopper_kernels() && qkv.iter().all(|a| a % 16 == 0)),
+            KernelFamily::Auto => {
+                Ok(HOPPER_BY_DEFAULT && self.has_hopper_kernels() && copied.iter().all(|a| a % 16 == 0))
+            }
             KernelFamily::Hopper if self.has_hopper_kernels() => Ok(true),
             KernelFamily::Hopper => Err(Error::BackendUnsupported {
                 backend: super::BACKEND,
                 what: format!(
                     "the Hopper kernels on {} (compute capability {}.{}; they need 9.0 and an sm_90a cubin in \
-                     RINGATTN_CUDA_ARCHS; this build embedded {})",
+                     RINGATTN_CUDA_ARCHS; this build embedded, forward: {}; backward: {})",
                     self.name,
                     self.cc.0,
                     self.cc.1,
-                    images::embedded(kernels::images(), "flash_fwd_hopper")
+                    images::embedded(kernels::images(), "flash_fwd_hopper"),
+                    images::embedded(kernels::images(), "flash_bwd_hopper")
                 ),
             }),
         }
@@ -611,13 +619,20 @@ impl CudaDevice {
                 Delta::Compute(d) => d.device_ptr_mut(stream),
                 Delta::Given(d) => d.device_ptr(stream),
             };
+            let family = if self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
+                geometry::Backward::Hopper
+            } else {
+                geometry::Backward::Fa2
+            };
+            let kernels = geometry::backward_on(family, &dims, compute_delta, dq_mode);
             // The dk/dv kernel adds into dq (unless the dq kernel writes it); the kvbound kernel
             // raises the K/V bounds from zero.
-            if geometry::dq_added(dims.d, dq_mode) {
+            let (zero_dq, zero_bounds) = geometry::backward_zeroing(&kernels);
+            if zero_dq {
                 guard("zeroing dq", || stream.memset_zeros(&mut grads.dq))?;
             }
             let units = lse_len(&dims);
-            if geometry::fixed_point_dq(dims.d, dq_mode) {
+            if zero_bounds {
                 let mut bounds = grads.dq_work.slice_mut(units..units + 2 * dims.b * dims.h_kv);
                 guard("zeroing the K/V bounds", || stream.memset_zeros(&mut bounds))?;
             }
@@ -642,9 +657,14 @@ impl CudaDevice {
                 mask,
                 ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode)
             };
-            for (kernel, launch) in geometry::backward(&dims, compute_delta, dq_mode) {
-                let name = entry(&format!("flash_bwd_{}", kernel.name()), x.dtype);
-                self.launch(stream, "flash_bwd", &name, launch, &p)?;
+            for (kernel, launch) in kernels {
+                let base = kernel.entry_base(x.dtype);
+                if let BackwardKernel::HopperDkDv(_) = kernel {
+                    let hp = hopper_backward_params(p, &dims, x.dtype, TensorMapSpec::encode_driver)?;
+                    self.launch(stream, kernel.family(), &base, launch, &hp)?;
+                } else {
+                    self.launch(stream, kernel.family(), &base, launch, &p)?;
+                }
             }
         }
         self.deferred_errors()
@@ -817,10 +837,14 @@ fn entry_name(base: &str, l: &Launch) -> String {
 #[cfg(test)]
 fn entry_points(dims: &Dims, dtype: DType) -> Vec<(&'static str, String)> {
     let mut v = vec![("flash_fwd", entry_name(&entry("flash_fwd", dtype), &geometry::forward(dims)))];
-    for (kernel, launch) in
-        [DqMode::Deterministic, DqMode::Atomic].into_iter().flat_map(|m| geometry::backward(dims, true, m))
+    let base = if dtype == DType::F16 { "ringattn_hopper_flash_fwd_f16" } else { "ringattn_hopper_flash_fwd_bf16" };
+    v.push(("flash_fwd_hopper", entry_name(base, &geometry::forward_hopper(dims))));
+    let families = [geometry::Backward::Fa2, geometry::Backward::Hopper];
+    for (kernel, launch) in [DqMode::Deterministic, DqMode::Atomic]
+        .into_iter()
+        .flat_map(|m| families.into_iter().flat_map(move |f| geometry::backward_on(f, dims, true, m)))
     {
-        v.push(("flash_bwd", entry_name(&entry(&format!("flash_bwd_{}", kernel.name()), dtype), &launch)));
+        v.push((kernel.family(), entry_name(&kernel.entry_base(dtype), &launch)));
     }
     v.push(("merge", "ringattn_merge_f32".into()));
     v
@@ -938,7 +962,9 @@ mod tests {
                             // One by-value parameter of the params struct's size.
                             let size = match family {
                                 "flash_fwd" => std::mem::size_of::<FlashFwdParams>(),
+                                "flash_fwd_hopper" => std::mem::size_of::<FlashFwdHopperParams>(),
                                 "flash_bwd" => std::mem::size_of::<FlashBwdParams>(),
+                                "flash_bwd_hopper" => std::mem::size_of::<FlashBwdHopperParams>(),
                                 _ => std::mem::size_of::<MergeParams>(),
                             };
                             assert!(has(&format!("{name}_param_0[{size}]")), "{name}: parameter of {size} bytes");

@@ -233,7 +233,7 @@ pub struct DeviceRunOptions {
     pub device: usize,
     /// How the backward computes dq.
     pub dq_mode: DqMode,
-    /// Which kernel family runs the forward.
+    /// Which kernel family runs the forward and the backward.
     pub kernels: crate::kernels::geometry::KernelFamily,
     /// What runs: everything, or compute or communication alone (for overlap measurements).
     pub mode: DeviceRunMode,

@@ -105,8 +105,8 @@ pub struct CudaOptions {
     pub device: usize,
     /// How the backward computes dq (deterministic by default).
     pub dq_mode: crate::kernels::geometry::DqMode,
-    /// Which kernel family runs the forward (see [`KernelFamily`]; auto runs the FA2 family
-    /// until the Hopper kernels have been verified on a GPU).
+    /// Which kernel family runs the forward and the backward (see [`KernelFamily`]; auto runs
+    /// the FA2 family until the Hopper kernels have been verified on a GPU).
     pub kernels: KernelFamily,
 }
 

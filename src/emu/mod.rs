@@ -37,7 +37,8 @@ pub struct EmuOptions {
     pub workers: usize,
     /// How the backward computes dq (deterministic by default).
     pub dq_mode: crate::kernels::geometry::DqMode,
-    /// Which kernel family runs the forward ([`KernelFamily::Auto`]: the FA2 family here).
+    /// Which kernel family runs the forward and the backward ([`KernelFamily::Auto`]: the FA2
+    /// family here).
     ///
     /// [`KernelFamily::Auto`]: crate::kernels::geometry::KernelFamily::Auto
     pub kernels: crate::kernels::geometry::KernelFamily,

@@ -306,3 +306,51 @@ fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
         assert_eq!(2.0 * macs as f64, flops, "{name}: executed FLOPs");
     }
 }
+
+/// The Hopper backward: each block (a key block of [`geometry::hopper_backward_block`] keys)
+/// loads K and V once (one box each per column block) and, for every query tile of 64 rows
+/// from the first to the last one its keys may see, the Q and dO tiles (one box each per
+/// column block) and the tile's lse and delta rows (one box each); nothing when its keys see
+/// none. Its wgmma multiply-adds are what [`flops::executed_flops`] reports for the backward
+/// on [`Executor::Hopper`] (no documents: the loop bounds are exact).
+#[test]
+fn the_hopper_backward_loads_its_span_and_performs_the_reported_work() {
+    use crate::kernels::geometry::KernelFamily;
+    let cases = [
+        ("causal", Positions::single_device(300, 300), causal(), 64),
+        ("no mask, s_q < s_k", Positions::single_device(130, 260), AttentionParams::default(), 128),
+        (
+            "sliding window",
+            Positions::single_device(400, 400),
+            AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() },
+            256,
+        ),
+    ];
+    for (name, (q_pos, k_pos), params, d) in cases {
+        let (s_q, s_k, h) = (q_pos.len(), k_pos.len(), 2);
+        let q = randn(vec![1, s_q, h, d], 1, DType::BF16);
+        let k = randn(vec![1, s_k, h, d], 2, DType::BF16);
+        let counts = BlockCounts::default();
+        for mode in [DqMode::Deterministic, DqMode::Atomic] {
+            let opts = EmuOptions { kernels: KernelFamily::Hopper, ..Default::default() };
+            let emu = Emulator { opts: &opts, counts: Some(&counts) };
+            let f = runner::forward_tensors(&emu, &q, &k, &k, Some((&q_pos, &k_pos)), &params).expect("forward");
+            runner::backward_tensors(&emu, &q, &k, &k, &f.o, &f.lse, &q, Some((&q_pos, &k_pos)), &params, mode)
+                .expect("backward");
+            let launches = counts.take();
+            let launch =
+                launches.iter().find(|l| l.kernel.starts_with("hopper_dkdvq")).expect("the Hopper dk/dv kernel");
+            let boxes = (geometry::hopper_head_dim_class(d) / 64) as u64;
+            let n = geometry::hopper_backward_block(d);
+            let vis = Visibility::new(&params, &q_pos, &k_pos).expect("visibility");
+            let want: Vec<u64> = expected_tiles(&pairs(&vis), Blocks::Keys, n, 64).repeat(h);
+            let got: Vec<u64> =
+                launch.copies.iter().map(|&c| if c == 0 { 0 } else { (c - 2 * boxes) / (2 * boxes + 2) }).collect();
+            assert_eq!(got, want, "{name} ({mode:?}): query tiles per block");
+            let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d };
+            let flops = flops::executed_flops(&dims, &params, Pass::Backward, Executor::Hopper(mode)).unwrap();
+            let macs: u64 = launch.mma_macs.iter().sum();
+            assert_eq!(2.0 * macs as f64, flops, "{name} ({mode:?}): executed FLOPs");
+        }
+    }
+}

@@ -98,10 +98,10 @@ pub struct ExecArgs {
     /// elsewhere).
     #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
     pub cpu_arithmetic: String,
-    /// Tensor-core kernel family of the emu and cuda backends' forward: auto (the FA2 family
-    /// until the Hopper kernels have been verified on a GPU), fa2 (mma.sync, every GPU) or
-    /// hopper (wgmma, TMA and warp specialisation: H100/H200 with an sm_90a build; the
-    /// emulator runs it whatever the host). The backward runs the FA2 family.
+    /// Tensor-core kernel family of the emu and cuda backends, forward and backward: auto (the
+    /// FA2 family until the Hopper kernels have been verified on a GPU), fa2 (mma.sync, every
+    /// GPU) or hopper (wgmma, TMA and warp specialisation: H100/H200 with an sm_90a build; the
+    /// emulator runs it whatever the host).
     #[arg(long, default_value = "auto", value_name = "auto|fa2|hopper")]
     pub kernels: String,
     /// Seconds any rank may wait on another before the run fails with an error naming both.

@@ -91,11 +91,12 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
     /// How the cuda (and emu) backward computes dq: deterministic (bit-identical run to run:
-    /// fixed point with integer atomics up to head dim 128, its own kernel from 192) or atomic
-    /// (added by the dk/dv kernel with f32 atomics).
+    /// fixed point with integer atomics — on the FA2 family up to head dim 128, its own kernel
+    /// from 192; on the Hopper family at every head dim) or atomic (added by the dk/dv kernel
+    /// with f32 atomics).
     #[arg(long, default_value = "deterministic")]
     pub dq_mode: String,
-    /// Tensor-core kernel family of the emu and cuda forward: auto, fa2 or hopper (as
+    /// Tensor-core kernel family of the emu and cuda forward and backward: auto, fa2 or hopper (as
     /// `ringattn run --kernels`).
     #[arg(long, default_value = "auto", value_name = "auto|fa2|hopper")]
     pub kernels: String,
