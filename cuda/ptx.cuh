@@ -1036,9 +1036,11 @@ inline uint32_t wgmma_desc_address(uint64_t desc, WgmmaMajor major, uint32_t mn,
 // shared memory; none stored by a thread that has not executed fence.proxy.async since), or A
 // from the warpgroup's registers. Each thread's accumulator fragment is then in flight: its
 // registers hold NaN and any access through WgmmaAcc::operator[] is reported until
-// wgmma_wait_group retires the group, which computes the fragment (exact products summed in
-// double, the old D added, rounded once to f32) and reports a write to the shared memory the
-// wgmma read. Further wgmmas may chain on an in-flight accumulator of the same shape (PTX
+// wgmma_wait_group retires the group (after a scheduler round: the other fibers run while it
+// completes), which computes the fragment (exact products summed in double, the old D added,
+// rounded once to f32); the last of the 128 threads to retire it reports a write to the shared
+// memory the wgmma read since issue (a buffer released for refilling before every warp has
+// waited). Further wgmmas may chain on an in-flight accumulator of the same shape (PTX
 // orders them). wgmma.fence is checked: a wgmma needs one since the thread last accessed the
 // accumulator. Not modelled: changes to A-fragment registers in flight (their values are
 // taken at issue), the proxy fence for accumulator-to-shared stores read back by wgmma in the
@@ -1189,11 +1191,12 @@ inline void wgmma_issue(float* visible, float* value, uint32_t* in_flight, uint6
     t->wgmma_uncommitted.push_back(WgmmaPending{cur.second, visible, value, in_flight});
 }
 
-// Completes one op for this thread: the shared-memory check (once per op), then the fragment.
+// Completes one op for this thread: the fragment, and when the last of the warpgroup's 128
+// threads retires it (until then some warp's part may still read its operands), the
+// shared-memory check.
 inline void wgmma_retire(const WgmmaPending& p) {
     WgmmaOp& op = const_cast<WgmmaOp&>(*p.op);
-    if (!op.verified) {
-        op.verified = true;
+    if (++op.retired == 128) {
         const unsigned char* base = current->block->smem.data() + current->block->smem_offset;
         for (size_t i = 0; i < op.smem_at.size(); ++i) {
             uint16_t now;
@@ -1247,6 +1250,10 @@ template <int Pending, int... Ns>
 inline void wgmma_wait_group(WgmmaAcc<Ns>&...) {
     static_assert(Pending >= 0, "wgmma.wait_group: a non-negative immediate");
     ::emu::Thread* t = ::emu::current;
+    // The groups complete some time after issue: the other fibers run first (a round), so
+    // that whatever they do meanwhile — a tensor copy refilling a buffer released before the
+    // wait, a store — meets the last retirement's check of the operands read.
+    if (t->wgmma_groups.size() > size_t(Pending)) ::emu::yield(::emu::Wait::None);
     while (t->wgmma_groups.size() > size_t(Pending)) {
         for (const ::emu::WgmmaPending& p : t->wgmma_groups.front()) ::emu::wgmma_retire(p);
         t->wgmma_groups.erase(t->wgmma_groups.begin());

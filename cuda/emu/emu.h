@@ -119,7 +119,8 @@ struct WgmmaOp {
     std::vector<double> a, b;        // A[64][16], B[16][n], row-major
     std::vector<uint32_t> smem_at;   // shared offsets of the 16-bit elements read
     std::vector<uint16_t> smem_was;  // and their values at issue
-    bool verified = false;           // the shared-memory check ran (by the first thread to retire it)
+    unsigned retired = 0;            // threads of the warpgroup that have retired it; the last one
+                                     // runs the shared-memory check (until then it may still read)
 };
 
 // A thread's share of an in-flight wgmma: the op and the thread's accumulator fragment (the

@@ -21,6 +21,8 @@ extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int
                                              char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
                                       size_t cap);
+extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int fixed, int bf16, int dclass,
+                                             EmuLaunch l, char* msg, size_t cap);
 
 // bf16 bits of x (truncation is enough for test inputs) and back.
 static uint16_t to_bf16(float x) {
@@ -45,6 +47,18 @@ static TensorMap emu_bshd_map(const void* addr, int64_t b, int64_t s, int64_t h,
     for (int i = 0; i < 4; ++i) m.words[2 + i] = dims[i];
     m.words[7] = uint64_t(d) * 2, m.words[8] = uint64_t(h * d) * 2, m.words[9] = uint64_t(s * h * d) * 2;
     m.words[11] = 64 | (uint64_t(1) << 12) | (uint64_t(rows) << 24) | (uint64_t(1) << 36);
+    return m;
+}
+
+// The emulator's map of n f32 row statistics as the Hopper backward copies them: 2-d {n, 1},
+// boxes of 64 x 1, no swizzle (src/kernels/tensor_map.rs `row_stats_map`).
+static TensorMap emu_rows_map(const float* addr, int64_t n) {
+    TensorMap m{};
+    m.words[0] = 0x5241544Du | (uint64_t(7) << 32) | (uint64_t(2) << 40);
+    m.words[1] = uint64_t(reinterpret_cast<uintptr_t>(addr));
+    m.words[2] = uint64_t(n), m.words[3] = 1;
+    m.words[7] = (uint64_t(n) * 4 + 15) / 16 * 16;
+    m.words[11] = 64 | (uint64_t(1) << 12);
     return m;
 }
 
@@ -185,6 +199,46 @@ int main() {
             for (float x : *g) finite = finite && std::isfinite(x);
         }
         check(finite, "flash backward writes every gradient");
+        {
+            // The Hopper backward's dk/dv/dq kernel (wgmma, TMA, mbarriers; class 64, d = 16
+            // zero-filled) on the same inputs, delta and dq units, fixed point, then dqconvert:
+            // the FA2 kernels' gradients up to rounding. Shared memory (src/kernels.rs
+            // `geometry::dkdv_hopper`): K and V of 128 keys, 4 stages of Q, dO (64 rows) and
+            // their lse/delta rows, two dS^T tiles, 9 mbarriers, the tile range, its scratch,
+            // 1024 bytes of alignment.
+            std::vector<float> dq2(q.size(), 0.0f), dk2(k.size(), NAN), dv2(v.size(), NAN);
+            FlashBwdHopperParams hb{};
+            hb.p = bp;
+            hb.p.dq = dq2.data(), hb.p.dk = dk2.data(), hb.p.dv = dv2.data();
+            hb.q = emu_bshd_map(q.data(), b, s, hq, d, 64);
+            hb.k = emu_bshd_map(k.data(), b, s, hkv, d, 128);
+            hb.v = emu_bshd_map(v.data(), b, s, hkv, d, 128);
+            hb.d_o = emu_bshd_map(dout.data(), b, s, hq, d, 64);
+            hb.lse = emu_rows_map(lse.data(), b * hq * s);
+            hb.delta = emu_rows_map(delta.data(), b * hq * s);
+            EmuLaunch hbl{{unsigned((s + 127) / 128), unsigned(hkv), unsigned(b)}, 384,
+                          2 * 128 * 64 * 2 + 4 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 2 + 4 * 512 + 8 * 9 + 8 + 4 * 12 * 8 +
+                              1024,
+                          2, 2, 9, nullptr};
+            bool hok = ringattn_emu_flash_bwd_hopper(&hb, 1, 1, 64, hbl, msg, sizeof msg) == 0;
+            FlashBwdParams conv = bp;
+            conv.dq = dq2.data();
+            hok = hok && ringattn_emu_flash_bwd(conv, 5, 1, 0, cl, msg, sizeof msg) == 0;
+            check(hok, "Hopper backward runs clean");
+            double worst = 0.0, scale_g = 0.0;
+            const std::pair<const std::vector<float>*, const std::vector<float>*> pairs[] = {
+                {&dq, &dq2}, {&dk, &dk2}, {&dv, &dv2}};
+            for (const auto& pr : pairs) {
+                for (size_t i = 0; i < pr.first->size(); ++i) {
+                    const double diff = std::fabs(double((*pr.first)[i]) - double((*pr.second)[i]));
+                    worst = std::isnan(diff) ? INFINITY : std::max(worst, diff);  // unwritten: NaN
+                    scale_g = std::max(scale_g, double(std::fabs((*pr.first)[i])));
+                }
+            }
+            std::printf("     Hopper backward: largest difference from the FA2 backward %.3g (gradients up to %.3g)\n",
+                        worst, scale_g);
+            check(worst <= 1e-2 * scale_g, "Hopper backward matches the FA2 backward");
+        }
     }
     std::printf("%d failure(s)\n", failures);
     return failures == 0 ? 0 : 1;

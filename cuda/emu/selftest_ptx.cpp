@@ -263,6 +263,8 @@ enum WgmmaFault : int32_t {
     kFaultNonUniformDesc = 6,   // one thread's B descriptor differs
     kFaultNoWait = 7,           // the thread exits with its group in flight
     kFaultFenceAfterAccess = 8, // the accumulator written after the wgmma.fence
+    kFaultOverwriteAfterOwnWait = 9,  // thread 0 waits for the group, then stores to a shared
+                                      // word under it while the other warps have not waited
 };
 
 template <int N, WgmmaInput In, WgmmaMajor TA, WgmmaMajor TB>
@@ -300,6 +302,16 @@ void wgmma_gemm(const WgmmaCase& c) {
     }
     wgmma_commit_group();
     if (c.fault == kFaultNoWait) return;
+    if (c.fault == kFaultOverwriteAfterOwnWait) {
+        // Its own wait does not cover the other warps' parts of the wgmma: they wait after it.
+        if (th == 0) {
+            wgmma_wait_group<0>(acc);
+            smem_store(reinterpret_cast<uint16_t*>(sm + c.overwrite_at), uint16_t(0x3F80));
+            named_barrier_arrive(1, 128);
+        } else {
+            named_barrier_sync(1, 128);
+        }
+    }
     wgmma_wait_group<0>(acc);
     for (int v = 0; v < N / 2; ++v) c.out[th * (N / 2) + v] = acc[v];
 }

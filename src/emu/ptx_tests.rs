@@ -716,6 +716,7 @@ const FAULT_NO_WGMMA_FENCE: i32 = 5;
 const FAULT_NON_UNIFORM: i32 = 6;
 const FAULT_NO_WAIT: i32 = 7;
 const FAULT_ACCESS_AFTER_FENCE: i32 = 8;
+const FAULT_OVERWRITE_AFTER_OWN_WAIT: i32 = 9;
 
 /// 16-byte units per row of a swizzle pattern (1 without swizzle).
 fn swizzle_units(swizzle: u32) -> u32 {
@@ -990,6 +991,9 @@ fn wgmma_misuse_is_reported() {
         (FAULT_NON_UNIFORM, "the B descriptor differs between threads 0 and 37"),
         (FAULT_NO_WAIT, "exited with wgmma operations never waited for"),
         (FAULT_ACCESS_AFTER_FENCE, "accessed after its last wgmma.fence"),
+        // One warp's wait does not retire the other warps' parts: a buffer refilled after it
+        // alone is still read.
+        (FAULT_OVERWRITE_AFTER_OWN_WAIT, "read by an in-flight wgmma was overwritten before wgmma.wait_group"),
     ];
     for (fault, expect) in cases {
         for schedule in 0..3 {
