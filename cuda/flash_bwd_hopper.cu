@@ -36,7 +36,7 @@
 // rounded up to 64, 128 or 256 (src/kernels.rs `geometry::dkdv_hopper` launches them: grid
 // (ceil(s_k / kBlockN), h_kv, b), 384 threads, HopperBwdTraits<D>::kSmem bytes). Builds for
 // other architectures compile the entries to a trap.
-#include "flash.cuh"
+#include "hopper.cuh"
 
 template <int D>
 struct HopperBwdTraits {
@@ -75,23 +75,6 @@ struct BwdBarriers {
     __device__ explicit BwdBarriers(unsigned char* at)
         : kv_full(reinterpret_cast<uint64_t*>(at)), full(kv_full + 1), empty(full + kStages) {}
 };
-
-// The descriptors of 128-byte swizzled operands (as flash_fwd_hopper.cu): a tile of rows of
-// 64 16-bit columns in 128-byte rows, `col_blocks` apart by `block_bytes`. K-major: K-step s
-// (columns 16s ...) starts in column block 16s / 64, 32 (16s % 64) bytes in; MN-major: K-step
-// s (rows 16s ...) starts 16s rows in, LBO the column blocks' distance. SBO 1024 (8 rows).
-__device__ __forceinline__ uint64_t bwd_kmajor_desc(uint32_t base, uint32_t block_bytes, int s) {
-    return make_wgmma_desc(base + uint32_t(16 * s / 64) * block_bytes + uint32_t(16 * s % 64) * 2, 16, 1024,
-                           WgmmaSwizzle::k128B);
-}
-__device__ __forceinline__ uint64_t bwd_mnmajor_desc(uint32_t base, uint32_t block_bytes, int s) {
-    return make_wgmma_desc(base + uint32_t(s) * 16 * 128, block_bytes, 1024, WgmmaSwizzle::k128B);
-}
-
-template <typename T>
-__host__ __device__ constexpr WgmmaInput bwd_wgmma_input() {
-    return std::is_same<T, Bf16>::value ? WgmmaInput::kBF16 : WgmmaInput::kF16;
-}
 
 // Step `it` of a block: query head `head` of the GQA group, query tile `qtile`, advanced
 // tile by tile (a division per step costs more than this).
@@ -230,7 +213,7 @@ template <typename T, int D, DqAccum kAccum>
 __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperParams& hp, unsigned char* smem) {
     using Tr = HopperBwdTraits<D>;
     constexpr int kStages = Tr::kStages, kM = Tr::kBlockM, kCols = Tr::kWgCols;
-    constexpr WgmmaInput kIn = bwd_wgmma_input<T>();
+    constexpr WgmmaInput kIn = wgmma_input<T>();
     constexpr bool kFixed = kAccum == DqAccum::kFixed;
     const FlashBwdParams& p = hp.p;
     const int64_t d = p.d, group = p.h_q / p.h_kv;
@@ -294,10 +277,10 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         RINGATTN_UNROLL
         for (int ks = 0; ks < D / 16; ++ks) {
             const WgmmaAccumulate acc = ks == 0 ? WgmmaAccumulate::kOverwrite : WgmmaAccumulate::kAdd;
-            wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(s, bwd_kmajor_desc(k_base, Tr::kBlockN * 128, ks),
-                                                          bwd_kmajor_desc(q_base, kM * 128, ks), acc);
-            wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(dp, bwd_kmajor_desc(v_base, Tr::kBlockN * 128, ks),
-                                                          bwd_kmajor_desc(do_base, kM * 128, ks), acc);
+            wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(s, kmajor_desc(k_base, Tr::kBlockN * 128, ks),
+                                                          kmajor_desc(q_base, kM * 128, ks), acc);
+            wgmma_ss<kIn, WgmmaMajor::kK, WgmmaMajor::kK>(dp, kmajor_desc(v_base, Tr::kBlockN * 128, ks),
+                                                          kmajor_desc(do_base, kM * 128, ks), acc);
         }
         wgmma_commit_group();
 
@@ -362,9 +345,9 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         wgmma_fence();
         RINGATTN_UNROLL
         for (int ks = 0; ks < kM / 16; ++ks) {
-            wgmma_rs<kIn, WgmmaMajor::kMN>(dv, pa[ks], bwd_mnmajor_desc(do_base + col_bytes, kM * 128, ks),
+            wgmma_rs<kIn, WgmmaMajor::kMN>(dv, pa[ks], mnmajor_desc(do_base + col_bytes, kM * 128, ks),
                                            WgmmaAccumulate::kAdd);
-            wgmma_rs<kIn, WgmmaMajor::kMN>(dk, sa[ks], bwd_mnmajor_desc(q_base + col_bytes, kM * 128, ks),
+            wgmma_rs<kIn, WgmmaMajor::kMN>(dk, sa[ks], mnmajor_desc(q_base + col_bytes, kM * 128, ks),
                                            WgmmaAccumulate::kAdd);
         }
         wgmma_commit_group();
@@ -410,8 +393,8 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             RINGATTN_UNROLL
             for (int ks = 0; ks < 64 / 16; ++ks) {
                 wgmma_ss<kIn, WgmmaMajor::kMN, WgmmaMajor::kMN>(
-                    dq, bwd_mnmajor_desc(ds_base, kM * 128, ks),
-                    bwd_mnmajor_desc(k_base + uint32_t(col0 / 64) * Tr::kBlockN * 128, Tr::kBlockN * 128, ks),
+                    dq, mnmajor_desc(ds_base, kM * 128, ks),
+                    mnmajor_desc(k_base + uint32_t(col0 / 64) * Tr::kBlockN * 128, Tr::kBlockN * 128, ks),
                     ks == 0 ? WgmmaAccumulate::kOverwrite : WgmmaAccumulate::kAdd);
             }
             wgmma_commit_group();

@@ -27,7 +27,7 @@
 // the head dim rounded up to 64, 128 or 256 (src/kernels.rs `geometry::forward_hopper`, with
 // the launch: grid (ceil(s_q / 128), h_q, b), 384 threads, HopperFwdTraits<D>::kSmem bytes).
 // Builds for other architectures compile the entries to a trap.
-#include "flash.cuh"
+#include "hopper.cuh"
 
 template <int D>
 struct HopperFwdTraits {
@@ -57,24 +57,6 @@ struct FwdBarriers {
         : q_full(reinterpret_cast<uint64_t*>(at)), k_full(q_full + 1), v_full(k_full + kStages),
           empty(v_full + kStages) {}
 };
-
-// The descriptor of a 128-byte swizzled operand: a tile of rows of 64 16-bit columns in
-// 128-byte rows, `col_blocks` of them `block_bytes` apart (a tensor copy's boxes).
-// K-major (Q, K): K-step s (columns 16s ...) starts in column block 16s / 64, 32 (16s % 64)
-// bytes in; SBO 1024 (8 rows). MN-major (V as B of P V): K-step s (keys 16s ...) starts 16s
-// rows in; LBO the column blocks' distance, SBO 1024.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t base, uint32_t block_bytes, int s) {
-    return make_wgmma_desc(base + uint32_t(16 * s / 64) * block_bytes + uint32_t(16 * s % 64) * 2, 16, 1024,
-                           WgmmaSwizzle::k128B);
-}
-__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t base, uint32_t block_bytes, int s) {
-    return make_wgmma_desc(base + uint32_t(s) * 16 * 128, block_bytes, 1024, WgmmaSwizzle::k128B);
-}
-
-template <typename T>
-__host__ __device__ constexpr WgmmaInput wgmma_input() {
-    return std::is_same<T, Bf16>::value ? WgmmaInput::kBF16 : WgmmaInput::kF16;
-}
 
 template <typename T, int D>
 __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperParams& hp, unsigned char* smem,

@@ -264,6 +264,21 @@ fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
     check_flops("documents, d 32", dims(160, 160, 2, 1, 32), &docs);
 }
 
+/// The Hopper kernels' cases: causal, unmasked with fewer queries than keys, a sliding
+/// window; one per head-dim class.
+fn hopper_cases() -> [(&'static str, (Positions, Positions), AttentionParams, usize); 3] {
+    [
+        ("causal", Positions::single_device(300, 300), causal(), 64),
+        ("no mask, s_q < s_k", Positions::single_device(130, 260), AttentionParams::default(), 128),
+        (
+            "sliding window",
+            Positions::single_device(400, 400),
+            AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() },
+            256,
+        ),
+    ]
+}
+
 /// The Hopper forward: each block (128 query rows) loads Q once (one 64-column box per
 /// column block) and the K and V tiles from the first to the last one any of its rows may
 /// see (two boxes per column block per tile), nothing when it sees none; both consumer
@@ -273,17 +288,7 @@ fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
 #[test]
 fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
     use crate::kernels::geometry::KernelFamily;
-    let cases = [
-        ("causal", Positions::single_device(300, 300), causal(), 64),
-        ("no mask, s_q < s_k", Positions::single_device(130, 260), AttentionParams::default(), 128),
-        (
-            "sliding window",
-            Positions::single_device(400, 400),
-            AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() },
-            256,
-        ),
-    ];
-    for (name, (q_pos, k_pos), params, d) in cases {
+    for (name, (q_pos, k_pos), params, d) in hopper_cases() {
         let (s_q, s_k, h) = (q_pos.len(), k_pos.len(), 2);
         let q = randn(vec![1, s_q, h, d], 1, DType::BF16);
         let k = randn(vec![1, s_k, h, d], 2, DType::BF16);
@@ -316,17 +321,7 @@ fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
 #[test]
 fn the_hopper_backward_loads_its_span_and_performs_the_reported_work() {
     use crate::kernels::geometry::KernelFamily;
-    let cases = [
-        ("causal", Positions::single_device(300, 300), causal(), 64),
-        ("no mask, s_q < s_k", Positions::single_device(130, 260), AttentionParams::default(), 128),
-        (
-            "sliding window",
-            Positions::single_device(400, 400),
-            AttentionParams { mask: Mask::Window { left: Some(100), right: Some(0) }, ..Default::default() },
-            256,
-        ),
-    ];
-    for (name, (q_pos, k_pos), params, d) in cases {
+    for (name, (q_pos, k_pos), params, d) in hopper_cases() {
         let (s_q, s_k, h) = (q_pos.len(), k_pos.len(), 2);
         let q = randn(vec![1, s_q, h, d], 1, DType::BF16);
         let k = randn(vec![1, s_k, h, d], 2, DType::BF16);
