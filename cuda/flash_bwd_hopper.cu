@@ -340,6 +340,19 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             pa[v / 8][(v % 8) / 2] = pack2<T>(s[v], s[v + 1]);
             sa[v / 8][(v % 8) / 2] = pack2<T>(dp[v], dp[v + 1]);
         }
+        // dS^T into the warpgroup's tile: key row kr = 16w + g + 8r is the tile's 128-byte row
+        // kr, query pair 8j + 2t its 16-byte chunk j (swizzled: j ^ (kr mod 8)), word t. The
+        // previous tile's dq products read it: every thread of the warpgroup is past their wait.
+        // (Stored before dK's wgmma takes sa as its A: the registers of an in-flight wgmma's A
+        // must not be accessed, reads included, until it is waited for.)
+        named_barrier_sync(wg_barrier, 128);
+        RINGATTN_UNROLL
+        for (int v = 0; v < kM / 2; v += 2) {
+            const int kr = 16 * w + g + 8 * ((v >> 1) & 1);
+            uint32_t* at = reinterpret_cast<uint32_t*>(ds_tile + kr * 128 + (((v >> 2) ^ (kr & 7)) << 4)) + t;
+            smem_store(at, sa[v / 8][(v % 8) / 2]);
+        }
+        fence_proxy_async();
         // dV += P^T dO and dK += dS^T Q over the warpgroup's columns (B MN-major).
         const uint32_t col_bytes = uint32_t(col_off / 64) * kM * 128;
         wgmma_fence();
@@ -351,18 +364,7 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
                                            WgmmaAccumulate::kAdd);
         }
         wgmma_commit_group();
-
-        // dS^T into the warpgroup's tile: key row kr = 16w + g + 8r is the tile's 128-byte row
-        // kr, query pair 8j + 2t its 16-byte chunk j (swizzled: j ^ (kr mod 8)), word t. The
-        // previous tile's dq products read it: every thread of the warpgroup is past their wait.
-        named_barrier_sync(wg_barrier, 128);
-        RINGATTN_UNROLL
-        for (int v = 0; v < kM / 2; v += 2) {
-            const int kr = 16 * w + g + 8 * ((v >> 1) & 1);
-            uint32_t* at = reinterpret_cast<uint32_t*>(ds_tile + kr * 128 + (((v >> 2) ^ (kr & 7)) << 4)) + t;
-            smem_store(at, sa[v / 8][(v % 8) / 2]);
-        }
-        fence_proxy_async();
+        // Every thread's dS^T is in (for dq's products below).
         named_barrier_sync(wg_barrier, 128);
         // dV and dK's products (the last readers of the stage, and of the A registers) are
         // done: the stage goes back to the producer, and P^T and dS^T's registers are free for

@@ -619,11 +619,20 @@ impl CudaDevice {
                 Delta::Compute(d) => d.device_ptr_mut(stream),
                 Delta::Given(d) => d.device_ptr(stream),
             };
-            let family = if self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
-                geometry::Backward::Hopper
-            } else {
-                geometry::Backward::Fa2
-            };
+            // The Hopper kernel's tensor maps are encoded before anything is enqueued, so that a
+            // map the driver refuses fails the call with nothing written (or, under auto, runs
+            // the FA2 family).
+            let mut family = geometry::Backward::Fa2;
+            let mut hopper = None;
+            if self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
+                let copied =
+                    FlashBwdParams { q, k, v, d_o, lse, delta, ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode) };
+                match hopper_backward_params(copied, &dims, x.dtype, TensorMapSpec::encode_driver) {
+                    Ok(hp) => (family, hopper) = (geometry::Backward::Hopper, Some(hp)),
+                    Err(_) if x.kernels == KernelFamily::Auto => {}
+                    Err(e) => return Err(e),
+                }
+            }
             let kernels = geometry::backward_on(family, &dims, compute_delta, dq_mode);
             // The dk/dv kernel adds into dq (unless the dq kernel writes it); the kvbound kernel
             // raises the K/V bounds from zero.
@@ -659,9 +668,8 @@ impl CudaDevice {
             };
             for (kernel, launch) in kernels {
                 let base = kernel.entry_base(x.dtype);
-                if let BackwardKernel::HopperDkDv(_) = kernel {
-                    let hp = hopper_backward_params(p, &dims, x.dtype, TensorMapSpec::encode_driver)?;
-                    self.launch(stream, kernel.family(), &base, launch, &hp)?;
+                if let (BackwardKernel::HopperDkDv(_), Some(maps)) = (kernel, hopper) {
+                    self.launch(stream, kernel.family(), &base, launch, &FlashBwdHopperParams { p, ..maps })?;
                 } else {
                     self.launch(stream, kernel.family(), &base, launch, &p)?;
                 }
