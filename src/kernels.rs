@@ -241,7 +241,7 @@ pub mod params {
         pub delta: u64,
         /// Query gradient, f32: written by the dq kernel, or added into the caller's zeros by
         /// the dk/dv kernel (as int32 words until `dqconvert` in fixed point).
-        /// [`super::geometry::dq_added`] says which.
+        /// [`super::geometry::backward_zeroing`] of the kernel list says which.
         pub dq: u64,
         /// Key gradient, f32.
         pub dk: u64,
@@ -963,21 +963,10 @@ pub mod geometry {
         }
     }
 
-    /// Whether the backward of head dim `d` in `mode` adds dq in fixed point: the caller
-    /// then zeroes the K/V bounds of its workspace.
-    pub fn fixed_point_dq(d: usize, mode: DqMode) -> bool {
-        dkdv_accum(d, mode) == DqAccum::Fixed
-    }
-
-    /// Whether the kernels add dq into it (fixed point or f32 atomics) rather than write it:
-    /// the caller then zeroes dq first.
-    pub fn dq_added(d: usize, mode: DqMode) -> bool {
-        dkdv_accum(d, mode) != DqAccum::None
-    }
-
     /// The kernels of a backward, in launch order, with their launches; `with_rowsum` is
     /// false when the caller already has `delta` (the ring computes it once per query block).
-    /// The caller zeroes `dq` when [`dq_added`], and the K/V bounds when [`fixed_point_dq`].
+    /// The caller zeroes what [`backward_zeroing`] of the list names (dq when a kernel adds
+    /// into it, the K/V bounds in fixed point).
     pub fn backward(dims: &Dims, with_rowsum: bool, mode: DqMode) -> Vec<(BackwardKernel, Launch)> {
         let mut v = Vec::with_capacity(5);
         if with_rowsum {
@@ -1086,12 +1075,21 @@ pub mod geometry {
         Hopper,
     }
 
-    /// What a kernel list asks of the caller before it runs: whether dq must be zeroed (a
-    /// kernel adds into it) and whether the K/V bounds must be (fixed-point dq).
-    pub fn backward_zeroing(kernels: &[(BackwardKernel, Launch)]) -> (bool, bool) {
-        let dq = kernels.iter().any(|(k, _)| k.adds_dq());
-        let bounds = kernels.iter().any(|(k, _)| *k == BackwardKernel::KvBound);
-        (dq, bounds)
+    /// What the caller of a backward's kernels zeroes before they run.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub struct BackwardZeroing {
+        /// dq: a kernel adds into it.
+        pub dq: bool,
+        /// The K/V bounds of the fixed-point dq's workspace: the kvbound kernel raises them.
+        pub kv_bounds: bool,
+    }
+
+    /// What `kernels` (a [`backward`] or [`backward_hopper`] list) asks the caller to zero.
+    pub fn backward_zeroing(kernels: &[(BackwardKernel, Launch)]) -> BackwardZeroing {
+        BackwardZeroing {
+            dq: kernels.iter().any(|(k, _)| k.adds_dq()),
+            kv_bounds: kernels.iter().any(|(k, _)| *k == BackwardKernel::KvBound),
+        }
     }
 
     /// Threads per block of the ops kernels (`cuda/ops.cu`).

@@ -636,12 +636,12 @@ impl CudaDevice {
             let kernels = geometry::backward_on(family, &dims, compute_delta, dq_mode);
             // The dk/dv kernel adds into dq (unless the dq kernel writes it); the kvbound kernel
             // raises the K/V bounds from zero.
-            let (zero_dq, zero_bounds) = geometry::backward_zeroing(&kernels);
-            if zero_dq {
+            let zeroing = geometry::backward_zeroing(&kernels);
+            if zeroing.dq {
                 guard("zeroing dq", || stream.memset_zeros(&mut grads.dq))?;
             }
             let units = lse_len(&dims);
-            if zero_bounds {
+            if zeroing.kv_bounds {
                 let mut bounds = grads.dq_work.slice_mut(units..units + 2 * dims.b * dims.h_kv);
                 guard("zeroing the K/V bounds", || stream.memset_zeros(&mut bounds))?;
             }

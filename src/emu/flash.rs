@@ -215,8 +215,7 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     let family =
         if emu.opts.kernels == KernelFamily::Hopper { geometry::Backward::Hopper } else { geometry::Backward::Fa2 };
     let kernels = geometry::backward_on(family, &dims, x.delta.is_none(), x.dq_mode);
-    let (dq_added, _) = geometry::backward_zeroing(&kernels);
-    let mut dq = vec![if dq_added { 0.0 } else { f32::NAN }; nq];
+    let mut dq = vec![if geometry::backward_zeroing(&kernels).dq { 0.0 } else { f32::NAN }; nq];
     let mut dk = vec![f32::NAN; nkv];
     let mut dq_unit = vec![f32::NAN; nst];
     let mut kv_bound = vec![0.0f32; 2 * dims.b * dims.h_kv];
