@@ -550,7 +550,10 @@ impl CudaDevice {
     /// its GQA group streamed) with dq added in fixed point under [`DqMode::Deterministic`] up
     /// to head-dim class 128 (the kvbound and rowunit kernels before it, dqconvert after;
     /// `grads.dq_work` the workspace) and with f32 atomics under [`DqMode::Atomic`]; from
-    /// class 192 the deterministic mode runs the dq kernel beside it. With `P_ij = exp(scale ·
+    /// class 192 the deterministic mode runs the dq kernel beside it. On the Hopper family
+    /// (`args.forward.kernels`, see [`KernelFamily`]) [`geometry::backward_hopper`]'s sm_90a
+    /// dk/dv kernel adds dq at every class, in fixed point or with f32 atomics; its tensor maps
+    /// are encoded before anything is enqueued. With `P_ij = exp(scale ·
     /// q_i·k_j − lse_i)` over visible pairs and `dS_ij = P_ij (dO_i·v_j − delta_i)`: `dv_j =
     /// Σ_i P_ij dO_i`, `dq_i = scale Σ_j dS_ij k_j`, `dk_j = scale Σ_i dS_ij q_i`. Every element
     /// of `grads` is written (f32; bit-identical run to run unless the atomic dq mode is asked

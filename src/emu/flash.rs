@@ -1,4 +1,6 @@
-//! The flash kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu` run under the emulator:
+//! The flash kernels of `cuda/flash_fwd.cu` and `cuda/flash_bwd.cu` (and with
+//! [`EmuOptions::kernels`] = Hopper those of `cuda/flash_fwd_hopper.cu` and
+//! `cuda/flash_bwd_hopper.cu`) run under the emulator:
 //! validation, buffers in the kernels' layouts, geometry from [`crate::kernels::geometry`]
 //! (the same the CUDA backend uses), launches, and the public tensor API.
 
@@ -342,7 +344,8 @@ pub fn forward(
     runner::forward_tensors(&Emulator::new(opts), q, k, v, positions, params)
 }
 
-/// Single-device backward through the emulated `flash_bwd.cu` kernels: the contract of
+/// Single-device backward through the emulated `flash_bwd.cu` kernels (the dk/dv kernel of
+/// `flash_bwd_hopper.cu` with [`EmuOptions::kernels`] = Hopper): the contract of
 /// [`crate::cpu::backward`] (gradients in the input dtype) for bf16 or f16 inputs.
 ///
 /// # Errors
