@@ -2,11 +2,15 @@
 
 use rand::{rngs::StdRng, RngExt, SeedableRng};
 use rand_distr::StandardNormal;
+use rayon::prelude::*;
 
 use crate::{DType, Tensor};
 
 /// A tensor of standard-normal values, drawn in f32 from a seeded generator and rounded
-/// to `dtype`. The same `(shape, seed)` gives the same values on every machine.
+/// to `dtype`. The same `(shape, seed)` gives the same values on every machine, whatever
+/// its thread count: the values come in chunks of [`RANDN_CHUNK`], each from its own
+/// generator (the first seeded with `seed` itself, so a tensor of at most one chunk is the
+/// plain sequence of `seed`), drawn in parallel.
 ///
 /// ```
 /// use ringattn::{random::randn, DType};
@@ -16,9 +20,27 @@ use crate::{DType, Tensor};
 /// ```
 pub fn randn(shape: Vec<usize>, seed: u64, dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
-    let mut rng = StdRng::seed_from_u64(seed);
-    let data: Vec<f32> = (0..n).map(|_| rng.sample::<f32, _>(StandardNormal)).collect();
+    let mut data = vec![0.0f32; n];
+    data.par_chunks_mut(RANDN_CHUNK).enumerate().for_each(|(c, chunk)| {
+        let mut rng = StdRng::seed_from_u64(chunk_seed(seed, c));
+        chunk.iter_mut().for_each(|x| *x = rng.sample::<f32, _>(StandardNormal));
+    });
     Tensor::from_f32(shape, data).expect("length matches shape by construction").to_dtype(dtype)
+}
+
+/// Values per generator in [`randn`] (2^20).
+pub const RANDN_CHUNK: usize = 1 << 20;
+
+/// The seed of chunk `c` of a [`randn`] tensor: `seed` for the first, a SplitMix64 mix of
+/// `(seed, c)` for the others (decorrelated streams).
+fn chunk_seed(seed: u64, c: usize) -> u64 {
+    if c == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// `count` distinct indices in `0..n`, sorted, drawn from a seeded generator (all of them
@@ -31,4 +53,29 @@ pub fn sample_indices(n: usize, count: usize, seed: u64) -> Vec<usize> {
     let mut v = rand::seq::index::sample(&mut rng, n, count).into_vec();
     v.sort_unstable();
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn randn_is_chunked_deterministically() {
+        let n = 2 * RANDN_CHUNK + 100;
+        let big = randn(vec![n], 11, DType::F32).as_f32().into_owned();
+        // The first chunk is the plain stream of the seed: a short tensor is its prefix.
+        let small = randn(vec![1000], 11, DType::F32).as_f32().into_owned();
+        assert_eq!(&big[..1000], &small[..]);
+        // The same values on one thread as on the pool.
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let serial = one.install(|| randn(vec![n], 11, DType::F32)).as_f32().into_owned();
+        assert_eq!(big, serial);
+        // Later chunks are other streams, and standard normal.
+        assert_ne!(&big[..64], &big[RANDN_CHUNK..RANDN_CHUNK + 64]);
+        assert_ne!(&big[RANDN_CHUNK..RANDN_CHUNK + 64], &big[2 * RANDN_CHUNK..2 * RANDN_CHUNK + 64]);
+        let tail = &big[RANDN_CHUNK..2 * RANDN_CHUNK];
+        let mean = tail.iter().map(|&x| x as f64).sum::<f64>() / tail.len() as f64;
+        let var = tail.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / tail.len() as f64;
+        assert!(mean.abs() < 5e-3 && (var - 1.0).abs() < 5e-3, "mean {mean} var {var}");
+    }
 }

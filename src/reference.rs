@@ -72,7 +72,7 @@ pub struct Reference {
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, Grads::None, &all_rows(dims.s_q)))
 }
 
 /// Oracle forward of a block of queries against a block of keys at arbitrary global
@@ -90,7 +90,7 @@ pub fn forward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, false, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, Grads::None, &all_rows(dims.s_q)))
 }
 
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
@@ -101,7 +101,7 @@ pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &Atten
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, Grads::All, &all_rows(dims.s_q)))
 }
 
 /// Oracle backward of a block call at global positions (see [`forward_at`]).
@@ -120,7 +120,7 @@ pub fn backward_at(
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, true, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, Grads::All, &all_rows(dims.s_q)))
 }
 
 /// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
@@ -155,13 +155,8 @@ pub fn rows(
     }
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    let mut r = run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, d_o.is_some(), rows);
-    r.dk.clear();
-    r.dv.clear();
-    r.dk_mag.clear();
-    r.dv_mag.clear();
-    r.dk_mag_o.clear();
-    Ok(r)
+    let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
+    Ok(run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, grads, rows))
 }
 
 /// The same computation (single-device, or a block call when `positions` is given) with
@@ -190,7 +185,8 @@ pub fn naive_rounded(
         Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
     };
     let inputs = Inputs::new(dims, q, k, v, d_o);
-    Ok(run(&inputs, params, &vis, Some(dtype), d_o.is_some(), &all_rows(dims.s_q)))
+    let grads = if d_o.is_some() { Grads::All } else { Grads::None };
+    Ok(run(&inputs, params, &vis, Some(dtype), grads, &all_rows(dims.s_q)))
 }
 
 struct Inputs {
@@ -237,14 +233,28 @@ struct HeadResult {
     mag: [Vec<f64>; 6],
 }
 
+/// Which gradients [`run`] computes besides the forward.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Grads {
+    /// Forward only.
+    None,
+    /// dQ of the given rows only: no dK/dV, whose key-length buffers (and the updates of
+    /// every visible key per row) would dominate a check of a few rows of a long sequence.
+    QueryRows,
+    /// dQ of the given rows and their dK/dV contributions (all rows: the full oracle).
+    All,
+}
+
 fn run(
     x: &Inputs,
     params: &AttentionParams,
     vis: &Visibility,
     round: Option<DType>,
-    with_grad: bool,
+    grads: Grads,
     rows: &[usize],
 ) -> Reference {
+    let with_grad = grads != Grads::None;
+    let key_grads = grads == Grads::All;
     let dm = x.dims;
     let d = dm.d;
     let scale = params.softmax_scale(d) as f64;
@@ -272,15 +282,15 @@ fn run(
                 lse: vec![f64::NEG_INFINITY; n],
                 lse_mag: vec![0.0; n],
                 dq: if with_grad { vec![0.0; n * d] } else { vec![] },
-                dk: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
-                dv: if with_grad { vec![0.0; dm.s_k * d] } else { vec![] },
+                dk: if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
+                dv: if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
                 mag: [
                     vec![0.0; n * d],
                     vec![0.0; n * d],
-                    vec![0.0; dm.s_k * d],
-                    vec![0.0; dm.s_k * d],
+                    if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
+                    if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
                     vec![0.0; n * d],
-                    vec![0.0; dm.s_k * d],
+                    if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
                 ],
             };
             let [o_mag, dq_mag, dk_mag, dv_mag, dq_mag_o, dk_mag_o] = &mut res.mag;
@@ -348,12 +358,17 @@ fn run(
                     let ds_mag = (wj * (g.abs() + big_d.abs()) * scale).abs();
                     let ds_mag_o = p * d_rss * scale;
                     let kj = k_row(b, j, hk);
-                    let (dkj, dkm) = (&mut res.dk[j * d..(j + 1) * d], &mut dk_mag[j * d..(j + 1) * d]);
-                    let dkmo = &mut dk_mag_o[j * d..(j + 1) * d];
                     for c in 0..d {
                         dq[c] = acc(dq[c] + ds * kj[c]);
                         dqm[c] += (ds_mag * kj[c]) * (ds_mag * kj[c]);
                         dqmo[c] += ds_mag_o * kj[c]; // coherent over j: abs taken at the end
+                    }
+                    if !key_grads {
+                        continue;
+                    }
+                    let (dkj, dkm) = (&mut res.dk[j * d..(j + 1) * d], &mut dk_mag[j * d..(j + 1) * d]);
+                    let dkmo = &mut dk_mag_o[j * d..(j + 1) * d];
+                    for c in 0..d {
                         dkj[c] = acc(dkj[c] + ds * qi[c]);
                         dkm[c] += (ds_mag * qi[c]) * (ds_mag * qi[c]);
                         dkmo[c] += (ds_mag_o * qi[c]) * (ds_mag_o * qi[c]);
@@ -382,12 +397,14 @@ fn run(
     out.o_mag = vec![0.0; out.o.len()];
     if with_grad {
         out.dq = vec![0.0; dm.b * n * dm.h_q * d];
+        out.dq_mag = vec![0.0; out.dq.len()];
+        out.dq_mag_o = vec![0.0; out.dq.len()];
+    }
+    if key_grads {
         out.dk = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
         out.dv = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
-        out.dq_mag = vec![0.0; out.dq.len()];
         out.dk_mag = vec![0.0; out.dk.len()];
         out.dv_mag = vec![0.0; out.dv.len()];
-        out.dq_mag_o = vec![0.0; out.dq.len()];
         out.dk_mag_o = vec![0.0; out.dk.len()];
     }
     for (bh, hr) in heads.iter().enumerate() {
@@ -405,7 +422,7 @@ fn run(
                 out.dq_mag_o[at..at + d].copy_from_slice(&hr.mag[4][r * d..(r + 1) * d]);
             }
         }
-        if with_grad {
+        if key_grads {
             for j in 0..dm.s_k {
                 let at = ((b * dm.s_k + j) * dm.h_kv + hk) * d;
                 for c in 0..d {
@@ -423,7 +440,7 @@ fn run(
     }
     out.dq_mag_o.iter_mut().for_each(|x| *x = x.abs());
     if let Some(dt) = round {
-        if with_grad {
+        if key_grads {
             out.dk.iter_mut().for_each(|t| *t = dt.round_f64(*t));
             out.dv.iter_mut().for_each(|t| *t = dt.round_f64(*t));
         }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
+use super::forward::row_blocks;
 use super::matmul::{matmul, View};
 use super::simd;
 use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind};
@@ -279,7 +280,21 @@ impl KeyTileWork for Scratch<'_> {
                 let q_tile = View::rows(q_base, qs.start, br, d, q_rs);
                 let do_tile = View::rows(do_base, qs.start, br, d, q_rs);
                 let p = &mut self.p[..br * bc];
-                matmul(p, bc, q_tile, k_tile.t(), c, false);
+                // On a partial tile each block of query rows computes only the keys it may see
+                // (the rest of its rows is masked below: every pair outside its reach is
+                // invisible, so P is exactly 0 there).
+                let blocks = row_blocks(x.vis, qs, ks, kind);
+                for (rows, keys) in &blocks {
+                    let k_rows = k_tile.rows_of(keys.clone());
+                    matmul(
+                        &mut p[rows.start * bc + keys.start..],
+                        bc,
+                        q_tile.rows_of(rows.clone()),
+                        k_rows.t(),
+                        c,
+                        false,
+                    );
+                }
                 let mut exact = false;
                 if kind == TileKind::Partial {
                     for i in 0..br {
@@ -307,16 +322,41 @@ impl KeyTileWork for Scratch<'_> {
                     exact_tile(x, qs, ks, &bases, p, dk, dv, dq_tile);
                     continue;
                 }
-                let p_view = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
-                matmul(dv, d, p_view.t(), do_tile, 1.0, true);
                 let dp = &mut self.dp[..br * bc];
-                matmul(dp, bc, do_tile, v_tile.t(), 1.0, false);
-                for i in 0..br {
-                    simd::softmax_grad(&mut p[i * bc..(i + 1) * bc], &dp[i * bc..(i + 1) * bc], dd[qs.start + i]);
+                for (rows, keys) in &blocks {
+                    let p_view = View {
+                        data: &p[rows.start * bc + keys.start..],
+                        rows: rows.len(),
+                        cols: keys.len(),
+                        rs: bc,
+                        cs: 1,
+                    };
+                    matmul(&mut dv[keys.start * d..], d, p_view.t(), do_tile.rows_of(rows.clone()), 1.0, true);
+                    let v_rows = v_tile.rows_of(keys.clone());
+                    matmul(
+                        &mut dp[rows.start * bc + keys.start..],
+                        bc,
+                        do_tile.rows_of(rows.clone()),
+                        v_rows.t(),
+                        1.0,
+                        false,
+                    );
+                    for i in rows.clone() {
+                        let at = i * bc + keys.start..i * bc + keys.end;
+                        simd::softmax_grad(&mut p[at.clone()], &dp[at], dd[qs.start + i]);
+                    }
                 }
-                let ds = View { data: p, rows: br, cols: bc, rs: bc, cs: 1 };
-                matmul(dk, d, ds.t(), q_tile, 1.0, true);
-                matmul(dq_tile, d, ds, k_tile, 1.0, true);
+                for (rows, keys) in &blocks {
+                    let ds = View {
+                        data: &p[rows.start * bc + keys.start..],
+                        rows: rows.len(),
+                        cols: keys.len(),
+                        rs: bc,
+                        cs: 1,
+                    };
+                    matmul(&mut dk[keys.start * d..], d, ds.t(), q_tile.rows_of(rows.clone()), 1.0, true);
+                    matmul(&mut dq_tile[rows.start * d..], d, ds, k_tile.rows_of(keys.clone()), 1.0, true);
+                }
             }
         }
     }

@@ -164,6 +164,46 @@ pub(crate) fn product(
     epi: Epilogue,
     reach: Reach,
 ) {
+    product_into(c, c_rs, rows, n16, a, b, k2, epi, reach, None)
+}
+
+/// `C = scale · A·B` as [`product`] with [`Epilogue::Set`] over the whole product, also
+/// taking the running maximum of each row of `C` as it is stored: `maxes[r · 16 + l] =
+/// max(maxes[r · 16 + l], C[r][16 v + l])` over the row's vectors `v` (the caller reduces
+/// the 16 lanes). This spares the softmax a pass over `C`; every lane of the `n16` vectors
+/// counts, so `C`'s rows must hold no padding.
+///
+/// # Panics
+/// As [`product`], and when `maxes` holds fewer than `16 · rows` values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_max(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand,
+    b: BOperand,
+    k2: usize,
+    scale: f32,
+    maxes: &mut [f32],
+) {
+    assert!(maxes.len() >= 16 * rows, "row maxima out of bounds");
+    product_into(c, c_rs, rows, n16, a, b, k2, Epilogue::Set(scale), Reach::All, Some(maxes))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product_into(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand,
+    b: BOperand,
+    k2: usize,
+    epi: Epilogue,
+    reach: Reach,
+    mut maxes: Option<&mut [f32]>,
+) {
     if rows == 0 || n16 == 0 {
         return;
     }
@@ -195,6 +235,7 @@ pub(crate) fn product(
                 k2: steps.len(),
                 c: c[r0 * c_rs + v0 * 16..].as_mut_ptr(),
                 c_rs,
+                maxes: maxes.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr()),
             };
             let epi = match epi {
                 Epilogue::Rescale(alpha) => Epilogue::Rescale(&alpha[r0..]),
@@ -202,7 +243,7 @@ pub(crate) fn product(
             };
             // SAFETY: the processor has AVX512F and AVX512_BF16 (asserted); the block's
             // rows, steps and lanes lie inside the operands (bounds asserted above: rows
-            // r0..r0+nr, steps within 0..k2, vectors v0..v0+nv of n16).
+            // r0..r0+nr, steps within 0..k2, vectors v0..v0+nv of n16; maxes 16 per row).
             unsafe {
                 macro_rules! run {
                     ($($r:literal),*) => {
@@ -230,13 +271,16 @@ struct Block {
     k2: usize,
     c: *mut f32,
     c_rs: usize,
+    /// 16 running maxima per row (`Epilogue::Set` only), or null.
+    maxes: *mut f32,
 }
 
 /// `R` rows × `N` vectors of `C` from `k2` steps.
 ///
 /// # Safety
 /// AVX512F and AVX512_BF16 present; `a[r·a_rs + p·a_ps]`, `b[p·b_ps .. p·b_ps + 16·N]`,
-/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R`, `p < k2`.
+/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R`, `p < k2`; `maxes` null or valid for
+/// `16·R` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
@@ -256,6 +300,7 @@ unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
         }
     }
     for (r, row) in acc.iter().enumerate() {
+        let mut row_max = _mm512_set1_ps(f32::NEG_INFINITY);
         for (n, a) in row.iter().enumerate() {
             let cp = x.c.add(r * x.c_rs + n * 16);
             let out = match epi {
@@ -264,6 +309,11 @@ unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
                 Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
             };
             _mm512_storeu_ps(cp, out);
+            row_max = _mm512_max_ps(row_max, out);
+        }
+        if !x.maxes.is_null() {
+            let mp = x.maxes.add(r * 16);
+            _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
         }
     }
 }
@@ -454,6 +504,37 @@ mod tests {
     /// A product limited by its reach: with the inner dimension zero outside each row
     /// block's step range, [`Reach::Steps`] gives the whole product's bits; [`Reach::Lanes`]
     /// computes the strips meeting each block's range and writes zeros (Set) elsewhere.
+    /// `product_max` stores what `product` stores and the lanes' running maxima: their
+    /// maximum is the row's, and maxima already held (from other strips or tiles) are kept.
+    #[test]
+    fn product_max_takes_row_maxima_as_it_stores() {
+        if !available() {
+            return;
+        }
+        for &(m, n, d) in &[(1, 16, 3), (13, 48, 64), (25, 96, 33)] {
+            let (a, bm) = (values(m * d, 4), values(n * d, 5));
+            let mut ap = vec![0u32; m * pairs(d)];
+            pack_row_pairs(&a, m, d, d, &mut ap);
+            let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
+            pack_rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let aop = AOperand { data: &ap, rs: pairs(d), ps: 1 };
+            let bop = BOperand { data: &bl, vectors: vectors(n) };
+            let c_rs = vectors(n) * 16;
+            let (mut want, mut got) = (vec![0.0f32; m * c_rs], vec![0.0f32; m * c_rs]);
+            product(&mut want, c_rs, m, vectors(n), aop, bop, pairs(d), Epilogue::Set(0.7), Reach::All);
+            // Row 0 starts from a maximum above every score: it must stay.
+            let mut maxes = vec![f32::NEG_INFINITY; 16 * m];
+            maxes[3] = 1e6;
+            product_max(&mut got, c_rs, m, vectors(n), aop, bop, pairs(d), 0.7, &mut maxes);
+            assert_eq!(got, want);
+            for i in 0..m {
+                let row_max = want[i * c_rs..][..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lanes_max = maxes[16 * i..][..16].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(lanes_max, if i == 0 { 1e6 } else { row_max }, "row {i} of ({m},{n},{d})");
+            }
+        }
+    }
+
     #[test]
     fn reach_limits_each_row_block() {
         if !available() {

@@ -7,13 +7,16 @@
 //! partial tiles, `P = 2^(S − m_new)`, rescale by `2^(m_old − m_new)`, `acc += P V` by GEMM.
 //! Skipped tiles are never touched. Memory: the outputs plus `block_q × (block_k + d)` per task.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
 use super::matmul::{matmul_strided, View};
 use super::simd;
-use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind};
+use super::tiles::{
+    call_spans, classify, reach, rows_finite, DisjointWriter, Output, PerThread, ReachOf, Span, TileConfig, TileKind,
+};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -161,12 +164,18 @@ impl QueryTileWork for Scratch<'_> {
                 continue;
             }
             let bc = ks.len;
-            let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
             let vt_head = &vt[(b * dm.h_kv + hk) * d * dm.s_k..][..d * dm.s_k];
             let v_tile = View { data: &vt_head[ks.start..], rows: bc, cols: d, rs: 1, cs: dm.s_k };
             let st = &mut self.st[..br * bc];
+            // On a partial tile each block of query rows computes only the keys it may see
+            // (the rest of its rows is masked below: every pair outside its reach is invisible).
+            let blocks = row_blocks(x.vis, qs, ks, kind);
             // S (br × bc), column-major: st[j * br + i].
-            matmul_strided(st, 1, br, q_tile, k_tile.t(), c, false);
+            for (rows, keys) in &blocks {
+                let q_rows = q_tile.rows_of(rows.clone());
+                let k_rows = View::rows(k_base, ks.start + keys.start, keys.len(), d, kv_rs);
+                matmul_strided(&mut st[keys.start * br + rows.start..], 1, br, q_rows, k_rows.t(), c, false);
+            }
             let mut exact_pv = false;
             if kind == TileKind::Partial {
                 for j in 0..bc {
@@ -211,8 +220,17 @@ impl QueryTileWork for Scratch<'_> {
                     }
                 }
             } else {
-                let p = View { data: st, rows: br, cols: bc, rs: 1, cs: br };
-                matmul_strided(&mut self.acc[..br * d], 1, br, p, v_tile, 1.0, true);
+                for (rows, keys) in &blocks {
+                    let p = View {
+                        data: &st[keys.start * br + rows.start..],
+                        rows: rows.len(),
+                        cols: keys.len(),
+                        rs: 1,
+                        cs: br,
+                    };
+                    let v_rows = v_tile.rows_of(keys.clone());
+                    matmul_strided(&mut self.acc[rows.start..br * d], 1, br, p, v_rows, 1.0, true);
+                }
             }
         }
     }
@@ -238,6 +256,25 @@ impl QueryTileWork for Scratch<'_> {
     }
 }
 
+/// Query rows per block of a partially masked tile's products (the f32 microkernel's
+/// height on AVX-512).
+pub(crate) const ROW_BLOCK: usize = 64;
+
+/// The products of one tile as (query rows, key rows) blocks, relative to the tile: the whole
+/// tile when it is fully visible; on a partial tile each [`ROW_BLOCK`] of query rows with the
+/// key rows its visible pairs lie in ([`reach`]), blocks that see nothing left out.
+pub(crate) fn row_blocks(vis: &Visibility, qs: &Span, ks: &Span, kind: TileKind) -> Vec<(Range<usize>, Range<usize>)> {
+    if kind != TileKind::Partial {
+        return vec![(0..qs.len, 0..ks.len)];
+    }
+    let keys = reach(vis, qs, ks, ROW_BLOCK, ReachOf::QueryBlocks);
+    keys.into_iter()
+        .enumerate()
+        .map(|(r, k)| (r * ROW_BLOCK..((r + 1) * ROW_BLOCK).min(qs.len), k))
+        .filter(|(_, k)| !k.is_empty())
+        .collect()
+}
+
 /// `[b, s, h, d]` → `[b][h][d][s]`, in parallel over (batch, head).
 pub(crate) fn transpose_heads(x: &[f32], s: usize, h: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; x.len()];
@@ -249,4 +286,53 @@ pub(crate) fn transpose_heads(x: &[f32], s: usize, h: usize, d: usize) -> Vec<f3
         simd::transpose(&x[(bi * s * h + hi) * d..], h * d, dst, s, s, d);
     });
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::Arithmetic;
+    use crate::{AttentionParams, Documents, Mask};
+
+    /// A causal diagonal tile splits into row blocks that see keys up to their last row; a
+    /// fully visible tile is one block; on every partial tile each visible pair lies in the
+    /// block of its query row (windows and documents too).
+    #[test]
+    fn row_blocks_limit_partial_tiles_to_their_reach() {
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let vis = Visibility::single_device(&causal, 300, 300).unwrap();
+        let (_, _, q_spans, k_spans) = call_spans(&vis, TileConfig::default(), Arithmetic::F32);
+        let tile = |qt: usize, kt: usize| {
+            let (qs, ks) = (&q_spans[qt], &k_spans[kt]);
+            row_blocks(&vis, qs, ks, classify(&vis, qs, ks))
+        };
+        let quarters: Vec<_> = (1..=4).map(|r| ((r - 1) * 64..r * 64, 0..r * 64)).collect();
+        assert_eq!(tile(0, 0), quarters);
+        assert_eq!(tile(1, 0), vec![(0..44, 0..256)]);
+        assert_eq!(tile(1, 1), vec![(0..44, 0..44)]);
+
+        for params in [
+            AttentionParams { mask: Mask::Window { left: Some(90), right: Some(3) }, ..Default::default() },
+            AttentionParams { documents: Some(Documents::new(vec![70, 100, 130]).unwrap()), ..causal.clone() },
+        ] {
+            let vis = Visibility::single_device(&params, 300, 300).unwrap();
+            let (_, _, q_spans, k_spans) = call_spans(&vis, TileConfig::default(), Arithmetic::F32);
+            for qs in &q_spans {
+                for ks in &k_spans {
+                    let kind = classify(&vis, qs, ks);
+                    let blocks = row_blocks(&vis, qs, ks, kind);
+                    for i in 0..qs.len {
+                        for j in 0..ks.len {
+                            if vis.visible(qs.start + i, ks.start + j) {
+                                let inside = blocks.iter().any(|(r, k)| r.contains(&i) && k.contains(&j));
+                                assert!(inside, "{params:?}: pair ({i}, {j}) of tile {qs:?} × {ks:?}");
+                            }
+                        }
+                    }
+                    let rows: usize = blocks.iter().map(|(r, _)| r.len()).sum();
+                    assert!(rows <= qs.len && blocks.windows(2).all(|w| w[0].0.end <= w[1].0.start));
+                }
+            }
+        }
+    }
 }

@@ -98,6 +98,8 @@ struct Worker<'a> {
     p: Vec<u32>,
     /// Unnormalised output, `[block_q][or]`.
     acc: Vec<f32>,
+    /// Running row maxima of `s` per lane, `[block_q][16]` ([`mm::product_max`]).
+    maxes: Vec<f32>,
 }
 
 impl<'a> Worker<'a> {
@@ -122,6 +124,7 @@ impl<'a> Worker<'a> {
             s: vec![0.0; bq * sr],
             p: vec![0; bq * sr / 2],
             acc: vec![0.0; bq * mm::vectors(d) * 16],
+            maxes: vec![0.0; bq * 16],
         }
     }
 }
@@ -153,15 +156,23 @@ impl QueryTileWork for Worker<'_> {
                 TileKind::Partial => reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
                 _ => Vec::new(),
             };
-            let lanes = mm::Reach::lanes(&key_reach);
-            mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
+            // A fully visible tile without padding lanes takes its row maxima as S is stored.
+            let fused_max = kind == TileKind::Full && bc % 16 == 0;
+            if fused_max {
+                let maxes = &mut self.maxes[..16 * br];
+                maxes.fill(f32::NEG_INFINITY);
+                mm::product_max(s, sr, br, mm::vectors(bc), qa, kop, dp, c, maxes);
+            } else {
+                let lanes = mm::Reach::lanes(&key_reach);
+                mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
+            }
             let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
             for i in 0..br {
                 let row = &mut s[i * sr..][..bc];
                 if kind == TileKind::Partial {
                     x.vis.mask_query_row(row, qs.start + i, ks.start);
                 }
-                let t_max = simd::row_max(row);
+                let t_max = simd::row_max(if fused_max { &self.maxes[16 * i..][..16] } else { row });
                 let m_old = self.m[i];
                 let m_new = if t_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t_max) };
                 // Rows with nothing visible yet: subtract +inf so every entry becomes 0.

@@ -16,6 +16,11 @@ impl<'a> View<'a> {
         View { data: &data[r0 * rs..], rows, cols, rs, cs: 1 }
     }
 
+    /// Rows `rows` of the view (no copy).
+    pub fn rows_of(self, rows: std::ops::Range<usize>) -> Self {
+        View { data: &self.data[rows.start * self.rs..], rows: rows.len(), ..self }
+    }
+
     /// The transpose (no copy).
     pub fn t(self) -> Self {
         View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
