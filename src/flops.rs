@@ -685,7 +685,7 @@ mod tests {
                 );
             }
         }
-        let cpu = TileShape::from(TileConfig::default().resolved(crate::cpu::Arithmetic::F32));
+        let cpu = TileShape::from(TileConfig::default().resolved(crate::cpu::Arithmetic::F32, Pass::Backward));
         assert_eq!((cpu.block_q, cpu.block_k), (256, 256));
     }
 

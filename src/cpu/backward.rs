@@ -54,7 +54,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         }
     };
 
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, crate::flops::Pass::Backward);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
     drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
 }
@@ -226,6 +226,9 @@ struct Scratch<'a> {
     dv: Vec<f32>,
     p: Vec<f32>,
     dp: Vec<f32>,
+    /// The key tile's K and V, column-major: `[d][block_k]`.
+    k_cm: Vec<f32>,
+    v_cm: Vec<f32>,
 }
 
 impl<'a> Scratch<'a> {
@@ -239,6 +242,8 @@ impl<'a> Scratch<'a> {
             dv: vec![0.0; bk * d],
             p: vec![0.0; bq * bk],
             dp: vec![0.0; bq * bk],
+            k_cm: vec![0.0; bk * d],
+            v_cm: vec![0.0; bk * d],
         }
     }
 }
@@ -259,7 +264,14 @@ impl KeyTileWork for Scratch<'_> {
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
         let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
-        let v_tile = View::rows(v_base, ks.start, bc, d, kv_rs);
+        // K and V of the tile column-major (keys contiguous), once per key tile: as the left
+        // operands of S and dP (the product computes their transposes) they are then packed
+        // by vector copies, where row-major tiles would be gathered element by element for
+        // every query tile.
+        simd::transpose(&k_base[ks.start * kv_rs..], kv_rs, &mut self.k_cm[..bc * d], bc, bc, d);
+        simd::transpose(&v_base[ks.start * kv_rs..], kv_rs, &mut self.v_cm[..bc * d], bc, bc, d);
+        let k_cm = View { data: &self.k_cm[..bc * d], rows: bc, cols: d, rs: 1, cs: bc };
+        let v_cm = View { data: &self.v_cm[..bc * d], rows: bc, cols: d, rs: 1, cs: bc };
         let dk = &mut self.dk[..bc * d];
         let dv = &mut self.dv[..bc * d];
         dk.fill(0.0);
@@ -285,7 +297,7 @@ impl KeyTileWork for Scratch<'_> {
                 // invisible, so P is exactly 0 there).
                 let blocks = row_blocks(x.vis, qs, ks, kind);
                 for (rows, keys) in &blocks {
-                    let k_rows = k_tile.rows_of(keys.clone());
+                    let k_rows = k_cm.rows_of(keys.clone());
                     matmul(
                         &mut p[rows.start * bc + keys.start..],
                         bc,
@@ -332,7 +344,7 @@ impl KeyTileWork for Scratch<'_> {
                         cs: 1,
                     };
                     matmul(&mut dv[keys.start * d..], d, p_view.t(), do_tile.rows_of(rows.clone()), 1.0, true);
-                    let v_rows = v_tile.rows_of(keys.clone());
+                    let v_rows = v_cm.rows_of(keys.clone());
                     matmul(
                         &mut dp[rows.start * bc + keys.start..],
                         bc,

@@ -42,7 +42,7 @@ pub(crate) struct BackwardInputs<'a> {
 /// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q and k.
 pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Backward);
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
     let dq_rs = mm::vectors(dm.d) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };

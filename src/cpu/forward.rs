@@ -17,6 +17,7 @@ use super::simd;
 use super::tiles::{
     call_spans, classify, reach, rows_finite, DisjointWriter, Output, PerThread, ReachOf, Span, TileConfig, TileKind,
 };
+use crate::flops::Pass;
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -37,11 +38,8 @@ pub(crate) struct ForwardInputs<'a, T = f32> {
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32);
-    // V transposed per (batch, kv head), `[b][h_kv][d][s_k]`: the layout the P·V product
-    // reads without packing.
-    let vt = transpose_heads(x.v, dm.s_k, dm.h_kv, dm.d);
-    drive(dm, &q_spans, x.progress, || Scratch::new(x, &vt, &k_spans, bq, bk))
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, Pass::Forward);
+    drive(dm, &q_spans, x.progress, || Scratch::new(x, &k_spans, bq, bk))
 }
 
 /// The work of one query tile, as [`drive`] runs it.
@@ -101,8 +99,6 @@ pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
 /// packing; every softmax step is then a contiguous loop over the tile's queries.
 struct Scratch<'a> {
     x: &'a ForwardInputs<'a>,
-    /// V transposed, `[b][h_kv][d][s_k]`.
-    vt: &'a [f32],
     k_spans: &'a [Span],
     rows: usize,
     /// Running max (log2 units), running sum, per query row.
@@ -112,7 +108,8 @@ struct Scratch<'a> {
     tile_max: Vec<f32>,
     sub: Vec<f32>,
     alpha: Vec<f32>,
-    /// Unnormalised output, transposed: `[d][block_q]`.
+    /// Unnormalised output, `[block_q][d]` (row-major: the P·V product computes its
+    /// transpose, packing V's rows by vector copies rather than P once per key tile).
     acc: Vec<f32>,
     /// The query tile, transposed: `[d][block_q]`.
     qt: Vec<f32>,
@@ -121,11 +118,10 @@ struct Scratch<'a> {
 }
 
 impl<'a> Scratch<'a> {
-    fn new(x: &'a ForwardInputs<'a>, vt: &'a [f32], k_spans: &'a [Span], bq: usize, bk: usize) -> Self {
+    fn new(x: &'a ForwardInputs<'a>, k_spans: &'a [Span], bq: usize, bk: usize) -> Self {
         let d = x.dims.d;
         Scratch {
             x,
-            vt,
             k_spans,
             rows: 0,
             m: vec![0.0; bq],
@@ -142,7 +138,7 @@ impl<'a> Scratch<'a> {
 
 impl QueryTileWork for Scratch<'_> {
     fn run(&mut self, b: usize, h: usize, qs: &Span) {
-        let (x, vt, k_spans) = (self.x, self.vt, self.k_spans);
+        let (x, k_spans) = (self.x, self.k_spans);
         let dm = x.dims;
         let d = dm.d;
         let hk = dm.kv_head(h);
@@ -164,8 +160,6 @@ impl QueryTileWork for Scratch<'_> {
                 continue;
             }
             let bc = ks.len;
-            let vt_head = &vt[(b * dm.h_kv + hk) * d * dm.s_k..][..d * dm.s_k];
-            let v_tile = View { data: &vt_head[ks.start..], rows: bc, cols: d, rs: 1, cs: dm.s_k };
             let st = &mut self.st[..br * bc];
             // On a partial tile each block of query rows computes only the keys it may see
             // (the rest of its rows is masked below: every pair outside its reach is invisible).
@@ -201,8 +195,8 @@ impl QueryTileWork for Scratch<'_> {
                 *m = m_new;
                 *l *= *alpha;
             }
-            for cc in 0..d {
-                simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
+            for (row, &a) in self.acc[..br * d].chunks_exact_mut(d).zip(&self.alpha[..br]) {
+                simd::scale(row, a);
             }
             for j in 0..bc {
                 simd::exp2_sub_acc(&mut st[j * br..(j + 1) * br], &self.sub[..br], &mut self.l[..br]);
@@ -214,7 +208,7 @@ impl QueryTileWork for Scratch<'_> {
                         if x.vis.visible(qs.start + i, ks.start + j) {
                             let p = st[j * br + i];
                             for (cc, &vv) in vj.iter().enumerate() {
-                                self.acc[cc * br + i] += p * vv;
+                                self.acc[i * d + cc] += p * vv;
                             }
                         }
                     }
@@ -228,14 +222,13 @@ impl QueryTileWork for Scratch<'_> {
                         rs: 1,
                         cs: br,
                     };
-                    let v_rows = v_tile.rows_of(keys.clone());
-                    matmul_strided(&mut self.acc[rows.start..br * d], 1, br, p, v_rows, 1.0, true);
+                    let v_rows = View::rows(v_base, ks.start + keys.start, keys.len(), d, kv_rs);
+                    matmul_strided(&mut self.acc[rows.start * d..br * d], d, 1, p, v_rows, 1.0, true);
                 }
             }
         }
     }
 
-    /// The output rows are transposed back to `[br][d]` into `self.qt`.
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
         let (br, d) = (self.rows, self.x.dims.d);
         let rows = self.m[..br].iter().zip(&self.l[..br]).zip(&mut self.alpha[..br]).zip(lse.iter_mut());
@@ -248,11 +241,10 @@ impl QueryTileWork for Scratch<'_> {
                 *lse = (m + l.log2()) * std::f32::consts::LN_2;
             }
         }
-        for cc in 0..d {
-            simd::mul_into(&mut self.acc[cc * br..(cc + 1) * br], &self.alpha[..br]);
+        for (row, &inv) in self.acc[..br * d].chunks_exact_mut(d).zip(&self.alpha[..br]) {
+            simd::scale(row, inv);
         }
-        simd::transpose(&self.acc[..br * d], br, &mut self.qt[..br * d], d, d, br);
-        (&self.qt[..br * d], d)
+        (&self.acc[..br * d], d)
     }
 }
 
@@ -275,19 +267,6 @@ pub(crate) fn row_blocks(vis: &Visibility, qs: &Span, ks: &Span, kind: TileKind)
         .collect()
 }
 
-/// `[b, s, h, d]` → `[b][h][d][s]`, in parallel over (batch, head).
-pub(crate) fn transpose_heads(x: &[f32], s: usize, h: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; x.len()];
-    if out.is_empty() {
-        return out;
-    }
-    out.par_chunks_mut(d * s).enumerate().for_each(|(bh, dst)| {
-        let (bi, hi) = (bh / h, bh % h);
-        simd::transpose(&x[(bi * s * h + hi) * d..], h * d, dst, s, s, d);
-    });
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,7 +280,8 @@ mod tests {
     fn row_blocks_limit_partial_tiles_to_their_reach() {
         let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
         let vis = Visibility::single_device(&causal, 300, 300).unwrap();
-        let (_, _, q_spans, k_spans) = call_spans(&vis, TileConfig::default(), Arithmetic::F32);
+        let (_, _, q_spans, k_spans) =
+            call_spans(&vis, TileConfig { block_q: 256, block_k: 256 }, Arithmetic::F32, Pass::Forward);
         let tile = |qt: usize, kt: usize| {
             let (qs, ks) = (&q_spans[qt], &k_spans[kt]);
             row_blocks(&vis, qs, ks, classify(&vis, qs, ks))
@@ -316,7 +296,8 @@ mod tests {
             AttentionParams { documents: Some(Documents::new(vec![70, 100, 130]).unwrap()), ..causal.clone() },
         ] {
             let vis = Visibility::single_device(&params, 300, 300).unwrap();
-            let (_, _, q_spans, k_spans) = call_spans(&vis, TileConfig::default(), Arithmetic::F32);
+            let (_, _, q_spans, k_spans) =
+                call_spans(&vis, TileConfig { block_q: 256, block_k: 256 }, Arithmetic::F32, Pass::Forward);
             for qs in &q_spans {
                 for ks in &k_spans {
                     let kind = classify(&vis, qs, ks);

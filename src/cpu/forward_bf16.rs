@@ -26,7 +26,7 @@ pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 /// drivers' partial results; bf16: rounded, a final output) and `lse` in f32.
 pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
-    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16);
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
     let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
     drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))

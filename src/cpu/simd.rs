@@ -139,14 +139,6 @@ fn exp2_sub_acc_impl<const FMA: bool>(x: &mut [f32], sub: &[f32], sum: &mut [f32
     }
 }
 
-/// `x[i] *= a[i]`.
-#[inline(always)]
-fn mul_into_impl<const FMA: bool>(x: &mut [f32], a: &[f32]) {
-    for (v, &m) in x.iter_mut().zip(a) {
-        *v *= m;
-    }
-}
-
 /// `dst[c * dst_rs + r] = src[r * src_rs + c]` for `r < rows`, `c < cols`: a transpose in
 /// 16 × 16 blocks, so that both sides stay within a few cache lines and pages at a time.
 #[inline(always)]
@@ -237,10 +229,6 @@ dispatch!(
 dispatch!(
     /// `x = 2^(x − sub)` elementwise, adding the results into `sum`.
     exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> ()
-);
-dispatch!(
-    /// `x *= a` elementwise.
-    mul_into => mul_into_impl(x: &mut [f32], a: &[f32]) -> ()
 );
 dispatch!(
     /// Blocked transpose of a `rows × cols` strided matrix.

@@ -2,19 +2,24 @@
 //! need the per-element mask, decided from the tiles' global position and document ranges.
 
 use super::Arithmetic;
+use crate::flops::Pass;
 use crate::params::Visibility;
 
 /// Tile sizes of the CPU implementation. A size of 0 (the `Default`) means the tuned size of
-/// the path the call runs: 256 × 256 for f32 products, 128 × 512 for bf16 products (tuned on
-/// the 2-vCPU AVX-512 EPYC machines the crate is developed on: 128 × 512 ran the bf16 path
-/// up to 10% faster than 256 × 256 at s = 4096, and the f32 path 2–5% slower).
+/// the path and pass the call runs: 512 × 256 for the f32 forward, 256 × 256 for the f32
+/// backward, 128 × 512 for bf16 products (tuned on the 2-vCPU AVX-512 EPYC machines the
+/// crate is developed on, s = 4096: 128 × 512 ran the bf16 path up to 10% faster than
+/// 256 × 256, and the f32 path 2–5% slower; 512 query rows ran the f32 forward 5% faster
+/// than 256 without a mask and as fast under a causal one, the backward no faster).
 ///
 /// ```
 /// use ringattn::cpu::{Arithmetic, TileConfig};
+/// use ringattn::flops::Pass;
 /// let auto = TileConfig::default();
-/// assert_eq!(auto.resolved(Arithmetic::Bf16), TileConfig { block_q: 128, block_k: 512 });
+/// assert_eq!(auto.resolved(Arithmetic::Bf16, Pass::Backward), TileConfig { block_q: 128, block_k: 512 });
+/// assert_eq!(auto.resolved(Arithmetic::F32, Pass::Forward), TileConfig { block_q: 512, block_k: 256 });
 /// let mine = TileConfig { block_q: 64, block_k: 0 };
-/// assert_eq!(mine.resolved(Arithmetic::F32), TileConfig { block_q: 64, block_k: 256 });
+/// assert_eq!(mine.resolved(Arithmetic::F32, Pass::Backward), TileConfig { block_q: 64, block_k: 256 });
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TileConfig {
@@ -25,12 +30,13 @@ pub struct TileConfig {
 }
 
 impl TileConfig {
-    /// The sizes a call with products in `arithmetic` runs with: each 0 replaced by that
+    /// The sizes a `pass` with products in `arithmetic` runs with: each 0 replaced by that
     /// path's tuned size ([`Arithmetic::Auto`] counts as f32).
-    pub fn resolved(self, arithmetic: Arithmetic) -> TileConfig {
-        let (q, k) = match arithmetic {
-            Arithmetic::Bf16 => (128, 512),
-            Arithmetic::F32 | Arithmetic::Auto => (256, 256),
+    pub fn resolved(self, arithmetic: Arithmetic, pass: Pass) -> TileConfig {
+        let (q, k) = match (arithmetic, pass) {
+            (Arithmetic::Bf16, _) => (128, 512),
+            (Arithmetic::F32 | Arithmetic::Auto, Pass::Forward) => (512, 256),
+            (Arithmetic::F32 | Arithmetic::Auto, Pass::Backward) => (256, 256),
         };
         let or = |x: usize, tuned: usize| if x == 0 { tuned } else { x };
         TileConfig { block_q: or(self.block_q, q), block_k: or(self.block_k, k) }
@@ -59,14 +65,15 @@ pub(crate) enum TileKind {
     Partial,
 }
 
-/// The query and key tiles of a call with products in `arithmetic`: `(block_q, block_k,
+/// The query and key tiles of a `pass` with products in `arithmetic`: `(block_q, block_k,
 /// query spans, key spans)` (sizes [`TileConfig::resolved`]).
 pub(crate) fn call_spans(
     vis: &Visibility,
     tiles: TileConfig,
     arithmetic: Arithmetic,
+    pass: Pass,
 ) -> (usize, usize, Vec<Span>, Vec<Span>) {
-    let tiles = tiles.resolved(arithmetic);
+    let tiles = tiles.resolved(arithmetic, pass);
     let (bq, bk) = (tiles.block_q, tiles.block_k);
     (bq, bk, spans(&vis.q_pos, vis.q_doc.as_deref(), bq), spans(&vis.k_pos, vis.k_doc.as_deref(), bk))
 }
@@ -272,7 +279,7 @@ mod tests {
                     let vis = Visibility::new(&params, qp, kp).unwrap();
                     for (bq, bk, rows) in [(64, 48, 12), (7, 13, 4), (256, 256, 12), (33, 100, 12)] {
                         let (_, _, q_spans, k_spans) =
-                            call_spans(&vis, TileConfig { block_q: bq, block_k: bk }, Arithmetic::F32);
+                            call_spans(&vis, TileConfig { block_q: bq, block_k: bk }, Arithmetic::F32, Pass::Forward);
                         for qs in &q_spans {
                             for ks in &k_spans {
                                 if classify(&vis, qs, ks) != TileKind::Partial {

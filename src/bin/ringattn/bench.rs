@@ -251,7 +251,7 @@ fn describe_mask(p: &AttentionParams) -> String {
 fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
     // The cpu backend's default tiles, as the path its products take resolves them.
-    let cpu_tiles = cpu::TileConfig::default().resolved(cpu::Arithmetic::Auto.resolve(x.dtype)?);
+    let cpu_tiles = cpu::TileConfig::default().resolved(cpu::Arithmetic::Auto.resolve(x.dtype)?, pass.into());
     let shape = match (backend, pass, x.kernels) {
         (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
             TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d).1 }
