@@ -2,8 +2,9 @@
 //! from f32 score rows and rounded to bf16 straight into the A operands of
 //! [`super::bf16_gemm::product`], one pass per row or pair of rows.
 //!
-//! `exp2` here is [`super::simd::exp2`]'s Taylor polynomial with the power of two applied by
-//! `vscalefps`: exactly 0 below 2^-126 (masked entries are −inf), NaN kept. Rounding is to
+//! `exp2` here is [`super::simd::avx512::exp2`]: [`super::simd::exp2`]'s Taylor polynomial with
+//! the power of two applied by `vscalefps`, exactly 0 below 2^-126 (masked entries are −inf),
+//! NaN kept. Rounding is to
 //! nearest even (`vcvtneps2bf16`). Every kernel needs [`super::bf16_gemm::available`]
 //! (asserted), as the bf16 path runs only where it holds.
 
@@ -12,35 +13,8 @@ use std::arch::x86_64::*;
 
 use super::bf16_gemm::available;
 
-/// The mask of the first `n` of 16 lanes.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
-    if n >= 16 {
-        0xffff
-    } else {
-        (1u16 << n) - 1
-    }
-}
-
-/// `2^x` on 16 lanes (see the module docs).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn exp2(x: __m512) -> __m512 {
-    let [c1, c2, c3, c4, c5, c6, c7] = super::simd::EXP2_TAYLOR.map(|c| _mm512_set1_ps(c));
-    // Clamp with x second, so that NaN passes through; split x = k + f, |f| <= 1/2.
-    let xc = _mm512_min_ps(_mm512_set1_ps(127.0), _mm512_max_ps(_mm512_set1_ps(-127.0), x));
-    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
-    let f = _mm512_sub_ps(xc, k);
-    let mut p = _mm512_fmadd_ps(f, c7, c6);
-    for c in [c5, c4, c3, c2, c1] {
-        p = _mm512_fmadd_ps(f, p, c);
-    }
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0));
-    let y = _mm512_scalef_ps(p, k);
-    _mm512_maskz_mov_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0)), y)
-}
+use super::simd::avx512::{exp2, lanes};
 
 /// 16 lanes rounded to bf16, each in the low half of a 32-bit lane.
 #[cfg(target_arch = "x86_64")]

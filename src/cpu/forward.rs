@@ -108,6 +108,7 @@ struct Scratch<'a> {
     tile_max: Vec<f32>,
     sub: Vec<f32>,
     alpha: Vec<f32>,
+    tile_sum: Vec<f32>,
     /// Unnormalised output, `[block_q][d]` (row-major: the P·V product computes its
     /// transpose, packing V's rows by vector copies rather than P once per key tile).
     acc: Vec<f32>,
@@ -129,10 +130,53 @@ impl<'a> Scratch<'a> {
             tile_max: vec![0.0; bq],
             sub: vec![0.0; bq],
             alpha: vec![0.0; bq],
+            tile_sum: vec![0.0; bq],
             acc: vec![0.0; bq * d],
             qt: vec![0.0; bq * d],
             st: vec![0.0; bq * bk],
         }
+    }
+}
+
+/// How far (log2 units) a tile's scores may exceed a row's running max before the lazy
+/// rescaling of [`Scratch::run`] takes the exact path: P ≤ 2^8, far from f32's range.
+const LAZY_GROWTH: f32 = 8.0;
+
+/// `acc += P V` for key tile `ks` (P in `st`, V's rows of the kv head from `v_base`),
+/// restricted to the tile's `blocks`; on a partial tile with non-finite inputs (`exact`),
+/// element by element over the visible pairs.
+#[allow(clippy::too_many_arguments)]
+fn pv(
+    x: &ForwardInputs,
+    v_base: &[f32],
+    st: &[f32],
+    acc: &mut [f32],
+    qs: &Span,
+    ks: &Span,
+    blocks: &[(Range<usize>, Range<usize>)],
+    exact: bool,
+) {
+    let br = qs.len;
+    let (d, kv_rs) = (x.dims.d, x.dims.h_kv * x.dims.d);
+    let st = &st[..br * ks.len];
+    if exact {
+        for j in 0..ks.len {
+            let vj = &v_base[(ks.start + j) * kv_rs..][..d];
+            for i in 0..br {
+                if x.vis.visible(qs.start + i, ks.start + j) {
+                    let p = st[j * br + i];
+                    for (cc, &vv) in vj.iter().enumerate() {
+                        acc[i * d + cc] += p * vv;
+                    }
+                }
+            }
+        }
+        return;
+    }
+    for (rows, keys) in blocks {
+        let p = View { data: &st[keys.start * br + rows.start..], rows: rows.len(), cols: keys.len(), rs: 1, cs: br };
+        let v_rows = View::rows(v_base, ks.start + keys.start, keys.len(), d, kv_rs);
+        matmul_strided(&mut acc[rows.start * d..br * d], d, 1, p, v_rows, 1.0, true);
     }
 }
 
@@ -164,17 +208,22 @@ impl QueryTileWork for Scratch<'_> {
             // On a partial tile each block of query rows computes only the keys it may see
             // (the rest of its rows is masked below: every pair outside its reach is invisible).
             let blocks = row_blocks(x.vis, qs, ks, kind);
-            // S (br × bc), column-major: st[j * br + i].
-            for (rows, keys) in &blocks {
-                let q_rows = q_tile.rows_of(rows.clone());
-                let k_rows = View::rows(k_base, ks.start + keys.start, keys.len(), d, kv_rs);
-                matmul_strided(&mut st[keys.start * br + rows.start..], 1, br, q_rows, k_rows.t(), c, false);
-            }
+            // S (br × bc), column-major: st[j * br + i], masked.
+            let scores = |st: &mut [f32]| {
+                for (rows, keys) in &blocks {
+                    let q_rows = q_tile.rows_of(rows.clone());
+                    let k_rows = View::rows(k_base, ks.start + keys.start, keys.len(), d, kv_rs);
+                    matmul_strided(&mut st[keys.start * br + rows.start..], 1, br, q_rows, k_rows.t(), c, false);
+                }
+                if kind == TileKind::Partial {
+                    for j in 0..bc {
+                        x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
+                    }
+                }
+            };
+            scores(st);
             let mut exact_pv = false;
             if kind == TileKind::Partial {
-                for j in 0..bc {
-                    x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);
-                }
                 // Masked entries must not leak NaN/Inf through 0 · NaN in the P·V product.
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
                 exact_pv =
@@ -182,6 +231,32 @@ impl QueryTileWork for Scratch<'_> {
             }
             let tm = &mut self.tile_max[..br];
             tm.fill(f32::NEG_INFINITY);
+            // Lazy rescaling: once every row has a finite running max, P = 2^(S − m) against
+            // the max so far, in one pass that also takes the tile's max. Softmax is invariant
+            // under the shift, so m need not be the true max as long as P stays bounded: when
+            // no score exceeds its row's m by more than LAZY_GROWTH (P ≤ 2^LAZY_GROWTH), the
+            // tile is done without touching m or rescaling the output. Otherwise (a new max
+            // far above, or a NaN, which makes its row's sum NaN) the scores are computed
+            // again and take the exact two passes.
+            if self.m[..br].iter().all(|m| m.is_finite()) {
+                let ts = &mut self.tile_sum[..br];
+                ts.fill(0.0);
+                for j in 0..bc {
+                    simd::exp2_sub_acc_max(&mut st[j * br..(j + 1) * br], &self.m[..br], ts, tm);
+                }
+                let bounded = tm
+                    .iter()
+                    .zip(&self.m[..br])
+                    .zip(ts.iter())
+                    .all(|((&t, &m), s)| t <= m + LAZY_GROWTH && s.is_finite());
+                if bounded {
+                    simd::axpy(&mut self.l[..br], 1.0, ts);
+                    pv(x, v_base, st, &mut self.acc, qs, ks, &blocks, exact_pv);
+                    continue;
+                }
+                scores(st);
+                tm.fill(f32::NEG_INFINITY);
+            }
             for j in 0..bc {
                 simd::max_into(tm, &st[j * br..(j + 1) * br]);
             }
@@ -201,31 +276,7 @@ impl QueryTileWork for Scratch<'_> {
             for j in 0..bc {
                 simd::exp2_sub_acc(&mut st[j * br..(j + 1) * br], &self.sub[..br], &mut self.l[..br]);
             }
-            if exact_pv {
-                for j in 0..bc {
-                    let vj = &v_base[(ks.start + j) * kv_rs..][..d];
-                    for i in 0..br {
-                        if x.vis.visible(qs.start + i, ks.start + j) {
-                            let p = st[j * br + i];
-                            for (cc, &vv) in vj.iter().enumerate() {
-                                self.acc[i * d + cc] += p * vv;
-                            }
-                        }
-                    }
-                }
-            } else {
-                for (rows, keys) in &blocks {
-                    let p = View {
-                        data: &st[keys.start * br + rows.start..],
-                        rows: rows.len(),
-                        cols: keys.len(),
-                        rs: 1,
-                        cs: br,
-                    };
-                    let v_rows = View::rows(v_base, ks.start + keys.start, keys.len(), d, kv_rs);
-                    matmul_strided(&mut self.acc[rows.start * d..br * d], d, 1, p, v_rows, 1.0, true);
-                }
-            }
+            pv(x, v_base, st, &mut self.acc, qs, ks, &blocks, exact_pv);
         }
     }
 
@@ -272,6 +323,45 @@ mod tests {
     use super::*;
     use crate::cpu::Arithmetic;
     use crate::{AttentionParams, Documents, Mask};
+
+    /// The lazy rescaling gives the exact path's results when a later key tile raises the
+    /// running max far beyond the bound (its fallback), and keeps NaN where the exact path
+    /// has it: against one key tile per call (the exact two passes only).
+    #[test]
+    fn lazy_rescaling_falls_back_on_large_growth_and_nan() {
+        use crate::cpu::{forward_with, CpuConfig};
+        use crate::{random::randn, DType, Tensor};
+        let (s, h, d) = (600, 2, 16);
+        let q = randn(vec![1, s, h, d], 1, DType::F32);
+        let mut k = randn(vec![1, s, h, d], 2, DType::F32).as_f32().into_owned();
+        let v = randn(vec![1, s, h, d], 3, DType::F32);
+        // Keys 300.. (the second and third key tiles of 256) score up to ~40× higher.
+        k[300 * h * d..].iter_mut().for_each(|x| *x *= 40.0);
+        // One query row of head 1 meets a NaN key in the last tile only.
+        let mut q_nan = q.as_f32().into_owned();
+        q_nan[(7 * h + 1) * d] = f32::NAN;
+        for (q, case) in [(q.clone(), "growth"), (Tensor::from_f32(vec![1, s, h, d], q_nan).unwrap(), "nan")] {
+            let k = Tensor::from_f32(vec![1, s, h, d], k.clone()).unwrap();
+            let params = AttentionParams::default();
+            let run = |block_k| {
+                let cfg = CpuConfig { tiles: TileConfig { block_q: 256, block_k }, ..Default::default() };
+                forward_with(&q, &k, &v, None, &params, &cfg).unwrap()
+            };
+            let (lazy, exact) = (run(256), run(1024));
+            let (lo, eo) = (lazy.o.as_f32(), exact.o.as_f32());
+            for (i, (a, b)) in lo.iter().zip(eo.iter()).enumerate() {
+                assert_eq!(a.is_nan(), b.is_nan(), "{case}: o[{i}]");
+                assert!(a.is_nan() || (a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{case}: o[{i}] {a} vs {b}");
+            }
+            let (ll, el) = (lazy.lse.as_f32(), exact.lse.as_f32());
+            for (i, (a, b)) in ll.iter().zip(el.iter()).enumerate() {
+                assert!((a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{case}: lse[{i}]");
+            }
+            if case == "nan" {
+                assert!(lo.iter().any(|x| x.is_nan()));
+            }
+        }
+    }
 
     /// A causal diagonal tile splits into row blocks that see keys up to their last row; a
     /// fully visible tile is one block; on every partial tile each visible pair lies in the

@@ -139,6 +139,20 @@ fn exp2_sub_acc_impl<const FMA: bool>(x: &mut [f32], sub: &[f32], sum: &mut [f32
     }
 }
 
+/// `x[i] = 2^(x[i] − sub[i])`, `sum[i] += x[i]` and `max[i] = max(max[i], x[i])` taken
+/// before the exponential. A NaN in `x` makes its `sum` NaN (what a caller checks); the
+/// `max` it leaves is unspecified.
+#[inline(always)]
+fn exp2_sub_acc_max_impl<const FMA: bool>(x: &mut [f32], sub: &[f32], sum: &mut [f32], max: &mut [f32]) {
+    for (((v, &m), s), mx) in x.iter_mut().zip(sub).zip(sum.iter_mut()).zip(max.iter_mut()) {
+        let t = *v;
+        *mx = if t > *mx { t } else { *mx };
+        let e = exp2::<FMA>(t - m);
+        *v = e;
+        *s += e;
+    }
+}
+
 /// `dst[c * dst_rs + r] = src[r * src_rs + c]` for `r < rows`, `c < cols`: a transpose in
 /// 16 × 16 blocks, so that both sides stay within a few cache lines and pages at a time.
 #[inline(always)]
@@ -176,6 +190,29 @@ fn transpose_impl<const FMA: bool>(
 /// Defines a public dispatcher that runs `$imp` compiled for the best instruction set the
 /// processor has.
 macro_rules! dispatch {
+    // With a hand-written AVX-512 kernel: that on AVX512F, the generic code elsewhere.
+    ($(#[$doc:meta])* $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty, avx512: $fast:path) => {
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the processor has AVX512F, all the kernel is compiled for.
+                    return unsafe { $fast($($arg),*) };
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($arg: $ty),*) -> $ret { $imp::<true>($($arg),*) }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the processor has the features the function is compiled for.
+                    return unsafe { v3($($arg),*) };
+                }
+            }
+            $imp::<false>($($arg),*)
+        }
+    };
     ($(#[$doc:meta])* $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty) => {
         $(#[$doc])*
         #[inline]
@@ -204,7 +241,7 @@ macro_rules! dispatch {
 
 dispatch!(
     /// `row = 2^(row - sub)`.
-    exp2_sub => exp2_sub_impl(row: &mut [f32], sub: f32) -> ()
+    exp2_sub => exp2_sub_impl(row: &mut [f32], sub: f32) -> (), avx512: avx512::exp2_sub
 );
 dispatch!(
     /// `p = p ∘ (dp − dd)`.
@@ -228,8 +265,108 @@ dispatch!(
 );
 dispatch!(
     /// `x = 2^(x − sub)` elementwise, adding the results into `sum`.
-    exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> ()
+    exp2_sub_acc => exp2_sub_acc_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32]) -> (), avx512: avx512::exp2_sub_acc
 );
+dispatch!(
+    /// [`exp2_sub_acc`] that also takes the elementwise maximum of `x` (before the
+    /// exponential) into `max`.
+    exp2_sub_acc_max => exp2_sub_acc_max_impl(x: &mut [f32], sub: &[f32], sum: &mut [f32], max: &mut [f32]) -> (),
+    avx512: avx512::exp2_sub_acc_max
+);
+
+/// The exponential kernels on 16 lanes at a time: [`exp2`]'s polynomial with the power of
+/// two applied by `vscalefps` (about half the instructions of the portable code, which the
+/// compiler vectorises with integer exponent arithmetic and selects). Same values: exactly 0
+/// below 2^-126, NaN kept, the polynomial evaluated in the same order.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// The mask of the first `n` of 16 lanes.
+    #[inline(always)]
+    pub(crate) fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            (1u16 << n) - 1
+        }
+    }
+
+    /// `2^x` on 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn exp2(x: __m512) -> __m512 {
+        let [c1, c2, c3, c4, c5, c6, c7] = super::EXP2_TAYLOR.map(|c| _mm512_set1_ps(c));
+        // Clamp with x second, so that NaN passes through; split x = k + f, |f| <= 1/2.
+        let xc = _mm512_min_ps(_mm512_set1_ps(127.0), _mm512_max_ps(_mm512_set1_ps(-127.0), x));
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+        let f = _mm512_sub_ps(xc, k);
+        let mut p = _mm512_fmadd_ps(f, c7, c6);
+        for c in [c5, c4, c3, c2, c1] {
+            p = _mm512_fmadd_ps(f, p, c);
+        }
+        p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0));
+        let y = _mm512_scalef_ps(p, k);
+        _mm512_maskz_mov_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0)), y)
+    }
+
+    /// `row = 2^(row − sub)`.
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp2_sub(row: &mut [f32], sub: f32) {
+        let s = _mm512_set1_ps(sub);
+        for chunk in row.chunks_mut(16) {
+            let m = lanes(chunk.len());
+            let p = chunk.as_mut_ptr();
+            // SAFETY: lanes beyond the chunk are masked off.
+            unsafe { _mm512_mask_storeu_ps(p, m, exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), s))) };
+        }
+    }
+
+    /// `x = 2^(x − sub)`, `sum += x`, elementwise over the shortest of the three.
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp2_sub_acc(x: &mut [f32], sub: &[f32], sum: &mut [f32]) {
+        let n = x.len().min(sub.len()).min(sum.len());
+        for i in (0..n).step_by(16) {
+            let m = lanes(n - i);
+            // SAFETY: lanes beyond n are masked off.
+            unsafe {
+                let (xp, sp, up) = (x.as_mut_ptr().add(i), sum.as_mut_ptr().add(i), sub.as_ptr().add(i));
+                let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, xp), _mm512_maskz_loadu_ps(m, up)));
+                _mm512_mask_storeu_ps(xp, m, e);
+                _mm512_mask_storeu_ps(sp, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sp), e));
+            }
+        }
+    }
+
+    /// [`exp2_sub_acc`] that also takes `max = max(max, x)` before the exponential (a NaN
+    /// in `x` makes its sum NaN; the max it leaves is unspecified).
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp2_sub_acc_max(x: &mut [f32], sub: &[f32], sum: &mut [f32], max: &mut [f32]) {
+        let n = x.len().min(sub.len()).min(sum.len()).min(max.len());
+        for i in (0..n).step_by(16) {
+            let m = lanes(n - i);
+            // SAFETY: lanes beyond n are masked off.
+            unsafe {
+                let (xp, sp, up, mp) =
+                    (x.as_mut_ptr().add(i), sum.as_mut_ptr().add(i), sub.as_ptr().add(i), max.as_mut_ptr().add(i));
+                let t = _mm512_maskz_loadu_ps(m, xp);
+                _mm512_mask_storeu_ps(mp, m, _mm512_max_ps(_mm512_maskz_loadu_ps(m, mp), t));
+                let e = exp2(_mm512_sub_ps(t, _mm512_maskz_loadu_ps(m, up)));
+                _mm512_mask_storeu_ps(xp, m, e);
+                _mm512_mask_storeu_ps(sp, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sp), e));
+            }
+        }
+    }
+}
 dispatch!(
     /// Blocked transpose of a `rows × cols` strided matrix.
     transpose => transpose_impl(src: &[f32], src_rs: usize, dst: &mut [f32], dst_rs: usize, rows: usize, cols: usize) -> ()
@@ -298,6 +435,35 @@ mod tests {
             x[at] = f32::NAN;
             assert!(row_max(&x).is_nan(), "NaN at {at}");
             x[at] = keep;
+        }
+    }
+
+    #[test]
+    fn avx512_exponentials_match_the_portable_code() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut x: Vec<f32> = (-1300..1300).map(|i| i as f32 * 0.1 + 0.013).collect();
+        x.extend([f32::NEG_INFINITY, f32::INFINITY, f32::NAN, -126.0, -126.5, -127.5, 127.9, 0.0, -0.0, 0.5, -0.5]);
+        let sub: Vec<f32> = (0..x.len()).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect();
+        let (mut want, mut got) = (x.clone(), x.clone());
+        let (mut want_sum, mut got_sum) = (vec![0.5f32; x.len()], vec![0.5f32; x.len()]);
+        exp2_sub_acc_impl::<true>(&mut want, &sub, &mut want_sum);
+        let mut got_max = vec![f32::NEG_INFINITY; x.len()];
+        // SAFETY: AVX512F checked above.
+        unsafe { avx512::exp2_sub_acc_max(&mut got, &sub, &mut got_sum, &mut got_max) };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+        assert_eq!(bits(&got_sum), bits(&want_sum));
+        for (i, (&m, &t)) in got_max.iter().zip(&x).enumerate() {
+            assert!(t.is_nan() || m == t, "max of lane {i}: {m} for {t}");
+        }
+        for tail in [0, 1, 15, 17, 40] {
+            let (mut want, mut got) = (x[..tail].to_vec(), x[..tail].to_vec());
+            exp2_sub_impl::<true>(&mut want, 0.75);
+            // SAFETY: as above.
+            unsafe { avx512::exp2_sub(&mut got, 0.75) };
+            assert_eq!(bits(&got), bits(&want), "tail {tail}");
         }
     }
 
