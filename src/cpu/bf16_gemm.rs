@@ -300,20 +300,20 @@ unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
         }
     }
     for (r, row) in acc.iter().enumerate() {
-        let mut row_max = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut out = [_mm512_setzero_ps(); N];
         for (n, a) in row.iter().enumerate() {
             let cp = x.c.add(r * x.c_rs + n * 16);
-            let out = match epi {
+            out[n] = match epi {
                 Epilogue::Set(scale) => _mm512_mul_ps(*a, _mm512_set1_ps(scale)),
                 Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
                 Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
             };
-            _mm512_storeu_ps(cp, out);
-            row_max = _mm512_max_ps(row_max, out);
+            _mm512_storeu_ps(cp, out[n]);
         }
         if !x.maxes.is_null() {
             let mp = x.maxes.add(r * 16);
-            _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
+            let row_max = out.iter().fold(_mm512_loadu_ps(mp), |m, &o| _mm512_max_ps(m, o));
+            _mm512_storeu_ps(mp, row_max);
         }
     }
 }
