@@ -310,6 +310,33 @@ pub(crate) mod avx512 {
         _mm512_maskz_mov_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0)), y)
     }
 
+    /// 16 lanes at `p` (the first `n` when `n < 16`, the others read as 0 and not written):
+    /// full vectors by plain loads and stores, masked ones only for a row's tail.
+    #[inline(always)]
+    unsafe fn load(p: *const f32, n: usize) -> __m512 {
+        // SAFETY: the caller's p holds n values (16 when n >= 16).
+        unsafe {
+            if n >= 16 {
+                _mm512_loadu_ps(p)
+            } else {
+                _mm512_maskz_loadu_ps(lanes(n), p)
+            }
+        }
+    }
+
+    /// See [`load`].
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, n: usize, v: __m512) {
+        // SAFETY: as in load.
+        unsafe {
+            if n >= 16 {
+                _mm512_storeu_ps(p, v)
+            } else {
+                _mm512_mask_storeu_ps(p, lanes(n), v)
+            }
+        }
+    }
+
     /// `row = 2^(row − sub)`.
     ///
     /// # Safety
@@ -317,11 +344,13 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(crate) unsafe fn exp2_sub(row: &mut [f32], sub: f32) {
         let s = _mm512_set1_ps(sub);
-        for chunk in row.chunks_mut(16) {
-            let m = lanes(chunk.len());
-            let p = chunk.as_mut_ptr();
-            // SAFETY: lanes beyond the chunk are masked off.
-            unsafe { _mm512_mask_storeu_ps(p, m, exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), s))) };
+        let n = row.len();
+        for i in (0..n).step_by(16) {
+            // SAFETY: lanes beyond n are neither read nor written.
+            unsafe {
+                let p = row.as_mut_ptr().add(i);
+                store(p, n - i, exp2(_mm512_sub_ps(load(p, n - i), s)));
+            }
         }
     }
 
@@ -333,13 +362,13 @@ pub(crate) mod avx512 {
     pub(crate) unsafe fn exp2_sub_acc(x: &mut [f32], sub: &[f32], sum: &mut [f32]) {
         let n = x.len().min(sub.len()).min(sum.len());
         for i in (0..n).step_by(16) {
-            let m = lanes(n - i);
-            // SAFETY: lanes beyond n are masked off.
+            let r = n - i;
+            // SAFETY: lanes beyond n are neither read nor written.
             unsafe {
                 let (xp, sp, up) = (x.as_mut_ptr().add(i), sum.as_mut_ptr().add(i), sub.as_ptr().add(i));
-                let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, xp), _mm512_maskz_loadu_ps(m, up)));
-                _mm512_mask_storeu_ps(xp, m, e);
-                _mm512_mask_storeu_ps(sp, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sp), e));
+                let e = exp2(_mm512_sub_ps(load(xp, r), load(up, r)));
+                store(xp, r, e);
+                store(sp, r, _mm512_add_ps(load(sp, r), e));
             }
         }
     }
@@ -353,16 +382,16 @@ pub(crate) mod avx512 {
     pub(crate) unsafe fn exp2_sub_acc_max(x: &mut [f32], sub: &[f32], sum: &mut [f32], max: &mut [f32]) {
         let n = x.len().min(sub.len()).min(sum.len()).min(max.len());
         for i in (0..n).step_by(16) {
-            let m = lanes(n - i);
-            // SAFETY: lanes beyond n are masked off.
+            let r = n - i;
+            // SAFETY: lanes beyond n are neither read nor written.
             unsafe {
                 let (xp, sp, up, mp) =
                     (x.as_mut_ptr().add(i), sum.as_mut_ptr().add(i), sub.as_ptr().add(i), max.as_mut_ptr().add(i));
-                let t = _mm512_maskz_loadu_ps(m, xp);
-                _mm512_mask_storeu_ps(mp, m, _mm512_max_ps(_mm512_maskz_loadu_ps(m, mp), t));
-                let e = exp2(_mm512_sub_ps(t, _mm512_maskz_loadu_ps(m, up)));
-                _mm512_mask_storeu_ps(xp, m, e);
-                _mm512_mask_storeu_ps(sp, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sp), e));
+                let t = load(xp, r);
+                store(mp, r, _mm512_max_ps(load(mp, r), t));
+                let e = exp2(_mm512_sub_ps(t, load(up, r)));
+                store(xp, r, e);
+                store(sp, r, _mm512_add_ps(load(sp, r), e));
             }
         }
     }
