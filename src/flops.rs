@@ -273,8 +273,9 @@ pub enum Executor {
 ///
 /// * [`Executor::Cpu`]: the forward's 2 products (`S = QKᵀ`, `PV`) and the backward's 5 (`S`,
 ///   `dP = dO Vᵀ`, `dV`, `dK`, `dQ`), `2·d` FLOPs per pair each, over every pair of the visible
-///   CPU tiles (clipped to the sequence). The bf16 path multiplies only the part of a
-///   partially visible tile that each 12-row block can see: an upper bound there.
+///   CPU tiles (clipped to the sequence). Both paths multiply only the part of a partially
+///   visible tile that each block of rows can see (12 rows bf16, 64 rows f32): an upper
+///   bound there.
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
 ///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)

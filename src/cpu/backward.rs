@@ -10,6 +10,7 @@
 //! are bit-identical run to run whatever the thread count. The number of chunks per head
 //! depends on the shape only.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
@@ -336,13 +337,7 @@ impl KeyTileWork for Scratch<'_> {
                 }
                 let dp = &mut self.dp[..br * bc];
                 for (rows, keys) in &blocks {
-                    let p_view = View {
-                        data: &p[rows.start * bc + keys.start..],
-                        rows: rows.len(),
-                        cols: keys.len(),
-                        rs: bc,
-                        cs: 1,
-                    };
+                    let p_view = tile_block(p, (br, bc), rows, keys);
                     matmul(&mut dv[keys.start * d..], d, p_view.t(), do_tile.rows_of(rows.clone()), 1.0, true);
                     let v_rows = v_cm.rows_of(keys.clone());
                     matmul(
@@ -359,19 +354,18 @@ impl KeyTileWork for Scratch<'_> {
                     }
                 }
                 for (rows, keys) in &blocks {
-                    let ds = View {
-                        data: &p[rows.start * bc + keys.start..],
-                        rows: rows.len(),
-                        cols: keys.len(),
-                        rs: bc,
-                        cs: 1,
-                    };
+                    let ds = tile_block(p, (br, bc), rows, keys);
                     matmul(&mut dk[keys.start * d..], d, ds.t(), q_tile.rows_of(rows.clone()), 1.0, true);
                     matmul(&mut dq_tile[rows.start * d..], d, ds, k_tile.rows_of(keys.clone()), 1.0, true);
                 }
             }
         }
     }
+}
+
+/// Rows `rows` and columns `keys` of a row-major `br × bc` tile (P, then dS).
+fn tile_block<'t>(p: &'t [f32], (br, bc): (usize, usize), rows: &Range<usize>, keys: &Range<usize>) -> View<'t> {
+    View { data: p, rows: br, cols: bc, rs: bc, cs: 1 }.block_of(rows.clone(), keys.clone())
 }
 
 /// Per-head input rows of a backward tile.

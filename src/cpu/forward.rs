@@ -174,7 +174,7 @@ fn pv(
         return;
     }
     for (rows, keys) in blocks {
-        let p = View { data: &st[keys.start * br + rows.start..], rows: rows.len(), cols: keys.len(), rs: 1, cs: br };
+        let p = View { data: st, rows: br, cols: ks.len, rs: 1, cs: br }.block_of(rows.clone(), keys.clone());
         let v_rows = View::rows(v_base, ks.start + keys.start, keys.len(), d, kv_rs);
         matmul_strided(&mut acc[rows.start * d..br * d], d, 1, p, v_rows, 1.0, true);
     }

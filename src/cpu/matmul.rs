@@ -21,6 +21,16 @@ impl<'a> View<'a> {
         View { data: &self.data[rows.start * self.rs..], rows: rows.len(), ..self }
     }
 
+    /// The block of rows `rows` and columns `cols` of the view (no copy).
+    pub fn block_of(self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) -> Self {
+        View {
+            data: &self.data[rows.start * self.rs + cols.start * self.cs..],
+            rows: rows.len(),
+            cols: cols.len(),
+            ..self
+        }
+    }
+
     /// The transpose (no copy).
     pub fn t(self) -> Self {
         View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
