@@ -15,10 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use super::forward::row_blocks;
 use super::matmul::{matmul, View};
 use super::simd;
-use super::tiles::{call_spans, classify, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind};
+use super::tiles::{
+    call_spans, classify, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind,
+};
 use crate::params::Visibility;
 use crate::Dims;
 

@@ -1,6 +1,8 @@
 //! Tile geometry: which (query tile, key tile) pairs are skipped, fully visible, or
 //! need the per-element mask, decided from the tiles' global position and document ranges.
 
+use std::ops::Range;
+
 use super::Arithmetic;
 use crate::flops::Pass;
 use crate::params::Visibility;
@@ -152,6 +154,25 @@ pub(crate) fn reach(vis: &Visibility, qs: &Span, ks: &Span, rows: usize, of: Rea
             .map(|k| range(&mut q_sub.iter().filter(|q| classify(vis, q, k) != TileKind::Skip), qs.start))
             .collect(),
     }
+}
+
+/// Query rows per block of a partially masked tile's products (the f32 microkernel's
+/// height on AVX-512).
+pub(crate) const ROW_BLOCK: usize = 64;
+
+/// The products of one tile as (query rows, key rows) blocks, relative to the tile: the whole
+/// tile when it is fully visible; on a partial tile each [`ROW_BLOCK`] of query rows with the
+/// key rows its visible pairs lie in ([`reach`]), blocks that see nothing left out.
+pub(crate) fn row_blocks(vis: &Visibility, qs: &Span, ks: &Span, kind: TileKind) -> Vec<(Range<usize>, Range<usize>)> {
+    if kind != TileKind::Partial {
+        return vec![(0..qs.len, 0..ks.len)];
+    }
+    let keys = reach(vis, qs, ks, ROW_BLOCK, ReachOf::QueryBlocks);
+    keys.into_iter()
+        .enumerate()
+        .map(|(r, k)| (r * ROW_BLOCK..((r + 1) * ROW_BLOCK).min(qs.len), k))
+        .filter(|(_, k)| !k.is_empty())
+        .collect()
 }
 
 /// Classifies a pair of tiles. `Skip` and `Full` are exact claims; `Partial` is the
@@ -332,5 +353,49 @@ mod tests {
         assert!((1..=rayon::current_num_threads()).contains(&made), "{made} workers");
         let runs: usize = workers.slots.into_iter().map(|s| s.into_inner().unwrap().unwrap_or(0)).sum();
         assert_eq!(runs, 10_000);
+    }
+
+    /// A causal diagonal tile splits into row blocks that see keys up to their last row; a
+    /// fully visible tile is one block; on every partial tile each visible pair lies in the
+    /// block of its query row (windows and documents too).
+    #[test]
+    fn row_blocks_limit_partial_tiles_to_their_reach() {
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let vis = Visibility::single_device(&causal, 300, 300).unwrap();
+        let (_, _, q_spans, k_spans) =
+            call_spans(&vis, TileConfig { block_q: 256, block_k: 256 }, Arithmetic::F32, Pass::Forward);
+        let tile = |qt: usize, kt: usize| {
+            let (qs, ks) = (&q_spans[qt], &k_spans[kt]);
+            row_blocks(&vis, qs, ks, classify(&vis, qs, ks))
+        };
+        let quarters: Vec<_> = (1..=4).map(|r| ((r - 1) * 64..r * 64, 0..r * 64)).collect();
+        assert_eq!(tile(0, 0), quarters);
+        assert_eq!(tile(1, 0), vec![(0..44, 0..256)]);
+        assert_eq!(tile(1, 1), vec![(0..44, 0..44)]);
+
+        for params in [
+            AttentionParams { mask: Mask::Window { left: Some(90), right: Some(3) }, ..Default::default() },
+            AttentionParams { documents: Some(Documents::new(vec![70, 100, 130]).unwrap()), ..causal.clone() },
+        ] {
+            let vis = Visibility::single_device(&params, 300, 300).unwrap();
+            let (_, _, q_spans, k_spans) =
+                call_spans(&vis, TileConfig { block_q: 256, block_k: 256 }, Arithmetic::F32, Pass::Forward);
+            for qs in &q_spans {
+                for ks in &k_spans {
+                    let kind = classify(&vis, qs, ks);
+                    let blocks = row_blocks(&vis, qs, ks, kind);
+                    for i in 0..qs.len {
+                        for j in 0..ks.len {
+                            if vis.visible(qs.start + i, ks.start + j) {
+                                let inside = blocks.iter().any(|(r, k)| r.contains(&i) && k.contains(&j));
+                                assert!(inside, "{params:?}: pair ({i}, {j}) of tile {qs:?} × {ks:?}");
+                            }
+                        }
+                    }
+                    let rows: usize = blocks.iter().map(|(r, _)| r.len()).sum();
+                    assert!(rows <= qs.len && blocks.windows(2).all(|w| w[0].0.end <= w[1].0.start));
+                }
+            }
+        }
     }
 }
