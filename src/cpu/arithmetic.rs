@@ -3,7 +3,7 @@
 
 use crate::{DType, Error, Result};
 
-use super::bf16_gemm;
+use super::products;
 
 /// The arithmetic of the CPU's matrix products (`Q·Kᵀ`, `P·V` and the backward's five).
 /// Softmax statistics, accumulations and outputs are f32 either way; outputs are rounded to
@@ -53,7 +53,7 @@ impl std::str::FromStr for Arithmetic {
 impl Arithmetic {
     /// Whether this processor has the bf16 products (x86-64 with AVX512F and AVX512_BF16).
     pub fn bf16_available() -> bool {
-        bf16_gemm::available()
+        products::bf16_available()
     }
 
     /// The arithmetic a call on `dtype` inputs runs: [`Arithmetic::F32`] or

@@ -5,7 +5,7 @@
 //! rounded to bf16 (as the GPU kernels round them for their MMAs).
 //!
 //! Q and dO are read in place as A pairs along the head dimension
-//! ([`super::bf16_gemm::RowPairs`]) and packed once per call per query tile with their rows
+//! ([`super::products::RowPairs`]) and packed once per call per query tile with their rows
 //! as pair steps; each worker packs its key tile (K and V with rows
 //! as lanes, K with rows as pair steps). Pᵀ and dSᵀ are read from row pairs interleaved
 //! while rounding. Task split, dQ partials and their fixed-order sum are those of the f32
@@ -18,8 +18,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
-use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
+use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;

@@ -1,17 +1,17 @@
 //! Row kernels of the bf16 path (AVX-512): the probabilities and softmax gradients computed
 //! from f32 score rows and rounded to bf16 straight into the A operands of
-//! [`super::bf16_gemm::product`], one pass per row or pair of rows.
+//! [`super::products::product`], one pass per row or pair of rows.
 //!
-//! `exp2` here is [`super::simd::avx512::exp2`]: [`super::simd::exp2`]'s Taylor polynomial with
+//! `exp2` here is [`super::simd::avx512::exp2`]: [`super::simd::exp2`]'s polynomial with
 //! the power of two applied by `vscalefps`, exactly 0 below 2^-126 (masked entries are −inf),
 //! NaN kept. Rounding is to
-//! nearest even (`vcvtneps2bf16`). Every kernel needs [`super::bf16_gemm::available`]
+//! nearest even (`vcvtneps2bf16`). Every kernel needs [`super::products::bf16_available`]
 //! (asserted), as the bf16 path runs only where it holds.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::bf16_gemm::available;
+use super::products::bf16_available as available;
 
 #[cfg(target_arch = "x86_64")]
 use super::simd::avx512::{exp2, lanes};
@@ -185,7 +185,7 @@ unsafe fn softmax_grad_pairs_avx512(lo: GradRow, mut hi: Option<GradRow>, pairs:
 
 #[cfg(test)]
 mod tests {
-    use super::super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
+    use super::super::products::{self as mm, AOperand, BOperand, Epilogue};
     use super::*;
     use half::bf16;
 

@@ -1,5 +1,7 @@
-//! Tiled flash-attention forward: the task driver both arithmetic paths share ([`drive`])
-//! and the f32 path's tile work.
+//! Tiled flash-attention forward: the task driver every path shares ([`drive`]), the packed
+//! K and V of the AVX-512 paths ([`PackedKeys`]) and the f32 path's portable tile work
+//! ([`forward_portable`], products through `gemm`; [`super::forward_f32`] runs instead
+//! where the processor has AVX512F).
 //!
 //! One task per (batch, query head, query tile), run by rayon. Each task keeps the running
 //! row maximum `m` (in log2 units), row sum `l` and unnormalised output `acc` of its tile
@@ -13,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rayon::prelude::*;
 
 use super::matmul::{matmul_strided, View};
+use super::products::{self as mm, Packing};
 use super::simd;
 use super::tiles::{
     call_spans, classify, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind,
@@ -35,8 +38,18 @@ pub(crate) struct ForwardInputs<'a, T = f32> {
     pub progress: Option<&'a AtomicU64>,
 }
 
-/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
+/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32: on AVX512F through the crate's
+/// own products ([`super::forward_f32`]), elsewhere through `gemm` ([`forward_portable`]).
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
+    if <f32 as mm::Element>::available() {
+        super::forward_f32::forward(x)
+    } else {
+        forward_portable(x)
+    }
+}
+
+/// The f32 forward through the `gemm` crate's products: any processor.
+pub(crate) fn forward_portable(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, Pass::Forward);
     drive(dm, &q_spans, x.progress, || Scratch::new(x, &k_spans, bq, bk))
@@ -94,6 +107,98 @@ pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
     (o, lse)
 }
 
+/// K and V of every (batch, kv head, key tile), packed once per call as the B operands of
+/// `Q·Kᵀ` (rows as lanes, columns as steps) and `P·V` (rows as steps, columns as lanes) of
+/// [`super::products`], in bf16 pairs (`u32`) or f32.
+///
+/// The two buffers come from, and return to, a cache of the calling thread
+/// ([`PACKED_BUFFERS`]): a call's packing then writes memory the previous call already
+/// touched instead of fresh pages, whose first-touch faults cost as much as the packing
+/// itself (a tenth of a causal s = 4096 forward on this project's VM).
+pub(crate) struct PackedKeys<T> {
+    /// `[b][h_kv][tile]` blocks of `k_len`, `[b][h_kv][tile]` blocks of `v_len`, in `u32`
+    /// words (the elements' bits).
+    k: Vec<u32>,
+    k_len: usize,
+    v: Vec<u32>,
+    v_len: usize,
+    tiles: usize,
+    /// Per block: whether its K and V rows are all finite.
+    finite: Vec<bool>,
+    /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
+    pub key_vectors: usize,
+    pub value_vectors: usize,
+    _element: std::marker::PhantomData<T>,
+}
+
+thread_local! {
+    /// The K and V buffers of the last [`PackedKeys`] this thread dropped (empty until then):
+    /// at most two buffers of the size of one call's packed K and V per calling thread.
+    static PACKED_BUFFERS: std::cell::RefCell<[Vec<u32>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+/// A buffer of `len` words from the calling thread's cache slot `slot` (its old contents
+/// kept where they fit: every word a caller reads, it writes first).
+fn cached_buffer(slot: usize, len: usize) -> Vec<u32> {
+    let mut buf = PACKED_BUFFERS.with(|b| std::mem::take(&mut b.borrow_mut()[slot]));
+    buf.resize(len, 0);
+    buf
+}
+
+impl<T> Drop for PackedKeys<T> {
+    fn drop(&mut self) {
+        let (k, v) = (std::mem::take(&mut self.k), std::mem::take(&mut self.v));
+        // A thread being torn down has no cache left: the buffers are then freed.
+        let _ = PACKED_BUFFERS.try_with(|b| *b.borrow_mut() = [k, v]);
+    }
+}
+
+impl<T: Packing> PackedKeys<T> {
+    pub(crate) fn new(dm: Dims, k: &[T::Src], v: &[T::Src], k_spans: &[Span], bk: usize) -> Self {
+        let d = dm.d;
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
+        let k_len = mm::steps::<T>(d) * key_vectors * 16;
+        let v_len = mm::steps::<T>(bk) * value_vectors * 16;
+        let tiles = k_spans.len();
+        let blocks = dm.b * dm.h_kv * tiles;
+        let mut pk = cached_buffer(0, blocks * k_len);
+        let mut pv = cached_buffer(1, blocks * v_len);
+        let rs = dm.h_kv * d;
+        let at = |blk: usize| {
+            let (bh, t) = (blk / tiles, blk % tiles);
+            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+            (&k_spans[t], (b * dm.s_k * dm.h_kv + hk) * d)
+        };
+        let mut finite = vec![true; blocks];
+        if blocks > 0 {
+            let pk: &mut [T] = bytemuck::cast_slice_mut(&mut pk);
+            let pv: &mut [T] = bytemuck::cast_slice_mut(&mut pv);
+            let blocks = pk.par_chunks_mut(k_len).zip(pv.par_chunks_mut(v_len)).zip(finite.par_iter_mut());
+            blocks.enumerate().for_each(|(blk, ((dk, dv), fin))| {
+                let (ks, base) = at(blk);
+                let (k, v) = (&k[base + ks.start * rs..], &v[base + ks.start * rs..]);
+                T::rows_as_lanes(k, ks.len, rs, d, key_vectors, dk);
+                T::rows_as_steps(v, ks.len, rs, d, value_vectors, dv);
+                *fin = T::rows_finite(k, ks.len, rs, d) && T::rows_finite(v, ks.len, rs, d);
+            });
+        }
+        let _element = std::marker::PhantomData;
+        PackedKeys { k: pk, k_len, v: pv, v_len, tiles, finite, key_vectors, value_vectors, _element }
+    }
+
+    /// Packed K and V of key tile `t` of kv head `hk` in batch `b`.
+    pub(crate) fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[T], &[T]) {
+        let blk = (b * dm.h_kv + hk) * self.tiles + t;
+        let (k, v): (&[T], &[T]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
+        (&k[blk * self.k_len..][..self.k_len], &v[blk * self.v_len..][..self.v_len])
+    }
+
+    /// Whether K and V of key tile `t` of kv head `hk` in batch `b` are all finite.
+    pub(crate) fn finite(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> bool {
+        self.finite[(b * dm.h_kv + hk) * self.tiles + t]
+    }
+}
+
 /// Per-task state and scratch, reused across tasks on one thread. Tiles are kept
 /// column-major (query index fastest), the layout the `gemm` microkernels consume without
 /// packing; every softmax step is then a contiguous loop over the tile's queries.
@@ -140,7 +245,7 @@ impl<'a> Scratch<'a> {
 
 /// How far (log2 units) a tile's scores may exceed a row's running max before the lazy
 /// rescaling of [`Scratch::run`] takes the exact path: P ≤ 2^8, far from f32's range.
-const LAZY_GROWTH: f32 = 8.0;
+pub(crate) const LAZY_GROWTH: f32 = 8.0;
 
 /// `acc += P V` for key tile `ks` (P in `st`, V's rows of the kv head from `v_base`),
 /// restricted to the tile's `blocks`; on a partial tile with non-finite inputs (`exact`),

@@ -3,21 +3,18 @@
 //! bf16 (as the GPU kernels round it for their MMA); the online softmax in f32.
 //!
 //! K and V are packed once per call (K with its rows as lanes, V with its rows as the pair
-//! steps, per key tile; see [`super::bf16_gemm`]), Q read in place as A pairs
-//! ([`super::bf16_gemm::RowPairs`]); each task (batch, query head, query tile) keeps `S`
+//! steps, per key tile; see [`super::products`]), Q read in place as A pairs
+//! ([`super::products::RowPairs`]); each task (batch, query head, query tile) keeps `S`
 //! row-major (keys as lanes), so the softmax runs
 //! along rows and the P·V product reads P as it was written. Inputs must be finite (the
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
-use half::bf16;
-use rayon::prelude::*;
-
-use super::bf16_gemm::{self as mm, AOperand, BOperand, Epilogue};
 use super::bf16_rows as rows;
-use super::forward::{drive, QueryTileWork};
+use super::forward::{drive, PackedKeys, QueryTileWork};
+use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
 use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileKind};
-use crate::Dims;
+use half::bf16;
 
 /// The bf16 path's inputs.
 pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
@@ -27,63 +24,15 @@ pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
-    let keys = PackedKeys::new(dm, x.k, x.v, &k_spans, bk);
+    let keys = PackedKeys::<u32>::new(dm, x.k, x.v, &k_spans, bk);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
     drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))
-}
-
-/// K and V of every (batch, kv head, key tile), packed as the B operands of `Q·Kᵀ` and `P·V`.
-struct PackedKeys {
-    /// `[b][h_kv][tile]` blocks of `k_len`: rows as lanes, columns as pair steps.
-    k: Vec<u32>,
-    k_len: usize,
-    /// `[b][h_kv][tile]` blocks of `v_len`: rows as pair steps, columns as lanes.
-    v: Vec<u32>,
-    v_len: usize,
-    tiles: usize,
-    /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
-    key_vectors: usize,
-    value_vectors: usize,
-}
-
-impl PackedKeys {
-    fn new(dm: Dims, k: &[bf16], v: &[bf16], k_spans: &[Span], bk: usize) -> Self {
-        let d = dm.d;
-        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
-        let k_len = mm::pairs(d) * key_vectors * 16;
-        let v_len = mm::pairs(bk) * value_vectors * 16;
-        let tiles = k_spans.len();
-        let blocks = dm.b * dm.h_kv * tiles;
-        let mut pk = vec![0u32; blocks * k_len];
-        let mut pv = vec![0u32; blocks * v_len];
-        let rs = dm.h_kv * d;
-        let at = |blk: usize| {
-            let (bh, t) = (blk / tiles, blk % tiles);
-            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-            (&k_spans[t], (b * dm.s_k * dm.h_kv + hk) * d)
-        };
-        if blocks > 0 {
-            pk.par_chunks_mut(k_len).zip(pv.par_chunks_mut(v_len)).enumerate().for_each(|(blk, (dk, dv))| {
-                let (ks, base) = at(blk);
-                let row0 = base + ks.start * rs;
-                mm::pack_rows_as_lanes(&k[row0..], ks.len, rs, d, key_vectors, dk);
-                mm::pack_rows_as_steps(&v[row0..], ks.len, rs, d, value_vectors, dv);
-            });
-        }
-        PackedKeys { k: pk, k_len, v: pv, v_len, tiles, key_vectors, value_vectors }
-    }
-
-    /// Packed K and V of key tile `t` of kv head `hk` in batch `b`.
-    fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[u32], &[u32]) {
-        let blk = (b * dm.h_kv + hk) * self.tiles + t;
-        (&self.k[blk * self.k_len..][..self.k_len], &self.v[blk * self.v_len..][..self.v_len])
-    }
 }
 
 /// Per-thread state of the query tiles it runs.
 struct Worker<'a> {
     x: &'a ForwardInputs<'a>,
-    keys: &'a PackedKeys,
+    keys: &'a PackedKeys<u32>,
     /// The queries as A pairs.
     queries: &'a mm::RowPairs<'a>,
     k_spans: &'a [Span],
@@ -105,7 +54,7 @@ struct Worker<'a> {
 impl<'a> Worker<'a> {
     fn new(
         x: &'a ForwardInputs<'a>,
-        keys: &'a PackedKeys,
+        keys: &'a PackedKeys<u32>,
         queries: &'a mm::RowPairs<'a>,
         k_spans: &'a [Span],
         bq: usize,

@@ -1,23 +1,28 @@
 //! Exact flash attention on the CPU, forward and backward, for every dtype, mask and layout
 //! of the crate. Tiles of `block_q` query rows meet tiles of `block_k` key rows; products run
-//! through the `gemm` crate, the online softmax through run-time dispatched SIMD loops,
-//! and work is spread over rayon's pool. No `s_q × s_k` matrix is ever held: memory is the
-//! outputs plus tile scratch per thread (the backward adds f32 partials of dQ).
+//! on the crate's own AVX-512 kernels (`products.rs`) or through the `gemm` crate, the online
+//! softmax through run-time dispatched SIMD loops, and work is spread over rayon's pool. No
+//! `s_q × s_k` matrix is ever held: memory is the outputs plus tile scratch per thread (the
+//! backward adds f32 partials of dQ) and, in the forward, packed copies of K and V (whose
+//! buffers each calling thread keeps for its next call).
 //!
 //! Products run in the [`Arithmetic`] the call resolves to: bf16 inputs on a processor with
-//! AVX512_BF16 multiply bf16 operands with f32 accumulation (the `vdpbf16ps` kernels of `bf16_gemm.rs`, P and
-//! dS rounded to bf16 as on the GPU); every other call widens its inputs to f32 and
-//! multiplies in f32 through `gemm`. Outputs are rounded back to the input dtype; the LSE is
-//! always f32.
+//! AVX512_BF16 multiply bf16 operands with f32 accumulation (the `vdpbf16ps` kernels of
+//! `products.rs`, P and dS rounded to bf16 as on the GPU); every other call widens its
+//! inputs to f32 and multiplies in f32: the forward on `products.rs`'s f32 kernels where the
+//! processor has AVX512F (with the probabilities computed in the epilogue of `Q·Kᵀ`), the
+//! backward, and the forward elsewhere, through `gemm`. Outputs are rounded back to the
+//! input dtype; the LSE is always f32.
 
 mod arithmetic;
 mod backward;
 mod backward_bf16;
-mod bf16_gemm;
 mod bf16_rows;
 mod forward;
 mod forward_bf16;
+mod forward_f32;
 mod matmul;
+mod products;
 pub(crate) mod simd;
 pub(crate) mod tiles;
 

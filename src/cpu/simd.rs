@@ -1,7 +1,7 @@
 //! Row-wise elementwise kernels of the online softmax, compiled for AVX-512 and AVX2+FMA
 //! and picked at run time (the portable build keeps its baseline target).
 //!
-//! `exp2` is a degree-7 polynomial on the reduced argument `f ∈ [-0.5, 0.5]` times `2^n`
+//! `exp2` is a degree-6 polynomial on the reduced argument `f ∈ [-0.5, 0.5]` times `2^n`
 //! built from the exponent bits: relative error below 1e-7, exactly 0 below 2^-126
 //! (so masked entries, `-inf`, give exactly 0), NaN in gives NaN out.
 
@@ -15,17 +15,12 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// Taylor coefficients 1…7 of `2^f = e^(f ln 2)` (the constant term is 1), evaluated on the
-/// reduced argument `f ∈ [-0.5, 0.5]` by every `exp2` of the crate's CPU paths.
-pub(crate) const EXP2_TAYLOR: [f32; 7] = [
-    std::f32::consts::LN_2,
-    0.240_226_5,
-    0.055_504_11,
-    0.009_618_129,
-    0.001_333_355_8,
-    0.000_154_035_3,
-    0.000_015_252_734,
-];
+/// Coefficients 1…6 of a polynomial for `2^f` on `f ∈ [-0.5, 0.5]` (the constant term is 1),
+/// fitted for least maximum relative error (2e-9 in exact arithmetic; 1e-7 evaluated in f32
+/// by Horner's rule, as a degree-7 Taylor polynomial gives with one more multiply-add), used
+/// by every `exp2` of the crate's CPU paths.
+pub(crate) const EXP2_POLY: [f32; 6] =
+    [std::f32::consts::LN_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_887_5, 0.000_153_533_62];
 
 /// `2^x` for `x <= 128`; see the module docs for accuracy. `FMA` selects fused multiply-adds,
 /// which only the dispatchers compiled with the `fma` feature may ask for.
@@ -41,9 +36,8 @@ pub(crate) fn exp2<const FMA: bool>(x: f32) -> f32 {
     let f = xc - n;
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     let pow = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    let [c1, c2, c3, c4, c5, c6, c7] = EXP2_TAYLOR;
-    let p = madd::<FMA>(f, c7, c6);
-    let p = madd::<FMA>(f, p, c5);
+    let [c1, c2, c3, c4, c5, c6] = EXP2_POLY;
+    let p = madd::<FMA>(f, c6, c5);
     let p = madd::<FMA>(f, p, c4);
     let p = madd::<FMA>(f, p, c3);
     let p = madd::<FMA>(f, p, c2);
@@ -296,18 +290,37 @@ pub(crate) mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(crate) fn exp2(x: __m512) -> __m512 {
-        let [c1, c2, c3, c4, c5, c6, c7] = super::EXP2_TAYLOR.map(|c| _mm512_set1_ps(c));
-        // Clamp with x second, so that NaN passes through; split x = k + f, |f| <= 1/2.
+        // Clamp with x second, so that NaN passes through.
         let xc = _mm512_min_ps(_mm512_set1_ps(127.0), _mm512_max_ps(_mm512_set1_ps(-127.0), x));
-        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
-        let f = _mm512_sub_ps(xc, k);
-        let mut p = _mm512_fmadd_ps(f, c7, c6);
-        for c in [c5, c4, c3, c2, c1] {
-            p = _mm512_fmadd_ps(f, p, c);
+        exp2_unclamped(xc, x)
+    }
+
+    /// `2^x` on 16 lanes of finite `x` (or NaN) without [`exp2`]'s clamps: the same bits for
+    /// `x ≤ 127`, `2^x` above (`+inf` from 128 on) where [`exp2`] stops at 2^127; `±inf` in
+    /// gives NaN. The forward's probabilities in the
+    /// epilogue of `Q·Kᵀ`, whose arguments are finite (a non-finite one makes its row's sum
+    /// NaN, and the row is computed again by the exact passes).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn exp2_finite(x: __m512) -> __m512 {
+        exp2_unclamped(x, x)
+    }
+
+    /// `2^xc`, exactly 0 where `x < -126`.
+    #[inline(always)]
+    fn exp2_unclamped(xc: __m512, x: __m512) -> __m512 {
+        let [c1, c2, c3, c4, c5, c6] = super::EXP2_POLY;
+        // SAFETY: the callers are compiled with AVX512F (this is inlined into them).
+        unsafe {
+            // Split xc = k + f, |f| <= 1/2.
+            let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+            let f = _mm512_sub_ps(xc, k);
+            let mut p = _mm512_fmadd_ps(f, _mm512_set1_ps(c6), _mm512_set1_ps(c5));
+            for c in [c4, c3, c2, c1, 1.0] {
+                p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(c));
+            }
+            _mm512_maskz_scalef_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0)), p, k)
         }
-        p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0));
-        let y = _mm512_scalef_ps(p, k);
-        _mm512_maskz_mov_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0)), y)
     }
 
     /// 16 lanes at `p` (the first `n` when `n < 16`, the others read as 0 and not written):
@@ -370,6 +383,87 @@ pub(crate) mod avx512 {
                 store(xp, r, e);
                 store(sp, r, _mm512_add_ps(load(sp, r), e));
             }
+        }
+    }
+
+    /// `row = 2^(row − sub)`, returning the sum of the new values (summed per lane in
+    /// order, then across the lanes).
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp2_sub_sum(row: &mut [f32], sub: f32) -> f32 {
+        let (s, n) = (_mm512_set1_ps(sub), row.len());
+        let mut sum = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            // SAFETY: lanes beyond n are neither read nor written (load gives them 0 and
+            // the mask keeps them out of the sum).
+            unsafe {
+                let p = row.as_mut_ptr().add(i);
+                let e = exp2(_mm512_sub_ps(load(p, n - i), s));
+                store(p, n - i, e);
+                sum = _mm512_mask_add_ps(sum, lanes(n - i), sum, e);
+            }
+        }
+        _mm512_reduce_add_ps(sum)
+    }
+
+    /// `row = 2^(row − sub)`, returning the maximum of `row − sub` before the exponential
+    /// (`-inf` for an empty or fully masked row; a NaN may be lost) and the sum of the new
+    /// values (NaN when any is): one pass of a lazily rescaled partial tile.
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp2_sub_max_sum(row: &mut [f32], sub: f32) -> (f32, f32) {
+        let (s, n) = (_mm512_set1_ps(sub), row.len());
+        let (mut sum, mut max) = (_mm512_setzero_ps(), _mm512_set1_ps(f32::NEG_INFINITY));
+        for i in (0..n).step_by(16) {
+            let m = lanes(n - i);
+            // SAFETY: lanes beyond n are neither read nor written (and kept out of the max
+            // and the sum by the mask).
+            unsafe {
+                let p = row.as_mut_ptr().add(i);
+                let x = _mm512_sub_ps(load(p, n - i), s);
+                max = _mm512_mask_max_ps(max, m, max, x);
+                let e = exp2(x);
+                store(p, n - i, e);
+                sum = _mm512_mask_add_ps(sum, m, sum, e);
+            }
+        }
+        (_mm512_reduce_max_ps(max), _mm512_reduce_add_ps(sum))
+    }
+
+    /// The maximum of `maxes` and the sum of `sums` (any order; NaN in a sum makes the total
+    /// NaN, NaN in `maxes` may be lost): the forward's check of a lazily rescaled tile.
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn max_and_total(maxes: &[f32], sums: &[f32]) -> (f32, f32) {
+        let (mut m, mut t) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
+        for i in (0..maxes.len()).step_by(16) {
+            // SAFETY: lanes beyond the length are read as 0 (load) or -inf (mask).
+            m = unsafe {
+                _mm512_mask_max_ps(m, lanes(maxes.len() - i), m, load(maxes.as_ptr().add(i), maxes.len() - i))
+            };
+        }
+        for i in (0..sums.len()).step_by(16) {
+            // SAFETY: as above (zeros add nothing).
+            t = unsafe { _mm512_add_ps(t, load(sums.as_ptr().add(i), sums.len() - i)) };
+        }
+        (_mm512_reduce_max_ps(m), _mm512_reduce_add_ps(t))
+    }
+
+    /// `l[i] += Σ_lanes sums[16 i .. 16 i + 16]` for each `i` of `l` (`sums` holds `16 · l.len()`).
+    ///
+    /// # Safety
+    /// The processor has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn add_lane_sums(l: &mut [f32], sums: &[f32]) {
+        for (l, row) in l.iter_mut().zip(sums.chunks_exact(16)) {
+            // SAFETY: the chunk holds 16 values.
+            *l += _mm512_reduce_add_ps(unsafe { _mm512_loadu_ps(row.as_ptr()) });
         }
     }
 
@@ -493,6 +587,65 @@ mod tests {
             // SAFETY: as above.
             unsafe { avx512::exp2_sub(&mut got, 0.75) };
             assert_eq!(bits(&got), bits(&want), "tail {tail}");
+        }
+    }
+
+    /// `exp2_finite` gives `exp2`'s bits up to 127 and 2^x above; the lazy tile's checks
+    /// reduce every value, tails included.
+    #[test]
+    fn exp2_finite_and_the_lazy_checks() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut x: Vec<f32> = (-1400..1300).map(|i| i as f32 * 0.1 + 0.013).collect();
+        x.extend([f32::NAN, -126.0, -126.5, -127.5, -1e30, 127.0, 128.5, 0.0, -0.0]);
+        for chunk in x.chunks(16) {
+            let mut v = [0.0f32; 16];
+            v[..chunk.len()].copy_from_slice(chunk);
+            let (mut a, mut b) = ([0.0f32; 16], [0.0f32; 16]);
+            // SAFETY: AVX512F checked above; 16 values each.
+            unsafe {
+                _mm512_storeu_ps(a.as_mut_ptr(), avx512::exp2_finite(_mm512_loadu_ps(v.as_ptr())));
+                _mm512_storeu_ps(b.as_mut_ptr(), avx512::exp2(_mm512_loadu_ps(v.as_ptr())));
+            }
+            for ((&x, &a), &b) in v.iter().zip(&a).zip(&b) {
+                if x > 127.0 {
+                    let want = (x as f64).exp2();
+                    let ok = if want >= f32::MAX as f64 {
+                        a == f32::INFINITY
+                    } else {
+                        (a as f64 - want).abs() <= 2e-7 * want
+                    };
+                    assert!(ok, "2^{x}: {a}");
+                } else {
+                    assert_eq!(a.to_bits(), b.to_bits(), "2^{x}: {a} vs {b}");
+                }
+            }
+        }
+        for n in [1usize, 16, 37] {
+            let maxes: Vec<f32> = (0..16 * n).map(|i| (i % 23) as f32 - 30.0).collect();
+            let sums: Vec<f32> = (0..16 * n).map(|i| (i % 5) as f32).collect();
+            // SAFETY: as above.
+            let (m, t) = unsafe { avx512::max_and_total(&maxes[..16 * n - 3], &sums) };
+            assert_eq!(m, maxes[..16 * n - 3].iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            assert_eq!(t, sums.iter().sum::<f32>());
+            let mut bad = sums.clone();
+            bad[16 * n - 1] = f32::NAN;
+            // SAFETY: as above.
+            assert!(unsafe { avx512::max_and_total(&maxes, &bad) }.1.is_nan());
+            let mut l = vec![1.0f32; n];
+            // SAFETY: as above.
+            unsafe { avx512::add_lane_sums(&mut l, &sums) };
+            for (i, &li) in l.iter().enumerate() {
+                assert_eq!(li, 1.0 + sums[16 * i..16 * i + 16].iter().sum::<f32>());
+            }
+            let mut row: Vec<f32> = (0..16 * n - 5).map(|i| i as f32 * -0.7).collect();
+            let want: Vec<f32> = row.iter().map(|&x| exp2::<true>(x - 0.5)).collect();
+            // SAFETY: as above.
+            let sum = unsafe { avx512::exp2_sub_sum(&mut row, 0.5) };
+            assert_eq!(row, want);
+            assert!((sum - want.iter().sum::<f32>()).abs() <= 1e-6 * sum);
         }
     }
 

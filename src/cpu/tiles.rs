@@ -8,18 +8,20 @@ use crate::flops::Pass;
 use crate::params::Visibility;
 
 /// Tile sizes of the CPU implementation. A size of 0 (the `Default`) means the tuned size of
-/// the path and pass the call runs: 512 × 256 for the f32 forward, 256 × 256 for the f32
+/// the path and pass the call runs: 128 × 256 for the f32 forward, 256 × 256 for the f32
 /// backward, 128 × 512 for bf16 products (tuned on the 2-vCPU AVX-512 EPYC machines the
 /// crate is developed on, s = 4096: 128 × 512 ran the bf16 path up to 10% faster than
-/// 256 × 256, and the f32 path 2–5% slower; 512 query rows ran the f32 forward 5% faster
-/// than 256 without a mask and as fast under a causal one, the backward no faster).
+/// 256 × 256, and the f32 path 2–5% slower; the f32 forward on its own products (AVX-512)
+/// ran 96–144 query rows 4–5% faster than 256 or 512 without a mask and within the noise
+/// of them under a causal one; 512 rows had been 5% faster on the `gemm` crate's products,
+/// which the backward and processors without AVX-512 use).
 ///
 /// ```
 /// use ringattn::cpu::{Arithmetic, TileConfig};
 /// use ringattn::flops::Pass;
 /// let auto = TileConfig::default();
 /// assert_eq!(auto.resolved(Arithmetic::Bf16, Pass::Backward), TileConfig { block_q: 128, block_k: 512 });
-/// assert_eq!(auto.resolved(Arithmetic::F32, Pass::Forward), TileConfig { block_q: 512, block_k: 256 });
+/// assert_eq!(auto.resolved(Arithmetic::F32, Pass::Forward), TileConfig { block_q: 128, block_k: 256 });
 /// let mine = TileConfig { block_q: 64, block_k: 0 };
 /// assert_eq!(mine.resolved(Arithmetic::F32, Pass::Backward), TileConfig { block_q: 64, block_k: 256 });
 /// ```
@@ -37,7 +39,7 @@ impl TileConfig {
     pub fn resolved(self, arithmetic: Arithmetic, pass: Pass) -> TileConfig {
         let (q, k) = match (arithmetic, pass) {
             (Arithmetic::Bf16, _) => (128, 512),
-            (Arithmetic::F32 | Arithmetic::Auto, Pass::Forward) => (512, 256),
+            (Arithmetic::F32 | Arithmetic::Auto, Pass::Forward) => (128, 256),
             (Arithmetic::F32 | Arithmetic::Auto, Pass::Backward) => (256, 256),
         };
         let or = |x: usize, tuned: usize| if x == 0 { tuned } else { x };
@@ -196,7 +198,8 @@ pub(crate) fn classify(vis: &Visibility, q: &Span, k: &Span) -> TileKind {
 
 /// Whether every element of `rows` rows of width `d` (row stride `rs`) is finite.
 pub(crate) fn rows_finite(data: &[f32], r0: usize, rows: usize, d: usize, rs: usize) -> bool {
-    (r0..r0 + rows).all(|r| data[r * rs..r * rs + d].iter().all(|x| x.is_finite()))
+    // A fold without early exit per row, so that it vectorises.
+    (r0..r0 + rows).all(|r| data[r * rs..r * rs + d].iter().fold(true, |ok, x| ok & x.is_finite()))
 }
 
 /// A buffer that parallel tasks write in disjoint ranges.

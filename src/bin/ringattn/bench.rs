@@ -555,15 +555,15 @@ mod tests {
         let x = inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]);
         let pairs = flops::visible_pairs(&x.dims, &x.params).unwrap();
         assert_eq!(pairs, 512 * 513 / 2);
-        // f32 inputs: the f32 forward's 512 × 256 tiles on every processor.
+        // f32 inputs: the f32 forward's 128 × 256 tiles on every processor.
         let x32 =
             Inputs { dtype: DType::F32, ..inputs(&["--seq", "512", "--heads", "2", "--head-dim", "64", "--causal"]) };
         let (f, dense, shape, tiles, executed) = work(BackendKind::Cpu, &x32, Pass::Forward, pairs).unwrap();
         assert_eq!((f, dense), (4.0 * 64.0 * 2.0 * pairs as f64, 4.0 * 64.0 * 2.0 * 512.0 * 512.0));
-        assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (512, 256, 2, 2));
-        // Counted as if the CPU computed its 2 visible 512 x 256 tiles whole (an upper bound:
-        // the partial one runs per 64-row block over its reach).
-        assert_eq!(executed, 2.0 * 2.0 * 2.0 * 512.0 * 256.0 * 64.0 * 2.0);
+        assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (128, 256, 8, 6));
+        // Counted as if the CPU computed its 6 visible 128 x 256 tiles whole (an upper bound:
+        // the partial ones run per row block over its reach).
+        assert_eq!(executed, 2.0 * 6.0 * 2.0 * 128.0 * 256.0 * 64.0 * 2.0);
         // The backward's 256 × 256 tiles.
         let (_, _, shape, tiles, _) = work(BackendKind::Cpu, &x32, Pass::Backward, pairs).unwrap();
         assert_eq!((shape.block_q, shape.block_k, tiles.total, tiles.visible), (256, 256, 4, 3));

@@ -1,29 +1,70 @@
-//! Matrix products on bf16 operands with f32 accumulation, on AVX512_BF16's `vdpbf16ps`
-//! (two bf16 products per f32 lane per instruction), and the packings they read.
+//! Matrix products with f32 accumulation on AVX-512, and the packings they read: bf16
+//! operands on AVX512_BF16's `vdpbf16ps` (two bf16 products per f32 lane per instruction) and
+//! f32 operands on `vfmadd231ps`.
 //!
-//! A product `C[rows][16·n16] (op)= A · B` runs over `k2` *pair steps*: step `p` multiplies
-//! the pair `(A[r][2p], A[r][2p+1])` with the pair `(B[2p][c], B[2p+1][c])` and adds both
-//! products into the f32 lane `c` (`vdpbf16ps`: bf16 × bf16 products are exact in f32; the
-//! two additions round to nearest, denormal inputs and results count as zero).
+//! A product `C[rows][16·n16] (op)= A · B` runs over `k2` *steps* of its inner dimension.
+//! The operands' [`Element`] says what a step is:
+//! - bf16 pairs (`u32`): step `p` multiplies the pair `(A[r][2p], A[r][2p+1])` with the pair
+//!   `(B[2p][c], B[2p+1][c])` and adds both products into the f32 lane `c` (`vdpbf16ps`:
+//!   bf16 × bf16 products are exact in f32; the two additions round to nearest, denormal
+//!   inputs and results count as zero);
+//! - `f32`: step `p` adds `A[r][p] · B[p][c]` into lane `c` with one rounding (FMA).
 //!
 //! Operands:
-//! - A ([`AOperand`]): one `u32` per (row, step) holding the pair as two bf16 (low half the
-//!   even element), at `data[r · rs + p · ps]` — row-major rows with pairs along the row
-//!   (`ps = 1`), or two rows interleaved element-wise (`rs = 1`, `ps` = the row length);
-//! - B ([`BOperand`]): `vectors` groups of 16 lanes per step, step after step, one `u32`
-//!   pair per lane: element `(2p + e, 16·v + l)` is half `e` of `data[(p · vectors + v) · 16 + l]`.
+//! - A ([`AOperand`]): one element per (row, step) at `data[r · rs + p · ps]` — row-major rows
+//!   (`ps = 1`), or, for bf16 pairs, two rows interleaved element-wise (`rs = 1`, `ps` = the
+//!   row length); a pair holds two bf16, the low half the even element;
+//! - B ([`BOperand`]): `vectors` groups of 16 lanes per step, step after step: lane `l` of
+//!   vector `v` at step `p` is `data[(p · vectors + v) · 16 + l]`.
 //!
 //! Kernels are 12 rows × 32 lanes of accumulators (24 of the 32 vector registers) with the
-//! A pairs broadcast from memory: on the 2-vCPU AVX-512 EPYC this project measures on, 12 × 2
-//! vectors ran the products up to 10% faster than 8 × 2 (one thread, best of 7 runs; 8 × 3,
-//! 6 × 4 and 16 × 1 no better). On partially masked tiles a [`Reach`] limits each row block to the
-//! lanes or steps that hold its visible pairs. Callers check [`available`] once; every
-//! product checks its operands' bounds before running.
+//! A elements broadcast from memory: on the 2-vCPU AVX-512 EPYC this project measures on, 12 × 2
+//! vectors ran the bf16 products up to 10% faster than 8 × 2 (one thread, best of 7 runs;
+//! 8 × 3, 6 × 4 and 16 × 1 no better), and the f32 products of the forward's tiles 3–5%
+//! faster than the `gemm` crate's (which packs its operands on every call). On partially
+//! masked tiles a [`Reach`] limits each row block to the lanes or steps that hold its visible
+//! pairs. Callers check [`Element::available`] once; every product checks its operands'
+//! bounds before running.
 
 use half::bf16;
 
+/// The element of a product's operands: `u32` (a pair of bf16) or `f32`.
+pub(crate) trait Element: Copy + Send + Sync + sealed::Sealed + 'static {
+    /// Elements of the inner dimension one step multiplies (2 for bf16 pairs).
+    const PER_STEP: usize;
+    /// Whether this processor runs the products on this element.
+    fn available() -> bool;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u32 {}
+    impl Sealed for f32 {}
+}
+
+impl Element for u32 {
+    const PER_STEP: usize = 2;
+    fn available() -> bool {
+        bf16_available()
+    }
+}
+
+impl Element for f32 {
+    const PER_STEP: usize = 1;
+    fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
 /// Whether this processor runs the bf16 products (AVX512F and AVX512_BF16).
-pub(crate) fn available() -> bool {
+pub(crate) fn bf16_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
@@ -53,18 +94,18 @@ pub(crate) fn odd(vectors: usize) -> usize {
 
 /// The A operand of a product (see the module docs).
 #[derive(Clone, Copy)]
-pub(crate) struct AOperand<'a> {
-    pub data: &'a [u32],
-    /// Distance between rows, in pairs.
+pub(crate) struct AOperand<'a, T = u32> {
+    pub data: &'a [T],
+    /// Distance between rows, in elements.
     pub rs: usize,
-    /// Distance between steps, in pairs.
+    /// Distance between steps, in elements.
     pub ps: usize,
 }
 
 /// The B operand of a product (see the module docs).
 #[derive(Clone, Copy)]
-pub(crate) struct BOperand<'a> {
-    pub data: &'a [u32],
+pub(crate) struct BOperand<'a, T = u32> {
+    pub data: &'a [T],
     /// 16-lane vectors per step.
     pub vectors: usize,
 }
@@ -87,7 +128,7 @@ pub(crate) enum Reach<'a> {
     /// rows; its other strips run no step (the epilogue of an empty sum: zeros for
     /// [`Epilogue::Set`], which a caller then masks).
     Lanes(&'a [std::ops::Range<usize>]),
-    /// Row block `i` adds only the pair steps that meet elements `ranges[i]` of the inner
+    /// Row block `i` adds only the steps that meet elements `ranges[i]` of the inner
     /// dimension (the others multiply exact zeros).
     Steps(&'a [std::ops::Range<usize>]),
 }
@@ -112,8 +153,9 @@ impl<'a> Reach<'a> {
         }
     }
 
-    /// The steps (of `k2`) that row block `blk` (index) runs on the strip of vectors from `v0`.
-    fn block_steps(self, blk: usize, v0: usize, k2: usize) -> std::ops::Range<usize> {
+    /// The steps (of `k2`, each `per_step` elements) that row block `blk` (index) runs on
+    /// the strip of vectors from `v0`.
+    fn block_steps(self, blk: usize, v0: usize, k2: usize, per_step: usize) -> std::ops::Range<usize> {
         match self {
             Reach::All => 0..k2,
             Reach::Lanes(r) => {
@@ -127,7 +169,7 @@ impl<'a> Reach<'a> {
             Reach::Steps(r) => {
                 let r = &r[blk];
                 if r.start < r.end {
-                    (r.start / 2).min(k2)..pairs(r.end).min(k2)
+                    (r.start / per_step).min(k2)..r.end.div_ceil(per_step).min(k2)
                 } else {
                     0..0
                 }
@@ -147,24 +189,38 @@ pub(crate) enum Epilogue<'a> {
     Rescale(&'a [f32]),
 }
 
-/// `C (op)= A · B` over `k2` pair steps for `rows` rows and the first `n16` vectors of B;
+/// What [`product_into`]'s epilogue does besides [`Epilogue::Set`]'s store.
+#[derive(Clone, Copy)]
+enum SetExtra {
+    /// Nothing.
+    None,
+    /// Running row maxima of the stored values ([`product_max`]).
+    Max,
+    /// Stores `2^(value − sub[r])` instead, with running maxima of the values and running
+    /// sums of the stored exponentials ([`product_exp2`]).
+    Exp2,
+}
+
+/// `C (op)= A · B` over `k2` steps for `rows` rows and the first `n16` vectors of B;
 /// `C` row `r` is `c[r · c_rs..][..16 · n16]`.
 ///
 /// # Panics
-/// When an operand is too short for the product, or [`available`] is false (a caller bug).
+/// When an operand is too short for the product, or the processor lacks the element's
+/// instructions ([`Element::available`] false: a caller bug).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn product(
+pub(crate) fn product<T: Element>(
     c: &mut [f32],
     c_rs: usize,
     rows: usize,
     n16: usize,
-    a: AOperand,
-    b: BOperand,
+    a: AOperand<T>,
+    b: BOperand<T>,
     k2: usize,
     epi: Epilogue,
     reach: Reach,
 ) {
-    product_into(c, c_rs, rows, n16, a, b, k2, epi, reach, None)
+    let shape = Shape { c_rs, rows, n16, k2 };
+    product_into(c, shape, a, b, epi, reach, Rows::default())
 }
 
 /// `C = scale · A·B` as [`product`] with [`Epilogue::Set`] over the whole product, also
@@ -176,43 +232,88 @@ pub(crate) fn product(
 /// # Panics
 /// As [`product`], and when `maxes` holds fewer than `16 · rows` values.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn product_max(
+pub(crate) fn product_max<T: Element>(
     c: &mut [f32],
     c_rs: usize,
     rows: usize,
     n16: usize,
-    a: AOperand,
-    b: BOperand,
+    a: AOperand<T>,
+    b: BOperand<T>,
     k2: usize,
     scale: f32,
     maxes: &mut [f32],
 ) {
-    assert!(maxes.len() >= 16 * rows, "row maxima out of bounds");
-    product_into(c, c_rs, rows, n16, a, b, k2, Epilogue::Set(scale), Reach::All, Some(maxes))
+    let shape = Shape { c_rs, rows, n16, k2 };
+    let extra = Rows { maxes: Some(maxes), ..Default::default() };
+    product_into(c, shape, a, b, Epilogue::Set(scale), Reach::All, extra)
 }
 
+/// The scores' exponentials in the product's epilogue (the forward's probabilities against
+/// a running max `sub`): with `x = scale · (A·B)[r][c] − sub[r]` (one rounding), stores
+/// `C[r][c] = 2^x` and keeps per row and lane `maxes[r · 16 + l] = max(maxes[r · 16 + l], x)`
+/// and `sums[r · 16 + l] += C[r][c]` over the row's vectors (the caller reduces the 16
+/// lanes). `2^` is [`super::simd::avx512::exp2_finite`]: a non-finite `x` (from non-finite
+/// operands) makes its sum NaN, while its maximum may be lost. As in [`product_max`], every
+/// lane of the `n16` vectors counts, so `C`'s rows must hold no padding.
+///
+/// # Panics
+/// As [`product`], and when `sub` holds fewer than `rows` values or `maxes` or `sums` fewer
+/// than `16 · rows`.
 #[allow(clippy::too_many_arguments)]
-fn product_into(
+pub(crate) fn product_exp2<T: Element>(
     c: &mut [f32],
     c_rs: usize,
     rows: usize,
     n16: usize,
-    a: AOperand,
-    b: BOperand,
+    a: AOperand<T>,
+    b: BOperand<T>,
     k2: usize,
+    scale: f32,
+    sub: &[f32],
+    maxes: &mut [f32],
+    sums: &mut [f32],
+) {
+    let shape = Shape { c_rs, rows, n16, k2 };
+    let extra = Rows { sub: Some(sub), maxes: Some(maxes), sums: Some(sums) };
+    product_into(c, shape, a, b, Epilogue::Set(scale), Reach::All, extra)
+}
+
+/// A product's extent: `rows` rows of `C` (stride `c_rs`), `n16` vectors, `k2` steps.
+#[derive(Clone, Copy)]
+struct Shape {
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    k2: usize,
+}
+
+/// Per-row outputs and inputs of a [`Epilogue::Set`] epilogue (see [`SetExtra`]).
+#[derive(Default)]
+struct Rows<'a, 'b> {
+    sub: Option<&'b [f32]>,
+    maxes: Option<&'a mut [f32]>,
+    sums: Option<&'a mut [f32]>,
+}
+
+fn product_into<T: Element>(
+    c: &mut [f32],
+    shape: Shape,
+    a: AOperand<T>,
+    b: BOperand<T>,
     epi: Epilogue,
     reach: Reach,
-    mut maxes: Option<&mut [f32]>,
+    mut rows_io: Rows,
 ) {
+    let Shape { c_rs, rows, n16, k2 } = shape;
     if rows == 0 || n16 == 0 {
         return;
     }
-    assert!(available(), "bf16 products need AVX512_BF16");
+    assert!(T::available(), "products on this element need AVX-512 instructions this processor lacks");
     assert!(n16 <= b.vectors, "product wider than its B operand");
     assert!((rows - 1) * c_rs + 16 * n16 <= c.len(), "product output out of bounds");
     if k2 > 0 {
         assert!((rows - 1) * a.rs + (k2 - 1) * a.ps < a.data.len(), "A operand out of bounds");
-        assert!(k2 * b.vectors * 16 <= b.data.len(), "B operand out of bounds");
+        assert!((k2 - 1) * b.vectors * 16 + 16 * n16 <= b.data.len(), "B operand out of bounds");
     }
     if let Epilogue::Rescale(alpha) = epi {
         assert!(alpha.len() >= rows, "rescale factors out of bounds");
@@ -220,12 +321,27 @@ fn product_into(
     if let Reach::Lanes(r) | Reach::Steps(r) = reach {
         assert!(r.len() >= rows.div_ceil(BLOCK_ROWS), "reach of {} row blocks for {rows} rows", r.len());
     }
+    let extra = match (&rows_io.sub, &rows_io.maxes, &rows_io.sums) {
+        (None, None, None) => SetExtra::None,
+        (None, Some(_), None) => SetExtra::Max,
+        (Some(_), Some(_), Some(_)) => SetExtra::Exp2,
+        _ => unreachable!("epilogue rows of no product"),
+    };
+    if let Some(s) = rows_io.sub {
+        assert!(s.len() >= rows, "subtrahends out of bounds");
+    }
+    for v in [rows_io.maxes.as_deref(), rows_io.sums.as_deref()].into_iter().flatten() {
+        assert!(v.len() >= 16 * rows, "row maxima or sums out of bounds");
+    }
     #[cfg(target_arch = "x86_64")]
     for v0 in (0..n16).step_by(BLOCK_VECTORS) {
         let nv = (n16 - v0).min(BLOCK_VECTORS);
         for r0 in (0..rows).step_by(BLOCK_ROWS) {
             let nr = (rows - r0).min(BLOCK_ROWS);
-            let steps = reach.block_steps(r0 / BLOCK_ROWS, v0, k2);
+            let steps = reach.block_steps(r0 / BLOCK_ROWS, v0, k2, T::PER_STEP);
+            let row_ptr = |v: &mut Option<&mut [f32]>| {
+                v.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr())
+            };
             let blk = Block {
                 a: a.data[r0 * a.rs + steps.start * a.ps..].as_ptr(),
                 a_rs: a.rs,
@@ -235,55 +351,88 @@ fn product_into(
                 k2: steps.len(),
                 c: c[r0 * c_rs + v0 * 16..].as_mut_ptr(),
                 c_rs,
-                maxes: maxes.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr()),
+                extra,
+                sub: rows_io.sub.map_or(std::ptr::null(), |s| s[r0..].as_ptr()),
+                maxes: row_ptr(&mut rows_io.maxes),
+                sums: row_ptr(&mut rows_io.sums),
             };
             let epi = match epi {
                 Epilogue::Rescale(alpha) => Epilogue::Rescale(&alpha[r0..]),
                 e => e,
             };
-            // SAFETY: the processor has AVX512F and AVX512_BF16 (asserted); the block's
+            // SAFETY: the processor has the element's instructions (asserted); the block's
             // rows, steps and lanes lie inside the operands (bounds asserted above: rows
-            // r0..r0+nr, steps within 0..k2, vectors v0..v0+nv of n16; maxes 16 per row).
+            // r0..r0+nr, steps within 0..k2, vectors v0..v0+nv of n16; sub one per row,
+            // maxes and sums 16 per row). `T` is u32 or f32 (sealed), the pointers' types.
             unsafe {
                 macro_rules! run {
-                    ($($r:literal),*) => {
+                    ($kernel:ident, $($r:literal),*) => {
                         match (nr, nv) {
-                            $(($r, 2) => block::<$r, 2>(&blk, epi),
-                              ($r, _) => block::<$r, 1>(&blk, epi),)*
+                            $(($r, 2) => $kernel::<$r, 2>(&blk.cast(), epi),
+                              ($r, _) => $kernel::<$r, 1>(&blk.cast(), epi),)*
                             _ => unreachable!("row block of {nr}"),
                         }
                     };
                 }
-                run!(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
+                if T::PER_STEP == 2 {
+                    run!(block_bf16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
+                } else {
+                    run!(block_f32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
+                }
             }
         }
     }
 }
 
-/// One register block's pointers (see [`block`]).
+/// One register block's pointers (see [`block_bf16`]).
 #[cfg(target_arch = "x86_64")]
-struct Block {
-    a: *const u32,
+struct Block<T> {
+    a: *const T,
     a_rs: usize,
     a_ps: usize,
-    b: *const u32,
+    b: *const T,
     b_ps: usize,
     k2: usize,
     c: *mut f32,
     c_rs: usize,
-    /// 16 running maxima per row (`Epilogue::Set` only), or null.
+    extra: SetExtra,
+    /// One subtrahend per row ([`SetExtra::Exp2`]), or null.
+    sub: *const f32,
+    /// 16 running maxima, sums per row, or null.
     maxes: *mut f32,
+    sums: *mut f32,
 }
 
-/// `R` rows × `N` vectors of `C` from `k2` steps.
+#[cfg(target_arch = "x86_64")]
+impl<T> Block<T> {
+    /// The same block with its operand pointers read as `U` (the caller's element type).
+    fn cast<U>(&self) -> Block<U> {
+        Block {
+            a: self.a.cast(),
+            a_rs: self.a_rs,
+            a_ps: self.a_ps,
+            b: self.b.cast(),
+            b_ps: self.b_ps,
+            k2: self.k2,
+            c: self.c,
+            c_rs: self.c_rs,
+            extra: self.extra,
+            sub: self.sub,
+            maxes: self.maxes,
+            sums: self.sums,
+        }
+    }
+}
+
+/// `R` rows × `N` vectors of `C` from `k2` bf16 pair steps.
 ///
 /// # Safety
 /// AVX512F and AVX512_BF16 present; `a[r·a_rs + p·a_ps]`, `b[p·b_ps .. p·b_ps + 16·N]`,
-/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R`, `p < k2`; `maxes` null or valid for
-/// `16·R` values.
+/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R`, `p < k2`; `sub` null or valid for `R`
+/// values, `maxes` and `sums` null or valid for `16·R`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
+unsafe fn block_bf16<const R: usize, const N: usize>(x: &Block<u32>, epi: Epilogue) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for p in 0..x.k2 {
@@ -299,21 +448,86 @@ unsafe fn block<const R: usize, const N: usize>(x: &Block, epi: Epilogue) {
             }
         }
     }
+    epilogue(x, epi, &acc);
+}
+
+/// `R` rows × `N` vectors of `C` from `k2` f32 steps.
+///
+/// # Safety
+/// AVX512F present; otherwise as [`block_bf16`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn block_f32<const R: usize, const N: usize>(x: &Block<f32>, epi: Epilogue) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for p in 0..x.k2 {
+        let bp = x.b.add(p * x.b_ps);
+        let mut bv = [_mm512_setzero_ps(); N];
+        for (n, v) in bv.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(bp.add(n * 16));
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av = _mm512_set1_ps(*x.a.add(r * x.a_rs + p * x.a_ps));
+            for (n, a) in row.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(av, bv[n], *a);
+            }
+        }
+    }
+    epilogue(x, epi, &acc);
+}
+
+/// The scale of an [`Epilogue::Set`] (1 otherwise).
+#[inline(always)]
+fn scale_of(epi: Epilogue) -> f32 {
+    match epi {
+        Epilogue::Set(scale) => scale,
+        _ => 1.0,
+    }
+}
+
+/// Stores a register block's accumulators into `C` as `epi` says.
+///
+/// # Safety
+/// AVX512F present (the callers' target features: this is inlined into them); pointers as
+/// in [`block_bf16`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn epilogue<T, const R: usize, const N: usize>(
+    x: &Block<T>,
+    epi: Epilogue,
+    acc: &[[std::arch::x86_64::__m512; N]; R],
+) {
+    use std::arch::x86_64::*;
     for (r, row) in acc.iter().enumerate() {
-        let mut out = [_mm512_setzero_ps(); N];
+        // Running maximum and sum over the row's vectors, in registers.
+        let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
         for (n, a) in row.iter().enumerate() {
             let cp = x.c.add(r * x.c_rs + n * 16);
-            out[n] = match epi {
+            let mut out = match epi {
                 Epilogue::Set(scale) => _mm512_mul_ps(*a, _mm512_set1_ps(scale)),
                 Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
                 Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
             };
-            _mm512_storeu_ps(cp, out[n]);
+            match x.extra {
+                SetExtra::None => {}
+                SetExtra::Max => row_max = _mm512_max_ps(row_max, out),
+                SetExtra::Exp2 => {
+                    // The shifted score in one rounding; the maxima keep it, not the score.
+                    let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
+                    row_max = _mm512_max_ps(row_max, shifted);
+                    out = super::simd::avx512::exp2_finite(shifted);
+                    row_sum = _mm512_add_ps(row_sum, out);
+                }
+            }
+            _mm512_storeu_ps(cp, out);
         }
-        if !x.maxes.is_null() {
+        if let SetExtra::Max | SetExtra::Exp2 = x.extra {
             let mp = x.maxes.add(r * 16);
-            let row_max = out.iter().fold(_mm512_loadu_ps(mp), |m, &o| _mm512_max_ps(m, o));
-            _mm512_storeu_ps(mp, row_max);
+            _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
+        }
+        if let SetExtra::Exp2 = x.extra {
+            let sp = x.sums.add(r * 16);
+            _mm512_storeu_ps(sp, _mm512_add_ps(_mm512_loadu_ps(sp), row_sum));
         }
     }
 }
@@ -430,6 +644,66 @@ pub(crate) fn pack_rows_as_steps(src: &[bf16], rows: usize, rs: usize, d: usize,
     }
 }
 
+/// Elements whose B operands are packed from rows of a `[b, s, h, d]` tensor of `Src`
+/// (bf16 pairs from bf16, f32 from f32).
+pub(crate) trait Packing: Element + Default + bytemuck::Pod {
+    /// The tensor's element.
+    type Src: Copy + Sync;
+    /// B operand with the `rows` rows (row `r` at `src[r · rs..][..d]`) as lanes and their
+    /// `d` columns as steps (the keys of `S = Q·Kᵀ`): `vectors ≥ vectors(rows)` vectors per
+    /// step, pads zero; `dst` holds `steps(d) · vectors · 16` elements.
+    fn rows_as_lanes(src: &[Self::Src], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [Self]);
+    /// B operand with the `rows` rows as steps and their `d` columns as lanes (the values of
+    /// `O = P·V`): `vectors ≥ vectors(d)` vectors per step, pads zero; `dst` holds
+    /// `steps(rows) · vectors · 16` elements.
+    fn rows_as_steps(src: &[Self::Src], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [Self]);
+    /// Whether the `rows` rows (row `r` at `src[r · rs..][..d]`) are all finite.
+    fn rows_finite(src: &[Self::Src], rows: usize, rs: usize, d: usize) -> bool;
+}
+
+/// Steps over `n` elements of the inner dimension.
+pub(crate) fn steps<T: Element>(n: usize) -> usize {
+    n.div_ceil(T::PER_STEP)
+}
+
+impl Packing for u32 {
+    type Src = bf16;
+    fn rows_as_lanes(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) {
+        pack_rows_as_lanes(src, rows, rs, d, vectors, dst)
+    }
+    fn rows_as_steps(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) {
+        pack_rows_as_steps(src, rows, rs, d, vectors, dst)
+    }
+    fn rows_finite(src: &[bf16], rows: usize, rs: usize, d: usize) -> bool {
+        (0..rows).all(|r| super::bf16_rows::all_finite(&src[r * rs..][..d]))
+    }
+}
+
+impl Packing for f32 {
+    type Src = f32;
+    fn rows_as_lanes(src: &[f32], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [f32]) {
+        assert!(rows <= vectors * 16, "{rows} rows in {vectors} vectors of lanes");
+        let lanes = vectors * 16;
+        let dst = &mut dst[..d * lanes];
+        super::simd::transpose(src, rs, dst, lanes, rows, d);
+        for out in dst.chunks_exact_mut(lanes) {
+            out[rows..].fill(0.0);
+        }
+    }
+    fn rows_as_steps(src: &[f32], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [f32]) {
+        assert!(d <= vectors * 16, "{d} columns in {vectors} vectors of lanes");
+        let lanes = vectors * 16;
+        for (j, out) in dst[..rows * lanes].chunks_exact_mut(lanes).enumerate() {
+            let (body, pad) = out.split_at_mut(d);
+            body.copy_from_slice(&src[j * rs..][..d]);
+            pad.fill(0.0);
+        }
+    }
+    fn rows_finite(src: &[f32], rows: usize, rs: usize, d: usize) -> bool {
+        super::tiles::rows_finite(src, 0, rows, d, rs)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,7 +723,7 @@ mod tests {
     /// the same bf16 values, for shapes with odd widths and every row/vector tail.
     #[test]
     fn products_match_f64_on_every_tail() {
-        if !available() {
+        if !bf16_available() {
             return;
         }
         for &(m, n, d) in &[(1, 1, 1), (3, 17, 5), (8, 32, 64), (13, 47, 80), (19, 64, 33)] {
@@ -508,7 +782,7 @@ mod tests {
     /// maximum is the row's, and maxima already held (from other strips or tiles) are kept.
     #[test]
     fn product_max_takes_row_maxima_as_it_stores() {
-        if !available() {
+        if !bf16_available() {
             return;
         }
         for &(m, n, d) in &[(1, 16, 3), (13, 48, 64), (25, 96, 33)] {
@@ -535,9 +809,88 @@ mod tests {
         }
     }
 
+    /// The f32 products against f64 sums of the same values on every tail: `S = A·Bᵀ` with
+    /// B's rows as lanes, `O = alpha ∘ O + P·B` with B's rows as steps, and the exponential
+    /// epilogue: `2^(scale·(A·B) − sub)` stored, its per-lane maxima (of the shifted scores)
+    /// and sums kept on top of what they held.
+    #[test]
+    fn f32_products_and_the_exponential_epilogue_match_f64() {
+        if !<f32 as Element>::available() {
+            return;
+        }
+        let f32s = |n, seed| values(n, seed).iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        for &(m, n, d) in &[(1, 16, 1), (3, 17, 5), (13, 48, 64), (25, 96, 33), (12, 32, 80)] {
+            let (a, bm) = (f32s(m * d, 7), f32s(n * d, 8));
+            let mut bl = vec![0f32; d * vectors(n) * 16];
+            f32::rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let c_rs = vectors(n) * 16;
+            let aop = AOperand { data: &a[..], rs: d, ps: 1 };
+            let bop = BOperand { data: &bl[..], vectors: vectors(n) };
+            let dot = |i: usize, j: usize| (0..d).map(|c| a[i * d + c] as f64 * bm[j * d + c] as f64).sum::<f64>();
+            let mut s = vec![f32::NAN; m * c_rs];
+            product(&mut s, c_rs, m, vectors(n), aop, bop, d, Epilogue::Set(0.5), Reach::All);
+            for i in 0..m {
+                for j in 0..n {
+                    let (got, want) = (s[i * c_rs + j] as f64, 0.5 * dot(i, j));
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "S ({m},{n},{d}) [{i}][{j}] {got} vs {want}"
+                    );
+                }
+            }
+            if n % 16 == 0 {
+                let sub: Vec<f32> = (0..m).map(|i| i as f32 * 0.1 - 0.5).collect();
+                let (mut maxes, mut sums) = (vec![f32::NEG_INFINITY; 16 * m], vec![0.25f32; 16 * m]);
+                maxes[5] = 1e6;
+                let mut e = vec![f32::NAN; m * c_rs];
+                product_exp2(&mut e, c_rs, m, vectors(n), aop, bop, d, 0.5, &sub, &mut maxes, &mut sums);
+                for i in 0..m {
+                    let x: Vec<f64> = (0..n).map(|j| 0.5 * dot(i, j) - sub[i] as f64).collect();
+                    for (j, &xj) in x.iter().enumerate() {
+                        let (got, want) = (e[i * c_rs + j] as f64, xj.exp2());
+                        assert!((got - want).abs() <= 2e-6 * want, "exp ({m},{n},{d}) [{i}][{j}] {got} vs {want}");
+                    }
+                    for l in 0..16 {
+                        let lane = (l..n).step_by(16);
+                        let want_max = lane.clone().map(|j| x[j]).fold(f64::NEG_INFINITY, f64::max);
+                        let want_max = if i == 0 && l == 5 { 1e6 } else { want_max };
+                        let want_sum = 0.25 + lane.map(|j| x[j].exp2()).sum::<f64>();
+                        let (gm, gs) = (maxes[16 * i + l] as f64, sums[16 * i + l] as f64);
+                        assert!(
+                            (gm - want_max).abs() <= 1e-5 * (1.0 + want_max.abs()),
+                            "max [{i}][{l}] {gm} vs {want_max}"
+                        );
+                        assert!((gs - want_sum).abs() <= 1e-5 * want_sum, "sum [{i}][{l}] {gs} vs {want_sum}");
+                    }
+                }
+            }
+            // O[m][d] = alpha ∘ O + P[m][n] · B[n][d] over n f32 steps.
+            let p = f32s(m * n, 9);
+            let mut bs = vec![0f32; n * vectors(d) * 16];
+            f32::rows_as_steps(&bm, n, d, d, vectors(d), &mut bs);
+            let o_rs = vectors(d) * 16;
+            let mut o = vec![1.0f32; m * o_rs];
+            let alpha: Vec<f32> = (0..m).map(|i| i as f32 * 0.25).collect();
+            let pop = AOperand { data: &p[..], rs: n, ps: 1 };
+            let bop = BOperand { data: &bs[..], vectors: vectors(d) };
+            product(&mut o, o_rs, m, vectors(d), pop, bop, n, Epilogue::Rescale(&alpha), Reach::All);
+            for i in 0..m {
+                for c in 0..d {
+                    let want =
+                        alpha[i] as f64 + (0..n).map(|j| p[i * n + j] as f64 * bm[j * d + c] as f64).sum::<f64>();
+                    let got = o[i * o_rs + c] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "O ({m},{n},{d}) [{i}][{c}] {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn reach_limits_each_row_block() {
-        if !available() {
+        if !bf16_available() {
             return;
         }
         let (m, n, k) = (29usize, 70usize, 37usize);
