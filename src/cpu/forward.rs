@@ -73,20 +73,49 @@ pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
 ) -> (Vec<O>, Vec<f32>) {
-    let d = dm.d;
-    let mut o = vec![O::default(); dm.b * dm.s_q * dm.h_q * d];
-    let mut lse = vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q];
-    if q_spans.is_empty() || o.is_empty() {
-        return (o, lse);
+    let mut out = Outputs::new(dm);
+    drive_into(&mut out, dm, q_spans, 0..dm.b * dm.h_q, progress, init);
+    (out.o, out.lse)
+}
+
+/// A forward's outputs, `o [b, s_q, h_q, d]` in `O` and `lse [b, h_q, s_q]`, filled by
+/// [`drive_into`] one group of heads at a time (rows no task writes: `o = 0`, `lse = -inf`).
+pub(crate) struct Outputs<O> {
+    pub o: Vec<O>,
+    pub lse: Vec<f32>,
+}
+
+impl<O: Output> Outputs<O> {
+    pub(crate) fn new(dm: Dims) -> Self {
+        Outputs {
+            o: vec![O::default(); dm.b * dm.s_q * dm.h_q * dm.d],
+            lse: vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q],
+        }
     }
-    let o_out = DisjointWriter::new(&mut o);
-    let lse_out = DisjointWriter::new(&mut lse);
-    let n_tasks = dm.b * dm.h_q * q_spans.len();
+}
+
+/// As [`drive`], for the (batch, query head) pairs `heads` (flattened `b · h_q + h`) into
+/// `out`.
+pub(crate) fn drive_into<W: QueryTileWork + Send, O: Output>(
+    out: &mut Outputs<O>,
+    dm: Dims,
+    q_spans: &[Span],
+    heads: Range<usize>,
+    progress: Option<&AtomicU64>,
+    init: impl Fn() -> W + Sync + Send,
+) {
+    let d = dm.d;
+    if q_spans.is_empty() || out.o.is_empty() {
+        return;
+    }
+    let o_out = DisjointWriter::new(&mut out.o);
+    let lse_out = DisjointWriter::new(&mut out.lse);
+    let n_tasks = heads.len() * q_spans.len();
     let workers = PerThread::new();
     (0..n_tasks).into_par_iter().for_each(|t| {
         workers.with(&init, |w| {
             let qt = t % q_spans.len();
-            let bh = t / q_spans.len();
+            let bh = heads.start + t / q_spans.len();
             let (b, h) = (bh / dm.h_q, bh % dm.h_q);
             let qs = q_spans[qt];
             w.run(b, h, &qs);
@@ -104,10 +133,41 @@ pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
             }
         })
     });
-    (o, lse)
 }
 
-/// K and V of every (batch, kv head, key tile), packed once per call as the B operands of
+/// The most bytes of packed K and V a forward holds at once: the (batch, kv head) pairs are
+/// packed and run in groups under it (one pair at least), which bounds the packed copies
+/// (and the buffers each calling thread keeps for its next call) at long sequences.
+pub(crate) const PACKED_BUDGET: usize = 64 << 20;
+
+/// Runs a forward over groups of (batch, kv head) pairs under `budget` bytes of packed K and
+/// V ([`PACKED_BUDGET`] but in tests): each group's
+/// K and V packed ([`PackedKeys`]), then `run(out, keys, heads)` for its (batch, query head)
+/// pairs `heads` (flattened `b · h_q + h`: [`drive_into`]'s argument); returns `(o, lse)`
+/// as [`drive`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn drive_packed<T: Packing, O: Output>(
+    dm: Dims,
+    k: &[T::Src],
+    v: &[T::Src],
+    k_spans: &[Span],
+    bk: usize,
+    budget: usize,
+    mut run: impl FnMut(&mut Outputs<O>, &PackedKeys<T>, Range<usize>),
+) -> (Vec<O>, Vec<f32>) {
+    let mut out = Outputs::new(dm);
+    let pairs = dm.b * dm.h_kv;
+    let per_pair = PackedKeys::<T>::words(dm, k_spans.len(), bk) * 4;
+    let group = (budget / per_pair.max(1)).clamp(1, pairs.max(1));
+    for g0 in (0..pairs).step_by(group) {
+        let g = g0..(g0 + group).min(pairs);
+        let keys = PackedKeys::<T>::new(dm, k, v, k_spans, bk, g.clone());
+        run(&mut out, &keys, g.start * dm.group()..g.end * dm.group());
+    }
+    (out.o, out.lse)
+}
+
+/// K and V of the key tiles of a group of (batch, kv head) pairs, packed as the B operands of
 /// `Q·Kᵀ` (rows as lanes, columns as steps) and `P·V` (rows as steps, columns as lanes) of
 /// [`super::products`], in bf16 pairs (`u32`) or f32.
 ///
@@ -123,6 +183,8 @@ pub(crate) struct PackedKeys<T> {
     v: Vec<u32>,
     v_len: usize,
     tiles: usize,
+    /// The first (batch, kv head) pair packed (`b · h_kv + hk`).
+    first: usize,
     /// Per block: whether its K and V rows are all finite.
     finite: Vec<bool>,
     /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
@@ -154,18 +216,30 @@ impl<T> Drop for PackedKeys<T> {
 }
 
 impl<T: Packing> PackedKeys<T> {
-    pub(crate) fn new(dm: Dims, k: &[T::Src], v: &[T::Src], k_spans: &[Span], bk: usize) -> Self {
+    /// Lengths of one key tile's packed K and V blocks, in elements.
+    fn block_lens(dm: Dims, bk: usize) -> (usize, usize) {
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(dm.d)));
+        (mm::steps::<T>(dm.d) * key_vectors * 16, mm::steps::<T>(bk) * value_vectors * 16)
+    }
+
+    /// Elements (4-byte words) of one (batch, kv head) pair's packed K and V.
+    pub(crate) fn words(dm: Dims, tiles: usize, bk: usize) -> usize {
+        let (k_len, v_len) = Self::block_lens(dm, bk);
+        tiles * (k_len + v_len)
+    }
+
+    /// Packs the key tiles of the (batch, kv head) pairs `pairs` (flattened `b · h_kv + hk`).
+    pub(crate) fn new(dm: Dims, k: &[T::Src], v: &[T::Src], k_spans: &[Span], bk: usize, pairs: Range<usize>) -> Self {
         let d = dm.d;
         let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
-        let k_len = mm::steps::<T>(d) * key_vectors * 16;
-        let v_len = mm::steps::<T>(bk) * value_vectors * 16;
+        let (k_len, v_len) = Self::block_lens(dm, bk);
         let tiles = k_spans.len();
-        let blocks = dm.b * dm.h_kv * tiles;
+        let blocks = pairs.len() * tiles;
         let mut pk = cached_buffer(0, blocks * k_len);
         let mut pv = cached_buffer(1, blocks * v_len);
         let rs = dm.h_kv * d;
         let at = |blk: usize| {
-            let (bh, t) = (blk / tiles, blk % tiles);
+            let (bh, t) = (pairs.start + blk / tiles, blk % tiles);
             let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
             (&k_spans[t], (b * dm.s_k * dm.h_kv + hk) * d)
         };
@@ -183,19 +257,35 @@ impl<T: Packing> PackedKeys<T> {
             });
         }
         let _element = std::marker::PhantomData;
-        PackedKeys { k: pk, k_len, v: pv, v_len, tiles, finite, key_vectors, value_vectors, _element }
+        PackedKeys {
+            k: pk,
+            k_len,
+            v: pv,
+            v_len,
+            tiles,
+            first: pairs.start,
+            finite,
+            key_vectors,
+            value_vectors,
+            _element,
+        }
+    }
+
+    /// The block of key tile `t` of kv head `hk` in batch `b` (a pair this packing holds).
+    fn block(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> usize {
+        (b * dm.h_kv + hk - self.first) * self.tiles + t
     }
 
     /// Packed K and V of key tile `t` of kv head `hk` in batch `b`.
     pub(crate) fn tile(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> (&[T], &[T]) {
-        let blk = (b * dm.h_kv + hk) * self.tiles + t;
+        let blk = self.block(dm, b, hk, t);
         let (k, v): (&[T], &[T]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
         (&k[blk * self.k_len..][..self.k_len], &v[blk * self.v_len..][..self.v_len])
     }
 
     /// Whether K and V of key tile `t` of kv head `hk` in batch `b` are all finite.
     pub(crate) fn finite(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> bool {
-        self.finite[(b * dm.h_kv + hk) * self.tiles + t]
+        self.finite[self.block(dm, b, hk, t)]
     }
 }
 

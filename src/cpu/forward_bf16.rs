@@ -10,7 +10,7 @@
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
 use super::bf16_rows as rows;
-use super::forward::{drive, PackedKeys, QueryTileWork};
+use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
 use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileKind};
@@ -24,9 +24,10 @@ pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
-    let keys = PackedKeys::<u32>::new(dm, x.k, x.v, &k_spans, bk);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
-    drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &queries, &k_spans, bq))
+    drive_packed(dm, x.k, x.v, &k_spans, bk, PACKED_BUDGET, |out, keys: &PackedKeys<u32>, heads| {
+        drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &queries, &k_spans, bq))
+    })
 }
 
 /// Per-thread state of the query tiles it runs.

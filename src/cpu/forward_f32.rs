@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use super::forward::{drive, ForwardInputs, PackedKeys, QueryTileWork, LAZY_GROWTH};
+use super::forward::{drive_into, drive_packed, ForwardInputs, PackedKeys, QueryTileWork, LAZY_GROWTH, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
 use super::tiles::{call_spans, classify, reach, rows_finite, ReachOf, Span, TileKind};
@@ -30,11 +30,17 @@ use crate::params::Visibility;
 /// # Panics
 /// When the processor lacks AVX512F (the caller checks [`mm::Element::available`]).
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
+    forward_packing(x, PACKED_BUDGET)
+}
+
+/// [`forward`] with K and V packed in groups of (batch, kv head) pairs under `budget` bytes.
+fn forward_packing(x: &ForwardInputs, budget: usize) -> (Vec<f32>, Vec<f32>) {
     assert!(<f32 as mm::Element>::available(), "the f32 AVX-512 forward on a processor without AVX512F");
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, Pass::Forward);
-    let keys = PackedKeys::<f32>::new(dm, x.k, x.v, &k_spans, bk);
-    drive(dm, &q_spans, x.progress, || Worker::new(x, &keys, &k_spans, bq))
+    drive_packed(dm, x.k, x.v, &k_spans, bk, budget, |out, keys, heads| {
+        drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &k_spans, bq))
+    })
 }
 
 /// Per-thread state of the query tiles it runs.
@@ -302,6 +308,17 @@ mod tests {
     /// This path against the portable one (`gemm` products, the same online softmax) on one
     /// call: O and LSE within f32 rounding, NaN where the portable path has NaN.
     fn check(dims: Dims, params: &AttentionParams, tiles: TileConfig, poison: impl Fn(&mut [f32], &mut [f32])) {
+        check_packing(dims, params, tiles, poison, PACKED_BUDGET)
+    }
+
+    /// [`check`] with K and V packed in groups under `budget` bytes.
+    fn check_packing(
+        dims: Dims,
+        params: &AttentionParams,
+        tiles: TileConfig,
+        poison: impl Fn(&mut [f32], &mut [f32]),
+        budget: usize,
+    ) {
         let t = |s, h, seed| randn(vec![dims.b, s, h, dims.d], seed, DType::F32).as_f32().into_owned();
         let (q, mut k, mut v) = (t(dims.s_q, dims.h_q, 1), t(dims.s_k, dims.h_kv, 2), t(dims.s_k, dims.h_kv, 3));
         poison(&mut k, &mut v);
@@ -316,7 +333,7 @@ mod tests {
             tiles,
             progress: None,
         };
-        let ((o, lse), (o_ref, lse_ref)) = (forward(&x), super::super::forward::forward_portable(&x));
+        let ((o, lse), (o_ref, lse_ref)) = (forward_packing(&x, budget), super::super::forward::forward_portable(&x));
         let case = format!("{dims:?} {:?} {tiles:?}", params.mask);
         for (what, got, want) in [("o", &o, &o_ref), ("lse", &lse, &lse_ref)] {
             for (i, (&a, &b)) in got.iter().zip(want.iter()).enumerate() {
@@ -354,6 +371,12 @@ mod tests {
         check(dims(200, 200, 2, 2, 33), &window, tiles(24, 32), none);
         check(dims(200, 200, 2, 1, 16), &docs, tiles(36, 64), none);
         check(dims(100, 100, 1, 1, 80), &AttentionParams::default(), tiles(0, 0), none);
+        // K and V packed one (batch, kv head) pair of the 6 at a time, and four at a time
+        // (the last group short; a pair holds 5 key tiles of 2 · 64 steps × 5 vectors of 16
+        // lanes, 4 bytes each): every pair's tiles in their place.
+        for budget in [1, 4 * (5 * 2 * 64 * 5 * 16 * 4)] {
+            check_packing(dims(200, 300, 6, 3, 64), &causal, tiles(48, 64), none, budget);
+        }
         // Keys 150.. score up to 40× higher: the lazy tiles fall back to the exact passes.
         let growth = |k: &mut [f32], _: &mut [f32]| k[150 * 2 * 64..].iter_mut().for_each(|x| *x *= 40.0);
         check(dims(200, 200, 2, 2, 64), &AttentionParams::default(), tiles(48, 64), growth);

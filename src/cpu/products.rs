@@ -448,7 +448,7 @@ unsafe fn block_bf16<const R: usize, const N: usize>(x: &Block<u32>, epi: Epilog
             }
         }
     }
-    epilogue(x, epi, &acc);
+    epilogue(x, epi, acc);
 }
 
 /// `R` rows × `N` vectors of `C` from `k2` f32 steps.
@@ -473,7 +473,7 @@ unsafe fn block_f32<const R: usize, const N: usize>(x: &Block<f32>, epi: Epilogu
             }
         }
     }
-    epilogue(x, epi, &acc);
+    epilogue(x, epi, acc);
 }
 
 /// The scale of an [`Epilogue::Set`] (1 otherwise).
@@ -495,7 +495,7 @@ fn scale_of(epi: Epilogue) -> f32 {
 unsafe fn epilogue<T, const R: usize, const N: usize>(
     x: &Block<T>,
     epi: Epilogue,
-    acc: &[[std::arch::x86_64::__m512; N]; R],
+    acc: [[std::arch::x86_64::__m512; N]; R],
 ) {
     use std::arch::x86_64::*;
     for (r, row) in acc.iter().enumerate() {
