@@ -2,8 +2,9 @@
 //! accumulation): `S = (scale·log2 e)·Q Kᵀ` and `O += P V` with `P = 2^(S − m)` rounded to
 //! bf16 (as the GPU kernels round it for their MMA); the online softmax in f32.
 //!
-//! K and V are packed once per call (K with its rows as lanes, V with its rows as the pair
-//! steps, per key tile; see [`super::products`]), Q read in place as A pairs
+//! K and V are packed once per call, per group of (batch, kv head) pairs under a memory
+//! budget (K with its rows as lanes, V with its rows as the pair steps, per key tile; see
+//! [`super::forward::PackedKeys`]), Q read in place as A pairs
 //! ([`super::products::RowPairs`]); each task (batch, query head, query tile) keeps `S`
 //! row-major (keys as lanes), so the softmax runs
 //! along rows and the P·V product reads P as it was written. Inputs must be finite (the

@@ -2,7 +2,8 @@
 //! own f32 kernels ([`super::products`]), with the probabilities computed in the epilogue
 //! of `Q·Kᵀ` while the scores are still in registers.
 //!
-//! K and V are packed once per call ([`PackedKeys`]), Q read in place; each task (batch,
+//! K and V are packed once per call, per group of (batch, kv head) pairs under a memory
+//! budget ([`PackedKeys`], [`super::forward::drive_packed`]), Q read in place; each task (batch,
 //! query head, query tile) keeps `S` row-major (keys as lanes) and P in its place. Lazy
 //! rescaling: once every row of the task has a finite running max `m`, a tile's
 //! probabilities are taken against it (softmax is invariant under the shift, so `m` need not
