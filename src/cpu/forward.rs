@@ -135,6 +135,22 @@ pub(crate) fn drive_into<W: QueryTileWork + Send, O: Output>(
     });
 }
 
+/// The end of a query tile of the AVX-512 paths: each row `i` of `acc` (stride `rs`)
+/// divided by its sum `l[i]` and its LSE `(m[i] + log2 l[i]) · ln 2` written, a row that
+/// saw no key (`m = -inf` or `l = 0`) giving `o = 0` and `lse = -inf`.
+pub(crate) fn normalise(m: &[f32], l: &[f32], lse: &mut [f32], acc: &mut [f32], rs: usize) {
+    for (((&m, &l), lse), acc) in m.iter().zip(l).zip(lse.iter_mut()).zip(acc.chunks_mut(rs)) {
+        let inv = if m == f32::NEG_INFINITY || l == 0.0 {
+            *lse = f32::NEG_INFINITY;
+            0.0
+        } else {
+            *lse = (m + l.log2()) * std::f32::consts::LN_2;
+            1.0 / l
+        };
+        simd::scale(acc, inv);
+    }
+}
+
 /// The most bytes of packed K and V a forward holds at once: the (batch, kv head) pairs are
 /// packed and run in groups under it (one pair at least), which bounds the packed copies
 /// (and the buffers each calling thread keeps for its next call) at long sequences.

@@ -11,7 +11,7 @@
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
 use super::bf16_rows as rows;
-use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, PACKED_BUDGET};
+use super::forward::{drive_into, drive_packed, normalise, PackedKeys, QueryTileWork, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
 use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileKind};
@@ -157,17 +157,7 @@ impl QueryTileWork for Worker<'_> {
 
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
         let (br, or) = (self.rows, mm::vectors(self.x.dims.d) * 16);
-        let rows = self.m[..br].iter().zip(&self.l[..br]).zip(lse.iter_mut()).zip(self.acc.chunks_mut(or));
-        for (((&m, &l), lse), acc) in rows {
-            let inv = if m == f32::NEG_INFINITY || l == 0.0 {
-                *lse = f32::NEG_INFINITY; // fully masked row: o = 0
-                0.0
-            } else {
-                *lse = (m + l.log2()) * std::f32::consts::LN_2;
-                1.0 / l
-            };
-            simd::scale(acc, inv);
-        }
+        normalise(&self.m[..br], &self.l[..br], lse, &mut self.acc[..br * or], or);
         (&self.acc[..br * or], or)
     }
 }
