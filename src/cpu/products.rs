@@ -351,7 +351,6 @@ fn product_into<T: Element>(
                 k2: steps.len(),
                 c: c[r0 * c_rs + v0 * 16..].as_mut_ptr(),
                 c_rs,
-                extra,
                 sub: rows_io.sub.map_or(std::ptr::null(), |s| s[r0..].as_ptr()),
                 maxes: row_ptr(&mut rows_io.maxes),
                 sums: row_ptr(&mut rows_io.sums),
@@ -366,18 +365,23 @@ fn product_into<T: Element>(
             // maxes and sums 16 per row). `T` is u32 or f32 (sealed), the pointers' types.
             unsafe {
                 macro_rules! run {
-                    ($kernel:ident, $($r:literal),*) => {
+                    ($kernel:ident, $e:ident, $($r:literal),*) => {
                         match (nr, nv) {
-                            $(($r, 2) => $kernel::<$r, 2>(&blk.cast(), epi),
-                              ($r, _) => $kernel::<$r, 1>(&blk.cast(), epi),)*
+                            $(($r, 2) => $kernel::<$r, 2, { $e }>(&blk.cast(), epi),
+                              ($r, _) => $kernel::<$r, 1, { $e }>(&blk.cast(), epi),)*
                             _ => unreachable!("row block of {nr}"),
                         }
                     };
                 }
-                if T::PER_STEP == 2 {
-                    run!(block_bf16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
-                } else {
-                    run!(block_f32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
+                // One kernel per extra: the epilogue decides nothing per vector, and the
+                // accumulators stay in registers through it.
+                match (T::PER_STEP, extra) {
+                    (2, SetExtra::None) => run!(block_bf16, EXTRA_NONE, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (2, SetExtra::Max) => run!(block_bf16, EXTRA_MAX, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (2, SetExtra::Exp2) => run!(block_bf16, EXTRA_EXP2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (_, SetExtra::None) => run!(block_f32, EXTRA_NONE, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (_, SetExtra::Max) => run!(block_f32, EXTRA_MAX, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (_, SetExtra::Exp2) => run!(block_f32, EXTRA_EXP2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                 }
             }
         }
@@ -395,7 +399,6 @@ struct Block<T> {
     k2: usize,
     c: *mut f32,
     c_rs: usize,
-    extra: SetExtra,
     /// One subtrahend per row ([`SetExtra::Exp2`]), or null.
     sub: *const f32,
     /// 16 running maxima, sums per row, or null.
@@ -416,7 +419,6 @@ impl<T> Block<T> {
             k2: self.k2,
             c: self.c,
             c_rs: self.c_rs,
-            extra: self.extra,
             sub: self.sub,
             maxes: self.maxes,
             sums: self.sums,
@@ -432,7 +434,7 @@ impl<T> Block<T> {
 /// values, `maxes` and `sums` null or valid for `16·R`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn block_bf16<const R: usize, const N: usize>(x: &Block<u32>, epi: Epilogue) {
+unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x: &Block<u32>, epi: Epilogue) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for p in 0..x.k2 {
@@ -448,7 +450,7 @@ unsafe fn block_bf16<const R: usize, const N: usize>(x: &Block<u32>, epi: Epilog
             }
         }
     }
-    epilogue(x, epi, acc);
+    epilogue::<_, R, N, E>(x, epi, &acc);
 }
 
 /// `R` rows × `N` vectors of `C` from `k2` f32 steps.
@@ -457,7 +459,7 @@ unsafe fn block_bf16<const R: usize, const N: usize>(x: &Block<u32>, epi: Epilog
 /// AVX512F present; otherwise as [`block_bf16`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn block_f32<const R: usize, const N: usize>(x: &Block<f32>, epi: Epilogue) {
+unsafe fn block_f32<const R: usize, const N: usize, const E: u8>(x: &Block<f32>, epi: Epilogue) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for p in 0..x.k2 {
@@ -473,7 +475,7 @@ unsafe fn block_f32<const R: usize, const N: usize>(x: &Block<f32>, epi: Epilogu
             }
         }
     }
-    epilogue(x, epi, acc);
+    epilogue::<_, R, N, E>(x, epi, &acc);
 }
 
 /// The scale of an [`Epilogue::Set`] (1 otherwise).
@@ -485,17 +487,22 @@ fn scale_of(epi: Epilogue) -> f32 {
     }
 }
 
-/// Stores a register block's accumulators into `C` as `epi` says.
+/// [`SetExtra`] as a constant of the kernels ([`block_bf16`], [`block_f32`], [`epilogue`]).
+const EXTRA_NONE: u8 = 0;
+const EXTRA_MAX: u8 = 1;
+const EXTRA_EXP2: u8 = 2;
+
+/// Stores a register block's accumulators into `C` as `epi` says, with the extra `E`.
 ///
 /// # Safety
 /// AVX512F present (the callers' target features: this is inlined into them); pointers as
 /// in [`block_bf16`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn epilogue<T, const R: usize, const N: usize>(
+unsafe fn epilogue<T, const R: usize, const N: usize, const E: u8>(
     x: &Block<T>,
     epi: Epilogue,
-    acc: [[std::arch::x86_64::__m512; N]; R],
+    acc: &[[std::arch::x86_64::__m512; N]; R],
 ) {
     use std::arch::x86_64::*;
     for (r, row) in acc.iter().enumerate() {
@@ -508,24 +515,22 @@ unsafe fn epilogue<T, const R: usize, const N: usize>(
                 Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
                 Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
             };
-            match x.extra {
-                SetExtra::None => {}
-                SetExtra::Max => row_max = _mm512_max_ps(row_max, out),
-                SetExtra::Exp2 => {
-                    // The shifted score in one rounding; the maxima keep it, not the score.
-                    let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
-                    row_max = _mm512_max_ps(row_max, shifted);
-                    out = super::simd::avx512::exp2_finite(shifted);
-                    row_sum = _mm512_add_ps(row_sum, out);
-                }
+            if E == EXTRA_MAX {
+                row_max = _mm512_max_ps(row_max, out);
+            } else if E == EXTRA_EXP2 {
+                // The shifted score in one rounding; the maxima keep it, not the score.
+                let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
+                row_max = _mm512_max_ps(row_max, shifted);
+                out = super::simd::avx512::exp2_finite(shifted);
+                row_sum = _mm512_add_ps(row_sum, out);
             }
             _mm512_storeu_ps(cp, out);
         }
-        if let SetExtra::Max | SetExtra::Exp2 = x.extra {
+        if E != EXTRA_NONE {
             let mp = x.maxes.add(r * 16);
             _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
         }
-        if let SetExtra::Exp2 = x.extra {
+        if E == EXTRA_EXP2 {
             let sp = x.sums.add(r * 16);
             _mm512_storeu_ps(sp, _mm512_add_ps(_mm512_loadu_ps(sp), row_sum));
         }
