@@ -68,15 +68,8 @@ impl Layout {
         if let Some(p) = pos.iter().find(|&&p| p < 0 || p as usize >= s) {
             return Err(Error::Positions(format!("position {p} is outside a sequence of {s} tokens")));
         }
-        let x = t.as_f32();
-        let w = h * d;
-        let mut out = Vec::with_capacity(b * pos.len() * w);
-        for bi in 0..b {
-            for &p in &pos {
-                out.extend_from_slice(&x[(bi * s + p as usize) * w..][..w]);
-            }
-        }
-        Tensor::from_f32_as(vec![b, pos.len(), h, d], out, t.dtype())
+        let rows = (0..b).flat_map(|bi| pos.iter().map(move |&p| bi * s + p as usize));
+        t.gather_rows(vec![b, pos.len(), h, d], h * d, rows)
     }
 
     /// Reassembles shards (indexed by rank) into the full `[b, s, h, d]` sequence.
@@ -97,8 +90,7 @@ impl Layout {
         let first = shards.first().ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
         let [b, _, h, d] = dims4(first)?;
         let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
-        let w = h * d;
-        let mut out = vec![0.0f32; b * s * w];
+        let mut out = Tensor::zeros(vec![b, s, h, d], first.dtype());
         for (r, t) in shards.iter().enumerate() {
             let pos = positions[r].to_vec();
             if pos.iter().any(|&p| p < 0 || p as usize >= s) {
@@ -111,14 +103,9 @@ impl Layout {
                     pos.len()
                 )));
             }
-            let x = t.as_f32();
-            for bi in 0..b {
-                for (i, &p) in pos.iter().enumerate() {
-                    out[(bi * s + p as usize) * w..][..w].copy_from_slice(&x[(bi * pos.len() + i) * w..][..w]);
-                }
-            }
+            out.scatter_rows(t, h * d, (0..b).flat_map(|bi| pos.iter().map(move |&p| bi * s + p as usize)));
         }
-        Tensor::from_f32_as(vec![b, s, h, d], out, first.dtype())
+        Ok(out)
     }
 
     /// Reassembles per-rank LSE shards (`[b, h, s_r]`) into `[b, h, s]`.
@@ -181,4 +168,41 @@ fn dims4(t: &Tensor) -> Result<[usize; 4]> {
         layout: "[b, s, h, d]",
         shape: t.shape().to_vec(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{random, DType};
+
+    /// Shards hold the rows at their positions in the tensor's own dtype (no rounding
+    /// through another type), and unsharding gives the tensor back bit for bit.
+    #[test]
+    fn shards_keep_the_dtype_and_unshard_restores_the_tensor() {
+        let (b, s, h, d) = (2, 13, 3, 4);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let t = random::randn(vec![b, s, h, d], 7, dtype);
+            let x = t.as_f32();
+            for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Striped] {
+                let world = 3;
+                let shards: Vec<Tensor> = (0..world).map(|r| layout.shard(&t, world, r).unwrap()).collect();
+                for (r, shard) in shards.iter().enumerate() {
+                    let pos = layout.positions(s, world, r).to_vec();
+                    assert_eq!(shard.dtype(), dtype);
+                    assert_eq!(shard.shape(), [b, pos.len(), h, d]);
+                    let want: Vec<f32> = (0..b)
+                        .flat_map(|bi| pos.iter().flat_map(move |&p| (0..h * d).map(move |c| (bi, p as usize, c))))
+                        .map(|(bi, p, c)| x[(bi * s + p) * h * d + c])
+                        .collect();
+                    assert_eq!(shard.to_f32_vec(), want, "{layout:?} rank {r} {dtype}");
+                }
+                assert_eq!(layout.unshard(&shards).unwrap(), t, "{layout:?} {dtype}");
+            }
+        }
+        // Shards of mixed dtypes are assembled in the first shard's dtype.
+        let t = random::randn(vec![1, 8, 1, 2], 3, DType::BF16);
+        let mut shards: Vec<Tensor> = (0..2).map(|r| Layout::Zigzag.shard(&t, 2, r).unwrap()).collect();
+        shards[1] = shards[1].to_dtype(DType::F32);
+        assert_eq!(Layout::Zigzag.unshard(&shards).unwrap(), t);
+    }
 }

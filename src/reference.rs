@@ -11,6 +11,8 @@
 
 use rayon::prelude::*;
 
+use std::borrow::Cow;
+
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Positions, Result, Tensor};
 
@@ -72,7 +74,7 @@ pub struct Reference {
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, Grads::None, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q)), params, &vis, None, Grads::None))
 }
 
 /// Oracle forward of a block of queries against a block of keys at arbitrary global
@@ -90,7 +92,7 @@ pub fn forward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None), params, &vis, None, Grads::None, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q)), params, &vis, None, Grads::None))
 }
 
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
@@ -101,7 +103,7 @@ pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &Atten
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, Grads::All, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q)), params, &vis, None, Grads::All))
 }
 
 /// Oracle backward of a block call at global positions (see [`forward_at`]).
@@ -120,7 +122,7 @@ pub fn backward_at(
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o)), params, &vis, None, Grads::All, &all_rows(dims.s_q)))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q)), params, &vis, None, Grads::All))
 }
 
 /// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
@@ -156,7 +158,30 @@ pub fn rows(
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
-    Ok(run(&Inputs::new(dims, q, k, v, d_o), params, &vis, round, grads, rows))
+    Ok(run(&Inputs::new(dims, q, k, v, d_o, rows.to_vec()), params, &vis, round, grads))
+}
+
+/// [`rows`] twice over one conversion of the inputs: the oracle (`round = None`) and the
+/// naive model in the inputs' dtype, as [`crate::verify::check_rows`] compares them.
+pub(crate) fn rows_and_naive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: Option<&Tensor>,
+    params: &AttentionParams,
+    rows: &[usize],
+) -> Result<(Reference, Reference)> {
+    let dims = Dims::of(q, k, v)?;
+    if let Some(t) = d_o {
+        Dims::expect("do", t, &dims.q_shape(), q)?;
+    }
+    check_rows(rows, dims.s_q)?;
+    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
+    let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
+    let inputs = Inputs::new(dims, q, k, v, d_o, rows.to_vec());
+    let oracle = run(&inputs, params, &vis, None, grads);
+    let naive = run(&inputs, params, &vis, Some(q.dtype()), grads);
+    Ok((oracle, naive))
 }
 
 /// The same computation (single-device, or a block call when `positions` is given) with
@@ -184,28 +209,65 @@ pub fn naive_rounded(
         None => Visibility::single_device(params, dims.s_q, dims.s_k)?,
         Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
     };
-    let inputs = Inputs::new(dims, q, k, v, d_o);
+    let inputs = Inputs::new(dims, q, k, v, d_o, all_rows(dims.s_q));
     let grads = if d_o.is_some() { Grads::All } else { Grads::None };
-    Ok(run(&inputs, params, &vis, Some(dtype), grads, &all_rows(dims.s_q)))
+    Ok(run(&inputs, params, &vis, Some(dtype), grads))
 }
 
-struct Inputs {
+/// The inputs of one oracle run: the query and `dO` rows that are computed, widened to f64
+/// and laid out `[b, rows.len(), h_q, d]`; every key and value row as f32 (the exact value of
+/// any input dtype, borrowed when the tensors are f32), widened where it is read. A check of
+/// a few rows of a long sequence so converts no more than those rows of Q and dO.
+struct Inputs<'a> {
     dims: Dims,
     q: Vec<f64>,
-    k: Vec<f64>,
-    v: Vec<f64>,
+    k: Cow<'a, [f32]>,
+    v: Cow<'a, [f32]>,
     d_o: Vec<f64>,
+    /// The query rows computed.
+    rows: Vec<usize>,
 }
 
-impl Inputs {
-    fn new(dims: Dims, q: &Tensor, k: &Tensor, v: &Tensor, d_o: Option<&Tensor>) -> Self {
-        Inputs {
-            dims,
-            q: q.to_f64_vec(),
-            k: k.to_f64_vec(),
-            v: v.to_f64_vec(),
-            d_o: d_o.map(|t| t.to_f64_vec()).unwrap_or_default(),
+impl<'a> Inputs<'a> {
+    fn new(dims: Dims, q: &Tensor, k: &'a Tensor, v: &'a Tensor, d_o: Option<&Tensor>, rows: Vec<usize>) -> Self {
+        let width = dims.h_q * dims.d;
+        let gather = |t: &Tensor| -> Vec<f64> {
+            let x = t.as_f32();
+            let mut out = Vec::with_capacity(dims.b * rows.len() * width);
+            for b in 0..dims.b {
+                for &i in &rows {
+                    out.extend(x[(b * dims.s_q + i) * width..][..width].iter().map(|&t| t as f64));
+                }
+            }
+            out
+        };
+        let (q, d_o) = (gather(q), d_o.map(gather).unwrap_or_default());
+        Inputs { dims, q, k: k.as_f32(), v: v.as_f32(), d_o, rows }
+    }
+}
+
+/// `out[t] = Σ_c term(a[c], row(keys[t])[c])` for every key, each sum folded in order of `c`
+/// and passed through `acc` after every addition — exactly one fold per key, with the
+/// chains of eight keys interleaved (a single fold is bound by the latency of its additions).
+fn dots_into<'k>(
+    a: &[f64],
+    keys: &[usize],
+    row: impl Fn(usize) -> &'k [f32],
+    term: impl Fn(f64, f64) -> f64,
+    acc: impl Fn(f64) -> f64,
+    out: &mut Vec<f64>,
+) {
+    const N: usize = 8;
+    out.clear();
+    for chunk in keys.chunks(N) {
+        let rows: [&[f32]; N] = std::array::from_fn(|t| row(chunk[t.min(chunk.len() - 1)]));
+        let mut sums = [0.0f64; N];
+        for (c, &x) in a.iter().enumerate() {
+            for (sum, r) in sums.iter_mut().zip(&rows) {
+                *sum = acc(*sum + term(x, r[c] as f64));
+            }
         }
+        out.extend_from_slice(&sums[..chunk.len()]);
     }
 }
 
@@ -245,14 +307,8 @@ enum Grads {
     All,
 }
 
-fn run(
-    x: &Inputs,
-    params: &AttentionParams,
-    vis: &Visibility,
-    round: Option<DType>,
-    grads: Grads,
-    rows: &[usize],
-) -> Reference {
+fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DType>, grads: Grads) -> Reference {
+    let rows = &x.rows[..];
     let with_grad = grads != Grads::None;
     let key_grads = grads == Grads::All;
     let dm = x.dims;
@@ -265,9 +321,10 @@ fn run(
     // The naive model accumulates in f32 (as unfused implementations do for every dtype);
     // the oracle in f64.
     let acc = |t: f64| if round.is_some() { t as f32 as f64 } else { t };
-    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0.0, |s, (x, y)| acc(s + x * y));
-    let q_row = |b: usize, i: usize, h: usize| &x.q[((b * dm.s_q + i) * dm.h_q + h) * d..][..d];
-    let do_row = |b: usize, i: usize, h: usize| &x.d_o[((b * dm.s_q + i) * dm.h_q + h) * d..][..d];
+    // Query and dO rows by their place `r` in `rows` (see `Inputs`).
+    let n_rows = rows.len();
+    let q_row = |b: usize, r: usize, h: usize| &x.q[((b * n_rows + r) * dm.h_q + h) * d..][..d];
+    let do_row = |b: usize, r: usize, h: usize| &x.d_o[((b * n_rows + r) * dm.h_q + h) * d..][..d];
     let k_row = |b: usize, j: usize, h: usize| &x.k[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
     let v_row = |b: usize, j: usize, h: usize| &x.v[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
 
@@ -297,22 +354,27 @@ fn run(
             let mut keys: Vec<usize> = Vec::with_capacity(dm.s_k);
             let mut s: Vec<f64> = Vec::with_capacity(dm.s_k);
             let mut w: Vec<f64> = Vec::with_capacity(dm.s_k);
+            let mut ex: Vec<f64> = Vec::with_capacity(dm.s_k);
+            let mut absdot: Vec<f64> = Vec::with_capacity(dm.s_k);
+            let mut dp: Vec<f64> = Vec::with_capacity(dm.s_k);
             for (r, &i) in rows.iter().enumerate() {
                 keys.clear();
                 keys.extend((0..dm.s_k).filter(|&j| vis.visible(i, j)));
                 if keys.is_empty() {
                     continue; // fully masked row: o = 0, lse = -inf, zero gradients
                 }
-                let qi = q_row(b, i, h);
-                s.clear();
-                s.extend(keys.iter().map(|&j| rnd(rnd(dot(qi, k_row(b, j, hk))) * scale)));
+                let qi = q_row(b, r, h);
+                dots_into(qi, &keys, |j| k_row(b, j, hk), |x, y| x * y, acc, &mut s);
+                s.iter_mut().for_each(|t| *t = rnd(rnd(*t) * scale));
                 // NaN propagates through the max (a NaN score makes the whole row NaN).
                 let m = if s.iter().any(|t| t.is_nan()) {
                     f64::NAN
                 } else {
                     s.iter().copied().fold(f64::NEG_INFINITY, f64::max)
                 };
-                let sum: f64 = s.iter().fold(0.0, |a, &t| acc(a + (t - m).exp()));
+                ex.clear();
+                ex.extend(s.iter().map(|&t| (t - m).exp()));
+                let sum: f64 = ex.iter().fold(0.0, |a, &e| acc(a + e));
                 let lse = m + sum.ln();
                 res.lse[r] = match round {
                     Some(_) => lse as f32 as f64,
@@ -321,22 +383,23 @@ fn run(
                 // Exponent error scales and magnitude weights (from the exact probabilities).
                 w.clear();
                 let mut lse_mag = 0.0;
-                for (&j, &t) in keys.iter().zip(&s) {
-                    let p = (t - m).exp() / sum;
-                    let absdot: f64 = qi.iter().zip(k_row(b, j, hk)).map(|(a, c)| (a * c).abs()).sum();
+                dots_into(qi, &keys, |j| k_row(b, j, hk), |x, y| (x * y).abs(), |t| t, &mut absdot);
+                for ((&t, &e), &absdot) in s.iter().zip(&ex).zip(&absdot) {
+                    let p = e / sum;
                     let e = scale.abs() * absdot + t.abs();
                     lse_mag += (p * e) * (p * e);
                     w.push(p * (1.0 + e + lse.abs()));
                 }
                 res.lse_mag[r] = lse_mag.sqrt();
                 // probabilities (rounded to the storage dtype in the naive model)
-                for t in s.iter_mut() {
-                    *t = rnd((*t - m).exp() / sum);
+                for (t, &e) in s.iter_mut().zip(&ex) {
+                    *t = rnd(e / sum);
                 }
                 let o = &mut res.o[r * d..(r + 1) * d];
                 let om = &mut o_mag[r * d..(r + 1) * d];
                 for ((&j, &p), &wj) in keys.iter().zip(&s).zip(&w) {
-                    for ((oc, mc), vc) in o.iter_mut().zip(om.iter_mut()).zip(v_row(b, j, hk)) {
+                    for ((oc, mc), &vc) in o.iter_mut().zip(om.iter_mut()).zip(v_row(b, j, hk)) {
+                        let vc = vc as f64;
                         *oc = acc(*oc + p * vc);
                         *mc += (wj * vc) * (wj * vc);
                     }
@@ -345,8 +408,9 @@ fn run(
                 if !with_grad {
                     continue;
                 }
-                let doi = do_row(b, i, h);
-                let dp: Vec<f64> = keys.iter().map(|&j| rnd(dot(doi, v_row(b, j, hk)))).collect();
+                let doi = do_row(b, r, h);
+                dots_into(doi, &keys, |j| v_row(b, j, hk), |x, y| x * y, acc, &mut dp);
+                dp.iter_mut().for_each(|t| *t = rnd(*t));
                 let big_d: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
                 let dq = &mut res.dq[r * d..(r + 1) * d];
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
@@ -359,9 +423,10 @@ fn run(
                     let ds_mag_o = p * d_rss * scale;
                     let kj = k_row(b, j, hk);
                     for c in 0..d {
-                        dq[c] = acc(dq[c] + ds * kj[c]);
-                        dqm[c] += (ds_mag * kj[c]) * (ds_mag * kj[c]);
-                        dqmo[c] += ds_mag_o * kj[c]; // coherent over j: abs taken at the end
+                        let kc = kj[c] as f64;
+                        dq[c] = acc(dq[c] + ds * kc);
+                        dqm[c] += (ds_mag * kc) * (ds_mag * kc);
+                        dqmo[c] += ds_mag_o * kc; // coherent over j: abs taken at the end
                     }
                     if !key_grads {
                         continue;
@@ -446,4 +511,44 @@ fn run(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{random, Mask};
+
+    /// Selected rows of a `[b, s, h, d]` (or `[b, h, s]` for `lse`) oracle output.
+    fn pick(full: &[f64], b: usize, s: usize, width: usize, rows: &[usize]) -> Vec<f64> {
+        (0..b).flat_map(|bi| rows.iter().flat_map(move |&r| full[(bi * s + r) * width..][..width].to_vec())).collect()
+    }
+
+    /// `rows` (and `rows_and_naive`) compute exactly what the full oracle and the naive model
+    /// compute for those rows: the same numbers, bit for bit, for rows in any order.
+    #[test]
+    fn rows_are_the_full_runs_rows() {
+        let (b, s, hq, hkv, d) = (2, 37, 4, 2, 8);
+        for dtype in [DType::F32, DType::BF16] {
+            let q = random::randn(vec![b, s, hq, d], 1, dtype);
+            let k = random::randn(vec![b, s, hkv, d], 2, dtype);
+            let v = random::randn(vec![b, s, hkv, d], 3, dtype);
+            let d_o = random::randn(vec![b, s, hq, d], 4, dtype);
+            let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+            let picked = [36, 0, 17, 5, 17];
+            let full = backward(&q, &k, &v, &d_o, &p).unwrap();
+            let naive_full = naive_rounded(&q, &k, &v, Some(&d_o), None, &p, dtype).unwrap();
+            let (oracle, naive) = rows_and_naive(&q, &k, &v, Some(&d_o), &p, &picked).unwrap();
+            assert_eq!(rows(&q, &k, &v, Some(&d_o), &p, &picked, None).unwrap().o, oracle.o);
+            for (part, whole) in [(&oracle, &full), (&naive, &naive_full)] {
+                let w = hq * d;
+                assert_eq!(part.o, pick(&whole.o, b, s, w, &picked));
+                assert_eq!(part.dq, pick(&whole.dq, b, s, w, &picked));
+                assert_eq!(part.o_mag, pick(&whole.o_mag, b, s, w, &picked));
+                assert_eq!(part.dq_mag, pick(&whole.dq_mag, b, s, w, &picked));
+                assert_eq!(part.lse, pick(&whole.lse, b * hq, s, 1, &picked));
+                assert_eq!(part.lse_mag, pick(&whole.lse_mag, b * hq, s, 1, &picked));
+            }
+            assert_ne!(oracle.o, naive.o, "the naive model rounds");
+        }
+    }
 }

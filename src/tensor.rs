@@ -113,6 +113,58 @@ impl Tensor {
         }
     }
 
+    /// Rows `rows` of this tensor, in that order, as a tensor of `shape` in the same dtype (no
+    /// conversion): row `r` is elements `r·width .. (r+1)·width`.
+    ///
+    /// # Errors
+    /// [`Error::DataLength`] when `shape` does not hold the gathered elements. A row out of
+    /// range panics: the callers check their rows first.
+    pub(crate) fn gather_rows(
+        &self,
+        shape: Vec<usize>,
+        width: usize,
+        rows: impl Iterator<Item = usize>,
+    ) -> Result<Tensor> {
+        fn gather<T: Copy>(x: &[T], n: usize, width: usize, rows: impl Iterator<Item = usize>) -> Vec<T> {
+            let mut out = Vec::with_capacity(n);
+            for r in rows {
+                out.extend_from_slice(&x[r * width..][..width]);
+            }
+            out
+        }
+        let n = shape.iter().product();
+        let data = match &self.data {
+            TensorData::F32(x) => TensorData::F32(gather(x, n, width, rows)),
+            TensorData::BF16(x) => TensorData::BF16(gather(x, n, width, rows)),
+            TensorData::F16(x) => TensorData::F16(gather(x, n, width, rows)),
+        };
+        Tensor::new(shape, data)
+    }
+
+    /// Writes the rows of `src`, in order, over rows `rows` of this tensor (rows of `width`
+    /// elements, as in [`Tensor::gather_rows`]); `src` is converted to this tensor's dtype
+    /// only when the two differ. A row out of range panics: the callers check their rows.
+    pub(crate) fn scatter_rows(&mut self, src: &Tensor, width: usize, rows: impl Iterator<Item = usize>) {
+        fn scatter<T: Copy>(out: &mut [T], x: &[T], width: usize, rows: impl Iterator<Item = usize>) {
+            for (row, r) in x.chunks_exact(width).zip(rows) {
+                out[r * width..][..width].copy_from_slice(row);
+            }
+        }
+        let converted;
+        let src = if src.dtype() == self.dtype() {
+            src
+        } else {
+            converted = src.to_dtype(self.dtype());
+            &converted
+        };
+        match (&mut self.data, &src.data) {
+            (TensorData::F32(o), TensorData::F32(x)) => scatter(o, x, width, rows),
+            (TensorData::BF16(o), TensorData::BF16(x)) => scatter(o, x, width, rows),
+            (TensorData::F16(o), TensorData::F16(x)) => scatter(o, x, width, rows),
+            _ => unreachable!("src was converted to this tensor's dtype"),
+        }
+    }
+
     /// The values as f32, borrowed when the tensor already is f32 (exact widening otherwise).
     pub fn as_f32(&self) -> Cow<'_, [f32]> {
         match &self.data {

@@ -278,8 +278,7 @@ pub fn check_rows(
     rows: &[usize],
 ) -> Result<Report> {
     let dtype = q.dtype();
-    let oracle = reference::rows(q, k, v, d_o, params, rows, None)?;
-    let naive = reference::rows(q, k, v, d_o, params, rows, Some(dtype))?;
+    let (oracle, naive) = reference::rows_and_naive(q, k, v, d_o, params, rows)?;
     let dims = crate::Dims::of(q, k, v)?;
     let pick = |t: &Tensor| select_rows(&t.as_f32(), dims.b, dims.s_q, dims.h_q * dims.d, rows);
     let lse = fwd.lse.as_f32();
