@@ -259,8 +259,9 @@ impl Visibility {
     }
 
     /// Sets `out[j] = -inf` for every key row `k0 + j` that query row `i` cannot see
-    /// (one row of a row-major score tile).
-    #[inline]
+    /// (one row of a row-major score tile). Always inlined, so that callers compiled for
+    /// wider vectors (`cpu::tiles::mask_rows`) vectorise its comparisons.
+    #[inline(always)]
     pub fn mask_query_row(&self, out: &mut [f32], i: usize, k0: usize) {
         let pq = self.q_pos[i];
         // visible iff pq - left <= pk <= pq + right

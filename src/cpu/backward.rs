@@ -18,7 +18,8 @@ use rayon::prelude::*;
 use super::matmul::{matmul, View};
 use super::simd;
 use super::tiles::{
-    call_spans, classify, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind,
+    call_spans, classify, mask_rows, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig,
+    TileKind,
 };
 use crate::params::Visibility;
 use crate::Dims;
@@ -311,9 +312,7 @@ impl KeyTileWork for Scratch<'_> {
                 }
                 let mut exact = false;
                 if kind == TileKind::Partial {
-                    for i in 0..br {
-                        x.vis.mask_query_row(&mut p[i * bc..(i + 1) * bc], qs.start + i, ks.start);
-                    }
+                    mask_rows(x.vis, p, bc, br, bc, qs.start, ks.start);
                     let kvf = *kv_finite.get_or_insert_with(|| {
                         rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs)
                     });

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
-use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, classify, mask_rows, reach, Output, ReachOf, Span, TileConfig, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 
@@ -194,9 +194,7 @@ impl KeyTileWork for Worker<'_> {
                 let p = &mut self.p[..br * sr];
                 mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c), lanes);
                 if kind == TileKind::Partial {
-                    for i in 0..br {
-                        x.vis.mask_query_row(&mut p[i * sr..][..bc], qs.start + i, ks.start);
-                    }
+                    mask_rows(x.vis, p, sr, br, bc, qs.start, ks.start);
                 }
                 // P in place and, rounded, as Pᵀ's A pairs, two query rows at a time. A row
                 // whose LSE is −inf sees no key: subtracting +inf makes its P exactly 0.

@@ -135,19 +135,71 @@ pub(crate) fn drive_into<W: QueryTileWork + Send, O: Output>(
     });
 }
 
-/// The end of a query tile of the AVX-512 paths: each row `i` of `acc` (stride `rs`)
-/// divided by its sum `l[i]` and its LSE `(m[i] + log2 l[i]) · ln 2` written, a row that
-/// saw no key (`m = -inf` or `l = 0`) giving `o = 0` and `lse = -inf`.
-pub(crate) fn normalise(m: &[f32], l: &[f32], lse: &mut [f32], acc: &mut [f32], rs: usize) {
-    for (((&m, &l), lse), acc) in m.iter().zip(l).zip(lse.iter_mut()).zip(acc.chunks_mut(rs)) {
-        let inv = if m == f32::NEG_INFINITY || l == 0.0 {
-            *lse = f32::NEG_INFINITY;
-            0.0
-        } else {
-            *lse = (m + l.log2()) * std::f32::consts::LN_2;
-            1.0 / l
-        };
-        simd::scale(acc, inv);
+/// The online-softmax state of one query tile of the AVX-512 forwards (f32 and bf16), per
+/// query row `i < rows`: the running max `m[i]` of the scores (log2 units), the running sum
+/// `l[i]` of `2^(s − m)`, the last rescale factor `alpha[i]`, and the unnormalised output,
+/// row `i` at `acc[i · rs..][..d]`. Sized once per worker for `bq` rows.
+pub(crate) struct RowState {
+    /// Rows of the current query tile.
+    pub rows: usize,
+    /// Row stride of `acc` (the head size rounded up to 16 lanes).
+    pub rs: usize,
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub alpha: Vec<f32>,
+    pub acc: Vec<f32>,
+}
+
+impl RowState {
+    pub fn new(bq: usize, rs: usize) -> Self {
+        RowState { rows: 0, rs, m: vec![0.0; bq], l: vec![0.0; bq], alpha: vec![0.0; bq], acc: vec![0.0; bq * rs] }
+    }
+
+    /// Starts a query tile of `rows` rows: no key seen (`m = -inf`, `l = 0`, `acc = 0`).
+    pub fn start(&mut self, rows: usize) {
+        self.rows = rows;
+        self.m[..rows].fill(f32::NEG_INFINITY);
+        self.l[..rows].fill(0.0);
+        self.acc[..rows * self.rs].fill(0.0);
+    }
+
+    /// Row `i` after a key tile whose largest score is `t_max`: the running max becomes
+    /// `max(m, t_max)` (NaN when either is), `alpha = 2^(m_old − m_new)`, `l` is rescaled by
+    /// it; returns what to subtract from the tile's scores before `exp2` (`+inf` while the
+    /// row has seen nothing visible, so that every entry becomes 0).
+    pub fn advance(&mut self, i: usize, t_max: f32) -> f32 {
+        let m_old = self.m[i];
+        let m_new = if t_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t_max) };
+        let (sub, alpha) =
+            if m_new == f32::NEG_INFINITY { (f32::INFINITY, 1.0) } else { (m_new, (m_old - m_new).exp2()) };
+        self.m[i] = m_new;
+        self.alpha[i] = alpha;
+        self.l[i] *= alpha;
+        sub
+    }
+
+    /// Whether every row has a finite running max (the lazy paths' precondition).
+    pub fn all_finite(&self) -> bool {
+        self.m[..self.rows].iter().all(|m| m.is_finite())
+    }
+
+    /// The end of the query tile: each row of `acc` divided by its sum and its LSE
+    /// `(m + log2 l) · ln 2` written to `lse[i]`, a row that saw no key (`m = -inf` or
+    /// `l = 0`) giving `o = 0` and `lse = -inf`. Returns the rows and their stride.
+    pub fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
+        let (rows, rs) = (self.rows, self.rs);
+        let acc = &mut self.acc[..rows * rs];
+        for (((&m, &l), lse), acc) in self.m.iter().zip(&self.l).zip(lse.iter_mut()).zip(acc.chunks_mut(rs)) {
+            let inv = if m == f32::NEG_INFINITY || l == 0.0 {
+                *lse = f32::NEG_INFINITY;
+                0.0
+            } else {
+                *lse = (m + l.log2()) * std::f32::consts::LN_2;
+                1.0 / l
+            };
+            simd::scale(acc, inv);
+        }
+        (acc, rs)
     }
 }
 

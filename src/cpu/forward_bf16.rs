@@ -11,10 +11,10 @@
 //! caller sends others to the f32 path, which keeps masked NaN out of visible rows).
 
 use super::bf16_rows as rows;
-use super::forward::{drive_into, drive_packed, normalise, PackedKeys, QueryTileWork, PACKED_BUDGET};
+use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
-use super::tiles::{call_spans, classify, reach, Output, ReachOf, Span, TileKind};
+use super::tiles::{call_spans, classify, mask_rows, reach, Output, ReachOf, Span, TileKind};
 use half::bf16;
 
 /// The bf16 path's inputs.
@@ -38,17 +38,12 @@ struct Worker<'a> {
     /// The queries as A pairs.
     queries: &'a mm::RowPairs<'a>,
     k_spans: &'a [Span],
-    rows: usize,
-    /// Running max (log2 units), running sum, rescale factor, per query row.
-    m: Vec<f32>,
-    l: Vec<f32>,
-    alpha: Vec<f32>,
+    /// The query tile's running max, sum, rescale factors and unnormalised output.
+    st: RowState,
     /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
     s: Vec<f32>,
     /// The probabilities in bf16 as A pairs, `[block_q][sr / 2]`.
     p: Vec<u32>,
-    /// Unnormalised output, `[block_q][or]`.
-    acc: Vec<f32>,
     /// Running row maxima of `s` per lane, `[block_q][16]` ([`mm::product_max`]).
     maxes: Vec<f32>,
 }
@@ -68,13 +63,9 @@ impl<'a> Worker<'a> {
             keys,
             queries,
             k_spans,
-            rows: 0,
-            m: vec![0.0; bq],
-            l: vec![0.0; bq],
-            alpha: vec![0.0; bq],
+            st: RowState::new(bq, mm::vectors(d) * 16),
             s: vec![0.0; bq * sr],
             p: vec![0; bq * sr / 2],
-            acc: vec![0.0; bq * mm::vectors(d) * 16],
             maxes: vec![0.0; bq * 16],
         }
     }
@@ -87,10 +78,7 @@ impl QueryTileWork for Worker<'_> {
         let d = dm.d;
         let hk = dm.kv_head(h);
         let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d) * 16);
-        self.rows = br;
-        self.m[..br].fill(f32::NEG_INFINITY);
-        self.l[..br].fill(0.0);
-        self.acc[..br * or].fill(0.0);
+        self.st.start(br);
         let c = x.scale * std::f32::consts::LOG2_E;
         let qa = self.queries.at(b, h, qs.start);
         for (t, ks) in self.k_spans.iter().enumerate() {
@@ -117,32 +105,26 @@ impl QueryTileWork for Worker<'_> {
                 let lanes = mm::Reach::lanes(&key_reach);
                 mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
             }
+            if kind == TileKind::Partial {
+                mask_rows(x.vis, s, sr, br, bc, qs.start, ks.start);
+            }
             let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
             for i in 0..br {
                 let row = &mut s[i * sr..][..bc];
-                if kind == TileKind::Partial {
-                    x.vis.mask_query_row(row, qs.start + i, ks.start);
-                }
                 let t_max = simd::row_max(if fused_max { &self.maxes[16 * i..][..16] } else { row });
-                let m_old = self.m[i];
-                let m_new = if t_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t_max) };
-                // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
-                let sub = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
-                let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
-                self.m[i] = m_new;
-                self.alpha[i] = alpha;
+                let sub = self.st.advance(i, t_max);
                 let prow = &mut p16[i * sr..][..sr];
                 // The normaliser sums the probabilities before rounding (f32-accurate LSE).
-                self.l[i] = self.l[i] * alpha + rows::exp2_round_row(row, sub, prow);
+                self.st.l[i] += rows::exp2_round_row(row, sub, prow);
                 if bc % 2 == 1 {
                     prow[bc] = 0; // the odd key's partner in the last pair step
                 }
             }
             let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
-            let alpha = Epilogue::Rescale(&self.alpha[..br]);
+            let alpha = Epilogue::Rescale(&self.st.alpha[..br]);
             mm::product(
-                &mut self.acc[..br * or],
+                &mut self.st.acc[..br * or],
                 or,
                 br,
                 mm::vectors(d),
@@ -156,8 +138,6 @@ impl QueryTileWork for Worker<'_> {
     }
 
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
-        let (br, or) = (self.rows, mm::vectors(self.x.dims.d) * 16);
-        normalise(&self.m[..br], &self.l[..br], lse, &mut self.acc[..br * or], or);
-        (&self.acc[..br * or], or)
+        self.st.finish(lse)
     }
 }

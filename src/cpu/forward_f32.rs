@@ -20,13 +20,12 @@
 use std::ops::Range;
 
 use super::forward::{
-    drive_into, drive_packed, normalise, ForwardInputs, PackedKeys, QueryTileWork, LAZY_GROWTH, PACKED_BUDGET,
+    drive_into, drive_packed, ForwardInputs, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET,
 };
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
-use super::tiles::{call_spans, classify, reach, rows_finite, ReachOf, Span, TileKind};
+use super::tiles::{call_spans, classify, mask_rows, reach, rows_finite, ReachOf, Span, TileKind};
 use crate::flops::Pass;
-use crate::params::Visibility;
 
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
 ///
@@ -51,15 +50,10 @@ struct Worker<'a> {
     x: &'a ForwardInputs<'a>,
     keys: &'a PackedKeys<f32>,
     k_spans: &'a [Span],
-    rows: usize,
-    /// Running max (log2 units), running sum, rescale factor, per query row.
-    m: Vec<f32>,
-    l: Vec<f32>,
-    alpha: Vec<f32>,
+    /// The query tile's running max, sum, rescale factors and unnormalised output.
+    st: RowState,
     /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
     s: Vec<f32>,
-    /// Unnormalised output, `[block_q][or]`.
-    acc: Vec<f32>,
     /// Per-lane row maxima and sums of a lazily rescaled tile, `[block_q][16]`.
     maxes: Vec<f32>,
     sums: Vec<f32>,
@@ -73,12 +67,8 @@ impl<'a> Worker<'a> {
             x,
             keys,
             k_spans,
-            rows: 0,
-            m: vec![0.0; bq],
-            l: vec![0.0; bq],
-            alpha: vec![0.0; bq],
+            st: RowState::new(bq, mm::vectors(d) * 16),
             s: vec![0.0; bq * sr],
-            acc: vec![0.0; bq * mm::vectors(d) * 16],
             maxes: vec![0.0; bq * 16],
             sums: vec![0.0; bq * 16],
         }
@@ -94,13 +84,13 @@ impl<'a> Worker<'a> {
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let (s, sr, n16) = (&mut self.s[..br * t.sr], t.sr, mm::vectors(t.ks.len));
-        mm::product_exp2(s, sr, br, n16, t.qa, t.kop, t.d, t.c, &self.m[..br], maxes, sums);
+        mm::product_exp2(s, sr, br, n16, t.qa, t.kop, t.d, t.c, &self.st.m[..br], maxes, sums);
         // SAFETY: this worker runs only where AVX512F is (asserted in `forward`).
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
         let bounded = x_max <= LAZY_GROWTH && total.is_finite();
         if bounded {
             // SAFETY: as above.
-            unsafe { simd::avx512::add_lane_sums(&mut self.l[..br], sums) };
+            unsafe { simd::avx512::add_lane_sums(&mut self.st.l[..br], sums) };
         }
         bounded
     }
@@ -115,13 +105,13 @@ impl<'a> Worker<'a> {
         for i in 0..br {
             let row = &mut self.s[i * t.sr..][..bc];
             // SAFETY: as in `lazy_whole`.
-            let (x_max, sum) = unsafe { simd::avx512::exp2_sub_max_sum(row, self.m[i]) };
+            let (x_max, sum) = unsafe { simd::avx512::exp2_sub_max_sum(row, self.st.m[i]) };
             self.sums[i] = sum;
             // A row that sees no key of the tile has x_max = -inf and sum 0.
             bounded &= x_max <= LAZY_GROWTH && sum.is_finite();
         }
         if bounded {
-            simd::axpy(&mut self.l[..br], 1.0, &self.sums[..br]);
+            simd::axpy(&mut self.st.l[..br], 1.0, &self.sums[..br]);
         }
         bounded
     }
@@ -134,8 +124,7 @@ impl<'a> Worker<'a> {
         let reach = mm::Reach::lanes(key_reach);
         mm::product(s, t.sr, br, mm::vectors(bc), t.qa, t.kop, t.d, Epilogue::Set(t.c), reach);
         if t.kind == TileKind::Partial {
-            // SAFETY: this worker runs only where AVX512F is (asserted in `forward`).
-            unsafe { mask_rows(vis, s, t.sr, br, bc, t.qs.start, t.ks.start) };
+            mask_rows(vis, s, t.sr, br, bc, t.qs.start, t.ks.start);
         }
     }
 
@@ -158,15 +147,9 @@ impl<'a> Worker<'a> {
             // A NaN score may be lost from the fused maxima, but its row's sum, LSE and
             // output are NaN either way.
             let t_max = simd::row_max(if whole { &self.maxes[16 * i..][..16] } else { row });
-            let m_old = self.m[i];
-            let m_new = if t_max.is_nan() || m_old.is_nan() { f32::NAN } else { m_old.max(t_max) };
-            // Rows with nothing visible yet: subtract +inf so every entry becomes 0.
-            let sub = if m_new == f32::NEG_INFINITY { f32::INFINITY } else { m_new };
-            let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m_old - m_new).exp2() };
-            self.m[i] = m_new;
-            self.alpha[i] = alpha;
+            let sub = self.st.advance(i, t_max);
             // SAFETY: this worker runs only where AVX512F is (asserted in `forward`).
-            self.l[i] = self.l[i] * alpha + unsafe { simd::avx512::exp2_sub_sum(row, sub) };
+            self.st.l[i] += unsafe { simd::avx512::exp2_sub_sum(row, sub) };
         }
     }
 
@@ -175,13 +158,13 @@ impl<'a> Worker<'a> {
     /// entries cannot leak NaN/Inf through 0 · NaN.
     fn add_pv(&mut self, t: &Tile, key_reach: &[Range<usize>], rescale: bool, exact_pv: bool) {
         let (br, bc, d, or) = (t.qs.len, t.ks.len, t.d, t.or);
-        let acc = &mut self.acc[..br * or];
+        let acc = &mut self.st.acc[..br * or];
         if exact_pv {
             let (kv_rs, vis) = (self.x.dims.h_kv * d, self.x.vis);
             for i in 0..br {
                 let (acc_row, p_row) = (&mut acc[i * or..][..d], &self.s[i * t.sr..][..bc]);
                 if rescale {
-                    simd::scale(acc_row, self.alpha[i]);
+                    simd::scale(acc_row, self.st.alpha[i]);
                 }
                 for (j, &p) in p_row.iter().enumerate() {
                     if vis.visible(t.qs.start + i, t.ks.start + j) {
@@ -191,21 +174,9 @@ impl<'a> Worker<'a> {
             }
         } else {
             let pa = AOperand { data: &self.s[..], rs: t.sr, ps: 1 };
-            let epi = if rescale { Epilogue::Rescale(&self.alpha[..br]) } else { Epilogue::Add };
+            let epi = if rescale { Epilogue::Rescale(&self.st.alpha[..br]) } else { Epilogue::Add };
             mm::product(acc, or, br, mm::vectors(d), pa, t.vop, bc, epi, mm::Reach::steps(key_reach));
         }
-    }
-}
-
-/// [`Visibility::mask_query_row`] on rows `q0..q0 + rows` (row `i` at `s[i · sr..][..bc]`,
-/// keys from `k0`), compiled for AVX-512 (the positions' 64-bit comparisons vectorise).
-///
-/// # Safety
-/// The processor has AVX512F.
-#[target_feature(enable = "avx512f")]
-unsafe fn mask_rows(vis: &Visibility, s: &mut [f32], sr: usize, rows: usize, bc: usize, q0: usize, k0: usize) {
-    for i in 0..rows {
-        vis.mask_query_row(&mut s[i * sr..][..bc], q0 + i, k0);
     }
 }
 
@@ -234,10 +205,7 @@ impl QueryTileWork for Worker<'_> {
         let hk = dm.kv_head(h);
         let (br, or) = (qs.len, mm::vectors(d) * 16);
         let q_rs = dm.h_q * d;
-        self.rows = br;
-        self.m[..br].fill(f32::NEG_INFINITY);
-        self.l[..br].fill(0.0);
-        self.acc[..br * or].fill(0.0);
+        self.st.start(br);
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let mut q_finite: Option<bool> = None;
         for (ti, ks) in self.k_spans.iter().enumerate() {
@@ -268,7 +236,7 @@ impl QueryTileWork for Worker<'_> {
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
                 !(qf && keys.finite(&dm, b, hk, ti))
             };
-            if self.m[..br].iter().all(|m| m.is_finite()) {
+            if self.st.all_finite() {
                 let lazy = match kind {
                     TileKind::Full if ks.len % 16 == 0 => self.lazy_whole(&t),
                     _ => self.lazy_partial(&t, &key_reach),
@@ -284,9 +252,7 @@ impl QueryTileWork for Worker<'_> {
     }
 
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
-        let (br, or) = (self.rows, mm::vectors(self.x.dims.d) * 16);
-        normalise(&self.m[..br], &self.l[..br], lse, &mut self.acc[..br * or], or);
-        (&self.acc[..br * or], or)
+        self.st.finish(lse)
     }
 }
 

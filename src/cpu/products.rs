@@ -436,6 +436,11 @@ impl<T> Block<T> {
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x: &Block<u32>, epi: Epilogue) {
     use std::arch::x86_64::*;
+    if x.k2 == 0 {
+        return empty_block::<_, R, N, E>(x, epi);
+    }
+    // At least one step: every accumulator is written in registers before the epilogue
+    // reads them (no zeroed copy on the stack).
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for p in 0..x.k2 {
         let bp = x.b.add(p * x.b_ps);
@@ -461,6 +466,11 @@ unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x: &Block<u32>
 #[target_feature(enable = "avx512f")]
 unsafe fn block_f32<const R: usize, const N: usize, const E: u8>(x: &Block<f32>, epi: Epilogue) {
     use std::arch::x86_64::*;
+    if x.k2 == 0 {
+        return empty_block::<_, R, N, E>(x, epi);
+    }
+    // At least one step: every accumulator is written in registers before the epilogue
+    // reads them (no zeroed copy on the stack).
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for p in 0..x.k2 {
         let bp = x.b.add(p * x.b_ps);
@@ -485,6 +495,19 @@ fn scale_of(epi: Epilogue) -> f32 {
         Epilogue::Set(scale) => scale,
         _ => 1.0,
     }
+}
+
+/// The epilogue of a block with no steps (all products 0): kept out of the kernels, so that
+/// their accumulators need no zeroed copy in memory for this case.
+///
+/// # Safety
+/// As [`block_f32`].
+#[cfg(target_arch = "x86_64")]
+#[cold]
+#[inline(never)]
+#[target_feature(enable = "avx512f")]
+unsafe fn empty_block<T, const R: usize, const N: usize, const E: u8>(x: &Block<T>, epi: Epilogue) {
+    epilogue::<T, R, N, E>(x, epi, &[[std::arch::x86_64::_mm512_setzero_ps(); N]; R]);
 }
 
 /// [`SetExtra`] as a constant of the kernels ([`block_bf16`], [`block_f32`], [`epilogue`]).

@@ -196,6 +196,29 @@ pub(crate) fn classify(vis: &Visibility, q: &Span, k: &Span) -> TileKind {
     }
 }
 
+/// [`Visibility::mask_query_row`] on rows `q0..q0 + rows` of a score tile (row `i` at
+/// `s[i · sr..][..bc]`, its keys from `k0`): masked entries become `-inf`. Compiled for
+/// AVX-512 where the processor has it (the positions' 64-bit comparisons vectorise: the
+/// scalar form cost 2–3% of a causal forward or backward).
+pub(crate) fn mask_rows(vis: &Visibility, s: &mut [f32], sr: usize, rows: usize, bc: usize, q0: usize, k0: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        /// # Safety
+        /// The processor has AVX512F.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide(vis: &Visibility, s: &mut [f32], sr: usize, rows: usize, bc: usize, q0: usize, k0: usize) {
+            for i in 0..rows {
+                vis.mask_query_row(&mut s[i * sr..][..bc], q0 + i, k0);
+            }
+        }
+        // SAFETY: AVX512F detected just above.
+        return unsafe { wide(vis, s, sr, rows, bc, q0, k0) };
+    }
+    for i in 0..rows {
+        vis.mask_query_row(&mut s[i * sr..][..bc], q0 + i, k0);
+    }
+}
+
 /// Whether every element of `rows` rows of width `d` (row stride `rs`) is finite.
 pub(crate) fn rows_finite(data: &[f32], r0: usize, rows: usize, d: usize, rs: usize) -> bool {
     // A fold without early exit per row, so that it vectorises.
