@@ -151,14 +151,8 @@ pub fn rows(
     rows: &[usize],
     round: Option<DType>,
 ) -> Result<Reference> {
-    let dims = Dims::of(q, k, v)?;
-    if let Some(t) = d_o {
-        Dims::expect("do", t, &dims.q_shape(), q)?;
-    }
-    check_rows(rows, dims.s_q)?;
-    let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
-    Ok(run(&Inputs::new(dims, q, k, v, d_o, rows.to_vec()), params, &vis, round, grads))
+    let (inputs, vis, grads) = rows_inputs(q, k, v, d_o, params, rows)?;
+    Ok(run(&inputs, params, &vis, round, grads))
 }
 
 /// [`rows`] twice over one conversion of the inputs: the oracle (`round = None`) and the
@@ -171,6 +165,21 @@ pub(crate) fn rows_and_naive(
     params: &AttentionParams,
     rows: &[usize],
 ) -> Result<(Reference, Reference)> {
+    let (inputs, vis, grads) = rows_inputs(q, k, v, d_o, params, rows)?;
+    let oracle = run(&inputs, params, &vis, None, grads);
+    let naive = run(&inputs, params, &vis, Some(q.dtype()), grads);
+    Ok((oracle, naive))
+}
+
+/// The validated inputs of a run over `rows` of a single-device call ([`rows`]).
+fn rows_inputs<'a>(
+    q: &Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    d_o: Option<&Tensor>,
+    params: &AttentionParams,
+    rows: &[usize],
+) -> Result<(Inputs<'a>, Visibility, Grads)> {
     let dims = Dims::of(q, k, v)?;
     if let Some(t) = d_o {
         Dims::expect("do", t, &dims.q_shape(), q)?;
@@ -178,10 +187,7 @@ pub(crate) fn rows_and_naive(
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
-    let inputs = Inputs::new(dims, q, k, v, d_o, rows.to_vec());
-    let oracle = run(&inputs, params, &vis, None, grads);
-    let naive = run(&inputs, params, &vis, Some(q.dtype()), grads);
-    Ok((oracle, naive))
+    Ok((Inputs::new(dims, q, k, v, d_o, rows.to_vec()), vis, grads))
 }
 
 /// The same computation (single-device, or a block call when `positions` is given) with
