@@ -366,9 +366,6 @@ pub(crate) fn backward<Be: Backend>(
                 s.wait()?;
             }
             acc_recv = Some(recvs);
-            // The sent accumulators are the next rank's now: drop ours, so that an in-process
-            // peer adds into them in place instead of copying a buffer still shared with us.
-            acc = (be.filled(0, 0.0, DType::F32)?, be.filled(0, 0.0, DType::F32)?);
         }
         if let Some((k, v)) = finish_exchange(posted, incoming_len, "K/V block", prev)? {
             (cur_k, cur_v) = (k, v);
