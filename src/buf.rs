@@ -241,6 +241,11 @@ impl HostBuf {
         Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone())
     }
 
+    /// The storage when no other handle shares it, else `None` (the handle dropped).
+    pub fn into_unshared(self) -> Option<HostData> {
+        Arc::try_unwrap(self.0).ok()
+    }
+
     /// The storage.
     pub fn data(&self) -> &HostData {
         &self.0

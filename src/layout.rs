@@ -1,6 +1,8 @@
 //! How one sequence is split across ranks: contiguous, zigzag and striped shards of any
 //! length (no padding, no truncation), with the global positions of each rank's tokens.
 
+use std::borrow::Borrow;
+
 use crate::{Error, Positions, Result, Segment, Tensor};
 
 /// A sequence layout over `world` ranks.
@@ -86,12 +88,13 @@ impl Layout {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
-    pub fn unshard_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
-        let first = shards.first().ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+    pub fn unshard_rows<T: Borrow<Tensor>>(shards: &[T], positions: &[Positions]) -> Result<Tensor> {
+        let first =
+            shards.first().map(Borrow::borrow).ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
         let [b, _, h, d] = dims4(first)?;
-        let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
+        let s: usize = shards.iter().map(|t| t.borrow().shape().get(1).copied().unwrap_or(0)).sum();
         let mut out = Tensor::zeros(vec![b, s, h, d], first.dtype());
-        for (r, t) in shards.iter().enumerate() {
+        for (r, t) in shards.iter().map(Borrow::borrow).enumerate() {
             let pos = positions[r].to_vec();
             if pos.iter().any(|&p| p < 0 || p as usize >= s) {
                 return Err(Error::ShapeMismatch(format!("unshard: rank {r} holds positions outside 0..{s}")));
@@ -122,15 +125,16 @@ impl Layout {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the shards do not fit the positions.
-    pub fn unshard_lse_rows(shards: &[Tensor], positions: &[Positions]) -> Result<Tensor> {
-        let first = shards.first().ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
+    pub fn unshard_lse_rows<T: Borrow<Tensor>>(shards: &[T], positions: &[Positions]) -> Result<Tensor> {
+        let first =
+            shards.first().map(Borrow::borrow).ok_or_else(|| Error::InvalidArgument("unshard: no shards".into()))?;
         let [b, h] = match first.shape() {
             [b, h, _] => [*b, *h],
             other => return Err(Error::ShapeMismatch(format!("lse shard has shape {other:?}"))),
         };
-        let s: usize = shards.iter().map(|t| t.shape().get(2).copied().unwrap_or(0)).sum();
+        let s: usize = shards.iter().map(|t| t.borrow().shape().get(2).copied().unwrap_or(0)).sum();
         let mut out = vec![f32::NEG_INFINITY; b * h * s];
-        for (r, t) in shards.iter().enumerate() {
+        for (r, t) in shards.iter().map(Borrow::borrow).enumerate() {
             let pos = positions[r].to_vec();
             if pos.iter().any(|&p| p < 0 || p as usize >= s) {
                 return Err(Error::ShapeMismatch(format!("unshard: rank {r} holds positions outside 0..{s}")));

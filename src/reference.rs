@@ -74,7 +74,7 @@ pub struct Reference {
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q)), params, &vis, None, Grads::None))
+    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q))?, params, &vis, None, Grads::None))
 }
 
 /// Oracle forward of a block of queries against a block of keys at arbitrary global
@@ -92,7 +92,7 @@ pub fn forward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q)), params, &vis, None, Grads::None))
+    Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q))?, params, &vis, None, Grads::None))
 }
 
 /// Oracle forward and backward of a single-device call (`o`, `lse`, `dq`, `dk`, `dv`).
@@ -103,7 +103,7 @@ pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &Atten
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q)), params, &vis, None, Grads::All))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
 }
 
 /// Oracle backward of a block call at global positions (see [`forward_at`]).
@@ -122,7 +122,7 @@ pub fn backward_at(
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
     let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
-    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q)), params, &vis, None, Grads::All))
+    Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
 }
 
 /// `o`, `lse` and (when `d_o` is given) `dq` for the query rows `rows` only of a
@@ -187,7 +187,7 @@ fn rows_inputs<'a>(
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     let grads = if d_o.is_some() { Grads::QueryRows } else { Grads::None };
-    Ok((Inputs::new(dims, q, k, v, d_o, rows.to_vec()), vis, grads))
+    Ok((Inputs::new(dims, q, k, v, d_o, rows.to_vec())?, vis, grads))
 }
 
 /// The same computation (single-device, or a block call when `positions` is given) with
@@ -215,7 +215,7 @@ pub fn naive_rounded(
         None => Visibility::single_device(params, dims.s_q, dims.s_k)?,
         Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
     };
-    let inputs = Inputs::new(dims, q, k, v, d_o, all_rows(dims.s_q));
+    let inputs = Inputs::new(dims, q, k, v, d_o, all_rows(dims.s_q))?;
     let grads = if d_o.is_some() { Grads::All } else { Grads::None };
     Ok(run(&inputs, params, &vis, Some(dtype), grads))
 }
@@ -235,20 +235,23 @@ struct Inputs<'a> {
 }
 
 impl<'a> Inputs<'a> {
-    fn new(dims: Dims, q: &Tensor, k: &'a Tensor, v: &'a Tensor, d_o: Option<&Tensor>, rows: Vec<usize>) -> Self {
+    fn new(
+        dims: Dims,
+        q: &Tensor,
+        k: &'a Tensor,
+        v: &'a Tensor,
+        d_o: Option<&Tensor>,
+        rows: Vec<usize>,
+    ) -> Result<Self> {
         let width = dims.h_q * dims.d;
-        let gather = |t: &Tensor| -> Vec<f64> {
-            let x = t.as_f32();
-            let mut out = Vec::with_capacity(dims.b * rows.len() * width);
-            for b in 0..dims.b {
-                for &i in &rows {
-                    out.extend(x[(b * dims.s_q + i) * width..][..width].iter().map(|&t| t as f64));
-                }
-            }
-            out
+        // The rows in the tensor's dtype first, then widened: no full-size copy.
+        let gather = |t: &Tensor| -> Result<Vec<f64>> {
+            let at = (0..dims.b).flat_map(|b| rows.iter().map(move |&i| b * dims.s_q + i));
+            let picked = t.gather_rows(vec![dims.b * rows.len() * width], width, at)?;
+            Ok(picked.as_f32().iter().map(|&x| f64::from(x)).collect())
         };
-        let (q, d_o) = (gather(q), d_o.map(gather).unwrap_or_default());
-        Inputs { dims, q, k: k.as_f32(), v: v.as_f32(), d_o, rows }
+        let (q, d_o) = (gather(q)?, d_o.map(gather).transpose()?.unwrap_or_default());
+        Ok(Inputs { dims, q, k: k.as_f32(), v: v.as_f32(), d_o, rows })
     }
 }
 

@@ -20,7 +20,7 @@
 //! enter the norms. A NaN in the result where the oracle has none fails.
 
 use crate::reference::{self, Reference};
-use crate::{cpu, AttentionParams, DType, Result, Tensor};
+use crate::{cpu, AttentionParams, DType, Error, Result, Tensor};
 
 /// The constants of the tolerance rule. `Default` is the crate's rule.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -265,7 +265,8 @@ pub fn check_results(
 /// rule: the spot check for sequences too long for a full oracle.
 ///
 /// # Errors
-/// As [`reference::rows`].
+/// As [`reference::rows`]; [`Error::ShapeMismatch`] when `fwd` or `grads` do not have the
+/// shapes of q (`o`, `dq`) and `[b, h_q, s_q]` (`lse`).
 #[allow(clippy::too_many_arguments)]
 pub fn check_rows(
     q: &Tensor,
@@ -280,7 +281,15 @@ pub fn check_rows(
     let dtype = q.dtype();
     let (oracle, naive) = reference::rows_and_naive(q, k, v, d_o, params, rows)?;
     let dims = crate::Dims::of(q, k, v)?;
-    let pick = |t: &Tensor| select_rows(&t.as_f32(), dims.b, dims.s_q, dims.h_q * dims.d, rows);
+    let lse_shape = [dims.b, dims.h_q, dims.s_q];
+    let given = [("o", fwd.o.shape()), ("dq", grads.map_or(q.shape(), |g| g.dq.shape())), ("lse", fwd.lse.shape())];
+    for (name, shape) in given {
+        let want = if name == "lse" { &lse_shape[..] } else { q.shape() };
+        if shape != want {
+            return Err(Error::ShapeMismatch(format!("check_rows: `{name}` has shape {shape:?}, expected {want:?}")));
+        }
+    }
+    let pick = |t: &Tensor| select_rows(t, dims.b, dims.s_q, dims.h_q * dims.d, rows);
     let lse = fwd.lse.as_f32();
     let lse_rows: Vec<f32> = (0..dims.b * dims.h_q)
         .flat_map(|bh| rows.iter().map(move |&r| (bh, r)))
@@ -288,22 +297,18 @@ pub fn check_rows(
         .collect();
     let tol = Tolerance::default();
     let mut out = vec![
-        compare("o", &pick(&fwd.o), &oracle.o, &naive.o, &oracle.o_mag, &[], dtype, &tol),
+        compare("o", &pick(&fwd.o)?, &oracle.o, &naive.o, &oracle.o_mag, &[], dtype, &tol),
         compare_lse(&lse_rows, &oracle.lse, &naive.lse, &oracle.lse_mag, &tol),
     ];
     if let (Some(g), Some(_)) = (grads, d_o) {
-        out.push(compare("dq", &pick(&g.dq), &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, &tol));
+        out.push(compare("dq", &pick(&g.dq)?, &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, &tol));
     }
     Ok(Report { dtype: dtype.to_string(), rows: out })
 }
 
-/// Rows `rows` of a `[b, s, width]` buffer, as `[b, rows.len(), width]`.
-fn select_rows(x: &[f32], b: usize, s: usize, width: usize, rows: &[usize]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(b * rows.len() * width);
-    for bi in 0..b {
-        for &r in rows {
-            out.extend_from_slice(&x[(bi * s + r) * width..][..width]);
-        }
-    }
-    out
+/// Rows `rows` of a `[b, s, width]` tensor, as `[b, rows.len(), width]` f32 values (the rows
+/// gathered in the tensor's dtype, then widened: no full-size copy).
+fn select_rows(x: &Tensor, b: usize, s: usize, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
+    let at = (0..b).flat_map(|bi| rows.iter().map(move |&r| bi * s + r));
+    Ok(x.gather_rows(vec![b * rows.len() * width], width, at)?.as_f32().into_owned())
 }

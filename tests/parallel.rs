@@ -157,6 +157,35 @@ fn every_strategy_and_layout_on_one_case() {
     }
 }
 
+/// Rings with ranks that hold no token (s < world), which compute no block: their (empty)
+/// partials and accumulators are made by the driver instead of taken from a first computed
+/// block; and rings that documents stop after one hop.
+#[test]
+fn ranks_without_tokens_or_visible_blocks_match_the_oracle() {
+    for (s, world, docs) in [(3, 4, None), (1, 8, None), (6, 3, Some(vec![2, 2, 2])), (9, 3, Some(vec![3, 0, 6]))] {
+        for (mask, dtype) in [(Mask::Causal, DType::F32), (Mask::None, DType::BF16)] {
+            let c = PCase {
+                world,
+                strategy: Strat::Ring,
+                layout: Layout::Contiguous,
+                b: 1,
+                s,
+                h_q: 2,
+                h_kv: 1,
+                d: 8,
+                mask,
+                docs: docs.clone(),
+                dtype,
+                ulysses_degree: None,
+                seed: 11,
+                order: MessageOrder::Tag,
+            };
+            let r = check(&c).unwrap();
+            assert!(r.pass(), "{c:?}\n{}", r.table());
+        }
+    }
+}
+
 mod faults {
     use std::time::{Duration, Instant};
 

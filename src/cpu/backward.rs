@@ -114,10 +114,14 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
     init: impl Fn() -> W + Sync + Send,
 ) -> (Vec<O>, Vec<O>, Vec<O>) {
     let d = dm.d;
-    let mut dq = vec![O::default(); dm.b * dm.s_q * dm.h_q * d];
-    let mut dk = vec![O::default(); dm.b * dm.s_k * dm.h_kv * d];
-    let mut dv = vec![O::default(); dm.b * dm.s_k * dm.h_kv * d];
-    if dq.is_empty() || dk.is_empty() {
+    let mut dk = O::zeroed(dm.b * dm.s_k * dm.h_kv * d);
+    let mut dv = O::zeroed(dm.b * dm.s_k * dm.h_kv * d);
+    if dk.is_empty() {
+        return (O::zeroed(dm.b * dm.s_q * dm.h_q * d), dk, dv);
+    }
+    // Every row of dq is written below (the sum of its partials, zero when none).
+    let mut dq = O::uninit(dm.b * dm.s_q * dm.h_q * d);
+    if dq.is_empty() {
         return (dq, dk, dv);
     }
     let k_spans = tiles.k_spans;
@@ -142,37 +146,35 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
     let dk_out = DisjointWriter::new(&mut dk);
     let dv_out = DisjointWriter::new(&mut dv);
     let workers = PerThread::new();
-    let partials: Vec<Vec<f32>> = (0..heads * chunks)
-        .into_par_iter()
-        .map(|t| {
-            workers.with(&init, |w| {
-                let (bh, c) = (t / chunks, t % chunks);
-                let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-                let (lo, rows) = reach[c];
-                // Zeros written, not allocated zeroed: the products read the partial first, and
-                // a read of never-written pages maps the shared zero page, which each first write
-                // then copies (a fault and a TLB flush per page).
-                let mut dq_part = Vec::with_capacity(gs * rows * dq_rs);
-                dq_part.resize(gs * rows * dq_rs, 0.0f32);
-                let mut dq = DqPartial { data: &mut dq_part, lo, rows, rs: dq_rs };
-                for ks in chunk_tiles(c) {
-                    w.key_tile(b, hk, ks, &mut dq);
-                    let (dk_rows, dv_rows, rs) = w.grads();
-                    for j in 0..ks.len {
-                        let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
-                        // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
-                        let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
-                        O::store(dk_row, &dk_rows[j * rs..j * rs + d], scale);
-                        O::store(dv_row, &dv_rows[j * rs..j * rs + d], 1.0);
-                    }
-                    if let Some(p) = progress {
-                        p.fetch_add(ks.len as u64, Ordering::Relaxed);
-                    }
+    // The partials, in buffers the calling thread kept from its last call where it has them
+    // (see `reuse`), zeroed by the tasks: the products read a partial before writing it,
+    // and a read of never-written pages maps the shared zero page, which each first write
+    // then copies (a fault and a TLB flush per page).
+    let mut partials: Vec<Vec<f32>> =
+        (0..heads * chunks).map(|t| super::reuse::take(gs * reach[t % chunks].1 * dq_rs)).collect();
+    partials.par_iter_mut().enumerate().for_each(|(t, dq_part)| {
+        workers.with(&init, |w| {
+            let (bh, c) = (t / chunks, t % chunks);
+            let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
+            let (lo, rows) = reach[c];
+            dq_part.fill(0.0);
+            let mut dq = DqPartial { data: dq_part, lo, rows, rs: dq_rs };
+            for ks in chunk_tiles(c) {
+                w.key_tile(b, hk, ks, &mut dq);
+                let (dk_rows, dv_rows, rs) = w.grads();
+                for j in 0..ks.len {
+                    let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
+                    // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
+                    let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
+                    O::store(dk_row, &dk_rows[j * rs..j * rs + d], scale);
+                    O::store(dv_row, &dv_rows[j * rs..j * rs + d], 1.0);
                 }
-                dq_part
-            })
+                if let Some(p) = progress {
+                    p.fetch_add(ks.len as u64, Ordering::Relaxed);
+                }
+            }
         })
-        .collect();
+    });
 
     // Sum the partials of each kv head in chunk order and scatter into dq.
     let dq_out = DisjointWriter::new(&mut dq);
@@ -196,6 +198,7 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
             }
         }
     });
+    partials.into_iter().for_each(super::reuse::keep);
     (dq, dk, dv)
 }
 

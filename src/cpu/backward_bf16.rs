@@ -72,8 +72,9 @@ impl<'a> PackedQueries<'a> {
         let base = |bh: usize| ((bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q) * d;
         let shape = [dm.b, dm.s_q, dm.h_q, d];
         let (q_rows, do_rows) = (mm::RowPairs::new(q, shape), mm::RowPairs::new(d_o, shape));
-        let mut q_steps = vec![0u32; heads * tiles * steps_len];
-        let mut do_steps = vec![0u32; heads * tiles * steps_len];
+        // Zeros where a tile's rows end (the padding a product reads).
+        let mut q_steps = super::reuse::zeroed::<u32>(heads * tiles * steps_len);
+        let mut do_steps = super::reuse::zeroed::<u32>(heads * tiles * steps_len);
         if !q_steps.is_empty() {
             q_steps.par_chunks_mut(steps_len).zip(do_steps.par_chunks_mut(steps_len)).enumerate().for_each(
                 |(blk, (qs, ds))| {
@@ -86,6 +87,13 @@ impl<'a> PackedQueries<'a> {
             );
         }
         PackedQueries { q_rows, do_rows, q_steps, do_steps, steps_len, tiles }
+    }
+}
+
+impl Drop for PackedQueries<'_> {
+    fn drop(&mut self) {
+        super::reuse::keep(std::mem::take(&mut self.q_steps));
+        super::reuse::keep(std::mem::take(&mut self.do_steps));
     }
 }
 

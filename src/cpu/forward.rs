@@ -88,8 +88,8 @@ pub(crate) struct Outputs<O> {
 impl<O: Output> Outputs<O> {
     pub(crate) fn new(dm: Dims) -> Self {
         Outputs {
-            o: vec![O::default(); dm.b * dm.s_q * dm.h_q * dm.d],
-            lse: vec![f32::NEG_INFINITY; dm.b * dm.h_q * dm.s_q],
+            o: O::zeroed(dm.b * dm.s_q * dm.h_q * dm.d),
+            lse: super::reuse::filled(dm.b * dm.h_q * dm.s_q, f32::NEG_INFINITY),
         }
     }
 }
@@ -239,8 +239,8 @@ pub(crate) fn drive_packed<T: Packing, O: Output>(
 /// `Q·Kᵀ` (rows as lanes, columns as steps) and `P·V` (rows as steps, columns as lanes) of
 /// [`super::products`], in bf16 pairs (`u32`) or f32.
 ///
-/// The two buffers come from, and return to, a cache of the calling thread
-/// ([`PACKED_BUFFERS`]): a call's packing then writes memory the previous call already
+/// The two buffers come from, and return to, the buffers the calling thread keeps
+/// ([`super::reuse`]): a call's packing then writes memory the previous call already
 /// touched instead of fresh pages, whose first-touch faults cost as much as the packing
 /// itself (a tenth of a causal s = 4096 forward on this project's VM).
 pub(crate) struct PackedKeys<T> {
@@ -261,25 +261,10 @@ pub(crate) struct PackedKeys<T> {
     _element: std::marker::PhantomData<T>,
 }
 
-thread_local! {
-    /// The K and V buffers of the last [`PackedKeys`] this thread dropped (empty until then):
-    /// at most two buffers of the size of one call's packed K and V per calling thread.
-    static PACKED_BUFFERS: std::cell::RefCell<[Vec<u32>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
-}
-
-/// A buffer of `len` words from the calling thread's cache slot `slot` (its old contents
-/// kept where they fit: every word a caller reads, it writes first).
-fn cached_buffer(slot: usize, len: usize) -> Vec<u32> {
-    let mut buf = PACKED_BUFFERS.with(|b| std::mem::take(&mut b.borrow_mut()[slot]));
-    buf.resize(len, 0);
-    buf
-}
-
 impl<T> Drop for PackedKeys<T> {
     fn drop(&mut self) {
-        let (k, v) = (std::mem::take(&mut self.k), std::mem::take(&mut self.v));
-        // A thread being torn down has no cache left: the buffers are then freed.
-        let _ = PACKED_BUFFERS.try_with(|b| *b.borrow_mut() = [k, v]);
+        super::reuse::keep(std::mem::take(&mut self.k));
+        super::reuse::keep(std::mem::take(&mut self.v));
     }
 }
 
@@ -303,8 +288,9 @@ impl<T: Packing> PackedKeys<T> {
         let (k_len, v_len) = Self::block_lens(dm, bk);
         let tiles = k_spans.len();
         let blocks = pairs.len() * tiles;
-        let mut pk = cached_buffer(0, blocks * k_len);
-        let mut pv = cached_buffer(1, blocks * v_len);
+        // Every word a product reads is written by the packing first.
+        let mut pk = super::reuse::take(blocks * k_len);
+        let mut pv = super::reuse::take(blocks * v_len);
         let rs = dm.h_kv * d;
         let at = |blk: usize| {
             let (bh, t) = (pairs.start + blk / tiles, blk % tiles);

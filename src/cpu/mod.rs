@@ -3,8 +3,10 @@
 //! on the crate's own AVX-512 kernels (`products.rs`) or through the `gemm` crate, the online
 //! softmax through run-time dispatched SIMD loops, and work is spread over rayon's pool. No
 //! `s_q × s_k` matrix is ever held: memory is the outputs plus tile scratch per thread (the
-//! backward adds f32 partials of dQ) and, in the forward, packed copies of K and V (whose
-//! buffers each calling thread keeps for its next call).
+//! backward adds f32 partials of dQ) and, in the forward, packed copies of K and V. Large
+//! buffers — packings, dQ partials and the f32 outputs a driver hands back — are kept by the
+//! calling thread for its next call (`reuse`: at most 1 GiB per thread, see
+//! [`kept_bytes`] and [`release_kept_buffers`]).
 //!
 //! Products run in the [`Arithmetic`] the call resolves to: bf16 inputs on a processor with
 //! AVX512_BF16 multiply bf16 operands with f32 accumulation (the `vdpbf16ps` kernels of
@@ -23,12 +25,14 @@ mod forward_bf16;
 mod forward_f32;
 mod matmul;
 mod products;
+pub(crate) mod reuse;
 pub(crate) mod simd;
 pub(crate) mod tiles;
 
 use std::sync::atomic::AtomicU64;
 
 pub use arithmetic::Arithmetic;
+pub use reuse::{kept_bytes, release_kept_buffers};
 pub use tiles::TileConfig;
 
 use half::bf16;

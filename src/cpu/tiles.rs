@@ -243,6 +243,14 @@ pub(crate) trait Output: Copy + Default + Send + Sync {
     /// `dst[..src.len()] = scale · src` (the product in f32), rounded to this type; `dst` at
     /// least as long as `src`, nothing past it written.
     fn store(dst: &mut [Self], src: &[f32], scale: f32);
+    /// `len` zeros (f32: in a buffer the calling thread kept, see [`super::reuse`]).
+    fn zeroed(len: usize) -> Vec<Self> {
+        vec![Self::default(); len]
+    }
+    /// `len` elements of unspecified value, for buffers written in full before being read.
+    fn uninit(len: usize) -> Vec<Self> {
+        Self::zeroed(len)
+    }
 }
 
 impl Output for f32 {
@@ -250,6 +258,14 @@ impl Output for f32 {
         for (d, &s) in dst.iter_mut().zip(src) {
             *d = s * scale;
         }
+    }
+
+    fn zeroed(len: usize) -> Vec<f32> {
+        super::reuse::zeroed(len)
+    }
+
+    fn uninit(len: usize) -> Vec<f32> {
+        super::reuse::take(len)
     }
 }
 

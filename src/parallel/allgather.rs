@@ -21,7 +21,7 @@ impl Driver for AllGather {
     ) -> Result<(Be::Buf, Be::Buf)> {
         let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
         let (o, lse) = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
-        Ok((plan.in_dtype(&o)?, lse))
+        Ok((plan.in_dtype(o)?, lse))
     }
 
     fn backward<Be: Backend>(

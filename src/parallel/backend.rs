@@ -217,6 +217,14 @@ pub trait Backend: Buffers {
     /// # Errors
     /// Launch errors.
     fn softmax_grad_rowsum(&self, dims: Dims, o: &Self::Buf, d_o: &Self::Buf) -> Result<Self::Buf>;
+
+    /// Hands back a step's output the driver is done with (merged or added into its
+    /// accumulator), so that the next step may write into it instead of new memory. The
+    /// default drops it; the CPU backend keeps large unshared f32 buffers for the calling
+    /// thread's next step ([`crate::cpu::kept_bytes`]).
+    fn recycle(&self, spent: Self::Buf) {
+        drop(spent);
+    }
 }
 
 /// The CPU flash attention of [`crate::cpu`] as a [`Backend`].
@@ -417,6 +425,12 @@ impl Backend for CpuBackend {
         let (dq, dk, dv) =
             cpu::backward_f32(dims, &q, &k, &v, &o, lse.f32s()?, &d_o, Some(big_d.f32s()?), &vis, params, self.tiles);
         Ok(Pending::ready((dq.into(), dk.into(), dv.into())))
+    }
+
+    fn recycle(&self, spent: HostBuf) {
+        if let Some(HostData::F32(v)) = spent.into_unshared() {
+            cpu::reuse::keep(v);
+        }
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {

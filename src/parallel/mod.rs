@@ -800,13 +800,13 @@ pub(crate) type RankRun = (ForwardOutput, Stats, Option<(Gradients, Stats)>);
 
 /// The ranks' parts (indexed by rank) reassembled in the original token order.
 pub(crate) fn assemble(p: &ResolvedParams, with_grads: bool, parts: Vec<RankRun>) -> Result<ProcessRun> {
-    let o: Vec<Tensor> = parts.iter().map(|x| x.0.o.clone()).collect();
-    let lse: Vec<Tensor> = parts.iter().map(|x| x.0.lse.clone()).collect();
+    let o: Vec<&Tensor> = parts.iter().map(|x| &x.0.o).collect();
+    let lse: Vec<&Tensor> = parts.iter().map(|x| &x.0.lse).collect();
     let forward = ForwardOutput { o: p.unshard(&o)?, lse: p.unshard_lse(&lse)? };
     let gradients = match parts.iter().map(|x| x.2.as_ref().map(|g| &g.0)).collect::<Option<Vec<_>>>() {
         Some(gs) if with_grads => {
-            let pick = |f: &dyn Fn(&Gradients) -> Tensor| p.unshard(&gs.iter().map(|g| f(g)).collect::<Vec<_>>());
-            Some(Gradients { dq: pick(&|g| g.dq.clone())?, dk: pick(&|g| g.dk.clone())?, dv: pick(&|g| g.dv.clone())? })
+            let pick = |f: &dyn Fn(&Gradients) -> &Tensor| p.unshard(&gs.iter().map(|g| f(g)).collect::<Vec<_>>());
+            Some(Gradients { dq: pick(&|g| &g.dq)?, dk: pick(&|g| &g.dk)?, dv: pick(&|g| &g.dv)? })
         }
         _ => None,
     };

@@ -117,7 +117,7 @@ impl ResolvedParams {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the parts do not fit.
-    pub fn unshard(&self, parts: &[Tensor]) -> Result<Tensor> {
+    pub fn unshard<T: std::borrow::Borrow<Tensor>>(&self, parts: &[T]) -> Result<Tensor> {
         self.check_parts(parts.len())?;
         Layout::unshard_rows(parts, &self.positions)
     }
@@ -126,7 +126,7 @@ impl ResolvedParams {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the parts do not fit.
-    pub fn unshard_lse(&self, parts: &[Tensor]) -> Result<Tensor> {
+    pub fn unshard_lse<T: std::borrow::Borrow<Tensor>>(&self, parts: &[T]) -> Result<Tensor> {
         self.check_parts(parts.len())?;
         Layout::unshard_lse_rows(parts, &self.positions)
     }
@@ -408,9 +408,12 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         self.dtype
     }
 
-    /// A driver's f32 result in the input dtype (as the backend stores it).
-    pub(super) fn in_dtype(&self, x: &Be::Buf) -> Result<Be::Buf> {
-        self.backend.convert(x, self.dtype)
+    /// A driver's f32 result in the input dtype (as the backend stores it); the f32 buffer
+    /// goes back to the backend ([`Backend::recycle`]: kept unless the result shares it).
+    pub(super) fn in_dtype(&self, x: Be::Buf) -> Result<Be::Buf> {
+        let out = self.backend.convert(&x, self.dtype)?;
+        self.backend.recycle(x);
+        Ok(out)
     }
 
     /// A driver's f32 gradients in the input dtype.
@@ -418,7 +421,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         &self,
         (dq, dk, dv): (Be::Buf, Be::Buf, Be::Buf),
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        Ok((self.in_dtype(&dq)?, self.in_dtype(&dk)?, self.in_dtype(&dv)?))
+        Ok((self.in_dtype(dq)?, self.in_dtype(dk)?, self.in_dtype(dv)?))
     }
 
     /// Checks that a call's tensors are the shard the plan was made for.

@@ -53,7 +53,7 @@ impl Driver for Ring {
     ) -> Result<(Be::Buf, Be::Buf)> {
         let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
         let (o, lse) = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
-        Ok((plan.in_dtype(&o)?, lse))
+        Ok((plan.in_dtype(o)?, lse))
     }
 
     fn backward<Be: Backend>(
@@ -193,19 +193,20 @@ fn check_len<B: Payload>(got: &B, want: usize, what: &str, peer: usize) -> Resul
 type RecvPair<B> = (RecvHandle<B>, RecvHandle<B>);
 
 /// Posts, as one batch, the receive of the next pair from `from` and the send of a pair of
-/// buffers to `to`. `want` is the length of each buffer of the incoming pair, whose element
-/// type is the outgoing pair's.
+/// buffers to `to` (handed over: a sender that keeps no handle lets an in-process receiver
+/// add into the buffer without a copy). `want` is the length of each buffer of the incoming
+/// pair, whose element type is the outgoing pair's.
 fn exchange<B: Payload>(
     comm: &dyn Communicator<Buf = B>,
     to: usize,
     from: usize,
     tag: Tag,
-    pair: (&B, &B),
+    pair: (B, B),
     want: usize,
 ) -> Result<Exchange<B>> {
     let elem = pair.0.elem();
     let recvs = vec![RecvOp { from, tag, len: want, elem }, RecvOp { from, tag: tag + 1, len: want, elem }];
-    let sends = vec![SendOp { to, tag, data: pair.0.clone() }, SendOp { to, tag: tag + 1, data: pair.1.clone() }];
+    let sends = vec![SendOp { to, tag, data: pair.0 }, SendOp { to, tag: tag + 1, data: pair.1 }];
     let Posted { recvs, sends } = comm.post(recvs, sends)?;
     match (<[_; 2]>::try_from(sends), <[_; 2]>::try_from(recvs)) {
         (Ok([sk, sv]), Ok([rk, rv])) => Ok(Exchange { sends: [sk, sv], recvs: (rk, rv) }),
@@ -252,8 +253,8 @@ pub(crate) fn forward<Be: Backend>(
     stats.hops = hops;
     // q stays: converted to what the steps read once, not per hop.
     let q = be.step_input(x.q)?;
-    let mut o = be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?;
-    let mut lse = be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?;
+    // The merged (o, lse): the first block's partial as it is, then merged into.
+    let mut merged: Option<(Be::Buf, Be::Buf)> = None;
     let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
@@ -261,7 +262,14 @@ pub(crate) fn forward<Be: Backend>(
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, base + KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
+            Some(exchange(
+                comm,
+                next,
+                prev,
+                base + KV_TAG + 2 * t as Tag,
+                (cur_k.clone(), cur_v.clone()),
+                incoming_len,
+            )?)
         } else {
             None
         };
@@ -280,7 +288,14 @@ pub(crate) fn forward<Be: Backend>(
         if let Some(step) = step {
             let start = Instant::now();
             let (ob, lb) = step.wait()?;
-            be.merge_into(&mut o, &mut lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
+            match &mut merged {
+                None => merged = Some((ob, lb)),
+                Some((o, lse)) => {
+                    be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
+                    be.recycle(ob);
+                    be.recycle(lb);
+                }
+            }
             stats.compute += start.elapsed();
             stats.blocks += 1;
             stats.step(c0, w0, x.block_flops(n, k_pos.len()));
@@ -291,7 +306,14 @@ pub(crate) fn forward<Be: Backend>(
             (cur_k, cur_v) = (k, v);
         }
     }
-    Ok((o, lse))
+    match merged {
+        Some(partial) => Ok(partial),
+        // No key visible to any query of this rank: o = 0, lse = -inf.
+        None => Ok((
+            be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?,
+            be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?,
+        )),
+    }
 }
 
 /// Ring backward: given this rank's final `o`, `lse` (f32) and `d_o`, returns its `(dq, dk,
@@ -316,10 +338,14 @@ pub(crate) fn backward<Be: Backend>(
     // What stays on this rank is converted to what the steps read once, not per hop.
     let (q, o, d_o) = (be.step_input(x.q)?, be.step_input(o)?, be.step_input(d_o)?);
     let big_d = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;
-    let mut dq = be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?;
+    // dQ and the held block's dK/dV accumulators: the first partial as it is, then added
+    // into (zeros where no block contributed).
+    let mut dq: Option<Be::Buf> = None;
     let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
-    let zeros = || be.filled(x.kv_len(r), 0.0, DType::F32);
-    let mut acc = (zeros()?, zeros()?);
+    let zeros = |len: usize| -> Result<(Be::Buf, Be::Buf)> {
+        Ok((be.filled(len, 0.0, DType::F32)?, be.filled(len, 0.0, DType::F32)?))
+    };
+    let mut acc: Option<(Be::Buf, Be::Buf)> = None;
     let mut acc_recv: Option<RecvPair<Be::Buf>> = None;
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     for t in 0..hops {
@@ -327,7 +353,14 @@ pub(crate) fn backward<Be: Backend>(
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
         let posted = if t + 1 < hops {
-            Some(exchange(comm, next, prev, base + KV_TAG + 2 * t as Tag, (&cur_k, &cur_v), incoming_len)?)
+            Some(exchange(
+                comm,
+                next,
+                prev,
+                base + KV_TAG + 2 * t as Tag,
+                (cur_k.clone(), cur_v.clone()),
+                incoming_len,
+            )?)
         } else {
             None
         };
@@ -336,11 +369,17 @@ pub(crate) fn backward<Be: Backend>(
         let start = Instant::now();
         let grads = if block_visible(x.params, q_pos, k_pos)? {
             let dims = x.dims(n, k_pos.len());
-            let g =
+            let (gq, gk, gv) =
                 be.backward_block(dims, &q, &cur_k, &cur_v, &o, lse, &d_o, &big_d, q_pos, k_pos, x.params)?.wait()?;
-            be.add_into(&mut dq, &g.0)?;
+            match &mut dq {
+                None => dq = Some(gq),
+                Some(dq) => {
+                    be.add_into(dq, &gq)?;
+                    be.recycle(gq);
+                }
+            }
             stats.blocks += 1;
-            Some(g)
+            Some((gk, gv))
         } else {
             None
         };
@@ -350,18 +389,30 @@ pub(crate) fn backward<Be: Backend>(
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some((hk, hv)) = acc_recv.take() {
-            acc = (hk.wait()?, hv.wait()?);
-            check_len(&acc.0, kl, "dK/dV accumulators", prev)?;
-            check_len(&acc.1, kl, "dK/dV accumulators", prev)?;
+            let received = (hk.wait()?, hv.wait()?);
+            check_len(&received.0, kl, "dK/dV accumulators", prev)?;
+            check_len(&received.1, kl, "dK/dV accumulators", prev)?;
+            acc = Some(received);
         }
-        if let Some((_, dk, dv)) = grads {
-            be.add_into(&mut acc.0, &dk)?;
-            be.add_into(&mut acc.1, &dv)?;
+        if let Some((dk, dv)) = grads {
+            match &mut acc {
+                None => acc = Some((dk, dv)),
+                Some((ak, av)) => {
+                    be.add_into(ak, &dk)?;
+                    be.add_into(av, &dv)?;
+                    be.recycle(dk);
+                    be.recycle(dv);
+                }
+            }
         }
         if t + 1 < hops {
             let tag = base + ACC_TAG + 2 * t as Tag;
+            let held = match acc.take() {
+                Some(pair) => pair,
+                None => zeros(kl)?,
+            };
             // The next block's accumulators are the size of the next block.
-            let Exchange { sends, recvs } = exchange(comm, next, prev, tag, (&acc.0, &acc.1), incoming_len)?;
+            let Exchange { sends, recvs } = exchange(comm, next, prev, tag, held, incoming_len)?;
             for s in sends {
                 s.wait()?;
             }
@@ -377,6 +428,14 @@ pub(crate) fn backward<Be: Backend>(
     // to their owner and receive its own from the rank holding them.
     let holder_of_mine = (r + hops - 1) % p;
     let owner_of_held = (r + p - (hops - 1) % p) % p;
+    let acc = match acc {
+        Some(pair) => pair,
+        None => zeros(x.kv_len(owner_of_held))?,
+    };
+    let dq = match dq {
+        Some(dq) => dq,
+        None => be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?,
+    };
     let (dk, dv) = if holder_of_mine == r {
         acc
     } else {

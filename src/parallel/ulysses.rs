@@ -94,7 +94,7 @@ impl Driver for Ulysses {
         let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
         let a2a = Instant::now();
         // o returns in the input dtype (rounding commutes with moving values).
-        let o = plan.in_dtype(&o)?;
+        let o = plan.in_dtype(o)?;
         let o = heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
         let lse = lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
         stats.waiting += a2a.elapsed();
@@ -126,12 +126,12 @@ impl Driver for Ulysses {
         let a2a = Instant::now();
         // dq heads are written once: they travel in the input dtype; dK/dV replicas are
         // summed in f32 first.
-        let dq = plan.in_dtype(&dq)?;
+        let dq = plan.in_dtype(dq)?;
         let dq = heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, c, qh, false)?;
         let dk = heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, c, kh, true)?;
         let dv = heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, c, kh, true)?;
         stats.waiting += a2a.elapsed();
-        Ok((dq, plan.in_dtype(&dk)?, plan.in_dtype(&dv)?))
+        Ok((dq, plan.in_dtype(dk)?, plan.in_dtype(dv)?))
     }
 }
 
