@@ -306,6 +306,15 @@ impl HostBuf {
         })
     }
 
+    /// As [`HostBuf::converted`], consuming the buffer: itself when it already holds `dtype`
+    /// (so that an unshared buffer stays unshared).
+    pub fn into_converted(self, dtype: DType) -> HostBuf {
+        if self.elem() == Elem::from(dtype) || self.elem() == Elem::U8 {
+            return self;
+        }
+        self.converted(dtype)
+    }
+
     /// The values as `dtype` (rounded to nearest even when narrowing; the same buffer, shared,
     /// when it already is `dtype`). Bytes are returned unchanged.
     pub fn converted(&self, dtype: DType) -> HostBuf {

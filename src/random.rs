@@ -4,6 +4,7 @@ use rand::{rngs::StdRng, RngExt, SeedableRng};
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 
+use crate::tensor::TensorData;
 use crate::{DType, Tensor};
 
 /// A tensor of standard-normal values, drawn in f32 from a seeded generator and rounded
@@ -19,13 +20,23 @@ use crate::{DType, Tensor};
 /// assert_ne!(a, randn(vec![2, 3], 8, DType::F32));
 /// ```
 pub fn randn(shape: Vec<usize>, seed: u64, dtype: DType) -> Tensor {
+    /// The f32 samples of each chunk, rounded to `T` as they are drawn (no f32 copy of the
+    /// whole tensor).
+    fn draw<T: Copy + Default + Send>(n: usize, seed: u64, round: impl Fn(f32) -> T + Sync) -> Vec<T> {
+        let mut data = vec![T::default(); n];
+        data.par_chunks_mut(RANDN_CHUNK).enumerate().for_each(|(c, chunk)| {
+            let mut rng = StdRng::seed_from_u64(chunk_seed(seed, c));
+            chunk.iter_mut().for_each(|x| *x = round(rng.sample::<f32, _>(StandardNormal)));
+        });
+        data
+    }
     let n: usize = shape.iter().product();
-    let mut data = vec![0.0f32; n];
-    data.par_chunks_mut(RANDN_CHUNK).enumerate().for_each(|(c, chunk)| {
-        let mut rng = StdRng::seed_from_u64(chunk_seed(seed, c));
-        chunk.iter_mut().for_each(|x| *x = rng.sample::<f32, _>(StandardNormal));
-    });
-    Tensor::from_f32(shape, data).expect("length matches shape by construction").to_dtype(dtype)
+    let data = match dtype {
+        DType::F32 => TensorData::F32(draw(n, seed, |x| x)),
+        DType::BF16 => TensorData::BF16(draw(n, seed, half::bf16::from_f32)),
+        DType::F16 => TensorData::F16(draw(n, seed, half::f16::from_f32)),
+    };
+    Tensor::new(shape, data).expect("length matches shape by construction")
 }
 
 /// Values per generator in [`randn`] (2^20).
@@ -77,5 +88,16 @@ mod tests {
         let mean = tail.iter().map(|&x| x as f64).sum::<f64>() / tail.len() as f64;
         let var = tail.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / tail.len() as f64;
         assert!(mean.abs() < 5e-3 && (var - 1.0).abs() < 5e-3, "mean {mean} var {var}");
+    }
+
+    #[test]
+    fn narrow_dtypes_are_the_f32_samples_rounded() {
+        let n = RANDN_CHUNK + 77;
+        let wide = randn(vec![n], 5, DType::F32);
+        for dtype in [DType::BF16, DType::F16] {
+            let narrow = randn(vec![n], 5, dtype);
+            assert_eq!(narrow.dtype(), dtype);
+            assert_eq!(narrow, wide.to_dtype(dtype), "{dtype}");
+        }
     }
 }

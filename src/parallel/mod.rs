@@ -476,9 +476,11 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         let up = |t: &Tensor| self.upload_tensor(t);
         let (o, saved) = self.forward(&up(q)?, &up(k)?, &up(v)?)?;
         let dims = self.dims;
+        // Only the LSE is kept: `o` is then this call's alone and becomes the tensor uncopied.
+        let SavedForward { lse, .. } = saved;
         let out = ForwardOutput {
-            o: self.download_tensor(&o, dims.q_shape(), q.dtype())?,
-            lse: self.download_tensor(&saved.lse, dims.lse_shape(), DType::F32)?,
+            o: self.take_tensor(o, dims.q_shape(), q.dtype())?,
+            lse: self.take_tensor(lse, dims.lse_shape(), DType::F32)?,
         };
         Ok((out, self.last_stats()))
     }
@@ -506,9 +508,9 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         let g = self.backward(&saved, &up(d_o)?)?;
         let dims = self.dims;
         let grads = Gradients {
-            dq: self.download_tensor(&g.dq, dims.q_shape(), q.dtype())?,
-            dk: self.download_tensor(&g.dk, dims.kv_shape(), q.dtype())?,
-            dv: self.download_tensor(&g.dv, dims.kv_shape(), q.dtype())?,
+            dq: self.take_tensor(g.dq, dims.q_shape(), q.dtype())?,
+            dk: self.take_tensor(g.dk, dims.kv_shape(), q.dtype())?,
+            dv: self.take_tensor(g.dv, dims.kv_shape(), q.dtype())?,
         };
         Ok((grads, self.last_stats()))
     }
@@ -534,6 +536,14 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     /// Transfer errors; [`Error::DataLength`] when `shape` does not hold the buffer.
     pub fn download_tensor(&self, b: &Be::Buf, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
         self.backend.download(b)?.converted(dtype).into_tensor(shape)
+    }
+
+    /// As [`ParallelPlan::download_tensor`], consuming the buffer: a host buffer no one else
+    /// holds becomes the tensor without a copy.
+    fn take_tensor(&self, b: Be::Buf, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
+        let host = self.backend.download(&b)?;
+        drop(b);
+        host.into_converted(dtype).into_tensor(shape)
     }
 
     fn local(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> LocalData<Be::Buf> {
