@@ -120,7 +120,7 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
         return (O::zeroed(dm.b * dm.s_q * dm.h_q * d), dk, dv);
     }
     // Every row of dq is written below (the sum of its partials, zero when none).
-    let mut dq = O::uninit(dm.b * dm.s_q * dm.h_q * d);
+    let mut dq = O::for_overwrite(dm.b * dm.s_q * dm.h_q * d);
     if dq.is_empty() {
         return (dq, dk, dv);
     }

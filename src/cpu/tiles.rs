@@ -248,7 +248,7 @@ pub(crate) trait Output: Copy + Default + Send + Sync {
         vec![Self::default(); len]
     }
     /// `len` elements of unspecified value, for buffers written in full before being read.
-    fn uninit(len: usize) -> Vec<Self> {
+    fn for_overwrite(len: usize) -> Vec<Self> {
         Self::zeroed(len)
     }
 }
@@ -264,7 +264,7 @@ impl Output for f32 {
         super::reuse::zeroed(len)
     }
 
-    fn uninit(len: usize) -> Vec<f32> {
+    fn for_overwrite(len: usize) -> Vec<f32> {
         super::reuse::take(len)
     }
 }

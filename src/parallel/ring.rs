@@ -214,6 +214,23 @@ fn exchange<B: Payload>(
     }
 }
 
+/// Posts hop `t`'s exchange of K/V blocks (the held pair to `to`, the next from `from`, each
+/// of `want` values); none after the last hop. The blocks are shared, not copied.
+fn post_kv<B: Payload>(
+    comm: &dyn Communicator<Buf = B>,
+    [to, from]: [usize; 2],
+    base: Tag,
+    t: usize,
+    hops: usize,
+    (k, v): (&B, &B),
+    want: usize,
+) -> Result<Option<Exchange<B>>> {
+    if t + 1 >= hops {
+        return Ok(None);
+    }
+    exchange(comm, to, from, base + KV_TAG + 2 * t as Tag, (k.clone(), v.clone()), want).map(Some)
+}
+
 /// A posted [`exchange`]: its sends and the receives of the next pair.
 struct Exchange<B> {
     sends: [SendHandle; 2],
@@ -261,18 +278,7 @@ pub(crate) fn forward<Be: Backend>(
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
-        let posted = if t + 1 < hops {
-            Some(exchange(
-                comm,
-                next,
-                prev,
-                base + KV_TAG + 2 * t as Tag,
-                (cur_k.clone(), cur_v.clone()),
-                incoming_len,
-            )?)
-        } else {
-            None
-        };
+        let posted = post_kv(comm, [next, prev], base, t, hops, (&cur_k, &cur_v), incoming_len)?;
         // Enqueue this hop's block, then wait for the next K/V while it runs.
         let k_pos = &x.pos[src];
         let start = Instant::now();
@@ -352,18 +358,7 @@ pub(crate) fn backward<Be: Backend>(
         let (c0, w0) = (stats.compute, stats.waiting);
         let src = (r + p - t) % p;
         let incoming_len = x.kv_len((src + p - 1) % p);
-        let posted = if t + 1 < hops {
-            Some(exchange(
-                comm,
-                next,
-                prev,
-                base + KV_TAG + 2 * t as Tag,
-                (cur_k.clone(), cur_v.clone()),
-                incoming_len,
-            )?)
-        } else {
-            None
-        };
+        let posted = post_kv(comm, [next, prev], base, t, hops, (&cur_k, &cur_v), incoming_len)?;
         let k_pos = &x.pos[src];
         let kl = x.kv_len(src);
         let start = Instant::now();
