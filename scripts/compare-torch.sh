@@ -2,6 +2,8 @@
 # Side-by-side CPU comparison with PyTorch SDPA (f32 or bf16, forward and backward, alternating runs).
 # Creates a venv with torch from PyPI on first use (about 3 GB; set TORCH_VENV to reuse one).
 # Usage: scripts/compare-torch.sh [--shape b,s,hq,hkv,d] [--causal] [--dtype f32|bf16] [--rounds N] [--json FILE]
+#        scripts/compare-torch.sh --matrix DIR [--shape b,s,hq,hkv,d] [--rounds N]
+#        (f32 and bf16, full and causal, one JSON each in DIR, and the README's table)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TORCH_VENV:-target/venv-torch}
