@@ -199,6 +199,9 @@ enum SetExtra {
     /// Stores `2^(value − sub[r])` instead, with running maxima of the values and running
     /// sums of the stored exponentials ([`product_exp2`]).
     Exp2,
+    /// As `Exp2`, the exponentials stored rounded to bf16 elsewhere than `C`
+    /// ([`product_exp2_bf16`]).
+    Exp2Bf16,
 }
 
 /// `C (op)= A · B` over `k2` steps for `rows` rows and the first `n16` vectors of B;
@@ -274,8 +277,35 @@ pub(crate) fn product_exp2<T: Element>(
     sums: &mut [f32],
 ) {
     let shape = Shape { c_rs, rows, n16, k2 };
-    let extra = Rows { sub: Some(sub), maxes: Some(maxes), sums: Some(sums) };
+    let extra = Rows { sub: Some(sub), maxes: Some(maxes), sums: Some(sums), probs: None };
     product_into(c, shape, a, b, Epilogue::Set(scale), Reach::All, extra)
+}
+
+/// [`product_exp2`] on bf16 pairs with the probabilities stored rounded to bf16 (nearest
+/// even) into `p` (row `r` at `p[r · p_rs..][..16 · n16]`, keys in order: the A pairs of the
+/// `P·V` product that follows) instead of f32 into a `C`: the bf16 forward's probabilities
+/// against a running max `sub`, with `maxes` and `sums` (of the values before rounding, so
+/// that the normaliser keeps f32 accuracy) as in [`product_exp2`].
+///
+/// # Panics
+/// As [`product_exp2`], with `p` in place of `C`, and when the processor lacks AVX512_BF16.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_exp2_bf16(
+    p: &mut [u16],
+    p_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    scale: f32,
+    sub: &[f32],
+    maxes: &mut [f32],
+    sums: &mut [f32],
+) {
+    let shape = Shape { c_rs: 0, rows, n16, k2 };
+    let extra = Rows { sub: Some(sub), maxes: Some(maxes), sums: Some(sums), probs: Some((p, p_rs)) };
+    product_into(&mut [], shape, a, b, Epilogue::Set(scale), Reach::All, extra)
 }
 
 /// A product's extent: `rows` rows of `C` (stride `c_rs`), `n16` vectors, `k2` steps.
@@ -293,6 +323,8 @@ struct Rows<'a, 'b> {
     sub: Option<&'b [f32]>,
     maxes: Option<&'a mut [f32]>,
     sums: Option<&'a mut [f32]>,
+    /// bf16 probabilities stored in place of `C`, with their row stride ([`product_exp2_bf16`]).
+    probs: Option<(&'a mut [u16], usize)>,
 }
 
 fn product_into<T: Element>(
@@ -310,7 +342,13 @@ fn product_into<T: Element>(
     }
     assert!(T::available(), "products on this element need AVX-512 instructions this processor lacks");
     assert!(n16 <= b.vectors, "product wider than its B operand");
-    assert!((rows - 1) * c_rs + 16 * n16 <= c.len(), "product output out of bounds");
+    let probs_rs = rows_io.probs.as_ref().map(|(p, rs)| {
+        assert!((rows - 1) * rs + 16 * n16 <= p.len(), "probabilities out of bounds");
+        *rs
+    });
+    if probs_rs.is_none() {
+        assert!((rows - 1) * c_rs + 16 * n16 <= c.len(), "product output out of bounds");
+    }
     if k2 > 0 {
         assert!((rows - 1) * a.rs + (k2 - 1) * a.ps < a.data.len(), "A operand out of bounds");
         assert!((k2 - 1) * b.vectors * 16 + 16 * n16 <= b.data.len(), "B operand out of bounds");
@@ -321,10 +359,11 @@ fn product_into<T: Element>(
     if let Reach::Lanes(r) | Reach::Steps(r) = reach {
         assert!(r.len() >= rows.div_ceil(BLOCK_ROWS), "reach of {} row blocks for {rows} rows", r.len());
     }
-    let extra = match (&rows_io.sub, &rows_io.maxes, &rows_io.sums) {
-        (None, None, None) => SetExtra::None,
-        (None, Some(_), None) => SetExtra::Max,
-        (Some(_), Some(_), Some(_)) => SetExtra::Exp2,
+    let extra = match (&rows_io.sub, &rows_io.maxes, &rows_io.sums, probs_rs) {
+        (None, None, None, None) => SetExtra::None,
+        (None, Some(_), None, None) => SetExtra::Max,
+        (Some(_), Some(_), Some(_), None) => SetExtra::Exp2,
+        (Some(_), Some(_), Some(_), Some(_)) if T::PER_STEP == 2 => SetExtra::Exp2Bf16,
         _ => unreachable!("epilogue rows of no product"),
     };
     if let Some(s) = rows_io.sub {
@@ -342,6 +381,10 @@ fn product_into<T: Element>(
             let row_ptr = |v: &mut Option<&mut [f32]>| {
                 v.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr())
             };
+            let (c_ptr, p_ptr) = match (&mut rows_io.probs, probs_rs) {
+                (Some((p, _)), Some(rs)) => (std::ptr::null_mut(), p[r0 * rs + v0 * 16..].as_mut_ptr()),
+                _ => (c[r0 * c_rs + v0 * 16..].as_mut_ptr(), std::ptr::null_mut()),
+            };
             let blk = Block {
                 a: a.data[r0 * a.rs + steps.start * a.ps..].as_ptr(),
                 a_rs: a.rs,
@@ -349,8 +392,10 @@ fn product_into<T: Element>(
                 b: b.data[steps.start * b.vectors * 16 + v0 * 16..].as_ptr(),
                 b_ps: b.vectors * 16,
                 k2: steps.len(),
-                c: c[r0 * c_rs + v0 * 16..].as_mut_ptr(),
+                c: c_ptr,
                 c_rs,
+                p: p_ptr,
+                p_rs: probs_rs.unwrap_or(0),
                 sub: rows_io.sub.map_or(std::ptr::null(), |s| s[r0..].as_ptr()),
                 maxes: row_ptr(&mut rows_io.maxes),
                 sums: row_ptr(&mut rows_io.sums),
@@ -379,9 +424,13 @@ fn product_into<T: Element>(
                     (2, SetExtra::None) => run!(block_bf16, EXTRA_NONE, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                     (2, SetExtra::Max) => run!(block_bf16, EXTRA_MAX, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                     (2, SetExtra::Exp2) => run!(block_bf16, EXTRA_EXP2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (2, SetExtra::Exp2Bf16) => {
+                        run!(block_bf16, EXTRA_EXP2_BF16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+                    }
                     (_, SetExtra::None) => run!(block_f32, EXTRA_NONE, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                     (_, SetExtra::Max) => run!(block_f32, EXTRA_MAX, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                     (_, SetExtra::Exp2) => run!(block_f32, EXTRA_EXP2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+                    (_, SetExtra::Exp2Bf16) => unreachable!("bf16 probabilities of an f32 product"),
                 }
             }
         }
@@ -399,6 +448,9 @@ struct Block<T> {
     k2: usize,
     c: *mut f32,
     c_rs: usize,
+    /// The bf16 probabilities in place of `c` ([`SetExtra::Exp2Bf16`]), or null.
+    p: *mut u16,
+    p_rs: usize,
     /// One subtrahend per row ([`SetExtra::Exp2`]), or null.
     sub: *const f32,
     /// 16 running maxima, sums per row, or null.
@@ -419,6 +471,8 @@ impl<T> Block<T> {
             k2: self.k2,
             c: self.c,
             c_rs: self.c_rs,
+            p: self.p,
+            p_rs: self.p_rs,
             sub: self.sub,
             maxes: self.maxes,
             sums: self.sums,
@@ -514,6 +568,7 @@ unsafe fn empty_block<T, const R: usize, const N: usize, const E: u8>(x: &Block<
 const EXTRA_NONE: u8 = 0;
 const EXTRA_MAX: u8 = 1;
 const EXTRA_EXP2: u8 = 2;
+const EXTRA_EXP2_BF16: u8 = 3;
 
 /// Stores a register block's accumulators into `C` as `epi` says, with the extra `E`.
 ///
@@ -532,7 +587,8 @@ unsafe fn epilogue<T, const R: usize, const N: usize, const E: u8>(
         // Running maximum and sum over the row's vectors, in registers.
         let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
         for (n, a) in row.iter().enumerate() {
-            let cp = x.c.add(r * x.c_rs + n * 16);
+            // Null (and not read or written) when the probabilities go to `p`.
+            let cp = x.c.wrapping_add(r * x.c_rs + n * 16);
             let mut out = match epi {
                 Epilogue::Set(scale) => _mm512_mul_ps(*a, _mm512_set1_ps(scale)),
                 Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
@@ -540,20 +596,26 @@ unsafe fn epilogue<T, const R: usize, const N: usize, const E: u8>(
             };
             if E == EXTRA_MAX {
                 row_max = _mm512_max_ps(row_max, out);
-            } else if E == EXTRA_EXP2 {
+            } else if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
                 // The shifted score in one rounding; the maxima keep it, not the score.
                 let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
                 row_max = _mm512_max_ps(row_max, shifted);
                 out = super::simd::avx512::exp2_finite(shifted);
                 row_sum = _mm512_add_ps(row_sum, out);
             }
-            _mm512_storeu_ps(cp, out);
+            if E == EXTRA_EXP2_BF16 {
+                // 16 probabilities rounded to bf16, keys in order: 8 A pairs of P·V.
+                let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(out));
+                _mm256_storeu_si256(x.p.add(r * x.p_rs + n * 16).cast(), rounded);
+            } else {
+                _mm512_storeu_ps(cp, out);
+            }
         }
         if E != EXTRA_NONE {
             let mp = x.maxes.add(r * 16);
             _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
         }
-        if E == EXTRA_EXP2 {
+        if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
             let sp = x.sums.add(r * 16);
             _mm512_storeu_ps(sp, _mm512_add_ps(_mm512_loadu_ps(sp), row_sum));
         }
@@ -911,6 +973,57 @@ mod tests {
                         (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
                         "O ({m},{n},{d}) [{i}][{c}] {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    /// `product_exp2_bf16` stores `2^(scale·(A·B) − sub)` rounded to bf16 (nearest even) in
+    /// `p` at its row stride, writes nothing else of `p`, and keeps the lanes' maxima of the
+    /// shifted scores and sums of the unrounded values on top of what they held.
+    #[test]
+    fn bf16_exponential_epilogue_rounds_into_p() {
+        if !bf16_available() {
+            return;
+        }
+        for &(m, n, d) in &[(1, 16, 2), (13, 48, 64), (25, 32, 33)] {
+            let (a, bm) = (values(m * d, 17), values(n * d, 18));
+            let mut ap = vec![0u32; m * pairs(d)];
+            pack_row_pairs(&a, m, d, d, &mut ap);
+            let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
+            pack_rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let aop = AOperand { data: &ap, rs: pairs(d), ps: 1 };
+            let bop = BOperand { data: &bl, vectors: vectors(n) };
+            let sub: Vec<f32> = (0..m).map(|i| i as f32 * 0.1 - 0.5).collect();
+            let (mut maxes, mut sums) = (vec![f32::NEG_INFINITY; 16 * m], vec![0.25f32; 16 * m]);
+            maxes[5] = 1e6;
+            // Rows 16 lanes longer than the product: those lanes must keep their sentinel.
+            let p_rs = n + 16;
+            let mut p = vec![0xffffu16; m * p_rs];
+            product_exp2_bf16(&mut p, p_rs, m, vectors(n), aop, bop, pairs(d), 0.5, &sub, &mut maxes, &mut sums);
+            let dot = |i: usize, j: usize| (0..d).map(|c| a[i * d + c].to_f64() * bm[j * d + c].to_f64()).sum::<f64>();
+            for i in 0..m {
+                let x: Vec<f64> = (0..n).map(|j| 0.5 * dot(i, j) - sub[i] as f64).collect();
+                for (j, &xj) in x.iter().enumerate() {
+                    let (got, want) = (bf16::from_bits(p[i * p_rs + j]).to_f64(), xj.exp2());
+                    // Half a bf16 ulp (at most 2^-8 relative) on top of the f32 exponential.
+                    assert!(
+                        (got - want).abs() <= (2f64.powi(-8) + 2e-6) * want,
+                        "P ({m},{n},{d}) [{i}][{j}] {got} vs {want}"
+                    );
+                }
+                assert!(p[i * p_rs + n..][..16].iter().all(|&b| b == 0xffff), "P ({m},{n},{d}) row {i} written past n");
+                for l in 0..16 {
+                    let lane = (l..n).step_by(16);
+                    let want_max = lane.clone().map(|j| x[j]).fold(f64::NEG_INFINITY, f64::max);
+                    let want_max = if i == 0 && l == 5 { 1e6 } else { want_max };
+                    let want_sum = 0.25 + lane.map(|j| x[j].exp2()).sum::<f64>();
+                    let (gm, gs) = (maxes[16 * i + l] as f64, sums[16 * i + l] as f64);
+                    assert!(
+                        (gm - want_max).abs() <= 1e-5 * (1.0 + want_max.abs()),
+                        "max [{i}][{l}] {gm} vs {want_max}"
+                    );
+                    assert!((gs - want_sum).abs() <= 1e-5 * want_sum, "sum [{i}][{l}] {gs} vs {want_sum}");
                 }
             }
         }
