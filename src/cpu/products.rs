@@ -583,43 +583,70 @@ unsafe fn epilogue<T, const R: usize, const N: usize, const E: u8>(
     acc: &[[std::arch::x86_64::__m512; N]; R],
 ) {
     use std::arch::x86_64::*;
-    for (r, row) in acc.iter().enumerate() {
-        // Running maximum and sum over the row's vectors, in registers.
-        let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
-        for (n, a) in row.iter().enumerate() {
-            // Null (and not read or written) when the probabilities go to `p`.
-            let cp = x.c.wrapping_add(r * x.c_rs + n * 16);
-            let mut out = match epi {
-                Epilogue::Set(scale) => _mm512_mul_ps(*a, _mm512_set1_ps(scale)),
-                Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
-                Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
-            };
-            if E == EXTRA_MAX {
-                row_max = _mm512_max_ps(row_max, out);
-            } else if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
-                // The shifted score in one rounding; the maxima keep it, not the score.
-                let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
-                row_max = _mm512_max_ps(row_max, shifted);
-                out = super::simd::avx512::exp2_finite(shifted);
-                row_sum = _mm512_add_ps(row_sum, out);
+    macro_rules! one_row {
+        ($r:expr) => {
+            if $r < R {
+                let r: usize = $r;
+                let row = &acc[r];
+                // Running maximum and sum over the row's vectors, in registers.
+                let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
+                for (n, a) in row.iter().enumerate() {
+                    // Null (and not read or written) when the probabilities go to `p`.
+                    let cp = x.c.wrapping_add(r * x.c_rs + n * 16);
+                    let mut out = match epi {
+                        Epilogue::Set(scale) => _mm512_mul_ps(*a, _mm512_set1_ps(scale)),
+                        Epilogue::Add => _mm512_add_ps(_mm512_loadu_ps(cp), *a),
+                        Epilogue::Rescale(alpha) => _mm512_fmadd_ps(_mm512_loadu_ps(cp), _mm512_set1_ps(alpha[r]), *a),
+                    };
+                    if E == EXTRA_MAX {
+                        row_max = _mm512_max_ps(row_max, out);
+                    } else if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
+                        // The shifted score in one rounding; the maxima keep it, not the score.
+                        let shifted = _mm512_fmsub_ps(*a, _mm512_set1_ps(scale_of(epi)), _mm512_set1_ps(*x.sub.add(r)));
+                        row_max = _mm512_max_ps(row_max, shifted);
+                        out = super::simd::avx512::exp2_finite(shifted);
+                        row_sum = _mm512_add_ps(row_sum, out);
+                    }
+                    if E == EXTRA_EXP2_BF16 {
+                        // 16 probabilities rounded to bf16, keys in order: 8 A pairs of P·V.
+                        let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(out));
+                        _mm256_storeu_si256(x.p.add(r * x.p_rs + n * 16).cast(), rounded);
+                    } else {
+                        _mm512_storeu_ps(cp, out);
+                    }
+                }
+                if E != EXTRA_NONE {
+                    let mp = x.maxes.add(r * 16);
+                    _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
+                }
+                if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
+                    let sp = x.sums.add(r * 16);
+                    _mm512_storeu_ps(sp, _mm512_add_ps(_mm512_loadu_ps(sp), row_sum));
+                }
             }
-            if E == EXTRA_EXP2_BF16 {
-                // 16 probabilities rounded to bf16, keys in order: 8 A pairs of P·V.
-                let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(out));
-                _mm256_storeu_si256(x.p.add(r * x.p_rs + n * 16).cast(), rounded);
-            } else {
-                _mm512_storeu_ps(cp, out);
-            }
-        }
-        if E != EXTRA_NONE {
-            let mp = x.maxes.add(r * 16);
-            _mm512_storeu_ps(mp, _mm512_max_ps(_mm512_loadu_ps(mp), row_max));
-        }
-        if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
-            let sp = x.sums.add(r * 16);
-            _mm512_storeu_ps(sp, _mm512_add_ps(_mm512_loadu_ps(sp), row_sum));
-        }
+        };
     }
+    if E == EXTRA_EXP2 || E == EXTRA_EXP2_BF16 {
+        // The exponentials' constants and temporaries leave too few registers to keep every
+        // accumulator through an unrolled epilogue: row by row in a loop.
+        for r in 0..R {
+            one_row!(r);
+        }
+        return;
+    }
+    // Unrolled: the accumulators stay in registers (no copy to the stack and back).
+    one_row!(0);
+    one_row!(1);
+    one_row!(2);
+    one_row!(3);
+    one_row!(4);
+    one_row!(5);
+    one_row!(6);
+    one_row!(7);
+    one_row!(8);
+    one_row!(9);
+    one_row!(10);
+    one_row!(11);
 }
 
 /// The pair `(row[2p], row[2p + 1])` of a row of width `d` as A/B operands hold it (zero
@@ -797,7 +824,6 @@ impl Packing for f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
     /// A small deterministic generator of bf16-representable values.
     fn values(n: usize, seed: u32) -> Vec<bf16> {
         let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
