@@ -49,6 +49,38 @@ impl TileConfig {
         let or = |x: usize, tuned: usize| if x == 0 { tuned } else { x };
         TileConfig { block_q: or(self.block_q, q), block_k: or(self.block_k, k) }
     }
+
+    /// The sizes a single-device call of `pass` with products in `arithmetic` on `s_q`
+    /// queries and `s_k` keys under `params` runs with: [`TileConfig::resolved`], except that
+    /// the bf16 forward's automatic key tiles are 256 rows where more than a quarter of the
+    /// visible tiles of 512 would take its exact passes (see the type's docs).
+    ///
+    /// # Errors
+    /// As [`crate::cpu::forward`] for `params` that do not fit the lengths
+    /// ([`crate::Error::Documents`]).
+    ///
+    /// ```
+    /// use ringattn::cpu::{Arithmetic, TileConfig};
+    /// use ringattn::{flops::Pass, AttentionParams, Mask};
+    /// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    /// let auto = TileConfig::default();
+    /// let at = |s| auto.chosen(Arithmetic::Bf16, Pass::Forward, &causal, s, s);
+    /// assert_eq!(at(4096)?, TileConfig { block_q: 128, block_k: 256 });
+    /// assert_eq!(at(32768)?, TileConfig { block_q: 128, block_k: 512 });
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    pub fn chosen(
+        self,
+        arithmetic: Arithmetic,
+        pass: Pass,
+        params: &crate::AttentionParams,
+        s_q: usize,
+        s_k: usize,
+    ) -> crate::Result<TileConfig> {
+        let vis = Visibility::single_device(params, s_q, s_k)?;
+        let (block_q, block_k, _, _) = call_spans(&vis, self, arithmetic, pass);
+        Ok(TileConfig { block_q, block_k })
+    }
 }
 
 /// Range of global positions and document indices of one tile's rows.

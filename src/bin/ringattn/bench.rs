@@ -250,8 +250,9 @@ fn describe_mask(p: &AttentionParams) -> String {
 /// The work of one pass: `(flops, dense_flops, tile shape, tiles, executed flops)`.
 fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64, f64, TileShape, Tiles, f64)> {
     let dims = &x.dims;
-    // The cpu backend's default tiles, as the path its products take resolves them.
-    let cpu_tiles = cpu::TileConfig::default().resolved(cpu::Arithmetic::Auto.resolve(x.dtype)?, pass.into());
+    // The cpu backend's default tiles, as the path its products take chooses them.
+    let arithmetic = cpu::Arithmetic::Auto.resolve(x.dtype)?;
+    let cpu_tiles = cpu::TileConfig::default().chosen(arithmetic, pass.into(), &x.params, dims.s_q, dims.s_k)?;
     let shape = match (backend, pass, x.kernels) {
         (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
             TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d).1 }

@@ -58,9 +58,11 @@ enum Command {
     /// FLOPs: forward 4·d per visible (query, key) pair, times b·h_q (s(s+1)/2 pairs per head
     /// when causal; windows and --seqlens documents counted exactly); backward 2.5× the
     /// forward. Reported beside them: the dense FLOPs (all s² pairs), the visible pairs per
-    /// (batch, head), and the tiles of the backend's tiling (cpu: 256×256; emu and cuda: the
-    /// forward kernel's and the dk/dv kernel's) per (batch, head), total and holding a
-    /// visible pair.
+    /// (batch, head), and the tiles of the backend's tiling (cpu: the tiles its path chooses,
+    /// `cpu::TileConfig::chosen`: f32 128×256 forward and 256×256 backward, bf16 128×512 with
+    /// the forward's key tiles 256 where over a quarter of the visible ones would take its
+    /// exact passes; emu and cuda: the forward kernel's and the dk/dv kernel's) per (batch,
+    /// head), total and holding a visible pair.
     ///
     /// cuda times device-resident inputs with CUDA events (no host copies in the timed
     /// region); its forward writes o in the input dtype (16-bit) and lse in f32, as PyTorch's
