@@ -93,7 +93,7 @@ impl<'a> Worker<'a> {
         sums.fill(0.0);
         let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
         mm::product_exp2_bf16(p16, sr, br, n16, qa, kop, dp, c, &self.st.m[..br], maxes, sums);
-        // SAFETY: this path runs only where AVX512F and AVX512_BF16 are (the caller checks).
+        // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
         let bounded = x_max <= LAZY_GROWTH && total.is_finite();
         if bounded {

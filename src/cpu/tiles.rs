@@ -18,7 +18,7 @@ use crate::params::Visibility;
 /// lazily, runs its automatic key tiles at 256 rows instead of 512 where more than a quarter
 /// of the visible tiles of 512 would take the exact passes (each query tile's first visible
 /// key tile and the partially masked ones: causal or windowed masks at moderate lengths;
-/// causal s = 4096: 12% faster; unmasked: 512 stays 5% faster).
+/// causal s = 4096: 7–12% faster; unmasked: 512 stays ~5% faster).
 ///
 /// ```
 /// use ringattn::cpu::{Arithmetic, TileConfig};
