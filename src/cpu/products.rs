@@ -824,6 +824,31 @@ impl Packing for f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// The bf16 operands of `S[m][n] = A[m][d] · B[n][d]ᵀ`: A as row pairs, B with its rows
+    /// as lanes.
+    fn score_operands(a: &[bf16], bm: &[bf16], m: usize, n: usize, d: usize) -> (Vec<u32>, Vec<u32>) {
+        let mut ap = vec![0u32; m * pairs(d)];
+        pack_row_pairs(a, m, d, d, &mut ap);
+        let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
+        pack_rows_as_lanes(bm, n, d, d, vectors(n), &mut bl);
+        (ap, bl)
+    }
+
+    /// Row `i`'s lanes after an exponential epilogue over the shifted scores `x` (f64) that
+    /// started from maxima of -inf (1e6 in lane 5 of row 0) and sums of 0.25: each lane's
+    /// maximum of its scores and sum of their exponentials on top.
+    fn check_lanes(i: usize, x: &[f64], maxes: &[f32], sums: &[f32]) {
+        for l in 0..16 {
+            let lane = (l..x.len()).step_by(16);
+            let want_max = lane.clone().map(|j| x[j]).fold(f64::NEG_INFINITY, f64::max);
+            let want_max = if i == 0 && l == 5 { 1e6 } else { want_max };
+            let want_sum = 0.25 + lane.map(|j| x[j].exp2()).sum::<f64>();
+            let (gm, gs) = (maxes[16 * i + l] as f64, sums[16 * i + l] as f64);
+            assert!((gm - want_max).abs() <= 1e-5 * (1.0 + want_max.abs()), "max [{i}][{l}] {gm} vs {want_max}");
+            assert!((gs - want_sum).abs() <= 1e-5 * want_sum, "sum [{i}][{l}] {gs} vs {want_sum}");
+        }
+    }
+
     /// A small deterministic generator of bf16-representable values.
     fn values(n: usize, seed: u32) -> Vec<bf16> {
         let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
@@ -903,10 +928,7 @@ mod tests {
         }
         for &(m, n, d) in &[(1, 16, 3), (13, 48, 64), (25, 96, 33)] {
             let (a, bm) = (values(m * d, 4), values(n * d, 5));
-            let mut ap = vec![0u32; m * pairs(d)];
-            pack_row_pairs(&a, m, d, d, &mut ap);
-            let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
-            pack_rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let (ap, bl) = score_operands(&a, &bm, m, n, d);
             let aop = AOperand { data: &ap, rs: pairs(d), ps: 1 };
             let bop = BOperand { data: &bl, vectors: vectors(n) };
             let c_rs = vectors(n) * 16;
@@ -966,18 +988,7 @@ mod tests {
                         let (got, want) = (e[i * c_rs + j] as f64, xj.exp2());
                         assert!((got - want).abs() <= 2e-6 * want, "exp ({m},{n},{d}) [{i}][{j}] {got} vs {want}");
                     }
-                    for l in 0..16 {
-                        let lane = (l..n).step_by(16);
-                        let want_max = lane.clone().map(|j| x[j]).fold(f64::NEG_INFINITY, f64::max);
-                        let want_max = if i == 0 && l == 5 { 1e6 } else { want_max };
-                        let want_sum = 0.25 + lane.map(|j| x[j].exp2()).sum::<f64>();
-                        let (gm, gs) = (maxes[16 * i + l] as f64, sums[16 * i + l] as f64);
-                        assert!(
-                            (gm - want_max).abs() <= 1e-5 * (1.0 + want_max.abs()),
-                            "max [{i}][{l}] {gm} vs {want_max}"
-                        );
-                        assert!((gs - want_sum).abs() <= 1e-5 * want_sum, "sum [{i}][{l}] {gs} vs {want_sum}");
-                    }
+                    check_lanes(i, &x, &maxes, &sums);
                 }
             }
             // O[m][d] = alpha ∘ O + P[m][n] · B[n][d] over n f32 steps.
@@ -1014,10 +1025,7 @@ mod tests {
         }
         for &(m, n, d) in &[(1, 16, 2), (13, 48, 64), (25, 32, 33)] {
             let (a, bm) = (values(m * d, 17), values(n * d, 18));
-            let mut ap = vec![0u32; m * pairs(d)];
-            pack_row_pairs(&a, m, d, d, &mut ap);
-            let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
-            pack_rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let (ap, bl) = score_operands(&a, &bm, m, n, d);
             let aop = AOperand { data: &ap, rs: pairs(d), ps: 1 };
             let bop = BOperand { data: &bl, vectors: vectors(n) };
             let sub: Vec<f32> = (0..m).map(|i| i as f32 * 0.1 - 0.5).collect();
@@ -1039,18 +1047,7 @@ mod tests {
                     );
                 }
                 assert!(p[i * p_rs + n..][..16].iter().all(|&b| b == 0xffff), "P ({m},{n},{d}) row {i} written past n");
-                for l in 0..16 {
-                    let lane = (l..n).step_by(16);
-                    let want_max = lane.clone().map(|j| x[j]).fold(f64::NEG_INFINITY, f64::max);
-                    let want_max = if i == 0 && l == 5 { 1e6 } else { want_max };
-                    let want_sum = 0.25 + lane.map(|j| x[j].exp2()).sum::<f64>();
-                    let (gm, gs) = (maxes[16 * i + l] as f64, sums[16 * i + l] as f64);
-                    assert!(
-                        (gm - want_max).abs() <= 1e-5 * (1.0 + want_max.abs()),
-                        "max [{i}][{l}] {gm} vs {want_max}"
-                    );
-                    assert!((gs - want_sum).abs() <= 1e-5 * want_sum, "sum [{i}][{l}] {gs} vs {want_sum}");
-                }
+                check_lanes(i, &x, &maxes, &sums);
             }
         }
     }
