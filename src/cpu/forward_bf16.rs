@@ -104,8 +104,8 @@ impl<'a> Worker<'a> {
     }
 
     /// The exact passes of key tile `ks` (of `kind`; `whole`: fully visible without padding
-    /// lanes) for query tile `qs`: S (masked), its row maxima, the new running max and
-    /// rescale factors, P against it rounded to bf16 into `p`.
+    /// lanes) for query tile `qs`: S = `c`·Q·Kᵀ (masked), its row maxima, the new running max
+    /// and rescale factors, P against it rounded to bf16 into `p`.
     #[allow(clippy::too_many_arguments)]
     fn exact(
         &mut self,
@@ -115,11 +115,11 @@ impl<'a> Worker<'a> {
         whole: bool,
         qa: AOperand,
         kop: BOperand,
+        c: f32,
         key_reach: &[std::ops::Range<usize>],
     ) {
         let x = self.x;
         let (br, bc, dp, sr) = (qs.len, ks.len, mm::pairs(x.dims.d), kop.vectors * 16);
-        let c = x.scale * std::f32::consts::LOG2_E;
         let s = &mut self.s[..br * sr];
         if whole {
             let maxes = &mut self.maxes[..16 * br];
@@ -175,7 +175,7 @@ impl QueryTileWork for Worker<'_> {
             let whole = kind == TileKind::Full && bc % 16 == 0;
             let lazy = whole && self.st.all_finite() && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
             if !lazy {
-                self.exact(qs, ks, kind, whole, qa, kop, &key_reach);
+                self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);
             }
             let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };

@@ -381,9 +381,9 @@ fn product_into<T: Element>(
             let row_ptr = |v: &mut Option<&mut [f32]>| {
                 v.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr())
             };
-            let (c_ptr, p_ptr) = match (&mut rows_io.probs, probs_rs) {
-                (Some((p, _)), Some(rs)) => (std::ptr::null_mut(), p[r0 * rs + v0 * 16..].as_mut_ptr()),
-                _ => (c[r0 * c_rs + v0 * 16..].as_mut_ptr(), std::ptr::null_mut()),
+            let (c_ptr, p_ptr) = match &mut rows_io.probs {
+                Some((p, rs)) => (std::ptr::null_mut(), p[r0 * *rs + v0 * 16..].as_mut_ptr()),
+                None => (c[r0 * c_rs + v0 * 16..].as_mut_ptr(), std::ptr::null_mut()),
             };
             let blk = Block {
                 a: a.data[r0 * a.rs + steps.start * a.ps..].as_ptr(),
@@ -870,11 +870,8 @@ mod tests {
         for &(m, n, d) in &[(1, 1, 1), (3, 17, 5), (8, 32, 64), (13, 47, 80), (19, 64, 33)] {
             let a = values(m * d, 1);
             let bm = values(n * d, 2);
-            let mut ap = vec![0u32; m * pairs(d)];
-            pack_row_pairs(&a, m, d, d, &mut ap);
             // S[m][n] = A[m][d] · B[n][d]ᵀ
-            let mut bl = vec![0u32; pairs(d) * vectors(n) * 16];
-            pack_rows_as_lanes(&bm, n, d, d, vectors(n), &mut bl);
+            let (ap, bl) = score_operands(&a, &bm, m, n, d);
             let c_rs = vectors(n) * 16;
             let mut s = vec![f32::NAN; m * c_rs];
             let aop = AOperand { data: &ap, rs: pairs(d), ps: 1 };
