@@ -375,8 +375,14 @@ fn product_into<T: Element>(
     #[cfg(target_arch = "x86_64")]
     for v0 in (0..n16).step_by(BLOCK_VECTORS) {
         let nv = (n16 - v0).min(BLOCK_VECTORS);
-        for r0 in (0..rows).step_by(BLOCK_ROWS) {
-            let nr = (rows - r0).min(BLOCK_ROWS);
+        let mut r0 = 0;
+        while r0 < rows {
+            // With the whole product in reach, the strip's full row blocks run in one call
+            // (one dispatch, the kernel's loop over them); otherwise one block per call.
+            let (nr, count) = match reach {
+                Reach::All if rows - r0 >= BLOCK_ROWS => (BLOCK_ROWS, (rows - r0) / BLOCK_ROWS),
+                _ => ((rows - r0).min(BLOCK_ROWS), 1),
+            };
             let steps = reach.block_steps(r0 / BLOCK_ROWS, v0, k2, T::PER_STEP);
             let row_ptr = |v: &mut Option<&mut [f32]>| {
                 v.as_deref_mut().map_or(std::ptr::null_mut(), |m| m[r0 * 16..].as_mut_ptr())
@@ -399,14 +405,15 @@ fn product_into<T: Element>(
                 sub: rows_io.sub.map_or(std::ptr::null(), |s| s[r0..].as_ptr()),
                 maxes: row_ptr(&mut rows_io.maxes),
                 sums: row_ptr(&mut rows_io.sums),
+                count,
             };
             let epi = match epi {
                 Epilogue::Rescale(alpha) => Epilogue::Rescale(&alpha[r0..]),
                 e => e,
             };
-            // SAFETY: the processor has the element's instructions (asserted); the block's
+            // SAFETY: the processor has the element's instructions (asserted); the blocks'
             // rows, steps and lanes lie inside the operands (bounds asserted above: rows
-            // r0..r0+nr, steps within 0..k2, vectors v0..v0+nv of n16; sub one per row,
+            // r0..r0+nr·count ≤ rows, steps within 0..k2, vectors v0..v0+nv of n16; sub one per row,
             // maxes and sums 16 per row). `T` is u32 or f32 (sealed), the pointers' types.
             unsafe {
                 macro_rules! run {
@@ -433,12 +440,14 @@ fn product_into<T: Element>(
                     (_, SetExtra::Exp2Bf16) => unreachable!("bf16 probabilities of an f32 product"),
                 }
             }
+            r0 += nr * count;
         }
     }
 }
 
 /// One register block's pointers (see [`block_bf16`]).
 #[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
 struct Block<T> {
     a: *const T,
     a_rs: usize,
@@ -456,10 +465,32 @@ struct Block<T> {
     /// 16 running maxima, sums per row, or null.
     maxes: *mut f32,
     sums: *mut f32,
+    /// Consecutive blocks of `R` rows to run (each `R` rows further down every row pointer).
+    count: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl<T> Block<T> {
+    /// The block `rows` rows further down (one block of it), with its epilogue.
+    #[inline(always)]
+    fn down<'e>(&self, rows: usize, epi: Epilogue<'e>) -> (Block<T>, Epilogue<'e>) {
+        let epi = match epi {
+            Epilogue::Rescale(alpha) => Epilogue::Rescale(&alpha[rows..]),
+            e => e,
+        };
+        let block = Block {
+            a: self.a.wrapping_add(rows * self.a_rs),
+            c: self.c.wrapping_add(rows * self.c_rs),
+            p: self.p.wrapping_add(rows * self.p_rs),
+            sub: self.sub.wrapping_add(rows),
+            maxes: self.maxes.wrapping_add(16 * rows),
+            sums: self.sums.wrapping_add(16 * rows),
+            count: 1,
+            ..*self
+        };
+        (block, epi)
+    }
+
     /// The same block with its operand pointers read as `U` (the caller's element type).
     fn cast<U>(&self) -> Block<U> {
         Block {
@@ -476,70 +507,82 @@ impl<T> Block<T> {
             sub: self.sub,
             maxes: self.maxes,
             sums: self.sums,
+            count: self.count,
         }
     }
 }
 
-/// `R` rows × `N` vectors of `C` from `k2` bf16 pair steps.
+/// `count` blocks of `R` rows × `N` vectors of `C`, one below the other, from `k2` bf16 pair
+/// steps each.
 ///
 /// # Safety
 /// AVX512F and AVX512_BF16 present; `a[r·a_rs + p·a_ps]`, `b[p·b_ps .. p·b_ps + 16·N]`,
-/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R`, `p < k2`; `sub` null or valid for `R`
-/// values, `maxes` and `sums` null or valid for `16·R`.
+/// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R·count`, `p < k2`; `sub` null or valid for
+/// `R·count` values, `maxes` and `sums` null or valid for `16·R·count`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x: &Block<u32>, epi: Epilogue) {
+unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x0: &Block<u32>, epi0: Epilogue) {
     use std::arch::x86_64::*;
-    if x.k2 == 0 {
-        return empty_block::<_, R, N, E>(x, epi);
-    }
-    // At least one step: every accumulator is written in registers before the epilogue
-    // reads them (no zeroed copy on the stack).
-    let mut acc = [[_mm512_setzero_ps(); N]; R];
-    for p in 0..x.k2 {
-        let bp = x.b.add(p * x.b_ps);
-        let mut bv = [_mm512_setzero_si512(); N];
-        for (n, v) in bv.iter_mut().enumerate() {
-            *v = _mm512_loadu_si512(bp.add(n * 16).cast());
+    for blk in 0..x0.count {
+        let (block, epi) = x0.down(blk * R, epi0);
+        let x = &block;
+        if x.k2 == 0 {
+            empty_block::<_, R, N, E>(x, epi);
+            continue;
         }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*x.a.add(r * x.a_rs + p * x.a_ps) as i32));
-            for (n, a) in row.iter_mut().enumerate() {
-                *a = _mm512_dpbf16_ps(*a, av, std::mem::transmute::<__m512i, __m512bh>(bv[n]));
+        // At least one step: every accumulator is written in registers before the epilogue
+        // reads them (no zeroed copy on the stack).
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        for p in 0..x.k2 {
+            let bp = x.b.add(p * x.b_ps);
+            let mut bv = [_mm512_setzero_si512(); N];
+            for (n, v) in bv.iter_mut().enumerate() {
+                *v = _mm512_loadu_si512(bp.add(n * 16).cast());
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*x.a.add(r * x.a_rs + p * x.a_ps) as i32));
+                for (n, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_dpbf16_ps(*a, av, std::mem::transmute::<__m512i, __m512bh>(bv[n]));
+                }
             }
         }
+        epilogue::<_, R, N, E>(x, epi, &acc);
     }
-    epilogue::<_, R, N, E>(x, epi, &acc);
 }
 
-/// `R` rows × `N` vectors of `C` from `k2` f32 steps.
+/// `count` blocks of `R` rows × `N` vectors of `C` from `k2` f32 steps each.
 ///
 /// # Safety
 /// AVX512F present; otherwise as [`block_bf16`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn block_f32<const R: usize, const N: usize, const E: u8>(x: &Block<f32>, epi: Epilogue) {
+unsafe fn block_f32<const R: usize, const N: usize, const E: u8>(x0: &Block<f32>, epi0: Epilogue) {
     use std::arch::x86_64::*;
-    if x.k2 == 0 {
-        return empty_block::<_, R, N, E>(x, epi);
-    }
-    // At least one step: every accumulator is written in registers before the epilogue
-    // reads them (no zeroed copy on the stack).
-    let mut acc = [[_mm512_setzero_ps(); N]; R];
-    for p in 0..x.k2 {
-        let bp = x.b.add(p * x.b_ps);
-        let mut bv = [_mm512_setzero_ps(); N];
-        for (n, v) in bv.iter_mut().enumerate() {
-            *v = _mm512_loadu_ps(bp.add(n * 16));
+    for blk in 0..x0.count {
+        let (block, epi) = x0.down(blk * R, epi0);
+        let x = &block;
+        if x.k2 == 0 {
+            empty_block::<_, R, N, E>(x, epi);
+            continue;
         }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let av = _mm512_set1_ps(*x.a.add(r * x.a_rs + p * x.a_ps));
-            for (n, a) in row.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(av, bv[n], *a);
+        // At least one step: every accumulator is written in registers before the epilogue
+        // reads them (no zeroed copy on the stack).
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        for p in 0..x.k2 {
+            let bp = x.b.add(p * x.b_ps);
+            let mut bv = [_mm512_setzero_ps(); N];
+            for (n, v) in bv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(bp.add(n * 16));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*x.a.add(r * x.a_rs + p * x.a_ps));
+                for (n, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(av, bv[n], *a);
+                }
             }
         }
+        epilogue::<_, R, N, E>(x, epi, &acc);
     }
-    epilogue::<_, R, N, E>(x, epi, &acc);
 }
 
 /// The scale of an [`Epilogue::Set`] (1 otherwise).
@@ -867,7 +910,7 @@ mod tests {
         if !bf16_available() {
             return;
         }
-        for &(m, n, d) in &[(1, 1, 1), (3, 17, 5), (8, 32, 64), (13, 47, 80), (19, 64, 33)] {
+        for &(m, n, d) in &[(1, 1, 1), (3, 17, 5), (8, 32, 64), (13, 47, 80), (19, 64, 33), (37, 33, 20)] {
             let a = values(m * d, 1);
             let bm = values(n * d, 2);
             // S[m][n] = A[m][d] · B[n][d]ᵀ
