@@ -413,8 +413,9 @@ fn product_into<T: Element>(
             };
             // SAFETY: the processor has the element's instructions (asserted); the blocks'
             // rows, steps and lanes lie inside the operands (bounds asserted above: rows
-            // r0..r0+nr·count ≤ rows, steps within 0..k2, vectors v0..v0+nv of n16; sub one per row,
-            // maxes and sums 16 per row). `T` is u32 or f32 (sealed), the pointers' types.
+            // r0..r0+nr·count ≤ rows, steps within 0..k2, vectors v0..v0+nv of n16; sub one
+            // per row, maxes and sums 16 per row). `T` is u32 or f32 (sealed), the pointers'
+            // types.
             unsafe {
                 macro_rules! run {
                     ($kernel:ident, $e:ident, $($r:literal),*) => {

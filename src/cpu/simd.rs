@@ -306,12 +306,12 @@ pub(crate) mod avx512 {
 
     /// `2^x` on 16 lanes of finite `x` (or NaN), for the probabilities in the epilogue of
     /// `Q·Kᵀ` (the lazy tiles of the forwards), where every instruction shows in the product's
-    /// rate: [`EXP2_POLY5`] (relative error below 2.5e-7 where `2^x` is normal, a tenth of a
-    /// percent on the product against [`exp2`]), no clamps and no masks, the power of two
-    /// applied by `vscalefps`: gradual underflow below 2^-126 (0 from -150 on), `+inf` from
-    /// 128 on, NaN kept. `±inf` in gives NaN; the epilogue's arguments are finite (a
-    /// non-finite one makes its row's sum NaN, and the row is computed again by the exact
-    /// passes).
+    /// rate: [`EXP2_POLY5`] (relative error below 2.5e-7 where `2^x` is normal), no clamps
+    /// and no masks — a multiply-add and the mask fewer than [`exp2`], 1.3% on the product —
+    /// the power of two applied by `vscalefps`: gradual underflow below 2^-126 (0 from -150
+    /// on), `+inf` from 128 on, NaN kept. `±inf` in gives NaN; the epilogue's arguments are
+    /// finite (a non-finite one makes its row's sum NaN, and the row is computed again by the
+    /// exact passes).
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(crate) fn exp2_finite(x: __m512) -> __m512 {
