@@ -6,7 +6,7 @@
 //! validated once against the driver's rules (`cuTensorMapEncodeTiled`,
 //! `../shared/reference/hopper-ptx.md` §4.2), so that both encoders see the same accepted
 //! input: [`TensorMapSpec::encode_emulated`] writes the emulator's encoding (read by the
-//! twins in `cuda/ptx.cuh`), [`TensorMapSpec::encode_driver`] (feature `cuda`) the driver's.
+//! twins in `cuda/ptx.cuh`), `TensorMapSpec::encode_driver` (feature `cuda`) the driver's.
 //!
 //! ```
 //! use ringattn::kernels::tensor_map::{TensorMapDType, TensorMapSpec, TensorMapSwizzle};
