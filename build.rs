@@ -7,7 +7,9 @@
 //! * nvcc is looked up in `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, then `PATH`. Without
 //!   it a `cuda` build prints a warning and everything that is not CUDA still builds and
 //!   tests; builds without `cuda` do not look for it. With `emu`, the kernels are also
-//!   compiled for the host emulator (the cc crate), which needs no nvcc.
+//!   compiled for the host emulator (the cc crate), which needs no nvcc, into a static library
+//!   cached by a hash of `cuda/`, the C++ compiler and its flags in `$RINGATTN_EMU_CACHE` or
+//!   `<target>/emu-cache` (every feature set and `cargo check` run this script anew).
 //! * Outputs are cached by a hash of the sources, flags and nvcc version, in
 //!   `$RINGATTN_NVCC_CACHE` or `<target>/nvcc-cache`, so unchanged kernels are not recompiled.
 //! * ptxas's resource report (registers, stack, spills) is forwarded as build warnings; with
@@ -32,6 +34,7 @@ fn main() {
         "PATH",
         "RINGATTN_CUDA_ARCHS",
         "RINGATTN_NVCC_CACHE",
+        "RINGATTN_EMU_CACHE",
         "RINGATTN_DENY_SPILLS",
         "RINGATTN_NO_CUDA",
     ] {
@@ -39,7 +42,7 @@ fn main() {
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     if env::var_os("CARGO_FEATURE_EMU").is_some() {
-        build_emulator();
+        build_emulator(&out_dir);
     }
     let sources = cuda_sources();
     for s in &sources {
@@ -214,26 +217,101 @@ fn record_inputs(cache: &Path, sources: &[PathBuf], version: &str) {
     }
 }
 
-/// Compiles the kernels for the host against the emulator (`cuda/emu/`), with the `cc` crate.
-fn build_emulator() {
-    cc::Build::new()
+/// Compiles the kernels for the host against the emulator (`cuda/emu/`), with the `cc` crate,
+/// into a static library cached by a hash of every file under `cuda/`, the compiler, its
+/// version and its flags (`$RINGATTN_EMU_CACHE` or `<target>/emu-cache`): each feature set
+/// (and `cargo check`) runs this script on its own, and the seven translation units take a
+/// minute of two cores. The newest [`EMU_CACHE_KEEP`] entries are kept.
+fn build_emulator(out_dir: &Path) {
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
         .std("c++17")
         .include("cuda")
-        .file("cuda/emu/kernels.cpp")
-        .file("cuda/emu/kernels_fwd.cpp")
-        .file("cuda/emu/kernels_bwd.cpp")
-        .file("cuda/emu/kernels_fwd_hopper.cpp")
-        .file("cuda/emu/kernels_bwd_hopper.cpp")
-        .file("cuda/emu/selftest.cpp")
-        .file("cuda/emu/selftest_ptx.cpp")
+        .files([
+            "cuda/emu/kernels.cpp",
+            "cuda/emu/kernels_fwd.cpp",
+            "cuda/emu/kernels_bwd.cpp",
+            "cuda/emu/kernels_fwd_hopper.cpp",
+            "cuda/emu/kernels_bwd_hopper.cpp",
+            "cuda/emu/selftest.cpp",
+            "cuda/emu/selftest_ptx.cpp",
+        ])
         .opt_level(2)
         .warnings(true)
         .extra_warnings(true)
         // The Hopper kernels take their 64-byte aligned params by value (GCC notes an ABI
         // change from 4.6 for that; both sides are compiled here).
-        .flag_if_supported("-Wno-psabi")
-        .compile("ringattn_emu");
+        .flag_if_supported("-Wno-psabi");
+    // The compiler as cc resolved it (CXX, CXXFLAGS, target, debug info, ...): its path, its
+    // arguments and what it says of its version key the cache.
+    let compiler = build.get_compiler();
+    let mut hasher = DefaultHasher::new();
+    compiler.path().hash(&mut hasher);
+    compiler.args().hash(&mut hasher);
+    run(compiler.to_command().arg("--version")).unwrap_or_default().hash(&mut hasher);
+    for file in files_under(Path::new("cuda")) {
+        file.hash(&mut hasher);
+        fs::read(&file).unwrap_or_default().hash(&mut hasher);
+    }
+    let root =
+        env::var_os("RINGATTN_EMU_CACHE").map(PathBuf::from).unwrap_or_else(|| target_dir(out_dir).join("emu-cache"));
+    let entry = root.join(format!("{:016x}", hasher.finish()));
+    let library = entry.join("libringattn_emu.a");
+    if library.exists() {
+        // Touched, so that pruning keeps the entries in use.
+        let _ =
+            fs::File::options().append(true).open(&library).and_then(|f| f.set_modified(std::time::SystemTime::now()));
+    } else {
+        // Built beside the entry and renamed into place: an interrupted build leaves no entry,
+        // and of two builds racing for one entry the second finds it complete.
+        let staging = root.join(format!("staging-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&staging);
+        fs::create_dir_all(&staging).expect("create the emulator cache");
+        build.clone().cargo_metadata(false).out_dir(&staging).compile("ringattn_emu");
+        // The archive holds the objects.
+        for object in files_under(&staging).into_iter().filter(|f| f.extension().is_some_and(|e| e == "o")) {
+            let _ = fs::remove_file(object);
+        }
+        if fs::rename(&staging, &entry).is_err() {
+            let _ = fs::remove_dir_all(&staging);
+            assert!(library.exists(), "cannot move the emulator library into {}", entry.display());
+        }
+        prune(&root, EMU_CACHE_KEEP);
+    }
+    cc::emit_link_directives(&build, &library);
+}
+
+/// Entries of the emulator cache kept (about 50 MB each, most of it debug information).
+const EMU_CACHE_KEEP: usize = 4;
+
+/// Removes all but the `keep` most recently used entries of a cache directory.
+fn prune(root: &Path, keep: usize) {
+    let mtime = |p: &Path| fs::metadata(p.join("libringattn_emu.a")).and_then(|m| m.modified()).ok();
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(root)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter_map(|p| Some((mtime(&p)?, p))).collect())
+        .unwrap_or_default();
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, stale) in entries.into_iter().skip(keep) {
+        let _ = fs::remove_dir_all(stale);
+    }
+}
+
+/// Every file under `dir`, recursively, sorted.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        for path in fs::read_dir(&d).into_iter().flatten().filter_map(|e| e.ok().map(|e| e.path())) {
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
 }
 
 /// Every file under `cuda/` (sources and headers), sorted, excluding the emulator's own tree.
@@ -294,8 +372,12 @@ fn cache_dir(out_dir: &Path) -> PathBuf {
     if let Some(dir) = env::var_os("RINGATTN_NVCC_CACHE") {
         return PathBuf::from(dir);
     }
-    // OUT_DIR is <target>/<profile>/build/<pkg>-<hash>/out.
-    out_dir.ancestors().nth(4).map(|t| t.join("nvcc-cache")).unwrap_or_else(|| out_dir.join("nvcc-cache"))
+    target_dir(out_dir).join("nvcc-cache")
+}
+
+/// The target directory: OUT_DIR is `<target>/<profile>/build/<pkg>-<hash>/out`.
+fn target_dir(out_dir: &Path) -> PathBuf {
+    out_dir.ancestors().nth(4).unwrap_or(out_dir).to_path_buf()
 }
 
 /// Runs a command; returns stdout + stderr, or an error with them when it fails.

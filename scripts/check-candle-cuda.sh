@@ -15,7 +15,7 @@ nvcc_home=$(cd "$(dirname "$(ls -d target/venv-nvcc/lib/python3*/site-packages/n
 export PATH="$nvcc_home/bin:$PATH" CUDA_HOME="$nvcc_home" CUDA_PATH="$nvcc_home"
 export RINGATTN_REAL_NVCC="$nvcc_home/bin/nvcc" NVCC="$PWD/scripts/nvcc-check-only.sh"
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
-export RINGATTN_NVCC_CACHE="$PWD/target/nvcc-cache" RINGATTN_DENY_SPILLS=1
+export RINGATTN_NVCC_CACHE="$PWD/target/nvcc-cache" RINGATTN_EMU_CACHE="$PWD/target/emu-cache" RINGATTN_DENY_SPILLS=1
 export CARGO_TARGET_DIR="$PWD/target/candle-cuda"
 cargo clippy --all-targets --features candle,cuda,mpi -- -D warnings
 cargo check -p candle-cuda-check
