@@ -100,8 +100,10 @@ canary=target/clippy-canary
 mkdir -p "$canary/src"
 printf '[package]\nname = "clippy-canary"\nversion = "0.0.0"\nedition = "2021"\n[workspace]\n' >"$canary/Cargo.toml"
 printf 'fn main() {\n    let v = [1, 2, 3];\n    for i in 0..v.len() {\n        println!("{}", v[i]);\n    }\n}\n' >"$canary/src/main.rs"
-if cargo build -q --manifest-path "$canary/Cargo.toml" 2>/dev/null; then
-  echo "clippy-driver as RUSTC_WORKSPACE_WRAPPER did not deny a clippy lint: the tests' build is not linted" >&2
+if cargo build -q --manifest-path "$canary/Cargo.toml" >"$canary/build.log" 2>&1 ||
+  ! grep -q '^error: the loop variable `i` is only used to index `v`' "$canary/build.log"; then
+  cat "$canary/build.log" >&2
+  echo "clippy-driver as RUSTC_WORKSPACE_WRAPPER did not deny clippy::needless_range_loop: the tests' build would not be linted" >&2
   exit 1
 fi
 # One build for the default features' tests, the candle operation against the oracle and the
