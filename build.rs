@@ -285,7 +285,8 @@ fn build_emulator(out_dir: &Path) {
 /// Entries of the emulator cache kept (about 50 MB each, most of it debug information).
 const EMU_CACHE_KEEP: usize = 4;
 
-/// Removes all but the `keep` most recently used entries of a cache directory.
+/// Removes all but the `keep` most recently used entries of the emulator cache (by their
+/// libraries' modification times, which a cache hit touches).
 fn prune(root: &Path, keep: usize) {
     let mtime = |p: &Path| fs::metadata(p.join("libringattn_emu.a")).and_then(|m| m.modified()).ok();
     let mut entries: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(root)
@@ -316,11 +317,7 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 
 /// Every file under `cuda/` (sources and headers), sorted, excluding the emulator's own tree.
 fn cuda_sources() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = fs::read_dir("cuda")
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect())
-        .unwrap_or_default();
-    v.sort();
-    v
+    files_under(Path::new("cuda")).into_iter().filter(|p| p.parent() == Some(Path::new("cuda"))).collect()
 }
 
 fn find_nvcc() -> Option<PathBuf> {

@@ -307,9 +307,9 @@ pub(crate) mod avx512 {
     /// `2^x` on 16 lanes of finite `x` (or NaN), for the probabilities in the epilogue of
     /// `Q·Kᵀ` (the lazy tiles of the forwards), where every instruction shows in the product's
     /// rate: [`EXP2_POLY5`] (relative error below 2.5e-7 where `2^x` is normal), no clamps
-    /// and no masks — a multiply-add and the mask fewer than [`exp2`], 1.3% on the product —
-    /// the power of two applied by `vscalefps`: gradual underflow below 2^-126 (0 from -150
-    /// on), `+inf` from 128 on, NaN kept. `±inf` in gives NaN; the epilogue's arguments are
+    /// and no masks (a multiply-add and the mask fewer than [`exp2`]), the power of two
+    /// applied by `vscalefps`: gradual underflow below 2^-126 (0 from -150 on), `+inf` from
+    /// 128 on, NaN kept. `±inf` in gives NaN; the epilogue's arguments are
     /// finite (a non-finite one makes its row's sum NaN, and the row is computed again by the
     /// exact passes).
     #[inline]
