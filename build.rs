@@ -12,6 +12,9 @@
 //!   `<target>/emu-cache` (every feature set and `cargo check` run this script anew).
 //! * Outputs are cached by a hash of the sources, flags and nvcc version, in
 //!   `$RINGATTN_NVCC_CACHE` or `<target>/nvcc-cache`, so unchanged kernels are not recompiled.
+//! * The images are embedded deflate-compressed (about a fifth of their size: the binary
+//!   with every architecture stays far under the 64 MiB that can be carried to a GPU
+//!   machine), each expanded on first use (`ringattn::kernels::KernelImage::bytes`).
 //! * ptxas's resource report (registers, stack, spills) is forwarded as build warnings; with
 //!   `RINGATTN_DENY_SPILLS=1` (CI) any spill fails the build. An nvcc error fails the build
 //!   with its message.
@@ -112,21 +115,18 @@ fn main() {
     }
     record_inputs(&cache, &sources, &version);
     for job in &jobs {
-        let file = job.output(&cache);
         let (family, target) = (&job.family, &job.target);
-        if job.ptx {
-            images.push_str(&format!(
-                "    KernelImage {{ family: {family:?}, target: {target:?}, kind: ImageKind::Ptx, bytes: include_bytes!({:?}) }},\n",
-                file.display().to_string()
-            ));
-        } else {
+        let kind = if job.ptx { "Ptx" } else { "Cubin" };
+        if !job.ptx {
             let text = fs::read_to_string(job.report(&cache)).unwrap_or_default();
             check_report(&text, family, target, deny_spills);
-            images.push_str(&format!(
-                "    KernelImage {{ family: {family:?}, target: {target:?}, kind: ImageKind::Cubin, bytes: include_bytes!({:?}) }},\n",
-                file.display().to_string()
-            ));
         }
+        let (deflated, size) = deflate_cached(&job.output(&cache));
+        images.push_str(&format!(
+            "    KernelImage {{ family: {family:?}, target: {target:?}, kind: ImageKind::{kind}, size: {size}, \
+             deflated: include_bytes!({:?}) }},\n",
+            deflated.display().to_string()
+        ));
     }
     images.push_str("];\n");
     images.push_str(&format!(
@@ -180,6 +180,27 @@ impl Job {
         }
         fs::rename(&tmp, &out).map_err(|e| format!("cache {}: {e}", out.display()))
     }
+}
+
+/// The image `file` deflate-compressed beside it in the cache (`<file>.deflate`, written once:
+/// the images of every architecture are over 50 MB raw, about a fifth of that compressed, and
+/// the binary carries them; `ringattn::kernels` expands each on first use). Returns the
+/// compressed file and the image's size. The compressed stream is checked to expand to the
+/// image before it is cached.
+fn deflate_cached(file: &Path) -> (PathBuf, usize) {
+    let raw = fs::read(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+    let mut name = file.as_os_str().to_owned();
+    name.push(".deflate");
+    let out = PathBuf::from(name);
+    if !out.exists() {
+        let packed = miniz_oxide::deflate::compress_to_vec(&raw, 9);
+        let back = miniz_oxide::inflate::decompress_to_vec_with_limit(&packed, raw.len())
+            .unwrap_or_else(|e| panic!("deflate round trip of {}: {e:?}", file.display()));
+        assert!(back == raw, "deflate round trip of {} changed the image", file.display());
+        let tmp = out.with_extension(format!("tmp{}", std::process::id()));
+        fs::write(&tmp, &packed).and_then(|()| fs::rename(&tmp, &out)).expect("cache the compressed image");
+    }
+    (out, raw.len())
 }
 
 /// The family's own ptxas options: the words after `// ptxas-options:` on a line of its source

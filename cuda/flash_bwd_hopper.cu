@@ -36,6 +36,10 @@
 // rounded up to 64, 128 or 256 (src/kernels.rs `geometry::dkdv_hopper` launches them: grid
 // (ceil(s_k / kBlockN), h_kv, b), 384 threads, HopperBwdTraits<D>::kSmem bytes). Builds for
 // other architectures compile the entries to a trap.
+//
+// setmaxnreg-split: 1x24 2x240
+// (the producer warpgroup at 24 registers, two consumers at 240: 64512 of the 168 x 384 the
+// block gets at entry; scripts/sass-gates.sh checks that ptxas's count covers it)
 #include "hopper.cuh"
 
 template <int D>

@@ -27,6 +27,10 @@
 // the head dim rounded up to 64, 128 or 256 (src/kernels.rs `geometry::forward_hopper`, with
 // the launch: grid (ceil(s_q / 128), h_q, b), 384 threads, HopperFwdTraits<D>::kSmem bytes).
 // Builds for other architectures compile the entries to a trap.
+//
+// setmaxnreg-split: 1x24 2x240
+// (the producer warpgroup at 24 registers, two consumers at 240: 64512 of the 168 x 384 the
+// block gets at entry; scripts/sass-gates.sh checks that ptxas's count covers it)
 #include "hopper.cuh"
 
 template <int D>

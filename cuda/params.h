@@ -2,6 +2,7 @@
 // Each is mirrored once in Rust (#[repr(C)]) with size and alignment asserts; change both
 // together. Plain C layout: 8-byte pointers and 64-bit integers only, no padding.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 // merge.cu: combine partial (O, LSE) over disjoint key sets, in place into the accumulator.
@@ -20,16 +21,18 @@ struct MergeParams {
 static_assert(sizeof(MergeParams) == 64, "MergeParams is mirrored in Rust: 4 pointers + 4 int64");
 static_assert(alignof(MergeParams) == 8, "MergeParams alignment");
 
-// A tensor map (the operand of the bulk tensor copies, TMA): 128 bytes, 64-byte aligned.
+// A tensor map (the operand of the bulk tensor copies, TMA): 128 bytes, 128-byte aligned (CUDA
+// 13's cuda.h declares CUtensorMap alignas(128); a kernel parameter's map must sit at a
+// 128-byte multiple of the parameter space, so every params struct places its maps there).
 // On the device the driver's CUtensorMap (cuTensorMapEncodeTiled); in the emulator its own
 // encoding of the same fields (src/kernels/tensor_map.rs writes both; ptx.cuh reads the
 // emulator's). Kernels take it inside their params struct, passed as a __grid_constant__.
-struct alignas(64) TensorMap {
+struct alignas(128) TensorMap {
     uint64_t words[16];
 };
 
 static_assert(sizeof(TensorMap) == 128, "TensorMap is mirrored in Rust: 16 words");
-static_assert(alignof(TensorMap) == 64, "TensorMap alignment (CUtensorMap's)");
+static_assert(alignof(TensorMap) == 128, "TensorMap alignment (CUDA 13 CUtensorMap's)");
 
 // Visibility of (query row i, key row j), evaluated per pair on global positions, the rule of
 // src/mask.rs: visible iff k_pos[j] >= q_pos[i] - window_left (when window_left >= 0),
@@ -83,12 +86,15 @@ static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 // (q) or kBlockN (k, v) rows x 1, 128-byte swizzle). Passed as a __grid_constant__.
 struct FlashFwdHopperParams {
     FlashFwdParams p;
-    uint64_t reserved;  // pads p to 192 bytes: the maps are 64-byte aligned
+    uint64_t reserved[9];  // pads p to 256 bytes: the maps are 128-byte aligned
     TensorMap q, k, v;
 };
 
-static_assert(sizeof(FlashFwdHopperParams) == 576, "FlashFwdHopperParams is mirrored in Rust");
-static_assert(alignof(FlashFwdHopperParams) == 64, "FlashFwdHopperParams alignment");
+static_assert(sizeof(FlashFwdHopperParams) == 640, "FlashFwdHopperParams is mirrored in Rust");
+static_assert(alignof(FlashFwdHopperParams) == 128, "FlashFwdHopperParams alignment");
+static_assert(offsetof(FlashFwdHopperParams, q) == 256 && offsetof(FlashFwdHopperParams, k) == 384 &&
+                  offsetof(FlashFwdHopperParams, v) == 512,
+              "FlashFwdHopperParams: maps at 128-byte multiples, mirrored in Rust");
 
 // flash_bwd.cu: the gradients of one block of keys given the final o, lse of the queries.
 // delta = rowsum(d_o * o) (ringattn_flash_bwd_rowsum writes it from o and d_o); dk, dv are f32
@@ -125,12 +131,16 @@ static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 // maps {b h_q s_q, 1}: boxes of 64 x 1, no swizzle). Passed as a __grid_constant__.
 struct FlashBwdHopperParams {
     FlashBwdParams p;
-    uint64_t reserved[2];  // pads p to 256 bytes: the maps are 64-byte aligned
+    uint64_t reserved[2];  // pads p to 256 bytes: the maps are 128-byte aligned
     TensorMap q, k, v, d_o, lse, delta;
 };
 
 static_assert(sizeof(FlashBwdHopperParams) == 1024, "FlashBwdHopperParams is mirrored in Rust");
-static_assert(alignof(FlashBwdHopperParams) == 64, "FlashBwdHopperParams alignment");
+static_assert(alignof(FlashBwdHopperParams) == 128, "FlashBwdHopperParams alignment");
+static_assert(offsetof(FlashBwdHopperParams, q) == 256 && offsetof(FlashBwdHopperParams, k) == 384 &&
+                  offsetof(FlashBwdHopperParams, v) == 512 && offsetof(FlashBwdHopperParams, d_o) == 640 &&
+                  offsetof(FlashBwdHopperParams, lse) == 768 && offsetof(FlashBwdHopperParams, delta) == 896,
+              "FlashBwdHopperParams: maps at 128-byte multiples, mirrored in Rust");
 
 // ops.cu: the data movements of the sequence-parallel drivers on device buffers (the
 // `Buffers` operations of src/parallel/backend.rs) and the f32 <-> bf16/f16 conversions. One

@@ -1455,7 +1455,7 @@ inline void tma_store(const TensorMap* map, const void* src, const int32_t* c, u
     }
     const unsigned char* base = current->block->smem.data() + current->block->smem_offset;
     tma_box_for_each(v, c, [&](uint64_t dense, unsigned char* dst) {
-        if (dst != nullptr && check_global(dst, v.elem, what)) {
+        if (dst != nullptr && check_global(dst, v.elem, what, true)) {
             std::memcpy(dst, base + tma_swizzled(off, dense, v.swizzle), v.elem);
         }
     });

@@ -34,8 +34,9 @@
 # is left of a global deadline: quick mode (the default) runs at most 330 s of steps, then
 # the summary (about 2 s): under 6 minutes, typically 3-4; --full at most 540 s (under 9.5
 # minutes; a call of its own, timeout_s=600).
-# Exit status: 0 every step passed; 1 some step failed, timed out or was skipped; 2 bad
-# arguments; 3 refused or stopped at step 0; 4 no GPU here (every GPU step failed fast).
+# Exit status: 0 every step passed; 1 some step failed or timed out; 2 none failed but some
+# were skipped (out of time; named on the last line); 3 refused or stopped at step 0; 4 no GPU
+# here (every GPU step failed fast); 64 bad arguments.
 #
 # Usage (repo root, python3 with torch on the device):
 #   bash scripts/device-check.sh [--full] [--dry-run] [--bin PATH] [--python PY]
@@ -84,7 +85,7 @@ while [ $# -gt 0 ]; do
     --full) mode=full ;;
     --dry-run) dry=1 ;;
     --bin | --python | --torch-device | --budget | --seqs | --tokens)
-      if [ $# -lt 2 ]; then echo "device-check: $1 needs a value" >&2; exit 2; fi
+      if [ $# -lt 2 ]; then echo "device-check: $1 needs a value" >&2; exit 64; fi
       case "$1" in
         --bin) bin=$2 ;;
         --python) py=$2 ;;
@@ -95,33 +96,33 @@ while [ $# -gt 0 ]; do
       esac
       shift ;;
     -h | --help) usage; exit 0 ;;
-    *) echo "device-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    *) echo "device-check: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
   shift
 done
 if [ -n "$budget" ] && ! [ "$budget" -gt 0 ] 2>/dev/null; then
   echo "device-check: --budget $budget: expected a positive number of seconds" >&2
-  exit 2
+  exit 64
 fi
 # Paths given relative to the caller's folder stay right after the cd to the repository root.
-repo=$(cd "$(dirname "$0")/.." && pwd) || exit 2
+repo=$(cd "$(dirname "$0")/.." && pwd) || exit 64
 if [ "$PWD" != "$repo" ]; then
   case "$bin" in /*) ;; */*) [ -e "$bin" ] && bin=$PWD/$bin ;; esac
   case "${OUT:-/}" in /*) ;; *) OUT=$PWD/$OUT ;; esac
 fi
-cd "$repo" || exit 2
+cd "$repo" || exit 64
 
 # --- budgets (seconds) ---
 # overlap_runs: SEQ:ITERS:LIMIT, one `bench` sweep per layout each.
 if [ "$mode" = full ]; then
   total=${budget:-540} verify_budget=100 verify_case=45 par_budget=90 par_case=40
-  torch_budget=110 ra_budget=170 ra_max_run=90
+  torch_budget=110 ra_budget=170 ra_max_run=90 kbench_budget=80 kbench_case=30
   seqs=1024,2048,4096,8192,16384,32768
   par_cases="ring:2 ring:4 ring:8 allgather:2 allgather:4 allgather:8 ulysses:2 ulysses:4 ulysses:8 usp:4 usp:8"
   overlap_runs="32768:3:45 131072:1:100"
 else
   total=${budget:-330} verify_budget=50 verify_case=30 par_budget=45 par_case=25
-  torch_budget=60 ra_budget=80 ra_max_run=40
+  torch_budget=60 ra_budget=80 ra_max_run=40 kbench_budget=40 kbench_case=15
   seqs=4096,16384
   par_cases="ring:2 ring:4 ring:8 allgather:4 ulysses:4 usp:8"
   overlap_runs="32768:3:40"
@@ -133,13 +134,13 @@ mode_label=$mode$([ "$dry" = 1 ] && echo -dry-run)
 build_line='NVCC=$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13)/bin/nvcc CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda && strip target/release/ringattn'
 
 out=${OUT:-target/device-check}
-mkdir -p "$out" || exit 2
+mkdir -p "$out" || exit 64
 if [ -n "${OUT:-}" ]; then
-  work=$(mktemp -d "${TMPDIR:-/tmp}/ringattn-device-check.XXXXXX") || exit 2
+  work=$(mktemp -d "${TMPDIR:-/tmp}/ringattn-device-check.XXXXXX") || exit 64
 else
   work=$out/work
   rm -rf "$work"
-  mkdir -p "$work" || exit 2
+  mkdir -p "$work" || exit 64
 fi
 logf=$out/device-check.log
 : >"$logf"
@@ -357,6 +358,17 @@ if [ "$dry" = 0 ]; then
     finish_early stopped "the tiny verify (1x64 tokens) timed out on the GPU: every GPU step would hang until its timeout"
   fi
 fi
+# ringattn's stand-in driver (scripts/with-emulated-gpu): the same steps on shapes scaled for
+# the emulator, the torch comparison not applicable, and every figure labelled emulated.
+emulated=0
+if tr -d ' \n\t' <"$work/doctor.json" 2>/dev/null | grep -q '"emulated_gpu":true'; then
+  emulated=1
+  mode_label=$mode_label-emulated
+  seqs=${seqs_arg:-128}
+  [ "$tokens" = 16384 ] && tokens=128
+  overlap_runs="512:1:45"
+  log "device-check: EMULATED GPU (ringattn's stand-in driver: the kernels run on the CPU): shapes scaled for the emulator, no torch comparison, no figure here is a GPU figure"
+fi
 write_json
 
 # --- 1. facts ---
@@ -370,10 +382,25 @@ if [ "$have_smi" = 1 ]; then
 else
   skip facts-nvidia-smi "nvidia-smi not found"
 fi
-run_step facts-torch 40 "$py" scripts/device_bench.py facts
+if [ "${emulated:-0}" = 1 ]; then
+  skip facts-torch "n/a on the emulated GPU: no GPU to run torch on beside it"
+else
+  run_step facts-torch 40 "$py" scripts/device_bench.py facts
+fi
 
 # --- 2. verify matrix: NAME|b,s,hq,hkv,d|dtype|extra arguments (forward + backward each) ---
 verify_cases=(
+  # The Hopper kernels (sm_90a: wgmma, TMA, mbarriers), forward and backward (--kernels
+  # reaches both), verified on hardware for the first time here: first, so that the phase's
+  # time rule never skips them; d 32 and 96 (not multiples of 64) run the tensor copies'
+  # out-of-bounds column fill. --kernels auto keeps the FA2 family until these pass
+  # (src/cuda/device.rs HOPPER_BY_DEFAULT).
+  "hopper-d128-gqa4-causal|1,640,8,2,128|bf16|--causal --kernels hopper"
+  "hopper-d64-full-f16|2,257,4,2,64|f16|--kernels hopper"
+  "hopper-d96-gqa-causal|1,333,6,3,96|bf16|--causal --kernels hopper"
+  "hopper-d32-full|2,300,4,4,32|bf16|--kernels hopper"
+  "hopper-d256-causal|1,300,4,2,256|bf16|--causal --kernels hopper"
+  "hopper-d128-docs-window|1,700,4,4,128|bf16|--seqlens 1,299,400 --window 64,16 --kernels hopper"
   "d64-gqa-full|2,257,4,2,64|bf16|"
   "d64-gqa-causal|2,257,4,2,64|bf16|--causal"
   "d128-gqa4-causal|1,640,8,2,128|bf16|--causal"
@@ -381,13 +408,6 @@ verify_cases=(
   "d128-window|1,513,4,4,128|bf16|--window 64,16"
   "d64-docs-causal|1,600,4,2,64|bf16|--causal --seqlens 100,250,250"
   "d64-mqa-causal-f16|1,384,6,1,64|f16|--causal"
-  # The Hopper kernels (sm_90a: wgmma, TMA, mbarriers), forward and backward, verified on
-  # hardware for the first time here; --kernels auto keeps the FA2 family until these pass
-  # (src/cuda/device.rs HOPPER_BY_DEFAULT).
-  "hopper-d128-gqa4-causal|1,640,8,2,128|bf16|--causal --kernels hopper"
-  "hopper-d64-full-f16|2,257,4,2,64|f16|--kernels hopper"
-  "hopper-d256-causal|1,300,4,2,256|bf16|--causal --kernels hopper"
-  "hopper-d128-docs-window|1,700,4,4,128|bf16|--seqlens 1,299,400 --window 64,16 --kernels hopper"
 )
 if [ "$mode" = full ]; then
   verify_cases+=(
@@ -401,6 +421,25 @@ if [ "$mode" = full ]; then
     "d128-causal-window|1,777,4,2,128|bf16|--causal --window 128,-1"
     "d64-long-causal|1,2048,4,4,64|bf16|--causal"
     "d128-single-token|1,1,2,1,128|bf16|"
+  )
+fi
+if [ "$emulated" = 1 ]; then
+  # The same coverage at a quarter of the lengths (the emulator runs each block's threads as
+  # fibers on the CPU).
+  verify_cases=(
+    "hopper-d128-gqa4-causal|1,160,8,2,128|bf16|--causal --kernels hopper"
+    "hopper-d64-full-f16|2,65,4,2,64|f16|--kernels hopper"
+    "hopper-d96-gqa-causal|1,83,6,3,96|bf16|--causal --kernels hopper"
+    "hopper-d32-full|2,75,4,4,32|bf16|--kernels hopper"
+    "hopper-d256-causal|1,75,4,2,256|bf16|--causal --kernels hopper"
+    "hopper-d128-docs-window|1,175,4,4,128|bf16|--seqlens 1,74,100 --window 64,16 --kernels hopper"
+    "d64-gqa-full|2,65,4,2,64|bf16|"
+    "d64-gqa-causal|2,65,4,2,64|bf16|--causal"
+    "d128-gqa4-causal|1,160,8,2,128|bf16|--causal"
+    "d128-mha-full-f16|1,160,8,8,128|f16|"
+    "d128-window|1,129,4,4,128|bf16|--window 64,16"
+    "d64-docs-causal|1,150,4,2,64|bf16|--causal --seqlens 25,62,63"
+    "d64-mqa-causal-f16|1,96,6,1,64|f16|--causal"
   )
 fi
 # phase_start BUDGET, then phase_step NAME CAP CMD...: run_step with CAP cut to what is left
@@ -445,40 +484,57 @@ done
 # 1024 tokens, h 16/4 (Ulysses splits and GQA replicas up to 8 ranks): the float64 oracle on
 # the host costs about 20 CPU-seconds here, against about 100 for 2048 tokens.
 phase_start "$par_budget"
+par_shape=1,1024,16,4,128
+[ "$emulated" = 1 ] && par_shape=1,256,16,4,64
 for case in $par_cases; do
   IFS=':' read -r strategy world <<<"$case"
   phase_step "verify-par-$strategy-x$world" "$par_case" "$bin" verify --backend cuda \
-    --strategy "$strategy" --world "$world" --shape 1,1024,16,4,128 --dtype bf16 --causal \
+    --strategy "$strategy" --world "$world" --shape "$par_shape" --dtype bf16 --causal \
     --json "$work/verify-par-$strategy-x$world.json"
 done
+ov_heads=32 ov_kv=8 ov_d=128
+[ "$emulated" = 1 ] && ov_heads=8 ov_kv=2 ov_d=64
 for run in $overlap_runs; do
   IFS=':' read -r oseq oiters olimit <<<"$run"
   for layout in zigzag contiguous; do
     run_step "overlap-ring-$layout-s$oseq" "$olimit" "$bin" bench --backend cuda --strategies ring --world 4 \
-      --layout "$layout" --seq "$oseq" --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal \
-      --iters "$oiters" --out "$work/overlap-ring-$layout-s$oseq"
+      --layout "$layout" --seq "$oseq" --heads "$ov_heads" --kv-heads "$ov_kv" --head-dim "$ov_d" --dtype bf16 \
+      --causal --iters "$oiters" --out "$work/overlap-ring-$layout-s$oseq"
   done
 done
 
-# --- 3b. the Hopper kernels against the FA2 kernels, same shape, same run ---
+# --- 3b. the Hopper kernels against the FA2 kernels, same shape, same run: a phase of its own
+# (the same rule as the verify phases: a run is not started unless as much time is left as
+# the slowest finished one took), so that it never eats the comparison's time ---
+phase_start "$kbench_budget"
+kbench_seq=8192 kbench_iters=20 kbench_heads=16 kbench_warmup=3
+[ "$emulated" = 1 ] && kbench_seq=256 kbench_iters=1 kbench_heads=2 kbench_warmup=0
 for fam in hopper fa2; do
-  run_step "bench-forward-$fam" 40 "$bin" bench --backend cuda --kernels "$fam" --pass forward --seq 8192 \
-    --heads 16 --head-dim 128 --dtype bf16 --iters 20 --json "$work/bench-forward-$fam.json"
-  run_step "bench-backward-$fam" 40 "$bin" bench --backend cuda --kernels "$fam" --pass backward --seq 8192 \
-    --heads 16 --head-dim 128 --dtype bf16 --iters 20 --json "$work/bench-backward-$fam.json"
+  for pass in forward backward; do
+    phase_step "bench-$pass-$fam" "$kbench_case" "$bin" bench --backend cuda --kernels "$fam" --pass "$pass" \
+      --seq "$kbench_seq" --heads "$kbench_heads" --head-dim 128 --dtype bf16 --warmup "$kbench_warmup" \
+      --iters "$kbench_iters" \
+      --json "$work/bench-$pass-$fam.json"
+  done
 done
 
 # --- 4. timings, in the time left: torch gets up to 45% of it, ringattn the rest ---
 left=$((deadline - $(date +%s) - reserve))
 torch_limit=$((left * 45 / 100))
 [ "$torch_limit" -gt "$torch_budget" ] && torch_limit=$torch_budget
-run_step bench-torch "$torch_limit" "$py" scripts/device_bench.py torch --device "$torch_device" --dtype bf16 \
-  --seqs "$seqs" --dims "$dims" --tokens "$tokens" --warmup 3 --iters 10 --json "$work/torch.json"
+if [ "$emulated" = 1 ]; then
+  skip bench-torch "n/a on the emulated GPU: no GPU to run torch on beside it"
+else
+  run_step bench-torch "$torch_limit" "$py" scripts/device_bench.py torch --device "$torch_device" --dtype bf16 \
+    --seqs "$seqs" --dims "$dims" --tokens "$tokens" --warmup 3 --iters 10 --json "$work/torch.json"
+fi
+iters=(--warmup 3 --iters 10)
+[ "$emulated" = 1 ] && iters=(--warmup 1 --iters 2)
 left=$((deadline - $(date +%s) - reserve - 15))
 [ "$ra_budget" -gt "$left" ] && ra_budget=$left
 [ "$ra_budget" -lt 0 ] && ra_budget=0
 ra_cmd=("$py" scripts/device_bench.py ringattn --bin "$bin" --work "$work/bench" --dtype bf16 --seqs "$seqs"
-  --dims "$dims" --tokens "$tokens" --warmup 3 --iters 10 --budget "$ra_budget" --max-run "$ra_max_run"
+  --dims "$dims" --tokens "$tokens" "${iters[@]}" --budget "$ra_budget" --max-run "$ra_max_run"
   --json "$work/ringattn.json")
 if [ "$dry" = 1 ]; then
   # Prints each `ringattn bench` command it would run.
@@ -494,16 +550,21 @@ fi
 state="done"
 write_json --print
 elapsed=$(($(date +%s) - start))
-failed=$(awk -F'\t' '$2 != "0" && $2 != "dry-run" && $2 !~ /^skipped: nvidia-smi not found/ { n++ } END { print n + 0 }' "$steps")
+# A step failed: its status is a non-zero exit (a timeout too). Skipped: it did not run (out
+# of time); nvidia-smi's absence is no skip of a check.
+failed=$(awk -F'\t' '$2 != "0" && $2 != "dry-run" && $2 !~ /^skipped/ { n++ } END { print n + 0 }' "$steps")
+skipped_names=$(awk -F'\t' '$2 ~ /^skipped/ && $2 !~ /^skipped: (nvidia-smi not found|n\/a on the emulated GPU)/ { printf "%s%s", s, $1; s = ", " }' "$steps")
 total_steps=$(wc -l <"$steps")
 if [ -n "$gpu_note" ] && [ "$dry" = 0 ]; then
   status=4
 elif [ "$failed" -gt 0 ]; then
   status=1
+elif [ -n "$skipped_names" ]; then
+  status=2
 else
   status=0
 fi
 log ""
-log "device-check: done in ${elapsed}s, $total_steps steps, $failed not passed${gpu_note:+ ($gpu_note)}; exit $status; JSON $out/device-check.json$([ -n "${OUT:-}" ] && echo ", logs $out/work.tar.gz")"
+log "device-check: done in ${elapsed}s, $total_steps steps, $failed failed${skipped_names:+, skipped: $skipped_names}${gpu_note:+ ($gpu_note)}; exit $status; JSON $out/device-check.json$([ -n "${OUT:-}" ] && echo ", logs $out/work.tar.gz")"
 exit "$status"
 }

@@ -552,8 +552,12 @@ def cmd_summarize(args):
                   dry_run=sum(s["status"] == "dry-run" for s in steps),
                   skipped=sum(s["status"].startswith("skipped") for s in steps))
     counts["failed"] = counts["total"] - counts["passed"] - counts["dry_run"] - counts["skipped"]
+    emulated = "emulated" in (args.mode or "")
     summary = dict(
-        mode=args.mode, state=args.state, reason=args.reason or None, no_gpu=args.gpu_note or None,
+        mode=args.mode, emulated_gpu=emulated,
+        note=("EMULATED GPU: ringattn's stand-in driver ran the kernels on the CPU; these are no GPU figures"
+              if emulated else None),
+        state=args.state, reason=args.reason or None, no_gpu=args.gpu_note or None,
         finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), elapsed_s=args.elapsed,
         preflight=preflight, machine=machine, steps_summary=counts, steps=steps,
         verify=verify, verify_summary=dict(total=len(verify), passed=n_pass, failed=len(verify) - n_pass),
@@ -568,6 +572,9 @@ def cmd_summarize(args):
         return 0
 
     # Printed last: the preflight, the verify verdicts, then the tables.
+    if emulated:
+        print("\n== EMULATED GPU: ringattn's stand-in driver (scripts/with-emulated-gpu) ran the kernels on the CPU; "
+              "every timing below is the emulator's, no GPU figure")
     print(f"\n== preflight: {verdict or '?'}: {verdict_text or '-'}")
     if args.gpu_note:
         print(f"== {args.gpu_note} (every GPU step fails fast with the binary's message)")

@@ -11,7 +11,11 @@
 #              the element-wise data movements of ops.cu, ringattn_ops_*) need none of
 #              these: they are held to the spill and local-memory rules only;
 #   * setmaxnreg  no ptxas warning C75xx (setmaxnreg ignored, wgmma serialised, ...) in any
-#              family's report (infos such as C7519, an injected warpgroup.arrive, pass).
+#              family's report (infos such as C7519, an injected warpgroup.arrive, pass); and
+#              in every kernel with USETMAXREG, the registers at entry (ptxas's count x the
+#              block's threads) cover the split its source declares (`// setmaxnreg-split:
+#              1x24 2x240`: warpgroups x registers), whose values must be the SASS's and whose
+#              threads the __launch_bounds__ (else setmaxnreg.inc waits forever);
 # Prints a table (kernel, arch, registers, stack, spills, LDL/STL, HMMA, HGMMA, LDSM, LDGSTS,
 # verdict) and exits 1 naming each failing kernel and rule; 2 when a tool or a compile fails.
 # Needs no GPU: nvcc, cuobjdump and nvdisasm come from PyPI into the nvcc venv of
@@ -176,7 +180,7 @@ if [ $failed -ne 0 ]; then
 fi
 
 # --- gates ---
-REPORT_ONLY=$report_only TC_ARCHS=$TC_ARCHS OUT_DIR=$out "$python" - "${MAIN_KERNELS[@]}" <<'PY'
+cat >"$out/gates.py" <<'PY'
 import fnmatch, glob, json, os, re, sys
 from collections import Counter
 
@@ -227,6 +231,56 @@ def sass_counts(text):
             counts[cur][m.group(1)] += 1
     return counts
 
+# setmaxnreg: the registers a block gets at entry (ptxas's count x its threads) must cover the
+# split its warpgroups move to (`setmaxnreg.dec` lowers a warpgroup, `.inc` waits until the
+# block's pool holds what it asks: with too few at entry it waits forever). Each family that
+# uses it declares its warpgroups' split in its source, `// setmaxnreg-split: 1x24 2x240`
+# (count x registers per thread), checked against the SASS's USETMAXREG values, the
+# family's __launch_bounds__ threads and ptxas's count.
+sources = {os.path.basename(p)[:-3]: p for p in os.environ.get("SOURCES", "").split()}
+SETMAXREG = re.compile(r"USETMAXREG\.(TRY_ALLOC|DEALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-fA-F]+|\d+)")
+def setmaxnreg_values(text):
+    """Per `Function : name` section: the USETMAXREG register counts, ('inc'|'dec', n)."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = m.group(1); out[cur] = set()
+            continue
+        m = SETMAXREG.search(line)
+        if m and cur:
+            out[cur].add(("inc" if m.group(1) == "TRY_ALLOC" else "dec", int(m.group(2), 0)))
+    return out
+def declared_split(family):
+    path = sources.get(family)
+    text = open(path).read() if path and os.path.exists(path) else ""
+    m = re.search(r"^// setmaxnreg-split:(.*)$", text, re.M)
+    if not m:
+        return None, set()
+    split = [tuple(int(x) for x in part.split("x")) for part in m.group(1).split()]
+    return split, {int(x) for x in re.findall(r"__launch_bounds__\((\d+)", text)}
+def setmaxnreg_rules(name, family, regs, values):
+    split, bounds = declared_split(family)
+    if split is None:
+        return [f"setmaxnreg without a `// setmaxnreg-split:` declaration in {sources.get(family, family)}"]
+    rules = []
+    threads = 128 * sum(c for c, _ in split)
+    if bounds != {threads}:
+        rules.append(f"setmaxnreg split {split} is {threads} threads, __launch_bounds__ {sorted(bounds)}")
+    want = {r for _, r in split}
+    got = {n for _, n in values}
+    if got != want:
+        rules.append(f"setmaxnreg values {sorted(got)} in the SASS, {sorted(want)} declared")
+    if regs is None:
+        return rules + ["no ptxas register count for a setmaxnreg kernel"]
+    for kind, n in values:
+        if (kind == "dec" and n > regs) or (kind == "inc" and n < regs):
+            rules.append(f"setmaxnreg.{kind} to {n} with {regs} registers at entry")
+    need, have = sum(128 * c * r for c, r in split), regs * threads
+    if need > have:
+        rules.append(f"setmaxnreg split needs {need} registers, the block has {regs} x {threads} = {have} at entry: .inc would wait forever")
+    return rules
+
 rows, failures = [], []
 matched = {p: 0 for p, _ in main}
 for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
@@ -236,7 +290,9 @@ for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
     for w in sorted(set(re.findall(r"warning[^\n]*?(\(C75\d\d\)[^\n]*)", ptxas_text))):
         failures.append(f"{family} [{arch}]: ptxas warning {w}")
     funcs, entries = ptxas_report(ptxas_text)
-    sass = sass_counts(open(os.path.join(out, arch, family + ".sass")).read())
+    sass_text = open(os.path.join(out, arch, family + ".sass")).read()
+    sass = sass_counts(sass_text)
+    maxreg = setmaxnreg_values(sass_text)
     for name in entries + sorted(set(funcs) - set(entries)) + sorted(set(sass) - set(funcs)):
         f, c = funcs.get(name, {}), sass.get(name, Counter())
         rules = []
@@ -246,6 +302,8 @@ for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
             rules.append("no SASS section")
         if c["LDL"] or c["STL"]:
             rules.append(f"local memory ({c['LDL']} LDL, {c['STL']} STL)")
+        if maxreg.get(name):
+            rules += setmaxnreg_rules(name, family, f.get("regs"), maxreg[name])
         if arch in tc_archs:
             for pattern, needs in main:
                 if fnmatch.fnmatchcase(name, pattern):
@@ -286,3 +344,30 @@ if failures:
     sys.exit(0 if report_only else 1)
 print(f"\nsass-gates: all {len(rows)} functions pass")
 PY
+set +e
+REPORT_ONLY=$report_only TC_ARCHS=$TC_ARCHS OUT_DIR=$out SOURCES="${sources[*]}" "$python" "$out/gates.py" "${MAIN_KERNELS[@]}"
+status=$?
+set -e
+# Canary of the setmaxnreg rule: the same reports with the Hopper kernels given 8 registers
+# fewer at entry than ptxas gave them must fail it (a gate that cannot fail is no gate).
+if [ "$status" -eq 0 ] && [ "$explicit_sources" -eq 0 ] && [ -f "$out/sm_90a/flash_fwd_hopper.ptxas.txt" ]; then
+  canary=$out/setmaxnreg-canary
+  rm -rf "$canary"
+  mkdir -p "$canary/sm_90a"
+  cp "$out/sm_90a/flash_fwd_hopper.ptxas.txt" "$out/sm_90a/flash_fwd_hopper.sass" "$canary/sm_90a/"
+  "$python" - "$canary/sm_90a/flash_fwd_hopper.ptxas.txt" <<'PY'
+import re, sys
+p = sys.argv[1]
+text = open(p).read()
+open(p, "w").write(re.sub(r"Used (\d+) registers", lambda m: f"Used {int(m.group(1)) - 8} registers", text))
+PY
+  if REPORT_ONLY=0 TC_ARCHS=sm_90a OUT_DIR=$canary SOURCES="${sources[*]}" "$python" "$out/gates.py" \
+    >"$canary/log" 2>&1 || ! grep -q ".inc would wait forever" "$canary/log"; then
+    cat "$canary/log" >&2
+    echo "sass-gates: the setmaxnreg canary (8 registers fewer at entry) did not fail the gate" >&2
+    exit 1
+  fi
+  echo "sass-gates: the setmaxnreg canary (8 registers fewer at entry) fails the gate, as it must"
+fi
+exit "$status"
+

@@ -3,11 +3,18 @@
 //! when the crate was built without nvcc. The CUDA backend loads these; the same
 //! source runs on the CPU under the emulator ([`crate::emu`]).
 //!
+//! The images are embedded deflate-compressed (build.rs) and expanded on first use, once per
+//! process.
+//!
 //! ```
 //! for image in ringattn::kernels::images() {
-//!     assert!(!image.bytes.is_empty());
+//!     assert_eq!(image.bytes()?.len(), image.size);
 //! }
+//! # Ok::<(), ringattn::Error>(())
 //! ```
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 
 /// What an image holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +34,39 @@ pub struct KernelImage {
     pub target: &'static str,
     /// Cubin or PTX.
     pub kind: ImageKind,
-    /// The image.
-    pub bytes: &'static [u8],
+    /// The image's size in bytes, expanded.
+    pub size: usize,
+    /// The image as embedded: a raw deflate stream ([`KernelImage::bytes`] expands it).
+    pub deflated: &'static [u8],
+}
+
+impl KernelImage {
+    /// The image, expanded on the first call (once per process; later calls return the same
+    /// bytes).
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] when the embedded stream does not expand to [`KernelImage::size`]
+    /// bytes (a corrupt build).
+    pub fn bytes(&self) -> crate::Result<&'static [u8]> {
+        static EXPANDED: OnceLock<Mutex<HashMap<usize, &'static [u8]>>> = OnceLock::new();
+        let key = self.deflated.as_ptr() as usize;
+        let cache = EXPANDED.get_or_init(|| Mutex::new(HashMap::new()));
+        if let Some(b) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(b);
+        }
+        let raw = miniz_oxide::inflate::decompress_to_vec_with_limit(self.deflated, self.size)
+            .ok()
+            .filter(|r| r.len() == self.size)
+            .ok_or_else(|| {
+                crate::Error::Cuda(format!(
+                    "the embedded {} {} image does not expand to its {} bytes (a corrupt build)",
+                    self.family, self.target, self.size
+                ))
+            })?;
+        let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+        // Expanded once per image: the leak is bounded by the images' total size.
+        Ok(*map.entry(key).or_insert_with(|| Box::leak(raw.into_boxed_slice())))
+    }
 }
 
 #[cfg(has_nvcc)]
@@ -69,6 +107,21 @@ pub fn targets() -> Vec<&'static str> {
 /// Every embedded image.
 pub fn images() -> &'static [KernelImage] {
     IMAGES
+}
+
+/// What the name of every device of ringattn's stand-in CUDA driver (`emulated-gpu/`, the
+/// kernels run on the host emulator) contains: `ringattn doctor` and the benchmarks report
+/// such a device as emulated, and no figure measured on it is a GPU figure.
+pub const EMULATED_GPU_MARK: &str = "ringattn emulated-gpu";
+
+/// Whether a device named `name` is the stand-in driver's emulated GPU.
+///
+/// ```
+/// assert!(ringattn::kernels::is_emulated_gpu("NVIDIA H200 (ringattn emulated-gpu: kernels run on the CPU)"));
+/// assert!(!ringattn::kernels::is_emulated_gpu("NVIDIA H200"));
+/// ```
+pub fn is_emulated_gpu(name: &str) -> bool {
+    name.contains(EMULATED_GPU_MARK)
 }
 
 /// Whether this build embedded kernels (nvcc was found at build time).
@@ -203,13 +256,14 @@ pub mod params {
     /// the forward's params and the tensor maps of `q`, `k` and `v` (4-d views `{d, h, s, b}`
     /// with boxes of 64 columns × 1 head × the tile's rows × 1, 128-byte swizzled; see
     /// [`super::tensor_map::bshd_tile_map`]).
-    #[repr(C, align(64))]
+    #[repr(C, align(128))]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashFwdHopperParams {
         /// Everything but the maps.
         pub p: FlashFwdParams,
-        /// Padding (the maps are 64-byte aligned).
-        pub reserved: u64,
+        /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
+        /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
+        pub reserved: [u64; 9],
         /// Queries' map (boxes of 128 rows).
         pub q: TensorMap,
         /// Keys' map (boxes of the key tile).
@@ -327,12 +381,13 @@ pub mod params {
     /// `d_o` (4-d views `{d, h, s, b}` with boxes of 64 columns × 1 head × 64 query rows or the
     /// key block's rows × 1, 128-byte swizzled; see [`super::tensor_map::bshd_tile_map`]) and of
     /// `lse` and `delta` (f32 rows of 64, [`super::tensor_map::row_stats_map`]).
-    #[repr(C, align(64))]
+    #[repr(C, align(128))]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashBwdHopperParams {
         /// Everything but the maps.
         pub p: FlashBwdParams,
-        /// Padding (the maps are 64-byte aligned).
+        /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
+        /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
         pub reserved: [u64; 2],
         /// Queries' map (boxes of 64 rows).
         pub q: TensorMap,
@@ -519,10 +574,11 @@ pub mod params {
         f32::from_bits(u32::from(bits) << 16 | u32::from(bits))
     }
 
-    /// `TensorMap` of `cuda/params.h`: the 128-byte, 64-byte aligned operand of the bulk
-    /// tensor copies — the driver's `CUtensorMap` on a GPU, the emulator's encoding of the
-    /// same fields under the emulator (written by [`super::tensor_map::TensorMapSpec`]).
-    #[repr(C, align(64))]
+    /// `TensorMap` of `cuda/params.h`: the 128-byte, 128-byte aligned operand of the bulk
+    /// tensor copies — the driver's `CUtensorMap` on a GPU (`alignas(128)` in CUDA 13), the
+    /// emulator's encoding of the same fields under the emulator (written by
+    /// [`super::tensor_map::TensorMapSpec`]).
+    #[repr(C, align(128))]
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct TensorMap {
         /// The encoded words.
@@ -540,11 +596,21 @@ pub mod params {
     const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 240);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
-    const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 576);
-    const _: () = assert!(std::mem::align_of::<FlashFwdHopperParams>() == 64);
-    const _: () = assert!(std::mem::align_of::<TensorMap>() == 64);
+    const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 640);
+    const _: () = assert!(std::mem::align_of::<FlashFwdHopperParams>() == 128);
+    const _: () = assert!(std::mem::align_of::<TensorMap>() == 128);
     const _: () = assert!(std::mem::size_of::<FlashBwdHopperParams>() == 1024);
-    const _: () = assert!(std::mem::align_of::<FlashBwdHopperParams>() == 64);
+    const _: () = assert!(std::mem::align_of::<FlashBwdHopperParams>() == 128);
+    // Every tensor map at a 128-byte multiple of the parameter space, as in cuda/params.h.
+    const _: () = assert!(std::mem::offset_of!(FlashFwdHopperParams, q) == 256);
+    const _: () = assert!(std::mem::offset_of!(FlashFwdHopperParams, k) == 384);
+    const _: () = assert!(std::mem::offset_of!(FlashFwdHopperParams, v) == 512);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, q) == 256);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, k) == 384);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, v) == 512);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, d_o) == 640);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, lse) == 768);
+    const _: () = assert!(std::mem::offset_of!(FlashBwdHopperParams, delta) == 896);
 }
 
 pub mod tensor_map;
@@ -1275,9 +1341,9 @@ mod tests {
             assert!(merge.iter().any(|i| i.kind == ImageKind::Ptx), "PTX for newer GPUs");
             for i in &merge {
                 match i.kind {
-                    ImageKind::Cubin => assert_eq!(&i.bytes[..4], b"\x7fELF", "{} cubin", i.target),
+                    ImageKind::Cubin => assert_eq!(&i.bytes().unwrap()[..4], b"\x7fELF", "{} cubin", i.target),
                     ImageKind::Ptx => {
-                        let text = std::str::from_utf8(i.bytes).unwrap();
+                        let text = std::str::from_utf8(i.bytes().unwrap()).unwrap();
                         assert!(text.contains(".target") && text.contains("ringattn_merge_f32"));
                     }
                 }

@@ -438,3 +438,29 @@ fn sixteen_bit_values_stay_sixteen_bit_on_the_device() {
         assert_eq!(a.0.bytes_sent, b.0.bytes_sent, "rank {r}: forward bytes on the device vs the host");
     }
 }
+
+/// A framework's own `CudaContext` of the same GPU (candle holds one beside ringattn's: two
+/// `Arc`s of one primary context) is the same context: its streams are accepted, a stream of
+/// a context whose event tracking is off is refused with an error that says why.
+#[test]
+fn a_frameworks_handle_to_the_same_context_is_the_same_context() {
+    if !gpu("a_frameworks_handle_to_the_same_context_is_the_same_context") {
+        return;
+    }
+    let device = CudaDevice::shared(0).unwrap();
+    let theirs = cuda::CudaContext::new(0).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&theirs, device.context()), "two handles, as candle and ringattn hold them");
+    let stream = theirs.new_stream().unwrap();
+    let backend = cuda::DeviceBackend::on_stream(device.clone(), stream, DType::BF16).unwrap();
+    // The backend works on the framework's stream: data up and back.
+    use ringattn::parallel::Buffers;
+    let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+    let buf = backend.upload(&ringattn::HostBuf::from(values.clone())).unwrap();
+    assert_eq!(backend.download(&buf).unwrap().to_f32().unwrap().into_owned(), values);
+    drop(backend);
+    let untracked = cuda::CudaContext::new(0).unwrap();
+    // SAFETY: nothing runs on this handle; the refusal is the point.
+    unsafe { untracked.disable_event_tracking() };
+    let e = cuda::DeviceBackend::on_stream(device, untracked.new_stream().unwrap(), DType::BF16).unwrap_err();
+    assert!(e.to_string().contains("event tracking"), "{e}");
+}

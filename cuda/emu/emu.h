@@ -231,12 +231,29 @@ struct Thread {
 // missing barriers show up as differences.
 enum class Schedule { Forward = 0, Reverse = 1, Random = 2 };
 
+// What a launch did to one global buffer (when asked: Range::access): the lowest and one past
+// the highest byte offset read and written through the checked wrappers (lo > hi: none).
+// The stand-in driver's cross-stream race detector reads it (src/emu/named.rs).
+struct Access {
+    std::atomic<uint64_t> read_lo{~uint64_t(0)}, read_hi{0}, write_lo{~uint64_t(0)}, write_hi{0};
+};
+
 // A global buffer a kernel may access through the checked wrappers.
 struct Range {
     const void* base;
     size_t bytes;
     const char* name;
+    Access* access = nullptr;
 };
+
+inline void widen(std::atomic<uint64_t>& lo, std::atomic<uint64_t>& hi, uint64_t a, uint64_t b) {
+    uint64_t cur = lo.load(std::memory_order_relaxed);
+    while (a < cur && !lo.compare_exchange_weak(cur, a, std::memory_order_relaxed)) {
+    }
+    cur = hi.load(std::memory_order_relaxed);
+    while (b > cur && !hi.compare_exchange_weak(cur, b, std::memory_order_relaxed)) {
+    }
+}
 
 // Everything about one launch.
 struct LaunchConfig {
@@ -770,8 +787,9 @@ inline bool check_shared(const void* p, size_t bytes, const char* what) {
 }
 
 // Reports an access of `bytes` at `p` that is not inside one of the launch's global
-// buffers (when the launch registered them); returns whether it is inside.
-inline bool check_global(const void* p, size_t bytes, const char* what) {
+// buffers (when the launch registered them); returns whether it is inside. `write`: the
+// access writes (stores, atomics), recorded in the buffer's Access when it has one.
+inline bool check_global(const void* p, size_t bytes, const char* what, bool write = false) {
     const LaunchConfig* c = current->block->config;
     if (c == nullptr || c->globals.empty()) return true;
     const unsigned char* q = static_cast<const unsigned char*>(p);
@@ -779,7 +797,17 @@ inline bool check_global(const void* p, size_t bytes, const char* what) {
     long long best = 0;
     for (const Range& r : c->globals) {
         const unsigned char* lo = static_cast<const unsigned char*>(r.base);
-        if (q >= lo && q + bytes <= lo + r.bytes) return true;
+        if (q >= lo && q + bytes <= lo + r.bytes) {
+            if (r.access != nullptr) {
+                const uint64_t off = uint64_t(q - lo);
+                if (write) {
+                    widen(r.access->write_lo, r.access->write_hi, off, off + bytes);
+                } else {
+                    widen(r.access->read_lo, r.access->read_hi, off, off + bytes);
+                }
+            }
+            return true;
+        }
         const long long off = static_cast<long long>(q - lo);
         const long long dist = off < 0 ? -off : off - static_cast<long long>(r.bytes);
         if (nearest == nullptr || dist < best) {
@@ -939,7 +967,7 @@ inline T gmem_load(const T* p) {
 template <typename T>
 inline void gmem_store(T* p, T v) {
     if (!check_aligned<T>(p, "global store")) return;
-    if (!check_global(p, sizeof(T), "global store")) return;
+    if (!check_global(p, sizeof(T), "global store", true)) return;
     *p = v;
 }
 }  // namespace emu
@@ -957,7 +985,7 @@ using emu::smem_store;
 // __atomic builtins; float adds by compare-and-swap on the bit pattern.
 // Each checks its address as a global access.
 inline float atomicAdd(float* addr, float v) {
-    if (!::emu::check_global(addr, sizeof(float), "atomic add")) return 0.0f;
+    if (!::emu::check_global(addr, sizeof(float), "atomic add", true)) return 0.0f;
     uint32_t* p = reinterpret_cast<uint32_t*>(addr);
     uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
     for (;;) {
@@ -970,15 +998,15 @@ inline float atomicAdd(float* addr, float v) {
     }
 }
 inline int atomicAdd(int* addr, int v) {
-    if (!::emu::check_global(addr, sizeof(int), "atomic add")) return 0;
+    if (!::emu::check_global(addr, sizeof(int), "atomic add", true)) return 0;
     return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED);
 }
 inline unsigned atomicAdd(unsigned* addr, unsigned v) {
-    if (!::emu::check_global(addr, sizeof(unsigned), "atomic add")) return 0;
+    if (!::emu::check_global(addr, sizeof(unsigned), "atomic add", true)) return 0;
     return __atomic_fetch_add(addr, v, __ATOMIC_RELAXED);
 }
 inline unsigned atomicMax(unsigned* addr, unsigned v) {
-    if (!::emu::check_global(addr, sizeof(unsigned), "atomic max")) return 0;
+    if (!::emu::check_global(addr, sizeof(unsigned), "atomic max", true)) return 0;
     unsigned old = __atomic_load_n(addr, __ATOMIC_RELAXED);
     while (old < v && !__atomic_compare_exchange_n(addr, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
     }

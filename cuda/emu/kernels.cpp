@@ -6,6 +6,7 @@
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
+#include "emu/named.h"
 
 #include "merge.cu"
 #include "ops.cu"
@@ -72,4 +73,49 @@ extern "C" int ringattn_emu_ops(int kernel, OpsParams p, EmuLaunch l, char* msg,
     }
     std::function<void()> body = [p, fn] { fn(p); };
     return report(emu::launch(c, body), msg, cap);
+}
+
+// Every entry point of merge.cu and ops.cu by name (emu/named.h).
+static const EmuNamedKernel kNamedMerge[] = {RINGATTN_EMU_NAMED(ringattn_merge_f32, MergeParams)};
+RINGATTN_EMU_NAMED_TABLE(merge, kNamedMerge)
+static const EmuNamedKernel kNamedOps[] = {
+    RINGATTN_EMU_NAMED(ringattn_ops_fill_f32, OpsParams) RINGATTN_EMU_NAMED(ringattn_ops_add_f32, OpsParams)
+        RINGATTN_EMU_NAMED(ringattn_ops_to_bf16, OpsParams) RINGATTN_EMU_NAMED(ringattn_ops_to_f16, OpsParams)
+            RINGATTN_EMU_NAMED(ringattn_ops_round_bf16_f32, OpsParams)
+                RINGATTN_EMU_NAMED(ringattn_ops_round_f16_f32, OpsParams)
+                    RINGATTN_EMU_NAMED(ringattn_ops_from_bf16, OpsParams)
+                        RINGATTN_EMU_NAMED(ringattn_ops_from_f16, OpsParams)
+                            RINGATTN_EMU_NAMED(ringattn_ops_copy_rows_f32, OpsParams)
+                                RINGATTN_EMU_NAMED(ringattn_ops_select_heads_f32, OpsParams)
+                                    RINGATTN_EMU_NAMED(ringattn_ops_scatter_heads_f32, OpsParams)};
+RINGATTN_EMU_NAMED_TABLE(ops, kNamedOps)
+
+// Runs the named kernel `k` as the stand-in driver launches it: `params` (k->param_bytes bytes,
+// the kernel's parameter space) copied into a 128-byte aligned block, the geometry of `l`, and
+// `globals` (every live device allocation) registered for the bounds checks, each given back
+// with the byte ranges the launch read and wrote.
+extern "C" int ringattn_emu_launch_named(const EmuNamedKernel* k, const void* params, EmuLaunch l, EmuGlobal* globals,
+                                         size_t nglobals, char* msg, size_t cap) {
+    struct alignas(128) Chunk {
+        unsigned char b[128];
+    };
+    std::vector<Chunk> block((k->param_bytes + 127) / 128 + 1);
+    std::memcpy(block.data(), params, k->param_bytes);
+    emu::LaunchConfig c = config(l);
+    std::vector<emu::Access> access(nglobals);
+    for (size_t i = 0; i < nglobals; ++i) {
+        c.globals.push_back({reinterpret_cast<const void*>(globals[i].base), size_t(globals[i].bytes),
+                             "device allocation", &access[i]});
+    }
+    const void* data = block.data();
+    void (*run)(const void*) = k->run;
+    std::function<void()> body = [data, run] { run(data); };
+    const std::string err = emu::launch(c, body);
+    for (size_t i = 0; i < nglobals; ++i) {
+        globals[i].read_lo = access[i].read_lo.load();
+        globals[i].read_hi = access[i].read_hi.load();
+        globals[i].write_lo = access[i].write_lo.load();
+        globals[i].write_hi = access[i].write_hi.load();
+    }
+    return report(err, msg, cap);
 }

@@ -5,6 +5,7 @@
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
+#include "emu/named.h"
 
 #include "flash_bwd.cu"
 
@@ -87,3 +88,21 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
     std::function<void()> body = [p, fn] { fn(p); };
     return report(emu::launch(c, body), msg, cap);
 }
+
+// Every entry point by name (emu/named.h).
+#define RINGATTN_EMU_BWD_NAMED2(KIND, D)                                          \
+    RINGATTN_EMU_NAMED(ringattn_flash_bwd_##KIND##_bf16_d##D, FlashBwdParams) \
+    RINGATTN_EMU_NAMED(ringattn_flash_bwd_##KIND##_f16_d##D, FlashBwdParams)
+#define RINGATTN_EMU_BWD_SMALL(KIND)                                          \
+    RINGATTN_EMU_NAMED(ringattn_flash_bwd_##KIND##_bf16, FlashBwdParams) \
+    RINGATTN_EMU_NAMED(ringattn_flash_bwd_##KIND##_f16, FlashBwdParams)
+static const EmuNamedKernel kNamedBwd[] = {
+    RINGATTN_EMU_BWD_SMALL(rowsum) RINGATTN_EMU_BWD_SMALL(kvbound) RINGATTN_EMU_BWD_SMALL(rowunit)
+        RINGATTN_EMU_BWD_SMALL(dqconvert) RINGATTN_EMU_BWD_NAMED2(dkdvq, 32) RINGATTN_EMU_BWD_NAMED2(dkdvq, 64)
+            RINGATTN_EMU_BWD_NAMED2(dkdvq, 96) RINGATTN_EMU_BWD_NAMED2(dkdvq, 128) RINGATTN_EMU_BWD_NAMED2(dkdvq, 192)
+                RINGATTN_EMU_BWD_NAMED2(dkdvq, 256) RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 32)
+                    RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 64) RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 96)
+                        RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 128) RINGATTN_EMU_BWD_NAMED2(dq, 192)
+                            RINGATTN_EMU_BWD_NAMED2(dq, 256) RINGATTN_EMU_BWD_NAMED2(dkdv, 192)
+                                RINGATTN_EMU_BWD_NAMED2(dkdv, 256)};
+RINGATTN_EMU_NAMED_TABLE(flash_bwd, kNamedBwd)

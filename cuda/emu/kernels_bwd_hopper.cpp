@@ -6,6 +6,7 @@
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
+#include "emu/named.h"
 
 #include "flash_bwd_hopper.cu"
 
@@ -42,3 +43,16 @@ extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int
     std::function<void()> body = [params, kernel] { kernel(params); };
     return report(emu::launch(c, body), msg, cap);
 }
+
+// Every entry point by name (emu/named.h), with where its tensor maps sit.
+#define RINGATTN_EMU_BWD_HOPPER_NAMED1(KIND, NAME, D)                                                      \
+    RINGATTN_EMU_NAMED_MAPS(ringattn_hopper_flash_bwd_##KIND##_##NAME##_d##D, FlashBwdHopperParams, 6,     \
+                            uint32_t(offsetof(FlashBwdHopperParams, q)), uint32_t(offsetof(FlashBwdHopperParams, k)), \
+                            uint32_t(offsetof(FlashBwdHopperParams, v)), uint32_t(offsetof(FlashBwdHopperParams, d_o)), \
+                            uint32_t(offsetof(FlashBwdHopperParams, lse)), uint32_t(offsetof(FlashBwdHopperParams, delta)))
+#define RINGATTN_EMU_BWD_HOPPER_NAMED(D)                                                                   \
+    RINGATTN_EMU_BWD_HOPPER_NAMED1(dkdvqfx, bf16, D) RINGATTN_EMU_BWD_HOPPER_NAMED1(dkdvqfx, f16, D)        \
+        RINGATTN_EMU_BWD_HOPPER_NAMED1(dkdvq, bf16, D) RINGATTN_EMU_BWD_HOPPER_NAMED1(dkdvq, f16, D)
+static const EmuNamedKernel kNamedBwdHopper[] = {RINGATTN_EMU_BWD_HOPPER_NAMED(64) RINGATTN_EMU_BWD_HOPPER_NAMED(128)
+                                                     RINGATTN_EMU_BWD_HOPPER_NAMED(256)};
+RINGATTN_EMU_NAMED_TABLE(flash_bwd_hopper, kNamedBwdHopper)

@@ -5,6 +5,7 @@
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
+#include "emu/named.h"
 
 #include "flash_fwd.cu"
 
@@ -32,3 +33,12 @@ extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, Em
     std::function<void()> body = [p, kernel] { kernel(p); };
     return report(emu::launch(c, body), msg, cap);
 }
+
+// Every entry point by name (emu/named.h).
+#define RINGATTN_EMU_FWD_NAMED(D)                                          \
+    RINGATTN_EMU_NAMED(ringattn_flash_fwd_bf16_d##D, FlashFwdParams) \
+    RINGATTN_EMU_NAMED(ringattn_flash_fwd_f16_d##D, FlashFwdParams)
+static const EmuNamedKernel kNamedFwd[] = {RINGATTN_EMU_FWD_NAMED(32) RINGATTN_EMU_FWD_NAMED(64)
+                                               RINGATTN_EMU_FWD_NAMED(96) RINGATTN_EMU_FWD_NAMED(128)
+                                                   RINGATTN_EMU_FWD_NAMED(192) RINGATTN_EMU_FWD_NAMED(256)};
+RINGATTN_EMU_NAMED_TABLE(flash_fwd, kNamedFwd)

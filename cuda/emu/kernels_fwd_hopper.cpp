@@ -5,6 +5,7 @@
 #include "emu/emu.h"
 #define RINGATTN_EMU_ENTRY_HELPERS
 #include "emu/launch.h"
+#include "emu/named.h"
 
 #include "flash_fwd_hopper.cu"
 
@@ -32,3 +33,13 @@ extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int
     std::function<void()> body = [params, kernel] { kernel(params); };
     return report(emu::launch(c, body), msg, cap);
 }
+
+// Every entry point by name (emu/named.h), with where its tensor maps sit.
+#define RINGATTN_EMU_FWD_HOPPER_NAMED1(NAME, D)                                                            \
+    RINGATTN_EMU_NAMED_MAPS(ringattn_hopper_flash_fwd_##NAME##_d##D, FlashFwdHopperParams, 3,              \
+                            uint32_t(offsetof(FlashFwdHopperParams, q)), uint32_t(offsetof(FlashFwdHopperParams, k)), \
+                            uint32_t(offsetof(FlashFwdHopperParams, v)))
+#define RINGATTN_EMU_FWD_HOPPER_NAMED(D) RINGATTN_EMU_FWD_HOPPER_NAMED1(bf16, D) RINGATTN_EMU_FWD_HOPPER_NAMED1(f16, D)
+static const EmuNamedKernel kNamedFwdHopper[] = {RINGATTN_EMU_FWD_HOPPER_NAMED(64) RINGATTN_EMU_FWD_HOPPER_NAMED(128)
+                                                     RINGATTN_EMU_FWD_HOPPER_NAMED(256)};
+RINGATTN_EMU_NAMED_TABLE(flash_fwd_hopper, kNamedFwdHopper)

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::CudaDevice;
-use crate::kernels::geometry::DqMode;
+use crate::kernels::geometry::{DqMode, KernelFamily};
 use crate::parallel::{Backend, ForwardPartial, GradientPartial, HostMemory, Pending};
 use crate::runner::{self, BlockBackward};
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
@@ -32,6 +32,7 @@ use crate::{AttentionParams, DType, Dims, Error, HostBuf, Positions, Result};
 pub struct CudaBackend {
     device: Arc<CudaDevice>,
     dtype: DType,
+    kernels: KernelFamily,
 }
 
 impl CudaBackend {
@@ -48,7 +49,19 @@ impl CudaBackend {
                 what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
             });
         }
-        Ok(CudaBackend { device: CudaDevice::shared(device)?, dtype })
+        Ok(CudaBackend { device: CudaDevice::shared(device)?, dtype, kernels: KernelFamily::default() })
+    }
+
+    /// With the kernel family of every step's forward and backward (auto by default; see
+    /// [`KernelFamily`]).
+    pub fn with_kernels(mut self, kernels: KernelFamily) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    /// The kernel family the steps run on.
+    pub fn kernels(&self) -> KernelFamily {
+        self.kernels
     }
 
     /// The GPU.
@@ -79,8 +92,8 @@ impl Backend for CudaBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
-        let e = &*self.device;
-        Ok(Pending::ready(runner::forward_block(e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
+        let e = super::WithKernels(&self.device, self.kernels);
+        Ok(Pending::ready(runner::forward_block(&e, self.dtype, dims, q, k, v, q_pos, k_pos, params)?))
     }
 
     fn backward_block(
@@ -98,10 +111,11 @@ impl Backend for CudaBackend {
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
-        Ok(Pending::ready(runner::backward_block(&*self.device, self.dtype, DqMode::default(), &x)?))
+        let e = super::WithKernels(&self.device, self.kernels);
+        Ok(Pending::ready(runner::backward_block(&e, self.dtype, DqMode::default(), &x)?))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &HostBuf, d_o: &HostBuf) -> Result<HostBuf> {
-        runner::rowsum_block(&*self.device, self.dtype, dims, o, d_o)
+        runner::rowsum_block(&super::WithKernels(&self.device, self.kernels), self.dtype, dims, o, d_o)
     }
 }

@@ -218,9 +218,16 @@ impl CudaDevice {
         }
         let mut failures = Vec::new();
         for image in candidates {
+            let bytes = match image.bytes() {
+                Ok(b) => b,
+                Err(e) => {
+                    failures.push(format!("{} {}: {e}", image.target, kind_name(image.kind)));
+                    continue;
+                }
+            };
             let ptx = match image.kind {
-                ImageKind::Cubin => Ptx::from_binary(image.bytes.to_vec()),
-                ImageKind::Ptx => match ptx_text(image.bytes) {
+                ImageKind::Cubin => Ptx::from_binary(bytes.to_vec()),
+                ImageKind::Ptx => match ptx_text(bytes) {
                     Ok(text) => Ptx::from_src(text),
                     Err(e) => {
                         failures.push(format!("{} PTX: {e}", image.target));
@@ -967,7 +974,8 @@ mod tests {
                             ImageKind::Ptx => format!(".entry {name}("),
                             ImageKind::Cubin => format!("{name}\0"),
                         };
-                        let has = |needle: &str| image.bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+                        let has =
+                            |needle: &str| image.bytes().unwrap().windows(needle.len()).any(|w| w == needle.as_bytes());
                         assert!(has(&needle), "{name} (d = {d}) is missing from the {family} {} image", image.target);
                         if image.kind == ImageKind::Ptx {
                             // One by-value parameter of the params struct's size.
@@ -991,7 +999,7 @@ mod tests {
         for image in kernels::images().iter().filter(|i| i.family == "ops") {
             for k in OpsKernel::ALL {
                 let name = k.entry();
-                let has = |needle: &str| image.bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+                let has = |needle: &str| image.bytes().unwrap().windows(needle.len()).any(|w| w == needle.as_bytes());
                 match image.kind {
                     ImageKind::Ptx => {
                         assert!(has(&format!(".entry {name}(")), "{name} in the ops PTX");

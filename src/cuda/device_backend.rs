@@ -96,14 +96,29 @@ impl DeviceBackend {
     /// extra synchronisation. The stream must belong to `device`'s context.
     ///
     /// # Errors
-    /// As [`DeviceBackend::new`]; [`Error::InvalidArgument`] for a stream of another context.
+    /// As [`DeviceBackend::new`]; [`Error::InvalidArgument`] for a stream of another context
+    /// (compared by the driver's handle: a framework's own `CudaContext` of the same primary
+    /// context is the same context), or of a context whose event tracking was disabled.
     pub fn on_stream(device: Arc<CudaDevice>, stream: Arc<CudaStream>, dtype: DType) -> Result<DeviceBackend> {
         if dtype == DType::F32 {
             return Err(f32_unsupported());
         }
-        if !Arc::ptr_eq(stream.context(), device.context()) {
+        // By the driver's handle, not the `Arc`: a framework (candle) holds its own
+        // `CudaContext` for the same primary context, and its streams are as good as ours.
+        if stream.context().cu_ctx() != device.context().cu_ctx() {
             return Err(Error::InvalidArgument(
                 "DeviceBackend::on_stream: the stream belongs to another CUDA context than the device's".into(),
+            ));
+        }
+        // Device buffers are ordered across streams (compute, copy, a framework's) by cudarc's
+        // per-slice events as well as by their readiness events: the emulated GPU's race
+        // detector finds uploads read on the copy stream before their writes without them.
+        if !stream.context().is_event_tracking() {
+            return Err(Error::InvalidArgument(
+                "DeviceBackend::on_stream: the stream's CUDA context has cudarc's event tracking disabled \
+                 (CudaContext::disable_event_tracking); ringattn's device buffers rely on it to order their uses \
+                 across streams"
+                    .into(),
             ));
         }
         Ok(DeviceBackend {

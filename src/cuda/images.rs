@@ -119,7 +119,7 @@ mod tests {
     use super::*;
 
     fn img(target: &'static str, kind: ImageKind) -> KernelImage {
-        KernelImage { family: "flash_fwd", target, kind, bytes: b"x" }
+        KernelImage { family: "flash_fwd", target, kind, size: 1, deflated: b"x" }
     }
 
     fn pick(images: &[KernelImage], cc: (i32, i32)) -> Vec<&'static str> {
@@ -145,9 +145,9 @@ mod tests {
         let mut build = Vec::new();
         for family in families {
             for t in ["sm_80", "sm_90a", "sm_100", "sm_120"] {
-                build.push(KernelImage { family, target: t, kind: ImageKind::Cubin, bytes: b"x" });
+                build.push(KernelImage { family, target: t, kind: ImageKind::Cubin, size: 1, deflated: b"x" });
             }
-            build.push(KernelImage { family, target: "compute_120", kind: ImageKind::Ptx, bytes: b"x" });
+            build.push(KernelImage { family, target: "compute_120", kind: ImageKind::Ptx, size: 1, deflated: b"x" });
         }
         let cases = [
             ((8, 0), "sm_80 cubin"),   // A100

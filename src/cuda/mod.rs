@@ -118,7 +118,7 @@ impl Executor for CudaDevice {
     }
 
     fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        self.backward_host(x)
+        self.backward_host(x, KernelFamily::Auto)
     }
 
     fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
@@ -126,8 +126,9 @@ impl Executor for CudaDevice {
     }
 }
 
-/// A device with the forward's kernel family chosen ([`CudaOptions::kernels`]).
-struct WithKernels<'a>(&'a CudaDevice, KernelFamily);
+/// A device with the kernel family of the forward and the backward chosen
+/// ([`CudaOptions::kernels`]).
+pub(crate) struct WithKernels<'a>(pub(crate) &'a CudaDevice, pub(crate) KernelFamily);
 
 impl Executor for WithKernels<'_> {
     const NAME: &'static str = BACKEND;
@@ -137,7 +138,7 @@ impl Executor for WithKernels<'_> {
     }
 
     fn backward(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        self.0.backward_host(x)
+        self.0.backward_host(x, self.1)
     }
 
     fn rowsum(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
@@ -174,8 +175,12 @@ impl CudaDevice {
         Ok((o, buffers::download(s, &saved.lse, buffers::lse_len(&dims))?))
     }
 
-    /// Backward of host buffers: f32 `(dq, dk, dv)`, unrounded.
-    pub(crate) fn backward_host(&self, x: &BackwardJob<'_>) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    /// Backward of host buffers on the kernel family `kernels`: f32 `(dq, dk, dv)`, unrounded.
+    pub(crate) fn backward_host(
+        &self,
+        x: &BackwardJob<'_>,
+        kernels: KernelFamily,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let f = &x.fwd;
         let dims = f.dims;
         runner::check_supported(BACKEND, &dims, f.dtype)?;
@@ -203,7 +208,7 @@ impl CudaDevice {
                 v: &v,
                 mask: &mask,
                 scale: f.scale,
-                kernels: KernelFamily::Auto,
+                kernels,
             },
             saved: &saved,
             d_o: &d_o,
@@ -314,5 +319,5 @@ pub fn backward(
     dims.expect_backward_inputs(q, o, lse, d_o)?;
     runner::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
-    runner::backward_tensors(&*dev, q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
+    runner::backward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
 }

@@ -20,6 +20,7 @@ use crate::{Error, Result};
 
 mod backend;
 mod flash;
+pub mod named;
 #[cfg(test)]
 mod ops;
 #[cfg(test)]

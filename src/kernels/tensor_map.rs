@@ -250,7 +250,7 @@ impl TensorMapSpec {
         let element_strides = vec![1u32; self.rank()];
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
         // SAFETY: the arrays hold `rank` dims and box dims, `rank - 1` strides and `rank`
-        // element strides (validated above); `map` is a 64-byte aligned CUtensorMap the call
+        // element strides (validated above); `map` is a 128-byte aligned CUtensorMap the call
         // writes. The address is only recorded, not dereferenced.
         let status = unsafe {
             sys::cuTensorMapEncodeTiled(
@@ -323,7 +323,7 @@ pub fn hopper_forward_params(
     };
     Ok(FlashFwdHopperParams {
         p,
-        reserved: 0,
+        reserved: [0; 9],
         q: map(p.q, dims.s_q, dims.h_q, block_m)?,
         k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
         v: map(p.v, dims.s_k, dims.h_kv, block_n)?,

@@ -311,7 +311,10 @@ pub fn backward_single(
         #[cfg(feature = "emu")]
         BackendKind::Emu => ringattn::emu::backward(q, k, v, o, lse, d_o, None, params, &exec.emu_options()?),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => ringattn::cuda::backward(q, k, v, o, lse, d_o, None, params, &Default::default()),
+        BackendKind::Cuda => {
+            let opts = ringattn::cuda::CudaOptions { kernels: exec.kernels()?, ..Default::default() };
+            ringattn::cuda::backward(q, k, v, o, lse, d_o, None, params, &opts)
+        }
         #[allow(unreachable_patterns)]
         other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),
     }

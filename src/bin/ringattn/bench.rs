@@ -140,6 +140,9 @@ struct PassResult {
 struct BenchReport {
     backend: String,
     device: String,
+    /// The device is ringattn's emulated GPU (the stand-in driver): the timings are the CPU
+    /// emulator's, not GPU figures.
+    emulated: bool,
     dtype: String,
     b: usize,
     s: usize,
@@ -212,7 +215,7 @@ pub fn median(x: &[f64]) -> f64 {
     }
 }
 
-fn parse_dq_mode(s: &str) -> Result<DqMode> {
+pub(crate) fn parse_dq_mode(s: &str) -> Result<DqMode> {
     match s {
         "deterministic" => Ok(DqMode::Deterministic),
         "atomic" => Ok(DqMode::Atomic),
@@ -318,6 +321,11 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let Dims { b, s_q: s, h_q: hq, h_kv: hkv, d, .. } = x.dims;
     let dtype = x.dtype;
     let dense = flops::dense_pairs(&x.dims);
+    if ringattn::kernels::is_emulated_gpu(&device) {
+        println!(
+            "EMULATED GPU: these are timings of the CPU emulator behind ringattn's stand-in driver, not GPU figures"
+        );
+    }
     println!(
         "ringattn bench: {} ({device}) b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}, {} warmup + {} timed iterations",
         a.backend,
@@ -367,6 +375,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     if let Some(path) = &a.json {
         let report = BenchReport {
             backend: a.backend.clone(),
+            emulated: ringattn::kernels::is_emulated_gpu(&device),
             device,
             dtype: dtype.to_string().to_lowercase(),
             b,

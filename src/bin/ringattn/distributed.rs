@@ -139,7 +139,9 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
             let comm = Faulty { inner: Box::new(comm), fault, sends: Arc::new(AtomicUsize::new(0)) };
             let code = finish(&comm, || {
                 let dtype = input_dtype(a)?;
-                let be = ringattn::cuda::DeviceBackend::open(device, dtype)?.with_step_deadline(deadline);
+                let be = ringattn::cuda::DeviceBackend::open(device, dtype)?
+                    .with_step_deadline(deadline)
+                    .with_kernels(a.exec.kernels()?);
                 run_rank(&comm, &be, a, params)
             });
             // NCCL first, then MPI (finalised when its communicator goes).
@@ -216,12 +218,12 @@ fn run_host(comm: &dyn Communicator<Buf = HostBuf>, a: &RunArgs, params: Paralle
         #[cfg(feature = "emu")]
         BackendKind::Emu => {
             let dtype = TensorFile::open(&a.input)?.info("q").map_or(ringattn::DType::BF16, |(d, _)| d);
-            run_rank(comm, &ringattn::emu::EmuBackend { dtype, ..Default::default() }, a, params)
+            run_rank(comm, &ringattn::emu::EmuBackend { dtype, options: a.exec.emu_options()? }, a, params)
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let dtype = input_dtype(a)?;
-            run_rank(comm, &ringattn::cuda::CudaBackend::new(0, dtype)?, a, params)
+            run_rank(comm, &ringattn::cuda::CudaBackend::new(0, dtype)?.with_kernels(a.exec.kernels()?), a, params)
         }
         #[allow(unreachable_patterns)]
         other => Err(Error::InvalidArgument(format!("--backend {other:?}: not in this build"))),

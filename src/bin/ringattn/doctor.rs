@@ -14,9 +14,11 @@ pub struct DoctorArgs {
     /// Print the report as one JSON object instead of text.
     ///
     /// Keys: version, features {cuda, emu, mpi}, images {cuda_version, architectures,
-    /// families, bytes}, driver {found, version, required, ok, error}, gpus [{ordinal, name,
+    /// families, bytes (expanded), embedded_bytes (compressed, in the binary)}, driver {found, version, required, ok, error}, gpus [{ordinal, name,
     /// compute_capability, memory_mib, image, ok, problem}], nccl {found, path, version,
-    /// tried, error}, mpi {compiled}, launcher {...} or null, gpu_path_ok, problems [...].
+    /// tried, error}, mpi {compiled}, launcher {...} or null, gpu_path_ok, problems [...],
+    /// emulated_gpu (the driver is ringattn's stand-in, `scripts/with-emulated-gpu`: kernels
+    /// run on the CPU; gpus[].emulated per device).
     #[arg(long)]
     pub json: bool,
 }
@@ -44,7 +46,8 @@ fn images() -> Value {
         "cuda_version": ringattn::kernels::cuda_version().map(|(a, b)| format!("{a}.{b}")),
         "architectures": ringattn::kernels::targets(),
         "families": families,
-        "bytes": ringattn::kernels::images().iter().map(|i| i.bytes.len()).sum::<usize>(),
+        "bytes": ringattn::kernels::images().iter().map(|i| i.size).sum::<usize>(),
+        "embedded_bytes": ringattn::kernels::images().iter().map(|i| i.deflated.len()).sum::<usize>(),
     })
 }
 
@@ -56,7 +59,9 @@ fn collect() -> Value {
     }
     let (driver, gpus, nccl, launcher) = gpu_side(&mut problems);
     let gpu_path_ok = problems.is_empty();
+    let emulated = gpus.as_array().is_some_and(|g| g.iter().any(|g| g["emulated"] == Value::Bool(true)));
     json!({
+        "emulated_gpu": emulated,
         "version": env!("CARGO_PKG_VERSION"),
         "features": features(),
         "images": images(),
@@ -117,6 +122,7 @@ fn gpu_side(problems: &mut Vec<String>) -> (Value, Value, Value, Value) {
                 json!({
                     "ordinal": g.ordinal,
                     "name": g.name,
+                    "emulated": ringattn::kernels::is_emulated_gpu(&g.name),
                     "compute_capability": format!("{}.{}", g.compute_capability.0, g.compute_capability.1),
                     "memory_mib": g.memory_bytes >> 20,
                     "image": image,
@@ -164,14 +170,21 @@ fn print_text(r: &Value) {
     let im = &r["images"];
     let archs: Vec<String> = im["architectures"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
     println!(
-        "kernels    {} (nvcc {}, {:.1} MiB)",
+        "kernels    {} (nvcc {}, {:.1} MiB; {:.1} MiB compressed in the binary)",
         if archs.is_empty() { "none".to_string() } else { archs.join(", ") },
         s(&im["cuda_version"]),
-        im["bytes"].as_f64().unwrap_or(0.0) / 1048576.0
+        im["bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        im["embedded_bytes"].as_f64().unwrap_or(0.0) / 1048576.0
     );
     let d = &r["driver"];
     if d["found"] == Value::Bool(true) {
         println!("driver     CUDA {} (this build needs {}): {}", s(&d["version"]), s(&d["required"]), ok(&d["ok"]));
+        if r["emulated_gpu"] == Value::Bool(true) {
+            println!(
+                "           EMULATED: ringattn's stand-in driver (emulated-gpu/, scripts/with-emulated-gpu): the kernels \
+                 run on the CPU under the emulator; no figure measured here is a GPU figure"
+            );
+        }
     } else {
         println!("driver     {}", s(&d["error"]));
     }

@@ -263,7 +263,12 @@ fn measure_device(
     let layout = a.layout.as_deref().map(str::parse).transpose()?;
     let pp = ParallelParams { strategy, layout, attention: params.clone(), seq_len: s, ..Default::default() };
     let options = LocalOptions { deadline: Duration::from_secs(600), ..Default::default() };
-    let run = DeviceRunOptions { device: a.device, ..Default::default() };
+    let run = DeviceRunOptions {
+        device: a.device,
+        kernels: crate::args::kernel_family(&a.kernels, crate::args::BackendKind::Cuda)?,
+        dq_mode: crate::bench::parse_dq_mode(&a.dq_mode)?,
+        ..Default::default()
+    };
     let iters = a.iters.unwrap_or(3).max(1);
     let mut samples = Vec::with_capacity(iters);
     let (mut comp, mut comm, mut bytes) = (Vec::new(), Vec::new(), 0.0);
@@ -392,7 +397,12 @@ pub fn sweep(a: &BenchArgs) -> Result<std::process::ExitCode> {
             BackendKind::Cpu => measure(a, &CpuBackend::default(), x, strategy, world, model, &params, backward)?,
             #[cfg(feature = "emu")]
             BackendKind::Emu => {
-                let be = ringattn::emu::EmuBackend { dtype, ..Default::default() };
+                let options = ringattn::emu::EmuOptions {
+                    kernels: crate::args::kernel_family(&a.kernels, backend)?,
+                    dq_mode: crate::bench::parse_dq_mode(&a.dq_mode)?,
+                    ..Default::default()
+                };
+                let be = ringattn::emu::EmuBackend { dtype, options };
                 measure(a, &be, x, strategy, world, model, &params, backward)?
             }
             #[cfg(feature = "cuda")]
