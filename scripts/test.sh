@@ -168,7 +168,19 @@ grep -q "^launch ringattn_hopper_flash_bwd_" "$launches" ||
   { echo "the Hopper backward never ran under --kernels hopper" >&2; exit 1; }
 grep -c "^launch " "$launches" | sed 's/^/kernel launches on the emulated GPU: /'
 unset RINGATTN_EMU_GPU_LOG
+# The GPU tests (skipped without a GPU in the stage above) on the emulated GPU.
 scripts/with-emulated-gpu cargo test --features cuda,mpi --test cuda
+# --comm nccl over 2 and 4 processes (mpirun) and torchrun-style, a stalled peer.
+RINGATTN_EMULATED_GPU_LIB=$PWD/target/emulated-gpu/debug OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+  cargo test --features cuda,mpi --test emulated_gpu
+# The device check end to end (quick mode, shapes scaled for the emulator): every step to a
+# result, its JSON labelled emulated.
+rm -rf target/device-check-emulated
+OUT=target/device-check-emulated scripts/with-emulated-gpu bash scripts/device-check.sh --bin target/debug/ringattn \
+  >target/device-check-emulated.log 2>&1 || { tail -40 target/device-check-emulated.log >&2; exit 1; }
+tail -3 target/device-check-emulated.log
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["emulated_gpu"] and d["verify_summary"]["failed"] == 0, d["steps_summary"]' \
+  target/device-check-emulated/device-check.json
 done_stage emulated-gpu
 
 stage "candle-core with CUDA beside ringattn (cuda, candle, mpi): lints of every target, and a downstream crate (ci/candle-cuda)"

@@ -22,6 +22,11 @@
 //!   becomes `CUDA_ERROR_ILLEGAL_ADDRESS` for every later call. `cuGetErrorString` carries
 //!   what the emulated GPU saw.
 //!
+//! * **NCCL** ([`nccl`]): the same library answers as `libnccl.so.2` (so that NCCL's work
+//!   runs in the driver's stream queues): communicators across processes and threads over
+//!   loopback TCP, point-to-point calls in groups, all-reduce and broadcast, non-blocking
+//!   initialisation and split, abort.
+//!
 //! `scripts/with-emulated-gpu CMD ...` builds this library and runs CMD with it first on the
 //! library path; `RINGATTN_EMU_GPU_LOG=FILE` logs every module load and kernel launch (name,
 //! geometry, stream). Device names carry [`device::EMULATED_MARK`], so that `ringattn
@@ -33,5 +38,6 @@ pub mod codes;
 pub mod device;
 pub mod image;
 pub mod launch;
+pub mod nccl;
 pub mod race;
 pub mod runtime;

@@ -62,6 +62,8 @@ pub enum OpKind {
     AllocReady { ptr: u64 },
     /// An event's point in the stream (records the time when it runs).
     Marker { time: Arc<Mutex<Option<Instant>>> },
+    /// A group of NCCL calls of one communicator.
+    Nccl(Box<crate::nccl::Group>),
 }
 
 /// A copy's source.
@@ -473,6 +475,17 @@ impl Driver {
                 *time.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
                 Ok(Vec::new())
             }
+            OpKind::Nccl(group) => {
+                group.run();
+                let st = self.lock();
+                let mut out = Vec::new();
+                for (p, n, write) in group.ranges() {
+                    if let Some((base, _)) = find_alloc(&st, p, n as u64) {
+                        out.push(access(base, p - base, p - base + n as u64, write));
+                    }
+                }
+                Ok(out)
+            }
         }
     }
 
@@ -579,6 +592,14 @@ impl Driver {
             }
             h => Err(Failure::new(INVALID_HANDLE, format!("stream handle {h:#x} is not a stream"))),
         }
+    }
+
+    /// The context of a created stream's handle (`None` for the default streams' handles).
+    pub fn stream_context(&self, st: &State, handle: u64) -> Option<usize> {
+        if handle >> 32 != STREAM_TAG >> 32 {
+            return None;
+        }
+        st.streams.get(((handle & 0xFFFF_FFFF) >> 4) as usize).map(|s| s.ctx)
     }
 
     /// Blocks until every stream of `ctx` has completed its work; the host has seen it all.

@@ -253,26 +253,7 @@ impl Inner {
 
     /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
     fn settle(&self, what: &str) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            let busy = self.with_comm(|c| {
-                let mut state = sys::ncclResult_t::ncclSuccess;
-                // SAFETY: `c` is live (held under the lock); one result is written.
-                nccl_call("ncclCommGetAsyncError", || unsafe { (self.lib.comm_get_async_error)(c, &mut state) })?;
-                match state {
-                    sys::ncclResult_t::ncclSuccess => Ok(false),
-                    sys::ncclResult_t::ncclInProgress => Ok(true),
-                    e => Err(Error::Cuda(format!("NCCL {what}: {}", nccl_text(e)))),
-                }
-            })?;
-            if !busy {
-                return Ok(());
-            }
-            if start.elapsed() >= self.deadline {
-                return Err(Error::Timeout { op: format!("NCCL {what}"), peer: 0, after: self.deadline });
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
+        settle_with(self.deadline, what, || self.with_comm(|c| in_progress(self.lib, c, what)))
     }
 
     /// Hands every posted operation to NCCL as one group on the stream and records its end
@@ -406,6 +387,32 @@ impl Inner {
         self.settle("group of sends and receives")?;
         Ok(Arc::new(guard("recording an event", || s.record_event(None))?))
     }
+}
+
+/// Whether communicator `c` is still in progress (`ncclCommGetAsyncError`); its error, if it
+/// has one, naming `what`.
+fn in_progress(lib: &NcclLibrary, c: sys::ncclComm_t, what: &str) -> Result<bool> {
+    let mut state = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: `c` is a live communicator of the caller's; one result is written.
+    nccl_call("ncclCommGetAsyncError", || unsafe { (lib.comm_get_async_error)(c, &mut state) })?;
+    match state {
+        sys::ncclResult_t::ncclSuccess => Ok(false),
+        sys::ncclResult_t::ncclInProgress => Ok(true),
+        e => Err(Error::Cuda(format!("NCCL {what}: {}", nccl_text(e)))),
+    }
+}
+
+/// Polls `busy` until it says the communicator is no longer in progress, for at most
+/// `deadline`.
+fn settle_with(deadline: Duration, what: &str, mut busy: impl FnMut() -> Result<bool>) -> Result<()> {
+    let start = Instant::now();
+    while busy()? {
+        if start.elapsed() >= deadline {
+            return Err(Error::Timeout { op: format!("NCCL {what}"), peer: 0, after: deadline });
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    Ok(())
 }
 
 /// Watches a communicator: polls `ncclCommGetAsyncError` and the age of the flushed groups
@@ -893,8 +900,13 @@ impl Communicator for NcclComm {
         if newcomm.is_null() {
             return Err(Error::Cuda("NCCL split: no communicator was created".into()));
         }
+        // The new communicator completes on its own (a non-blocking split): it is settled
+        // before its rank and size are asked, which NCCL refuses while it is in progress
+        // (found on the emulated GPU: the parent's state says nothing of the child's).
+        let settled = settle_with(self.inner.deadline, "split", || in_progress(lib, newcomm, "split"));
         // SAFETY: `newcomm` is live (split completed); one int written each.
-        let queried = nccl_call("ncclCommUserRank", || unsafe { (lib.comm_user_rank)(newcomm, &mut r) })
+        let queried = settled
+            .and_then(|()| nccl_call("ncclCommUserRank", || unsafe { (lib.comm_user_rank)(newcomm, &mut r) }))
             .and_then(|_| nccl_call("ncclCommCount", || unsafe { (lib.comm_count)(newcomm, &mut n) }));
         if let Err(e) = queried {
             // SAFETY: `newcomm` is live and owned here.

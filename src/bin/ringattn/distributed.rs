@@ -144,8 +144,13 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
                     .with_kernels(a.exec.kernels()?);
                 run_rank(&comm, &be, a, params)
             });
-            // NCCL first, then MPI (finalised when its communicator goes).
+            // NCCL first, then MPI (finalised when its communicator goes). After a failure
+            // the MPI job is aborted instead: MPI_Finalize waits for every rank, and a rank
+            // that stopped answering would hold this one (and the launcher) forever.
             drop(comm);
+            if let Err(e) = &code {
+                abort_host(host.as_deref(), &e.to_string());
+            }
             drop(host);
             code
         }
@@ -175,6 +180,18 @@ fn finish<B: Payload>(comm: &Faulty<B>, work: impl FnOnce() -> Result<()>) -> Re
 /// What keeps the bootstrap communicator (MPI) alive while NCCL runs.
 #[cfg(feature = "cuda")]
 type KeepAlive = Option<Box<dyn std::any::Any>>;
+
+/// Aborts the MPI job behind the NCCL communicator, if MPI bootstrapped it (`MPI_Abort`: every
+/// process of the job ends; the communicator prints `reason`).
+#[cfg(feature = "cuda")]
+fn abort_host(host: Option<&dyn std::any::Any>, reason: &str) {
+    #[cfg(feature = "mpi")]
+    if let Some(mpi) = host.and_then(|h| h.downcast_ref::<MpiComm>()) {
+        mpi.abort(reason);
+    }
+    #[cfg(not(feature = "mpi"))]
+    let _ = (host, reason);
+}
 
 /// The NCCL communicator of this process and its GPU (local rank modulo the visible devices):
 /// bootstrapped through MPI when the build has it and an MPI launcher started the process,
