@@ -264,34 +264,31 @@ pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(least: *mut c_int, greatest
     })
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuGetErrorString(code: CuResult, s: *mut *const c_char) -> CuResult {
-    match (codes::text(code), unsafe { s.as_mut() }) {
-        (Some(t), Some(s)) => {
+/// Writes the static string `text` gives for `code` into `*s` (NULL and `INVALID_VALUE` for a
+/// code the driver does not know), as `cuGetErrorString` / `cuGetErrorName` do.
+fn error_text(code: CuResult, s: *mut *const c_char, text: fn(CuResult) -> Option<*const c_char>) -> CuResult {
+    // SAFETY: a caller's out-pointer, valid for one write when not null.
+    let Some(s) = (unsafe { s.as_mut() }) else { return INVALID_VALUE };
+    match text(code) {
+        Some(t) => {
             *s = t;
             SUCCESS
         }
-        (None, Some(s)) => {
+        None => {
             *s = std::ptr::null();
             INVALID_VALUE
         }
-        _ => INVALID_VALUE,
     }
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn cuGetErrorString(code: CuResult, s: *mut *const c_char) -> CuResult {
+    error_text(code, s, codes::text)
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(code: CuResult, s: *mut *const c_char) -> CuResult {
-    match (codes::name(code), unsafe { s.as_mut() }) {
-        (Some(t), Some(s)) => {
-            *s = t;
-            SUCCESS
-        }
-        (None, Some(s)) => {
-            *s = std::ptr::null();
-            INVALID_VALUE
-        }
-        _ => INVALID_VALUE,
-    }
+    error_text(code, s, codes::name)
 }
 
 // ---- memory ----

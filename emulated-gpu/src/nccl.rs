@@ -775,11 +775,13 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> NcclResult {
     unsafe { ncclCommAbort(comm) }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, n: *mut c_int) -> NcclResult {
-    match (comm_of(comm), unsafe { n.as_mut() }) {
-        (Ok(c), Some(n)) if ready(&c, "ncclCommCount") => {
-            *n = c.nranks() as c_int;
+/// Writes `get(comm)` into `*out` for a communicator that is ready (`ncclCommCount`,
+/// `ncclCommUserRank`).
+fn comm_query(comm: *mut c_void, out: *mut c_int, what: &str, get: fn(&Comm) -> u32) -> NcclResult {
+    // SAFETY: a caller's out-pointer, valid for one write when not null.
+    match (comm_of(comm), unsafe { out.as_mut() }) {
+        (Ok(c), Some(o)) if ready(&c, what) => {
+            *o = get(&c) as c_int;
             SUCCESS
         }
         _ => INVALID_ARGUMENT,
@@ -787,14 +789,13 @@ pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, n: *mut c_int) -> Nccl
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, n: *mut c_int) -> NcclResult {
+    comm_query(comm, n, "ncclCommCount", Comm::nranks)
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *mut c_void, r: *mut c_int) -> NcclResult {
-    match (comm_of(comm), unsafe { r.as_mut() }) {
-        (Ok(c), Some(r)) if ready(&c, "ncclCommUserRank") => {
-            *r = c.rank() as c_int;
-            SUCCESS
-        }
-        _ => INVALID_ARGUMENT,
-    }
+    comm_query(comm, r, "ncclCommUserRank", Comm::rank)
 }
 
 #[no_mangle]

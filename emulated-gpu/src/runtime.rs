@@ -130,6 +130,9 @@ pub struct State {
     pub allocs: BTreeMap<u64, Alloc>,
     quarantine: Vec<(u64, std::alloc::Layout)>,
     quarantine_bytes: u64,
+    /// The most recent frees: (address, bytes, what freed it), for messages about accesses
+    /// to freed memory.
+    freed: VecDeque<(u64, u64, String)>,
     pub streams: Vec<Stream>,
     /// The legacy stream of each context (device).
     pub legacy: Vec<usize>,
@@ -173,6 +176,7 @@ pub fn driver() -> &'static Driver {
                 allocs: BTreeMap::new(),
                 quarantine: Vec::new(),
                 quarantine_bytes: 0,
+                freed: VecDeque::new(),
                 streams: Vec::new(),
                 legacy: Vec::new(),
                 events: HashMap::new(),
@@ -353,7 +357,8 @@ impl Driver {
             }
             st.streams[sid].running = false;
             if let OpKind::Free { ptr } = op.kind {
-                self.retire(&mut st, ptr);
+                let what = format!("{} on {}", op.label, st.streams[sid].label);
+                self.retire(&mut st, ptr, what);
             }
             st.streams[sid].completed = op.seq;
             self.changed.notify_all();
@@ -374,7 +379,11 @@ impl Driver {
                 } else if !dst_host {
                     return Err(Failure::new(
                         ILLEGAL_ADDRESS,
-                        format!("{}: destination {dst:#x} (+{len} bytes) is not live memory", op.label),
+                        format!(
+                            "{}: destination {dst:#x} (+{len} bytes) is not live memory{}",
+                            op.label,
+                            freed_by(&st, *dst)
+                        ),
                     ));
                 }
                 match src {
@@ -384,7 +393,11 @@ impl Driver {
                             None => {
                                 return Err(Failure::new(
                                     ILLEGAL_ADDRESS,
-                                    format!("{}: source {s:#x} (+{len} bytes) is not live memory", op.label),
+                                    format!(
+                                        "{}: source {s:#x} (+{len} bytes) is not live memory{}",
+                                        op.label,
+                                        freed_by(&st, *s)
+                                    ),
                                 ))
                             }
                         }
@@ -407,7 +420,7 @@ impl Driver {
                 let Some((base, _)) = find_alloc(&st, *dst, len) else {
                     return Err(Failure::new(
                         ILLEGAL_ADDRESS,
-                        format!("{}: {dst:#x} (+{len} bytes) is not live memory", op.label),
+                        format!("{}: {dst:#x} (+{len} bytes) is not live memory{}", op.label, freed_by(&st, *dst)),
                     ));
                 };
                 drop(st);
@@ -529,10 +542,14 @@ impl Driver {
 
     /// Takes a freed allocation out of the live table into quarantine; releases the
     /// quarantine once it is large and every stream is idle.
-    fn retire(&self, st: &mut State, ptr: u64) {
+    fn retire(&self, st: &mut State, ptr: u64, what: String) {
         if let Some(a) = st.allocs.remove(&ptr) {
             st.quarantine_bytes += a.bytes;
             st.quarantine.push((ptr, a.layout));
+            st.freed.push_back((ptr, a.bytes, what));
+            if st.freed.len() > 4096 {
+                st.freed.pop_front();
+            }
         }
         // Idle: nothing queued or running anywhere (the freeing operation itself has finished).
         let idle = st.streams.iter().all(|s| s.queue.is_empty() && !s.running);
@@ -666,6 +683,15 @@ fn take_mut<'a, T>(slot: &mut MutexGuard<'a, T>, f: impl FnOnce(MutexGuard<'a, T
         let g = f(g);
         std::ptr::write(slot, g);
     }
+}
+
+/// What freed the memory at `addr`, if a recent free did: for the error of an access to it.
+pub fn freed_by(st: &State, addr: u64) -> String {
+    st.freed
+        .iter()
+        .rev()
+        .find(|(p, n, _)| addr >= *p && addr < p + (*n).max(1))
+        .map_or(String::new(), |(_, _, what)| format!(" (freed by {what})"))
 }
 
 /// The live allocation holding `[addr, addr + len)`: (base, allocation).

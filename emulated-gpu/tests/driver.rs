@@ -230,3 +230,27 @@ fn tensor_maps_follow_the_drivers_rules() {
     assert_eq!(enc(base, [128, 64], buf, 3), INVALID_VALUE);
     assert_eq!(enc(base, [64, 64], buf + 8, 3), INVALID_VALUE);
 }
+
+/// Freeing memory that another stream's queued work still reads, with nothing ordering the
+/// two, is reported: as a cross-stream race when the read runs first (a free is a write of
+/// the whole allocation, in stream order), as an access to freed memory naming the free when
+/// the free runs first.
+#[test]
+fn freeing_memory_another_stream_still_reads_is_reported() {
+    on_device(6);
+    let (a, b) = (stream(), stream());
+    let n = 1 << 16;
+    let (src, dst) = (alloc(n), alloc(n));
+    unsafe {
+        assert_eq!(cuMemsetD8Async(src, 7, n, a), SUCCESS);
+        assert_eq!(cuStreamSynchronize(a), SUCCESS);
+        // Stream a reads src; stream b frees it without waiting for a.
+        assert_eq!(cuMemcpyDtoDAsync_v2(dst, src, n, a), SUCCESS);
+        assert_eq!(cuMemFreeAsync(src, b), SUCCESS);
+        let e = cuCtxSynchronize();
+        let msg = text(e);
+        let race = e == LAUNCH_FAILED && msg.contains("cross-stream race");
+        let freed = e == ILLEGAL_ADDRESS && msg.contains("not live memory (freed by cuMemFreeAsync");
+        assert!((race || freed) && msg.contains("cuMemFreeAsync"), "{e}: {msg}");
+    }
+}
