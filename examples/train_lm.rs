@@ -264,18 +264,20 @@ where
         DType::F16 => CDType::F16,
         _ => CDType::F32,
     };
+    // The data and its position ids sharded by the plan itself; each attention call checks
+    // the positions against the plan's (a shard in another layout fails on every rank).
+    let all_pos = Tensor::arange(0u32, a.seq as u32, device)?;
+    let pos = rc::shard_like(&plan, &all_pos, 0)?;
     let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
-        let o = rc::ring_attention(&plan, &q.to_dtype(cdt)?, &k.to_dtype(cdt)?, &v.to_dtype(cdt)?)?;
+        let o = rc::ring_attention_at(&plan, &q.to_dtype(cdt)?, &k.to_dtype(cdt)?, &v.to_dtype(cdt)?, &pos)?;
         o.to_dtype(CDType::F32)
     };
     let vars = parameters(a.seed, a.seq, device)?;
     let mut opt = adamw(&vars, a.lr)?;
-    let all_pos = Tensor::arange(0u32, a.seq as u32, device)?;
-    let pos = rc::shard(resolved, &all_pos, 0, rank)?;
     let (mut losses, mut first_grads) = (Vec::new(), Vec::new());
     for step in 0..a.steps {
         let (tokens, targets) = batch(a.seed, step, a.seq, device)?;
-        let (tokens, targets) = (rc::shard(resolved, &tokens, 1, rank)?, rc::shard(resolved, &targets, 1, rank)?);
+        let (tokens, targets) = (rc::shard_like(&plan, &tokens, 1)?, rc::shard_like(&plan, &targets, 1)?);
         let l = loss(&vars, &tokens, &targets, &pos, a.seq, &attend)?;
         let mut grads = l.backward()?;
         rc::all_reduce_gradients_with(&*comm, &add, &vars, &mut grads)?;

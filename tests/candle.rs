@@ -128,3 +128,66 @@ fn helpers_shard_unshard_and_sum_gradients() {
     let e = refused.into_iter().next().unwrap().unwrap().unwrap_err();
     assert!(e.contains("BF16") && e.contains("F32"), "{e}");
 }
+
+/// The three misuses that gave wrong numbers with no error now fail on every rank, each with
+/// a message that names the fix: `[b, h, s, d]` tensors (candle's usual attention layout);
+/// contiguous `narrow` shards under the default zigzag plan; a shard resolved with the KV head
+/// count (USP's Ulysses degree 2 where the plan's is 4).
+#[test]
+fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
+    let (world, s, hq, hkv, d) = (4, 32, 4, 2, 8);
+    let causal = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let usp = ParallelParams { strategy: Strategy::Usp, ..causal.clone() };
+    let run = |params: &ParallelParams, misuse: usize| {
+        spmd_shared(world, LocalOptions::default(), |comm| {
+            let rank = comm.rank();
+            let dims = Dims { b: 1, s_q: s / world, s_k: s / world, h_q: hq, h_kv: hkv, d };
+            let plan =
+                Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), params, &dims, DType::F32)?);
+            let dev = &Device::Cpu;
+            let q = CTensor::randn(0f32, 1.0, (1, s, hq, d), dev)?;
+            let kv = CTensor::randn(0f32, 1.0, (1, s, hkv, d), dev)?;
+            let ids = CTensor::arange(0u32, s as u32, dev)?;
+            let r = match misuse {
+                // [b, h, s, d]: the element count matches, the layout does not.
+                0 => {
+                    let (qs, ks) = (rc::shard_like(&plan, &q, 1)?, rc::shard_like(&plan, &kv, 1)?);
+                    let (qt, kt) = (qs.transpose(1, 2)?.contiguous()?, ks.transpose(1, 2)?.contiguous()?);
+                    rc::ring_attention(&plan, &qt, &kt, &kt)
+                }
+                // Contiguous chunks under the zigzag layout, with their position ids.
+                1 => {
+                    let n = s / world;
+                    let (qn, kn, pos) =
+                        (q.narrow(1, rank * n, n)?, kv.narrow(1, rank * n, n)?, ids.narrow(0, rank * n, n)?);
+                    rc::ring_attention_at(&plan, &qn, &kn, &kn, &pos)
+                }
+                // Sharded from parameters resolved with the KV head count.
+                _ => {
+                    let wrong = params.clone().resolve(world, hkv, s)?;
+                    let (qw, kw, pos) = (
+                        rc::shard(&wrong, &q, 1, rank)?,
+                        rc::shard(&wrong, &kv, 1, rank)?,
+                        rc::shard(&wrong, &ids, 0, rank)?,
+                    );
+                    rc::ring_attention_at(&plan, &qw, &kw, &kw, &pos)
+                }
+            };
+            Ok(r.map(|_| ()).map_err(|e| e.to_string()))
+        })
+    };
+    for (params, misuse, needle) in
+        [(&causal, 0, "transpose(1, 2) to [b, s, h, d]"), (&causal, 1, "shard_like"), (&usp, 2, "position")]
+    {
+        for (rank, r) in run(params, misuse).into_iter().enumerate() {
+            let e = r.unwrap().expect_err("a misuse must fail");
+            assert!(
+                e.contains(needle) || (misuse > 0 && e.contains("rank(s) of the group")),
+                "misuse {misuse}, rank {rank}: {e}"
+            );
+        }
+    }
+}

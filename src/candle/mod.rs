@@ -135,9 +135,13 @@ where
 /// in that dtype on the same device. Collective over the plan's communicator, forward and backward (see the
 /// module docs). Non-contiguous inputs are made contiguous first (differentiably).
 ///
+/// Shapes are checked dimension by dimension against the plan's shard (a tensor in candle's
+/// usual `[b, h, s, d]` attention layout is named as such, with the transpose that fixes
+/// it); the tokens' positions are not visible here: [`ring_attention_at`] checks them too.
+///
 /// # Errors
 /// candle errors, and wrapped [`Error`]s: a dtype other than the plan's, shapes other than
-/// the planned shard, tensors on another kind of device than the plan's buffers
+/// the planned shard ([`Error::ShapeMismatch`] naming both), tensors on another kind of device than the plan's buffers
 /// ([`CandleBuf`]), communication errors.
 ///
 /// ```
@@ -180,8 +184,136 @@ where
             return Err(msg(format!("ringattn: `{name}` is {dt}, the plan is for {}", plan.dtype())));
         }
     }
+    let dims = plan.dims();
+    check_shape("q", q, [dims.b, dims.s_q, dims.h_q, dims.d])?;
+    check_shape("k", k, [dims.b, dims.s_k, dims.h_kv, dims.d])?;
+    check_shape("v", v, [dims.b, dims.s_k, dims.h_kv, dims.d])?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     q.apply_op3(&k, &v, RingAttention { plan: plan.clone(), saved: Mutex::new(None) })
+}
+
+/// [`ring_attention`] that also checks the global positions of this rank's tokens: `positions`
+/// (`[n]`, any integer dtype, on any device) are the position ids the caller gave its shard
+/// (the tensor a model needs anyway for rotary or learned positions), compared with the
+/// plan's. Sharding that disagrees with the plan's layout — `narrow` (contiguous chunks) under
+/// a zigzag plan, or a shard from parameters resolved otherwise than the plan's — has the
+/// right shapes and the wrong tokens: this is where it is caught.
+///
+/// Collective: one small all-reduce of every rank's verdict first, so that a disagreement on
+/// any rank fails the call on every rank.
+///
+/// # Errors
+/// As [`ring_attention`]; a wrapped [`Error::Positions`] naming the first token whose position
+/// differs from the plan's (and the plan's layout) when they disagree (on the other ranks:
+/// how many ranks disagree), and a shape error when `positions` is not `[n]`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{Device, Tensor};
+/// use ringattn::comm::{spmd_shared, LocalOptions};
+/// use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan};
+/// use ringattn::{candle as rc, AttentionParams, DType, Dims, Mask};
+/// let params = ParallelParams { attention: AttentionParams { mask: Mask::Causal, ..Default::default() }, ..Default::default() };
+/// let runs = spmd_shared(2, LocalOptions::default(), |comm| {
+///     let rank = comm.rank();
+///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d: 8 };
+///     let plan = Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
+///     let x = Tensor::ones((1, 16, 2, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
+///     let ids = Tensor::arange(0u32, 16, &Device::Cpu).unwrap();
+///     // Right: shard the data and the position ids through the plan.
+///     let (xs, pos) = (rc::shard_like(&plan, &x, 1).unwrap(), rc::shard_like(&plan, &ids, 0).unwrap());
+///     assert!(rc::ring_attention_at(&plan, &xs, &xs, &xs, &pos).is_ok());
+///     // Wrong: contiguous chunks under the (default, causal) zigzag layout.
+///     let (xn, wrong) = (x.narrow(1, 8 * rank, 8).unwrap(), ids.narrow(0, 8 * rank, 8).unwrap());
+///     Ok(rc::ring_attention_at(&plan, &xn, &xn, &xn, &wrong).map_err(|e| e.to_string()))
+/// });
+/// for r in runs {
+///     let e = r.unwrap().unwrap_err();
+///     assert!(e.contains("position"), "{e}");
+/// }
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn ring_attention_at<Be>(
+    plan: &SharedPlan<Be>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: &Tensor,
+) -> candle_core::Result<Tensor>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
+    // Every rank learns whether any rank's shard disagrees (one small all-reduce), so that a
+    // mismatch fails the call on every rank, not on some while the others wait in the ring.
+    let mine = check_positions(plan, positions);
+    let flag = Tensor::new(&[if mine.is_err() { 1f32 } else { 0f32 }], q.device())?;
+    let add = |acc: &mut Be::Buf, x: &Be::Buf| plan.backend().add_into(acc, x);
+    let wrong = all_reduce_sum(plan.comm(), &add, &flag)?.to_vec1::<f32>()?[0];
+    mine?;
+    if wrong > 0.0 {
+        return Err(wrap(Error::Positions(format!(
+            "rank {}: {wrong} rank(s) of the group hold tokens at other positions than the plan's (this rank's \
+             match; see the error of the others)",
+            plan.comm().rank()
+        ))));
+    }
+    ring_attention(plan, q, k, v)
+}
+
+/// `positions` against the plan's positions of this rank.
+fn check_positions<Be: Backend>(plan: &ParallelPlan<'static, Be>, positions: &Tensor) -> candle_core::Result<()> {
+    let want: Vec<u64> = plan.positions().iter().map(|p| p as u64).collect();
+    if positions.dims() != [want.len()] {
+        return Err(wrap(Error::ShapeMismatch(format!(
+            "ringattn: positions of shape {:?}, this rank holds [{}] tokens",
+            positions.dims(),
+            want.len()
+        ))));
+    }
+    let got: Vec<i64> = positions.to_dtype(candle_core::DType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i] as i64) {
+        let layout = plan.resolved().layout();
+        return Err(wrap(Error::Positions(format!(
+            "rank {}: token {i} of this shard is at position {}, the plan ({layout:?} layout) puts position {} there \
+             (shard the tensors with the plan's layout: ringattn::candle::shard_like)",
+            plan.comm().rank(),
+            got[i],
+            want[i]
+        ))));
+    }
+    Ok(())
+}
+
+/// The shape check of [`ring_attention`]: `t` must be `want` (`[b, n, h, d]`); a tensor laid
+/// out `[b, h, n, d]` (candle's usual attention layout) is named as such.
+fn check_shape(name: &str, t: &Tensor, want: [usize; 4]) -> candle_core::Result<()> {
+    let got = t.dims();
+    if got == want {
+        return Ok(());
+    }
+    let [b, n, h, d] = want;
+    let hint = if got == [b, h, n, d] && h != n {
+        "; it looks like [b, h, s, d]: transpose(1, 2) to [b, s, h, d]"
+    } else {
+        ""
+    };
+    Err(wrap(Error::ShapeMismatch(format!(
+        "ringattn: `{name}` has shape {got:?}, the plan's shard is [b, s, h, d] = {want:?}{hint}"
+    ))))
+}
+
+/// [`shard`] with the plan's own resolved parameters (the one source of this rank's tokens):
+/// this rank's rows of a whole-sequence tensor along `dim`.
+///
+/// # Errors
+/// As [`shard`].
+pub fn shard_like<Be: Backend>(
+    plan: &ParallelPlan<'static, Be>,
+    t: &Tensor,
+    dim: usize,
+) -> candle_core::Result<Tensor> {
+    shard(plan.resolved(), t, dim, plan.comm().rank())
 }
 
 /// The positions of `rank` as a candle index.
