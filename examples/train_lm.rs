@@ -292,30 +292,8 @@ where
             pb.inc(1);
         }
     }
-    let replicas_identical = replicas_identical(&*comm, &add, &vars)?;
+    let replicas_identical = rc::replicas_identical(&*comm, &add, &vars)?;
     Ok(RankRun { losses, first_grads, replicas_identical })
-}
-
-/// Whether every rank's parameters are bit-identical: each rank hashes its own, and the
-/// group sums each hash byte `x` and its square — exact integers in f32 — so that
-/// `world * sum(x^2) == sum(x)^2` holds for every byte only if all ranks agree.
-fn replicas_identical<B: rc::CandleBuf>(
-    comm: &dyn Communicator<Buf = B>,
-    add: &ringattn::comm::AddFn<'_, B>,
-    vars: &[Var],
-) -> candle_core::Result<bool> {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in vars {
-        for x in v.flatten_all()?.to_vec1::<f32>()? {
-            h = (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    let bytes = h.to_le_bytes().map(f32::from);
-    let both: Vec<f32> = bytes.iter().copied().chain(bytes.iter().map(|x| x * x)).collect();
-    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let sums = rc::all_reduce_sum(comm, add, &Tensor::from_vec(both, 16, &device)?)?.to_vec1::<f32>()?;
-    let world = comm.size() as f64;
-    Ok((0..8).all(|i| world * f64::from(sums[8 + i]) == f64::from(sums[i]).powi(2)))
 }
 
 /// Rank 0's report of an in-process run, or the first rank's error.

@@ -191,3 +191,22 @@ fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
         }
     }
 }
+
+/// A planted replica drift (one rank's parameter nudged, as a forgotten gradient all-reduce
+/// leaves it) is reported on every rank; identical replicas pass.
+#[test]
+fn a_replica_drift_is_reported_on_every_rank() {
+    let runs = spmd_shared(3, LocalOptions::default(), |comm| {
+        let v = Var::from_tensor(&CTensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &Device::Cpu)?)?;
+        let add = |acc: &mut ringattn::HostBuf, x: &ringattn::HostBuf| ringattn::comm::add_host(acc, x);
+        rc::check_replicas(&*comm, &add, std::slice::from_ref(&v))?;
+        if comm.rank() == 2 {
+            v.set(&(v.as_tensor() + 1e-6)?)?;
+        }
+        Ok(rc::check_replicas(&*comm, &add, &[v]).map_err(|e| e.to_string()))
+    });
+    for r in runs {
+        let e = r.unwrap().unwrap_err();
+        assert!(e.contains("drifted") && e.contains("all_reduce_gradients"), "{e}");
+    }
+}

@@ -417,6 +417,56 @@ pub fn all_reduce_gradients_with<B: CandleBuf>(
     Ok(())
 }
 
+/// Whether every rank's `vars` are bit-identical — data-parallel replicas after the same
+/// steps, as context parallelism leaves them when every step's gradients are summed over the
+/// group ([`all_reduce_gradients`]): each rank hashes its own values (FNV-1a over the f32
+/// bits, in order), and the group sums each hash byte `x` and `x²` (exact integers in f32),
+/// so that `world·Σx² = (Σx)²` holds for every byte only when all ranks agree. Collective over
+/// `comm` (one all-reduce of 16 values on the vars' device); `add` as for
+/// [`all_reduce_sum`]. A training loop calls it (or [`check_replicas`]) every N steps:
+/// replicas drift, silently, when a gradient all-reduce is forgotten.
+///
+/// # Errors
+/// candle errors; communication errors.
+pub fn replicas_identical<B: CandleBuf>(
+    comm: &dyn Communicator<Buf = B>,
+    add: &crate::comm::AddFn<'_, B>,
+    vars: &[Var],
+) -> candle_core::Result<bool> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in vars {
+        for x in v.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()? {
+            h = (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let bytes = h.to_le_bytes().map(f32::from);
+    let both: Vec<f32> = bytes.iter().copied().chain(bytes.iter().map(|x| x * x)).collect();
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let sums = all_reduce_sum(comm, add, &Tensor::from_vec(both, 16, &device)?)?.to_vec1::<f32>()?;
+    let world = comm.size() as f64;
+    Ok((0..8).all(|i| world * f64::from(sums[8 + i]) == f64::from(sums[i]).powi(2)))
+}
+
+/// [`replicas_identical`] as an error on every rank when the replicas differ (a wrapped
+/// [`Error::Parallel`] that names the likely cause).
+///
+/// # Errors
+/// As [`replicas_identical`], and the drift.
+pub fn check_replicas<B: CandleBuf>(
+    comm: &dyn Communicator<Buf = B>,
+    add: &crate::comm::AddFn<'_, B>,
+    vars: &[Var],
+) -> candle_core::Result<()> {
+    if replicas_identical(comm, add, vars)? {
+        return Ok(());
+    }
+    Err(wrap(Error::Parallel(format!(
+        "the {} ranks' parameters are not bit-identical: the replicas have drifted (is every step's gradient \
+         summed over the group with ringattn::candle::all_reduce_gradients before the optimiser step?)",
+        comm.size()
+    ))))
+}
+
 /// The sum over the group of every rank's `t` (any shape, f32, on the device its buffers
 /// live on: CPU tensors with a host communicator, CUDA tensors with a device one): every
 /// rank gets the same f32 tensor of `t`'s shape, summed in rank order
