@@ -210,3 +210,31 @@ fn a_replica_drift_is_reported_on_every_rank() {
         assert!(e.contains("drifted") && e.contains("all_reduce_gradients"), "{e}");
     }
 }
+
+/// A rank that skips the backward (its thread returns after the forward) makes its peers,
+/// waiting in the backward's ring for its messages, fail at once naming it — within 5 s, not
+/// at the 300 s deadline.
+#[test]
+fn a_rank_that_skips_backward_makes_its_peers_fail_within_5_s() {
+    let t0 = std::time::Instant::now();
+    let params = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let runs = spmd_shared(2, LocalOptions::default(), |comm| {
+        let rank = comm.rank();
+        let dims = Dims { b: 1, s_q: 16, s_k: 16, h_q: 2, h_kv: 2, d: 8 };
+        let plan =
+            Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
+        let q = Var::from_tensor(&CTensor::randn(0f32, 1.0, (1, 16, 2, 8), &Device::Cpu)?)?;
+        let o = rc::ring_attention(&plan, q.as_tensor(), q.as_tensor(), q.as_tensor())?;
+        if rank == 1 {
+            return Ok(None);
+        }
+        Ok(Some(o.sum_all()?.backward().map(|_| ()).map_err(|e| e.to_string())))
+    });
+    let e = runs[0].as_ref().unwrap().as_ref().unwrap().as_ref().unwrap_err();
+    assert!(e.contains("rank 1 returned without sending"), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t0.elapsed());
+    assert!(runs[1].as_ref().unwrap().is_none());
+}

@@ -66,11 +66,17 @@ impl Default for LocalOptions {
 #[derive(Default)]
 struct Failure {
     first: Mutex<Option<(usize, String)>>,
+    /// Global ranks whose thread has returned ([`Communicator::depart`]).
+    departed: Mutex<Vec<usize>>,
 }
 
 impl Failure {
     fn get(&self) -> Option<(usize, String)> {
         self.first.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn departed(&self, global_rank: usize) -> bool {
+        self.departed.lock().unwrap_or_else(|e| e.into_inner()).contains(&global_rank)
     }
 }
 
@@ -259,6 +265,7 @@ impl<B: Payload> Communicator for LocalComm<B> {
             loop {
                 let now = Instant::now();
                 let mut wake = give_up;
+                let mut pending = false;
                 if let Some(list) = q.get_mut(&(from, key)) {
                     match list.front().map(|m| m.deliver_at) {
                         Some(at) if at <= now => {
@@ -288,12 +295,28 @@ impl<B: Payload> Communicator for LocalComm<B> {
                                 return Ok(m.data);
                             }
                         }
-                        Some(at) => wake = wake.min(at),
+                        Some(at) => {
+                            pending = true;
+                            wake = wake.min(at);
+                        }
                         None => {}
                     }
                 }
                 if let Some((rank, reason)) = g.failure.get() {
                     return Err(Error::PeerFailed { rank, reason });
+                }
+                // Its thread returned and the message is not here: it never will be.
+                if !pending && g.failure.departed(g.global[from]) {
+                    return Err(Error::PeerFailed {
+                        rank: g.global[from],
+                        reason: format!(
+                            "rank {} returned without sending {} to rank {}: every rank must run the same \
+                             collectives (each forward, backward and gradient all-reduce its peers run)",
+                            g.global[from],
+                            super::describe_tag(tag),
+                            g.global[me]
+                        ),
+                    });
                 }
                 if now >= give_up {
                     return Err(Error::Timeout {
@@ -307,6 +330,18 @@ impl<B: Payload> Communicator for LocalComm<B> {
                 q = mb.ready.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
             }
         }))
+    }
+
+    fn depart(&self) {
+        let me = self.group.global[self.rank];
+        let mut d = self.group.failure.departed.lock().unwrap_or_else(|e| e.into_inner());
+        if !d.contains(&me) {
+            d.push(me);
+        }
+        drop(d);
+        for mb in &self.group.mailboxes {
+            mb.ready.notify_all();
+        }
     }
 
     fn abort(&self, reason: &str) {
@@ -475,10 +510,13 @@ pub(crate) fn run_each<C: Communicator + Sync, T: Send>(
                     });
                     // A handshake error is found by every rank from the same gathered data, so
                     // it needs no abort (which could cut a slower rank's gather short).
-                    if let Err(e) = &r {
-                        if !matches!(e, Error::PeerFailed { .. } | Error::Handshake(_)) {
-                            c.abort(&e.to_string());
+                    match &r {
+                        Err(e) if !matches!(e, Error::PeerFailed { .. } | Error::Handshake(_)) => {
+                            c.abort(&e.to_string())
                         }
+                        Err(_) => {}
+                        // Done: a peer still waiting for this rank fails at once.
+                        Ok(_) => c.depart(),
                     }
                     r
                 })

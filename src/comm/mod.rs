@@ -182,6 +182,13 @@ pub trait Communicator: Send + Sync {
     /// Marks the whole group (and every group split from the same root) as failed, so that
     /// every pending and future wait returns [`crate::Error::PeerFailed`] naming this rank.
     fn abort(&self, reason: &str);
+    /// Says this rank is done with the group (its thread returned): a peer waiting for a
+    /// message this rank never sent fails at once with [`crate::Error::PeerFailed`] ("returned
+    /// without ..."), not at its deadline — a rank that skips a backward or a gradient
+    /// all-reduce its peers run. Messages it did send are still received. In-process ranks
+    /// implement it (`spmd` and its variants call it when a rank's function returns); the
+    /// default does nothing (an MPI or NCCL process that exits ends its job by itself).
+    fn depart(&self) {}
     /// Splits into sub-communicators: ranks passing the same `color` form one group, ordered
     /// by `(key, rank)`. Collective.
     ///
@@ -336,6 +343,9 @@ pub trait Communicator: Send + Sync {
 /// expected. Every method, overridden collectives included, is the inner one's.
 impl<C: Communicator + ?Sized> Communicator for std::sync::Arc<C> {
     type Buf = C::Buf;
+    fn depart(&self) {
+        (**self).depart()
+    }
     fn rank(&self) -> usize {
         (**self).rank()
     }

@@ -208,6 +208,10 @@ impl Communicator for DeviceComm {
         self.inner.abort(reason)
     }
 
+    fn depart(&self) {
+        self.inner.depart()
+    }
+
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator<Buf = DeviceBuf>>> {
         let inner = self.inner.split(color, key)?;
         Ok(Box::new(DeviceComm { inner, copy: self.copy.clone(), device: self.device.clone(), copies: self.copies }))
