@@ -216,20 +216,20 @@ def ptxas_report(text):
     return funcs, entries
 
 INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
-def sass_counts(text):
-    """Per `Function : name` section: counts of the opcodes of COUNTED (base name before '.')."""
-    counts, cur = {}, None
+def sections(text):
+    """The disassembly's `Function : name` sections: name -> their lines."""
+    out, cur = {}, None
     for line in text.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
-            cur = m.group(1); counts[cur] = Counter()
-            continue
-        if cur is None:
-            continue
-        m = INSN.search(line)
-        if m and m.group(1) in COUNTED:
-            counts[cur][m.group(1)] += 1
-    return counts
+            cur = m.group(1); out[cur] = []
+        elif cur is not None:
+            out[cur].append(line)
+    return out
+def sass_counts(funcs):
+    """Per section: counts of the opcodes of COUNTED (base name before '.')."""
+    return {name: Counter(m.group(1) for m in map(INSN.search, lines) if m and m.group(1) in COUNTED)
+            for name, lines in funcs.items()}
 
 # setmaxnreg: the registers a block gets at entry (ptxas's count x its threads) must cover the
 # split its warpgroups move to (`setmaxnreg.dec` lowers a warpgroup, `.inc` waits until the
@@ -239,18 +239,11 @@ def sass_counts(text):
 # family's __launch_bounds__ threads and ptxas's count.
 sources = {os.path.basename(p)[:-3]: p for p in os.environ.get("SOURCES", "").split()}
 SETMAXREG = re.compile(r"USETMAXREG\.(TRY_ALLOC|DEALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-fA-F]+|\d+)")
-def setmaxnreg_values(text):
-    """Per `Function : name` section: the USETMAXREG register counts, ('inc'|'dec', n)."""
-    out, cur = {}, None
-    for line in text.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            cur = m.group(1); out[cur] = set()
-            continue
-        m = SETMAXREG.search(line)
-        if m and cur:
-            out[cur].add(("inc" if m.group(1) == "TRY_ALLOC" else "dec", int(m.group(2), 0)))
-    return out
+def setmaxnreg_values(funcs):
+    """Per section: the USETMAXREG register counts, ('inc'|'dec', n)."""
+    return {name: {("inc" if m.group(1) == "TRY_ALLOC" else "dec", int(m.group(2), 0))
+                   for m in map(SETMAXREG.search, lines) if m}
+            for name, lines in funcs.items()}
 def declared_split(family):
     path = sources.get(family)
     text = open(path).read() if path and os.path.exists(path) else ""
@@ -290,9 +283,9 @@ for ptxas in sorted(glob.glob(os.path.join(out, "*", "*.ptxas.txt"))):
     for w in sorted(set(re.findall(r"warning[^\n]*?(\(C75\d\d\)[^\n]*)", ptxas_text))):
         failures.append(f"{family} [{arch}]: ptxas warning {w}")
     funcs, entries = ptxas_report(ptxas_text)
-    sass_text = open(os.path.join(out, arch, family + ".sass")).read()
-    sass = sass_counts(sass_text)
-    maxreg = setmaxnreg_values(sass_text)
+    funcs_sass = sections(open(os.path.join(out, arch, family + ".sass")).read())
+    sass = sass_counts(funcs_sass)
+    maxreg = setmaxnreg_values(funcs_sass)
     for name in entries + sorted(set(funcs) - set(entries)) + sorted(set(sass) - set(funcs)):
         f, c = funcs.get(name, {}), sass.get(name, Counter())
         rules = []

@@ -180,14 +180,21 @@ fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
         })
     };
     for (params, misuse, needle) in
-        [(&causal, 0, "transpose(1, 2) to [b, s, h, d]"), (&causal, 1, "shard_like"), (&usp, 2, "position")]
+        [(&causal, 0, "transpose(1, 2) to [b, s, h, d]"), (&causal, 1, "shard_like"), (&usp, 2, "shard_like")]
     {
-        for (rank, r) in run(params, misuse).into_iter().enumerate() {
-            let e = r.unwrap().expect_err("a misuse must fail");
-            assert!(
-                e.contains(needle) || (misuse > 0 && e.contains("rank(s) of the group")),
-                "misuse {misuse}, rank {rank}: {e}"
-            );
+        let errors: Vec<String> = run(params, misuse)
+            .into_iter()
+            .map(|r| r.unwrap().expect_err("a misuse must fail on every rank"))
+            .collect();
+        // The ranks whose own shard is wrong name the fix; the others (positions checks only)
+        // say that other ranks disagree.
+        assert!(errors.iter().any(|e| e.contains(needle)), "misuse {misuse}: no rank names the fix: {errors:?}");
+        for (rank, e) in errors.iter().enumerate() {
+            let ok = e.contains(needle) || (misuse > 0 && e.contains("rank(s) of the group"));
+            assert!(ok, "misuse {misuse}, rank {rank}: {e}");
+        }
+        if misuse == 0 {
+            assert!(errors.iter().all(|e| e.contains(needle)), "each rank sees its own shape: {errors:?}");
         }
     }
 }

@@ -76,6 +76,21 @@ fn mpirun(lib: &Path, ranks: usize, args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("cannot start `{launcher}` ({e}): install Open MPI (scripts/test.sh does)"))
 }
 
+/// `ringattn run --comm nccl --backend cuda --strategy STRATEGY --timeout SECS` on `input`
+/// into `out`, then `extra`.
+fn nccl_run<'a>(
+    strategy: &'a str,
+    timeout: &'a str,
+    input: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec!["run", "--comm", "nccl", "--backend", "cuda", "--strategy", strategy, "--timeout", timeout];
+    args.extend(["--input", s(input), "--output", s(out)]);
+    args.extend(extra);
+    args
+}
+
 #[test]
 fn nccl_over_two_and_four_processes_matches_the_oracle() {
     let Some(lib) = stand_in("nccl_over_two_and_four_processes_matches_the_oracle") else { return };
@@ -89,22 +104,7 @@ fn nccl_over_two_and_four_processes_matches_the_oracle() {
         (4, "usp", &["--ulysses-degree", "2"][..], true),
     ] {
         let out = dir.path().join(format!("out-{ranks}-{strategy}.safetensors"));
-        let mut args = vec![
-            "run",
-            "--comm",
-            "nccl",
-            "--backend",
-            "cuda",
-            "--strategy",
-            strategy,
-            "--timeout",
-            "120",
-            "--input",
-            s(&input),
-            "--output",
-            s(&out),
-        ];
-        args.extend(extra);
+        let mut args = nccl_run(strategy, "120", &input, &out, extra);
         if causal {
             args.push("--causal");
         }
@@ -129,19 +129,7 @@ fn a_torchrun_style_launch_runs_over_nccl() {
     let children: Vec<_> = (0..world)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_ringattn"))
-                .args([
-                    "run",
-                    "--comm",
-                    "nccl",
-                    "--backend",
-                    "cuda",
-                    "--strategy",
-                    "ring",
-                    "--causal",
-                    "--timeout",
-                    "120",
-                ])
-                .args(["--input", s(&input), "--output", s(&out)])
+                .args(nccl_run("ring", "120", &input, &out, &["--causal"]))
                 .env("LD_LIBRARY_PATH", library_path(&lib))
                 .env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -173,27 +161,7 @@ fn an_nccl_peer_that_never_posts_ends_in_the_deadline_error() {
     let (input, _) = inputs(dir.path());
     let out = dir.path().join("out.safetensors");
     let t0 = Instant::now();
-    let r = mpirun(
-        &lib,
-        2,
-        &[
-            "run",
-            "--comm",
-            "nccl",
-            "--backend",
-            "cuda",
-            "--strategy",
-            "ring",
-            "--timeout",
-            "5",
-            "--fault",
-            "1:stall:3",
-            "--input",
-            s(&input),
-            "--output",
-            s(&out),
-        ],
-    );
+    let r = mpirun(&lib, 2, &nccl_run("ring", "5", &input, &out, &["--fault", "1:stall:3"]));
     let took = t0.elapsed();
     let log = text(&r);
     assert!(!r.status.success(), "a stalled rank must fail the job: {log}");

@@ -160,9 +160,8 @@ pub unsafe extern "C" fn cuDeviceGetUuid_v2(u: *mut [u8; 16], dev: c_int) -> CuR
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) -> CuResult {
     entry("cuDevicePrimaryCtxRetain", || {
-        let mut st = driver().lock();
+        let st = driver().lock();
         let d = device_of(&st, dev)?;
-        st.retained[d] += 1;
         *out(ctx, "cuDevicePrimaryCtxRetain")? = (CONTEXT_TAG | (d as u64) << 4) as Ptr;
         Ok(())
     })
@@ -181,10 +180,8 @@ fn context_of(st: &State, ctx: Ptr) -> Result<usize, Failure> {
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
     entry("cuDevicePrimaryCtxRelease", || {
-        let mut st = driver().lock();
-        let d = device_of(&st, dev)?;
-        st.retained[d] = st.retained[d].saturating_sub(1);
-        Ok(())
+        // The primary context lives as long as the process (nothing is torn down).
+        device_of(&driver().lock(), dev).map(|_| ())
     })
 }
 
@@ -246,7 +243,7 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CuResult {
         let d = driver();
         let mut st = d.lock();
         let ctx = d.context(&st)?;
-        d.synchronize_context(&mut st, ctx);
+        st = d.synchronize_context(st, ctx);
         d.context(&st).map(|_| ())
     })
 }
@@ -335,7 +332,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, stream: P
     })
 }
 
-fn free_on(d: &'static Driver, st: &mut State, ctx: usize, ptr: u64, sid: usize, what: &str) -> Result<u64, Failure> {
+fn free_on(d: &'static Driver, st: &mut State, ptr: u64, sid: usize, what: &str) -> Result<u64, Failure> {
     match st.allocs.get(&ptr) {
         Some(a) if !a.host => {}
         _ => {
@@ -345,7 +342,6 @@ fn free_on(d: &'static Driver, st: &mut State, ctx: usize, ptr: u64, sid: usize,
             ))
         }
     }
-    let _ = ctx;
     Ok(d.enqueue(st, sid, format!("{what} {ptr:#x}"), OpKind::Free { ptr }))
 }
 
@@ -357,9 +353,9 @@ pub unsafe extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
         let ctx = d.context(&st)?;
         // Synchronous: on the legacy stream, waited for.
         let sid = st.legacy[ctx];
-        let seq = free_on(d, &mut st, ctx, ptr, sid, "cuMemFree")?;
+        let seq = free_on(d, &mut st, ptr, sid, "cuMemFree")?;
         let clock = st.streams[sid].clock.clone();
-        d.wait_host(&mut st, sid, seq, &clock);
+        drop(d.wait_host(st, sid, seq, &clock));
         Ok(())
     })
 }
@@ -371,7 +367,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(ptr: u64, stream: Ptr) -> CuResult {
         let mut st = d.lock();
         let ctx = d.context(&st)?;
         let sid = d.stream_of(&mut st, ctx, stream as u64)?;
-        free_on(d, &mut st, ctx, ptr, sid, "cuMemFreeAsync").map(|_| ())
+        free_on(d, &mut st, ptr, sid, "cuMemFreeAsync").map(|_| ())
     })
 }
 
@@ -403,13 +399,21 @@ pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> CuResult {
             Some(a) if a.host => {}
             _ => return Err(Failure::new(INVALID_VALUE, format!("cuMemFreeHost({ptr:#x}): not pinned host memory"))),
         }
-        d.synchronize_context(&mut st, ctx);
+        st = d.synchronize_context(st, ctx);
         let sid = st.legacy[ctx];
         let seq = d.enqueue(&mut st, sid, format!("cuMemFreeHost {ptr:#x}"), OpKind::Free { ptr });
         let clock = st.streams[sid].clock.clone();
-        d.wait_host(&mut st, sid, seq, &clock);
+        drop(d.wait_host(st, sid, seq, &clock));
         Ok(())
     })
+}
+
+/// The stream of an `*Async` call's handle, or the legacy stream for the synchronous form.
+fn stream_or_legacy(d: &'static Driver, st: &mut State, ctx: usize, stream: Option<Ptr>) -> Result<usize, Failure> {
+    match stream {
+        Some(s) => d.stream_of(st, ctx, s as u64),
+        None => Ok(st.legacy[ctx]),
+    }
 }
 
 /// The device range `[p, p + n)` must lie in one live device allocation.
@@ -439,10 +443,7 @@ fn htod(stream: Option<Ptr>, dst: u64, src: *const c_void, n: usize, what: &str)
         if src.is_null() {
             return Err(Failure::new(INVALID_VALUE, format!("{what}: null source")));
         }
-        let sid = match stream {
-            Some(s) => d.stream_of(&mut st, ctx, s as u64)?,
-            None => st.legacy[ctx],
-        };
+        let sid = stream_or_legacy(d, &mut st, ctx, stream)?;
         let source = if pinned(&st, src as u64, n) {
             Source::Memory(src as u64)
         } else {
@@ -458,7 +459,7 @@ fn htod(stream: Option<Ptr>, dst: u64, src: *const c_void, n: usize, what: &str)
         );
         if stream.is_none() {
             let clock = st.streams[sid].clock.clone();
-            d.wait_host(&mut st, sid, seq, &clock);
+            drop(d.wait_host(st, sid, seq, &clock));
         }
         Ok(())
     })
@@ -476,10 +477,7 @@ fn dtoh(stream: Option<Ptr>, dst: *mut c_void, src: u64, n: usize, what: &str) -
         if dst.is_null() {
             return Err(Failure::new(INVALID_VALUE, format!("{what}: null destination")));
         }
-        let sid = match stream {
-            Some(s) => d.stream_of(&mut st, ctx, s as u64)?,
-            None => st.legacy[ctx],
-        };
+        let sid = stream_or_legacy(d, &mut st, ctx, stream)?;
         let is_pinned = pinned(&st, dst as u64, n);
         let seq = d.enqueue(
             &mut st,
@@ -490,7 +488,7 @@ fn dtoh(stream: Option<Ptr>, dst: *mut c_void, src: u64, n: usize, what: &str) -
         // Into pageable memory the copy is complete on return (the driver stages it).
         if stream.is_none() || !is_pinned {
             let clock = st.streams[sid].clock.clone();
-            d.wait_host(&mut st, sid, seq, &clock);
+            st = d.wait_host(st, sid, seq, &clock);
             d.context(&st)?;
         }
         Ok(())
@@ -507,10 +505,7 @@ fn dtod(stream: Option<Ptr>, dst: u64, src: u64, n: usize, what: &str) -> CuResu
         if n == 0 {
             return Ok(());
         }
-        let sid = match stream {
-            Some(s) => d.stream_of(&mut st, ctx, s as u64)?,
-            None => st.legacy[ctx],
-        };
+        let sid = stream_or_legacy(d, &mut st, ctx, stream)?;
         d.enqueue(
             &mut st,
             sid,
@@ -558,10 +553,7 @@ fn memset(stream: Option<Ptr>, dst: u64, value: u32, elem: u8, count: usize, wha
         if count == 0 {
             return Ok(());
         }
-        let sid = match stream {
-            Some(s) => d.stream_of(&mut st, ctx, s as u64)?,
-            None => st.legacy[ctx],
-        };
+        let sid = stream_or_legacy(d, &mut st, ctx, stream)?;
         let seq = d.enqueue(
             &mut st,
             sid,
@@ -570,7 +562,7 @@ fn memset(stream: Option<Ptr>, dst: u64, value: u32, elem: u8, count: usize, wha
         );
         if stream.is_none() {
             let clock = st.streams[sid].clock.clone();
-            d.wait_host(&mut st, sid, seq, &clock);
+            drop(d.wait_host(st, sid, seq, &clock));
         }
         Ok(())
     })
@@ -643,7 +635,7 @@ pub unsafe extern "C" fn cuStreamSynchronize(s: Ptr) -> CuResult {
         let mut st = d.lock();
         let ctx = d.context(&st)?;
         let sid = d.stream_of(&mut st, ctx, s as u64)?;
-        d.synchronize_stream(&mut st, sid);
+        st = d.synchronize_stream(st, sid);
         d.context(&st).map(|_| ())
     })
 }
@@ -769,7 +761,7 @@ pub unsafe extern "C" fn cuEventSynchronize(ev: Ptr) -> CuResult {
             .recorded
             .clone();
         if let Some((sid, seq, clock)) = rec {
-            d.wait_guard(&mut st, sid, seq);
+            st = d.wait_guard(st, sid, seq);
             crate::race::join(&mut st.host_clock, &clock);
         }
         match current().and_then(|c| st.sticky.get(&c)) {
@@ -853,7 +845,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Ptr, m: Ptr, name: *const c
     entry("cuModuleGetFunction", || {
         let d = driver();
         let mut st = d.lock();
-        d.context(&st)?;
+        let ctx = d.context(&st)?;
         if name.is_null() {
             return Err(Failure::new(INVALID_VALUE, "cuModuleGetFunction: null name"));
         }
@@ -863,6 +855,12 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Ptr, m: Ptr, name: *const c
             .modules
             .get(&(m as u64))
             .ok_or_else(|| Failure::new(INVALID_HANDLE, format!("module {:#x}", m as u64)))?;
+        if module.ctx != ctx {
+            return Err(Failure::new(
+                codes::INVALID_CONTEXT,
+                format!("module {:#x} was loaded in another context", m as u64),
+            ));
+        }
         let info = module.kernels.get(&n).cloned().ok_or_else(|| {
             Failure::new(
                 NOT_FOUND,

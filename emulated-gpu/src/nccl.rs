@@ -270,6 +270,9 @@ fn serve_rendezvous(key: u64) {
 
 // ---- reductions ----
 
+/// The data types [`reduce_into`] sums: int32, float16, float32, bfloat16.
+const REDUCIBLE: [c_int; 4] = [2, 6, 7, 9];
+
 fn reduce_into(acc: &mut [u8], x: &[u8], dtype: c_int, op: c_int) -> Result<(), Failure> {
     fn apply<T: Copy>(
         acc: &mut [u8],
@@ -695,8 +698,11 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
                 "ncclCommInitRankConfig: no CUDA context is current on this thread",
             ));
         }
-        // Errors of the driver's kind (a sticky context error) are NCCL's unhandled CUDA error.
-        let _ = UNHANDLED_CUDA_ERROR;
+        // NCCL's rule: the config's `blocking` (default 1), overridden by NCCL_COMM_BLOCKING.
+        let blocking = match std::env::var("NCCL_COMM_BLOCKING").ok().and_then(|v| v.parse::<i32>().ok()) {
+            Some(b) => b != 0,
+            None => unsafe { config.as_ref() }.is_none_or(|c| c.blocking != 0),
+        };
         let raw: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
         if &raw[..8] != MAGIC {
             return Err(Failure::new(
@@ -720,6 +726,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
             splits: AtomicU64::new(0),
         });
         *out = new_handle(c.clone());
+        let waiter = c.clone();
         let me = node()?.addr.to_string();
         std::thread::Builder::new()
             .name("emulated-nccl-init".into())
@@ -743,8 +750,17 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
                 }
             })
             .map_err(|e| Failure::new(SYSTEM_ERROR, e.to_string()))?;
-        // Non-blocking: the rendezvous completes in the background.
-        Ok(IN_PROGRESS)
+        if !blocking {
+            // The rendezvous completes in the background; ncclCommGetAsyncError tells when.
+            return Ok(IN_PROGRESS);
+        }
+        loop {
+            let state = *waiter.state.lock().unwrap_or_else(|e| e.into_inner());
+            if state != IN_PROGRESS {
+                return Ok(state);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     })
 }
 
@@ -863,6 +879,13 @@ pub unsafe extern "C" fn ncclAllReduce(
     issue(comm, stream, |c| {
         if !(0..=3).contains(&op) {
             return Err(Failure::new(INVALID_ARGUMENT, format!("ncclAllReduce: reduction {op} is not emulated")));
+        }
+        if !REDUCIBLE.contains(&dtype) {
+            // Refused when the call is made, not found later on the stream.
+            return Err(Failure::new(
+                INVALID_ARGUMENT,
+                format!("ncclAllReduce: data type {dtype} is not emulated (int32, float16, float32, bfloat16 are)"),
+            ));
         }
         let seq = c.collectives.fetch_add(1, Ordering::Relaxed) + 1;
         Ok(Call::AllReduce { send: send as u64, recv: recv as u64, bytes: bytes_of(count, dtype)?, dtype, op, seq })

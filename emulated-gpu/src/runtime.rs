@@ -125,8 +125,6 @@ pub struct Function {
 pub struct State {
     pub initialized: bool,
     pub devices: Vec<DeviceSpec>,
-    /// Primary contexts retained, per device.
-    pub retained: Vec<u32>,
     pub allocs: BTreeMap<u64, Alloc>,
     quarantine: Vec<(u64, std::alloc::Layout)>,
     quarantine_bytes: u64,
@@ -172,7 +170,6 @@ pub fn driver() -> &'static Driver {
             state: Mutex::new(State {
                 initialized: false,
                 devices: Vec::new(),
-                retained: Vec::new(),
                 allocs: BTreeMap::new(),
                 quarantine: Vec::new(),
                 quarantine_bytes: 0,
@@ -222,7 +219,6 @@ impl Driver {
             return;
         }
         st.devices = device::devices();
-        st.retained = vec![0; st.devices.len()];
         for ctx in 0..st.devices.len() {
             let id = self.new_stream_locked(&mut st, ctx, StreamKind::Legacy);
             st.legacy.push(id);
@@ -620,38 +616,38 @@ impl Driver {
     }
 
     /// Blocks until every stream of `ctx` has completed its work; the host has seen it all.
-    pub fn synchronize_context(&self, st: &mut MutexGuard<'_, State>, ctx: usize) {
+    pub fn synchronize_context<'a>(&self, mut st: MutexGuard<'a, State>, ctx: usize) -> MutexGuard<'a, State> {
         let ids: Vec<usize> = (0..st.streams.len()).filter(|&i| st.streams[i].ctx == ctx).collect();
         for id in ids {
-            self.synchronize_stream(st, id);
+            st = self.synchronize_stream(st, id);
         }
+        st
     }
 
     /// Blocks until stream `sid` has completed its work; the host has seen it.
-    pub fn synchronize_stream(&self, st: &mut MutexGuard<'_, State>, sid: usize) {
+    pub fn synchronize_stream<'a>(&self, st: MutexGuard<'a, State>, sid: usize) -> MutexGuard<'a, State> {
         let target = st.streams[sid].enqueued;
-        self.wait_guard(st, sid, target);
-        let c = st.streams[sid].clock.clone();
-        join(&mut st.host_clock, &c);
+        let clock = st.streams[sid].clock.clone();
+        self.wait_host(st, sid, target, &clock)
     }
 
     /// A synchronous call's wait: until `sid` has completed `seq`, which the host has then
     /// seen (its clock, taken when it was enqueued, joins the host's).
-    pub fn wait_host(&self, st: &mut MutexGuard<'_, State>, sid: usize, seq: u64, clock: &[u64]) {
-        self.wait_guard(st, sid, seq);
+    pub fn wait_host<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        sid: usize,
+        seq: u64,
+        clock: &[u64],
+    ) -> MutexGuard<'a, State> {
+        let mut st = self.wait_guard(st, sid, seq);
         join(&mut st.host_clock, clock);
+        st
     }
 
     /// Waits (releasing the lock) until `sid` has completed `seq`.
-    pub fn wait_guard(&self, st: &mut MutexGuard<'_, State>, sid: usize, seq: u64) {
-        // The guard is moved into the condition variable's wait and back.
-        take_mut(st, |g| {
-            let mut g = g;
-            while g.streams[sid].completed < seq {
-                g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
-            g
-        });
+    pub fn wait_guard<'a>(&self, st: MutexGuard<'a, State>, sid: usize, seq: u64) -> MutexGuard<'a, State> {
+        self.changed.wait_while(st, |st| st.streams[sid].completed < seq).unwrap_or_else(|e| e.into_inner())
     }
 
     /// An event's state: `SUCCESS` when its work is done (the host has then seen it),
@@ -670,18 +666,6 @@ impl Driver {
                 }
             }
         }
-    }
-}
-
-/// Moves the guard out of `slot`, through `f`, and back.
-fn take_mut<'a, T>(slot: &mut MutexGuard<'a, T>, f: impl FnOnce(MutexGuard<'a, T>) -> MutexGuard<'a, T>) {
-    // SAFETY: the guard is read out, transformed and written back before anything else can
-    // observe `slot`; `f` does not unwind (a Condvar wait returns or the process aborts on a
-    // poisoned lock being taken over, which `unwrap_or_else` does without panicking).
-    unsafe {
-        let g = std::ptr::read(slot);
-        let g = f(g);
-        std::ptr::write(slot, g);
     }
 }
 

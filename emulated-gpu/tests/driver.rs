@@ -254,3 +254,44 @@ fn freeing_memory_another_stream_still_reads_is_reported() {
         assert!((race || freed) && msg.contains("cuMemFreeAsync"), "{e}: {msg}");
     }
 }
+
+/// A fatbin (what nvcc's `-fatbin` writes): the entry that runs on 9.0 is picked among
+/// others; a compressed entry is refused with a clear error rather than misread.
+#[test]
+fn a_fatbin_loads_the_entry_for_the_device() {
+    on_device(7);
+    let (Some(sm80), Some(sm90)) = (image("ops", "sm_80"), image("ops", "sm_90a")) else {
+        eprintln!("SKIPPED: this build embedded no kernels");
+        return;
+    };
+    // Entry header (64 bytes): kind 2 (ELF) @0, version @2, header size @4, payload size @8,
+    // compressed size @16, sm @28, flags @40 (0x2000 LZ4), uncompressed size @56.
+    let entry = |payload: &[u8], sm: u32, flags: u64| {
+        let mut h = vec![0u8; 64];
+        h[0..2].copy_from_slice(&2u16.to_le_bytes());
+        h[2..4].copy_from_slice(&0x0101u16.to_le_bytes());
+        h[4..8].copy_from_slice(&64u32.to_le_bytes());
+        h[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        h[28..32].copy_from_slice(&sm.to_le_bytes());
+        h[40..48].copy_from_slice(&(flags | 0x11).to_le_bytes());
+        h[56..64].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        h.extend_from_slice(payload);
+        h
+    };
+    let fatbin = |entries: Vec<Vec<u8>>| {
+        let body: Vec<u8> = entries.concat();
+        let mut f = Vec::new();
+        f.extend_from_slice(&0xBA55_ED50u32.to_le_bytes());
+        f.extend_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&16u16.to_le_bytes());
+        f.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        f.extend_from_slice(&body);
+        f
+    };
+    let m = load(&fatbin(vec![entry(sm80, 80, 0), entry(sm90, 90, 0)])).expect("the sm_90 entry loads");
+    let mut f: Ptr = null_mut();
+    assert_eq!(unsafe { cuModuleGetFunction(&mut f, m, c"ringattn_ops_fill_f32".as_ptr()) }, SUCCESS);
+    assert_eq!(load(&fatbin(vec![entry(sm80, 80, 0)])).unwrap_err(), NO_BINARY_FOR_GPU, "only an sm_80 entry");
+    let e = load(&fatbin(vec![entry(sm90, 90, 0x2000)])).unwrap_err();
+    assert!(text(e).contains("compressed"), "{}", text(e));
+}
