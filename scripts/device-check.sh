@@ -58,7 +58,7 @@
 # 13.0, R580), RINGATTN_CUDA_ARCHS unset (build.rs's default: sm_80, sm_90a, sm_100, sm_120
 # cubins + PTX of the newest; the H200 loads sm_90a), no debug info, stripped: the carry limit
 # is 64 MiB in all. Measured 2026-12-05 (nvcc 13.0.88): the images are 57.0 MiB, embedded
-# deflate-compressed as 10.8 MiB; the stripped binary is 17.6 MiB (18,458,424 bytes):
+# deflate-compressed as 10.8 MiB; the stripped binary is 17.6 MiB (18,466,816 bytes):
 #   NVCC=$(ls -d target/venv-nvcc/lib/python3*/site-packages/nvidia/cu13)/bin/nvcc \
 #     CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda && strip target/release/ringattn
 #   ls -l target/release/ringattn && target/release/ringattn doctor --json   # features.cuda: true
