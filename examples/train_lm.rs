@@ -28,9 +28,35 @@ use std::sync::Arc;
 use candle_core::{DType as CDType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
-use ringattn::comm::{Communicator, LocalOptions};
-use ringattn::parallel::{Backend, CpuBackend, ParallelParams, ParallelPlan, ResolvedParams, Strategy};
-use ringattn::{candle as rc, AttentionParams, DType, Dims, Layout, Mask};
+use ringattn::candle::prelude::*;
+use ringattn::parallel::Backend;
+use ringattn::{candle as rc, DType};
+
+/// The system allocator, counting the bytes live and their peak (what gradient checkpointing
+/// saves shows in the peak; the process's resident size hides it behind the allocator's
+/// caches).
+struct Counting;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; only counters are added.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let live = LIVE.fetch_add(l.size(), Relaxed) + l.size();
+        PEAK.fetch_max(live, Relaxed);
+        std::alloc::System.alloc(l)
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        std::alloc::System.dealloc(p, l)
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
 
 /// The command line's charts (line_chart: PNG and SVG, the font the crate carries).
 #[path = "../src/bin/ringattn/plot.rs"]
@@ -62,6 +88,13 @@ struct Args {
     /// Tokens per sequence (the whole sequence, split over the ranks).
     #[arg(long, default_value_t = 512)]
     seq: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Gradient checkpointing: each layer keeps only its input and output and is recomputed
+    /// (its ring attention included) in the backward.
+    #[arg(long)]
+    checkpoint: bool,
     /// cpu, emu (the CUDA kernels under the host emulator: bf16, slow) or cuda (the model and
     /// the attention on the GPU; a build with --features candle,cuda; --dtype bf16 or f16).
     #[arg(long, default_value = "cpu")]
@@ -123,25 +156,28 @@ fn parameters(seed: u64, seq: usize, device: &Device) -> candle_core::Result<Vec
         .collect()
 }
 
-/// One step's batch: tokens `[1, seq]` of a fixed random process, and their targets (the
+/// One step's batch: tokens `[b, seq]` of a fixed random process, and their targets (the
 /// next token; the last position's is the first token). Each token is followed by one of its
 /// two successors (fixed for the run by `seed`), chosen at random: the loss can fall from
 /// about ln 32 towards ln 2. On `device`.
-fn batch(seed: u64, step: usize, seq: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+fn batch(seed: u64, step: usize, b: usize, seq: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let draw = |n: usize, salt: u64| -> Vec<usize> {
         let x = ringattn::random::randn(vec![n], seed.wrapping_mul(31) ^ salt, DType::F32);
         x.to_f32_vec().iter().map(|v| (v.abs() * 1000.0) as usize).collect()
     };
     let successors = draw(2 * VOCAB, 1);
-    let r = draw(seq + 1, (step as u64 + 2) * 0x9e37);
-    let mut tok = r[0] % VOCAB;
-    let mut tokens = Vec::with_capacity(seq);
-    for t in 0..seq {
-        tokens.push(tok as u32);
-        tok = successors[2 * tok + r[t + 1] % 2] % VOCAB;
+    let (mut tokens, mut targets) = (Vec::with_capacity(b * seq), Vec::with_capacity(b * seq));
+    for row in 0..b {
+        let r = draw(seq + 1, (step as u64 + 2) * 0x9e37 + row as u64 * 0x51);
+        let mut tok = r[0] % VOCAB;
+        let first = tokens.len();
+        for t in 0..seq {
+            tokens.push(tok as u32);
+            tok = successors[2 * tok + r[t + 1] % 2] % VOCAB;
+        }
+        targets.extend((0..seq).map(|t| tokens[first + (t + 1) % seq]));
     }
-    let targets: Vec<u32> = (0..seq).map(|t| tokens[(t + 1) % seq]).collect();
-    Ok((Tensor::from_vec(tokens, (1, seq), device)?, Tensor::from_vec(targets, (1, seq), device)?))
+    Ok((Tensor::from_vec(tokens, (b, seq), device)?, Tensor::from_vec(targets, (b, seq), device)?))
 }
 
 /// `x / rms(x)` over the last axis (differentiable).
@@ -166,33 +202,50 @@ fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Te
     p.matmul(&v)?.transpose(1, 2)?.reshape((b, s, h, d))
 }
 
+/// An attention (ring or plain) as the layers call it: `[b, n, h, d]` in and out.
+type Attend = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+
+/// One transformer layer over `x` `[b, n, MODEL]`: attention and MLP, pre-norm, residual.
+fn layer(x: &Tensor, w: &[Var], attend: &Attend) -> candle_core::Result<Tensor> {
+    let (b, n, _) = x.dims3()?;
+    let h = rms_norm(x)?;
+    let q = h.broadcast_matmul(w[0].as_tensor())?.reshape((b, n, HEADS_Q, HEAD_DIM))?;
+    let k = h.broadcast_matmul(w[1].as_tensor())?.reshape((b, n, HEADS_KV, HEAD_DIM))?;
+    let v = h.broadcast_matmul(w[2].as_tensor())?.reshape((b, n, HEADS_KV, HEAD_DIM))?;
+    let o = attend(&q, &k, &v)?.reshape((b, n, HEADS_Q * HEAD_DIM))?;
+    let x = (x + o.broadcast_matmul(w[3].as_tensor())?)?;
+    let h = rms_norm(&x)?;
+    x + h.broadcast_matmul(w[4].as_tensor())?.gelu()?.broadcast_matmul(w[5].as_tensor())?
+}
+
 /// The model's loss contribution of one rank's tokens: Σ −log p(target) / `total` tokens.
-/// `attend` is the attention (ring or plain); `pos` the global positions of the tokens.
+/// `pos` are the global positions of the tokens; with `checkpoint` each layer keeps only its
+/// input and output, recomputed in the backward (its weights' gradients gathered there).
 fn loss(
     p: &[Var],
     tokens: &Tensor,
     targets: &Tensor,
     pos: &Tensor,
     total: usize,
-    attend: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    attend: &Attend,
+    checkpoint: Option<&rc::Checkpoint>,
 ) -> candle_core::Result<Tensor> {
-    let n = tokens.dim(1)?;
-    let emb = p[0].as_tensor().embedding(&tokens.flatten_all()?)?;
-    let mut x = (emb + p[1].as_tensor().embedding(pos)?)?.reshape((1, n, MODEL))?;
+    let (b, n) = tokens.dims2()?;
+    let emb = p[0].as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, n, MODEL))?;
+    let mut x = emb.broadcast_add(&p[1].as_tensor().embedding(pos)?)?;
     for l in 0..LAYERS {
-        let w = &p[2 + 6 * l..8 + 6 * l];
-        let h = rms_norm(&x)?;
-        let q = h.broadcast_matmul(w[0].as_tensor())?.reshape((1, n, HEADS_Q, HEAD_DIM))?;
-        let k = h.broadcast_matmul(w[1].as_tensor())?.reshape((1, n, HEADS_KV, HEAD_DIM))?;
-        let v = h.broadcast_matmul(w[2].as_tensor())?.reshape((1, n, HEADS_KV, HEAD_DIM))?;
-        let o = attend(&q, &k, &v)?.reshape((1, n, HEADS_Q * HEAD_DIM))?;
-        x = (x + o.broadcast_matmul(w[3].as_tensor())?)?;
-        let h = rms_norm(&x)?;
-        x = (x + h.broadcast_matmul(w[4].as_tensor())?.gelu()?.broadcast_matmul(w[5].as_tensor())?)?;
+        let w = p[2 + 6 * l..8 + 6 * l].to_vec();
+        x = match checkpoint {
+            Some(ck) => {
+                let (wl, at) = (w.clone(), attend.clone());
+                ck.apply(&x, &w, move |x| layer(x, &wl, &at))? // [cp]
+            }
+            None => layer(&x, &w, attend)?,
+        };
     }
-    let logits = rms_norm(&x)?.broadcast_matmul(p[p.len() - 1].as_tensor())?.reshape((n, VOCAB))?;
+    let logits = rms_norm(&x)?.broadcast_matmul(p[p.len() - 1].as_tensor())?.reshape((b * n, VOCAB))?;
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let picked = logp.gather(&targets.reshape((n, 1))?, 1)?;
+    let picked = logp.gather(&targets.reshape((b * n, 1))?, 1)?;
     picked.sum_all()? * (-1.0 / total as f64)
 }
 
@@ -217,10 +270,11 @@ fn train_single(a: &Args) -> candle_core::Result<(Vec<f64>, Vec<f32>)> {
     let vars = parameters(a.seed, a.seq, &Device::Cpu)?;
     let mut opt = adamw(&vars, a.lr)?;
     let pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
+    let plain: Attend = Arc::new(plain_attention);
     let (mut losses, mut first) = (Vec::new(), Vec::new());
     for step in 0..a.steps {
-        let (tokens, targets) = batch(a.seed, step, a.seq, &Device::Cpu)?;
-        let l = loss(&vars, &tokens, &targets, &pos, a.seq, &plain_attention)?;
+        let (tokens, targets) = batch(a.seed, step, a.batch, a.seq, &Device::Cpu)?;
+        let l = loss(&vars, &tokens, &targets, &pos, a.batch * a.seq, &plain, None)?;
         let grads = l.backward()?;
         if step == 0 {
             first = flat_grads(&vars, &grads)?;
@@ -236,64 +290,70 @@ struct RankRun {
     losses: Vec<f64>,
     first_grads: Vec<f32>,
     replicas_identical: bool,
+    /// Wall time of each step, seconds.
+    step_times: Vec<f64>,
+    /// The most bytes live on the heap right after a step's forward.
+    heap_after_forward: usize,
 }
 
 /// One rank of the parallel run on `comm`, attention on `backend`, the model on `device`
-/// (the CPU for host backends; the GPU, with device buffers, for the CUDA backend).
+/// (the CPU for host backends; the GPU, with device buffers, for the CUDA backend). The
+/// lines that exist because of ringattn end in `// [cp]` (counted by tests/candle.rs).
 fn train_rank<Be>(
     a: &Args,
     comm: Arc<dyn Communicator<Buf = Be::Buf>>,
     backend: Be,
     device: &Device,
     params: &ParallelParams,
-    resolved: &ResolvedParams,
     progress: Option<&indicatif::ProgressBar>,
 ) -> ringattn::Result<RankRun>
 where
     Be: Backend + Send + Sync + 'static,
     Be::Buf: rc::CandleBuf,
 {
-    let rank = comm.rank();
-    let n = resolved.positions(rank).len();
-    let dims = Dims { b: 1, s_q: n, s_k: n, h_q: HEADS_Q, h_kv: HEADS_KV, d: HEAD_DIM };
-    let backend = Arc::new(backend);
-    let plan = Arc::new(ParallelPlan::new_shared(comm.clone(), backend.clone(), params, &dims, a.dtype)?);
-    let add = |acc: &mut Be::Buf, x: &Be::Buf| backend.add_into(acc, x);
     let cdt = match a.dtype {
         DType::BF16 => CDType::BF16,
         DType::F16 => CDType::F16,
         _ => CDType::F32,
     };
-    // The data and its position ids sharded by the plan itself; each attention call checks
-    // the positions against the plan's (a shard in another layout fails on every rank).
-    let all_pos = Tensor::arange(0u32, a.seq as u32, device)?;
-    let pos = rc::shard_like(&plan, &all_pos, 0)?;
-    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
-        let o = rc::ring_attention_at(&plan, &q.to_dtype(cdt)?, &k.to_dtype(cdt)?, &v.to_dtype(cdt)?, &pos)?;
-        o.to_dtype(CDType::F32)
-    };
+    let cp = Arc::new(ContextParallel::new(comm, backend, params.clone(), HEADS_Q)?); // [cp]
+    let pos = cp.position_ids(a.seq, device)?; // [cp]
+    let (cpa, posa) = (cp.clone(), pos.clone()); // [cp]
+    let attend: Attend = Arc::new(move |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let (q, k, v) = (q.to_dtype(cdt)?, k.to_dtype(cdt)?, v.to_dtype(cdt)?);
+        cpa.attention_at(&q, &k, &v, &posa)?.to_dtype(CDType::F32) // [cp]
+    });
+    let checkpoint = a.checkpoint.then(rc::Checkpoint::new); // [cp]
     let vars = parameters(a.seed, a.seq, device)?;
     let mut opt = adamw(&vars, a.lr)?;
-    let (mut losses, mut first_grads) = (Vec::new(), Vec::new());
+    let (mut losses, mut first_grads, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut kept = 0usize;
     for step in 0..a.steps {
-        let (tokens, targets) = batch(a.seed, step, a.seq, device)?;
-        let (tokens, targets) = (rc::shard_like(&plan, &tokens, 1)?, rc::shard_like(&plan, &targets, 1)?);
-        let l = loss(&vars, &tokens, &targets, &pos, a.seq, &attend)?;
+        let t0 = std::time::Instant::now();
+        let (tokens, targets) = batch(a.seed, step, a.batch, a.seq, device)?;
+        let (tokens, targets) = (cp.shard(&tokens, 1)?, cp.shard(&targets, 1)?); // [cp]
+        let l = loss(&vars, &tokens, &targets, &pos, a.batch * a.seq, &attend, checkpoint.as_ref())?;
+        // What the graph keeps for the backward (the process's live heap; exact with one rank).
+        kept = kept.max(LIVE.load(std::sync::atomic::Ordering::Relaxed));
         let mut grads = l.backward()?;
-        rc::all_reduce_gradients_with(&*comm, &add, &vars, &mut grads)?;
+        if let Some(ck) = &checkpoint {
+            ck.merge_into(&mut grads)?; // [cp]
+        }
+        cp.all_reduce_gradients(&vars, &mut grads)?; // [cp]
         if step == 0 {
             first_grads = flat_grads(&vars, &grads)?;
         }
         opt.step(&grads)?;
-        let total = f64::from(rc::all_reduce_sum(&*comm, &add, &l.reshape(1)?)?.to_vec1::<f32>()?[0]);
+        let total = f64::from(cp.all_reduce_sum(&l.reshape(1)?)?.to_vec1::<f32>()?[0]); // [cp]
+        step_times.push(t0.elapsed().as_secs_f64());
         losses.push(total);
         if let Some(pb) = progress {
             pb.set_message(format!("loss {total:.4}"));
             pb.inc(1);
         }
     }
-    let replicas_identical = rc::replicas_identical(&*comm, &add, &vars)?;
-    Ok(RankRun { losses, first_grads, replicas_identical })
+    let replicas_identical = cp.replicas_identical(&vars)?; // [cp]
+    Ok(RankRun { losses, first_grads, replicas_identical, step_times, heap_after_forward: kept })
 }
 
 /// Rank 0's report of an in-process run, or the first rank's error.
@@ -306,25 +366,25 @@ fn rank0(results: Vec<ringattn::Result<RankRun>>) -> ringattn::Result<Option<Ran
 }
 
 /// The parallel run on in-process ranks or on this MPI process; rank 0's report.
-fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) -> ringattn::Result<Option<RankRun>> {
+fn train_parallel(a: &Args, params: &ParallelParams) -> ringattn::Result<Option<RankRun>> {
     let pb = indicatif::ProgressBar::new(a.steps as u64)
         .with_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}").map_err(fail)?);
     if a.backend == "cuda" {
-        return train_parallel_cuda(a, params, resolved, &pb);
+        return train_parallel_cuda(a, params, &pb);
     }
     let run = |comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>| -> ringattn::Result<RankRun> {
         let bar = (comm.rank() == 0).then_some(&pb);
         match a.backend.as_str() {
-            "cpu" => train_rank(a, comm, CpuBackend::default(), &Device::Cpu, params, resolved, bar),
+            "cpu" => train_rank(a, comm, CpuBackend::default(), &Device::Cpu, params, bar),
             "emu" => {
                 let be = ringattn::emu::EmuBackend { dtype: a.dtype, ..Default::default() };
-                train_rank(a, comm, be, &Device::Cpu, params, resolved, bar)
+                train_rank(a, comm, be, &Device::Cpu, params, bar)
             }
             other => Err(fail(format!("--backend {other}: cpu, emu or cuda"))),
         }
     };
     let out = match a.comm.as_str() {
-        "local" => rank0(ringattn::comm::spmd_shared(a.world, LocalOptions::default(), run))?,
+        "local" => rank0(spmd_shared(a.world, LocalOptions::default(), run))?, // [cp]
         #[cfg(feature = "mpi")]
         "mpi" => {
             let comm = ringattn::comm::MpiComm::init(ringattn::comm::MpiOptions::default())?;
@@ -348,7 +408,6 @@ fn train_parallel(a: &Args, params: &ParallelParams, resolved: &ResolvedParams) 
 fn train_parallel_cuda(
     a: &Args,
     params: &ParallelParams,
-    resolved: &ResolvedParams,
     pb: &indicatif::ProgressBar,
 ) -> ringattn::Result<Option<RankRun>> {
     use ringattn::cuda::{CudaDevice, DeviceBackend, DeviceBuf};
@@ -362,7 +421,7 @@ fn train_parallel_cuda(
         let stream = device.as_cuda_device().map_err(fail)?.cuda_stream();
         let backend = DeviceBackend::on_stream(CudaDevice::shared(ordinal)?, stream, a.dtype)?;
         let bar = (comm.rank() == 0).then_some(pb);
-        train_rank(a, comm, backend, &device, params, resolved, bar)
+        train_rank(a, comm, backend, &device, params, bar)
     };
     let out = match a.comm.as_str() {
         "local" => {
@@ -384,13 +443,13 @@ fn train_parallel_cuda(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn train_parallel_cuda(
-    _: &Args,
-    _: &ParallelParams,
-    _: &ResolvedParams,
-    _: &indicatif::ProgressBar,
-) -> ringattn::Result<Option<RankRun>> {
+fn train_parallel_cuda(_: &Args, _: &ParallelParams, _: &indicatif::ProgressBar) -> ringattn::Result<Option<RankRun>> {
     Err(fail("--backend cuda: this build lacks the `cuda` feature (cargo build --release --features candle,cuda)"))
+}
+
+/// The peak of the bytes live on the heap over the run (all ranks of the process), MiB.
+fn peak_heap_mib() -> f64 {
+    PEAK.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
@@ -401,36 +460,50 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 
 fn main() -> ringattn::Result<()> {
     let a = Args::parse();
-    let layout = a.layout.as_deref().map(str::parse::<Layout>).transpose()?;
+    let candle_threads_env = std::env::var("CANDLE_NUM_THREADS").ok();
+    let layout = a.layout.as_deref().map(str::parse::<SeqLayout>).transpose()?;
     let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
-    let params = ParallelParams { strategy: a.strategy, layout, attention, ..Default::default() };
+    let params = ParallelParams { strategy: a.strategy, layout, attention, ..Default::default() }; // [cp]
     let world = match a.comm.as_str() {
         "mpi" => std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(a.world),
         #[cfg(feature = "cuda")]
         "nccl" => ringattn::cuda::BootstrapEnv::from_env()?.world,
         _ => a.world,
     };
-    let resolved = params.resolve(world, HEADS_Q, a.seq)?;
-    let Some(run) = train_parallel(&a, &params, &resolved)? else { return Ok(()) };
+    let Some(run) = train_parallel(&a, &params)? else { return Ok(()) };
     // The single-rank reference runs once, on the reporting rank.
     let single = if a.compare_single { Some(train_single(&a)?) } else { None };
     let (first, last) = (run.losses[0], run.losses[run.losses.len() - 1]);
+    // The median step after the first (which plans and warms up).
+    let mut later: Vec<f64> = run.step_times.iter().skip(1).copied().collect();
+    later.sort_by(f64::total_cmp);
+    let step_ms = later.get(later.len() / 2).map_or(f64::NAN, |t| t * 1e3);
     println!(
-        "train_lm: {} x{world} {:?} {} steps, seq {}: loss {first:.4} -> {last:.4}; replicas identical: {}",
+        "train_lm: {} x{world} {:?} {} steps, batch {} x seq {}: loss {first:.4} -> {last:.4}; replicas identical: {}; \
+         median step {step_ms:.1} ms; heap after the forward {:.0} MiB, peak {:.0} MiB",
         a.strategy,
-        resolved.layout(),
+        params.layout(),
         a.steps,
+        a.batch,
         a.seq,
-        run.replicas_identical
+        run.replicas_identical,
+        run.heap_after_forward as f64 / (1 << 20) as f64,
+        peak_heap_mib()
     );
     let mut json = serde_json::json!({
         "strategy": a.strategy.to_string(),
         "world": world,
-        "layout": format!("{:?}", resolved.layout()).to_lowercase(),
+        "layout": format!("{:?}", params.layout()).to_lowercase(),
         "dtype": a.dtype.to_string(),
         "backend": a.backend,
         "steps": a.steps,
         "seq": a.seq,
+        "batch": a.batch,
+        "median_step_ms": step_ms,
+        "checkpoint": a.checkpoint,
+        "peak_heap_mib": peak_heap_mib(),
+        "heap_after_forward_mib": run.heap_after_forward as f64 / (1 << 20) as f64,
+        "candle_num_threads_env": candle_threads_env,
         "losses": run.losses,
         "replicas_identical": run.replicas_identical,
     });
@@ -451,7 +524,7 @@ fn main() -> ringattn::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&json).map_err(fail)?).map_err(fail)?;
     }
     if let Some(stem) = &a.plot {
-        let title = format!("train_lm: loss per step ({} tokens, {:?})", a.seq, resolved.layout());
+        let title = format!("train_lm: loss per step ({} tokens, {:?})", a.seq, params.layout());
         for f in plot::line_chart(stem, &title, "step", "loss", &series, false, false)? {
             println!("wrote {}", f.display());
         }

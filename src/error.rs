@@ -4,7 +4,13 @@ use std::path::PathBuf;
 
 /// Every failure the crate reports. Each variant names the offending value so that a
 /// message alone tells the caller what to fix; nothing in the crate panics on bad input.
-#[derive(Debug, thiserror::Error)]
+/// `Debug` prints the message (what `main() -> Result` and `unwrap` show).
+///
+/// Through candle (feature `candle`), an error of the crate travels inside candle's error
+/// (`candle_core::Error::WrappedContext`, context `"ringattn"`): `Error::from` a candle error
+/// recovers it as it was (`Timeout`, `PeerFailed`, `Handshake`, … matchable), and
+/// `ringattn::candle::find_error` finds it by reference.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A tensor has the wrong number of dimensions.
@@ -176,10 +182,34 @@ pub enum Error {
     Candle(String),
 }
 
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// The crate's error that a candle error carries (see [`Error`]), or candle's own error as
+/// [`Error::Candle`] text (without a backtrace).
 #[cfg(feature = "candle")]
 impl From<candle_core::Error> for Error {
     fn from(e: candle_core::Error) -> Self {
-        Error::Candle(e.to_string())
+        use candle_core::Error as C;
+        match e {
+            C::WithBacktrace { inner, .. } => Error::from(*inner),
+            C::WithPath { inner, path } => match Error::from(*inner) {
+                Error::Candle(text) => Error::Candle(format!("{}: {text}", path.display())),
+                ours => ours,
+            },
+            C::Context { inner, context } => match Error::from(*inner) {
+                Error::Candle(text) => Error::Candle(format!("{context}: {text}")),
+                ours => ours,
+            },
+            C::WrappedContext { wrapped, context } => match wrapped.downcast::<Error>() {
+                Ok(ours) => *ours,
+                Err(other) => Error::Candle(format!("{other}: {context}")),
+            },
+            other => Error::Candle(other.to_string()),
+        }
     }
 }
 

@@ -245,3 +245,246 @@ fn a_rank_that_skips_backward_makes_its_peers_fail_within_5_s() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t0.elapsed());
     assert!(runs[1].as_ref().unwrap().is_none());
 }
+
+/// The group's attention against the float64 oracle on the whole sequence: f32, GQA 4/2,
+/// causal, 4 ranks, every strategy, and plans that follow the batch — batch 2 of 32 tokens,
+/// then a short batch of 1, then an uneven length (30 tokens over 4 ranks) — each planned on
+/// first use (three plans kept) and exact.
+#[test]
+fn the_group_plans_from_the_tensors_and_follows_the_batch() {
+    use rc::prelude::*;
+    let (world, hq, hkv, d) = (4, 4, 2, 8);
+    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    for strategy in [Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp] {
+        let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+        let shapes = [(2, 32), (1, 32), (1, 30)];
+        let wholes: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, s))| {
+                let seed = 10 * i as u64;
+                (
+                    randn(vec![b, s, hq, d], seed + 1, DType::F32),
+                    randn(vec![b, s, hkv, d], seed + 2, DType::F32),
+                    randn(vec![b, s, hkv, d], seed + 3, DType::F32),
+                )
+            })
+            .collect();
+        let runs = spmd_shared(world, LocalOptions::default(), |comm| {
+            let cp = ContextParallel::new(comm, CpuBackend::default(), params.clone(), hq)?;
+            let mut outs = Vec::new();
+            for (q, k, v) in &wholes {
+                let s = q.shape()[1];
+                let (q, k, v) = (cp.shard(&to_candle(q), 1)?, cp.shard(&to_candle(k), 1)?, cp.shard(&to_candle(v), 1)?);
+                let o = cp.attention_at(&q, &k, &v, &cp.position_ids(s, &Device::Cpu)?)?;
+                outs.push(o);
+            }
+            let plans = cp.plans().len();
+            Ok((outs, plans))
+        });
+        let mut per_rank = Vec::new();
+        for r in runs {
+            let (outs, plans) = r.unwrap();
+            assert_eq!(plans, 3, "{strategy:?}: one plan per shape");
+            per_rank.push(outs);
+        }
+        for (i, (q, k, v)) in wholes.iter().enumerate() {
+            let parts: Vec<CTensor> = per_rank.iter().map(|outs| outs[i].clone()).collect();
+            let group = {
+                let cp_params = params.resolve(world, hq, q.shape()[1]).unwrap();
+                rc::unshard(&cp_params, &parts, 1).unwrap()
+            };
+            let oracle = reference::forward(q, k, v, &attention).unwrap();
+            let err = verify::rel_err(&from_candle(&group).to_f32_vec(), &oracle.o);
+            assert!(err < 1e-5, "{strategy:?}, shape {:?}: relative error {err}", q.shape());
+        }
+    }
+}
+
+/// Through the group, the three misuses fail on every rank, the rank at fault naming the fix:
+/// a `[b, h, s, d]` tensor, contiguous chunks under the zigzag layout, and a shard from
+/// parameters resolved with the KV head count; a call without position ids is refused in
+/// the strict mode, on every rank; the errors are the crate's, typed, through candle.
+#[test]
+fn the_group_refuses_misuses_on_every_rank_with_typed_errors() {
+    use rc::prelude::*;
+    let (world, s, hq, hkv, d) = (4, 32, 4, 2, 8);
+    let causal = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let usp = ParallelParams { strategy: Strategy::Usp, ..causal.clone() };
+    let run = |params: &ParallelParams, misuse: usize| {
+        spmd_shared(world, LocalOptions::default(), |comm| {
+            let rank = comm.rank();
+            let strict = GroupOptions { require_positions: true, ..Default::default() };
+            let cp = ContextParallel::new(comm, CpuBackend::default(), params.clone(), hq)?.with_options(strict)?;
+            let dev = &Device::Cpu;
+            let q = CTensor::randn(0f32, 1.0, (1, s, hq, d), dev)?;
+            let kv = CTensor::randn(0f32, 1.0, (1, s, hkv, d), dev)?;
+            let ids = CTensor::arange(0u32, s as u32, dev)?;
+            let pos = cp.position_ids(s, dev)?;
+            let r = match misuse {
+                0 => {
+                    let (qs, ks) = (cp.shard(&q, 1)?, cp.shard(&kv, 1)?);
+                    let (qt, kt) = (qs.transpose(1, 2)?.contiguous()?, ks.transpose(1, 2)?.contiguous()?);
+                    cp.attention_at(&qt, &kt, &kt, &pos)
+                }
+                1 => {
+                    let n = s / world;
+                    let (qn, kn, pn) =
+                        (q.narrow(1, rank * n, n)?, kv.narrow(1, rank * n, n)?, ids.narrow(0, rank * n, n)?);
+                    cp.attention_at(&qn, &kn, &kn, &pn)
+                }
+                2 => {
+                    let wrong = params.clone().resolve(world, hkv, s)?;
+                    let (qw, kw, pw) = (
+                        rc::shard(&wrong, &q, 1, rank)?,
+                        rc::shard(&wrong, &kv, 1, rank)?,
+                        rc::shard(&wrong, &ids, 0, rank)?,
+                    );
+                    cp.attention_at(&qw, &kw, &kw, &pw)
+                }
+                _ => {
+                    let (qs, ks) = (cp.shard(&q, 1)?, cp.shard(&kv, 1)?);
+                    cp.attention(&qs, &ks, &ks)
+                }
+            };
+            let e = r.expect_err("a misuse must fail");
+            let typed = rc::find_error(&e).map(|t| format!("{t}"));
+            Ok((e.to_string(), typed, ringattn::Error::from(e)))
+        })
+    };
+    for (params, misuse, needle) in [
+        (&causal, 0, "transpose(1, 2) to [b, s, h, d]"),
+        (&causal, 1, "shard"),
+        (&usp, 2, "shard"),
+        (&causal, 3, "require_positions"),
+    ] {
+        let errors: Vec<_> = run(params, misuse).into_iter().map(|r| r.unwrap()).collect();
+        assert!(errors.iter().any(|(e, ..)| e.contains(needle)), "misuse {misuse}: no rank names the fix: {errors:?}");
+        for (rank, (text, typed, recovered)) in errors.iter().enumerate() {
+            assert!(typed.is_some(), "misuse {misuse}, rank {rank}: not a ringattn error: {text}");
+            assert!(!text.contains("stack backtrace") && !text.contains("at /rustc"), "a backtrace in {text}");
+            let ok = match misuse {
+                0 => matches!(recovered, ringattn::Error::ShapeMismatch(_)) && text.contains(needle),
+                3 => matches!(recovered, ringattn::Error::Positions(_) | ringattn::Error::Parallel(_)),
+                _ => matches!(recovered, ringattn::Error::Positions(_)),
+            };
+            assert!(ok, "misuse {misuse}, rank {rank}: {recovered:?} / {text}");
+        }
+    }
+}
+
+/// A rank that skips the backward makes its peers fail with the typed `PeerFailed` naming it,
+/// recovered from candle's error.
+#[test]
+fn a_peer_failure_arrives_typed_through_candle() {
+    use rc::prelude::*;
+    let params = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let runs = spmd_shared(2, LocalOptions::default(), |comm| {
+        let rank = comm.rank();
+        let cp = ContextParallel::new(comm, CpuBackend::default(), params.clone(), 2)?;
+        let x = Var::from_tensor(&cp.shard(&CTensor::randn(0f32, 1.0, (1, 32, 2, 8), &Device::Cpu)?, 1)?)?;
+        let o = cp.attention_at(x.as_tensor(), x.as_tensor(), x.as_tensor(), &cp.position_ids(32, &Device::Cpu)?)?;
+        if rank == 1 {
+            return Ok(None);
+        }
+        Ok(Some(o.sum_all()?.backward().map(|_| ()).map_err(ringattn::Error::from)))
+    });
+    match runs[0].as_ref().unwrap().as_ref().unwrap() {
+        Err(ringattn::Error::PeerFailed { rank: 1, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The lines of examples/train_lm.rs that exist because of ringattn (marked `// [cp]`) are
+/// at most 15.
+#[test]
+fn the_training_example_needs_at_most_15_lines_of_ringattn() {
+    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_lm.rs")).unwrap();
+    let n = src.lines().filter(|l| l.trim_end().ends_with("// [cp]")).count();
+    assert!((5..=15).contains(&n), "{n} marked lines");
+}
+
+/// Gradient checkpointing in the pattern a user writes: two blocks `x + A(xWq, xWk, xWv)Wo`
+/// over the group's attention on 4 ranks (ring and Ulysses), each block run through
+/// `Checkpoint::apply` (recomputed inside candle's backward, its attention again collective)
+/// against the same blocks kept in the graph: the same loss and the same gradients of the
+/// input and of every weight; and an input that is plain data still gives the weights theirs.
+#[test]
+fn checkpointed_blocks_give_the_gradients_of_kept_blocks() {
+    use rc::prelude::*;
+    let (world, s, h, d) = (4, 32, 4, 8);
+    let m = h * d;
+    for strategy in [Strategy::Ring, Strategy::Ulysses] {
+        let params = ParallelParams {
+            strategy,
+            attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+            ..Default::default()
+        };
+        let runs = spmd_shared(world, LocalOptions::default(), |comm| {
+            let cp = Arc::new(ContextParallel::new(comm, CpuBackend::default(), params.clone(), h)?);
+            let dev = &Device::Cpu;
+            let pos = cp.position_ids(s, dev)?;
+            let weights: Vec<Var> = (0..4)
+                .map(|i| Var::from_tensor(&((randn_c(&[m, m], 100 + i)? * 0.2)?)))
+                .collect::<candle_core::Result<_>>()?;
+            let x_all = randn_c(&[1, s, m], 7)?;
+            let g_all = randn_c(&[1, s, m], 8)?;
+            let (x0, g) = (cp.shard(&x_all, 1)?, cp.shard(&g_all, 1)?);
+            let block = {
+                let (cp, pos, w) = (cp.clone(), pos.clone(), weights.clone());
+                move |x: &CTensor| -> candle_core::Result<CTensor> {
+                    let n = x.dim(1)?;
+                    let proj = |w: &Var| x.broadcast_matmul(w.as_tensor())?.reshape((1, n, h, d));
+                    let o = cp.attention_at(&proj(&w[0])?, &proj(&w[1])?, &proj(&w[2])?, &pos)?;
+                    x + o.reshape((1, n, m))?.broadcast_matmul(w[3].as_tensor())?
+                }
+            };
+            let mut results = Vec::new();
+            for (checkpointed, data_input) in [(false, false), (true, false), (true, true)] {
+                let x = Var::from_tensor(&x0)?;
+                let input = if data_input { x0.clone() } else { x.as_tensor().clone() };
+                let ck = Checkpoint::new();
+                let mut y = input;
+                for _ in 0..2 {
+                    y = if checkpointed { ck.apply(&y, &weights, block.clone())? } else { block(&y)? };
+                }
+                let loss = (y * &g)?.sum_all()?;
+                let mut grads = loss.backward()?;
+                ck.merge_into(&mut grads)?;
+                cp.all_reduce_gradients(&weights, &mut grads)?;
+                let mut flat = Vec::new();
+                for w in &weights {
+                    flat.extend(grads.get(w.as_tensor()).expect("a weight gradient").flatten_all()?.to_vec1::<f32>()?);
+                }
+                let dx = grads.get(x.as_tensor()).map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                results.push((loss.to_scalar::<f32>()?, flat, dx));
+            }
+            Ok(results)
+        });
+        for r in runs {
+            let results = r.unwrap();
+            let (loss, dw, dx) = &results[0];
+            for (i, (l, w, x)) in results.iter().enumerate().skip(1) {
+                assert!((l - loss).abs() <= 1e-6 * loss.abs().max(1.0), "{strategy:?} run {i}: loss {l} vs {loss}");
+                let err = verify::rel_err(w, &dw.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
+                assert!(err < 1e-5, "{strategy:?} run {i}: weight gradients differ by {err}");
+                if i == 1 {
+                    let want: Vec<f64> = dx.as_ref().unwrap().iter().map(|&v| f64::from(v)).collect();
+                    let e = verify::rel_err(x.as_ref().expect("dx"), &want);
+                    assert!(e < 1e-5, "{strategy:?}: input gradients differ by {e}");
+                }
+            }
+        }
+    }
+}
+
+/// A seeded normal f32 candle tensor.
+fn randn_c(shape: &[usize], seed: u64) -> candle_core::Result<CTensor> {
+    CTensor::from_vec(randn(shape.to_vec(), seed, DType::F32).to_f32_vec(), shape, &Device::Cpu)
+}

@@ -1,8 +1,12 @@
-//! candle integration (feature `candle`): [`ring_attention`] on candle tensors with
-//! autograd, and what a training loop over ranks needs around it — shards of token, target and
-//! position tensors by the plan's layout ([`shard`], [`unshard`]), the sum of replicated
-//! parameters' gradients over the group ([`all_reduce_gradients`]), and rank threads that own
-//! their communicator ([`crate::comm::spmd_shared`]).
+//! candle integration (feature `candle`). A training loop holds a [`ContextParallel`] per
+//! rank (`use ringattn::candle::prelude::*`): shards and position ids by the layout, the
+//! attention with autograd planned from the tensors, the group's sums and the replica check,
+//! every misuse refused on every rank. [`Checkpoint`] recomputes blocks in the backward.
+//! Below it: [`ring_attention`] on a plan made by hand, and the helpers around it — shards of
+//! token, target and position tensors by a resolved layout ([`shard`], [`unshard`]), the sum of
+//! replicated parameters' gradients over the group ([`all_reduce_gradients`]), and rank threads
+//! that own their communicator ([`crate::comm::spmd_shared`]). Errors are the crate's
+//! [`Error`] inside candle's ([`find_error`]).
 //!
 //! Tensors are candle's `[b, s, h, d]` (the crate's layout), this rank's tokens at the plan's
 //! positions. Storage ([`CandleBuf`]): CPU tensors (f32, bf16, f16) on a plan over a host
@@ -26,23 +30,64 @@ use crate::comm::{add_host, Communicator};
 use crate::parallel::{Backend, ParallelPlan, ResolvedParams, SavedForward};
 use crate::{DType, Error, HostBuf};
 
+mod checkpoint;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod group;
 mod storage;
+mod threads;
 
+pub use checkpoint::Checkpoint;
+pub use group::{ContextParallel, GroupOptions};
 pub use storage::CandleBuf;
+pub(crate) use threads::share_cores_among_rank_threads;
+
+/// What a candle training loop uses, with no name that clashes with candle's (`DType`,
+/// `Layout`, `Tensor` stay candle's): `use ringattn::candle::prelude::*;`.
+pub mod prelude {
+    pub use super::{find_error, Checkpoint, ContextParallel, GroupOptions};
+    pub use crate::comm::{spmd_owned, spmd_shared, Communicator, LocalOptions};
+    pub use crate::parallel::{CpuBackend, ParallelParams, Strategy};
+    pub use crate::{AttentionParams, Layout as SeqLayout, Mask};
+}
 use storage::{buf_tensor, tensor_buf};
 
 /// A `'static` plan, as [`ring_attention`] takes it ([`ParallelPlan::new_shared`] in an
 /// `Arc`).
 pub type SharedPlan<Be> = Arc<ParallelPlan<'static, Be>>;
 
+/// The crate's error inside candle's, downcastable ([`find_error`], `ringattn::Error::from`),
+/// with no backtrace text.
 fn wrap(e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    candle_core::Error::WrappedContext { wrapped: Box::new(e), context: "ringattn".into() }
 }
 
+/// An invalid argument as candle's error (a wrapped [`Error::InvalidArgument`]).
 fn msg(m: String) -> candle_core::Error {
-    candle_core::Error::Msg(m)
+    wrap(Error::InvalidArgument(m.trim_start_matches("ringattn: ").to_string()))
+}
+
+/// The crate's [`Error`] that a candle error carries, through candle's context, path and
+/// backtrace layers; `None` for candle's own errors. `ringattn::Error::from(e)` takes it by
+/// value.
+///
+/// ```
+/// use ringattn::candle::find_error;
+/// let e = ringattn::candle::all_reduce_sum(
+///     &ringattn::comm::LocalComm::<ringattn::HostBuf>::group(1, Default::default())[0],
+///     &ringattn::comm::add_host,
+///     &candle_core::Tensor::new(&[1u32], &candle_core::Device::Cpu).unwrap(),
+/// )
+/// .unwrap_err();
+/// assert!(matches!(find_error(&e), Some(ringattn::Error::InvalidArgument(_))));
+/// ```
+pub fn find_error(e: &candle_core::Error) -> Option<&Error> {
+    use candle_core::Error as C;
+    match e {
+        C::WithBacktrace { inner, .. } | C::WithPath { inner, .. } | C::Context { inner, .. } => find_error(inner),
+        C::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<Error>(),
+        _ => None,
+    }
 }
 
 /// The crate's dtype of a candle dtype.
@@ -51,7 +96,7 @@ fn dtype_of(d: CDType) -> candle_core::Result<DType> {
         CDType::F32 => Ok(DType::F32),
         CDType::BF16 => Ok(DType::BF16),
         CDType::F16 => Ok(DType::F16),
-        other => Err(msg(format!("ringattn: attention takes f32, bf16 or f16 tensors, not {other:?}"))),
+        other => Err(wrap(Error::UnsupportedDtype(format!("{other:?}")))),
     }
 }
 
@@ -59,7 +104,8 @@ fn dtype_of(d: CDType) -> candle_core::Result<DType> {
 /// its backward.
 struct RingAttention<Be: Backend + 'static> {
     plan: SharedPlan<Be>,
-    saved: Mutex<Option<SavedForward<Be::Buf>>>,
+    /// Shared, not cloned, by the backward (a second backward of the same graph finds it too).
+    saved: Mutex<Option<Arc<SavedForward<Be::Buf>>>>,
 }
 
 impl<Be> RingAttention<Be>
@@ -69,7 +115,7 @@ where
 {
     fn forward(&self, q: Be::Buf, k: Be::Buf, v: Be::Buf) -> candle_core::Result<Be::Buf> {
         let (o, saved) = self.plan.forward(&q, &k, &v).map_err(wrap)?;
-        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(saved));
         Ok(o)
     }
 }
@@ -181,7 +227,11 @@ where
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         let dt = dtype_of(t.dtype())?;
         if dt != plan.dtype() {
-            return Err(msg(format!("ringattn: `{name}` is {dt}, the plan is for {}", plan.dtype())));
+            return Err(wrap(Error::DtypeMismatch {
+                name: name.into(),
+                got: dt.to_string(),
+                expected: format!("{} (the plan's)", plan.dtype()),
+            }));
         }
     }
     let dims = plan.dims();
@@ -246,7 +296,7 @@ where
 {
     // Every rank learns whether any rank's shard disagrees (one small all-reduce), so that a
     // mismatch fails the call on every rank, not on some while the others wait in the ring.
-    let mine = check_positions(plan, positions);
+    let mine = check_positions_of(plan, positions);
     let flag = Tensor::new(&[if mine.is_err() { 1f32 } else { 0f32 }], q.device())?;
     let add = |acc: &mut Be::Buf, x: &Be::Buf| plan.backend().add_into(acc, x);
     let wrong = all_reduce_sum(plan.comm(), &add, &flag)?.to_vec1::<f32>()?[0];
@@ -262,7 +312,7 @@ where
 }
 
 /// `positions` against the plan's positions of this rank.
-fn check_positions<Be: Backend>(plan: &ParallelPlan<'static, Be>, positions: &Tensor) -> candle_core::Result<()> {
+fn check_positions_of<Be: Backend>(plan: &ParallelPlan<'static, Be>, positions: &Tensor) -> candle_core::Result<()> {
     let want: Vec<u64> = plan.positions().iter().map(|p| p as u64).collect();
     if positions.dims() != [want.len()] {
         return Err(wrap(Error::ShapeMismatch(format!(
@@ -276,7 +326,7 @@ fn check_positions<Be: Backend>(plan: &ParallelPlan<'static, Be>, positions: &Te
         let layout = plan.resolved().layout();
         return Err(wrap(Error::Positions(format!(
             "rank {}: token {i} of this shard is at position {}, the plan ({layout:?} layout) puts position {} there \
-             (shard the tensors with the plan's layout: ringattn::candle::shard_like)",
+             (shard the tensors with the plan's layout: ContextParallel::shard, or ringattn::candle::shard_like)",
             plan.comm().rank(),
             got[i],
             want[i]
@@ -338,7 +388,7 @@ pub fn shard(resolved: &ResolvedParams, t: &Tensor, dim: usize, rank: usize) -> 
         return Err(msg(format!("ringattn: dimension {dim} of {:?} is not the plan's {s} tokens", t.shape())));
     }
     let pos: Vec<u64> = resolved.positions(rank).iter().map(|p| p as u64).collect();
-    t.index_select(&index(&pos)?.to_device(t.device())?, dim)
+    t.contiguous()?.index_select(&index(&pos)?.to_device(t.device())?, dim)
 }
 
 /// The inverse of [`shard`]: every rank's part (indexed by rank) reassembled in token order

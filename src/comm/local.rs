@@ -486,6 +486,9 @@ pub(crate) fn run_each<C: Communicator + Sync, T: Send>(
     threads_per_rank: Option<usize>,
     f: impl Fn(&C) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
+    // Ranks as threads: candle's one CPU pool per process would make them queue.
+    #[cfg(feature = "candle")]
+    crate::candle::share_cores_among_rank_threads(comms.len());
     std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .iter()

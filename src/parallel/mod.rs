@@ -130,7 +130,7 @@ use std::time::Duration;
 pub use backend::{
     Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
 };
-pub use plan::{ParallelPlan, ResolvedParams};
+pub use plan::{ParallelPlan, PlanSource, ResolvedParams};
 pub(crate) use ulysses::HeadPlan;
 
 use crate::comm::{spmd, Communicator, LocalOptions, Payload, RecvOp, SendOp};

@@ -270,6 +270,52 @@ impl<Be: Backend> std::fmt::Debug for ParallelPlan<'_, Be> {
     }
 }
 
+/// What a plan is made from: the parameters, resolved by the plan (the global length is
+/// `seq_len`, or the sum of the ranks' token counts when 0), or parameters resolved already
+/// ([`ParallelParams::resolve`]) — the same [`ResolvedParams`] the caller shards its tensors
+/// with, so that the shards and the plan cannot disagree (the recommended form).
+#[derive(Debug, Clone, Copy)]
+pub enum PlanSource<'a> {
+    /// Parameters the plan resolves for the communicator's world, the shard's `h_q` and the
+    /// global length.
+    Params(&'a ParallelParams),
+    /// Parameters resolved by the caller; their world size must be the communicator's.
+    Resolved(&'a ResolvedParams),
+}
+
+impl<'a> From<&'a ParallelParams> for PlanSource<'a> {
+    fn from(p: &'a ParallelParams) -> Self {
+        PlanSource::Params(p)
+    }
+}
+
+impl<'a> From<&'a ResolvedParams> for PlanSource<'a> {
+    fn from(r: &'a ResolvedParams) -> Self {
+        PlanSource::Resolved(r)
+    }
+}
+
+impl PlanSource<'_> {
+    fn params(&self) -> &ParallelParams {
+        match self {
+            PlanSource::Params(p) => p,
+            PlanSource::Resolved(r) => r.params(),
+        }
+    }
+}
+
+/// FNV-1a of every rank's positions, in rank order (the handshake compares it).
+fn positions_hash(resolved: &ResolvedParams) -> u64 {
+    let mut bytes = Vec::new();
+    for (r, pos) in resolved.all_positions().iter().enumerate() {
+        bytes.extend_from_slice(&(r as u64).to_le_bytes());
+        for p in pos.iter() {
+            bytes.extend_from_slice(&(p as u64).to_le_bytes());
+        }
+    }
+    fnv1a(&bytes)
+}
+
 impl<Be: Backend> ParallelPlan<'static, Be> {
     /// [`ParallelPlan::new`] on a communicator and backend the plan shares ownership of: a
     /// `'static` plan that an operation of a training framework (which must be `'static`)
@@ -277,53 +323,67 @@ impl<Be: Backend> ParallelPlan<'static, Be> {
     ///
     /// # Errors
     /// As [`ParallelPlan::new`].
-    pub fn new_shared(
+    pub fn new_shared<'p>(
         comm: Arc<dyn Communicator<Buf = Be::Buf>>,
         backend: Arc<Be>,
-        params: &ParallelParams,
+        source: impl Into<PlanSource<'p>>,
         dims: &Dims,
         dtype: DType,
     ) -> Result<Self> {
-        Self::build(Held::Shared(comm), Held::Shared(backend), params, dims, dtype)
+        Self::build(Held::Shared(comm), Held::Shared(backend), source.into(), dims, dtype)
     }
 }
 
 impl<'c, Be: Backend> ParallelPlan<'c, Be> {
-    /// Plans `params` for this rank of `comm`, whose shard has the local shape `dims` (`s_q
-    /// = s_k` = its token count) in `dtype`. Collective: every rank resolves the same
-    /// defaults (the global length is `params.seq_len`, or the sum of the ranks' token
-    /// counts when 0), then one handshake compares a hash of every rank's whole
-    /// configuration (its `Debug` text: every field, derived, none listed by hand) and
-    /// checks every rank's token count against its positions, so that all ranks succeed or
-    /// all fail with the same error. `Ulysses` and `Usp` split `comm` here, once.
+    /// Plans for this rank of `comm`, whose shard has the local shape `dims` (`s_q = s_k` =
+    /// its token count) in `dtype`, from `source`: a [`ResolvedParams`] (the one the caller
+    /// shards with: recommended) or [`ParallelParams`] resolved here. Collective: one
+    /// handshake compares a hash of every rank's whole configuration (its `Debug` text:
+    /// every field, derived, none listed by hand) and of every rank's resolved positions,
+    /// and checks every rank's token count against its positions, so that all ranks succeed
+    /// or all fail with the same error. `Ulysses` and `Usp` split `comm` here, once.
     ///
     /// # Errors
     /// [`Error::Handshake`] (on every rank) when ranks disagree, a rank holds the wrong number
-    /// of tokens, or one rank's configuration is invalid (naming the rank and its error);
-    /// communication errors.
-    pub fn new(
+    /// of tokens, a [`ResolvedParams`] was resolved for another world size, or one rank's
+    /// configuration is invalid (naming the rank and its error); communication errors.
+    pub fn new<'p>(
         comm: &'c dyn Communicator<Buf = Be::Buf>,
         backend: &'c Be,
-        params: &ParallelParams,
+        source: impl Into<PlanSource<'p>>,
         dims: &Dims,
         dtype: DType,
     ) -> Result<Self> {
-        Self::build(Held::Borrowed(comm), Held::Borrowed(backend), params, dims, dtype)
+        Self::build(Held::Borrowed(comm), Held::Borrowed(backend), source.into(), dims, dtype)
     }
 
     fn build(
         comm: Held<'c, dyn Communicator<Buf = Be::Buf> + 'c>,
         backend: Held<'c, Be>,
-        params: &ParallelParams,
+        source: PlanSource<'_>,
         dims: &Dims,
         dtype: DType,
     ) -> Result<Self> {
         let world = comm.size();
+        let params = source.params();
         let local: Result<String> = backend.supports(dims, dtype).and_then(|_| {
             params.validate(world, dims.h_q)?;
+            // Every rank's positions where they are known before the token counts are.
+            let resolved = match source {
+                PlanSource::Resolved(r) if r.world() != world => {
+                    return Err(Error::Parallel(format!(
+                        "the parameters were resolved for {} ranks, the communicator has {world}",
+                        r.world()
+                    )))
+                }
+                PlanSource::Resolved(r) => Some(r.clone()),
+                PlanSource::Params(p) if p.seq_len > 0 => Some(p.resolve(world, dims.h_q, p.seq_len)?),
+                PlanSource::Params(_) => None,
+            };
+            let positions = resolved.as_ref().map_or(0, positions_hash);
             // Everything but this rank's token counts, which the record carries apart.
             Ok(format!(
-                "{params:?} b={} h_q={} h_kv={} d={} {dtype} {}",
+                "{params:?} b={} h_q={} h_kv={} d={} {dtype} {} positions#{positions:016x}",
                 dims.b,
                 dims.h_q,
                 dims.h_kv,
@@ -356,8 +416,13 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         // The global length: as given, else the sum of the ranks' token counts (then checked
         // rank by rank against the positions, naming the rank that holds the wrong count).
         let total = records.iter().map(|r| r.s_q).sum::<u64>() as usize;
-        let seq_len = if params.seq_len > 0 { params.seq_len } else { total };
-        let resolved = params.resolve(world, dims.h_q, seq_len).map_err(|e| Error::Handshake(e.to_string()))?;
+        let resolved = match source {
+            PlanSource::Resolved(r) => r.clone(),
+            PlanSource::Params(p) => {
+                let seq_len = if p.seq_len > 0 { p.seq_len } else { total };
+                p.resolve(world, dims.h_q, seq_len).map_err(|e| Error::Handshake(e.to_string()))?
+            }
+        };
         for (i, r) in records.iter().enumerate() {
             let want = resolved.positions(i).len() as u64;
             if r.s_q != want || r.s_k != want {
