@@ -488,3 +488,31 @@ fn checkpointed_blocks_give_the_gradients_of_kept_blocks() {
 fn randn_c(shape: &[usize], seed: u64) -> candle_core::Result<CTensor> {
     CTensor::from_vec(randn(shape.to_vec(), seed, DType::F32).to_f32_vec(), shape, &Device::Cpu)
 }
+
+/// The group's deadline: a rank that stalls (neither calls nor returns) makes its peer's
+/// attention call fail with the typed `Timeout` after the group's 300 ms, not the
+/// communicator's 300 s.
+#[test]
+fn the_groups_deadline_bounds_every_wait() {
+    use rc::prelude::*;
+    let params = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let runs = spmd_shared(2, LocalOptions::default(), |comm| {
+        let rank = comm.rank();
+        let options = GroupOptions { deadline: Some(std::time::Duration::from_millis(300)), ..Default::default() };
+        let cp = ContextParallel::new(comm, CpuBackend::default(), params.clone(), 2)?.with_options(options)?;
+        if rank == 1 {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            return Ok(None);
+        }
+        let x = cp.shard(&CTensor::randn(0f32, 1.0, (1, 16, 2, 8), &Device::Cpu)?, 1)?;
+        let r = cp.attention_at(&x, &x, &x, &cp.position_ids(16, &Device::Cpu)?);
+        Ok(Some((r.map(|_| ()).map_err(ringattn::Error::from), t0.elapsed())))
+    });
+    let (r, took) = runs[0].as_ref().unwrap().as_ref().unwrap();
+    assert!(matches!(r, Err(ringattn::Error::Timeout { .. })), "{r:?}");
+    assert!(*took < std::time::Duration::from_millis(1500), "took {took:?}");
+}

@@ -140,3 +140,36 @@ fn tag_blocks_are_fresh_and_agree_across_ranks() {
         assert!(a != b && a % TAG_BLOCK == 0 && b % TAG_BLOCK == 0 && b + TAG_BLOCK <= COLLECTIVE_TAG);
     }
 }
+
+/// `set_deadline`: a rank's receive that nobody answers fails after the deadline set on it
+/// (not the group's), a communicator split from it afterwards inherits it, and zero is
+/// refused.
+#[test]
+fn a_deadline_set_on_a_rank_bounds_its_waits_and_its_splits() {
+    use std::time::Instant;
+    let comms = ringattn::comm::LocalComm::<ringattn::HostBuf>::group(2, LocalOptions::default());
+    let short = Duration::from_millis(200);
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    assert!(c.set_deadline(Duration::ZERO).is_err());
+                    c.set_deadline(short).unwrap();
+                    let sub = c.split(0, c.rank()).unwrap();
+                    assert_eq!(sub.deadline(), short);
+                    if c.rank() == 1 {
+                        return None;
+                    }
+                    let t0 = Instant::now();
+                    let r = c.irecv(1, 7, 1, ringattn::Elem::F32).unwrap().wait();
+                    Some((r.map(|_| ()), t0.elapsed()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    let (r, took) = results[0].as_ref().unwrap();
+    assert!(matches!(r, Err(ringattn::Error::Timeout { .. })), "{r:?}");
+    assert!(*took >= short && *took < Duration::from_secs(5), "{took:?}");
+}

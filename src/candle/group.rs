@@ -22,11 +22,16 @@ pub struct GroupOptions {
     /// Plans kept, one per distinct (global length, batch, heads, head dim, dtype); the
     /// least recently used is dropped beyond this. At least 1.
     pub max_plans: usize,
+    /// How long any wait of this rank's attention calls and sums may block before it fails
+    /// with [`Error::Timeout`] ([`Communicator::set_deadline`] on the group's communicator;
+    /// the Ulysses/USP sub-groups of plans made afterwards inherit it). `None` keeps the
+    /// communicator's.
+    pub deadline: Option<std::time::Duration>,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        GroupOptions { require_positions: cfg!(debug_assertions), max_plans: 8 }
+        GroupOptions { require_positions: cfg!(debug_assertions), max_plans: 8, deadline: None }
     }
 }
 
@@ -218,13 +223,18 @@ where
         })
     }
 
-    /// The group with `options`.
+    /// The group with `options` (before its first attention call: plans made earlier keep
+    /// the deadline they were made with).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for `max_plans` 0.
+    /// [`Error::InvalidArgument`] for `max_plans` 0 or a zero deadline, and a communicator
+    /// whose deadline cannot change.
     pub fn with_options(mut self, options: GroupOptions) -> crate::Result<Self> {
         if options.max_plans == 0 {
             return Err(Error::InvalidArgument("GroupOptions::max_plans must be at least 1".into()));
+        }
+        if let Some(d) = options.deadline {
+            self.comm.set_deadline(d)?;
         }
         self.options = options;
         Ok(self)

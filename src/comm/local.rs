@@ -162,6 +162,8 @@ pub struct LocalComm<B = HostBuf> {
     /// Per peer: sends posted to it, receives posted from it (per-peer order numbers).
     sent: Mutex<Vec<u64>>,
     posted: Mutex<Vec<u64>>,
+    /// This rank's deadline (the group's, until [`Communicator::set_deadline`]).
+    deadline: super::DeadlineCell,
 }
 
 impl<B: Payload> LocalComm<B> {
@@ -176,11 +178,12 @@ impl<B: Payload> LocalComm<B> {
         let n = group.size;
         LocalComm {
             rank,
-            group,
             collectives: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             sent: Mutex::new(vec![0; n]),
             posted: Mutex::new(vec![0; n]),
+            deadline: super::DeadlineCell::new(group.options.deadline),
+            group,
         }
     }
 
@@ -222,7 +225,11 @@ impl<B: Payload> Communicator for LocalComm<B> {
     }
 
     fn deadline(&self) -> Duration {
-        self.group.options.deadline
+        self.deadline.get()
+    }
+
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        self.deadline.set(deadline)
     }
 
     fn isend(&self, to: usize, tag: Tag, data: B) -> Result<SendHandle> {
@@ -257,8 +264,8 @@ impl<B: Payload> Communicator for LocalComm<B> {
         let key = self.next_key(&self.posted, from, tag);
         let g = self.group.clone();
         let me = self.rank;
+        let deadline = self.deadline();
         Ok(RecvHandle::new(move || {
-            let deadline = g.options.deadline;
             let give_up = Instant::now() + deadline;
             let mb = &g.mailboxes[me];
             let mut q = mb.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -384,7 +391,9 @@ impl<B: Payload> Communicator for LocalComm<B> {
             }
             sub
         };
-        Ok(Box::new(LocalComm::member(my_index, sub)))
+        let child = LocalComm::member(my_index, sub);
+        child.deadline.set(self.deadline())?;
+        Ok(Box::new(child))
     }
 
     fn next_collective_tag(&self) -> Tag {

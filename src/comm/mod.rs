@@ -19,6 +19,7 @@ mod mpi_collectives;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 #[cfg(feature = "cuda")]
@@ -28,6 +29,31 @@ pub use local::{spmd, spmd_owned, spmd_shared, LinkModel, LocalComm, LocalOption
 pub use mpi_comm::{MpiComm, MpiOptions};
 
 use crate::{Elem, HostBuf, Result};
+
+/// A communicator's deadline, changeable while it is in use ([`Communicator::set_deadline`]):
+/// waits read it when they are posted.
+#[derive(Debug)]
+pub(crate) struct DeadlineCell(AtomicU64);
+
+impl DeadlineCell {
+    pub(crate) fn new(d: Duration) -> Self {
+        DeadlineCell(AtomicU64::new(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)))
+    }
+
+    pub(crate) fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] for zero.
+    pub(crate) fn set(&self, d: Duration) -> Result<()> {
+        if d.is_zero() {
+            return Err(crate::Error::InvalidArgument("a communicator's deadline must be above zero".into()));
+        }
+        self.0.store(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        Ok(())
+    }
+}
 
 /// A message tag. Point-to-point tags chosen by drivers must stay below [`COLLECTIVE_TAG`].
 pub type Tag = u64;
@@ -164,6 +190,19 @@ pub trait Communicator: Send + Sync {
     fn size(&self) -> usize;
     /// How long any wait may block before it fails with [`crate::Error::Timeout`].
     fn deadline(&self) -> Duration;
+    /// Sets how long this rank's waits posted from now on may block (every transport of the
+    /// crate; communicators split from this one later inherit it; the other ranks keep
+    /// theirs). Not collective.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] for a zero deadline, or a communicator whose deadline
+    /// is fixed at its creation (the default).
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        Err(crate::Error::InvalidArgument(format!(
+            "this communicator's deadline ({deadline:?} asked) is fixed at its creation ({:?})",
+            self.deadline()
+        )))
+    }
     /// Posts a send of `data` to rank `to` with `tag`; returns at once.
     ///
     /// # Errors
@@ -345,6 +384,9 @@ impl<C: Communicator + ?Sized> Communicator for std::sync::Arc<C> {
     type Buf = C::Buf;
     fn depart(&self) {
         (**self).depart()
+    }
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        (**self).set_deadline(deadline)
     }
     fn rank(&self) -> usize {
         (**self).rank()

@@ -174,7 +174,9 @@ impl Progress {
 struct Root {
     /// Finalises MPI when dropped (after every sub-communicator has freed its handle).
     universe: Mutex<Option<::mpi::environment::Universe>>,
-    options: MpiOptions,
+    /// This process's deadline (`options.deadline` until [`Communicator::set_deadline`]; one
+    /// process is one rank, so every communicator of it shares it).
+    deadline: super::DeadlineCell,
     bytes: AtomicU64,
     world_rank: usize,
     tag_ub: u64,
@@ -188,7 +190,7 @@ impl Drop for Root {
         // Let outstanding transfers finish (bounded by the deadline). MPI_Finalize with
         // transfers still pending could wait forever: then the process leaves without it and
         // the launcher ends the job with an error instead.
-        let give_up = Instant::now() + self.options.deadline;
+        let give_up = Instant::now() + self.deadline.get();
         while self.progress.drive() > 0 {
             if Instant::now() >= give_up {
                 eprintln!("ringattn: rank {}: transfers still pending at exit; MPI not finalised", self.world_rank);
@@ -282,7 +284,7 @@ impl MpiComm {
         spawn_progress(Arc::downgrade(&progress), stop.clone(), options.progress_interval);
         let root = Arc::new(Root {
             universe: Mutex::new(Some(universe)),
-            options,
+            deadline: super::DeadlineCell::new(options.deadline),
             bytes: AtomicU64::new(0),
             world_rank: rank,
             tag_ub,
@@ -334,7 +336,7 @@ impl MpiComm {
 
     /// Waits for `req` up to the deadline.
     fn wait(root: &Arc<Root>, req: &Request, op: String, peer: usize) -> Result<()> {
-        let deadline = root.options.deadline;
+        let deadline = root.deadline.get();
         let give_up = Instant::now() + deadline;
         // Spin (yielding the core) for the first millisecond — a message between processes
         // of one host arrives in microseconds — then sleep, longer and longer up to 1 ms.
@@ -451,7 +453,11 @@ impl Communicator for MpiComm {
     }
 
     fn deadline(&self) -> Duration {
-        self.root.options.deadline
+        self.root.deadline.get()
+    }
+
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        self.root.deadline.set(deadline)
     }
 
     fn isend(&self, to: usize, tag: Tag, data: HostBuf) -> Result<SendHandle> {

@@ -184,6 +184,10 @@ impl Communicator for DeviceComm {
         self.inner.deadline()
     }
 
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        self.inner.set_deadline(deadline)
+    }
+
     fn isend(&self, to: usize, tag: Tag, data: DeviceBuf) -> Result<SendHandle> {
         if to >= self.size() {
             return Err(Error::InvalidArgument(format!("send: rank {to} out of range for {} ranks", self.size())));

@@ -207,7 +207,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     state: Mutex<State>,
     root: Arc<Root>,
-    deadline: Duration,
+    /// This communicator's deadline (inherited by its splits; [`Communicator::set_deadline`]).
+    deadline: crate::comm::DeadlineCell,
     /// This rank in the root group (errors name it).
     global_rank: usize,
     stop: AtomicBool,
@@ -253,7 +254,7 @@ impl Inner {
 
     /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
     fn settle(&self, what: &str) -> Result<()> {
-        settle_with(self.deadline, what, || self.with_comm(|c| in_progress(self.lib, c, what)))
+        settle_with(self.deadline.get(), what, || self.with_comm(|c| in_progress(self.lib, c, what)))
     }
 
     /// Hands every posted operation to NCCL as one group on the stream and records its end
@@ -456,7 +457,7 @@ fn watchdog(inner: Weak<Inner>) {
             let st = me.state.lock().unwrap_or_else(|e| e.into_inner());
             st.flights.iter().find_map(|f| match me.flight_state(f) {
                 Err(e) => Some(Err(e)),
-                Ok(Progress::Pending) if f.at.elapsed() > me.deadline => Some(Ok(f.what.clone())),
+                Ok(Progress::Pending) if f.at.elapsed() > me.deadline.get() => Some(Ok(f.what.clone())),
                 Ok(_) => None,
             })
         };
@@ -465,7 +466,7 @@ fn watchdog(inner: Weak<Inner>) {
             return;
         }
         if let Some(Ok((op, peer))) = verdict {
-            me.root.fail(Failure::Timeout { op, peer, after: me.deadline });
+            me.root.fail(Failure::Timeout { op, peer, after: me.deadline.get() });
             return;
         }
     }
@@ -620,7 +621,7 @@ impl NcclComm {
             stream,
             state: Mutex::new(State::default()),
             root: root.clone(),
-            deadline,
+            deadline: crate::comm::DeadlineCell::new(deadline),
             global_rank,
             stop: AtomicBool::new(false),
         });
@@ -753,7 +754,7 @@ impl Drop for NcclComm {
             Ok(Progress::Complete)
         };
         let failed = || inner.root.failure().map(|f| f.error());
-        let finished = poll_until("closing the NCCL communicator", 0, inner.deadline, all_ran, failed).is_ok();
+        let finished = poll_until("closing the NCCL communicator", 0, inner.deadline.get(), all_ran, failed).is_ok();
         if !finished {
             inner.abort_comm();
             return;
@@ -783,7 +784,11 @@ impl Communicator for NcclComm {
     }
 
     fn deadline(&self) -> Duration {
-        self.inner.deadline
+        self.inner.deadline.get()
+    }
+
+    fn set_deadline(&self, deadline: Duration) -> Result<()> {
+        self.inner.deadline.set(deadline)
     }
 
     fn isend(&self, to: usize, tag: Tag, data: DeviceBuf) -> Result<SendHandle> {
@@ -819,7 +824,7 @@ impl Communicator for NcclComm {
                 }
             };
             let failed = || inner.root.failure().map(|f| f.error());
-            match poll_until(&op, from, inner.deadline, poll, failed) {
+            match poll_until(&op, from, inner.deadline.get(), poll, failed) {
                 Ok(()) => {
                     let mut buf = buf;
                     buf.set_ready(done);
@@ -903,7 +908,7 @@ impl Communicator for NcclComm {
         // The new communicator completes on its own (a non-blocking split): it is settled
         // before its rank and size are asked, which NCCL refuses while it is in progress
         // (found on the emulated GPU: the parent's state says nothing of the child's).
-        let settled = settle_with(self.inner.deadline, "split", || in_progress(lib, newcomm, "split"));
+        let settled = settle_with(self.inner.deadline.get(), "split", || in_progress(lib, newcomm, "split"));
         // SAFETY: `newcomm` is live (split completed); one int written each.
         let queried = settled
             .and_then(|()| nccl_call("ncclCommUserRank", || unsafe { (lib.comm_user_rank)(newcomm, &mut r) }))
@@ -922,7 +927,7 @@ impl Communicator for NcclComm {
             r.max(0) as usize,
             n.max(0) as usize,
             self.inner.global_rank,
-            self.inner.deadline,
+            self.inner.deadline.get(),
             "split",
         )?;
         Ok(Box::new(sub))
