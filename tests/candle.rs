@@ -190,7 +190,7 @@ fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
         // say that other ranks disagree.
         assert!(errors.iter().any(|e| e.contains(needle)), "misuse {misuse}: no rank names the fix: {errors:?}");
         for (rank, e) in errors.iter().enumerate() {
-            let ok = e.contains(needle) || (misuse > 0 && e.contains("rank(s) of the group"));
+            let ok = e.contains(needle) || (misuse > 0 && e.contains("of the group hold tokens at other positions"));
             assert!(ok, "misuse {misuse}, rank {rank}: {e}");
         }
         if misuse == 0 {

@@ -249,13 +249,14 @@ where
 /// a zigzag plan, or a shard from parameters resolved otherwise than the plan's — has the
 /// right shapes and the wrong tokens: this is where it is caught.
 ///
-/// Collective: one small all-reduce of every rank's verdict first, so that a disagreement on
-/// any rank fails the call on every rank.
+/// Collective: one small all-gather of every rank's verdict first
+/// ([`ParallelPlan::check_positions`]), so that a disagreement on any rank fails the call on
+/// every rank.
 ///
 /// # Errors
 /// As [`ring_attention`]; a wrapped [`Error::Positions`] naming the first token whose position
 /// differs from the plan's (and the plan's layout) when they disagree (on the other ranks:
-/// how many ranks disagree), and a shape error when `positions` is not `[n]`.
+/// which ranks disagree), and a shape error when `positions` is not `[n]`.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -294,20 +295,24 @@ where
     Be: Backend + Send + Sync + 'static,
     Be::Buf: CandleBuf,
 {
-    // Every rank learns whether any rank's shard disagrees (one small all-reduce), so that a
-    // mismatch fails the call on every rank, not on some while the others wait in the ring.
-    let mine = check_positions_of(plan, positions);
-    let flag = Tensor::new(&[if mine.is_err() { 1f32 } else { 0f32 }], q.device())?;
-    let add = |acc: &mut Be::Buf, x: &Be::Buf| plan.backend().add_into(acc, x);
-    let wrong = all_reduce_sum(plan.comm(), &add, &flag)?.to_vec1::<f32>()?[0];
-    mine?;
-    if wrong > 0.0 {
-        return Err(wrap(Error::Positions(format!(
-            "rank {}: {wrong} rank(s) of the group hold tokens at other positions than the plan's (this rank's \
-             match; see the error of the others)",
-            plan.comm().rank()
+    // Every rank learns whether any rank's shard disagrees (ParallelPlan::check_positions:
+    // one small all-gather), so that a mismatch fails the call on every rank, not on some
+    // while the others wait in the ring.
+    let ids: Vec<u64> = if positions.dims().len() == 1 {
+        let v: Vec<i64> = positions.to_dtype(CDType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
+        v.into_iter().map(|x| x as u64).collect()
+    } else {
+        Vec::new()
+    };
+    let verdict = plan.check_positions(&ids);
+    if positions.dims().len() != 1 {
+        return Err(wrap(Error::ShapeMismatch(format!(
+            "ringattn: positions of shape {:?}, this rank holds [{}] tokens",
+            positions.dims(),
+            plan.positions().len()
         ))));
     }
+    verdict.map_err(wrap)?;
     ring_attention(plan, q, k, v)
 }
 

@@ -489,6 +489,79 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         Ok((self.in_dtype(dq)?, self.in_dtype(dk)?, self.in_dtype(dv)?))
     }
 
+    /// Checks the position ids the caller gave this rank's tokens (`ids[i]`: the global
+    /// position of its `i`-th token, as it sharded them — the ids a model looks up rotary or
+    /// learned positions with) against the plan's layout. Shards cut otherwise than the plan
+    /// (contiguous chunks under the zigzag layout, parameters resolved for another head
+    /// count) have the right shapes and the wrong tokens: this is where they are caught.
+    /// Collective (one all-gather of a byte per rank), so every rank gets the verdict; once
+    /// per batch is enough (the layers share the positions).
+    ///
+    /// # Errors
+    /// [`Error::Positions`] on every rank when any rank's ids differ from its positions: the
+    /// rank at fault names its first differing token, the others name the ranks at fault;
+    /// communication errors.
+    ///
+    /// ```
+    /// use ringattn::comm::{spmd, Communicator, LocalOptions};
+    /// use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan};
+    /// use ringattn::{AttentionParams, DType, Dims, Mask};
+    /// let params = ParallelParams { attention: AttentionParams { mask: Mask::Causal, ..Default::default() }, ..Default::default() };
+    /// let resolved = params.resolve(2, 2, 16)?;
+    /// let verdicts = spmd(2, LocalOptions::default(), |comm| {
+    ///     let backend = CpuBackend::default();
+    ///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d: 8 };
+    ///     let plan = ParallelPlan::new(comm, &backend, &resolved, &dims, DType::F32)?;
+    ///     let mine: Vec<u64> = resolved.positions(comm.rank()).iter().map(|p| p as u64).collect();
+    ///     plan.check_positions(&mine)?; // the layout's own shard
+    ///     let narrowed: Vec<u64> = (8 * comm.rank() as u64..8 * comm.rank() as u64 + 8).collect();
+    ///     Ok(plan.check_positions(&narrowed).is_err()) // contiguous chunks under zigzag
+    /// });
+    /// assert!(verdicts.into_iter().all(|v| v.unwrap()));
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    pub fn check_positions(&self, ids: &[u64]) -> Result<()> {
+        let want = self.positions();
+        let mine = if ids.len() != want.len() {
+            Err(Error::Positions(format!(
+                "rank {}: {} position ids for a shard of {} tokens",
+                self.comm.rank(),
+                ids.len(),
+                want.len()
+            )))
+        } else {
+            match want.iter().zip(ids).position(|(w, &g)| w as u64 != g) {
+                None => Ok(()),
+                Some(i) => Err(Error::Positions(format!(
+                    "rank {}: token {i} of this shard is at position {}, the plan ({:?} layout) puts position {} \
+                     there (shard the tensors with the plan's layout: ContextParallel::shard, ResolvedParams::shard \
+                     or ringattn::candle::shard_like)",
+                    self.comm.rank(),
+                    ids[i],
+                    self.resolved.layout(),
+                    want.iter().nth(i).unwrap_or(0)
+                ))),
+            }
+        };
+        let flag = self.backend.upload(&HostBuf::bytes(vec![u8::from(mine.is_err())]))?;
+        let gathered = all_gather(&*self.comm, flag)?;
+        let mut wrong = Vec::new();
+        for (r, b) in gathered.iter().enumerate() {
+            if self.backend.download(b)?.to_control_bytes().first() == Some(&1) {
+                wrong.push(r);
+            }
+        }
+        mine?;
+        if wrong.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Positions(format!(
+            "rank(s) {wrong:?} of the group hold tokens at other positions than the {:?} layout's (this rank's \
+             match; their errors name the token)",
+            self.resolved.layout()
+        )))
+    }
+
     /// Checks that a call's tensors are the shard the plan was made for.
     pub(super) fn check_call(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let dims = Dims::of(q, k, v)?;
