@@ -350,7 +350,7 @@ where
         let checked = self.record(q, k, v, positions);
         let mine = match &checked {
             Ok(r) => r.clone(),
-            Err(e) => CallRecord::refused(e.to_string()),
+            Err(e) => CallRecord::refused(super::find_error(e).map_or_else(|| e.to_string(), |ours| ours.to_string())),
         };
         let records = self.exchange(&mine).map_err(wrap)?;
         // This rank's own refusal, as it was (typed); the others learn it from the records.
