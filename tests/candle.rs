@@ -457,6 +457,13 @@ fn checkpointed_blocks_give_the_gradients_of_kept_blocks() {
                 let loss = (y * &g)?.sum_all()?;
                 let mut grads = loss.backward()?;
                 ck.merge_into(&mut grads)?;
+                if checkpointed {
+                    // The gradients a recomputation hands back record no operations: they do
+                    // not keep the recomputed block's graph (its activations) alive.
+                    for t in weights.iter().map(|w| w.as_tensor()).chain([x.as_tensor()]) {
+                        assert!(grads.get(t).is_none_or(|g| !g.track_op()), "a gradient keeps a graph");
+                    }
+                }
                 cp.all_reduce_gradients(&weights, &mut grads)?;
                 let mut flat = Vec::new();
                 for w in &weights {

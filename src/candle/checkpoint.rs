@@ -89,13 +89,15 @@ impl CustomOp2 for Recompute {
         let leaf = Var::from_tensor(&x.detach().copy()?)?;
         let y = (self.block)(leaf.as_tensor())?;
         let inner = (y * grad_res.detach())?.sum_all()?.backward()?;
+        // Detached: candle's gradients can still record the operations that made them, and so
+        // keep the recomputed block's whole graph (its activations) alive after the backward.
         let mut gathered = self.grads.lock().unwrap_or_else(|e| e.into_inner());
         for p in &self.params {
             if let Some(g) = inner.get(p.as_tensor()) {
-                gathered.push((p.clone(), g.clone()));
+                gathered.push((p.clone(), g.detach()));
             }
         }
-        Ok((inner.get(leaf.as_tensor()).cloned(), None))
+        Ok((inner.get(leaf.as_tensor()).map(Tensor::detach), None))
     }
 }
 
