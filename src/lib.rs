@@ -56,6 +56,7 @@
 
 #![warn(missing_docs)]
 
+pub mod attention;
 mod buf;
 #[cfg(feature = "candle")]
 pub mod candle;
@@ -85,6 +86,7 @@ mod runner;
 mod tensor;
 pub mod verify;
 
+pub use attention::{ForwardOutput, Gradients};
 pub use buf::{Elem, HostBuf, HostData};
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -91,7 +91,7 @@ pub fn forward_at(
     params: &AttentionParams,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
-    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q))?, params, &vis, None, Grads::None))
 }
 
@@ -121,7 +121,7 @@ pub fn backward_at(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     Dims::expect("do", d_o, &dims.q_shape(), q)?;
-    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
 }
 
@@ -213,7 +213,7 @@ pub fn naive_rounded(
     }
     let vis = match positions {
         None => Visibility::single_device(params, dims.s_q, dims.s_k)?,
-        Some((qp, kp)) => crate::cpu::block_visibility(&dims, qp, kp, params)?,
+        Some((qp, kp)) => crate::attention::block_visibility(&dims, qp, kp, params)?,
     };
     let inputs = Inputs::new(dims, q, k, v, d_o, all_rows(dims.s_q))?;
     let grads = if d_o.is_some() { Grads::All } else { Grads::None };

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use half::{bf16, f16};
 
-use crate::cpu::{ForwardOutput, Gradients};
+use crate::attention::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, DqMode};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, HostData, Positions, Result, Tensor, TensorData};
@@ -127,7 +127,7 @@ pub(crate) fn visibility(
 ) -> Result<Visibility> {
     match positions {
         None => Visibility::single_device(params, dims.s_q, dims.s_k),
-        Some((qp, kp)) => crate::cpu::block_visibility(dims, qp, kp, params),
+        Some((qp, kp)) => crate::attention::block_visibility(dims, qp, kp, params),
     }
 }
 
@@ -249,7 +249,7 @@ pub(crate) fn forward_block<E: Executor>(
     k_pos: &Positions,
     params: &AttentionParams,
 ) -> Result<(HostBuf, HostBuf)> {
-    let vis = crate::cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+    let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     let (qb, kb, vb) = (buf_bits(q, dtype)?, buf_bits(k, dtype)?, buf_bits(v, dtype)?);
     let (o, lse) = e.forward(&ForwardJob {
         dims,
@@ -288,7 +288,7 @@ pub(crate) fn backward_block<E: Executor>(
     x: &BlockBackward<'_>,
 ) -> Result<(HostBuf, HostBuf, HostBuf)> {
     let dims = x.dims;
-    let vis = crate::cpu::block_visibility(&dims, x.q_pos, x.k_pos, x.params)?;
+    let vis = crate::attention::block_visibility(&dims, x.q_pos, x.k_pos, x.params)?;
     let (qb, kb, vb) = (buf_bits(x.q, dtype)?, buf_bits(x.k, dtype)?, buf_bits(x.v, dtype)?);
     let (dob, o) = (buf_bits(x.d_o, dtype)?, x.o.to_f32()?);
     let (dq, dk, dv) = e.backward(&BackwardJob {

@@ -17,10 +17,8 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
 use super::simd;
-use super::tiles::{
-    call_spans, classify, mask_rows, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig,
-    TileKind,
-};
+use super::tiles::{call_spans, mask_rows, row_blocks, rows_finite, DisjointWriter, Output, PerThread, TileConfig};
+use crate::attention::{classify, Span, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 

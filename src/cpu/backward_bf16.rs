@@ -20,7 +20,8 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
-use super::tiles::{call_spans, classify, mask_rows, reach, Output, ReachOf, Span, TileConfig, TileKind};
+use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf, TileConfig};
+use crate::attention::{classify, Span, TileKind};
 use crate::params::Visibility;
 use crate::Dims;
 

@@ -17,9 +17,8 @@ use rayon::prelude::*;
 use super::matmul::{matmul_strided, View};
 use super::products::{self as mm, Packing};
 use super::simd;
-use super::tiles::{
-    call_spans, classify, row_blocks, rows_finite, DisjointWriter, Output, PerThread, Span, TileConfig, TileKind,
-};
+use super::tiles::{call_spans, row_blocks, rows_finite, DisjointWriter, Output, PerThread, TileConfig};
+use crate::attention::{classify, Span, TileKind};
 use crate::flops::Pass;
 use crate::params::Visibility;
 use crate::Dims;

@@ -22,7 +22,8 @@ use super::bf16_rows as rows;
 use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
-use super::tiles::{call_spans, classify, mask_rows, reach, Output, ReachOf, Span, TileKind};
+use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf};
+use crate::attention::{classify, Span, TileKind};
 use half::bf16;
 
 /// The bf16 path's inputs.

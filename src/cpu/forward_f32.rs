@@ -24,7 +24,8 @@ use super::forward::{
 };
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::simd;
-use super::tiles::{call_spans, classify, mask_rows, reach, rows_finite, ReachOf, Span, TileKind};
+use super::tiles::{call_spans, mask_rows, reach, rows_finite, ReachOf};
+use crate::attention::{classify, Span, TileKind};
 use crate::flops::Pass;
 
 /// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.

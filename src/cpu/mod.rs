@@ -35,32 +35,15 @@ pub use arithmetic::Arithmetic;
 pub use reuse::{kept_bytes, release_kept_buffers};
 pub use tiles::TileConfig;
 
+use crate::attention::visibility;
+/// The results of an attention call (they live in [`crate::attention`]; named here too).
+pub use crate::attention::{ForwardOutput, Gradients};
+
 use half::bf16;
 
 use crate::params::Visibility;
 use crate::tensor::TensorData;
-use crate::{AttentionParams, Dims, Error, Positions, Result, Tensor};
-
-/// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
-/// in f32 (natural log; `-inf` for rows that see no key).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ForwardOutput {
-    /// Attention output.
-    pub o: Tensor,
-    /// Log-sum-exp of the scaled scores.
-    pub lse: Tensor,
-}
-
-/// Gradients, in the input dtype: `dq` like q, `dk` and `dv` like k.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Gradients {
-    /// Gradient of q.
-    pub dq: Tensor,
-    /// Gradient of k.
-    pub dk: Tensor,
-    /// Gradient of v.
-    pub dv: Tensor,
-}
+use crate::{AttentionParams, Dims, Positions, Result, Tensor};
 
 /// Knobs of the CPU implementation. `Default` is what the crate's own calls use.
 #[derive(Debug, Clone, Default)]
@@ -78,8 +61,8 @@ pub struct CpuConfig<'a> {
 /// `pos_q(i) = i + s_k − s_q` and `pos_k(j) = j`.
 ///
 /// # Errors
-/// [`Error::Rank`], [`Error::ShapeMismatch`], [`Error::HeadRatio`], [`Error::ZeroHeads`],
-/// [`Error::HeadDim`], [`Error::DtypeMismatch`], [`Error::Scale`], [`Error::Documents`].
+/// [`Error::Rank`](crate::Error::Rank), [`Error::ShapeMismatch`](crate::Error::ShapeMismatch), [`Error::HeadRatio`](crate::Error::HeadRatio), [`Error::ZeroHeads`](crate::Error::ZeroHeads),
+/// [`Error::HeadDim`](crate::Error::HeadDim), [`Error::DtypeMismatch`](crate::Error::DtypeMismatch), [`Error::Scale`](crate::Error::Scale), [`Error::Documents`](crate::Error::Documents).
 ///
 /// ```
 /// use ringattn::{cpu, AttentionParams, Mask, Tensor};
@@ -97,7 +80,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> 
 /// step of every ring hop. `q_pos.len()` must be `s_q`, `k_pos.len()` must be `s_k`.
 ///
 /// # Errors
-/// As [`forward`], plus [`Error::Positions`].
+/// As [`forward`], plus [`Error::Positions`](crate::Error::Positions).
 ///
 /// ```
 /// use ringattn::{cpu, AttentionParams, Mask, Positions, Tensor};
@@ -409,31 +392,4 @@ fn finite_bf16<const N: usize>(tensors: [&Tensor; N]) -> Option<[&[bf16]; N]> {
         }
     }
     Some(out)
-}
-
-fn visibility(
-    dims: &Dims,
-    positions: Option<(&Positions, &Positions)>,
-    params: &AttentionParams,
-) -> Result<Visibility> {
-    match positions {
-        None => Visibility::single_device(params, dims.s_q, dims.s_k),
-        Some((qp, kp)) => block_visibility(dims, qp, kp, params),
-    }
-}
-
-/// Validates block positions against the dims and resolves visibility.
-pub(crate) fn block_visibility(
-    dims: &Dims,
-    q_pos: &Positions,
-    k_pos: &Positions,
-    params: &AttentionParams,
-) -> Result<Visibility> {
-    if q_pos.len() != dims.s_q {
-        return Err(Error::Positions(format!("{} query positions for s_q = {}", q_pos.len(), dims.s_q)));
-    }
-    if k_pos.len() != dims.s_k {
-        return Err(Error::Positions(format!("{} key positions for s_k = {}", k_pos.len(), dims.s_k)));
-    }
-    Visibility::new(params, q_pos, k_pos)
 }

@@ -4,6 +4,7 @@
 use std::ops::Range;
 
 use super::Arithmetic;
+use crate::attention::{classify, spans, Span, TileKind};
 use crate::flops::Pass;
 use crate::params::Visibility;
 
@@ -83,28 +84,6 @@ impl TileConfig {
     }
 }
 
-/// Range of global positions and document indices of one tile's rows.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Span {
-    pub start: usize,
-    pub len: usize,
-    pos_min: i64,
-    pos_max: i64,
-    doc_min: u32,
-    doc_max: u32,
-}
-
-/// How a (query tile, key tile) pair is computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TileKind {
-    /// No pair is visible: not computed at all.
-    Skip,
-    /// Every pair is visible: no mask applied.
-    Full,
-    /// Some pairs are visible: the per-element mask is applied.
-    Partial,
-}
-
 /// The query and key tiles of a `pass` with products in `arithmetic`: `(block_q, block_k,
 /// query spans, key spans)` (sizes [`TileConfig::resolved`]).
 pub(crate) fn call_spans(
@@ -152,32 +131,6 @@ fn exact_share(vis: &Visibility, q_spans: &[Span], k_spans: &[Span]) -> f64 {
     } else {
         exact as f64 / visible as f64
     }
-}
-
-/// Splits `pos` into tiles of `block` rows and records each tile's ranges.
-pub(crate) fn spans(pos: &[i64], doc: Option<&[u32]>, block: usize) -> Vec<Span> {
-    (0..pos.len())
-        .step_by(block.max(1))
-        .map(|start| {
-            let len = block.min(pos.len() - start);
-            let p = &pos[start..start + len];
-            let (doc_min, doc_max) = match doc {
-                Some(d) => {
-                    let d = &d[start..start + len];
-                    (*d.iter().min().unwrap_or(&0), *d.iter().max().unwrap_or(&0))
-                }
-                None => (0, 0),
-            };
-            Span {
-                start,
-                len,
-                pos_min: *p.iter().min().unwrap_or(&0),
-                pos_max: *p.iter().max().unwrap_or(&0),
-                doc_min,
-                doc_max,
-            }
-        })
-        .collect()
 }
 
 /// Which rows a [`reach`] gives ranges for.
@@ -247,25 +200,6 @@ pub(crate) fn row_blocks(vis: &Visibility, qs: &Span, ks: &Span, kind: TileKind)
         .map(|(r, k)| (r * ROW_BLOCK..((r + 1) * ROW_BLOCK).min(qs.len), k))
         .filter(|(_, k)| !k.is_empty())
         .collect()
-}
-
-/// Classifies a pair of tiles. `Skip` and `Full` are exact claims; `Partial` is the
-/// conservative remainder.
-pub(crate) fn classify(vis: &Visibility, q: &Span, k: &Span) -> TileKind {
-    let right_out = vis.right.is_some_and(|r| k.pos_min > q.pos_max.saturating_add(r));
-    let left_out = vis.left.is_some_and(|l| k.pos_max < q.pos_min.saturating_sub(l));
-    let docs_apart = vis.q_doc.is_some() && (k.doc_max < q.doc_min || k.doc_min > q.doc_max);
-    if right_out || left_out || docs_apart {
-        return TileKind::Skip;
-    }
-    let right_in = vis.right.is_none_or(|r| k.pos_max <= q.pos_min.saturating_add(r));
-    let left_in = vis.left.is_none_or(|l| k.pos_min >= q.pos_max.saturating_sub(l));
-    let one_doc = vis.q_doc.is_none() || (q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min);
-    if right_in && left_in && one_doc {
-        TileKind::Full
-    } else {
-        TileKind::Partial
-    }
 }
 
 /// [`Visibility::mask_query_row`] on rows `q0..q0 + rows` of a score tile (row `i` at

@@ -532,7 +532,7 @@ impl DeviceBackend {
         if let Some(m) = self.masks.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(m.clone());
         }
-        let vis = crate::cpu::block_visibility(dims, q_pos, k_pos, params)?;
+        let vis = crate::attention::block_visibility(dims, q_pos, k_pos, params)?;
         let mask = Arc::new(DeviceMask::upload(&self.stream, &vis)?);
         let mut cache = self.masks.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= MASK_CACHE {

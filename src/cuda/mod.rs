@@ -90,7 +90,7 @@ pub use nccl::{new_unique_id, NcclComm, UniqueId, UNIQUE_ID_BYTES};
 pub use nccl_lib::{nccl_candidates, nccl_info, NcclInfo, NcclVersion, OLDEST_NCCL};
 pub use probe::{driver_facts, gpus, probe, required_driver_version, DriverInfo, GpuInfo};
 
-use crate::cpu::{ForwardOutput, Gradients};
+use crate::attention::{ForwardOutput, Gradients};
 use crate::kernels::geometry::KernelFamily;
 use crate::runner::{self, BackwardJob, Executor, ForwardJob};
 use crate::{AttentionParams, DType, Dims, Error, Positions, Result, Tensor};

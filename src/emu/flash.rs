@@ -9,7 +9,7 @@ use std::ffi::c_char;
 use half::{bf16, f16};
 
 use super::{check, BlockCounts, EmuLaunch, EmuOptions};
-use crate::cpu::{ForwardOutput, Gradients};
+use crate::attention::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode, KernelFamily};
 use crate::kernels::params::{FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
 use crate::kernels::tensor_map::{hopper_backward_params, hopper_forward_params, TensorMapSpec};

@@ -393,7 +393,7 @@ impl Backend for CpuBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
-        let vis = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
         if let Some([q, k, v]) = self.bf16_steps([q, k, v])? {
             return Ok(Pending::ready(host2(cpu::forward_bf16(dims, q, k, v, &vis, params, self.tiles))));
         }
@@ -415,7 +415,7 @@ impl Backend for CpuBackend {
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
-        let vis: Visibility = cpu::block_visibility(&dims, q_pos, k_pos, params)?;
+        let vis: Visibility = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
         if let Some([q, k, v, d_o]) = self.bf16_steps([q, k, v, d_o])? {
             let (lse, big_d) = (lse.f32s()?, big_d.f32s()?);
             let (dq, dk, dv) = cpu::backward_bf16(dims, q, k, v, lse, d_o, big_d, &vis, params, self.tiles);

@@ -133,8 +133,8 @@ pub use backend::{
 pub use plan::{ParallelPlan, PlanSource, ResolvedParams};
 pub(crate) use ulysses::HeadPlan;
 
+use crate::attention::{ForwardOutput, Gradients};
 use crate::comm::{spmd, Communicator, LocalOptions, Payload, RecvOp, SendOp};
-use crate::cpu::{ForwardOutput, Gradients};
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, Layout, Mask, Positions, Result, Tensor};
 
 impl std::fmt::Display for Strategy {

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use super::backend::Backend;
 use super::{Driver, LocalData, ParallelParams, ParallelPlan, Rules, Stats};
+use crate::attention::{classify, spans, TileKind};
 use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
-use crate::cpu::tiles::{classify, spans, TileKind};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Elem, Error, Positions, Result};
 
