@@ -76,7 +76,7 @@ struct Args {
     /// Ranks the sequence is split over (with --comm mpi: the job's size).
     #[arg(long, default_value_t = 4)]
     world: usize,
-    /// ring, allgather, ulysses or usp.
+    /// A strategy of more than one rank (ringattn's names: ring, allgather, ...).
     #[arg(long, default_value = "ring")]
     strategy: Strategy,
     /// contiguous, zigzag or striped [default: zigzag, the mask is causal].

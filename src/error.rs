@@ -132,7 +132,10 @@ pub enum Error {
         name: String,
     },
     /// An unknown or not-yet-available parallel strategy.
-    #[error("unknown strategy `{0}` (available: single, ring, allgather, ulysses, usp)")]
+    #[error(
+        "unknown strategy `{0}` (available: {available})",
+        available = crate::parallel::Strategy::list(&crate::parallel::Strategy::ALL)
+    )]
     UnknownStrategy(String),
     /// An unknown or not-yet-available backend.
     #[error("unknown backend `{0}` (available: cpu, emu, cuda)")]

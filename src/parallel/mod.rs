@@ -60,6 +60,21 @@ macro_rules! strategies {
             /// Every strategy, in the order the CLI, the planner and the tests list them.
             pub const ALL: [Strategy; [$($name),*].len()] = [$(Strategy::$variant),*];
 
+            /// The strategies that split a sequence over more than one rank (every one but
+            /// `Single`), in [`Strategy::ALL`]'s order.
+            pub const PARALLEL: [Strategy; [$($name),*].len() - 1] = {
+                let mut out = [Strategy::Ring; [$($name),*].len() - 1];
+                let (mut i, mut j) = (0, 0);
+                while i < Strategy::ALL.len() {
+                    if !matches!(Strategy::ALL[i], Strategy::Single) {
+                        out[j] = Strategy::ALL[i];
+                        j += 1;
+                    }
+                    i += 1;
+                }
+                out
+            };
+
             /// The one name of the strategy, as `--strategy` takes it and JSON writes it:
             /// `single`, `ring`, `allgather`, `ulysses`, `usp`.
             ///
@@ -75,6 +90,18 @@ macro_rules! strategies {
                 match self {
                     $( Strategy::$variant => $name, )*
                 }
+            }
+
+            /// The names of `strategies`, comma-separated: what help texts and errors list
+            /// (from the registry, never by hand).
+            ///
+            /// ```
+            /// use ringattn::parallel::Strategy;
+            /// assert_eq!(Strategy::list(&Strategy::ALL), "single, ring, allgather, ulysses, usp");
+            /// assert_eq!(Strategy::list(&Strategy::PARALLEL), "ring, allgather, ulysses, usp");
+            /// ```
+            pub fn list(strategies: &[Strategy]) -> String {
+                strategies.iter().map(|s| s.name()).collect::<Vec<_>>().join(", ")
             }
         }
 

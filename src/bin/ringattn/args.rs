@@ -60,8 +60,7 @@ impl MaskArgs {
 /// How to execute: strategy, layout, world size, backend.
 #[derive(Args, Debug, Clone)]
 pub struct ExecArgs {
-    /// Parallel strategy: single, ring, allgather, ulysses or usp.
-    #[arg(long, default_value = "single")]
+    #[arg(long, default_value = "single", help = format!("Parallel strategy: {}", Strategy::list(&Strategy::ALL)))]
     pub strategy: String,
     /// Number of ranks the sequence is split over [default: 1, or the MPI job's size with
     /// --comm mpi, which it must equal when given].

@@ -65,8 +65,9 @@ pub struct BenchArgs {
     /// Timed iterations, at least 1 [default: 10; 3 per configuration in sweeps].
     #[arg(long)]
     pub iters: Option<usize>,
-    /// Sweep: strategies to run with more than one rank, comma-separated (ring, allgather,
-    /// ulysses, usp; single is the one-rank baseline) [default: all four].
+    /// Sweep: strategies to run with more than one rank, comma-separated (--strategy's
+    /// names; single is the one-rank baseline) [default: every strategy of more than one
+    /// rank].
     #[arg(long, value_name = "LIST")]
     pub strategies: Option<String>,
     /// Sweep: world sizes, comma-separated (1 = the single-device baseline) [default: 1,2,4].

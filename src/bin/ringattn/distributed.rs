@@ -263,7 +263,8 @@ fn run_rank<Be: Backend>(
     }
     if params.strategy == Strategy::Single && world != 1 {
         return Err(Error::InvalidArgument(format!(
-            "--strategy single with a job of {world} ranks: choose ring, allgather, ulysses or usp"
+            "--strategy single with a job of {world} ranks: choose {}",
+            Strategy::list(&Strategy::PARALLEL)
         )));
     }
     let file = TensorFile::open(&a.input)?;

@@ -23,7 +23,7 @@ use crate::bench::{median, BenchArgs};
 /// are means over ranks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SweepRecord {
-    /// `single`, `ring`, `allgather`, `ulysses` or `usp`.
+    /// The strategy's name (`Strategy::name`).
     pub strategy: String,
     /// Ranks.
     pub world: usize,

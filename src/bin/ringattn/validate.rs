@@ -29,8 +29,8 @@ pub struct ValidateArgs {
     /// The MPI launcher.
     #[arg(long, default_value = "mpirun")]
     pub mpirun: String,
-    /// Configurations STRATEGY:RANKS:SEQ[:causal], comma-separated (strategy ring,
-    /// allgather, ulysses or uspU for USP with Ulysses degree U).
+    /// Configurations STRATEGY:RANKS:SEQ[:causal], comma-separated (STRATEGY: a --strategy
+    /// of more than one rank; uspU for USP with Ulysses degree U).
     #[arg(
         long,
         default_value = "ring:2:4096:causal,ring:2:8192:causal,ulysses:2:4096:causal,allgather:2:4096:causal,ring:2:4096,ulysses:2:8192,ring:4:8192:causal,usp2:4:8192:causal"
