@@ -420,15 +420,15 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let doi = do_row(b, r, h);
                 dots_into(doi, &keys, |j| v_row(b, j, hk), |x, y| x * y, acc, &mut dp);
                 dp.iter_mut().for_each(|t| *t = rnd(*t));
-                let big_d: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
+                let delta: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
                 let dq = &mut res.dq[r * d..(r + 1) * d];
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
                 let o_row = &res.o[r * d..(r + 1) * d];
                 let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
                 for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
-                    let ds = rnd(rnd(p * (g - big_d)) * scale);
-                    let ds_mag = (wj * (g.abs() + big_d.abs()) * scale).abs();
+                    let ds = rnd(rnd(p * (g - delta)) * scale);
+                    let ds_mag = (wj * (g.abs() + delta.abs()) * scale).abs();
                     let ds_mag_o = p * d_rss * scale;
                     let kj = k_row(b, j, hk);
                     for c in 0..d {

@@ -31,7 +31,7 @@ pub(crate) struct BackwardInputs<'a> {
     pub lse: &'a [f32],
     pub d_o: &'a [f32],
     /// `D = rowsum(dO∘O)` `[b, h_q, s_q]` when already known (computed here otherwise).
-    pub big_d: Option<&'a [f32]>,
+    pub delta: Option<&'a [f32]>,
     pub vis: &'a Visibility,
     pub scale: f32,
     pub tiles: TileConfig,
@@ -47,7 +47,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dm = x.dims;
     let d = dm.d;
     let own_d;
-    let big_d: &[f32] = match x.big_d {
+    let delta: &[f32] = match x.delta {
         Some(dd) => dd,
         None => {
             own_d = rowsum_do_o(dm, x.o, x.d_o);
@@ -57,7 +57,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, crate::flops::Pass::Backward);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
-    drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, big_d, &q_spans, bq, bk))
+    drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, delta, &q_spans, bq, bk))
 }
 
 /// The tiles of a backward call: their spans and the visibility that classifies them.
@@ -204,11 +204,11 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
 /// bf16 (widened row by row: no f32 copy of the tensors).
 pub(crate) fn rowsum_do_o<T: Copy + Sync + Into<f32>>(dm: Dims, o: &[T], d_o: &[T]) -> Vec<f32> {
     let d = dm.d;
-    let mut big_d = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
-    if big_d.is_empty() {
-        return big_d;
+    let mut delta = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
+    if delta.is_empty() {
+        return delta;
     }
-    big_d.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
+    delta.par_chunks_mut(dm.s_q).enumerate().for_each(|(bh, row)| {
         let (b, h) = (bh / dm.h_q, bh % dm.h_q);
         let (mut dor, mut or) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (i, t) in row.iter_mut().enumerate() {
@@ -219,12 +219,12 @@ pub(crate) fn rowsum_do_o<T: Copy + Sync + Into<f32>>(dm: Dims, o: &[T], d_o: &[
             *t = simd::dot(&dor, &or);
         }
     });
-    big_d
+    delta
 }
 
 struct Scratch<'a> {
     x: &'a BackwardInputs<'a>,
-    big_d: &'a [f32],
+    delta: &'a [f32],
     q_spans: &'a [Span],
     dk: Vec<f32>,
     dv: Vec<f32>,
@@ -236,11 +236,11 @@ struct Scratch<'a> {
 }
 
 impl<'a> Scratch<'a> {
-    fn new(x: &'a BackwardInputs<'a>, big_d: &'a [f32], q_spans: &'a [Span], bq: usize, bk: usize) -> Self {
+    fn new(x: &'a BackwardInputs<'a>, delta: &'a [f32], q_spans: &'a [Span], bq: usize, bk: usize) -> Self {
         let d = x.dims.d;
         Scratch {
             x,
-            big_d,
+            delta,
             q_spans,
             dk: vec![0.0; bk * d],
             dv: vec![0.0; bk * d],
@@ -258,7 +258,7 @@ impl KeyTileWork for Scratch<'_> {
     }
 
     fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial) {
-        let (x, big_d, q_spans) = (self.x, self.big_d, self.q_spans);
+        let (x, delta, q_spans) = (self.x, self.delta, self.q_spans);
         let dm = x.dims;
         let d = dm.d;
         let gs = dm.group();
@@ -286,7 +286,7 @@ impl KeyTileWork for Scratch<'_> {
             let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
             let do_base = &x.d_o[(b * dm.s_q * dm.h_q + h) * d..];
             let lse = &x.lse[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
-            let dd = &big_d[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
+            let dd = &delta[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
             for qs in q_spans {
                 let kind = classify(x.vis, qs, ks);
                 if kind == TileKind::Skip {

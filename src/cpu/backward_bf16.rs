@@ -33,7 +33,7 @@ pub(crate) struct BackwardInputs<'a> {
     pub d_o: &'a [bf16],
     pub lse: &'a [f32],
     /// `D = rowsum(dO∘O)`, `[b, h_q, s_q]`.
-    pub big_d: &'a [f32],
+    pub delta: &'a [f32],
     pub vis: &'a Visibility,
     pub scale: f32,
     pub tiles: TileConfig,
@@ -174,7 +174,7 @@ impl KeyTileWork for Worker<'_> {
             let h = hk * gs + hl;
             let bh = b * dm.h_q + h;
             let lse = &x.lse[bh * dm.s_q..][..dm.s_q];
-            let dd = &x.big_d[bh * dm.s_q..][..dm.s_q];
+            let dd = &x.delta[bh * dm.s_q..][..dm.s_q];
             for (t, qs) in self.q_spans.iter().enumerate() {
                 let kind = classify(x.vis, qs, ks);
                 if kind == TileKind::Skip {

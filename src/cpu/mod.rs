@@ -219,7 +219,7 @@ pub fn backward_with(
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
     if let (Arithmetic::Bf16, Some([qb, kb, vb, dob])) = (arithmetic, finite_bf16([q, k, v, d_o])) {
         let lf = lse.as_f32();
-        let big_d = match o.data() {
+        let delta = match o.data() {
             TensorData::BF16(ob) => backward::rowsum_do_o(dims, ob, dob),
             _ => backward::rowsum_do_o(dims, &o.as_f32(), &d_o.as_f32()),
         };
@@ -230,7 +230,7 @@ pub fn backward_with(
             v: vb,
             d_o: dob,
             lse: &lf,
-            big_d: &big_d,
+            delta: &delta,
             vis: &vis,
             scale: params.softmax_scale(dims.d),
             tiles: config.tiles,
@@ -251,7 +251,7 @@ pub fn backward_with(
         o: &of,
         lse: &lf,
         d_o: &df,
-        big_d: None,
+        delta: None,
         vis: &vis,
         scale: params.softmax_scale(dims.d),
         tiles: config.tiles,
@@ -320,7 +320,7 @@ pub(crate) fn backward_bf16(
     v: &[bf16],
     lse: &[f32],
     d_o: &[bf16],
-    big_d: &[f32],
+    delta: &[f32],
     vis: &Visibility,
     params: &AttentionParams,
     tiles: TileConfig,
@@ -332,7 +332,7 @@ pub(crate) fn backward_bf16(
         v,
         d_o,
         lse,
-        big_d,
+        delta,
         vis,
         scale: params.softmax_scale(dims.d),
         tiles,
@@ -351,7 +351,7 @@ pub(crate) fn backward_f32(
     o: &[f32],
     lse: &[f32],
     d_o: &[f32],
-    big_d: Option<&[f32]>,
+    delta: Option<&[f32]>,
     vis: &Visibility,
     params: &AttentionParams,
     tiles: TileConfig,
@@ -364,7 +364,7 @@ pub(crate) fn backward_f32(
         o,
         lse,
         d_o,
-        big_d,
+        delta,
         vis,
         scale: params.softmax_scale(dims.d),
         tiles,

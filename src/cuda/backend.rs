@@ -105,12 +105,12 @@ impl Backend for CudaBackend {
         o: &HostBuf,
         lse: &HostBuf,
         d_o: &HostBuf,
-        big_d: &HostBuf,
+        delta: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
-        let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta: big_d, q_pos, k_pos, params };
+        let x = BlockBackward { dims, q, k, v, o, lse, d_o, delta, q_pos, k_pos, params };
         let e = super::WithKernels(&self.device, self.kernels);
         Ok(Pending::ready(runner::backward_block(&e, self.dtype, DqMode::default(), &x)?))
     }

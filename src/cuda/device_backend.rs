@@ -605,7 +605,7 @@ impl Backend for DeviceBackend {
         o: &DeviceBuf,
         lse: &DeviceBuf,
         d_o: &DeviceBuf,
-        big_d: &DeviceBuf,
+        delta: &DeviceBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
@@ -617,7 +617,7 @@ impl Backend for DeviceBackend {
         expect_len("o", o, q_len(&dims))?;
         expect_len("d_o", d_o, q_len(&dims))?;
         expect_len("lse", lse, lse_len(&dims))?;
-        expect_len("delta", big_d, lse_len(&dims))?;
+        expect_len("delta", delta, lse_len(&dims))?;
         if self.skip_compute {
             let dq = self.filled(q_len(&dims), 0.0, DType::F32)?;
             return Ok(Pending::ready((
@@ -631,7 +631,7 @@ impl Backend for DeviceBackend {
         let start = self.step_start()?;
         let (q16, k16, v16) = (self.step_bits(q)?, self.step_bits(k)?, self.step_bits(v)?);
         let do16 = self.step_bits(d_o)?;
-        for b in [lse, big_d] {
+        for b in [lse, delta] {
             b.wait_on(&self.stream)?;
         }
         let args = FlashForwardArgs {
@@ -646,7 +646,7 @@ impl Backend for DeviceBackend {
         };
         // `delta` is given: the kernels do not read `o` (which may be 16-bit).
         let saved = (None, lse.f32s()?);
-        let delta = Delta::Given(big_d.f32s()?);
+        let delta = Delta::Given(delta.f32s()?);
         self.device.backward_parts(&self.stream, &args, saved, do16.bits()?, self.dq_mode, delta, &mut grads)?;
         self.step_end(start)?;
         let done = self.done_event()?;

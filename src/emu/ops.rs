@@ -513,12 +513,12 @@ impl crate::parallel::Backend for EmuDevice {
         o: &HostBuf,
         lse: &HostBuf,
         d_o: &HostBuf,
-        big_d: &HostBuf,
+        delta: &HostBuf,
         q_pos: &crate::Positions,
         k_pos: &crate::Positions,
         params: &crate::AttentionParams,
     ) -> Result<crate::parallel::Pending<crate::parallel::GradientPartial<HostBuf>>> {
-        let g = self.flash.backward_block(dims, q, k, v, o, lse, d_o, big_d, q_pos, k_pos, params)?.wait()?;
+        let g = self.flash.backward_block(dims, q, k, v, o, lse, d_o, delta, q_pos, k_pos, params)?.wait()?;
         [&g.0, &g.1, &g.2].iter().for_each(|x| self.record(x.len()));
         Ok(crate::parallel::Pending::ready(g))
     }

@@ -104,9 +104,9 @@ fn backward<Be: Backend>(
     let q_pos = &pos[comm.rank()];
     let start = Instant::now();
     let (q, o, d_o) = (be.step_input(&x.q)?, be.step_input(o)?, be.step_input(d_o)?);
-    let big_d = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, &o, &d_o)?;
+    let delta = be.softmax_grad_rowsum(Dims { s_k: q_pos.len(), ..dims }, &o, &d_o)?;
     let (dq, dk_all, dv_all) =
-        be.backward_block(dims, &q, &k, &v, &o, lse, &d_o, &big_d, q_pos, &all, params)?.wait()?;
+        be.backward_block(dims, &q, &k, &v, &o, lse, &d_o, &delta, q_pos, &all, params)?.wait()?;
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();

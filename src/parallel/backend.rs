@@ -192,7 +192,7 @@ pub trait Backend: Buffers {
     ) -> Result<Pending<ForwardPartial<Self::Buf>>>;
 
     /// The contribution of the keys at `k_pos` to the gradients, given the final `o`, `lse`
-    /// and `big_d = rowsum(dO∘O)` of the queries: f32 `(dq, dk, dv)`, unrounded.
+    /// and `delta = rowsum(dO∘O)` of the queries: f32 `(dq, dk, dv)`, unrounded.
     ///
     /// # Errors
     /// Invalid positions or parameters.
@@ -206,7 +206,7 @@ pub trait Backend: Buffers {
         o: &Self::Buf,
         lse: &Self::Buf,
         d_o: &Self::Buf,
-        big_d: &Self::Buf,
+        delta: &Self::Buf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
@@ -410,20 +410,20 @@ impl Backend for CpuBackend {
         o: &HostBuf,
         lse: &HostBuf,
         d_o: &HostBuf,
-        big_d: &HostBuf,
+        delta: &HostBuf,
         q_pos: &Positions,
         k_pos: &Positions,
         params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
         let vis: Visibility = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
         if let Some([q, k, v, d_o]) = self.bf16_steps([q, k, v, d_o])? {
-            let (lse, big_d) = (lse.f32s()?, big_d.f32s()?);
-            let (dq, dk, dv) = cpu::backward_bf16(dims, q, k, v, lse, d_o, big_d, &vis, params, self.tiles);
+            let (lse, delta) = (lse.f32s()?, delta.f32s()?);
+            let (dq, dk, dv) = cpu::backward_bf16(dims, q, k, v, lse, d_o, delta, &vis, params, self.tiles);
             return Ok(Pending::ready((dq.into(), dk.into(), dv.into())));
         }
         let (q, k, v, o, d_o) = (q.to_f32()?, k.to_f32()?, v.to_f32()?, o.to_f32()?, d_o.to_f32()?);
         let (dq, dk, dv) =
-            cpu::backward_f32(dims, &q, &k, &v, &o, lse.f32s()?, &d_o, Some(big_d.f32s()?), &vis, params, self.tiles);
+            cpu::backward_f32(dims, &q, &k, &v, &o, lse.f32s()?, &d_o, Some(delta.f32s()?), &vis, params, self.tiles);
         Ok(Pending::ready((dq.into(), dk.into(), dv.into())))
     }
 

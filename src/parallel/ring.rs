@@ -343,7 +343,7 @@ pub(crate) fn backward<Be: Backend>(
     stats.hops = hops;
     // What stays on this rank is converted to what the steps read once, not per hop.
     let (q, o, d_o) = (be.step_input(x.q)?, be.step_input(o)?, be.step_input(d_o)?);
-    let big_d = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;
+    let delta = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;
     // dQ and the held block's dK/dV accumulators: the first partial as it is, then added
     // into (zeros where no block contributed).
     let mut dq: Option<Be::Buf> = None;
@@ -365,7 +365,7 @@ pub(crate) fn backward<Be: Backend>(
         let grads = if block_visible(x.params, q_pos, k_pos)? {
             let dims = x.dims(n, k_pos.len());
             let (gq, gk, gv) =
-                be.backward_block(dims, &q, &cur_k, &cur_v, &o, lse, &d_o, &big_d, q_pos, k_pos, x.params)?.wait()?;
+                be.backward_block(dims, &q, &cur_k, &cur_v, &o, lse, &d_o, &delta, q_pos, k_pos, x.params)?.wait()?;
             match &mut dq {
                 None => dq = Some(gq),
                 Some(dq) => {

@@ -324,8 +324,8 @@ fn be_single_backward<Be: Backend<Buf = HostBuf>>(
     let (qp, kp) = ringattn::Positions::single_device(dims.s_q, dims.s_k);
     let up = |t: &Tensor| be.upload(&HostBuf::from_tensor(t));
     let (q, k, v, d_o) = (up(&x.q)?, up(&x.k)?, up(&x.v)?, up(&x.d_o)?);
-    let big_d = be.softmax_grad_rowsum(dims, &fwd.0, &d_o)?;
-    be.backward_block(dims, &q, &k, &v, &fwd.0, &fwd.1, &d_o, &big_d, &qp, &kp, params)?.wait().map(drop)
+    let delta = be.softmax_grad_rowsum(dims, &fwd.0, &d_o)?;
+    be.backward_block(dims, &q, &k, &v, &fwd.0, &fwd.1, &d_o, &delta, &qp, &kp, params)?.wait().map(drop)
 }
 
 /// `ringattn bench` in sweep mode.
