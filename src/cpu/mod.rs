@@ -17,6 +17,7 @@
 //! input dtype; the LSE is always f32.
 
 mod arithmetic;
+mod backend;
 mod backward;
 mod backward_bf16;
 mod bf16_rows;
@@ -32,6 +33,7 @@ pub(crate) mod tiles;
 use std::sync::atomic::AtomicU64;
 
 pub use arithmetic::Arithmetic;
+pub use backend::CpuBackend;
 pub use reuse::{kept_bytes, release_kept_buffers};
 pub use tiles::TileConfig;
 

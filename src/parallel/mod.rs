@@ -154,9 +154,9 @@ mod ulysses;
 
 use std::time::Duration;
 
-pub use backend::{
-    Backend, BufShape, Buffers, CpuBackend, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending,
-};
+pub use crate::cpu::CpuBackend;
+pub(crate) use backend::host_partial;
+pub use backend::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending};
 pub use plan::{ParallelPlan, PlanSource, ResolvedParams};
 pub(crate) use ulysses::HeadPlan;
 
