@@ -95,7 +95,6 @@ pub(crate) fn tensor_bits(t: &Tensor) -> Cow<'_, [u16]> {
     }
 }
 
-/// Visibility of a single-device call (`positions` None) or of a block at global positions.
 /// One side's granule bounds: min and max position per granule, and per granule min and max
 /// document with documents (`kernels::params::granule_bounds`).
 pub(crate) type SideBounds = (Vec<i64>, Option<Vec<u32>>);
@@ -120,17 +119,6 @@ impl MaskBounds {
     }
 }
 
-pub(crate) fn visibility(
-    dims: &Dims,
-    positions: Option<(&Positions, &Positions)>,
-    params: &AttentionParams,
-) -> Result<Visibility> {
-    match positions {
-        None => Visibility::single_device(params, dims.s_q, dims.s_k),
-        Some((qp, kp)) => crate::attention::block_visibility(dims, qp, kp, params),
-    }
-}
-
 /// The tensor-level forward of `cpu::forward` / `cpu::forward_at` on executor `e`.
 pub(crate) fn forward_tensors<E: Executor>(
     e: &E,
@@ -142,7 +130,7 @@ pub(crate) fn forward_tensors<E: Executor>(
 ) -> Result<ForwardOutput> {
     let dims = Dims::of(q, k, v)?;
     check_supported(E::NAME, &dims, q.dtype())?;
-    let vis = visibility(&dims, positions, params)?;
+    let vis = crate::attention::visibility(&dims, positions, params)?;
     let (qb, kb, vb) = (tensor_bits(q), tensor_bits(k), tensor_bits(v));
     let x = ForwardJob {
         dims,
@@ -178,7 +166,7 @@ pub(crate) fn backward_tensors<E: Executor>(
     let dims = Dims::of(q, k, v)?;
     check_supported(E::NAME, &dims, q.dtype())?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
-    let vis = visibility(&dims, positions, params)?;
+    let vis = crate::attention::visibility(&dims, positions, params)?;
     let (qb, kb, vb, dob) = (tensor_bits(q), tensor_bits(k), tensor_bits(v), tensor_bits(d_o));
     let (of, lf) = (o.as_f32(), lse.as_f32());
     let x = BackwardJob {

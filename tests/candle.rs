@@ -129,18 +129,47 @@ fn helpers_shard_unshard_and_sum_gradients() {
     assert!(e.contains("BF16") && e.contains("F32"), "{e}");
 }
 
+/// The misuse tests' shape: 4 ranks, 32 tokens, 4 query and 2 kv heads of 8.
+const MISUSE_SHAPE: (usize, usize, usize, usize, usize) = (4, 32, 4, 2, 8);
+
+/// The misuse tests' parameters: causal (zigzag, the ring) and the same under USP.
+fn misuse_params() -> (ParallelParams, ParallelParams) {
+    let causal = ParallelParams {
+        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
+        ..Default::default()
+    };
+    let usp = ParallelParams { strategy: Strategy::Usp, ..causal.clone() };
+    (causal, usp)
+}
+
+/// This rank's part of whole-sequence tensors (`[b, s, …]` activations and `[s]` position
+/// ids, the same wrong cut for all three) as a user cuts it by mistake: misuse 1, contiguous
+/// chunks (`narrow`) under the zigzag layout; misuse 2, parameters resolved with the kv head
+/// count instead of the query heads'.
+fn wrongly_sharded(
+    params: &ParallelParams,
+    misuse: usize,
+    rank: usize,
+    t: [&CTensor; 3],
+) -> candle_core::Result<[CTensor; 3]> {
+    let (world, s, _, hkv, _) = MISUSE_SHAPE;
+    let dim = |i: usize| if i == 2 { 0 } else { 1 };
+    if misuse == 1 {
+        let n = s / world;
+        return Ok([0, 1, 2].map(|i| t[i].narrow(dim(i), rank * n, n).unwrap()));
+    }
+    let wrong = params.clone().resolve(world, hkv, s).map_err(candle_core::Error::wrap)?;
+    Ok([0, 1, 2].map(|i| rc::shard(&wrong, t[i], dim(i), rank).unwrap()))
+}
+
 /// The three misuses that gave wrong numbers with no error now fail on every rank, each with
 /// a message that names the fix: `[b, h, s, d]` tensors (candle's usual attention layout);
 /// contiguous `narrow` shards under the default zigzag plan; a shard resolved with the KV head
 /// count (USP's Ulysses degree 2 where the plan's is 4).
 #[test]
 fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
-    let (world, s, hq, hkv, d) = (4, 32, 4, 2, 8);
-    let causal = ParallelParams {
-        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
-        ..Default::default()
-    };
-    let usp = ParallelParams { strategy: Strategy::Usp, ..causal.clone() };
+    let (world, s, hq, hkv, d) = MISUSE_SHAPE;
+    let (causal, usp) = misuse_params();
     let run = |params: &ParallelParams, misuse: usize| {
         spmd_shared(world, LocalOptions::default(), |comm| {
             let rank = comm.rank();
@@ -158,21 +187,8 @@ fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
                     let (qt, kt) = (qs.transpose(1, 2)?.contiguous()?, ks.transpose(1, 2)?.contiguous()?);
                     rc::ring_attention(&plan, &qt, &kt, &kt)
                 }
-                // Contiguous chunks under the zigzag layout, with their position ids.
-                1 => {
-                    let n = s / world;
-                    let (qn, kn, pos) =
-                        (q.narrow(1, rank * n, n)?, kv.narrow(1, rank * n, n)?, ids.narrow(0, rank * n, n)?);
-                    rc::ring_attention_at(&plan, &qn, &kn, &kn, &pos)
-                }
-                // Sharded from parameters resolved with the KV head count.
                 _ => {
-                    let wrong = params.clone().resolve(world, hkv, s)?;
-                    let (qw, kw, pos) = (
-                        rc::shard(&wrong, &q, 1, rank)?,
-                        rc::shard(&wrong, &kv, 1, rank)?,
-                        rc::shard(&wrong, &ids, 0, rank)?,
-                    );
+                    let [qw, kw, pos] = wrongly_sharded(params, misuse, rank, [&q, &kv, &ids])?;
                     rc::ring_attention_at(&plan, &qw, &kw, &kw, &pos)
                 }
             };
@@ -308,12 +324,8 @@ fn the_group_plans_from_the_tensors_and_follows_the_batch() {
 #[test]
 fn the_group_refuses_misuses_on_every_rank_with_typed_errors() {
     use rc::prelude::*;
-    let (world, s, hq, hkv, d) = (4, 32, 4, 2, 8);
-    let causal = ParallelParams {
-        attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
-        ..Default::default()
-    };
-    let usp = ParallelParams { strategy: Strategy::Usp, ..causal.clone() };
+    let (world, s, hq, hkv, d) = MISUSE_SHAPE;
+    let (causal, usp) = misuse_params();
     let run = |params: &ParallelParams, misuse: usize| {
         spmd_shared(world, LocalOptions::default(), |comm| {
             let rank = comm.rank();
@@ -330,19 +342,8 @@ fn the_group_refuses_misuses_on_every_rank_with_typed_errors() {
                     let (qt, kt) = (qs.transpose(1, 2)?.contiguous()?, ks.transpose(1, 2)?.contiguous()?);
                     cp.attention_at(&qt, &kt, &kt, &pos)
                 }
-                1 => {
-                    let n = s / world;
-                    let (qn, kn, pn) =
-                        (q.narrow(1, rank * n, n)?, kv.narrow(1, rank * n, n)?, ids.narrow(0, rank * n, n)?);
-                    cp.attention_at(&qn, &kn, &kn, &pn)
-                }
-                2 => {
-                    let wrong = params.clone().resolve(world, hkv, s)?;
-                    let (qw, kw, pw) = (
-                        rc::shard(&wrong, &q, 1, rank)?,
-                        rc::shard(&wrong, &kv, 1, rank)?,
-                        rc::shard(&wrong, &ids, 0, rank)?,
-                    );
+                1 | 2 => {
+                    let [qw, kw, pw] = wrongly_sharded(params, misuse, rank, [&q, &kv, &ids])?;
                     cp.attention_at(&qw, &kw, &kw, &pw)
                 }
                 _ => {

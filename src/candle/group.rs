@@ -4,12 +4,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType as CDType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 
 use super::{all_reduce_gradients_with, all_reduce_sum, check_replicas, dtype_of, replicas_identical, wrap};
-use super::{check_positions_of, ring_attention, shard, unshard, CandleBuf, SharedPlan};
+use super::{host_ids, ring_attention, shard, unshard, CandleBuf, SharedPlan};
 use crate::comm::{all_gather, Communicator};
-use crate::parallel::{Backend, ParallelParams, ParallelPlan, ResolvedParams};
+use crate::parallel::{fnv1a, Backend, ParallelParams, ParallelPlan, ResolvedParams};
 use crate::{DType, Dims, Error, HostBuf};
 
 /// Options of a [`ContextParallel`] group.
@@ -97,7 +97,9 @@ pub struct ContextParallel<Be: Backend + 'static> {
     params: ParallelParams,
     h_q: usize,
     options: GroupOptions,
-    resolved: Mutex<Vec<Arc<ResolvedParams>>>,
+    /// Resolved parameters by global length (least recently used first).
+    resolved: Mutex<Vec<(usize, Arc<ResolvedParams>)>>,
+    /// Plans by key (least recently used first).
     plans: Mutex<Vec<(PlanKey, SharedPlan<Be>)>>,
 }
 
@@ -111,6 +113,29 @@ impl<Be: Backend + 'static> std::fmt::Debug for ContextParallel<Be> {
             .field("options", &self.options)
             .finish()
     }
+}
+
+/// The value kept under `key` in `cache` (a least-recently-used list: a hit moves to the
+/// end), or the one `make` gives, kept; beyond `max` entries the oldest is dropped. The same
+/// calls leave the same cache on every rank.
+fn recent<K: PartialEq, V: Clone>(
+    cache: &mut Vec<(K, V)>,
+    max: usize,
+    key: K,
+    make: impl FnOnce() -> crate::Result<V>,
+) -> crate::Result<V> {
+    if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+        let entry = cache.remove(i);
+        let value = entry.1.clone();
+        cache.push(entry);
+        return Ok(value);
+    }
+    let value = make()?;
+    cache.push((key, value.clone()));
+    if cache.len() > max {
+        cache.remove(0);
+    }
+    Ok(value)
 }
 
 /// Bytes of the text of a call record (an error message, cut).
@@ -183,8 +208,7 @@ fn code_dtype(c: u64) -> Option<DType> {
 
 /// FNV-1a of positions as little-endian u64s.
 fn hash_positions(p: impl Iterator<Item = u64>) -> u64 {
-    p.flat_map(u64::to_le_bytes)
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    fnv1a(&p.flat_map(u64::to_le_bytes).collect::<Vec<u8>>())
 }
 
 /// `[b, n, h, d]` of a tensor named `name`, or a shape error that names the layout.
@@ -267,17 +291,9 @@ where
     /// As [`ParallelParams::resolve`].
     pub fn resolved(&self, seq_len: usize) -> crate::Result<Arc<ResolvedParams>> {
         let mut cache = self.resolved.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = cache.iter().position(|r| r.params().seq_len == seq_len) {
-            let r = cache.remove(i);
-            cache.push(r.clone());
-            return Ok(r);
-        }
-        let r = Arc::new(self.params.resolve(self.world(), self.h_q, seq_len)?);
-        cache.push(r.clone());
-        if cache.len() > self.options.max_plans {
-            cache.remove(0);
-        }
-        Ok(r)
+        recent(&mut cache, self.options.max_plans, seq_len, || {
+            Ok(Arc::new(self.params.resolve(self.world(), self.h_q, seq_len)?))
+        })
     }
 
     /// This rank's part of a whole-sequence tensor: its rows along `dim` (1 for `[b, s, …]`
@@ -349,17 +365,17 @@ where
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, positions: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let checked = self.record(q, k, v, positions);
         let mine = match &checked {
-            Ok(r) => r.clone(),
+            Ok((r, _)) => r.clone(),
             Err(e) => CallRecord::refused(super::find_error(e).map_or_else(|| e.to_string(), |ours| ours.to_string())),
         };
         let records = self.exchange(&mine).map_err(wrap)?;
         // This rank's own refusal, as it was (typed); the others learn it from the records.
-        checked?;
+        let (_, ids) = checked?;
         let plan = self.agree(&records).map_err(wrap)?;
-        if let Some(pos) = positions {
+        if let Some(ids) = ids {
             if records[self.rank()].positions.is_none_or(|h| h != self.expected_hash(&plan, self.rank())) {
                 // This rank's own ids are wrong: name the first differing token.
-                check_positions_of(&plan, pos)?;
+                plan.position_mismatch(&ids).map_err(wrap)?;
                 return Err(wrap(Error::Positions(format!(
                     "rank {}: the hash of the position ids differs from the layout's",
                     self.rank()
@@ -369,15 +385,15 @@ where
         ring_attention(&plan, q, k, v)
     }
 
-    /// This rank's call, checked locally.
+    /// This rank's call, checked locally, and its position ids (on the host).
     fn record(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         positions: Option<&Tensor>,
-    ) -> candle_core::Result<CallRecord> {
-        let checked = || -> candle_core::Result<CallRecord> {
+    ) -> candle_core::Result<(CallRecord, Option<Vec<u64>>)> {
+        let checked = || -> candle_core::Result<(CallRecord, Option<Vec<u64>>)> {
             let [b, n, h_q, d] = dims4("q", q).map_err(wrap)?;
             let [kb, kn, h_kv, kd] = dims4("k", k).map_err(wrap)?;
             if h_q != self.h_q {
@@ -412,7 +428,7 @@ where
                     }));
                 }
             }
-            let positions = match positions {
+            let ids = match positions {
                 None if self.options.require_positions => {
                     return Err(wrap(Error::Positions(
                         "this group requires the tokens' position ids (GroupOptions::require_positions, on in \
@@ -429,12 +445,12 @@ where
                             p.dims()
                         ))));
                     }
-                    let ids: Vec<i64> = p.to_dtype(CDType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
-                    Some(hash_positions(ids.iter().map(|&x| x as u64)))
+                    Some(host_ids(p)?)
                 }
             };
+            let positions = ids.as_ref().map(|ids| hash_positions(ids.iter().copied()));
             let dims = [b, n, h_q, h_kv, d].map(|x| x as u64);
-            Ok(CallRecord { ok: true, dims, dtype: dtype_code(dtype), positions, text: String::new() })
+            Ok((CallRecord { ok: true, dims, dtype: dtype_code(dtype), positions, text: String::new() }, ids))
         };
         checked()
     }
@@ -496,21 +512,12 @@ where
     /// every rank misses together, the keys and the caches being the same everywhere).
     fn plan(&self, key: PlanKey, n: usize) -> crate::Result<SharedPlan<Be>> {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = plans.iter().position(|(k, _)| *k == key) {
-            let entry = plans.remove(i);
-            let plan = entry.1.clone();
-            plans.push(entry);
-            return Ok(plan);
-        }
-        let resolved = self.resolved(key.seq_len)?;
-        let dims = Dims { b: key.b, s_q: n, s_k: n, h_q: key.h_q, h_kv: key.h_kv, d: key.d };
-        let plan =
-            Arc::new(ParallelPlan::new_shared(self.comm.clone(), self.backend.clone(), &*resolved, &dims, key.dtype)?);
-        plans.push((key, plan.clone()));
-        if plans.len() > self.options.max_plans {
-            plans.remove(0);
-        }
-        Ok(plan)
+        recent(&mut plans, self.options.max_plans, key, || {
+            let resolved = self.resolved(key.seq_len)?;
+            let dims = Dims { b: key.b, s_q: n, s_k: n, h_q: key.h_q, h_kv: key.h_kv, d: key.d };
+            let backend = self.backend.clone();
+            Ok(Arc::new(ParallelPlan::new_shared(self.comm.clone(), backend, &*resolved, &dims, key.dtype)?))
+        })
     }
 
     /// The plans kept, least recently used first: (global length, this rank's shard dims).

@@ -298,12 +298,7 @@ where
     // Every rank learns whether any rank's shard disagrees (ParallelPlan::check_positions:
     // one small all-gather), so that a mismatch fails the call on every rank, not on some
     // while the others wait in the ring.
-    let ids: Vec<u64> = if positions.dims().len() == 1 {
-        let v: Vec<i64> = positions.to_dtype(CDType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
-        v.into_iter().map(|x| x as u64).collect()
-    } else {
-        Vec::new()
-    };
+    let ids = if positions.dims().len() == 1 { host_ids(positions)? } else { Vec::new() };
     let verdict = plan.check_positions(&ids);
     if positions.dims().len() != 1 {
         return Err(wrap(Error::ShapeMismatch(format!(
@@ -316,28 +311,10 @@ where
     ring_attention(plan, q, k, v)
 }
 
-/// `positions` against the plan's positions of this rank.
-fn check_positions_of<Be: Backend>(plan: &ParallelPlan<'static, Be>, positions: &Tensor) -> candle_core::Result<()> {
-    let want: Vec<u64> = plan.positions().iter().map(|p| p as u64).collect();
-    if positions.dims() != [want.len()] {
-        return Err(wrap(Error::ShapeMismatch(format!(
-            "ringattn: positions of shape {:?}, this rank holds [{}] tokens",
-            positions.dims(),
-            want.len()
-        ))));
-    }
-    let got: Vec<i64> = positions.to_dtype(candle_core::DType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
-    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i] as i64) {
-        let layout = plan.resolved().layout();
-        return Err(wrap(Error::Positions(format!(
-            "rank {}: token {i} of this shard is at position {}, the plan ({layout:?} layout) puts position {} there \
-             (shard the tensors with the plan's layout: ContextParallel::shard, or ringattn::candle::shard_like)",
-            plan.comm().rank(),
-            got[i],
-            want[i]
-        ))));
-    }
-    Ok(())
+/// The position ids of a `[n]` tensor (any integer dtype, on any device), on the host.
+fn host_ids(positions: &Tensor) -> candle_core::Result<Vec<u64>> {
+    let ids: Vec<i64> = positions.to_dtype(CDType::I64)?.to_device(&Device::Cpu)?.to_vec1()?;
+    Ok(ids.into_iter().map(|x| x as u64).collect())
 }
 
 /// The shape check of [`ring_attention`]: `t` must be `want` (`[b, n, h, d]`); a tensor laid

@@ -146,7 +146,7 @@ const HANDSHAKE_TEXT: usize = 1024;
 const HANDSHAKE_RECORD: usize = 1 + 8 + 8 + 8 + 2 + HANDSHAKE_TEXT;
 
 /// FNV-1a, 64 bits: stable across processes and builds (ranks of an MPI job hash alike).
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
@@ -521,8 +521,31 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     /// # Ok::<(), ringattn::Error>(())
     /// ```
     pub fn check_positions(&self, ids: &[u64]) -> Result<()> {
+        let mine = self.position_mismatch(ids);
+        let flag = self.backend.upload(&HostBuf::bytes(vec![u8::from(mine.is_err())]))?;
+        let gathered = all_gather(&*self.comm, flag)?;
+        let mut wrong = Vec::new();
+        for (r, b) in gathered.iter().enumerate() {
+            if self.backend.download(b)?.to_control_bytes().first() == Some(&1) {
+                wrong.push(r);
+            }
+        }
+        mine?;
+        if wrong.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Positions(format!(
+            "rank(s) {wrong:?} of the group hold tokens at other positions than the {:?} layout's (this rank's \
+             match; their errors name the token)",
+            self.resolved.layout()
+        )))
+    }
+
+    /// [`ParallelPlan::check_positions`] on this rank alone (not collective): the error that
+    /// names the first token whose id differs from the plan's position, if any.
+    pub(crate) fn position_mismatch(&self, ids: &[u64]) -> Result<()> {
         let want = self.positions();
-        let mine = if ids.len() != want.len() {
+        if ids.len() != want.len() {
             Err(Error::Positions(format!(
                 "rank {}: {} position ids for a shard of {} tokens",
                 self.comm.rank(),
@@ -542,24 +565,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
                     want.iter().nth(i).unwrap_or(0)
                 ))),
             }
-        };
-        let flag = self.backend.upload(&HostBuf::bytes(vec![u8::from(mine.is_err())]))?;
-        let gathered = all_gather(&*self.comm, flag)?;
-        let mut wrong = Vec::new();
-        for (r, b) in gathered.iter().enumerate() {
-            if self.backend.download(b)?.to_control_bytes().first() == Some(&1) {
-                wrong.push(r);
-            }
         }
-        mine?;
-        if wrong.is_empty() {
-            return Ok(());
-        }
-        Err(Error::Positions(format!(
-            "rank(s) {wrong:?} of the group hold tokens at other positions than the {:?} layout's (this rank's \
-             match; their errors name the token)",
-            self.resolved.layout()
-        )))
     }
 
     /// Checks that a call's tensors are the shard the plan was made for.
