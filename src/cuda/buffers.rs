@@ -63,7 +63,7 @@ impl DeviceMask {
         positions: Option<(&Positions, &Positions)>,
         params: &AttentionParams,
     ) -> Result<DeviceMask> {
-        DeviceMask::upload(stream, &crate::runner::visibility(dims, positions, params)?)
+        DeviceMask::upload(stream, &crate::attention::visibility(dims, positions, params)?)
     }
 
     pub(crate) fn upload(stream: &Arc<CudaStream>, vis: &Visibility) -> Result<DeviceMask> {

@@ -281,7 +281,7 @@ pub fn forward(
     // Validate before touching the GPU, so that bad input gets its own error on any machine.
     let dims = Dims::of(q, k, v)?;
     runner::check_supported(BACKEND, &dims, q.dtype())?;
-    runner::visibility(&dims, positions, params)?;
+    crate::attention::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
     runner::forward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, positions, params)
 }
@@ -317,7 +317,7 @@ pub fn backward(
     let dims = Dims::of(q, k, v)?;
     runner::check_supported(BACKEND, &dims, q.dtype())?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
-    runner::visibility(&dims, positions, params)?;
+    crate::attention::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
     runner::backward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)
 }

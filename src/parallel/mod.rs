@@ -157,6 +157,7 @@ use std::time::Duration;
 pub use crate::cpu::CpuBackend;
 pub(crate) use backend::host_partial;
 pub use backend::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending};
+#[cfg(feature = "candle")]
 pub(crate) use plan::fnv1a;
 pub use plan::{ParallelPlan, PlanSource, ResolvedParams};
 pub(crate) use ulysses::HeadPlan;
