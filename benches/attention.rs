@@ -16,7 +16,7 @@ fn shapes() -> Vec<(usize, usize, usize, usize, bool)> {
 }
 
 fn work(b: usize, s: usize, h: usize, d: usize, causal: bool, pass: Pass) -> u64 {
-    let dims = Dims { b, s_q: s, s_k: s, h_q: h, h_kv: h, d };
+    let dims = Dims { b, s_q: s, s_k: s, h_q: h, h_kv: h, d_qk: d, d_v: d };
     let p = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     let pairs = flops::visible_pairs(&dims, &p).expect("valid shape");
     flops::flops(&dims, pairs, pass) as u64

@@ -227,6 +227,34 @@ struct PairStager {
     }
 };
 
+// PairStager's interface for K and V of their own head dims (multi-head latent attention:
+// K d_a wide, V d_b): stage_swizzled per tensor, tile by tile.
+template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+struct SplitStager {
+    const uint16_t *a, *b;
+    int64_t bi, s, h, hi, d_a, d_b;
+    int64_t r0;  // first row of the next tile
+
+    __device__ __forceinline__ void stage_next(uint16_t* tile_a, uint16_t* tile_b) {
+        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_a, a, bi, s, h, hi, d_a, r0);
+        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_b, b, bi, s, h, hi, d_b, r0);
+        r0 += kRows;
+    }
+};
+
+// The K/V stager of a kernel: PairStager when V shares K's head dim d_k (the entry points
+// without kOwnDv: d_v is not read), SplitStager when V has its own (d_v).
+template <bool kOwnDv, int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+__device__ __forceinline__ auto kv_stager(const uint16_t* k, const uint16_t* v, int64_t bi, int64_t s, int64_t h,
+                                          int64_t hi, int64_t d_k, int64_t d_v, int64_t first_row) {
+    if constexpr (kOwnDv) {
+        return SplitStager<kRows, kChunks, kStride, kSwizzle, kThreads>{k, v, bi, s, h, hi, d_k, d_v, first_row};
+    } else {
+        (void)d_v;
+        return PairStager<kRows, kChunks, kStride, kSwizzle, kThreads>(k, v, bi, s, h, hi, d_k, first_row);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     if constexpr (std::is_same<T, Bf16>::value) {

@@ -50,9 +50,9 @@ __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
     const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // index of [b, h_q, s_q]
     if (row >= p.b * p.h_q * p.s_q) return;
     const int64_t i = row % p.s_q, hq = (row / p.s_q) % p.h_q, bi = row / (p.s_q * p.h_q);
-    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d;
+    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d_v;
     float acc = 0.0f;
-    for (int64_t c = 0; c < p.d; ++c) acc += T::to_float(gmem_load(p.d_o + base + c)) * gmem_load(p.o + base + c);
+    for (int64_t c = 0; c < p.d_v; ++c) acc += T::to_float(gmem_load(p.d_o + base + c)) * gmem_load(p.o + base + c);
     gmem_store(p.delta + row, acc);
 }
 
@@ -65,10 +65,12 @@ __device__ void flash_bwd_kvbound(const FlashBwdParams& p) {
     const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.b * p.s_k * p.h_kv;
     for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
         float kmax = 0.0f, v2 = 0.0f;
-        for (int64_t c = lane; c < p.d; c += 32) {
-            const float kc = fabsf(T::to_float(gmem_load(p.k + r * p.d + c)));
-            const float vc = T::to_float(gmem_load(p.v + r * p.d + c));
+        for (int64_t c = lane; c < p.d_qk; c += 32) {
+            const float kc = fabsf(T::to_float(gmem_load(p.k + r * p.d_qk + c)));
             kmax = kc > kmax || kc != kc ? kc : kmax;
+        }
+        for (int64_t c = lane; c < p.d_v; c += 32) {
+            const float vc = T::to_float(gmem_load(p.v + r * p.d_v + c));
             v2 = fmaf(vc, vc, v2);
         }
         RINGATTN_UNROLL
@@ -95,9 +97,9 @@ __device__ void flash_bwd_rowunit(const FlashBwdParams& p) {
     if (row >= p.b * p.h_q * p.s_q) return;
     const int64_t i = row % p.s_q, hq = (row / p.s_q) % p.h_q, bi = row / (p.s_q * p.h_q);
     const int64_t hk = hq / (p.h_q / p.h_kv);
-    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d;
+    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d_v;
     float n2 = 0.0f;
-    for (int64_t c = 0; c < p.d; ++c) {
+    for (int64_t c = 0; c < p.d_v; ++c) {
         const float x = T::to_float(gmem_load(p.d_o + base + c));
         n2 = fmaf(x, x, n2);
     }
@@ -123,21 +125,24 @@ __device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
     for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
         const int64_t hq = r % p.h_q, i = (r / p.h_q) % p.s_q, bi = r / (p.h_q * p.s_q);
         const float unit = gmem_load(p.dq_unit + (bi * p.h_q + hq) * p.s_q + i);
-        for (int64_t c = lane; c < p.d; c += 32) {
-            float* at = p.dq + r * p.d + c;
+        for (int64_t c = lane; c < p.d_qk; c += 32) {
+            float* at = p.dq + r * p.d_qk + c;
             gmem_store(at, float(int(__float_as_uint(gmem_load(at)))) / unit);
         }
     }
 }
 
-template <typename T, int D>
+// kOwnDv (here and in the dk/dv kernel): V, dO and dV of their own head dim p.d_v (the entry
+// points ..._d{D}_dv); otherwise p.d_qk serves every tensor and p.d_v is not read.
+template <typename T, int D, bool kOwnDv = false>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
     static_assert(D >= 192, "the dq kernel serves the deterministic backward from head-dim class 192");
     // Rolled (the largest heads: shorter live ranges).
     constexpr int kUnrollK = 1;
-    const int64_t d = p.d;
+    const int64_t d = p.d_qk;                                     // q, k, dq
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // v, d_o
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -149,7 +154,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemBoundsOffset) + warp;
 
     stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.s_q, p.h_q, hq, d_v(), q0);
     cp_async_commit();
     // Tile indices fit in 32 bits: s_k < 2^31 kN (2^35 keys and more hold terabytes).
     const int64_t ntiles = (p.s_k + kN - 1) / kN;
@@ -195,9 +200,9 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     const bool rows_in = q0 + warp * 16 + 16 <= p.s_q;  // every row of the warp exists
 
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    PairStager<kN, Tr::kChunks, S, W, Tr::kThreads> kv_stager(p.k, p.v, bi, p.s_k, p.h_kv, hk, d,
-                                                              int64_t(t_begin) * kN);
-    auto stage_kv = [&](int buf) { kv_stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
+    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, S, W, Tr::kThreads>(p.k, p.v, bi, p.s_k, p.h_kv, hk, d, d_v(),
+                                                                        int64_t(t_begin) * kN);
+    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
 
     // Fragment rows (flash.cuh SwzRow): Q and dO rows (k chunks 2kk, 2kk + 1), K and V rows
     // for S and dP, K rows for dq += dS K (column chunks 2j, 2j + 1, by ldmatrix.trans).
@@ -349,14 +354,15 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
 #endif
 #endif
 
-template <typename T, int D, DqAccum kAccum>
+template <typename T, int D, DqAccum kAccum, bool kOwnDv = false>
 __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     using Tr = DkDvTraits<D, kAccum>;
     constexpr bool kFixed = kAccum == DqAccum::kFixed, kWithDq = Tr::kWithDq;
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
     // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
     constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DKDV_UNROLL_D128 : D / 16;
-    const int64_t d = p.d, group = p.h_q / p.h_kv;
+    const int64_t d = p.d_qk, group = p.h_q / p.h_kv;           // q, k, dq, dk
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // v, d_o, dv
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int split = int(blockIdx.x % Tr::kSplits);
     const int64_t k0 = int64_t(blockIdx.x / Tr::kSplits) * Tr::kBlockN;
@@ -400,7 +406,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     }
 
     stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d, k0);
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d_v(), k0);
     cp_async_commit();
     // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq,
     // advanced step by step: a division per tile (64-bit: a subroutine call; 32-bit: about 50
@@ -414,7 +420,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto stage_q = [&](int buf, Step x) {
         const int64_t hq = hk * group + x.head, q0 = int64_t(x.qtile) * kM;
         stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d, q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d_v(), q0);
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
             const bool in = q0 + r < p.s_q;
             const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
@@ -730,31 +736,38 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmem, "a warp's dk or dv rows fit where the tiles were");
     float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
     const int64_t col0 = int64_t(c0) * 8, w0 = k0 + warp * 16;
-    auto key_row = [&](int r) {
-        return w0 + r < p.s_k ? ((bi * p.s_k + w0 + r) * p.h_kv + hk) * d + col0 : int64_t(-1);
+    // Offsets of the key rows in dk (`dh` = d_qk) or dv (d_v).
+    auto key_rows = [&](int64_t dh) {
+        return [&, dh](int r) {
+            return w0 + r < p.s_k ? ((bi * p.s_k + w0 + r) * p.h_kv + hk) * dh + col0 : int64_t(-1);
+        };
     };
     const float one2[2] = {1.0f, 1.0f};  // (dk holds scale dS^T Q already)
     __syncthreads();
     stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dk), one2);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
-    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_row, p.dk, static_cast<uint16_t*>(nullptr));
+    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_rows(d), p.dk,
+                                                      static_cast<uint16_t*>(nullptr));
     __syncthreads();
     stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dv), one2);
     __syncthreads();
-    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_row, p.dv, static_cast<uint16_t*>(nullptr));
+    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d_v() - col0, key_rows(d_v()), p.dv,
+                                                      static_cast<uint16_t*>(nullptr));
 #else
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
         if (krow[r] >= p.s_k) continue;
-        const int64_t base = ((bi * p.s_k + krow[r]) * p.h_kv + hk) * d;
+        const int64_t row = (bi * p.s_k + krow[r]) * p.h_kv + hk;
         RINGATTN_UNROLL
         for (int n = 0; n < kOT; ++n) {
             const int64_t c = int64_t(c0 + n) * 8 + 2 * t;
             if (c < d) {
-                gmem_store(p.dk + base + c, dk[n][2 * r]);
-                gmem_store(p.dk + base + c + 1, dk[n][2 * r + 1]);
-                gmem_store(p.dv + base + c, dv[n][2 * r]);
-                gmem_store(p.dv + base + c + 1, dv[n][2 * r + 1]);
+                gmem_store(p.dk + row * d + c, dk[n][2 * r]);
+                gmem_store(p.dk + row * d + c + 1, dk[n][2 * r + 1]);
+            }
+            if (c < d_v()) {
+                gmem_store(p.dv + row * d_v() + c, dv[n][2 * r]);
+                gmem_store(p.dv + row * d_v() + c + 1, dv[n][2 * r + 1]);
             }
         }
     }
@@ -779,22 +792,29 @@ extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { 
 // mode runs dkdvq at every class. dkdv[q[fx]]: `__launch_bounds__(128, 1)` with dq (one block
 // per SM is enough; with (128) alone ptxas holds it at 168 registers and spills). dq: (128, 2):
 // with (128) alone ptxas aims at 3 blocks per SM (168 registers) and spills 16 bytes at d64.
-#define RINGATTN_BWD_ATOMIC(TY, NAME, D)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvq_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kF32>(p);                                                                 \
+// OWN_DV: the kernels of V, dO and dV of their own head dim (suffix _dv; src/kernels.rs
+// `geometry::OWN_DV_CLASSES`).
+#define RINGATTN_BWD_ATOMIC(TY, NAME, D, OWN_DV, SFX)                                                     \
+    extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
+        ringattn_flash_bwd_dkdvq_##NAME##_d##D##SFX(FlashBwdParams p) {                                   \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kF32, OWN_DV>(p);                                               \
     }
-#define RINGATTN_BWD_FIXED(TY, NAME, D)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) ringattn_flash_bwd_dkdvqfx_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kFixed>(p);                                                                 \
+#define RINGATTN_BWD_FIXED(TY, NAME, D, OWN_DV, SFX)                                                      \
+    extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
+        ringattn_flash_bwd_dkdvqfx_##NAME##_d##D##SFX(FlashBwdParams p) {                                 \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kFixed, OWN_DV>(p);                                             \
     }
-#define RINGATTN_BWD_SEPARATE(TY, NAME, D)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dq_tc<TY, D>(p);                                                                              \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kNone>(p);                                                            \
+#define RINGATTN_BWD_SEPARATE(TY, NAME, D, OWN_DV, SFX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D##SFX(FlashBwdParams p) { \
+        flash_bwd_dq_tc<TY, D, OWN_DV>(p);                                                                              \
+    }                                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D##SFX(FlashBwdParams p) { \
+        flash_bwd_dkdv_tc<TY, D, DqAccum::kNone, OWN_DV>(p);                                                            \
     }
-#define RINGATTN_BWD_BOTH(KIND, D) RINGATTN_BWD_##KIND(Bf16, bf16, D) RINGATTN_BWD_##KIND(F16, f16, D)
+#define RINGATTN_BWD_BOTH(KIND, D) \
+    RINGATTN_BWD_##KIND(Bf16, bf16, D, false, ) RINGATTN_BWD_##KIND(F16, f16, D, false, )
+#define RINGATTN_BWD_BOTH_DV(KIND, D) \
+    RINGATTN_BWD_##KIND(Bf16, bf16, D, true, _dv) RINGATTN_BWD_##KIND(F16, f16, D, true, _dv)
 RINGATTN_BWD_BOTH(ATOMIC, 32)
 RINGATTN_BWD_BOTH(ATOMIC, 64)
 RINGATTN_BWD_BOTH(ATOMIC, 96)
@@ -807,3 +827,9 @@ RINGATTN_BWD_BOTH(FIXED, 96)
 RINGATTN_BWD_BOTH(FIXED, 128)
 RINGATTN_BWD_BOTH(SEPARATE, 192)
 RINGATTN_BWD_BOTH(SEPARATE, 256)
+RINGATTN_BWD_BOTH_DV(ATOMIC, 96)
+RINGATTN_BWD_BOTH_DV(ATOMIC, 192)
+RINGATTN_BWD_BOTH_DV(ATOMIC, 256)
+RINGATTN_BWD_BOTH_DV(FIXED, 96)
+RINGATTN_BWD_BOTH_DV(SEPARATE, 192)
+RINGATTN_BWD_BOTH_DV(SEPARATE, 256)

@@ -220,7 +220,7 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     constexpr WgmmaInput kIn = wgmma_input<T>();
     constexpr bool kFixed = kAccum == DqAccum::kFixed;
     const FlashBwdParams& p = hp.p;
-    const int64_t d = p.d, group = p.h_q / p.h_kv;
+    const int64_t d = p.d_qk, group = p.h_q / p.h_kv;  // dq, dk (p.d_v: dv; the inputs through their maps)
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const BwdBarriers<kStages> bars(smem + Tr::kOffBars);
@@ -426,17 +426,21 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     }
 
     // Epilogue: dk (scale dS^T Q already) and dv, f32, written; keys past the call and columns
-    // past d are not.
+    // past d_qk (dk) or d_v (dv) are not.
     RINGATTN_UNROLL
     for (int v = 0; v < kCols / 2; v += 2) {
         const int r = (v >> 1) & 1;
         const int64_t col = col_off + 8 * (v >> 2) + 2 * t;
-        if (krow[r] >= p.s_k || col >= d) continue;
-        const int64_t at = ((bi * p.s_k + krow[r]) * p.h_kv + hk) * d + col;
-        gmem_store(p.dk + at, dk[v]);
-        gmem_store(p.dk + at + 1, dk[v + 1]);
-        gmem_store(p.dv + at, dv[v]);
-        gmem_store(p.dv + at + 1, dv[v + 1]);
+        if (krow[r] >= p.s_k) continue;
+        const int64_t row = (bi * p.s_k + krow[r]) * p.h_kv + hk;
+        if (col < d) {
+            gmem_store(p.dk + row * d + col, dk[v]);
+            gmem_store(p.dk + row * d + col + 1, dk[v + 1]);
+        }
+        if (col < p.d_v) {
+            gmem_store(p.dv + row * p.d_v + col, dv[v]);
+            gmem_store(p.dv + row * p.d_v + col + 1, dv[v + 1]);
+        }
     }
 }
 

@@ -33,7 +33,9 @@
 // values, these kernels do not.
 #include "flash.cuh"
 
-template <typename T, int D>
+// kOwnDv: V and O have their own head dim p.d_v (multi-head latent attention; the entry
+// points ..._d{D}_dv); otherwise p.d_qk serves Q, K, V and O and p.d_v is not read.
+template <typename T, int D, bool kOwnDv = false>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     using Tr = FwdTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
@@ -42,7 +44,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // Unrolled up to class 128 (Q fragments in registers need it; from shared memory at 128,
     // the unrolled loop is the one ptxas schedules without spilling); rolled above (live ranges).
     constexpr int kUnrollK = D <= 128 ? D / 16 : 1;
-    const int64_t d = p.d;
+    const int64_t d = p.d_qk;
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // (read where used)
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -97,9 +100,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
     cp_async_commit();
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    PairStager<kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads> kv_stager(p.k, p.v, bi, p.s_k, p.h_kv, hk, d,
-                                                                           int64_t(t_begin) * kN);
-    auto stage_kv = [&](int buf) { kv_stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * kStride); };
+    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(p.k, p.v, bi, p.s_k, p.h_kv, hk,
+                                                                                     d, d_v(), int64_t(t_begin) * kN);
+    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * kStride); };
     if (t_begin < t_end) stage_kv(0);
     cp_async_commit();
 
@@ -345,19 +348,19 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     const int64_t w0 = first_row();
     store_staged_rows<T, Tr::kWarpRows, D, kStageStride>(
-        stage, d,
-        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d : int64_t(-1); }, p.o,
+        stage, d_v(),
+        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d_v() : int64_t(-1); }, p.o,
         p.o16);
 #else
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) {
         if (row[r] >= p.s_q) continue;
         const int mt = r / 2, e0 = 2 * (r % 2);
-        const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
+        const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d_v();
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
-            if (c >= d) continue;
+            if (c >= d_v()) continue;
             const float x = acc[mt][n][e0] * inv[r], y = acc[mt][n][e0 + 1] * inv[r];
             if (p.o16 != nullptr) {
                 gmem_store(reinterpret_cast<uint32_t*>(p.o16 + base + c), pack2<T>(x, y));
@@ -382,9 +385,18 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         flash_fwd_tc<TY, D>(p); \
     }
 #define RINGATTN_FWD_ENTRIES(D) RINGATTN_FWD_ENTRY(Bf16, bf16, D) RINGATTN_FWD_ENTRY(F16, f16, D)
+// V and O of their own head dim (src/kernels.rs `geometry::OWN_DV_CLASSES`).
+#define RINGATTN_FWD_DV_ENTRY(TY, NAME, D) \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D##_dv(FlashFwdParams p) { \
+        flash_fwd_tc<TY, D, true>(p); \
+    }
+#define RINGATTN_FWD_DV_ENTRIES(D) RINGATTN_FWD_DV_ENTRY(Bf16, bf16, D) RINGATTN_FWD_DV_ENTRY(F16, f16, D)
 RINGATTN_FWD_ENTRIES(32)
 RINGATTN_FWD_ENTRIES(64)
 RINGATTN_FWD_ENTRIES(96)
 RINGATTN_FWD_ENTRIES(128)
 RINGATTN_FWD_ENTRIES(192)
 RINGATTN_FWD_ENTRIES(256)
+RINGATTN_FWD_DV_ENTRIES(96)
+RINGATTN_FWD_DV_ENTRIES(192)
+RINGATTN_FWD_DV_ENTRIES(256)

@@ -169,7 +169,7 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     constexpr int kN = Tr::kBlockN, kStages = Tr::kStages, kPer64 = kN / 64;
     constexpr WgmmaInput kIn = wgmma_input<T>();
     const FlashFwdParams& p = hp.p;
-    const int64_t d = p.d;
+    const int64_t d = p.d_v;  // (the output's: Q and K come through their tensor maps)
     const int64_t hq = blockIdx.y, bi = blockIdx.z;
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

@@ -66,19 +66,22 @@ static_assert(sizeof(MaskParams) == 80, "MaskParams is mirrored in Rust: 8 point
 // in f32, or o goes to o16 rounded to the input type (the single-device training path).
 // Rows with no visible key get o = 0, lse = -inf.
 struct FlashFwdParams {
-    const uint16_t* q;  // [b, s_q, h_q, d]
-    const uint16_t* k;  // [b, s_k, h_kv, d]
-    const uint16_t* v;  // [b, s_k, h_kv, d]
-    float* o;           // [b, s_q, h_q, d] f32, written (unless o16 is set)
+    const uint16_t* q;  // [b, s_q, h_q, d_qk]
+    const uint16_t* k;  // [b, s_k, h_kv, d_qk]
+    const uint16_t* v;  // [b, s_k, h_kv, d_v]
+    float* o;           // [b, s_q, h_q, d_v] f32, written (unless o16 is set)
     float* lse;         // [b, h_q, s_q] written, natural log
-    uint16_t* o16;      // [b, s_q, h_q, d] in the input type, written instead of o when non-null
+    uint16_t* o16;      // [b, s_q, h_q, d_v] in the input type, written instead of o when non-null
     MaskParams mask;
-    int64_t b, s_q, s_k, h_q, h_kv, d;  // h_q % h_kv == 0, d % 8 == 0, d <= 256
-    float scale;                        // softmax scale (applied to q.k)
-    float scale_log2;                   // scale * log2(e)
+    // h_q % h_kv == 0; d_qk and d_v: multiples of 8 up to the entry point's head-dim class
+    // (columns past either are zero-filled in shared memory, so the class of the larger serves
+    // both: multi-head latent attention's d_qk 192, d_v 128 runs at class 192).
+    int64_t b, s_q, s_k, h_q, h_kv, d_qk, d_v;
+    float scale;       // softmax scale (applied to q.k)
+    float scale_log2;  // scale * log2(e)
 };
 
-static_assert(sizeof(FlashFwdParams) == 184, "FlashFwdParams is mirrored in Rust");
+static_assert(sizeof(FlashFwdParams) == 192, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_fwd_hopper.cu (sm_90a): the forward's params plus the tensor maps of q, k and v
@@ -86,7 +89,7 @@ static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 // (q) or kBlockN (k, v) rows x 1, 128-byte swizzle). Passed as a __grid_constant__.
 struct FlashFwdHopperParams {
     FlashFwdParams p;
-    uint64_t reserved[9];  // pads p to 256 bytes: the maps are 128-byte aligned
+    uint64_t reserved[8];  // pads p to 256 bytes: the maps are 128-byte aligned
     TensorMap q, k, v;
 };
 
@@ -102,27 +105,27 @@ static_assert(offsetof(FlashFwdHopperParams, q) == 256 && offsetof(FlashFwdHoppe
 // fixed-point integers (dq_accum 0, deterministic: the dqconvert kernel turns them into f32 in
 // place) or as f32 (dq_accum 1, atomic).
 struct FlashBwdParams {
-    const uint16_t* q;    // [b, s_q, h_q, d]
-    const uint16_t* k;    // [b, s_k, h_kv, d]
-    const uint16_t* v;    // [b, s_k, h_kv, d]
-    const float* o;       // [b, s_q, h_q, d] the forward output (read by the rowsum kernel)
-    const uint16_t* d_o;  // [b, s_q, h_q, d]
+    const uint16_t* q;    // [b, s_q, h_q, d_qk]
+    const uint16_t* k;    // [b, s_k, h_kv, d_qk]
+    const uint16_t* v;    // [b, s_k, h_kv, d_v]
+    const float* o;       // [b, s_q, h_q, d_v] the forward output (read by the rowsum kernel)
+    const uint16_t* d_o;  // [b, s_q, h_q, d_v]
     const float* lse;     // [b, h_q, s_q] of the whole key set
     float* delta;         // [b, h_q, s_q] written by the rowsum kernel, read by the others
-    float* dq;            // [b, s_q, h_q, d] zeroed by the caller, added to
-    float* dk;            // [b, s_k, h_kv, d] written
-    float* dv;            // [b, s_k, h_kv, d] written
+    float* dq;            // [b, s_q, h_q, d_qk] zeroed by the caller, added to
+    float* dk;            // [b, s_k, h_kv, d_qk] written
+    float* dv;            // [b, s_k, h_kv, d_v] written
     float* dq_unit;       // [b, h_q, s_q] fixed-point dq: 1 / each row's unit, a power of two
     float* kv_bound;      // [b, h_kv, 2] fixed-point dq: max |k_jc| and max ||v_j||, zeroed by the caller
     MaskParams mask;
-    int64_t b, s_q, s_k, h_q, h_kv, d;
+    int64_t b, s_q, s_k, h_q, h_kv, d_qk, d_v;  // as FlashFwdParams'
     float scale;
     float scale_log2;
     int32_t dq_accum;  // informational: 0 fixed point (DqAccum::kFixed), 1 f32 atomics (kF32)
     int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 240, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 248, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
 // flash_bwd_hopper.cu (sm_90a): the backward's params plus the tensor maps of q, k, v and d_o
@@ -131,7 +134,7 @@ static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 // maps {b h_q s_q, 1}: boxes of 64 x 1, no swizzle). Passed as a __grid_constant__.
 struct FlashBwdHopperParams {
     FlashBwdParams p;
-    uint64_t reserved[2];  // pads p to 256 bytes: the maps are 128-byte aligned
+    uint64_t reserved[1];  // pads p to 256 bytes: the maps are 128-byte aligned
     TensorMap q, k, v, d_o, lse, delta;
 };
 

@@ -74,7 +74,7 @@ fn main() -> ringattn::Result<()> {
         ..Default::default()
     };
     let out = spmd_shared(1, LocalOptions::default(), |comm| {
-        let dims = Dims { b: 1, s_q: s, s_k: s, h_q: h, h_kv: h, d };
+        let dims = Dims { b: 1, s_q: s, s_k: s, h_q: h, h_kv: h, d_qk: d, d_v: d };
         let plan = Arc::new(ParallelPlan::new_shared(
             comm.clone(),
             Arc::new(CpuBackend::default()),

@@ -8,7 +8,7 @@ use ringattn::Dims;
 
 fn main() {
     for d in HEAD_DIM_CLASSES {
-        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d };
+        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk: d, d_v: d };
         let (fm, fn_) = geometry::forward_tile(d);
         let (km, kn) = geometry::dkdv_tile(d);
         let (qm, qn) = geometry::dq_tile(d);

@@ -163,6 +163,19 @@ for kernels in fa2 hopper; do
     echo "verify --backend cuda --kernels $kernels ${mask:-full}: single and 4 strategies x 4 ranks pass"
   done
 done
+# Multi-head latent attention's head dims (d_qk 192, d_v 128; 96 and 64) on the GPU host path:
+# device buffers and tensor maps of their own widths, the FA2 family's _dv entry points.
+for kernels in fa2 hopper; do
+  scripts/with-emulated-gpu target/debug/ringattn verify --backend cuda --kernels "$kernels" \
+    --shape 1,160,4,2,192,128 --dtype bf16 --causal >/dev/null
+  for strategy in ring ulysses usp; do
+    scripts/with-emulated-gpu target/debug/ringattn verify --backend cuda --kernels "$kernels" \
+      --strategy "$strategy" --world 4 --shape 1,160,4,2,96,64 --dtype bf16 --causal >/dev/null
+  done
+  echo "verify --backend cuda --kernels $kernels, d_qk != d_v: single and 3 strategies x 4 ranks pass"
+done
+grep -q "^launch ringattn_flash_fwd_bf16_d192_dv" "$launches" ||
+  { echo "the _dv forward never ran for unequal head dims" >&2; exit 1; }
 # --kernels hopper reaches the backward: the launch log names the Hopper backward kernel.
 grep -q "^launch ringattn_hopper_flash_bwd_" "$launches" ||
   { echo "the Hopper backward never ran under --kernels hopper" >&2; exit 1; }

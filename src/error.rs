@@ -43,8 +43,10 @@ pub enum Error {
         name: &'static str,
     },
     /// The head dimension is zero or above what the backend supports.
-    #[error("head dim {d} is not supported (supported: 1..={max})")]
+    #[error("head dim {name} = {d} is not supported (supported: 1..={max})")]
     HeadDim {
+        /// `d_qk` or `d_v`.
+        name: &'static str,
         /// Head dimension received.
         d: usize,
         /// Largest supported head dimension.

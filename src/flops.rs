@@ -34,7 +34,7 @@
 //! use ringattn::flops::{self, Pass, TileShape};
 //! use ringattn::{AttentionParams, Dims, Documents, Mask};
 //!
-//! let dims = Dims { b: 2, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d: 64 };
+//! let dims = Dims { b: 2, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d_qk: 64, d_v: 64 };
 //! let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
 //! let pairs = flops::visible_pairs(&dims, &causal)?;
 //! assert_eq!(pairs, 4096 * 4097 / 2);
@@ -63,27 +63,44 @@ use crate::{AttentionParams, Dims, Error, Result};
 /// FLOPs per multiply-add each.
 pub const FORWARD_FLOPS_PER_PAIR_DIM: f64 = 4.0;
 
-/// The backward's FLOPs as a multiple of the forward's (the flash-attention convention).
+/// The backward's FLOPs as a multiple of the forward's with equal head dims (the
+/// flash-attention convention); [`backward_ratio`] for any pair.
 pub const BACKWARD_FACTOR: f64 = 2.5;
 
 /// A pass whose FLOPs are counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pass {
-    /// `4·d` FLOPs per visible pair.
+    /// `2·(d_qk + d_v)` FLOPs per visible pair (`4·d` with equal head dims).
     #[default]
     Forward,
-    /// [`BACKWARD_FACTOR`] × the forward.
+    /// `2·(3·d_qk + 2·d_v)` FLOPs per visible pair: `S` recomputed, `dP = dO·Vᵀ`, `dV`, `dK`,
+    /// `dQ` ([`BACKWARD_FACTOR`] × the forward with equal head dims).
     Backward,
 }
 
 impl Pass {
-    /// The pass's FLOPs relative to the forward's: 1 or [`BACKWARD_FACTOR`].
-    pub fn factor(self) -> f64 {
+    /// FLOPs of the pass per visible (query, key) pair of one head of `dims`.
+    ///
+    /// ```
+    /// use ringattn::flops::Pass;
+    /// use ringattn::Dims;
+    /// let mla = Dims { b: 1, s_q: 1, s_k: 1, h_q: 1, h_kv: 1, d_qk: 192, d_v: 128 };
+    /// assert_eq!(Pass::Forward.flops_per_pair(&mla), 2.0 * (192.0 + 128.0));
+    /// assert_eq!(Pass::Backward.flops_per_pair(&mla), 2.0 * (3.0 * 192.0 + 2.0 * 128.0));
+    /// ```
+    pub fn flops_per_pair(self, dims: &Dims) -> f64 {
+        let (qk, v) = (dims.d_qk as f64, dims.d_v as f64);
         match self {
-            Pass::Forward => 1.0,
-            Pass::Backward => BACKWARD_FACTOR,
+            Pass::Forward => 2.0 * (qk + v),
+            Pass::Backward => 2.0 * (3.0 * qk + 2.0 * v),
         }
     }
+}
+
+/// The backward's FLOPs as a multiple of the forward's for the head dims of `dims`:
+/// [`BACKWARD_FACTOR`] when `d_qk = d_v`.
+pub fn backward_ratio(dims: &Dims) -> f64 {
+    Pass::Backward.flops_per_pair(dims) / Pass::Forward.flops_per_pair(dims)
 }
 
 /// Visible (query, key) pairs of one (batch element, query head) of a single-device call of
@@ -92,7 +109,7 @@ impl Pass {
 ///
 /// ```
 /// use ringattn::{flops::visible_pairs, AttentionParams, Dims, Mask};
-/// let dims = |s_q, s_k| Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d: 8 };
+/// let dims = |s_q, s_k| Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d_qk: 8, d_v: 8 };
 /// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
 /// assert_eq!(visible_pairs(&dims(4, 4), &causal)?, 10);
 /// // Two queries at positions 2 and 3 (bottom-right aligned) see 3 and 4 keys.
@@ -118,10 +135,11 @@ pub fn dense_pairs(dims: &Dims) -> u64 {
     (dims.s_q as u64).saturating_mul(dims.s_k as u64)
 }
 
-/// FLOPs of `pass` over `pairs` (query, key) pairs per (batch element, query head): `4·d·
-/// b·h_q·pairs` for the forward, [`BACKWARD_FACTOR`] times that for the backward.
+/// FLOPs of `pass` over `pairs` (query, key) pairs per (batch element, query head):
+/// [`Pass::flops_per_pair`]` · b·h_q·pairs` (`4·d·b·h_q·pairs` for the forward with equal head
+/// dims, [`BACKWARD_FACTOR`] times that for the backward).
 pub fn flops(dims: &Dims, pairs: u64, pass: Pass) -> f64 {
-    FORWARD_FLOPS_PER_PAIR_DIM * dims.d as f64 * (dims.b * dims.h_q) as f64 * pairs as f64 * pass.factor()
+    pass.flops_per_pair(dims) * (dims.b * dims.h_q) as f64 * pairs as f64
 }
 
 /// The tiles of a tiled kernel: `block_q` query rows × `block_k` key rows each.
@@ -181,7 +199,7 @@ pub struct Tiles {
 /// ```
 /// use ringattn::flops::{key_tile_spans, TileShape};
 /// use ringattn::{AttentionParams, Dims, Mask};
-/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d_qk: 64, d_v: 64 };
 /// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
 /// // Key tile j of 64 is seen by query tiles j ... 3.
 /// assert_eq!(key_tile_spans(&dims, &causal, TileShape { block_q: 64, block_k: 64 })?, 4 + 3 + 2 + 1);
@@ -215,7 +233,7 @@ pub fn key_tile_spans(dims: &Dims, params: &AttentionParams, shape: TileShape) -
 /// ```
 /// use ringattn::flops::{tiles, TileShape};
 /// use ringattn::{AttentionParams, Dims, Mask};
-/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d_qk: 64, d_v: 64 };
 /// let w = AttentionParams { mask: Mask::Window { left: Some(10), right: Some(0) }, ..Default::default() };
 /// let t = tiles(&dims, &w, TileShape { block_q: 64, block_k: 64 })?;
 /// // The 4 diagonal tiles and the 3 below them that the first rows of each tile reach back to.
@@ -297,7 +315,7 @@ pub enum Executor {
 /// use ringattn::flops::{executed_flops, flops, visible_pairs, Executor, Pass};
 /// use ringattn::kernels::geometry::DqMode;
 /// use ringattn::{AttentionParams, Dims};
-/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d: 64 };
+/// let dims = Dims { b: 1, s_q: 256, s_k: 256, h_q: 1, h_kv: 1, d_qk: 64, d_v: 64 };
 /// let p = AttentionParams::default();
 /// let pairs = visible_pairs(&dims, &p)?;
 /// // Unmasked, whole tiles: the forward executes exactly the convention's FLOPs...
@@ -317,40 +335,37 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
     };
     let macs = match exec {
         Executor::Cpu(t) => {
-            let products = match pass {
-                Pass::Forward => 2.0,
-                Pass::Backward => 5.0,
-            };
-            products * tiles(dims, params, t.into())?.visible_area as f64 * dims.d as f64
+            // Multiply-adds per pair of the products: the FLOPs' half.
+            tiles(dims, params, t.into())?.visible_area as f64 * pass.flops_per_pair(dims) / 2.0
         }
         Executor::Hopper(_) if pass == Pass::Forward => {
-            let dc = geometry::hopper_head_dim_class(dims.d) as f64;
-            let (m, n) = geometry::hopper_forward_tile(dims.d);
+            let dc = geometry::hopper_head_dim_class(dims.d_max()) as f64;
+            let (m, n) = geometry::hopper_forward_tile(dims.d_max());
             let spanned = tiles(dims, params, TileShape { block_q: m, block_k: n })?.spanned as f64;
             spanned * 2.0 * (m * n) as f64 * dc
         }
         Executor::Hopper(_) => {
-            let dc = geometry::hopper_head_dim_class(dims.d);
-            let n = geometry::hopper_backward_block(dims.d);
+            let dc = geometry::hopper_head_dim_class(dims.d_max());
+            let n = geometry::hopper_backward_block(dims.d_max());
             let spanned = key_tile_spans(dims, params, TileShape { block_q: 64, block_k: n })? as f64;
             let products = if dc <= 128 { 5.0 } else { 7.0 };
             spanned * products * (64 * n * dc) as f64
         }
         Executor::Kernels(mode) => {
-            let dc = geometry::head_dim_class(dims.d) as f64;
+            let dc = geometry::head_dim_class(geometry::fa2_head_dim(dims)) as f64;
             match pass {
                 Pass::Forward => {
-                    let (_, n) = geometry::forward_tile(dims.d);
-                    let rows = geometry::forward_warp_rows(dims.d);
+                    let (_, n) = geometry::forward_tile(geometry::fa2_head_dim(dims));
+                    let rows = geometry::forward_warp_rows(geometry::fa2_head_dim(dims));
                     warp_tiles(rows, n)? * 2.0 * (rows * n) as f64 * dc
                 }
                 Pass::Backward => {
-                    let (m, _) = geometry::dkdv_tile(dims.d);
-                    let accum = geometry::dkdv_accum(dims.d, mode);
-                    let splits = geometry::dkdv_splits(dims.d) as f64;
+                    let (m, _) = geometry::dkdv_tile(geometry::fa2_head_dim(dims));
+                    let accum = geometry::dkdv_accum(geometry::fa2_head_dim(dims), mode);
+                    let splits = geometry::dkdv_splits(geometry::fa2_head_dim(dims)) as f64;
                     let per_tile = (16 * m) as f64 * dc;
                     let dq = if accum == DqAccum::None {
-                        let (_, n) = geometry::dq_tile(dims.d);
+                        let (_, n) = geometry::dq_tile(geometry::fa2_head_dim(dims));
                         warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc
                     } else {
                         // dQ by the block: its 64 keys x the query tile, where a warp ran it.
@@ -511,7 +526,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn dims(s_q: usize, s_k: usize) -> Dims {
-        Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d: 64 }
+        Dims { b: 1, s_q, s_k, h_q: 1, h_kv: 1, d_qk: 64, d_v: 64 }
     }
 
     /// The O(s²) count through the predicate the kernels and the CPU mask with.
@@ -622,7 +637,7 @@ mod tests {
         let docs = AttentionParams { documents: Some(Documents::new(vec![3, 0, 5, 1]).unwrap()), ..causal.clone() };
         assert_eq!(visible_pairs(&dims(9, 9), &docs).unwrap(), 6 + 15 + 1);
         // Dense counts and FLOPs.
-        let d = Dims { b: 2, s_q: 10, s_k: 20, h_q: 4, h_kv: 2, d: 32 };
+        let d = Dims { b: 2, s_q: 10, s_k: 20, h_q: 4, h_kv: 2, d_qk: 32, d_v: 32 };
         assert_eq!(dense_pairs(&d), 200);
         assert_eq!(flops(&d, 100, Pass::Forward), 4.0 * 32.0 * 8.0 * 100.0);
         assert_eq!(flops(&d, 100, Pass::Backward), 2.5 * 4.0 * 32.0 * 8.0 * 100.0);
@@ -660,7 +675,7 @@ mod tests {
     fn cuda_tiles_match_the_kernel_geometry() {
         let stride = |dc: usize| if dc / 8 <= 8 { dc } else { (dc / 8).div_ceil(8) * 64 };
         for d in (8..=geometry::MAX_HEAD_DIM).step_by(8) {
-            let dims = Dims { b: 2, s_q: 1000, s_k: 700, h_q: 4, h_kv: 2, d };
+            let dims = Dims { b: 2, s_q: 1000, s_k: 700, h_q: 4, h_kv: 2, d_qk: d, d_v: d };
             let dc = geometry::head_dim_class(d);
             let row = 2 * stride(dc);
             let f = TileShape::cuda_forward(d);

@@ -214,9 +214,10 @@ pub mod params {
         (pos, docs)
     }
 
-    /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d]`, `k`, `v`
-    /// `[b, s_k, h_kv, d]` as bf16 or f16 bits; `o` `[b, s_q, h_q, d]` and `lse` `[b, h_q,
-    /// s_q]` f32, written (or `o16`, the output in the input type, instead of `o`).
+    /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d_qk]`, `k`
+    /// `[b, s_k, h_kv, d_qk]`, `v` `[b, s_k, h_kv, d_v]` as bf16 or f16 bits; `o` `[b, s_q,
+    /// h_q, d_v]` and `lse` `[b, h_q, s_q]` f32, written (or `o16`, the output in the input
+    /// type, instead of `o`).
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashFwdParams {
@@ -244,8 +245,10 @@ pub mod params {
         pub h_q: i64,
         /// Key/value heads.
         pub h_kv: i64,
-        /// Head dimension (multiple of 8, at most 256).
-        pub d: i64,
+        /// Head dimension of q and k (multiple of 8, at most the entry point's class).
+        pub d_qk: i64,
+        /// Head dimension of v and o (multiple of 8, at most the entry point's class).
+        pub d_v: i64,
         /// Softmax scale.
         pub scale: f32,
         /// `scale · log2(e)`.
@@ -263,7 +266,7 @@ pub mod params {
         pub p: FlashFwdParams,
         /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
         /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
-        pub reserved: [u64; 9],
+        pub reserved: [u64; 8],
         /// Queries' map (boxes of 128 rows).
         pub q: TensorMap,
         /// Keys' map (boxes of the key tile).
@@ -319,8 +322,10 @@ pub mod params {
         pub h_q: i64,
         /// Key/value heads.
         pub h_kv: i64,
-        /// Head dimension.
-        pub d: i64,
+        /// Head dimension of q, k, dq and dk.
+        pub d_qk: i64,
+        /// Head dimension of v, o, d_o and dv.
+        pub d_v: i64,
         /// Softmax scale.
         pub scale: f32,
         /// `scale · log2(e)`.
@@ -333,23 +338,24 @@ pub mod params {
         pub reserved: i32,
     }
 
-    /// `b, s_q, s_k, h_q, h_kv, d` of `dims` as the structs hold them.
-    fn shape(dims: &crate::Dims) -> [i64; 6] {
-        [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d].map(|x| x as i64)
+    /// `b, s_q, s_k, h_q, h_kv, d_qk, d_v` of `dims` as the structs hold them.
+    fn shape(dims: &crate::Dims) -> [i64; 7] {
+        [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d_qk, dims.d_v].map(|x| x as i64)
     }
 
     impl FlashFwdParams {
         /// The shape of `dims` and the softmax `scale` (with `scale · log2 e`), every buffer
         /// null and no mask: callers fill in their addresses (`..FlashFwdParams::for_shape(..)`).
         pub fn for_shape(dims: &crate::Dims, scale: f32) -> Self {
-            let [b, s_q, s_k, h_q, h_kv, d] = shape(dims);
+            let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] = shape(dims);
             FlashFwdParams {
                 b,
                 s_q,
                 s_k,
                 h_q,
                 h_kv,
-                d,
+                d_qk,
+                d_v,
                 scale,
                 scale_log2: scale * std::f32::consts::LOG2_E,
                 ..Default::default()
@@ -360,14 +366,15 @@ pub mod params {
     impl FlashBwdParams {
         /// As [`FlashFwdParams::for_shape`], with the dq mode.
         pub fn for_shape(dims: &crate::Dims, scale: f32, dq_mode: super::geometry::DqMode) -> Self {
-            let [b, s_q, s_k, h_q, h_kv, d] = shape(dims);
+            let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] = shape(dims);
             FlashBwdParams {
                 b,
                 s_q,
                 s_k,
                 h_q,
                 h_kv,
-                d,
+                d_qk,
+                d_v,
                 scale,
                 scale_log2: scale * std::f32::consts::LOG2_E,
                 dq_accum: (dq_mode == super::geometry::DqMode::Atomic) as i32,
@@ -388,7 +395,7 @@ pub mod params {
         pub p: FlashBwdParams,
         /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
         /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
-        pub reserved: [u64; 2],
+        pub reserved: [u64; 1],
         /// Queries' map (boxes of 64 rows).
         pub q: TensorMap,
         /// Keys' map (boxes of the key block).
@@ -591,9 +598,9 @@ pub mod params {
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 80);
-    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 184);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 192);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 240);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 248);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
     const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 640);
@@ -627,16 +634,30 @@ pub mod geometry {
     /// Largest head dimension of the flash kernels.
     pub const MAX_HEAD_DIM: usize = 256;
 
-    /// Checks that the kernels handle head dimension `d`: a multiple of 8 (16-byte cp.async
-    /// rows) from 8 to [`MAX_HEAD_DIM`].
+    /// Checks that the kernels handle the head dims of `dims`: each a multiple of 8 (16-byte
+    /// cp.async rows) from 8 to [`MAX_HEAD_DIM`]. `d_qk` and `d_v` may differ (multi-head
+    /// latent attention) when the larger is above 64: the kernels of its head-dim class
+    /// ([`OWN_DV_CLASSES`]) run both, the columns past either zero-filled.
     ///
     /// # Errors
-    /// [`Error::BackendUnsupported`] naming `d`.
-    pub fn check_head_dim(backend: &'static str, d: usize) -> Result<()> {
-        if !d.is_multiple_of(8) || d == 0 || d > MAX_HEAD_DIM {
+    /// [`Error::BackendUnsupported`] naming the head dim.
+    pub fn check_head_dims(backend: &'static str, dims: &Dims) -> Result<()> {
+        for (name, d) in [("d_qk", dims.d_qk), ("d_v", dims.d_v)] {
+            if !d.is_multiple_of(8) || d == 0 || d > MAX_HEAD_DIM {
+                return Err(Error::BackendUnsupported {
+                    backend,
+                    what: format!("head dim {name} = {d} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"),
+                });
+            }
+        }
+        if !dims.equal_head_dims() && dims.d_max() <= 64 {
             return Err(Error::BackendUnsupported {
                 backend,
-                what: format!("head dim {d} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"),
+                what: format!(
+                    "d_qk = {} with d_v = {} (unequal head dims run on the kernels when the larger is above 64; \
+                     the cpu backend takes any)",
+                    dims.d_qk, dims.d_v
+                ),
             });
         }
         Ok(())
@@ -654,6 +675,11 @@ pub mod geometry {
         pub smem_bytes: usize,
         /// Head-dim class `D` of the entry point (`..._d{D}`), 0 for kernels without classes.
         pub head_dim_class: usize,
+        /// The entry point's variant for V (and O, dO, dV) of their own head dim `d_v`
+        /// (`..._d{D}_dv`: multi-head latent attention on the FA2-class kernels, at the
+        /// classes of [`OWN_DV_CLASSES`]); the Hopper kernels read V through its tensor map and
+        /// need none.
+        pub own_dv: bool,
     }
 
     impl Launch {
@@ -670,6 +696,23 @@ pub mod geometry {
     /// Head-dim classes of the tensor-core kernels: the head dim rounded up to one of these
     /// (columns past it are zero-filled).
     pub const HEAD_DIM_CLASSES: [usize; 6] = [32, 64, 96, 128, 192, 256];
+
+    /// The head-dim classes whose FA2-class kernels have a variant for V of its own head dim
+    /// (`..._d{D}_dv`, [`Launch::own_dv`]): unequal head dims (`d_qk ≠ d_v`) run at the
+    /// smallest of these that holds the larger one (above 64; class 128's variant would
+    /// spill, so 97–128 run at 192).
+    pub const OWN_DV_CLASSES: [usize; 3] = [96, 192, 256];
+
+    /// The head dim the FA2-class kernels of `dims` are chosen by: the larger head dim, or with
+    /// unequal head dims the [`OWN_DV_CLASSES`] class that holds it (its columns past the data
+    /// zero-filled; [`check_head_dims`] refuses what none holds).
+    pub fn fa2_head_dim(dims: &Dims) -> usize {
+        let d = dims.d_max();
+        match dims.equal_head_dims() {
+            true => d,
+            false => OWN_DV_CLASSES.into_iter().find(|&c| d <= c).unwrap_or(d),
+        }
+    }
 
     /// The class of head dimension `d` (at most [`MAX_HEAD_DIM`]).
     pub fn head_dim_class(d: usize) -> usize {
@@ -731,15 +774,16 @@ pub mod geometry {
     /// [`forward_warp_rows`] query rows, Q staged once, K/V double-buffered
     /// (`FwdTraits<D>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
-        let dc = head_dim_class(dims.d);
+        let dc = head_dim_class(fa2_head_dim(dims));
         let stride = tc_stride(dc);
-        let (block_m, block_n) = forward_tile(dims.d);
+        let (block_m, block_n) = forward_tile(fa2_head_dim(dims));
         Launch {
             grid: [dims.s_q.div_ceil(block_m), dims.h_q, dims.b],
             block: 128,
             // Q, K and V double-buffered, and each warp's query bounds (32 bytes).
             smem_bytes: block_m * stride * 2 + 4 * block_n * stride * 2 + 4 * 32,
             head_dim_class: dc,
+            own_dv: !dims.equal_head_dims(),
         }
     }
 
@@ -767,8 +811,8 @@ pub mod geometry {
     /// mbarriers, the block's tile-range scratch and 1024 bytes to align the base to the
     /// 128-byte swizzle's repeat).
     pub fn forward_hopper(dims: &Dims) -> Launch {
-        let dc = hopper_head_dim_class(dims.d);
-        let (block_m, block_n) = hopper_forward_tile(dims.d);
+        let dc = hopper_head_dim_class(dims.d_max());
+        let (block_m, block_n) = hopper_forward_tile(dims.d_max());
         // As many K/V stages as fit in 227 KiB with Q (`HopperFwdTraits::kStages`).
         let stages = match dc {
             64 => 4,
@@ -781,6 +825,7 @@ pub mod geometry {
             block: 384,
             smem_bytes: tiles + 8 * (1 + 3 * stages) + 4 * 12 * 8 + 1024,
             head_dim_class: dc,
+            own_dv: false,
         }
     }
 
@@ -791,6 +836,7 @@ pub mod geometry {
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
+            own_dv: false,
         }
     }
 
@@ -819,6 +865,7 @@ pub mod geometry {
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
+            own_dv: false,
         }
     }
 
@@ -833,17 +880,18 @@ pub mod geometry {
     pub fn dq_convert(dims: &Dims) -> Launch {
         let rows = dims.b * dims.s_q * dims.h_q;
         Launch {
-            grid: [if rows == 0 || dims.d == 0 { 0 } else { stride_blocks(rows, 8) }, 1, 1],
+            grid: [if rows == 0 || dims.d_max() == 0 { 0 } else { stride_blocks(rows, 8) }, 1, 1],
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
+            own_dv: false,
         }
     }
 
     /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, classes from 192):
     /// 4 warps of 16 query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
     pub fn dq(dims: &Dims) -> Launch {
-        let dc = head_dim_class(dims.d);
+        let dc = head_dim_class(fa2_head_dim(dims));
         let row = tc_stride(dc) * 2;
         let block_n = bwd_tile(dc);
         // Q and dO, K and V in one or two stages, and each warp's query bounds (32 bytes).
@@ -855,6 +903,7 @@ pub mod geometry {
             block: 128,
             smem_bytes: 2 * 64 * row + 2 * stages * block_n * row + bounds,
             head_dim_class: dc,
+            own_dv: !dims.equal_head_dims(),
         }
     }
 
@@ -874,9 +923,9 @@ pub mod geometry {
     /// tiles stream with their lse and delta (and the dq unit in fixed point); with dq, the
     /// block's dS^T is held for its block-level dq product (`DkDvTraits<D, kAccum>::kSmem`).
     pub fn dkdv(dims: &Dims, accum: DqAccum) -> Launch {
-        let dc = head_dim_class(dims.d);
+        let dc = head_dim_class(fa2_head_dim(dims));
         let row = tc_stride(dc) * 2;
-        let block_m = dkdv_tile(dims.d).0;
+        let block_m = dkdv_tile(fa2_head_dim(dims)).0;
         let kv = 64 * row;
         let (scalars, ds) = match accum {
             DqAccum::None => (2, 0),
@@ -886,10 +935,11 @@ pub mod geometry {
         let stage = 2 * block_m * row + scalars * block_m * 4;
         let stages = if 2 * kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
-            grid: [dims.s_k.div_ceil(64) * dkdv_splits(dims.d), dims.h_kv, dims.b],
+            grid: [dims.s_k.div_ceil(64) * dkdv_splits(fa2_head_dim(dims)), dims.h_kv, dims.b],
             block: 128,
             smem_bytes: 2 * kv + stages * stage + ds,
             head_dim_class: dc,
+            own_dv: !dims.equal_head_dims(),
         }
     }
 
@@ -1038,7 +1088,7 @@ pub mod geometry {
         if with_rowsum {
             v.push((BackwardKernel::Rowsum, rowsum(dims)));
         }
-        let accum = dkdv_accum(dims.d, mode);
+        let accum = dkdv_accum(fa2_head_dim(dims), mode);
         match accum {
             DqAccum::F32 => {}
             DqAccum::Fixed => {
@@ -1072,8 +1122,8 @@ pub mod geometry {
     /// dS^T tiles, the mbarriers, the block's tile range and its scratch, and 1024 bytes to align the base
     /// (`HopperBwdTraits<D>::kSmem`).
     pub fn dkdv_hopper(dims: &Dims) -> Launch {
-        let dc = hopper_head_dim_class(dims.d);
-        let block_n = hopper_backward_block(dims.d);
+        let dc = hopper_head_dim_class(dims.d_max());
+        let block_n = hopper_backward_block(dims.d_max());
         let stages = match dc {
             64 => 4,
             128 => 3,
@@ -1088,6 +1138,7 @@ pub mod geometry {
             // + the mbarriers, the tile range (two i32), the scratch of the block's tile range.
             smem_bytes: tiles + stats + 8 * (1 + 2 * stages) + 8 + 4 * 12 * 8 + 1024,
             head_dim_class: dc,
+            own_dv: false,
         }
     }
 
@@ -1292,6 +1343,7 @@ pub mod geometry {
             block: OPS_THREADS,
             smem_bytes: 0,
             head_dim_class: 0,
+            own_dv: false,
         }
     }
 
@@ -1302,6 +1354,7 @@ pub mod geometry {
             block: MERGE_THREADS,
             smem_bytes: 0,
             head_dim_class: 0,
+            own_dv: false,
         }
     }
 
@@ -1312,17 +1365,24 @@ pub mod geometry {
         #[test]
         fn every_kernel_fits_in_99_kib_of_shared_memory() {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
-                let dims = Dims { b: 2, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
+                let dims = Dims { b: 2, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d_qk: d, d_v: d };
                 let adding = [dkdv(&dims, DqAccum::None), dkdv(&dims, DqAccum::Fixed), dkdv(&dims, DqAccum::F32)];
                 for l in [forward(&dims), dq(&dims)].into_iter().chain(adding) {
                     assert!(l.smem_bytes <= 99 * 1024, "d = {d}: {l:?}");
                     assert!(!l.is_empty());
                 }
             }
-            assert!(check_head_dim("emu", 80).is_ok());
-            let e = check_head_dim("emu", 20).unwrap_err().to_string();
-            assert!(e.contains("head dim 20") && e.contains("emu"), "{e}");
-            assert!(check_head_dim("emu", 264).is_err());
+            let heads = |d_qk, d_v| Dims { b: 1, s_q: 1, s_k: 1, h_q: 1, h_kv: 1, d_qk, d_v };
+            assert!(check_head_dims("emu", &heads(80, 80)).is_ok());
+            let e = check_head_dims("emu", &heads(20, 20)).unwrap_err().to_string();
+            assert!(e.contains("head dim d_qk = 20") && e.contains("emu"), "{e}");
+            assert!(check_head_dims("emu", &heads(264, 264)).is_err());
+            let e = check_head_dims("emu", &heads(64, 20)).unwrap_err().to_string();
+            assert!(e.contains("d_v = 20"), "{e}");
+            assert!(check_head_dims("emu", &heads(192, 128)).is_ok());
+            assert!(check_head_dims("emu", &heads(64, 128)).is_ok());
+            let e = check_head_dims("emu", &heads(64, 32)).unwrap_err().to_string();
+            assert!(e.contains("d_qk = 64 with d_v = 32"), "{e}");
         }
     }
 }

@@ -5,7 +5,7 @@ use crate::{Documents, Error, Mask, Positions, Result, Tensor};
 /// Largest head dimension the CPU implementation and the oracle accept.
 pub const MAX_HEAD_DIM: usize = 512;
 
-/// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d)`.
+/// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d_qk)`.
 ///
 /// ```
 /// use ringattn::{AttentionParams, Mask};
@@ -18,18 +18,32 @@ pub struct AttentionParams {
     pub mask: Mask,
     /// Packed documents (lengths summing to the global sequence length), if any.
     pub documents: Option<Documents>,
-    /// Softmax scale; `None` means `1/sqrt(d)`.
+    /// Softmax scale; `None` means `1/sqrt(d_qk)` (the query/key head dim).
     pub scale: Option<f32>,
 }
 
 impl AttentionParams {
-    /// The scale applied to `q·k` before the softmax.
-    pub fn softmax_scale(&self, d: usize) -> f32 {
-        self.scale.unwrap_or_else(|| 1.0 / (d.max(1) as f32).sqrt())
+    /// The scale applied to `q·k` before the softmax, for query/key head dim `d_qk`.
+    pub fn softmax_scale(&self, d_qk: usize) -> f32 {
+        self.scale.unwrap_or_else(|| 1.0 / (d_qk.max(1) as f32).sqrt())
     }
 }
 
-/// Dimensions of an attention call: q `[b, s_q, h_q, d]`, k and v `[b, s_k, h_kv, d]`.
+/// Dimensions of an attention call: q `[b, s_q, h_q, d_qk]`, k `[b, s_k, h_kv, d_qk]`, v
+/// `[b, s_k, h_kv, d_v]`, and the output o `[b, s_q, h_q, d_v]`.
+///
+/// The query/key head dim `d_qk` and the value head dim `d_v` differ in multi-head latent
+/// attention (MLA: DeepSeek-V3's 192 and 128); elsewhere they are equal.
+///
+/// ```
+/// use ringattn::{DType, Dims, Tensor};
+/// let q = Tensor::zeros(vec![1, 8, 4, 192], DType::F32);
+/// let k = Tensor::zeros(vec![1, 8, 2, 192], DType::F32);
+/// let v = Tensor::zeros(vec![1, 8, 2, 128], DType::F32);
+/// let dims = Dims::of(&q, &k, &v).unwrap();
+/// assert_eq!((dims.d_qk, dims.d_v), (192, 128));
+/// assert_eq!(dims.o_shape(), vec![1, 8, 4, 128]);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Dims {
     /// Batch size.
@@ -42,11 +56,18 @@ pub struct Dims {
     pub h_q: usize,
     /// Key/value heads (`h_q % h_kv == 0`).
     pub h_kv: usize,
-    /// Head dimension.
-    pub d: usize,
+    /// Head dimension of q and k (the scores' inner dimension).
+    pub d_qk: usize,
+    /// Head dimension of v, o, d_o and dv.
+    pub d_v: usize,
 }
 
 impl Dims {
+    /// Dimensions with one head dim for q, k and v (`d_qk = d_v = d`).
+    pub fn equal_heads(b: usize, s_q: usize, s_k: usize, h_q: usize, h_kv: usize, d: usize) -> Dims {
+        Dims { b, s_q, s_k, h_q, h_kv, d_qk: d, d_v: d }
+    }
+
     /// Query heads per key/value head.
     pub fn group(&self) -> usize {
         self.h_q / self.h_kv
@@ -57,14 +78,34 @@ impl Dims {
         h / self.group()
     }
 
-    /// Shape of q and o.
-    pub fn q_shape(&self) -> Vec<usize> {
-        vec![self.b, self.s_q, self.h_q, self.d]
+    /// Whether q/k and v have the same head dim.
+    pub fn equal_head_dims(&self) -> bool {
+        self.d_qk == self.d_v
     }
 
-    /// Shape of k and v.
-    pub fn kv_shape(&self) -> Vec<usize> {
-        vec![self.b, self.s_k, self.h_kv, self.d]
+    /// The larger of the two head dims (what a kernel's head-dim class must hold).
+    pub fn d_max(&self) -> usize {
+        self.d_qk.max(self.d_v)
+    }
+
+    /// Shape of q (and dq).
+    pub fn q_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_q, self.h_q, self.d_qk]
+    }
+
+    /// Shape of o and d_o.
+    pub fn o_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_q, self.h_q, self.d_v]
+    }
+
+    /// Shape of k (and dk).
+    pub fn k_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_k, self.h_kv, self.d_qk]
+    }
+
+    /// Shape of v (and dv).
+    pub fn v_shape(&self) -> Vec<usize> {
+        vec![self.b, self.s_k, self.h_kv, self.d_v]
     }
 
     /// Shape of the LSE.
@@ -72,18 +113,20 @@ impl Dims {
         vec![self.b, self.h_q, self.s_q]
     }
 
-    /// Validates q, k, v and returns their dimensions.
+    /// Validates q, k, v and returns their dimensions (`d_v` is v's last dim).
     ///
     /// # Errors
     /// [`Error::Rank`], [`Error::ShapeMismatch`], [`Error::ZeroHeads`], [`Error::HeadRatio`],
     /// [`Error::HeadDim`] or [`Error::DtypeMismatch`].
     pub fn of(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
-        let qs = rank4("q", q, "[b, s_q, h_q, d]")?;
-        let ks = rank4("k", k, "[b, s_k, h_kv, d]")?;
-        let vs = rank4("v", v, "[b, s_k, h_kv, d]")?;
+        let qs = rank4("q", q, "[b, s_q, h_q, d_qk]")?;
+        let ks = rank4("k", k, "[b, s_k, h_kv, d_qk]")?;
+        let vs = rank4("v", v, "[b, s_k, h_kv, d_v]")?;
         same_dtype(q, &[("k", k), ("v", v)])?;
-        if ks != vs {
-            return Err(Error::ShapeMismatch(format!("k has shape {ks:?} but v has {vs:?}")));
+        if ks[..3] != vs[..3] {
+            return Err(Error::ShapeMismatch(format!(
+                "k has shape {ks:?} but v has {vs:?}: their [b, s_k, h_kv] must agree"
+            )));
         }
         if qs[0] != ks[0] {
             return Err(Error::ShapeMismatch(format!("q has batch {} but k has {}", qs[0], ks[0])));
@@ -91,30 +134,41 @@ impl Dims {
         if qs[3] != ks[3] {
             return Err(Error::ShapeMismatch(format!("q has head dim {} but k has {}", qs[3], ks[3])));
         }
-        let dims = Dims { b: qs[0], s_q: qs[1], h_q: qs[2], s_k: ks[1], h_kv: ks[2], d: qs[3] };
-        if dims.h_q == 0 {
-            return Err(Error::ZeroHeads { name: "h_q" });
-        }
-        if dims.h_kv == 0 {
-            return Err(Error::ZeroHeads { name: "h_kv" });
-        }
-        if !dims.h_q.is_multiple_of(dims.h_kv) {
-            return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
-        }
-        if dims.d == 0 || dims.d > MAX_HEAD_DIM {
-            return Err(Error::HeadDim { d: dims.d, max: MAX_HEAD_DIM });
-        }
+        let dims = Dims { b: qs[0], s_q: qs[1], h_q: qs[2], s_k: ks[1], h_kv: ks[2], d_qk: qs[3], d_v: vs[3] };
+        dims.validate()?;
         Ok(dims)
     }
 
-    /// Checks the forward results a backward takes: `o` and `d_o` shaped and typed like `q`,
-    /// `lse` f32 `[b, h_q, s_q]`.
+    /// Checks the head counts and head dims.
+    ///
+    /// # Errors
+    /// [`Error::ZeroHeads`], [`Error::HeadRatio`] or [`Error::HeadDim`].
+    pub fn validate(&self) -> Result<()> {
+        if self.h_q == 0 {
+            return Err(Error::ZeroHeads { name: "h_q" });
+        }
+        if self.h_kv == 0 {
+            return Err(Error::ZeroHeads { name: "h_kv" });
+        }
+        if !self.h_q.is_multiple_of(self.h_kv) {
+            return Err(Error::HeadRatio { h_q: self.h_q, h_kv: self.h_kv });
+        }
+        for (name, d) in [("d_qk", self.d_qk), ("d_v", self.d_v)] {
+            if d == 0 || d > MAX_HEAD_DIM {
+                return Err(Error::HeadDim { name, d, max: MAX_HEAD_DIM });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the forward results a backward takes: `o` and `d_o` `[b, s_q, h_q, d_v]` typed
+    /// like `q`, `lse` f32 `[b, h_q, s_q]`.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`] naming the tensor.
     pub fn expect_backward_inputs(&self, q: &Tensor, o: &Tensor, lse: &Tensor, d_o: &Tensor) -> Result<()> {
-        Dims::expect("o", o, &self.q_shape(), q)?;
-        Dims::expect("do", d_o, &self.q_shape(), q)?;
+        Dims::expect("o", o, &self.o_shape(), q)?;
+        Dims::expect("do", d_o, &self.o_shape(), q)?;
         if lse.dtype() != crate::DType::F32 {
             return Err(Error::DtypeMismatch {
                 name: "lse".into(),

@@ -16,8 +16,9 @@ use std::borrow::Cow;
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Positions, Result, Tensor};
 
-/// Outputs of the oracle. Layouts as in the crate: `o`, `dq` `[b, s_q, h_q, d]`, `lse`
-/// `[b, h_q, s_q]` (natural log, `-inf` for fully masked rows), `dk`, `dv` `[b, s_k, h_kv, d]`.
+/// Outputs of the oracle. Layouts as in the crate: `o` `[b, s_q, h_q, d_v]`, `dq` `[b, s_q, h_q,
+/// d_qk]`, `lse` `[b, h_q, s_q]` (natural log, `-inf` for fully masked rows), `dk` `[b, s_k,
+/// h_kv, d_qk]`, `dv` `[b, s_k, h_kv, d_v]`.
 /// The gradient fields are empty after a forward-only call.
 #[derive(Debug, Clone, Default)]
 pub struct Reference {
@@ -101,7 +102,7 @@ pub fn forward_at(
 /// As [`forward`], plus a shape or dtype error for `d_o`.
 pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    Dims::expect("do", d_o, &dims.o_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
 }
@@ -120,7 +121,7 @@ pub fn backward_at(
     params: &AttentionParams,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
-    Dims::expect("do", d_o, &dims.q_shape(), q)?;
+    Dims::expect("do", d_o, &dims.o_shape(), q)?;
     let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
 }
@@ -182,7 +183,7 @@ fn rows_inputs<'a>(
 ) -> Result<(Inputs<'a>, Visibility, Grads)> {
     let dims = Dims::of(q, k, v)?;
     if let Some(t) = d_o {
-        Dims::expect("do", t, &dims.q_shape(), q)?;
+        Dims::expect("do", t, &dims.o_shape(), q)?;
     }
     check_rows(rows, dims.s_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
@@ -209,7 +210,7 @@ pub fn naive_rounded(
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
     if let Some(t) = d_o {
-        Dims::expect("do", t, &dims.q_shape(), q)?;
+        Dims::expect("do", t, &dims.o_shape(), q)?;
     }
     let vis = match positions {
         None => Visibility::single_device(params, dims.s_q, dims.s_k)?,
@@ -243,14 +244,15 @@ impl<'a> Inputs<'a> {
         d_o: Option<&Tensor>,
         rows: Vec<usize>,
     ) -> Result<Self> {
-        let width = dims.h_q * dims.d;
         // The rows in the tensor's dtype first, then widened: no full-size copy.
-        let gather = |t: &Tensor| -> Result<Vec<f64>> {
+        let gather = |t: &Tensor, d: usize| -> Result<Vec<f64>> {
+            let width = dims.h_q * d;
             let at = (0..dims.b).flat_map(|b| rows.iter().map(move |&i| b * dims.s_q + i));
             let picked = t.gather_rows(vec![dims.b * rows.len() * width], width, at)?;
             Ok(picked.as_f32().iter().map(|&x| f64::from(x)).collect())
         };
-        let (q, d_o) = (gather(q)?, d_o.map(gather).transpose()?.unwrap_or_default());
+        let q = gather(q, dims.d_qk)?;
+        let d_o = d_o.map(|t| gather(t, dims.d_v)).transpose()?.unwrap_or_default();
         Ok(Inputs { dims, q, k: k.as_f32(), v: v.as_f32(), d_o, rows })
     }
 }
@@ -297,7 +299,7 @@ struct HeadResult {
     lse: Vec<f64>,
     lse_mag: Vec<f64>,
     dq: Vec<f64>,
-    /// dK, dV contributions of this query head, `[s_k, d]`.
+    /// dK, dV contributions of this query head, `[s_k, d_qk]` and `[s_k, d_v]`.
     dk: Vec<f64>,
     dv: Vec<f64>,
     /// Magnitudes, laid out as the four above, then the dq, dk parts through O.
@@ -321,7 +323,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     let with_grad = grads != Grads::None;
     let key_grads = grads == Grads::All;
     let dm = x.dims;
-    let d = dm.d;
+    let (d, e) = (dm.d_qk, dm.d_v); // q/k and v/o head dims
     let scale = params.softmax_scale(d) as f64;
     let rnd = |t: f64| match round {
         Some(dt) => dt.round_f64(t),
@@ -333,9 +335,9 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     // Query and dO rows by their place `r` in `rows` (see `Inputs`).
     let n_rows = rows.len();
     let q_row = |b: usize, r: usize, h: usize| &x.q[((b * n_rows + r) * dm.h_q + h) * d..][..d];
-    let do_row = |b: usize, r: usize, h: usize| &x.d_o[((b * n_rows + r) * dm.h_q + h) * d..][..d];
+    let do_row = |b: usize, r: usize, h: usize| &x.d_o[((b * n_rows + r) * dm.h_q + h) * e..][..e];
     let k_row = |b: usize, j: usize, h: usize| &x.k[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
-    let v_row = |b: usize, j: usize, h: usize| &x.v[((b * dm.s_k + j) * dm.h_kv + h) * d..][..d];
+    let v_row = |b: usize, j: usize, h: usize| &x.v[((b * dm.s_k + j) * dm.h_kv + h) * e..][..e];
 
     let heads: Vec<HeadResult> = (0..dm.b * dm.h_q)
         .into_par_iter()
@@ -344,17 +346,17 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
             let hk = dm.kv_head(h);
             let n = rows.len();
             let mut res = HeadResult {
-                o: vec![0.0; n * d],
+                o: vec![0.0; n * e],
                 lse: vec![f64::NEG_INFINITY; n],
                 lse_mag: vec![0.0; n],
                 dq: if with_grad { vec![0.0; n * d] } else { vec![] },
                 dk: if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
-                dv: if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
+                dv: if key_grads { vec![0.0; dm.s_k * e] } else { vec![] },
                 mag: [
-                    vec![0.0; n * d],
+                    vec![0.0; n * e],
                     vec![0.0; n * d],
                     if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
-                    if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
+                    if key_grads { vec![0.0; dm.s_k * e] } else { vec![] },
                     vec![0.0; n * d],
                     if key_grads { vec![0.0; dm.s_k * d] } else { vec![] },
                 ],
@@ -404,8 +406,8 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 for (t, &e) in s.iter_mut().zip(&ex) {
                     *t = rnd(e / sum);
                 }
-                let o = &mut res.o[r * d..(r + 1) * d];
-                let om = &mut o_mag[r * d..(r + 1) * d];
+                let o = &mut res.o[r * e..(r + 1) * e];
+                let om = &mut o_mag[r * e..(r + 1) * e];
                 for ((&j, &p), &wj) in keys.iter().zip(&s).zip(&w) {
                     for ((oc, mc), &vc) in o.iter_mut().zip(om.iter_mut()).zip(v_row(b, j, hk)) {
                         let vc = vc as f64;
@@ -424,7 +426,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let dq = &mut res.dq[r * d..(r + 1) * d];
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
-                let o_row = &res.o[r * d..(r + 1) * d];
+                let o_row = &res.o[r * e..(r + 1) * e];
                 let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
                 for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
                     let ds = rnd(rnd(p * (g - delta)) * scale);
@@ -447,8 +449,8 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                         dkm[c] += (ds_mag * qi[c]) * (ds_mag * qi[c]);
                         dkmo[c] += (ds_mag_o * qi[c]) * (ds_mag_o * qi[c]);
                     }
-                    let (dvj, dvm) = (&mut res.dv[j * d..(j + 1) * d], &mut dv_mag[j * d..(j + 1) * d]);
-                    for c in 0..d {
+                    let (dvj, dvm) = (&mut res.dv[j * e..(j + 1) * e], &mut dv_mag[j * e..(j + 1) * e]);
+                    for c in 0..e {
                         dvj[c] = acc(dvj[c] + p * doi[c]);
                         dvm[c] += (wj * doi[c]) * (wj * doi[c]);
                     }
@@ -463,7 +465,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     let n = rows.len();
     let mut out = Reference {
         dims: Dims { s_q: n, ..dm },
-        o: vec![0.0; dm.b * n * dm.h_q * d],
+        o: vec![0.0; dm.b * n * dm.h_q * e],
         lse: vec![0.0; dm.b * dm.h_q * n],
         lse_mag: vec![0.0; dm.b * dm.h_q * n],
         ..Default::default()
@@ -476,7 +478,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     }
     if key_grads {
         out.dk = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
-        out.dv = vec![0.0; dm.b * dm.s_k * dm.h_kv * d];
+        out.dv = vec![0.0; dm.b * dm.s_k * dm.h_kv * e];
         out.dk_mag = vec![0.0; out.dk.len()];
         out.dv_mag = vec![0.0; out.dv.len()];
         out.dk_mag_o = vec![0.0; out.dk.len()];
@@ -487,10 +489,11 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
         out.lse[(b * dm.h_q + h) * n..][..n].copy_from_slice(&hr.lse);
         out.lse_mag[(b * dm.h_q + h) * n..][..n].copy_from_slice(&hr.lse_mag);
         for r in 0..n {
-            let at = ((b * n + r) * dm.h_q + h) * d;
-            out.o[at..at + d].copy_from_slice(&hr.o[r * d..(r + 1) * d]);
-            out.o_mag[at..at + d].copy_from_slice(&hr.mag[0][r * d..(r + 1) * d]);
+            let at = ((b * n + r) * dm.h_q + h) * e;
+            out.o[at..at + e].copy_from_slice(&hr.o[r * e..(r + 1) * e]);
+            out.o_mag[at..at + e].copy_from_slice(&hr.mag[0][r * e..(r + 1) * e]);
             if with_grad {
+                let at = ((b * n + r) * dm.h_q + h) * d;
                 out.dq[at..at + d].copy_from_slice(&hr.dq[r * d..(r + 1) * d]);
                 out.dq_mag[at..at + d].copy_from_slice(&hr.mag[1][r * d..(r + 1) * d]);
                 out.dq_mag_o[at..at + d].copy_from_slice(&hr.mag[4][r * d..(r + 1) * d]);
@@ -501,10 +504,13 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let at = ((b * dm.s_k + j) * dm.h_kv + hk) * d;
                 for c in 0..d {
                     out.dk[at + c] += hr.dk[j * d + c];
-                    out.dv[at + c] += hr.dv[j * d + c];
                     out.dk_mag[at + c] += hr.mag[2][j * d + c];
-                    out.dv_mag[at + c] += hr.mag[3][j * d + c];
                     out.dk_mag_o[at + c] += hr.mag[5][j * d + c];
+                }
+                let at = ((b * dm.s_k + j) * dm.h_kv + hk) * e;
+                for c in 0..e {
+                    out.dv[at + c] += hr.dv[j * e + c];
+                    out.dv_mag[at + c] += hr.mag[3][j * e + c];
                 }
             }
         }

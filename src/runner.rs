@@ -66,7 +66,7 @@ pub(crate) fn check_supported(backend: &'static str, dims: &Dims, dtype: DType) 
             what: "f32 inputs (the kernels take bf16 or f16; convert the inputs, or use the cpu backend)".into(),
         });
     }
-    geometry::check_head_dim(backend, dims.d)
+    geometry::check_head_dims(backend, dims)
 }
 
 /// Values as the 16-bit patterns of `dtype` (bf16 or f16), rounding to nearest even: the
@@ -139,12 +139,12 @@ pub(crate) fn forward_tensors<E: Executor>(
         k: &kb,
         v: &vb,
         vis: &vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         round_o: true,
     };
     let (o, lse) = e.forward(&x)?;
     Ok(ForwardOutput {
-        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
         lse: Tensor::from_f32(dims.lse_shape(), lse)?,
     })
 }
@@ -177,7 +177,7 @@ pub(crate) fn backward_tensors<E: Executor>(
             k: &kb,
             v: &vb,
             vis: &vis,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             round_o: false,
         },
         o: &of,
@@ -189,8 +189,8 @@ pub(crate) fn backward_tensors<E: Executor>(
     let (dq, dk, dv) = e.backward(&x)?;
     Ok(Gradients {
         dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
-        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
-        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.k_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.v_shape(), dv, q.dtype())?,
     })
 }
 
@@ -246,7 +246,7 @@ pub(crate) fn forward_block<E: Executor>(
         k: &kb,
         v: &vb,
         vis: &vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         round_o: false,
     })?;
     Ok((o.into(), lse.into()))
@@ -287,7 +287,7 @@ pub(crate) fn backward_block<E: Executor>(
             k: &kb,
             v: &vb,
             vis: &vis,
-            scale: x.params.softmax_scale(dims.d),
+            scale: x.params.softmax_scale(dims.d_qk),
             round_o: false,
         },
         o: &o,

@@ -123,7 +123,8 @@ pub fn compare(
         naive_rel_err: relative(naive_err, r),
         bound: relative(bound, r),
         inf_mismatches: 0,
-        pass: err <= bound,
+        // A result of another length (another shape) fails, whatever its elements.
+        pass: err <= bound && ours.len() == oracle.len(),
     }
 }
 
@@ -142,7 +143,7 @@ pub fn compare_lse(ours: &[f32], oracle: &[f64], naive: &[f64], magnitude: &[f64
         naive_rel_err: relative(naive_err, r),
         bound: relative(bound, r),
         inf_mismatches,
-        pass: inf_mismatches == 0 && err <= bound,
+        pass: inf_mismatches == 0 && err <= bound && ours.len() == oracle.len(),
     }
 }
 
@@ -282,14 +283,18 @@ pub fn check_rows(
     let (oracle, naive) = reference::rows_and_naive(q, k, v, d_o, params, rows)?;
     let dims = crate::Dims::of(q, k, v)?;
     let lse_shape = [dims.b, dims.h_q, dims.s_q];
-    let given = [("o", fwd.o.shape()), ("dq", grads.map_or(q.shape(), |g| g.dq.shape())), ("lse", fwd.lse.shape())];
-    for (name, shape) in given {
-        let want = if name == "lse" { &lse_shape[..] } else { q.shape() };
+    let o_shape = dims.o_shape();
+    let given = [
+        ("o", fwd.o.shape(), &o_shape[..]),
+        ("dq", grads.map_or(q.shape(), |g| g.dq.shape()), q.shape()),
+        ("lse", fwd.lse.shape(), &lse_shape[..]),
+    ];
+    for (name, shape, want) in given {
         if shape != want {
             return Err(Error::ShapeMismatch(format!("check_rows: `{name}` has shape {shape:?}, expected {want:?}")));
         }
     }
-    let pick = |t: &Tensor| select_rows(t, dims.b, dims.s_q, dims.h_q * dims.d, rows);
+    let pick = |t: &Tensor, d: usize| select_rows(t, dims.b, dims.s_q, dims.h_q * d, rows);
     let lse = fwd.lse.as_f32();
     let lse_rows: Vec<f32> = (0..dims.b * dims.h_q)
         .flat_map(|bh| rows.iter().map(move |&r| (bh, r)))
@@ -297,11 +302,20 @@ pub fn check_rows(
         .collect();
     let tol = Tolerance::default();
     let mut out = vec![
-        compare("o", &pick(&fwd.o)?, &oracle.o, &naive.o, &oracle.o_mag, &[], dtype, &tol),
+        compare("o", &pick(&fwd.o, dims.d_v)?, &oracle.o, &naive.o, &oracle.o_mag, &[], dtype, &tol),
         compare_lse(&lse_rows, &oracle.lse, &naive.lse, &oracle.lse_mag, &tol),
     ];
     if let (Some(g), Some(_)) = (grads, d_o) {
-        out.push(compare("dq", &pick(&g.dq)?, &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, &tol));
+        out.push(compare(
+            "dq",
+            &pick(&g.dq, dims.d_qk)?,
+            &oracle.dq,
+            &naive.dq,
+            &oracle.dq_mag,
+            &oracle.dq_mag_o,
+            dtype,
+            &tol,
+        ));
     }
     Ok(Report { dtype: dtype.to_string(), rows: out })
 }

@@ -54,7 +54,7 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
             let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
             let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
             let n = qs.dim(1)?;
-            let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d };
+            let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
             let plan =
                 Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
             let (qv, kv, vv) = (Var::from_tensor(&qs)?, Var::from_tensor(&ks)?, Var::from_tensor(&vs)?);
@@ -115,7 +115,7 @@ fn helpers_shard_unshard_and_sum_gradients() {
     // A bf16 tensor on an f32 plan is refused, naming both.
     let refused = spmd_shared(1, LocalOptions::default(), |comm| {
         let x = CTensor::zeros((1, 8, 2, 8), candle_core::DType::BF16, &Device::Cpu)?;
-        let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d: 8 };
+        let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
         let plan = Arc::new(ParallelPlan::new_shared(
             comm,
             Arc::new(CpuBackend::default()),
@@ -173,7 +173,7 @@ fn the_three_misuses_fail_on_every_rank_naming_the_fix() {
     let run = |params: &ParallelParams, misuse: usize| {
         spmd_shared(world, LocalOptions::default(), |comm| {
             let rank = comm.rank();
-            let dims = Dims { b: 1, s_q: s / world, s_k: s / world, h_q: hq, h_kv: hkv, d };
+            let dims = Dims { b: 1, s_q: s / world, s_k: s / world, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
             let plan =
                 Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), params, &dims, DType::F32)?);
             let dev = &Device::Cpu;
@@ -246,7 +246,7 @@ fn a_rank_that_skips_backward_makes_its_peers_fail_within_5_s() {
     };
     let runs = spmd_shared(2, LocalOptions::default(), |comm| {
         let rank = comm.rank();
-        let dims = Dims { b: 1, s_q: 16, s_k: 16, h_q: 2, h_kv: 2, d: 8 };
+        let dims = Dims { b: 1, s_q: 16, s_k: 16, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
         let plan =
             Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
         let q = Var::from_tensor(&CTensor::randn(0f32, 1.0, (1, 16, 2, 8), &Device::Cpu)?)?;
@@ -523,4 +523,46 @@ fn the_groups_deadline_bounds_every_wait() {
     let (r, took) = runs[0].as_ref().unwrap().as_ref().unwrap();
     assert!(matches!(r, Err(ringattn::Error::Timeout { .. })), "{r:?}");
     assert!(*took < std::time::Duration::from_millis(1500), "took {took:?}");
+}
+
+/// Multi-head latent attention's head dims (`d_qk` 24, `d_v` 16) through the group: `o` has
+/// v's head dim, and candle's backward gives the oracle's gradients of q, k and v on 4
+/// ranks, for the ring, all-gather, Ulysses and USP.
+#[test]
+fn unequal_head_dims_through_the_group_give_the_oracles_gradients() {
+    use rc::prelude::*;
+    let (world, b, s, hq, hkv, d_qk, d_v) = (4, 2, 40, 4, 2, 24, 16);
+    let q = randn(vec![b, s, hq, d_qk], 31, DType::F32);
+    let k = randn(vec![b, s, hkv, d_qk], 32, DType::F32);
+    let v = randn(vec![b, s, hkv, d_v], 33, DType::F32);
+    let w = randn(vec![b, s, hq, d_v], 34, DType::F32);
+    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let oracle = reference::backward(&q, &k, &v, &w, &attention).unwrap();
+    for strategy in [Strategy::Ring, Strategy::AllGather, Strategy::Ulysses, Strategy::Usp] {
+        let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+        let parts = spmd_shared(world, LocalOptions::default(), |comm| {
+            let cp = ContextParallel::new(comm, CpuBackend::default(), params.clone(), hq)?;
+            let shard = |t: &Tensor| cp.shard(&to_candle(t), 1);
+            let (qv, kv, vv) =
+                (Var::from_tensor(&shard(&q)?)?, Var::from_tensor(&shard(&k)?)?, Var::from_tensor(&shard(&v)?)?);
+            let o =
+                cp.attention_at(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &cp.position_ids(s, &Device::Cpu)?)?;
+            let grads = (o.clone() * shard(&w)?)?.sum_all()?.backward()?;
+            let get = |x: &Var| {
+                grads.get(x.as_tensor()).cloned().ok_or_else(|| ringattn::Error::InvalidArgument("no grad".into()))
+            };
+            Ok([o, get(&qv)?, get(&kv)?, get(&vv)?])
+        });
+        let parts: Vec<_> = parts.into_iter().map(|p| p.unwrap_or_else(|e| panic!("{strategy}: {e}"))).collect();
+        let resolved = params.resolve(world, hq, s).unwrap();
+        for (i, (name, want)) in
+            [("o", &oracle.o), ("dq", &oracle.dq), ("dk", &oracle.dk), ("dv", &oracle.dv)].into_iter().enumerate()
+        {
+            let whole = rc::unshard(&resolved, &parts.iter().map(|p| p[i].clone()).collect::<Vec<_>>(), 1).unwrap();
+            let got = from_candle(&whole).to_f32_vec();
+            assert_eq!(got.len(), want.len(), "{strategy}: {name} length");
+            let e = verify::rel_err(&got, want);
+            assert!(e < 1e-5, "{strategy}: {name} relative error {e:.3e}");
+        }
+    }
 }

@@ -80,7 +80,7 @@ fn unsupported_inputs_get_clear_errors_on_any_machine() {
 
 #[test]
 fn workspace_and_bit_patterns() {
-    let dims = Dims { b: 2, s_q: 10, s_k: 30, h_q: 4, h_kv: 2, d: 64 };
+    let dims = Dims { b: 2, s_q: 10, s_k: 30, h_q: 4, h_kv: 2, d_qk: 64, d_v: 64 };
     // Positions and document ids, delta, and the fixed-point dq's units and K/V bounds.
     assert_eq!(cuda::dq_workspace_len(&dims), 2 * 4 * 10 + 2 * 2 * 2);
     assert_eq!(cuda::workspace_bytes(&dims), 12 * 40 + 4 * 2 * 4 * 10 + 4 * (2 * 4 * 10 + 2 * 2 * 2));
@@ -234,7 +234,7 @@ fn the_device_resident_api_matches_the_host_path() {
         kernels: Default::default(),
     };
     let saved = dev.forward(&stream, &args).unwrap();
-    let o = dev.download_f32(&saved.o, dims.b * dims.s_q * dims.h_q * dims.d).unwrap();
+    let o = dev.download_f32(&saved.o, dims.b * dims.s_q * dims.h_q * dims.d_v).unwrap();
     let lse = dev.download_f32(&saved.lse, dims.b * dims.h_q * dims.s_q).unwrap();
     assert!(o.iter().chain(&lse).all(|x| !x.is_nan()), "every output element written");
     let host = cuda::forward(&x.q, &x.k, &x.v, None, &c.params, &CudaOptions::default()).unwrap();
@@ -246,7 +246,7 @@ fn the_device_resident_api_matches_the_host_path() {
     dev.rowsum_into(&stream, &dims, DType::BF16, &saved.o, &d_o, &mut delta).unwrap();
     let mut given = DeviceGradients::alloc(&stream, &dims).unwrap();
     dev.backward_into(&stream, &bargs, Delta::Given(&delta), &mut given).unwrap();
-    let n_kv = dims.b * dims.s_k * dims.h_kv * dims.d;
+    let n_kv = dims.b * dims.s_k * dims.h_kv * dims.d_qk; // d_qk = d_v here
     for (a, b) in [(&grads.dk, &given.dk), (&grads.dv, &given.dv)] {
         let (a, b) = (dev.download_f32(a, n_kv).unwrap(), dev.download_f32(b, n_kv).unwrap());
         assert!(a.iter().all(|x| !x.is_nan()));

@@ -195,7 +195,7 @@ fn unsupported_inputs_get_clear_errors() {
     assert!(matches!(e, Error::BackendUnsupported { .. }) && e.to_string().contains("f32"), "{e}");
     let x = randn(vec![1, 8, 1, 20], 1, DType::BF16);
     let e = emu::forward(&x, &x, &x, None, &p, &opts).unwrap_err();
-    assert!(e.to_string().contains("head dim 20"), "{e}");
+    assert!(e.to_string().contains("head dim d_qk = 20"), "{e}");
     let x = randn(vec![1, 8, 1, 264], 1, DType::BF16);
     assert!(emu::forward(&x, &x, &x, None, &p, &opts).is_err());
 }

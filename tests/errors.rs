@@ -43,7 +43,9 @@ fn head_dim_zero_or_too_large() {
     let e = fwd(&t(&[1, 4, 1, 0], f), &t(&[1, 4, 1, 0], f), &t(&[1, 4, 1, 0], f));
     assert!(matches!(e, Error::HeadDim { d: 0, .. }), "{e}");
     let e = fwd(&t(&[1, 1, 1, 513], f), &t(&[1, 1, 1, 513], f), &t(&[1, 1, 1, 513], f));
-    assert!(matches!(e, Error::HeadDim { d: 513, max: 512 }), "{e}");
+    assert!(matches!(e, Error::HeadDim { name: "d_qk", d: 513, max: 512 }), "{e}");
+    let e = fwd(&t(&[1, 1, 1, 8], f), &t(&[1, 1, 1, 8], f), &t(&[1, 1, 1, 513], f));
+    assert!(matches!(e, Error::HeadDim { name: "d_v", d: 513, max: 512 }), "{e}");
 }
 
 #[test]

@@ -18,6 +18,8 @@ struct PCase {
     h_q: usize,
     h_kv: usize,
     d: usize,
+    /// v's head dim (multi-head latent attention when it differs from `d`).
+    d_v: usize,
     mask: Mask,
     docs: Option<Vec<usize>>,
     dtype: DType,
@@ -29,8 +31,8 @@ struct PCase {
 fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
     let q = randn(vec![c.b, c.s, c.h_q, c.d], c.seed, c.dtype);
     let k = randn(vec![c.b, c.s, c.h_kv, c.d], c.seed + 1, c.dtype);
-    let v = randn(vec![c.b, c.s, c.h_kv, c.d], c.seed + 2, c.dtype);
-    let d_o = randn(vec![c.b, c.s, c.h_q, c.d], c.seed + 3, c.dtype);
+    let v = randn(vec![c.b, c.s, c.h_kv, c.d_v], c.seed + 2, c.dtype);
+    let d_o = randn(vec![c.b, c.s, c.h_q, c.d_v], c.seed + 3, c.dtype);
     let attention =
         AttentionParams { mask: c.mask, documents: c.docs.clone().map(|d| Documents::new(d).unwrap()), scale: None };
     let params = ParallelParams {
@@ -69,6 +71,7 @@ prop_compose! {
         s in 1usize..90,
         kv_choice in 0usize..4,
         d in prop::sample::select(&[8usize, 16, 32][..]),
+        d_v in prop::sample::select(&[0usize, 0, 8, 24][..]),
         mask in prop_oneof![
             Just(Mask::None),
             Just(Mask::Causal),
@@ -93,7 +96,9 @@ prop_compose! {
         let strategy = if matches!(strategy, Strat::Ulysses) && h_q % world != 0 { Strat::Ring } else { strategy };
         let docs = docs.then(|| { let c = cut % (s + 1); vec![c, s - c] });
         let order = if fifo { MessageOrder::PerPeerFifo } else { MessageOrder::Tag };
-        PCase { world, strategy, layout, b, s, h_q, h_kv, d, mask, docs, dtype, ulysses_degree: None, seed, order }
+        // d_v 0: equal head dims.
+        let d_v = if d_v == 0 { d } else { d_v };
+        PCase { world, strategy, layout, b, s, h_q, h_kv, d, d_v, mask, docs, dtype, ulysses_degree: None, seed, order }
     }
 }
 
@@ -145,6 +150,7 @@ fn every_strategy_and_layout_on_one_case() {
             h_q: 8,
             h_kv: 2,
             d: 16,
+            d_v: 16,
             mask: Mask::Causal,
             docs: None,
             dtype: DType::F32,
@@ -172,7 +178,9 @@ fn ranks_without_tokens_or_visible_blocks_match_the_oracle() {
                 s,
                 h_q: 2,
                 h_kv: 1,
-                d: 8,
+                d: 16,
+                // Ranks without tokens hold empty K and V blocks of their own widths.
+                d_v: 8,
                 mask,
                 docs: docs.clone(),
                 dtype,

@@ -16,11 +16,12 @@ extern "C" int ringattn_emu_selftest(int which, unsigned n, float* buf, float* o
 extern "C" int ringattn_emu_selftest_checks(int which, int schedule, char* msg, size_t cap);
 
 extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap);
-extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap);
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, int own_dv, EmuLaunch l, char* msg,
+                                      size_t cap);
 extern "C" int ringattn_emu_flash_fwd_hopper(const FlashFwdHopperParams* hp, int bf16, int dclass, EmuLaunch l,
                                              char* msg, size_t cap);
-extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
-                                      size_t cap);
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, int own_dv, EmuLaunch l,
+                                      char* msg, size_t cap);
 extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int fixed, int bf16, int dclass,
                                              EmuLaunch l, char* msg, size_t cap);
 
@@ -117,14 +118,14 @@ int main() {
         std::vector<float> o(q.size(), NAN), lse(b * hq * s, NAN);
         const float scale = 0.25f;
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0, nullptr, nullptr, nullptr, nullptr};
-        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, scale,
-                          scale * 1.4426950408889634f};
+        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, d,
+                          scale, scale * 1.4426950408889634f};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 32 rows,
         // 64-key tiles double-buffered, each warp's query bounds (src/kernels.rs
         // `geometry::forward`).
         EmuLaunch fl{{unsigned((s + 127) / 128), unsigned(hq), unsigned(b)}, 128, 128 * 32 * 2 + 4 * 64 * 32 * 2 + 4 * 32,
                      2, 2, 9, nullptr};
-        check(ringattn_emu_flash_fwd(fp, 1, 32, fl, msg, sizeof msg) == 0, "flash forward runs clean");
+        check(ringattn_emu_flash_fwd(fp, 1, 32, 0, fl, msg, sizeof msg) == 0, "flash forward runs clean");
         // The largest difference of (o, lse) from a naive double-precision attention.
         auto worst_error = [&] {
             double worst = 0.0;
@@ -177,22 +178,22 @@ int main() {
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), 0.0f), dk(k.size(), NAN), dv(v.size(), NAN);
         std::vector<float> unit(lse.size(), NAN), kv_bound(2 * b * hkv, 0.0f);
         FlashBwdParams bp{q.data(),   k.data(),     v.data(),  o.data(),  dout.data(), lse.data(), delta.data(),
-                          dq.data(),  dk.data(),    dv.data(), unit.data(), kv_bound.data(), m, b, s, s, hq, hkv, d,
+                          dq.data(),  dk.data(),    dv.data(), unit.data(), kv_bound.data(), m, b, s, s, hq, hkv, d, d,
                           scale,      scale * 1.4426950408889634f, 0, 0};
         // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32:
         // rowsum, kvbound, rowunit, the dk/dv kernel with fixed-point dq, dqconvert.
         const unsigned rows = unsigned((b * hq * s + 255) / 256);
         EmuLaunch rl{{rows, 1, 1}, 256, 0, 1, 1, 0, nullptr};
-        bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, rl, msg, sizeof msg) == 0;
+        bool ok = ringattn_emu_flash_bwd(bp, 0, 1, 0, 0, rl, msg, sizeof msg) == 0;
         EmuLaunch bl{{unsigned((b * s * hkv + 7) / 8), 1, 1}, 256, 0, 2, 2, 9, nullptr};
-        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 0, bl, msg, sizeof msg) == 0;
-        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 0, rl, msg, sizeof msg) == 0;
+        ok = ok && ringattn_emu_flash_bwd(bp, 1, 1, 0, 0, bl, msg, sizeof msg) == 0;
+        ok = ok && ringattn_emu_flash_bwd(bp, 2, 1, 0, 0, rl, msg, sizeof msg) == 0;
         // 64 keys per block; Q, dO and 3 f32 per query row (64-row tiles) twice; dS^T and flags.
         EmuLaunch kl{{unsigned((s + 63) / 64), unsigned(hkv), unsigned(b)}, 128,
                      2 * 64 * 64 + 2 * (2 * 64 * 64 + 3 * 64 * 4) + 64 * 72 * 2 + 16, 2, 2, 9, nullptr};
-        ok = ok && ringattn_emu_flash_bwd(bp, 3, 1, 32, kl, msg, sizeof msg) == 0;
+        ok = ok && ringattn_emu_flash_bwd(bp, 3, 1, 32, 0, kl, msg, sizeof msg) == 0;
         EmuLaunch cl{{unsigned((b * s * hq + 7) / 8), 1, 1}, 256, 0, 2, 2, 9, nullptr};
-        ok = ok && ringattn_emu_flash_bwd(bp, 5, 1, 0, cl, msg, sizeof msg) == 0;
+        ok = ok && ringattn_emu_flash_bwd(bp, 5, 1, 0, 0, cl, msg, sizeof msg) == 0;
         check(ok, "flash backward runs clean");
         bool finite = true;
         for (const std::vector<float>* g : {&delta, &dq, &dk, &dv, &unit}) {
@@ -223,7 +224,7 @@ int main() {
             bool hok = ringattn_emu_flash_bwd_hopper(&hb, 1, 1, 64, hbl, msg, sizeof msg) == 0;
             FlashBwdParams conv = bp;
             conv.dq = dq2.data();
-            hok = hok && ringattn_emu_flash_bwd(conv, 5, 1, 0, cl, msg, sizeof msg) == 0;
+            hok = hok && ringattn_emu_flash_bwd(conv, 5, 1, 0, 0, cl, msg, sizeof msg) == 0;
             check(hok, "Hopper backward runs clean");
             double worst = 0.0, scale_g = 0.0;
             const std::pair<const std::vector<float>*, const std::vector<float>*> pairs[] = {

@@ -12,21 +12,23 @@
 // Flash backward; `kernel`: 0 rowsum (delta), 1 kvbound, 2 rowunit, 3 dk/dv with fixed-point
 // dq (classes up to 128), 4 dk/dv with f32 atomic dq, 5 dqconvert, 6 dq (classes from 192), 7
 // dk/dv alone (classes from 192) (src/emu/flash.rs `kernel_code`); `bf16` as above; `dclass`
-// the head-dim class of the entry points instantiated per class.
-extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, EmuLaunch l, char* msg,
-                                      size_t cap) {
+// the head-dim class of the entry points instantiated per class, `own_dv` 1 for their
+// V-of-its-own-head-dim variants (..._dv).
+extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, int own_dv, EmuLaunch l,
+                                      char* msg, size_t cap) {
     emu::LaunchConfig c = config(l);
-    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
+    const int64_t q_rows = p.b * p.s_q * p.h_q, kv_rows = p.b * p.s_k * p.h_kv, st = p.b * p.h_q * p.s_q;
+    const int64_t q = q_rows * p.d_qk, o = q_rows * p.d_v, k = kv_rows * p.d_qk, v = kv_rows * p.d_v;
     c.globals = {{p.q, bytes(q, 2), "q"},
-                 {p.k, bytes(kv, 2), "k"},
-                 {p.v, bytes(kv, 2), "v"},
-                 {p.o, bytes(q, 4), "o"},
-                 {p.d_o, bytes(q, 2), "d_o"},
+                 {p.k, bytes(k, 2), "k"},
+                 {p.v, bytes(v, 2), "v"},
+                 {p.o, bytes(o, 4), "o"},
+                 {p.d_o, bytes(o, 2), "d_o"},
                  {p.lse, bytes(st, 4), "lse"},
                  {p.delta, bytes(st, 4), "delta"},
                  {p.dq, bytes(q, 4), "dq"},
-                 {p.dk, bytes(kv, 4), "dk"},
-                 {p.dv, bytes(kv, 4), "dv"},
+                 {p.dk, bytes(k, 4), "dk"},
+                 {p.dv, bytes(v, 4), "dv"},
                  {p.dq_unit, bytes(st, 4), "dq_unit"},
                  {p.kv_bound, bytes(2 * p.b * p.h_kv, 4), "kv_bound"}};
     add_mask(c, p.mask, p.s_q, p.s_k);
@@ -48,25 +50,39 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
         case 4:
         case 6:
         case 7:
-// Kernel CODE's entry point NAME at head-dim class D, when that is the one asked for.
-#define RINGATTN_EMU_PICK(CODE, NAME, D) \
-    if (kernel == CODE) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
+// Kernel CODE's entry point NAME at head-dim class D, when that is the one asked for (and
+// its _dv variant when that is).
+#define RINGATTN_EMU_PICK(CODE, NAME, D)                                                                        \
+    if (kernel == CODE && !own_dv) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
+#define RINGATTN_EMU_PICK_DV(CODE, NAME, D) \
+    if (kernel == CODE && own_dv)           \
+    fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D##_dv : ringattn_flash_bwd_##NAME##_f16_d##D##_dv
 // Up to class 128: the dk/dv kernels that add dq; from 192 also the dq kernel and plain dk/dv.
 #define RINGATTN_EMU_FIXED_CLASS(D)      \
     case D:                              \
         RINGATTN_EMU_PICK(3, dkdvqfx, D); \
         RINGATTN_EMU_PICK(4, dkdvq, D);   \
         break;
-#define RINGATTN_EMU_SEPARATE_CLASS(D) \
-    case D:                            \
-        RINGATTN_EMU_PICK(4, dkdvq, D); \
-        RINGATTN_EMU_PICK(6, dq, D);    \
-        RINGATTN_EMU_PICK(7, dkdv, D);  \
+#define RINGATTN_EMU_FIXED_CLASS_DV(D)      \
+    case D:                                 \
+        RINGATTN_EMU_PICK(3, dkdvqfx, D);    \
+        RINGATTN_EMU_PICK(4, dkdvq, D);      \
+        RINGATTN_EMU_PICK_DV(3, dkdvqfx, D); \
+        RINGATTN_EMU_PICK_DV(4, dkdvq, D);   \
+        break;
+#define RINGATTN_EMU_SEPARATE_CLASS(D)    \
+    case D:                               \
+        RINGATTN_EMU_PICK(4, dkdvq, D);    \
+        RINGATTN_EMU_PICK(6, dq, D);       \
+        RINGATTN_EMU_PICK(7, dkdv, D);     \
+        RINGATTN_EMU_PICK_DV(4, dkdvq, D); \
+        RINGATTN_EMU_PICK_DV(6, dq, D);    \
+        RINGATTN_EMU_PICK_DV(7, dkdv, D);  \
         break;
             switch (dclass) {
                 RINGATTN_EMU_FIXED_CLASS(32)
                 RINGATTN_EMU_FIXED_CLASS(64)
-                RINGATTN_EMU_FIXED_CLASS(96)
+                RINGATTN_EMU_FIXED_CLASS_DV(96)
                 RINGATTN_EMU_FIXED_CLASS(128)
                 RINGATTN_EMU_SEPARATE_CLASS(192)
                 RINGATTN_EMU_SEPARATE_CLASS(256)
@@ -74,11 +90,13 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
                     break;
             }
 #undef RINGATTN_EMU_FIXED_CLASS
+#undef RINGATTN_EMU_FIXED_CLASS_DV
 #undef RINGATTN_EMU_SEPARATE_CLASS
 #undef RINGATTN_EMU_PICK
+#undef RINGATTN_EMU_PICK_DV
             if (fn == nullptr) {
                 return report("no backward kernel " + std::to_string(kernel) + " for head-dim class " +
-                                  std::to_string(dclass),
+                                  std::to_string(dclass) + (own_dv ? " with its own d_v" : ""),
                               msg, cap);
             }
             break;
@@ -104,5 +122,9 @@ static const EmuNamedKernel kNamedBwd[] = {
                     RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 64) RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 96)
                         RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 128) RINGATTN_EMU_BWD_NAMED2(dq, 192)
                             RINGATTN_EMU_BWD_NAMED2(dq, 256) RINGATTN_EMU_BWD_NAMED2(dkdv, 192)
-                                RINGATTN_EMU_BWD_NAMED2(dkdv, 256)};
+                                RINGATTN_EMU_BWD_NAMED2(dkdv, 256) RINGATTN_EMU_BWD_NAMED2(dkdvq, 96_dv)
+                                    RINGATTN_EMU_BWD_NAMED2(dkdvq, 192_dv) RINGATTN_EMU_BWD_NAMED2(dkdvq, 256_dv)
+                                        RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 96_dv) RINGATTN_EMU_BWD_NAMED2(dq, 192_dv)
+                                                RINGATTN_EMU_BWD_NAMED2(dq, 256_dv) RINGATTN_EMU_BWD_NAMED2(dkdv, 192_dv)
+                                                    RINGATTN_EMU_BWD_NAMED2(dkdv, 256_dv)};
 RINGATTN_EMU_NAMED_TABLE(flash_bwd, kNamedBwd)

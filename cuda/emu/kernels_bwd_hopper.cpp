@@ -17,10 +17,11 @@ extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int
     const FlashBwdHopperParams params = *hp;
     const FlashBwdParams& p = params.p;
     emu::LaunchConfig c = config(l);
-    const int64_t q = p.b * p.s_q * p.h_q * p.d, kv = p.b * p.s_k * p.h_kv * p.d, st = p.b * p.h_q * p.s_q;
-    c.globals = {{p.q, bytes(q, 2), "q"},           {p.k, bytes(kv, 2), "k"},         {p.v, bytes(kv, 2), "v"},
-                 {p.d_o, bytes(q, 2), "d_o"},       {p.lse, bytes(st, 4), "lse"},     {p.delta, bytes(st, 4), "delta"},
-                 {p.dq, bytes(q, 4), "dq"},         {p.dk, bytes(kv, 4), "dk"},       {p.dv, bytes(kv, 4), "dv"},
+    const int64_t q_rows = p.b * p.s_q * p.h_q, kv_rows = p.b * p.s_k * p.h_kv, st = p.b * p.h_q * p.s_q;
+    const int64_t q = q_rows * p.d_qk, o = q_rows * p.d_v, k = kv_rows * p.d_qk, v = kv_rows * p.d_v;
+    c.globals = {{p.q, bytes(q, 2), "q"},           {p.k, bytes(k, 2), "k"},          {p.v, bytes(v, 2), "v"},
+                 {p.d_o, bytes(o, 2), "d_o"},       {p.lse, bytes(st, 4), "lse"},     {p.delta, bytes(st, 4), "delta"},
+                 {p.dq, bytes(q, 4), "dq"},         {p.dk, bytes(k, 4), "dk"},        {p.dv, bytes(v, 4), "dv"},
                  {p.dq_unit, bytes(st, 4), "dq_unit"}};
     add_mask(c, p.mask, p.s_q, p.s_k);
     void (*kernel)(FlashBwdHopperParams) = nullptr;

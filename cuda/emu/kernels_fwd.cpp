@@ -10,8 +10,10 @@
 #include "flash_fwd.cu"
 
 // Flash forward; `bf16`: 1 for bf16 inputs, 0 for f16; `dclass` the head-dim class of the
-// entry point (src/kernels.rs `geometry::forward`).
-extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, EmuLaunch l, char* msg, size_t cap) {
+// entry point, `own_dv` 1 for its V-of-its-own-head-dim variant (..._dv) (src/kernels.rs
+// `geometry::forward`).
+extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, int own_dv, EmuLaunch l, char* msg,
+                                      size_t cap) {
     emu::LaunchConfig c = config(l);
     add_forward_globals(c, p);
     void (*kernel)(FlashFwdParams) = nullptr;
@@ -19,17 +21,33 @@ extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, Em
     case D:                                                                            \
         kernel = bf16 ? ringattn_flash_fwd_bf16_d##D : ringattn_flash_fwd_f16_d##D; \
         break;
-    switch (dclass) {
-        RINGATTN_EMU_FWD_CASE(32)
-        RINGATTN_EMU_FWD_CASE(64)
-        RINGATTN_EMU_FWD_CASE(96)
-        RINGATTN_EMU_FWD_CASE(128)
-        RINGATTN_EMU_FWD_CASE(192)
-        RINGATTN_EMU_FWD_CASE(256)
-        default:
-            return report("no forward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+#define RINGATTN_EMU_FWD_DV_CASE(D)                                                          \
+    case D:                                                                                  \
+        kernel = bf16 ? ringattn_flash_fwd_bf16_d##D##_dv : ringattn_flash_fwd_f16_d##D##_dv; \
+        break;
+    if (own_dv) {
+        switch (dclass) {
+            RINGATTN_EMU_FWD_DV_CASE(96)
+            RINGATTN_EMU_FWD_DV_CASE(192)
+            RINGATTN_EMU_FWD_DV_CASE(256)
+            default:
+                return report("no forward kernel with its own d_v for head-dim class " + std::to_string(dclass), msg,
+                              cap);
+        }
+    } else {
+        switch (dclass) {
+            RINGATTN_EMU_FWD_CASE(32)
+            RINGATTN_EMU_FWD_CASE(64)
+            RINGATTN_EMU_FWD_CASE(96)
+            RINGATTN_EMU_FWD_CASE(128)
+            RINGATTN_EMU_FWD_CASE(192)
+            RINGATTN_EMU_FWD_CASE(256)
+            default:
+                return report("no forward kernel for head-dim class " + std::to_string(dclass), msg, cap);
+        }
     }
 #undef RINGATTN_EMU_FWD_CASE
+#undef RINGATTN_EMU_FWD_DV_CASE
     std::function<void()> body = [p, kernel] { kernel(p); };
     return report(emu::launch(c, body), msg, cap);
 }
@@ -38,7 +56,11 @@ extern "C" int ringattn_emu_flash_fwd(FlashFwdParams p, int bf16, int dclass, Em
 #define RINGATTN_EMU_FWD_NAMED(D)                                          \
     RINGATTN_EMU_NAMED(ringattn_flash_fwd_bf16_d##D, FlashFwdParams) \
     RINGATTN_EMU_NAMED(ringattn_flash_fwd_f16_d##D, FlashFwdParams)
-static const EmuNamedKernel kNamedFwd[] = {RINGATTN_EMU_FWD_NAMED(32) RINGATTN_EMU_FWD_NAMED(64)
-                                               RINGATTN_EMU_FWD_NAMED(96) RINGATTN_EMU_FWD_NAMED(128)
-                                                   RINGATTN_EMU_FWD_NAMED(192) RINGATTN_EMU_FWD_NAMED(256)};
+#define RINGATTN_EMU_FWD_DV_NAMED(D)                                            \
+    RINGATTN_EMU_NAMED(ringattn_flash_fwd_bf16_d##D##_dv, FlashFwdParams) \
+    RINGATTN_EMU_NAMED(ringattn_flash_fwd_f16_d##D##_dv, FlashFwdParams)
+static const EmuNamedKernel kNamedFwd[] = {
+    RINGATTN_EMU_FWD_NAMED(32) RINGATTN_EMU_FWD_NAMED(64) RINGATTN_EMU_FWD_NAMED(96) RINGATTN_EMU_FWD_NAMED(128)
+        RINGATTN_EMU_FWD_NAMED(192) RINGATTN_EMU_FWD_NAMED(256) RINGATTN_EMU_FWD_DV_NAMED(96)
+            RINGATTN_EMU_FWD_DV_NAMED(192) RINGATTN_EMU_FWD_DV_NAMED(256)};
 RINGATTN_EMU_NAMED_TABLE(flash_fwd, kNamedFwd)

@@ -139,7 +139,7 @@ fn a_launch_needing_100_kib_of_shared_memory_without_the_opt_in_fails() {
     let m = load(fwd).unwrap();
     let mut f: Ptr = null_mut();
     assert_eq!(unsafe { cuModuleGetFunction(&mut f, m, c"ringattn_flash_fwd_bf16_d64".as_ptr()) }, SUCCESS);
-    let mut params = [0u8; 184];
+    let mut params = [0u8; std::mem::size_of::<ringattn::kernels::params::FlashFwdParams>()];
     let mut arg: [*mut c_void; 1] = [params.as_mut_ptr().cast()];
     let s = stream();
     let launch = |smem: u32, arg: &mut [*mut c_void; 1]| unsafe {

@@ -43,7 +43,8 @@ struct PlanKey {
     b: usize,
     h_q: usize,
     h_kv: usize,
-    d: usize,
+    d_qk: usize,
+    d_v: usize,
     dtype: DType,
 }
 
@@ -140,16 +141,17 @@ fn recent<K: PartialEq, V: Clone>(
 
 /// Bytes of the text of a call record (an error message, cut).
 const CALL_TEXT: usize = 256;
-/// A call record: ok, b, n, h_q, h_kv, d, dtype, has positions, positions hash, text length,
-/// text.
-const CALL_RECORD: usize = 1 + 8 * 8 + 2 + CALL_TEXT;
+/// A call record: ok, b, n, h_q, h_kv, d_qk, d_v, dtype, has positions, positions hash, text
+/// length, text.
+const CALL_RECORD: usize = 1 + 9 * 8 + 2 + CALL_TEXT;
 
 /// One rank's attention call as the others see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct CallRecord {
     /// The call passed this rank's own checks; otherwise `text` says why not.
     ok: bool,
-    dims: [u64; 5],
+    /// `[b, n, h_q, h_kv, d_qk, d_v]`.
+    dims: [u64; 6],
     dtype: u64,
     /// Position ids given, and their hash.
     positions: Option<u64>,
@@ -158,7 +160,7 @@ struct CallRecord {
 
 impl CallRecord {
     fn refused(text: String) -> Self {
-        CallRecord { ok: false, dims: [0; 5], dtype: 0, positions: None, text }
+        CallRecord { ok: false, dims: [0; 6], dtype: 0, positions: None, text }
     }
 
     fn encode(&self) -> Vec<u8> {
@@ -183,13 +185,13 @@ impl CallRecord {
             return Err(Error::Handshake(format!("a call record of {} bytes", b.len())));
         }
         let at = |i: usize| u64::from_le_bytes(b[1 + 8 * i..9 + 8 * i].try_into().expect("8 bytes"));
-        let n = usize::from(u16::from_le_bytes([b[65], b[66]])).min(CALL_TEXT);
+        let n = usize::from(u16::from_le_bytes([b[73], b[74]])).min(CALL_TEXT);
         Ok(CallRecord {
             ok: b[0] == 1,
-            dims: [at(0), at(1), at(2), at(3), at(4)],
-            dtype: at(5),
-            positions: (at(6) == 1).then(|| at(7)),
-            text: String::from_utf8_lossy(&b[67..67 + n]).into_owned(),
+            dims: [at(0), at(1), at(2), at(3), at(4), at(5)],
+            dtype: at(6),
+            positions: (at(7) == 1).then(|| at(8)),
+            text: String::from_utf8_lossy(&b[75..75 + n]).into_owned(),
         })
     }
 }
@@ -334,8 +336,9 @@ where
     }
 
     /// Exact attention of this rank's shard against the whole sequence, with autograd:
-    /// `q` `[b, n, h_q, d]`, `k`, `v` `[b, n, h_kv, d]` (this rank's `n` tokens at the
-    /// layout's positions) in f32, bf16 or f16; returns `o` `[b, n, h_q, d]`. `positions`
+    /// `q` `[b, n, h_q, d_qk]`, `k` `[b, n, h_kv, d_qk]`, `v` `[b, n, h_kv, d_v]` (this rank's
+    /// `n` tokens at the layout's positions) in f32, bf16 or f16; returns `o` `[b, n, h_q,
+    /// d_v]`. `positions`
     /// (`[n]`, any integer dtype) are the position ids of the tokens; they are compared with
     /// the layout's. The plan comes from the tensors (the global length is the sum of every
     /// rank's `n`), made collectively on first use of a shape. Collective, forward and
@@ -396,6 +399,7 @@ where
         let checked = || -> candle_core::Result<(CallRecord, Option<Vec<u64>>)> {
             let [b, n, h_q, d] = dims4("q", q).map_err(wrap)?;
             let [kb, kn, h_kv, kd] = dims4("k", k).map_err(wrap)?;
+            let [vb, vn, vh, d_v] = dims4("v", v).map_err(wrap)?;
             if h_q != self.h_q {
                 let hint =
                     if n == self.h_q { "; it looks like [b, h, s, d]: transpose(1, 2) to [b, s, h, d]" } else { "" };
@@ -405,14 +409,14 @@ where
                     self.h_q
                 ))));
             }
-            if [kb, kn, kd] != [b, n, d] || v.dims() != k.dims() {
+            if [kb, kn, kd] != [b, n, d] || [vb, vn, vh] != [b, n, h_kv] {
                 let hint = if k.dims().len() == 4 && k.dim(1)? == h_kv && k.dim(2)? == n {
                     "; it looks like [b, h, s, d]: transpose(1, 2) to [b, s, h, d]"
                 } else {
                     ""
                 };
                 return Err(wrap(Error::ShapeMismatch(format!(
-                    "`q` {:?}, `k` {:?} and `v` {:?} must be [b, s, h_q, d], [b, s, h_kv, d], [b, s, h_kv, d]{hint}",
+                    "`q` {:?}, `k` {:?} and `v` {:?} must be [b, s, h_q, d_qk], [b, s, h_kv, d_qk], [b, s, h_kv, d_v]{hint}",
                     q.dims(),
                     k.dims(),
                     v.dims()
@@ -449,7 +453,7 @@ where
                 }
             };
             let positions = ids.as_ref().map(|ids| hash_positions(ids.iter().copied()));
-            let dims = [b, n, h_q, h_kv, d].map(|x| x as u64);
+            let dims = [b, n, h_q, h_kv, d, d_v].map(|x| x as u64);
             Ok((CallRecord { ok: true, dims, dtype: dtype_code(dtype), positions, text: String::new() }, ids))
         };
         checked()
@@ -469,22 +473,22 @@ where
         }
         let first = &records[0];
         let same = |r: &CallRecord| {
-            [r.dims[0], r.dims[2], r.dims[3], r.dims[4], r.dtype]
-                == [first.dims[0], first.dims[2], first.dims[3], first.dims[4], first.dtype]
+            [r.dims[0], r.dims[2], r.dims[3], r.dims[4], r.dims[5], r.dtype]
+                == [first.dims[0], first.dims[2], first.dims[3], first.dims[4], first.dims[5], first.dtype]
         };
         if let Some((r, rec)) = records.iter().enumerate().find(|(_, r)| !same(r)) {
             return Err(Error::Handshake(format!(
-                "rank {r} calls attention with [b, n, h_q, h_kv, d] = {:?} in {:?}, rank 0 with {:?} in {:?}",
+                "rank {r} calls attention with [b, n, h_q, h_kv, d_qk, d_v] = {:?} in {:?}, rank 0 with {:?} in {:?}",
                 rec.dims,
                 code_dtype(rec.dtype),
                 first.dims,
                 code_dtype(first.dtype)
             )));
         }
-        let [b, _, h_q, h_kv, d] = first.dims.map(|x| x as usize);
+        let [b, _, h_q, h_kv, d_qk, d_v] = first.dims.map(|x| x as usize);
         let dtype = code_dtype(first.dtype).ok_or_else(|| Error::Handshake(format!("dtype code {}", first.dtype)))?;
         let seq_len = records.iter().map(|r| r.dims[1] as usize).sum();
-        let key = PlanKey { seq_len, b, h_q, h_kv, d, dtype };
+        let key = PlanKey { seq_len, b, h_q, h_kv, d_qk, d_v, dtype };
         let plan = self.plan(key, records[me].dims[1] as usize)?;
         // Position ids: the same verdict everywhere; the rank at fault names its token.
         let wrong: Vec<usize> = records
@@ -514,7 +518,7 @@ where
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         recent(&mut plans, self.options.max_plans, key, || {
             let resolved = self.resolved(key.seq_len)?;
-            let dims = Dims { b: key.b, s_q: n, s_k: n, h_q: key.h_q, h_kv: key.h_kv, d: key.d };
+            let dims = Dims { b: key.b, s_q: n, s_k: n, h_q: key.h_q, h_kv: key.h_kv, d_qk: key.d_qk, d_v: key.d_v };
             let backend = self.backend.clone();
             Ok(Arc::new(ParallelPlan::new_shared(self.comm.clone(), backend, &*resolved, &dims, key.dtype)?))
         })
@@ -576,7 +580,7 @@ mod tests {
     fn call_records_round_trip() {
         let r = CallRecord {
             ok: true,
-            dims: [4, 128, 8, 2, 64],
+            dims: [4, 128, 8, 2, 192, 128],
             dtype: 2,
             positions: Some(u64::MAX - 5),
             text: "é".repeat(200),

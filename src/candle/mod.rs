@@ -140,7 +140,7 @@ where
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let b = |s, l| <Be::Buf as CandleBuf>::from_cpu(s, l);
         let o = self.forward(b(s1, l1)?, b(s2, l2)?, b(s3, l3)?)?;
-        Ok((o.into_cpu()?, l1.shape().clone()))
+        Ok((o.into_cpu()?, o_shape(l1, l3)))
     }
 
     fn cuda_fwd(
@@ -154,7 +154,7 @@ where
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let b = |s, l| <Be::Buf as CandleBuf>::from_cuda(s, l);
         let o = self.forward(b(s1, l1)?, b(s2, l2)?, b(s3, l3)?)?;
-        Ok((o.into_cuda(s1)?, l1.shape().clone()))
+        Ok((o.into_cuda(s1)?, o_shape(l1, l3)))
     }
 
     fn bwd(
@@ -174,10 +174,20 @@ where
     }
 }
 
+/// The output's shape: q's `[b, n, h_q]` with v's head dim.
+fn o_shape(q: &Layout, v: &Layout) -> Shape {
+    let mut dims = q.shape().dims().to_vec();
+    if let (Some(last), Some(&d_v)) = (dims.last_mut(), v.shape().dims().last()) {
+        *last = d_v;
+    }
+    Shape::from(dims)
+}
+
 /// Exact attention of this rank's shard against the whole sequence, as a candle operation
-/// with autograd: `q` `[b, n, h_q, d]`, `k` and `v` `[b, n, h_kv, d]` (this rank's `n` tokens,
-/// at the plan's positions), in the plan's dtype, on the plan's kind of device (CPU tensors
-/// for a host backend, CUDA tensors for `cuda::DeviceBackend`); returns `o` `[b, n, h_q, d]`
+/// with autograd: `q` `[b, n, h_q, d_qk]`, `k` `[b, n, h_kv, d_qk]` and `v` `[b, n, h_kv, d_v]`
+/// (this rank's `n` tokens, at the plan's positions), in the plan's dtype, on the plan's kind
+/// of device (CPU tensors for a host backend, CUDA tensors for `cuda::DeviceBackend`); returns
+/// `o` `[b, n, h_q, d_v]`
 /// in that dtype on the same device. Collective over the plan's communicator, forward and backward (see the
 /// module docs). Non-contiguous inputs are made contiguous first (differentiably).
 ///
@@ -204,7 +214,7 @@ where
 /// let results = spmd_shared(world, LocalOptions::default(), |comm| {
 ///     let mine = ringattn::candle::shard(&resolved, &x, 1, comm.rank())?;
 ///     let n = mine.dim(1)?;
-///     let dims = Dims { b: 1, s_q: n, s_k: n, h_q: 2, h_kv: 2, d: 8 };
+///     let dims = Dims { b: 1, s_q: n, s_k: n, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
 ///     let plan = Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
 ///     let q = Var::from_tensor(&mine)?;
 ///     let o = ringattn::candle::ring_attention(&plan, q.as_tensor(), &mine, &mine)?;
@@ -235,9 +245,9 @@ where
         }
     }
     let dims = plan.dims();
-    check_shape("q", q, [dims.b, dims.s_q, dims.h_q, dims.d])?;
-    check_shape("k", k, [dims.b, dims.s_k, dims.h_kv, dims.d])?;
-    check_shape("v", v, [dims.b, dims.s_k, dims.h_kv, dims.d])?;
+    check_shape("q", q, [dims.b, dims.s_q, dims.h_q, dims.d_qk])?;
+    check_shape("k", k, [dims.b, dims.s_k, dims.h_kv, dims.d_qk])?;
+    check_shape("v", v, [dims.b, dims.s_k, dims.h_kv, dims.d_v])?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     q.apply_op3(&k, &v, RingAttention { plan: plan.clone(), saved: Mutex::new(None) })
 }
@@ -267,7 +277,7 @@ where
 /// let params = ParallelParams { attention: AttentionParams { mask: Mask::Causal, ..Default::default() }, ..Default::default() };
 /// let runs = spmd_shared(2, LocalOptions::default(), |comm| {
 ///     let rank = comm.rank();
-///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d: 8 };
+///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
 ///     let plan = Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
 ///     let x = Tensor::ones((1, 16, 2, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
 ///     let ids = Tensor::arange(0u32, 16, &Device::Cpu).unwrap();

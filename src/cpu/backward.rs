@@ -42,10 +42,9 @@ pub(crate) struct BackwardInputs<'a> {
 /// Target number of tasks per batch; chunks per kv head follow from it (shape-only).
 const TASKS_PER_BATCH: usize = 16;
 
-/// Returns `(dq, dk, dv)` in f32, layouts as q and k.
+/// Returns `(dq, dk, dv)` in f32, layouts as q, k and v.
 pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dm = x.dims;
-    let d = dm.d;
     let own_d;
     let delta: &[f32] = match x.delta {
         Some(dd) => dd,
@@ -57,7 +56,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, crate::flops::Pass::Backward);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
-    drive(dm, x.scale, &tiles, d, x.progress, || Scratch::new(x, delta, &q_spans, bq, bk))
+    drive(dm, x.scale, &tiles, dm.d_qk, x.progress, || Scratch::new(x, delta, &q_spans, bq, bk))
 }
 
 /// The tiles of a backward call: their spans and the visibility that classifies them.
@@ -93,9 +92,9 @@ pub(crate) trait KeyTileWork {
     /// every query head of its group, adding the tile's (unscaled) dQ into `dq` (rows
     /// `dq_rs` apart, as given to [`drive`]).
     fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial);
-    /// The last key tile's dK and dV rows (`[rows][rs]`, the first `d` columns meaningful)
-    /// and their stride `rs`.
-    fn grads(&self) -> (&[f32], &[f32], usize);
+    /// The last key tile's dK and dV rows with their strides (`[rows][stride]`, the first
+    /// `d_qk` and `d_v` columns meaningful): `(dk, dk_stride, dv, dv_stride)`.
+    fn grads(&self) -> (&[f32], usize, &[f32], usize);
 }
 
 /// Runs one task per (batch, kv head, chunk of key tiles) on rayon's pool, each with a
@@ -111,9 +110,9 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
 ) -> (Vec<O>, Vec<O>, Vec<O>) {
-    let d = dm.d;
+    let (d, d_v) = (dm.d_qk, dm.d_v);
     let mut dk = O::zeroed(dm.b * dm.s_k * dm.h_kv * d);
-    let mut dv = O::zeroed(dm.b * dm.s_k * dm.h_kv * d);
+    let mut dv = O::zeroed(dm.b * dm.s_k * dm.h_kv * d_v);
     if dk.is_empty() {
         return (O::zeroed(dm.b * dm.s_q * dm.h_q * d), dk, dv);
     }
@@ -159,13 +158,13 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
             let mut dq = DqPartial { data: dq_part, lo, rows, rs: dq_rs };
             for ks in chunk_tiles(c) {
                 w.key_tile(b, hk, ks, &mut dq);
-                let (dk_rows, dv_rows, rs) = w.grads();
+                let (dk_rows, k_rs, dv_rows, v_rs) = w.grads();
                 for j in 0..ks.len {
-                    let at = ((b * dm.s_k + ks.start + j) * dm.h_kv + hk) * d;
+                    let row = (b * dm.s_k + ks.start + j) * dm.h_kv + hk;
                     // SAFETY: task (b, hk, chunk) alone writes key rows of its tiles for head hk.
-                    let (dk_row, dv_row) = unsafe { (dk_out.range(at, d), dv_out.range(at, d)) };
-                    O::store(dk_row, &dk_rows[j * rs..j * rs + d], scale);
-                    O::store(dv_row, &dv_rows[j * rs..j * rs + d], 1.0);
+                    let (dk_row, dv_row) = unsafe { (dk_out.range(row * d, d), dv_out.range(row * d_v, d_v)) };
+                    O::store(dk_row, &dk_rows[j * k_rs..j * k_rs + d], scale);
+                    O::store(dv_row, &dv_rows[j * v_rs..j * v_rs + d_v], 1.0);
                 }
                 if let Some(p) = progress {
                     p.fetch_add(ks.len as u64, Ordering::Relaxed);
@@ -200,10 +199,10 @@ pub(crate) fn drive<W: KeyTileWork + Send, O: Output>(
     (dq, dk, dv)
 }
 
-/// `D = rowsum(dO ∘ O)`, layout `[b, h_q, s_q]`, from `[b, s_q, h_q, d]` rows of f32 or
+/// `D = rowsum(dO ∘ O)`, layout `[b, h_q, s_q]`, from `[b, s_q, h_q, d_v]` rows of f32 or
 /// bf16 (widened row by row: no f32 copy of the tensors).
 pub(crate) fn rowsum_do_o<T: Copy + Sync + Into<f32>>(dm: Dims, o: &[T], d_o: &[T]) -> Vec<f32> {
-    let d = dm.d;
+    let d = dm.d_v;
     let mut delta = vec![0.0f32; dm.b * dm.h_q * dm.s_q];
     if delta.is_empty() {
         return delta;
@@ -230,61 +229,61 @@ struct Scratch<'a> {
     dv: Vec<f32>,
     p: Vec<f32>,
     dp: Vec<f32>,
-    /// The key tile's K and V, column-major: `[d][block_k]`.
+    /// The key tile's K and V, column-major: `[d_qk][block_k]` and `[d_v][block_k]`.
     k_cm: Vec<f32>,
     v_cm: Vec<f32>,
 }
 
 impl<'a> Scratch<'a> {
     fn new(x: &'a BackwardInputs<'a>, delta: &'a [f32], q_spans: &'a [Span], bq: usize, bk: usize) -> Self {
-        let d = x.dims.d;
+        let (d, d_v) = (x.dims.d_qk, x.dims.d_v);
         Scratch {
             x,
             delta,
             q_spans,
             dk: vec![0.0; bk * d],
-            dv: vec![0.0; bk * d],
+            dv: vec![0.0; bk * d_v],
             p: vec![0.0; bq * bk],
             dp: vec![0.0; bq * bk],
             k_cm: vec![0.0; bk * d],
-            v_cm: vec![0.0; bk * d],
+            v_cm: vec![0.0; bk * d_v],
         }
     }
 }
 
 impl KeyTileWork for Scratch<'_> {
-    fn grads(&self) -> (&[f32], &[f32], usize) {
-        (&self.dk, &self.dv, self.x.dims.d)
+    fn grads(&self) -> (&[f32], usize, &[f32], usize) {
+        (&self.dk, self.x.dims.d_qk, &self.dv, self.x.dims.d_v)
     }
 
     fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial) {
         let (x, delta, q_spans) = (self.x, self.delta, self.q_spans);
         let dm = x.dims;
-        let d = dm.d;
+        let (d, d_v) = (dm.d_qk, dm.d_v);
         let gs = dm.group();
         let bc = ks.len;
-        let (q_rs, kv_rs) = (dm.h_q * d, dm.h_kv * d);
+        let (q_rs, kv_rs, o_rs, v_rs) = (dm.h_q * d, dm.h_kv * d, dm.h_q * d_v, dm.h_kv * d_v);
         let c = x.scale * std::f32::consts::LOG2_E;
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
-        let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
+        let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];
         let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
         // K and V of the tile column-major (keys contiguous), once per key tile: as the left
         // operands of S and dP (the product computes their transposes) they are then packed
         // by vector copies, where row-major tiles would be gathered element by element for
         // every query tile.
         simd::transpose(&k_base[ks.start * kv_rs..], kv_rs, &mut self.k_cm[..bc * d], bc, bc, d);
-        simd::transpose(&v_base[ks.start * kv_rs..], kv_rs, &mut self.v_cm[..bc * d], bc, bc, d);
+        simd::transpose(&v_base[ks.start * v_rs..], v_rs, &mut self.v_cm[..bc * d_v], bc, bc, d_v);
         let k_cm = View { data: &self.k_cm[..bc * d], rows: bc, cols: d, rs: 1, cs: bc };
-        let v_cm = View { data: &self.v_cm[..bc * d], rows: bc, cols: d, rs: 1, cs: bc };
+        let v_cm = View { data: &self.v_cm[..bc * d_v], rows: bc, cols: d_v, rs: 1, cs: bc };
         let dk = &mut self.dk[..bc * d];
-        let dv = &mut self.dv[..bc * d];
+        let dv = &mut self.dv[..bc * d_v];
         dk.fill(0.0);
         dv.fill(0.0);
         let mut kv_finite: Option<bool> = None;
         for hl in 0..gs {
             let h = hk * gs + hl;
             let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
-            let do_base = &x.d_o[(b * dm.s_q * dm.h_q + h) * d..];
+            let do_base = &x.d_o[(b * dm.s_q * dm.h_q + h) * d_v..];
             let lse = &x.lse[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
             let dd = &delta[(b * dm.h_q + h) * dm.s_q..][..dm.s_q];
             for qs in q_spans {
@@ -294,7 +293,7 @@ impl KeyTileWork for Scratch<'_> {
                 }
                 let br = qs.len;
                 let q_tile = View::rows(q_base, qs.start, br, d, q_rs);
-                let do_tile = View::rows(do_base, qs.start, br, d, q_rs);
+                let do_tile = View::rows(do_base, qs.start, br, d_v, o_rs);
                 let p = &mut self.p[..br * bc];
                 // On a partial tile each block of query rows computes only the keys it may see
                 // (the rest of its rows is masked below: every pair outside its reach is
@@ -315,11 +314,11 @@ impl KeyTileWork for Scratch<'_> {
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, bc, br, bc, qs.start, ks.start);
                     let kvf = *kv_finite.get_or_insert_with(|| {
-                        rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs)
+                        rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d_v, v_rs)
                     });
                     exact = !(kvf
                         && rows_finite(q_base, qs.start, br, d, q_rs)
-                        && rows_finite(do_base, qs.start, br, d, q_rs));
+                        && rows_finite(do_base, qs.start, br, d_v, o_rs));
                 }
                 for i in 0..br {
                     let row = &mut p[i * bc..(i + 1) * bc];
@@ -339,7 +338,7 @@ impl KeyTileWork for Scratch<'_> {
                 let dp = &mut self.dp[..br * bc];
                 for (rows, keys) in &blocks {
                     let p_view = tile_block(p, (br, bc), rows, keys);
-                    matmul(&mut dv[keys.start * d..], d, p_view.t(), do_tile.rows_of(rows.clone()), 1.0, true);
+                    matmul(&mut dv[keys.start * d_v..], d_v, p_view.t(), do_tile.rows_of(rows.clone()), 1.0, true);
                     let v_rows = v_cm.rows_of(keys.clone());
                     matmul(
                         &mut dp[rows.start * bc + keys.start..],
@@ -391,21 +390,21 @@ fn exact_tile(
     dv: &mut [f32],
     dq_tile: &mut [f32],
 ) {
-    let d = x.dims.d;
-    let (q_rs, kv_rs) = (x.dims.h_q * d, x.dims.h_kv * d);
+    let (d, d_v) = (x.dims.d_qk, x.dims.d_v);
+    let (q_rs, kv_rs, o_rs, v_rs) = (x.dims.h_q * d, x.dims.h_kv * d, x.dims.h_q * d_v, x.dims.h_kv * d_v);
     let bc = ks.len;
     for i in 0..qs.len {
         let qi = &at.q[(qs.start + i) * q_rs..][..d];
-        let doi = &at.d_o[(qs.start + i) * q_rs..][..d];
+        let doi = &at.d_o[(qs.start + i) * o_rs..][..d_v];
         for j in 0..bc {
             if !x.vis.visible(qs.start + i, ks.start + j) {
                 continue;
             }
             let kj = &at.k[(ks.start + j) * kv_rs..][..d];
-            let vj = &at.v[(ks.start + j) * kv_rs..][..d];
+            let vj = &at.v[(ks.start + j) * v_rs..][..d_v];
             let pij = p[i * bc + j];
             let ds = pij * (simd::dot(doi, vj) - at.dd[qs.start + i]);
-            simd::axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+            simd::axpy(&mut dv[j * d_v..(j + 1) * d_v], pij, doi);
             simd::axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
             simd::axpy(&mut dq_tile[i * d..(i + 1) * d], ds, kj);
         }

@@ -40,12 +40,12 @@ pub(crate) struct BackwardInputs<'a> {
     pub progress: Option<&'a AtomicU64>,
 }
 
-/// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q and k.
+/// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q, k and v.
 pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Backward);
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
-    let dq_rs = mm::vectors(dm.d) * 16;
+    let dq_rs = mm::vectors(dm.d_qk) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
     drive(dm, x.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
 }
@@ -53,41 +53,43 @@ pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>
 /// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
 /// pair steps of a B operand.
 struct PackedQueries<'a> {
-    /// `[b][h_q][s_q][pairs(d)]`.
+    /// `[b][h_q][s_q][pairs(d_qk)]` and `[b][h_q][s_q][pairs(d_v)]`.
     q_rows: mm::RowPairs<'a>,
     do_rows: mm::RowPairs<'a>,
-    /// `[b][h_q][tile]` blocks of `steps_len`.
+    /// `[b][h_q][tile]` blocks of `q_len` and `do_len`.
     q_steps: Vec<u32>,
     do_steps: Vec<u32>,
-    steps_len: usize,
+    q_len: usize,
+    do_len: usize,
     tiles: usize,
 }
 
 impl<'a> PackedQueries<'a> {
     fn new(dm: Dims, q: &'a [bf16], d_o: &'a [bf16], q_spans: &[Span], bq: usize) -> Self {
-        let d = dm.d;
+        let (d, d_v) = (dm.d_qk, dm.d_v);
         let tiles = q_spans.len();
-        let steps_len = mm::pairs(bq) * mm::odd(mm::vectors(d)) * 16;
+        let (q_len, do_len) =
+            (mm::pairs(bq) * mm::odd(mm::vectors(d)) * 16, mm::pairs(bq) * mm::odd(mm::vectors(d_v)) * 16);
         let heads = dm.b * dm.h_q;
-        let rs = dm.h_q * d;
-        let base = |bh: usize| ((bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q) * d;
-        let shape = [dm.b, dm.s_q, dm.h_q, d];
-        let (q_rows, do_rows) = (mm::RowPairs::new(q, shape), mm::RowPairs::new(d_o, shape));
+        let (q_rs, o_rs) = (dm.h_q * d, dm.h_q * d_v);
+        let row = |bh: usize| (bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q;
+        let q_rows = mm::RowPairs::new(q, [dm.b, dm.s_q, dm.h_q, d]);
+        let do_rows = mm::RowPairs::new(d_o, [dm.b, dm.s_q, dm.h_q, d_v]);
         // Zeros where a tile's rows end (the padding a product reads).
-        let mut q_steps = super::reuse::zeroed::<u32>(heads * tiles * steps_len);
-        let mut do_steps = super::reuse::zeroed::<u32>(heads * tiles * steps_len);
+        let mut q_steps = super::reuse::zeroed::<u32>(heads * tiles * q_len);
+        let mut do_steps = super::reuse::zeroed::<u32>(heads * tiles * do_len);
         if !q_steps.is_empty() {
-            q_steps.par_chunks_mut(steps_len).zip(do_steps.par_chunks_mut(steps_len)).enumerate().for_each(
+            q_steps.par_chunks_mut(q_len).zip(do_steps.par_chunks_mut(do_len)).enumerate().for_each(
                 |(blk, (qs, ds))| {
                     let (bh, t) = (blk / tiles, blk % tiles);
                     let span = &q_spans[t];
-                    let at = base(bh) + span.start * rs;
-                    mm::pack_rows_as_steps(&q[at..], span.len, rs, d, mm::odd(mm::vectors(d)), qs);
-                    mm::pack_rows_as_steps(&d_o[at..], span.len, rs, d, mm::odd(mm::vectors(d)), ds);
+                    let (q_at, o_at) = (row(bh) * d + span.start * q_rs, row(bh) * d_v + span.start * o_rs);
+                    mm::pack_rows_as_steps(&q[q_at..], span.len, q_rs, d, mm::odd(mm::vectors(d)), qs);
+                    mm::pack_rows_as_steps(&d_o[o_at..], span.len, o_rs, d_v, mm::odd(mm::vectors(d_v)), ds);
                 },
             );
         }
-        PackedQueries { q_rows, do_rows, q_steps, do_steps, steps_len, tiles }
+        PackedQueries { q_rows, do_rows, q_steps, do_steps, q_len, do_len, tiles }
     }
 }
 
@@ -118,23 +120,23 @@ struct Worker<'a> {
     ds_pairs: Vec<u32>,
     /// dS rounded, row-major: `[block_q][sr / 2]` A pairs.
     ds_rows: Vec<u32>,
-    /// Unscaled dK and dV of the key tile, `[block_k][gr]`.
+    /// Unscaled dK and dV of the key tile, `[block_k][vectors(d_qk) · 16]` and `[block_k][vectors(d_v) · 16]`.
     dk: Vec<f32>,
     dv: Vec<f32>,
 }
 
 impl<'a> Worker<'a> {
     fn new(x: &'a BackwardInputs<'a>, queries: &'a PackedQueries<'a>, q_spans: &'a [Span], bk: usize) -> Self {
-        let d = x.dims.d;
+        let (d, d_v) = (x.dims.d_qk, x.dims.d_v);
         let bq = q_spans.iter().map(|s| s.len).max().unwrap_or(0);
-        let (sr, gr) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16);
+        let (sr, gr, gr_v) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16, mm::vectors(d_v) * 16);
         Worker {
             x,
             queries,
             q_spans,
             sr,
             k_lanes: vec![0; mm::pairs(d) * sr],
-            v_lanes: vec![0; mm::pairs(d) * sr],
+            v_lanes: vec![0; mm::pairs(d_v) * sr],
             k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 16],
             p: vec![0.0; bq * sr],
             dp: vec![0.0; bq * sr],
@@ -142,33 +144,36 @@ impl<'a> Worker<'a> {
             ds_pairs: vec![0; mm::pairs(bq) * sr],
             ds_rows: vec![0; bq * sr / 2],
             dk: vec![0.0; bk * gr],
-            dv: vec![0.0; bk * gr],
+            dv: vec![0.0; bk * gr_v],
         }
     }
 }
 
 impl KeyTileWork for Worker<'_> {
-    fn grads(&self) -> (&[f32], &[f32], usize) {
-        (&self.dk, &self.dv, mm::vectors(self.x.dims.d) * 16)
+    fn grads(&self) -> (&[f32], usize, &[f32], usize) {
+        let dims = self.x.dims;
+        (&self.dk, mm::vectors(dims.d_qk) * 16, &self.dv, mm::vectors(dims.d_v) * 16)
     }
 
     fn key_tile(&mut self, b: usize, hk: usize, ks: &Span, dq: &mut DqPartial) {
         let (x, pq) = (self.x, self.queries);
         let dm = x.dims;
-        let (d, gs, bc) = (dm.d, dm.group(), ks.len);
+        let (d, d_v, gs, bc) = (dm.d_qk, dm.d_v, dm.group(), ks.len);
         let (dp, gv, sv) = (mm::pairs(d), mm::vectors(d), mm::odd(mm::vectors(d)));
-        let (sr, gr) = (self.sr, gv * 16);
-        let kv_rs = dm.h_kv * d;
-        let kv0 = (b * dm.s_k * dm.h_kv + hk) * d + ks.start * kv_rs;
+        let (dp_v, gv_v, sv_v) = (mm::pairs(d_v), mm::vectors(d_v), mm::odd(mm::vectors(d_v)));
+        let (sr, gr, gr_v) = (self.sr, gv * 16, gv_v * 16);
+        let (k_rs, v_rs) = (dm.h_kv * d, dm.h_kv * d_v);
+        let row0 = b * dm.s_k * dm.h_kv + hk;
+        let (k0, v0) = (row0 * d + ks.start * k_rs, row0 * d_v + ks.start * v_rs);
         let key_vectors = sr / 16;
-        mm::pack_rows_as_lanes(&x.k[kv0..], bc, kv_rs, d, key_vectors, &mut self.k_lanes);
-        mm::pack_rows_as_lanes(&x.v[kv0..], bc, kv_rs, d, key_vectors, &mut self.v_lanes);
-        mm::pack_rows_as_steps(&x.k[kv0..], bc, kv_rs, d, sv, &mut self.k_steps);
+        mm::pack_rows_as_lanes(&x.k[k0..], bc, k_rs, d, key_vectors, &mut self.k_lanes);
+        mm::pack_rows_as_lanes(&x.v[v0..], bc, v_rs, d_v, key_vectors, &mut self.v_lanes);
+        mm::pack_rows_as_steps(&x.k[k0..], bc, k_rs, d, sv, &mut self.k_steps);
         let k_lanes = BOperand { data: &self.k_lanes, vectors: key_vectors };
         let v_lanes = BOperand { data: &self.v_lanes, vectors: key_vectors };
         let k_steps = BOperand { data: &self.k_steps, vectors: sv };
         self.dk[..bc * gr].fill(0.0);
-        self.dv[..bc * gr].fill(0.0);
+        self.dv[..bc * gr_v].fill(0.0);
         let c = x.scale * std::f32::consts::LOG2_E;
         for hl in 0..gs {
             let h = hk * gs + hl;
@@ -183,9 +188,9 @@ impl KeyTileWork for Worker<'_> {
                 let br = qs.len;
                 let qa = pq.q_rows.at(b, h, qs.start);
                 let doa = pq.do_rows.at(b, h, qs.start);
-                let steps_at = (bh * pq.tiles + t) * pq.steps_len;
-                let q_steps = BOperand { data: &pq.q_steps[steps_at..][..pq.steps_len], vectors: sv };
-                let do_steps = BOperand { data: &pq.do_steps[steps_at..][..pq.steps_len], vectors: sv };
+                let tile = bh * pq.tiles + t;
+                let q_steps = BOperand { data: &pq.q_steps[tile * pq.q_len..][..pq.q_len], vectors: sv };
+                let do_steps = BOperand { data: &pq.do_steps[tile * pq.do_len..][..pq.do_len], vectors: sv_v };
                 let kv = mm::vectors(bc);
 
                 // On a partial tile each block of rows computes only the part it may see: key
@@ -222,10 +227,10 @@ impl KeyTileWork for Worker<'_> {
                 }
                 let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
                 mm::product(
-                    &mut self.dv[..bc * gr],
-                    gr,
+                    &mut self.dv[..bc * gr_v],
+                    gr_v,
                     bc,
-                    gv,
+                    gv_v,
                     pt,
                     do_steps,
                     mm::pairs(br),
@@ -234,7 +239,7 @@ impl KeyTileWork for Worker<'_> {
                 );
 
                 let dpv = &mut self.dp[..br * sr];
-                mm::product(dpv, sr, br, kv, doa, v_lanes, dp, Epilogue::Set(1.0), lanes);
+                mm::product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
                 // dS rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
                 let mut ds_rows = ds16.chunks_mut(sr);

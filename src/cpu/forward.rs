@@ -37,7 +37,7 @@ pub(crate) struct ForwardInputs<'a, T = f32> {
     pub progress: Option<&'a AtomicU64>,
 }
 
-/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32: on AVX512F through the crate's
+/// Returns `(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])` in f32: on AVX512F through the crate's
 /// own products ([`super::forward_f32`]), elsewhere through `gemm` ([`forward_portable`]).
 pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
     if <f32 as mm::Element>::available() {
@@ -59,12 +59,12 @@ pub(crate) trait QueryTileWork {
     /// Computes the (unnormalised) output of query tile `qs` of head `h` in batch `b`.
     fn run(&mut self, b: usize, h: usize, qs: &Span);
     /// Normalises the tile's rows, writes their LSE into `lse` and returns the output rows
-    /// (`[rows][rs]`, the first `d` columns meaningful) with their stride `rs`.
+    /// (`[rows][rs]`, the first `d_v` columns meaningful) with their stride `rs`.
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize);
 }
 
 /// Runs one task per (batch, query head, query tile) on rayon's pool, each with a worker
-/// from `init` (one per thread per call, reused), and gathers `(o [b, s_q, h_q, d], lse [b,
+/// from `init` (one per thread per call, reused), and gathers `(o [b, s_q, h_q, d_v], lse [b,
 /// h_q, s_q])`, `o` in the output element `O`.
 pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
     dm: Dims,
@@ -77,7 +77,7 @@ pub(crate) fn drive<W: QueryTileWork + Send, O: Output>(
     (out.o, out.lse)
 }
 
-/// A forward's outputs, `o [b, s_q, h_q, d]` in `O` and `lse [b, h_q, s_q]`, filled by
+/// A forward's outputs, `o [b, s_q, h_q, d_v]` in `O` and `lse [b, h_q, s_q]`, filled by
 /// [`drive_into`] one group of heads at a time (rows no task writes: `o = 0`, `lse = -inf`).
 pub(crate) struct Outputs<O> {
     pub o: Vec<O>,
@@ -87,7 +87,7 @@ pub(crate) struct Outputs<O> {
 impl<O: Output> Outputs<O> {
     pub(crate) fn new(dm: Dims) -> Self {
         Outputs {
-            o: O::zeroed(dm.b * dm.s_q * dm.h_q * dm.d),
+            o: O::zeroed(dm.b * dm.s_q * dm.h_q * dm.d_v),
             lse: super::reuse::filled(dm.b * dm.h_q * dm.s_q, f32::NEG_INFINITY),
         }
     }
@@ -103,7 +103,7 @@ pub(crate) fn drive_into<W: QueryTileWork + Send, O: Output>(
     progress: Option<&AtomicU64>,
     init: impl Fn() -> W + Sync + Send,
 ) {
-    let d = dm.d;
+    let d = dm.d_v;
     if q_spans.is_empty() || out.o.is_empty() {
         return;
     }
@@ -137,7 +137,7 @@ pub(crate) fn drive_into<W: QueryTileWork + Send, O: Output>(
 /// The online-softmax state of one query tile of the AVX-512 forwards (f32 and bf16), per
 /// query row `i < rows`: the running max `m[i]` of the scores (log2 units), the running sum
 /// `l[i]` of `2^(s − m)`, the last rescale factor `alpha[i]`, and the unnormalised output,
-/// row `i` at `acc[i · rs..][..d]`. Sized once per worker for `bq` rows.
+/// row `i` at `acc[i · rs..][..d_v]`. Sized once per worker for `bq` rows.
 pub(crate) struct RowState {
     /// Rows of the current query tile.
     pub rows: usize,
@@ -270,8 +270,8 @@ impl<T> Drop for PackedKeys<T> {
 impl<T: Packing> PackedKeys<T> {
     /// Lengths of one key tile's packed K and V blocks, in elements.
     fn block_lens(dm: Dims, bk: usize) -> (usize, usize) {
-        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(dm.d)));
-        (mm::steps::<T>(dm.d) * key_vectors * 16, mm::steps::<T>(bk) * value_vectors * 16)
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(dm.d_v)));
+        (mm::steps::<T>(dm.d_qk) * key_vectors * 16, mm::steps::<T>(bk) * value_vectors * 16)
     }
 
     /// Elements (4-byte words) of one (batch, kv head) pair's packed K and V.
@@ -282,19 +282,21 @@ impl<T: Packing> PackedKeys<T> {
 
     /// Packs the key tiles of the (batch, kv head) pairs `pairs` (flattened `b · h_kv + hk`).
     pub(crate) fn new(dm: Dims, k: &[T::Src], v: &[T::Src], k_spans: &[Span], bk: usize, pairs: Range<usize>) -> Self {
-        let d = dm.d;
-        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d)));
+        let (d_qk, d_v) = (dm.d_qk, dm.d_v);
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d_v)));
         let (k_len, v_len) = Self::block_lens(dm, bk);
         let tiles = k_spans.len();
         let blocks = pairs.len() * tiles;
         // Every word a product reads is written by the packing first.
         let mut pk = super::reuse::take(blocks * k_len);
         let mut pv = super::reuse::take(blocks * v_len);
-        let rs = dm.h_kv * d;
+        let (k_rs, v_rs) = (dm.h_kv * d_qk, dm.h_kv * d_v);
+        // The tile of block `blk` and the offsets of its (batch, kv head) pair's first K and V rows.
         let at = |blk: usize| {
             let (bh, t) = (pairs.start + blk / tiles, blk % tiles);
             let (b, hk) = (bh / dm.h_kv, bh % dm.h_kv);
-            (&k_spans[t], (b * dm.s_k * dm.h_kv + hk) * d)
+            let row = b * dm.s_k * dm.h_kv + hk;
+            (&k_spans[t], row * d_qk, row * d_v)
         };
         let mut finite = vec![true; blocks];
         if blocks > 0 {
@@ -302,11 +304,11 @@ impl<T: Packing> PackedKeys<T> {
             let pv: &mut [T] = bytemuck::cast_slice_mut(&mut pv);
             let blocks = pk.par_chunks_mut(k_len).zip(pv.par_chunks_mut(v_len)).zip(finite.par_iter_mut());
             blocks.enumerate().for_each(|(blk, ((dk, dv), fin))| {
-                let (ks, base) = at(blk);
-                let (k, v) = (&k[base + ks.start * rs..], &v[base + ks.start * rs..]);
-                T::rows_as_lanes(k, ks.len, rs, d, key_vectors, dk);
-                T::rows_as_steps(v, ks.len, rs, d, value_vectors, dv);
-                *fin = T::rows_finite(k, ks.len, rs, d) && T::rows_finite(v, ks.len, rs, d);
+                let (ks, k_at, v_at) = at(blk);
+                let (k, v) = (&k[k_at + ks.start * k_rs..], &v[v_at + ks.start * v_rs..]);
+                T::rows_as_lanes(k, ks.len, k_rs, d_qk, key_vectors, dk);
+                T::rows_as_steps(v, ks.len, v_rs, d_v, value_vectors, dv);
+                *fin = T::rows_finite(k, ks.len, k_rs, d_qk) && T::rows_finite(v, ks.len, v_rs, d_v);
             });
         }
         let _element = std::marker::PhantomData;
@@ -357,10 +359,10 @@ struct Scratch<'a> {
     sub: Vec<f32>,
     alpha: Vec<f32>,
     tile_sum: Vec<f32>,
-    /// Unnormalised output, `[block_q][d]` (row-major: the P·V product computes its
+    /// Unnormalised output, `[block_q][d_v]` (row-major: the P·V product computes its
     /// transpose, packing V's rows by vector copies rather than P once per key tile).
     acc: Vec<f32>,
-    /// The query tile, transposed: `[d][block_q]`.
+    /// The query tile, transposed: `[d_qk][block_q]`.
     qt: Vec<f32>,
     /// Scores, then probabilities, transposed: `[block_k][block_q]`.
     st: Vec<f32>,
@@ -368,7 +370,7 @@ struct Scratch<'a> {
 
 impl<'a> Scratch<'a> {
     fn new(x: &'a ForwardInputs<'a>, k_spans: &'a [Span], bq: usize, bk: usize) -> Self {
-        let d = x.dims.d;
+        let (d_qk, d_v) = (x.dims.d_qk, x.dims.d_v);
         Scratch {
             x,
             k_spans,
@@ -379,8 +381,8 @@ impl<'a> Scratch<'a> {
             sub: vec![0.0; bq],
             alpha: vec![0.0; bq],
             tile_sum: vec![0.0; bq],
-            acc: vec![0.0; bq * d],
-            qt: vec![0.0; bq * d],
+            acc: vec![0.0; bq * d_v],
+            qt: vec![0.0; bq * d_qk],
             st: vec![0.0; bq * bk],
         }
     }
@@ -405,7 +407,7 @@ fn pv(
     exact: bool,
 ) {
     let br = qs.len;
-    let (d, kv_rs) = (x.dims.d, x.dims.h_kv * x.dims.d);
+    let (d, kv_rs) = (x.dims.d_v, x.dims.h_kv * x.dims.d_v);
     let st = &st[..br * ks.len];
     if exact {
         for j in 0..ks.len {
@@ -432,17 +434,17 @@ impl QueryTileWork for Scratch<'_> {
     fn run(&mut self, b: usize, h: usize, qs: &Span) {
         let (x, k_spans) = (self.x, self.k_spans);
         let dm = x.dims;
-        let d = dm.d;
+        let (d, d_v) = (dm.d_qk, dm.d_v);
         let hk = dm.kv_head(h);
-        let (br, q_rs, kv_rs) = (qs.len, dm.h_q * d, dm.h_kv * d);
+        let (br, q_rs, kv_rs, v_rs) = (qs.len, dm.h_q * d, dm.h_kv * d, dm.h_kv * d_v);
         self.rows = br;
         self.m[..br].fill(f32::NEG_INFINITY);
         self.l[..br].fill(0.0);
-        self.acc[..br * d].fill(0.0);
+        self.acc[..br * d_v].fill(0.0);
         let c = x.scale * std::f32::consts::LOG2_E;
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
-        let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d..];
+        let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];
         simd::transpose(&q_base[qs.start * q_rs..], q_rs, &mut self.qt[..br * d], br, br, d);
         let q_tile = View { data: &self.qt[..br * d], rows: br, cols: d, rs: 1, cs: br };
         let mut q_finite: Option<bool> = None;
@@ -474,8 +476,9 @@ impl QueryTileWork for Scratch<'_> {
             if kind == TileKind::Partial {
                 // Masked entries must not leak NaN/Inf through 0 · NaN in the P·V product.
                 let qf = *q_finite.get_or_insert_with(|| rows_finite(q_base, qs.start, br, d, q_rs));
-                exact_pv =
-                    !(qf && rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d, kv_rs));
+                exact_pv = !(qf
+                    && rows_finite(k_base, ks.start, bc, d, kv_rs)
+                    && rows_finite(v_base, ks.start, bc, d_v, v_rs));
             }
             let tm = &mut self.tile_max[..br];
             tm.fill(f32::NEG_INFINITY);
@@ -518,7 +521,7 @@ impl QueryTileWork for Scratch<'_> {
                 *m = m_new;
                 *l *= *alpha;
             }
-            for (row, &a) in self.acc[..br * d].chunks_exact_mut(d).zip(&self.alpha[..br]) {
+            for (row, &a) in self.acc[..br * d_v].chunks_exact_mut(d_v).zip(&self.alpha[..br]) {
                 simd::scale(row, a);
             }
             for j in 0..bc {
@@ -529,7 +532,7 @@ impl QueryTileWork for Scratch<'_> {
     }
 
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
-        let (br, d) = (self.rows, self.x.dims.d);
+        let (br, d) = (self.rows, self.x.dims.d_v);
         let rows = self.m[..br].iter().zip(&self.l[..br]).zip(&mut self.alpha[..br]).zip(lse.iter_mut());
         for (((&m, &l), inv), lse) in rows {
             if m == f32::NEG_INFINITY || l == 0.0 {

@@ -29,12 +29,12 @@ use half::bf16;
 /// The bf16 path's inputs.
 pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 
-/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])`, `o` in `O` (f32: unrounded, the
+/// Returns `(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])`, `o` in `O` (f32: unrounded, the
 /// drivers' partial results; bf16: rounded, a final output) and `lse` in f32.
 pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
-    let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d]);
+    let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d_qk]);
     drive_packed(dm, x.k, x.v, &k_spans, bk, PACKED_BUDGET, |out, keys: &PackedKeys<u32>, heads| {
         drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &queries, &k_spans, bq))
     })
@@ -67,7 +67,7 @@ impl<'a> Worker<'a> {
         k_spans: &'a [Span],
         bq: usize,
     ) -> Self {
-        let d = x.dims.d;
+        let d = x.dims.d_v;
         let sr = keys.key_vectors * 16;
         Worker {
             x,
@@ -120,7 +120,7 @@ impl<'a> Worker<'a> {
         key_reach: &[std::ops::Range<usize>],
     ) {
         let x = self.x;
-        let (br, bc, dp, sr) = (qs.len, ks.len, mm::pairs(x.dims.d), kop.vectors * 16);
+        let (br, bc, dp, sr) = (qs.len, ks.len, mm::pairs(x.dims.d_qk), kop.vectors * 16);
         let s = &mut self.s[..br * sr];
         if whole {
             let maxes = &mut self.maxes[..16 * br];
@@ -152,9 +152,9 @@ impl QueryTileWork for Worker<'_> {
     fn run(&mut self, b: usize, h: usize, qs: &Span) {
         let (x, keys) = (self.x, self.keys);
         let dm = x.dims;
-        let d = dm.d;
+        let (d, d_v) = (dm.d_qk, dm.d_v);
         let hk = dm.kv_head(h);
-        let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d) * 16);
+        let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d_v) * 16);
         self.st.start(br);
         let c = x.scale * std::f32::consts::LOG2_E;
         let qa = self.queries.at(b, h, qs.start);
@@ -182,7 +182,7 @@ impl QueryTileWork for Worker<'_> {
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
             let epi = if lazy { Epilogue::Add } else { Epilogue::Rescale(&self.st.alpha[..br]) };
             let pv_steps = mm::Reach::steps(&key_reach);
-            mm::product(&mut self.st.acc[..br * or], or, br, mm::vectors(d), pa, vop, mm::pairs(bc), epi, pv_steps);
+            mm::product(&mut self.st.acc[..br * or], or, br, mm::vectors(d_v), pa, vop, mm::pairs(bc), epi, pv_steps);
         }
     }
 
@@ -209,24 +209,24 @@ mod tests {
         if !mm::bf16_available() {
             return;
         }
-        let dims = Dims { b: 2, s_q: 200, s_k: 300, h_q: 4, h_kv: 2, d: 64 };
+        let dims = Dims { b: 2, s_q: 200, s_k: 300, h_q: 4, h_kv: 2, d_qk: 64, d_v: 64 };
         let tiles = TileConfig { block_q: 48, block_k: 64 };
         let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
         let t = |s, h, seed| -> Vec<bf16> {
-            let f = randn(vec![dims.b, s, h, dims.d], seed, DType::BF16).as_f32().into_owned();
+            let f = randn(vec![dims.b, s, h, dims.d_qk], seed, DType::BF16).as_f32().into_owned();
             f.iter().map(|&x| bf16::from_f32(x)).collect()
         };
         let (q, k, v) = (t(dims.s_q, dims.h_q, 1), t(dims.s_k, dims.h_kv, 2), t(dims.s_k, dims.h_kv, 3));
         // Keys 150.. of batch 0 score up to 40× higher: lazy tiles fall back to the exact passes.
         let mut grown = k.clone();
-        for x in &mut grown[150 * dims.h_kv * dims.d..dims.s_k * dims.h_kv * dims.d] {
+        for x in &mut grown[150 * dims.h_kv * dims.d_qk..dims.s_k * dims.h_kv * dims.d_qk] {
             *x = bf16::from_f32(x.to_f32() * 40.0);
         }
         for (params, k) in [(AttentionParams::default(), &k), (causal, &k), (AttentionParams::default(), &grown)] {
             let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
             let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             let (qf, kf, vf) = (wide(&q), wide(k), wide(&v));
-            let scale = params.softmax_scale(dims.d);
+            let scale = params.softmax_scale(dims.d_qk);
             let x = ForwardInputs { dims, q: &q, k, v: &v, vis: &vis, scale, tiles, progress: None };
             let xf = super::super::forward::ForwardInputs {
                 dims,

@@ -28,7 +28,7 @@ use super::tiles::{call_spans, mask_rows, reach, rows_finite, ReachOf};
 use crate::attention::{classify, Span, TileKind};
 use crate::flops::Pass;
 
-/// Returns `(o [b, s_q, h_q, d], lse [b, h_q, s_q])` in f32.
+/// Returns `(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])` in f32.
 ///
 /// # Panics
 /// When the processor lacks AVX512F (the caller checks [`mm::Element::available`]).
@@ -62,7 +62,7 @@ struct Worker<'a> {
 
 impl<'a> Worker<'a> {
     fn new(x: &'a ForwardInputs<'a>, keys: &'a PackedKeys<f32>, k_spans: &'a [Span], bq: usize) -> Self {
-        let d = x.dims.d;
+        let d = x.dims.d_v;
         let sr = keys.key_vectors * 16;
         Worker {
             x,
@@ -158,7 +158,7 @@ impl<'a> Worker<'a> {
     /// non-finite inputs (`exact_pv`) the visible pairs are added one by one, so that masked
     /// entries cannot leak NaN/Inf through 0 · NaN.
     fn add_pv(&mut self, t: &Tile, key_reach: &[Range<usize>], rescale: bool, exact_pv: bool) {
-        let (br, bc, d, or) = (t.qs.len, t.ks.len, t.d, t.or);
+        let (br, bc, d, or) = (t.qs.len, t.ks.len, t.d_v, t.or);
         let acc = &mut self.st.acc[..br * or];
         if exact_pv {
             let (kv_rs, vis) = (self.x.dims.h_kv * d, self.x.vis);
@@ -191,8 +191,10 @@ struct Tile<'a> {
     kop: BOperand<'a, f32>,
     vop: BOperand<'a, f32>,
     v_base: &'a [f32],
-    /// Head size, `S`'s and the output's row lengths, the scores' scale (log2 units).
+    /// Head sizes (q/k and v), `S`'s and the output's row lengths, the scores' scale (log2
+    /// units).
     d: usize,
+    d_v: usize,
     sr: usize,
     or: usize,
     c: f32,
@@ -202,9 +204,9 @@ impl QueryTileWork for Worker<'_> {
     fn run(&mut self, b: usize, h: usize, qs: &Span) {
         let (x, keys) = (self.x, self.keys);
         let dm = x.dims;
-        let d = dm.d;
+        let (d, d_v) = (dm.d_qk, dm.d_v);
         let hk = dm.kv_head(h);
-        let (br, or) = (qs.len, mm::vectors(d) * 16);
+        let (br, or) = (qs.len, mm::vectors(d_v) * 16);
         let q_rs = dm.h_q * d;
         self.st.start(br);
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
@@ -222,8 +224,9 @@ impl QueryTileWork for Worker<'_> {
                 qa: AOperand { data: &q_base[qs.start * q_rs..], rs: q_rs, ps: 1 },
                 kop: BOperand { data: kt, vectors: keys.key_vectors },
                 vop: BOperand { data: vt, vectors: keys.value_vectors },
-                v_base: &x.v[(b * dm.s_k * dm.h_kv + hk) * d..],
+                v_base: &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..],
                 d,
+                d_v,
                 sr: keys.key_vectors * 16,
                 or,
                 c: x.scale * std::f32::consts::LOG2_E,
@@ -279,7 +282,7 @@ mod tests {
         poison: impl Fn(&mut [f32], &mut [f32]),
         budget: usize,
     ) {
-        let t = |s, h, seed| randn(vec![dims.b, s, h, dims.d], seed, DType::F32).as_f32().into_owned();
+        let t = |s, h, seed| randn(vec![dims.b, s, h, dims.d_qk], seed, DType::F32).as_f32().into_owned();
         let (q, mut k, mut v) = (t(dims.s_q, dims.h_q, 1), t(dims.s_k, dims.h_kv, 2), t(dims.s_k, dims.h_kv, 3));
         poison(&mut k, &mut v);
         let vis = Visibility::single_device(params, dims.s_q, dims.s_k).unwrap();
@@ -289,7 +292,7 @@ mod tests {
             k: &k,
             v: &v,
             vis: &vis,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             tiles,
             progress: None,
         };
@@ -315,7 +318,7 @@ mod tests {
         if !<f32 as mm::Element>::available() {
             return;
         }
-        let dims = |s_q, s_k, h_q, h_kv, d| Dims { b: 2, s_q, s_k, h_q, h_kv, d };
+        let dims = |s_q, s_k, h_q, h_kv, d| Dims { b: 2, s_q, s_k, h_q, h_kv, d_qk: d, d_v: d };
         let none = |_: &mut [f32], _: &mut [f32]| {};
         let tiles = |block_q, block_k| TileConfig { block_q, block_k };
         let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };

@@ -127,12 +127,12 @@ pub fn forward_with(
             k,
             v,
             vis: &vis,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             tiles: config.tiles,
             progress: config.progress,
         });
         return Ok(ForwardOutput {
-            o: Tensor::new(dims.q_shape(), TensorData::BF16(o))?,
+            o: Tensor::new(dims.o_shape(), TensorData::BF16(o))?,
             lse: Tensor::from_f32(dims.lse_shape(), lse)?,
         });
     }
@@ -143,12 +143,12 @@ pub fn forward_with(
         k: &kf,
         v: &vf,
         vis: &vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles: config.tiles,
         progress: config.progress,
     });
     Ok(ForwardOutput {
-        o: Tensor::from_f32_owned(dims.q_shape(), o, q.dtype())?,
+        o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
         lse: Tensor::from_f32(dims.lse_shape(), lse)?,
     })
 }
@@ -234,14 +234,14 @@ pub fn backward_with(
             lse: &lf,
             delta: &delta,
             vis: &vis,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             tiles: config.tiles,
             progress: config.progress,
         });
         return Ok(Gradients {
             dq: Tensor::new(dims.q_shape(), TensorData::BF16(dq))?,
-            dk: Tensor::new(dims.kv_shape(), TensorData::BF16(dk))?,
-            dv: Tensor::new(dims.kv_shape(), TensorData::BF16(dv))?,
+            dk: Tensor::new(dims.k_shape(), TensorData::BF16(dk))?,
+            dv: Tensor::new(dims.v_shape(), TensorData::BF16(dv))?,
         });
     }
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
@@ -255,14 +255,14 @@ pub fn backward_with(
         d_o: &df,
         delta: None,
         vis: &vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles: config.tiles,
         progress: config.progress,
     });
     Ok(Gradients {
         dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
-        dk: Tensor::from_f32_owned(dims.kv_shape(), dk, q.dtype())?,
-        dv: Tensor::from_f32_owned(dims.kv_shape(), dv, q.dtype())?,
+        dk: Tensor::from_f32_owned(dims.k_shape(), dk, q.dtype())?,
+        dv: Tensor::from_f32_owned(dims.v_shape(), dv, q.dtype())?,
     })
 }
 
@@ -283,7 +283,7 @@ pub(crate) fn forward_f32(
         k,
         v,
         vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles,
         progress: None,
     })
@@ -306,7 +306,7 @@ pub(crate) fn forward_bf16(
         k,
         v,
         vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles,
         progress: None,
     })
@@ -336,7 +336,7 @@ pub(crate) fn backward_bf16(
         lse,
         delta,
         vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles,
         progress: None,
     })
@@ -368,7 +368,7 @@ pub(crate) fn backward_f32(
         d_o,
         delta,
         vis,
-        scale: params.softmax_scale(dims.d),
+        scale: params.softmax_scale(dims.d_qk),
         tiles,
         progress: None,
     })

@@ -109,7 +109,7 @@ impl SavedContext {
     /// # Errors
     /// [`crate::Error::Cuda`] when the allocation fails.
     pub fn alloc(stream: &Arc<CudaStream>, dims: &Dims) -> Result<SavedContext> {
-        Ok(SavedContext { o: alloc_nan(stream, q_len(dims))?, lse: alloc_nan(stream, lse_len(dims))? })
+        Ok(SavedContext { o: alloc_nan(stream, o_len(dims))?, lse: alloc_nan(stream, lse_len(dims))? })
     }
 }
 
@@ -138,17 +138,17 @@ impl DeviceGradients {
     pub fn alloc(stream: &Arc<CudaStream>, dims: &Dims) -> Result<DeviceGradients> {
         Ok(DeviceGradients {
             dq: alloc_nan(stream, q_len(dims))?,
-            dk: alloc_nan(stream, kv_len(dims))?,
-            dv: alloc_nan(stream, kv_len(dims))?,
+            dk: alloc_nan(stream, k_len(dims))?,
+            dv: alloc_nan(stream, v_len(dims))?,
             dq_work: alloc_nan(stream, dq_workspace_len(dims))?,
         })
     }
 }
 
-/// The inputs of a forward on the device: `q` `[b, s_q, h_q, d]`, `k` and `v` `[b, s_k,
-/// h_kv, d]`, each as the 16-bit patterns of `dtype` ([`DType::BF16`] or [`DType::F16`]; see
-/// [`super::to_bits`]), the mask, and the softmax scale (`params.softmax_scale(d)` for the usual
-/// `1/sqrt(d)`). Buffers may be longer than `dims` needs; the kernels address the prefix.
+/// The inputs of a forward on the device: `q` `[b, s_q, h_q, d_qk]`, `k` `[b, s_k, h_kv,
+/// d_qk]` and `v` `[b, s_k, h_kv, d_v]`, each as the 16-bit patterns of `dtype` ([`DType::BF16`] or [`DType::F16`]; see
+/// [`super::to_bits`]), the mask, and the softmax scale (`params.softmax_scale(d_qk)` for the usual
+/// `1/sqrt(d_qk)`). Buffers may be longer than `dims` needs; the kernels address the prefix.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashForwardArgs<'a> {
     /// Dimensions of the call.
@@ -171,7 +171,7 @@ pub struct FlashForwardArgs<'a> {
 }
 
 /// The inputs of a backward on the device: the forward's inputs, what it saved (`o` and the
-/// final `lse` of the queries over every key block), and `d_o` `[b, s_q, h_q, d]` (16-bit,
+/// final `lse` of the queries over every key block), and `d_o` `[b, s_q, h_q, d_v]` (16-bit,
 /// `forward.dtype`).
 #[derive(Debug, Clone, Copy)]
 pub struct FlashBackwardArgs<'a> {
@@ -203,7 +203,7 @@ pub enum Delta<'a> {
 ///
 /// ```
 /// use ringattn::Dims;
-/// let dims = Dims { b: 1, s_q: 1024, s_k: 1024, h_q: 8, h_kv: 8, d: 64 };
+/// let dims = Dims { b: 1, s_q: 1024, s_k: 1024, h_q: 8, h_kv: 8, d_qk: 64, d_v: 64 };
 /// let fixed_point_dq = 4 * (8 * 1024 + 2 * 8);
 /// assert_eq!(ringattn::cuda::workspace_bytes(&dims), 8 * 2048 + 4 * 2048 + 4 * 8 * 1024 + fixed_point_dq);
 /// ```
@@ -217,12 +217,24 @@ pub fn dq_workspace_len(dims: &Dims) -> usize {
     lse_len(dims) + 2 * dims.b * dims.h_kv
 }
 
+/// Elements of q and dq (`[b, s_q, h_q, d_qk]`).
 pub(crate) fn q_len(dims: &Dims) -> usize {
-    dims.b * dims.s_q * dims.h_q * dims.d
+    dims.b * dims.s_q * dims.h_q * dims.d_qk
 }
 
-pub(crate) fn kv_len(dims: &Dims) -> usize {
-    dims.b * dims.s_k * dims.h_kv * dims.d
+/// Elements of o and d_o (`[b, s_q, h_q, d_v]`).
+pub(crate) fn o_len(dims: &Dims) -> usize {
+    dims.b * dims.s_q * dims.h_q * dims.d_v
+}
+
+/// Elements of k and dk (`[b, s_k, h_kv, d_qk]`).
+pub(crate) fn k_len(dims: &Dims) -> usize {
+    dims.b * dims.s_k * dims.h_kv * dims.d_qk
+}
+
+/// Elements of v and dv (`[b, s_k, h_kv, d_v]`).
+pub(crate) fn v_len(dims: &Dims) -> usize {
+    dims.b * dims.s_k * dims.h_kv * dims.d_v
 }
 
 pub(crate) fn lse_len(dims: &Dims) -> usize {

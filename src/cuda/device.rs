@@ -12,7 +12,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::buffers::{
-    kv_len, lse_len, q_len, Delta, DeviceGradients, FlashBackwardArgs, FlashForwardArgs, SavedContext,
+    k_len, lse_len, o_len, q_len, v_len, Delta, DeviceGradients, FlashBackwardArgs, FlashForwardArgs, SavedContext,
 };
 use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
@@ -78,7 +78,7 @@ struct Kernel {
 /// use ringattn::{random::randn, AttentionParams, DType, Dims, Mask};
 ///
 /// let dev = CudaDevice::new(0)?;
-/// let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d: 64 };
+/// let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 8, h_kv: 8, d_qk: 64, d_v: 64 };
 /// let x = randn(vec![1, 4096, 8, 64], 0, DType::BF16).to_f32_vec();
 /// let q = dev.upload_bits(&to_bits(&x, DType::BF16))?;
 /// let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
@@ -397,8 +397,8 @@ impl CudaDevice {
             return Err(Error::Scale(x.scale));
         }
         need(self, "q", x.q, q_len(&dims))?;
-        need(self, "k", x.k, kv_len(&dims))?;
-        need(self, "v", x.v, kv_len(&dims))?;
+        need(self, "k", x.k, k_len(&dims))?;
+        need(self, "v", x.v, v_len(&dims))?;
         need(self, "mask.q_pos", &x.mask.q_pos, dims.s_q)?;
         need(self, "mask.k_pos", &x.mask.k_pos, dims.s_k)?;
         match (&x.mask.q_doc, &x.mask.k_doc) {
@@ -435,7 +435,7 @@ impl CudaDevice {
     ) -> Result<()> {
         self.check_forward(stream, args)?;
         let dims = args.dims;
-        need(self, "o", &out.o, q_len(&dims))?;
+        need(self, "o", &out.o, o_len(&dims))?;
         need(self, "lse", &out.lse, lse_len(&dims))?;
         {
             let (o, _go) = out.o.device_ptr_mut(stream);
@@ -467,7 +467,7 @@ impl CudaDevice {
     ) -> Result<()> {
         self.check_forward(stream, args)?;
         let dims = args.dims;
-        need(self, "o16", o16, q_len(&dims))?;
+        need(self, "o16", o16, o_len(&dims))?;
         need(self, "lse", lse, lse_len(&dims))?;
         {
             let (o16, _go) = o16.device_ptr_mut(stream);
@@ -596,7 +596,7 @@ impl CudaDevice {
         let dims = x.dims;
         let (saved_o, saved_lse) = saved;
         match saved_o {
-            Some(o) => need(self, "saved.o", o, q_len(&dims))?,
+            Some(o) => need(self, "saved.o", o, o_len(&dims))?,
             None if matches!(delta, Delta::Compute(_)) => {
                 return Err(crate::Error::InvalidArgument(
                     "backward: delta = rowsum(dO∘O) is computed from the saved o, which was not given".into(),
@@ -605,10 +605,10 @@ impl CudaDevice {
             None => {}
         }
         need(self, "saved.lse", saved_lse, lse_len(&dims))?;
-        need(self, "d_o", d_o, q_len(&dims))?;
+        need(self, "d_o", d_o, o_len(&dims))?;
         need(self, "dq", &grads.dq, q_len(&dims))?;
-        need(self, "dk", &grads.dk, kv_len(&dims))?;
-        need(self, "dv", &grads.dv, kv_len(&dims))?;
+        need(self, "dk", &grads.dk, k_len(&dims))?;
+        need(self, "dv", &grads.dv, v_len(&dims))?;
         need(self, "dq_work", &grads.dq_work, super::buffers::dq_workspace_len(&dims))?;
         let compute_delta = matches!(delta, Delta::Compute(_));
         match &delta {
@@ -718,8 +718,8 @@ impl CudaDevice {
     ) -> Result<()> {
         self.check_stream(stream)?;
         crate::runner::check_supported(super::BACKEND, dims, dtype)?;
-        need(self, "o", o, q_len(dims))?;
-        need(self, "d_o", d_o, q_len(dims))?;
+        need(self, "o", o, o_len(dims))?;
+        need(self, "d_o", d_o, o_len(dims))?;
         need(self, "delta", delta, lse_len(dims))?;
         {
             let (o, _go) = o.device_ptr(stream);
@@ -843,11 +843,12 @@ fn entry(family: &str, dtype: DType) -> String {
 }
 
 /// The entry point a launch of `base` calls: `base`, or `base_d{D}` for a kernel instantiated
-/// per head-dim class.
+/// per head-dim class (`base_d{D}_dv`: its variant for V of its own head dim).
 fn entry_name(base: &str, l: &Launch) -> String {
-    match l.head_dim_class {
-        0 => base.to_string(),
-        dc => format!("{base}_d{dc}"),
+    match (l.head_dim_class, l.own_dv) {
+        (0, _) => base.to_string(),
+        (dc, false) => format!("{base}_d{dc}"),
+        (dc, true) => format!("{base}_d{dc}_dv"),
     }
 }
 
@@ -966,7 +967,7 @@ mod tests {
     fn every_launched_entry_point_is_in_the_images() {
         let mut checked = 0;
         for d in (8..=geometry::MAX_HEAD_DIM).step_by(8) {
-            let dims = Dims { b: 1, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d };
+            let dims = Dims { b: 1, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d_qk: d, d_v: d };
             for dtype in [DType::BF16, DType::F16] {
                 for (family, name) in entry_points(&dims, dtype) {
                     for image in kernels::images().iter().filter(|i| i.family == family) {

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 
-use super::buffers::{self, kv_len, lse_len, q_len, Delta, DeviceGradients, FlashForwardArgs, SavedContext};
+use super::buffers::{
+    self, k_len, lse_len, o_len, q_len, v_len, Delta, DeviceGradients, FlashForwardArgs, SavedContext,
+};
 use super::device_buf::{wait_event, DeviceBuf};
 use super::probe::guard;
 use super::{CudaDevice, DeviceMask};
@@ -560,10 +562,10 @@ impl Backend for DeviceBackend {
     ) -> Result<Pending<ForwardPartial<DeviceBuf>>> {
         crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
         expect_len("q", q, q_len(&dims))?;
-        expect_len("k", k, kv_len(&dims))?;
-        expect_len("v", v, kv_len(&dims))?;
+        expect_len("k", k, k_len(&dims))?;
+        expect_len("v", v, v_len(&dims))?;
         if self.skip_compute {
-            let o = self.filled(q_len(&dims), 0.0, DType::F32)?;
+            let o = self.filled(o_len(&dims), 0.0, DType::F32)?;
             return Ok(Pending::ready((o, self.filled(lse_len(&dims), f32::NEG_INFINITY, DType::F32)?)));
         }
         let mask = self.mask(&dims, q_pos, k_pos, params)?;
@@ -577,14 +579,14 @@ impl Backend for DeviceBackend {
             k: k16.bits()?,
             v: v16.bits()?,
             mask: &mask,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             kernels: self.kernels,
         };
         self.device.forward_into(&self.stream, &args, &mut out)?;
         self.step_end(start)?;
         let done = self.done_event()?;
         let keep = StepInputs { _inputs: vec![q16, k16, v16], _mask: mask };
-        let mut o = DeviceBuf::from_slice(out.o, q_len(&dims), None)?;
+        let mut o = DeviceBuf::from_slice(out.o, o_len(&dims), None)?;
         let mut lse = DeviceBuf::from_slice(out.lse, lse_len(&dims), None)?;
         o.set_ready(Some(done.clone()));
         lse.set_ready(Some(done.clone()));
@@ -612,18 +614,18 @@ impl Backend for DeviceBackend {
     ) -> Result<Pending<GradientPartial<DeviceBuf>>> {
         crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
         expect_len("q", q, q_len(&dims))?;
-        expect_len("k", k, kv_len(&dims))?;
-        expect_len("v", v, kv_len(&dims))?;
-        expect_len("o", o, q_len(&dims))?;
-        expect_len("d_o", d_o, q_len(&dims))?;
+        expect_len("k", k, k_len(&dims))?;
+        expect_len("v", v, v_len(&dims))?;
+        expect_len("o", o, o_len(&dims))?;
+        expect_len("d_o", d_o, o_len(&dims))?;
         expect_len("lse", lse, lse_len(&dims))?;
         expect_len("delta", delta, lse_len(&dims))?;
         if self.skip_compute {
             let dq = self.filled(q_len(&dims), 0.0, DType::F32)?;
             return Ok(Pending::ready((
                 dq,
-                self.filled(kv_len(&dims), 0.0, DType::F32)?,
-                self.filled(kv_len(&dims), 0.0, DType::F32)?,
+                self.filled(k_len(&dims), 0.0, DType::F32)?,
+                self.filled(v_len(&dims), 0.0, DType::F32)?,
             )));
         }
         let mask = self.mask(&dims, q_pos, k_pos, params)?;
@@ -641,7 +643,7 @@ impl Backend for DeviceBackend {
             k: k16.bits()?,
             v: v16.bits()?,
             mask: &mask,
-            scale: params.softmax_scale(dims.d),
+            scale: params.softmax_scale(dims.d_qk),
             kernels: self.kernels,
         };
         // `delta` is given: the kernels do not read `o` (which may be 16-bit).
@@ -653,8 +655,8 @@ impl Backend for DeviceBackend {
         let keep = StepInputs { _inputs: vec![q16, k16, v16, do16], _mask: mask };
         let mut out = (
             DeviceBuf::from_slice(grads.dq, q_len(&dims), None)?,
-            DeviceBuf::from_slice(grads.dk, kv_len(&dims), None)?,
-            DeviceBuf::from_slice(grads.dv, kv_len(&dims), None)?,
+            DeviceBuf::from_slice(grads.dk, k_len(&dims), None)?,
+            DeviceBuf::from_slice(grads.dv, v_len(&dims), None)?,
         );
         for b in [&mut out.0, &mut out.1, &mut out.2] {
             b.set_ready(Some(done.clone()));
@@ -669,8 +671,8 @@ impl Backend for DeviceBackend {
 
     fn softmax_grad_rowsum(&self, dims: Dims, o: &DeviceBuf, d_o: &DeviceBuf) -> Result<DeviceBuf> {
         crate::runner::check_supported(super::BACKEND, &dims, self.dtype)?;
-        expect_len("o", o, q_len(&dims))?;
-        expect_len("d_o", d_o, q_len(&dims))?;
+        expect_len("o", o, o_len(&dims))?;
+        expect_len("d_o", d_o, o_len(&dims))?;
         if self.skip_compute {
             return self.filled(lse_len(&dims), 0.0, DType::F32);
         }

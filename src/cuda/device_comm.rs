@@ -498,15 +498,15 @@ fn run_ranks(
         be.record_step_times(false);
         let dtype = q.dtype();
         let f = ForwardOutput {
-            o: plan.download_tensor(&o, dims.q_shape(), dtype)?,
+            o: plan.download_tensor(&o, dims.o_shape(), dtype)?,
             lse: plan.download_tensor(&saved.lse, dims.lse_shape(), DType::F32)?,
         };
         let g = match g {
             Some((g, bs)) => Some((
                 Gradients {
                     dq: plan.download_tensor(&g.dq, dims.q_shape(), dtype)?,
-                    dk: plan.download_tensor(&g.dk, dims.kv_shape(), dtype)?,
-                    dv: plan.download_tensor(&g.dv, dims.kv_shape(), dtype)?,
+                    dk: plan.download_tensor(&g.dk, dims.k_shape(), dtype)?,
+                    dv: plan.download_tensor(&g.dv, dims.v_shape(), dtype)?,
                 },
                 bs,
             )),

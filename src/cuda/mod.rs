@@ -161,14 +161,14 @@ impl CudaDevice {
         let dims = x.dims;
         runner::check_supported(BACKEND, &dims, x.dtype)?;
         host_len("q", x.q, buffers::q_len(&dims))?;
-        host_len("k", x.k, buffers::kv_len(&dims))?;
-        host_len("v", x.v, buffers::kv_len(&dims))?;
+        host_len("k", x.k, buffers::k_len(&dims))?;
+        host_len("v", x.v, buffers::v_len(&dims))?;
         let s = self.stream();
         let (q, k, v) = (self.upload_bits(x.q)?, self.upload_bits(x.k)?, self.upload_bits(x.v)?);
         let mask = DeviceMask::upload(s, x.vis)?;
         let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale, kernels };
         let saved = self.forward(s, &args)?;
-        let mut o = buffers::download(s, &saved.o, buffers::q_len(&dims))?;
+        let mut o = buffers::download(s, &saved.o, buffers::o_len(&dims))?;
         if x.round_o {
             o = crate::HostBuf::from(o).converted(x.dtype).to_f32()?.into_owned();
         }
@@ -184,13 +184,13 @@ impl CudaDevice {
         let f = &x.fwd;
         let dims = f.dims;
         runner::check_supported(BACKEND, &dims, f.dtype)?;
-        let (nq, nkv, nst) = (buffers::q_len(&dims), buffers::kv_len(&dims), buffers::lse_len(&dims));
+        let (nq, no, nst) = (buffers::q_len(&dims), buffers::o_len(&dims), buffers::lse_len(&dims));
         host_len("q", f.q, nq)?;
-        host_len("k", f.k, nkv)?;
-        host_len("v", f.v, nkv)?;
-        host_len("o", x.o, nq)?;
+        host_len("k", f.k, buffers::k_len(&dims))?;
+        host_len("v", f.v, buffers::v_len(&dims))?;
+        host_len("o", x.o, no)?;
         host_len("lse", x.lse, nst)?;
-        host_len("do", x.d_o, nq)?;
+        host_len("do", x.d_o, no)?;
         if let Some(d) = x.delta {
             host_len("delta", d, nst)?;
         }
@@ -227,16 +227,16 @@ impl CudaDevice {
         }
         Ok((
             buffers::download(s, &grads.dq, nq)?,
-            buffers::download(s, &grads.dk, nkv)?,
-            buffers::download(s, &grads.dv, nkv)?,
+            buffers::download(s, &grads.dk, buffers::k_len(&dims))?,
+            buffers::download(s, &grads.dv, buffers::v_len(&dims))?,
         ))
     }
 
     /// `rowsum(dO∘O)` of host buffers.
     pub(crate) fn rowsum_host(&self, dims: &Dims, dtype: DType, o: &[f32], d_o: &[u16]) -> Result<Vec<f32>> {
         runner::check_supported(BACKEND, dims, dtype)?;
-        host_len("o", o, buffers::q_len(dims))?;
-        host_len("do", d_o, buffers::q_len(dims))?;
+        host_len("o", o, buffers::o_len(dims))?;
+        host_len("do", d_o, buffers::o_len(dims))?;
         let s = self.stream();
         let (o, d_o) = (buffers::upload(s, o)?, self.upload_bits(d_o)?);
         let n = buffers::lse_len(dims);

@@ -22,6 +22,7 @@ extern "C" {
         p: FlashFwdParams,
         bf16: i32,
         dclass: i32,
+        own_dv: i32,
         l: EmuLaunch,
         msg: *mut c_char,
         cap: usize,
@@ -48,6 +49,7 @@ extern "C" {
         kernel: i32,
         bf16: i32,
         dclass: i32,
+        own_dv: i32,
         l: EmuLaunch,
         msg: *mut c_char,
         cap: usize,
@@ -125,20 +127,21 @@ fn mask_params(vis: &Visibility, bounds: &Option<MaskBounds>) -> MaskParams {
 fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
     let ForwardJob { dims, dtype, q, k, v, vis, scale, round_o } = *x;
     check_supported(BACKEND, &dims, dtype)?;
-    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
-    let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
-    if q.len() != nq || k.len() != nkv || v.len() != nkv || vis.q_pos.len() != dims.s_q || vis.k_pos.len() != dims.s_k {
+    let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
+    let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
+    let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
+    if q.len() != nq || k.len() != nk || v.len() != nv || vis.q_pos.len() != dims.s_q || vis.k_pos.len() != dims.s_k {
         return Err(Error::ShapeMismatch(format!("flash forward buffers disagree with {dims:?}")));
     }
     // Outputs start as NaN, so an element the kernel fails to write shows up.
-    let mut o = vec![f32::NAN; nq];
+    let mut o = vec![f32::NAN; no];
     let mut lse = vec![f32::NAN; dims.b * dims.h_q * dims.s_q];
     if nq == 0 {
         lse.fill(f32::NEG_INFINITY);
         return Ok((o, lse));
     }
     // 0xFFFF is NaN in bf16 and f16: unwritten elements show up.
-    let mut o16 = if round_o { vec![0xFFFFu16; nq] } else { Vec::new() };
+    let mut o16 = if round_o { vec![0xFFFFu16; no] } else { Vec::new() };
     let bounds = MaskBounds::of(vis);
     let p = FlashFwdParams {
         q: q.as_ptr() as u64,
@@ -176,7 +179,8 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
         // for the call (the block counts' slot, two u64 per block, too); o and lse are
         // exclusively borrowed; the emulator runs synchronously.
         let code = unsafe {
-            ringattn_emu_flash_fwd(p, bf16, launch.head_dim_class as i32, l, msg.as_mut_ptr().cast(), msg.len())
+            let (dclass, own_dv) = (launch.head_dim_class as i32, i32::from(launch.own_dv));
+            ringattn_emu_flash_fwd(p, bf16, dclass, own_dv, l, msg.as_mut_ptr().cast(), msg.len())
         };
         check(code, &msg, "flash_fwd")?;
         emu.record("flash_fwd", slot);
@@ -195,14 +199,15 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     let f = &x.fwd;
     let dims = f.dims;
     check_supported(BACKEND, &dims, f.dtype)?;
-    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
-    let nkv = dims.b * dims.s_k * dims.h_kv * dims.d;
+    let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
+    let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
+    let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
     let nst = dims.b * dims.h_q * dims.s_q;
     let lengths_ok = f.q.len() == nq
-        && x.o.len() == nq
-        && x.d_o.len() == nq
-        && f.k.len() == nkv
-        && f.v.len() == nkv
+        && x.o.len() == no
+        && x.d_o.len() == no
+        && f.k.len() == nk
+        && f.v.len() == nv
         && x.lse.len() == nst
         && x.delta.is_none_or(|d| d.len() == nst)
         && f.vis.q_pos.len() == dims.s_q
@@ -218,15 +223,15 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         if emu.opts.kernels == KernelFamily::Hopper { geometry::Backward::Hopper } else { geometry::Backward::Fa2 };
     let kernels = geometry::backward_on(family, &dims, x.delta.is_none(), x.dq_mode);
     let mut dq = vec![if geometry::backward_zeroing(&kernels).dq { 0.0 } else { f32::NAN }; nq];
-    let mut dk = vec![f32::NAN; nkv];
+    let mut dk = vec![f32::NAN; nk];
     let mut dq_unit = vec![f32::NAN; nst];
     let mut kv_bound = vec![0.0f32; 2 * dims.b * dims.h_kv];
-    let mut dv = vec![f32::NAN; nkv];
+    let mut dv = vec![f32::NAN; nv];
     let mut delta = match x.delta {
         Some(d) => d.to_vec(),
         None => vec![f32::NAN; nst],
     };
-    if nq == 0 && nkv == 0 {
+    if nq == 0 && nk == 0 {
         return Ok((dq, dk, dv));
     }
     let bounds = MaskBounds::of(f.vis);
@@ -259,7 +264,8 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         } else {
             // SAFETY: as in forward_job; delta, dq, dk, dv, dq_unit and kv_bound are
             // exclusively owned here.
-            unsafe { ringattn_emu_flash_bwd(p, kernel_code(kernel), bf, dclass, l, msg.as_mut_ptr().cast(), msg.len()) }
+            let (code, own_dv) = (kernel_code(kernel), i32::from(launch.own_dv));
+            unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, own_dv, l, msg.as_mut_ptr().cast(), msg.len()) }
         };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;
         emu.record(kernel.name(), slot);
@@ -287,9 +293,9 @@ fn kernel_code(kernel: BackwardKernel) -> i32 {
 /// `delta = rowsum(dO∘O)` `[b, h_q, s_q]` by the rowsum kernel, from f32 `o` and 16-bit
 /// `d_o`.
 pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &EmuOptions) -> Result<Vec<f32>> {
-    let nq = dims.b * dims.s_q * dims.h_q * dims.d;
+    let no = dims.b * dims.s_q * dims.h_q * dims.d_v;
     let nst = dims.b * dims.h_q * dims.s_q;
-    if o.len() != nq || d_o.len() != nq {
+    if o.len() != no || d_o.len() != no {
         return Err(Error::ShapeMismatch(format!("rowsum buffers disagree with {dims:?}")));
     }
     let mut delta = vec![f32::NAN; nst];
@@ -307,7 +313,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
     // SAFETY: o and d_o hold the nq elements the kernel reads, delta the nst it writes; the
     // other pointers are null and not read by the rowsum kernel.
     let code = unsafe {
-        ringattn_emu_flash_bwd(p, 0, (dtype == DType::BF16) as i32, 0, l, msg.as_mut_ptr().cast(), msg.len())
+        ringattn_emu_flash_bwd(p, 0, (dtype == DType::BF16) as i32, 0, 0, l, msg.as_mut_ptr().cast(), msg.len())
     };
     check(code, &msg, "flash_bwd_rowsum")?;
     Ok(delta)

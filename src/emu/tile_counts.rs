@@ -228,10 +228,10 @@ fn copies_count_what_the_blocks_stage() {
 /// The multiply-adds the emulated kernels perform for a single-device call of `dims` under
 /// `params`, per pass (forward; backward in `mode`), against [`flops::executed_flops`].
 fn check_flops(name: &str, dims: Dims, params: &AttentionParams) {
-    let q = randn(vec![dims.b, dims.s_q, dims.h_q, dims.d], 5, DType::F16);
-    let k = randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d], 6, DType::F16);
-    let v = randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d], 7, DType::F16);
-    let d_o = randn(vec![dims.b, dims.s_q, dims.h_q, dims.d], 8, DType::F16);
+    let q = randn(dims.q_shape(), 5, DType::F16);
+    let k = randn(dims.k_shape(), 6, DType::F16);
+    let v = randn(dims.v_shape(), 7, DType::F16);
+    let d_o = randn(dims.o_shape(), 8, DType::F16);
     let counts = BlockCounts::default();
     let opts = EmuOptions::default();
     let emu = Emulator { opts: &opts, counts: Some(&counts) };
@@ -250,7 +250,7 @@ fn check_flops(name: &str, dims: Dims, params: &AttentionParams) {
 
 #[test]
 fn executed_flops_are_the_multiply_adds_the_kernels_perform() {
-    let dims = |s_q, s_k, h_q, h_kv, d| Dims { b: 2, s_q, s_k, h_q, h_kv, d };
+    let dims = |s_q, s_k, h_q, h_kv, d| Dims { b: 2, s_q, s_k, h_q, h_kv, d_qk: d, d_v: d };
     check_flops("unmasked", dims(100, 100, 2, 2, 64), &AttentionParams::default());
     check_flops("causal, GQA, d 48 (class 64)", dims(200, 200, 4, 2, 48), &causal());
     check_flops("causal, s_q < s_k, d 128", dims(70, 190, 1, 1, 128), &causal());
@@ -304,7 +304,7 @@ fn the_hopper_forward_loads_its_span_and_performs_the_reported_work() {
         let want: Vec<u64> = expected_tiles(&pairs(&vis), Blocks::Queries, m, n).repeat(h);
         let got: Vec<u64> = launch.copies.iter().map(|&c| if c == 0 { 0 } else { (c - boxes) / (2 * boxes) }).collect();
         assert_eq!(got, want, "{name}: tiles per block");
-        let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d };
+        let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d_qk: d, d_v: d };
         let flops =
             flops::executed_flops(&dims, &params, Pass::Forward, Executor::Hopper(DqMode::Deterministic)).unwrap();
         let macs: u64 = launch.mma_macs.iter().sum();
@@ -342,7 +342,7 @@ fn the_hopper_backward_loads_its_span_and_performs_the_reported_work() {
             let got: Vec<u64> =
                 launch.copies.iter().map(|&c| if c == 0 { 0 } else { (c - 2 * boxes) / (2 * boxes + 2) }).collect();
             assert_eq!(got, want, "{name} ({mode:?}): query tiles per block");
-            let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d };
+            let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d_qk: d, d_v: d };
             let flops = flops::executed_flops(&dims, &params, Pass::Backward, Executor::Hopper(mode)).unwrap();
             let macs: u64 = launch.mma_macs.iter().sum();
             assert_eq!(2.0 * macs as f64, flops, "{name} ({mode:?}): executed FLOPs");

@@ -317,16 +317,16 @@ pub fn hopper_forward_params(
     encode: impl Fn(&TensorMapSpec) -> Result<TensorMap>,
 ) -> Result<FlashFwdHopperParams> {
     let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
-    let (block_m, block_n) = geometry::hopper_forward_tile(dims.d);
-    let map = |addr: u64, s: usize, h: usize, rows: usize| {
-        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32))
+    let (block_m, block_n) = geometry::hopper_forward_tile(dims.d_max());
+    let map = |addr: u64, s: usize, h: usize, d: usize, rows: usize| {
+        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, d, rows as u32))
     };
     Ok(FlashFwdHopperParams {
         p,
-        reserved: [0; 9],
-        q: map(p.q, dims.s_q, dims.h_q, block_m)?,
-        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
-        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
+        reserved: [0; 8],
+        q: map(p.q, dims.s_q, dims.h_q, dims.d_qk, block_m)?,
+        k: map(p.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
+        v: map(p.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
     })
 }
 
@@ -344,17 +344,17 @@ pub fn hopper_backward_params(
     encode: impl Fn(&TensorMapSpec) -> Result<TensorMap>,
 ) -> Result<FlashBwdHopperParams> {
     let t = if dtype == DType::F16 { TensorMapDType::F16 } else { TensorMapDType::BF16 };
-    let block_n = geometry::hopper_backward_block(dims.d);
-    let map = |addr: u64, s: usize, h: usize, rows: usize| {
-        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, dims.d, rows as u32))
+    let block_n = geometry::hopper_backward_block(dims.d_max());
+    let map = |addr: u64, s: usize, h: usize, d: usize, rows: usize| {
+        encode(&bshd_tile_map(t, addr, dims.b, s.max(1), h, d, rows as u32))
     };
     Ok(FlashBwdHopperParams {
         p,
-        reserved: [0; 2],
-        q: map(p.q, dims.s_q, dims.h_q, 64)?,
-        k: map(p.k, dims.s_k, dims.h_kv, block_n)?,
-        v: map(p.v, dims.s_k, dims.h_kv, block_n)?,
-        d_o: map(p.d_o, dims.s_q, dims.h_q, 64)?,
+        reserved: [0; 1],
+        q: map(p.q, dims.s_q, dims.h_q, dims.d_qk, 64)?,
+        k: map(p.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
+        v: map(p.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
+        d_o: map(p.d_o, dims.s_q, dims.h_q, dims.d_v, 64)?,
         lse: encode(&row_stats_map(p.lse, dims)?)?,
         delta: encode(&row_stats_map(p.delta, dims)?)?,
     })

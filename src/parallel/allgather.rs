@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
+use super::plan::QueryHeads;
 use super::{concat_positions, Driver, LocalData, ParallelPlan, Rules, Stats};
 use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
@@ -20,8 +21,8 @@ impl Driver for AllGather {
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
         let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
-        let (o, lse) = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
-        Ok((plan.in_dtype(o)?, lse))
+        let merged = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
+        plan.finish_forward(merged, QueryHeads::All(x.h_q))
     }
 
     fn backward<Be: Backend>(
@@ -53,15 +54,16 @@ fn gather<Be: Backend>(
     stats: &mut Stats,
 ) -> Result<Gathered<Be::Buf>> {
     let start = Instant::now();
-    let w = x.h_kv * x.d;
-    let lens: Vec<usize> = pos.iter().map(|p| x.b * p.len() * w).collect();
-    let ks = all_gather_v(comm, x.k.clone(), &lens)?;
-    let vs = all_gather_v(comm, x.v.clone(), &lens)?;
+    let (wk, wv) = (x.h_kv * x.d_qk, x.h_kv * x.d_v);
+    let lens = |w: usize| pos.iter().map(|p| x.b * p.len() * w).collect::<Vec<usize>>();
+    let ks = all_gather_v(comm, x.k.clone(), &lens(wk))?;
+    let vs = all_gather_v(comm, x.v.clone(), &lens(wv))?;
     stats.waiting += start.elapsed();
-    let k = be.concat_seq(&ks, x.b, w)?;
-    let v = be.concat_seq(&vs, x.b, w)?;
+    let k = be.concat_seq(&ks, x.b, wk)?;
+    let v = be.concat_seq(&vs, x.b, wv)?;
     let all = concat_positions(pos);
-    let dims = Dims { b: x.b, s_q: pos[comm.rank()].len(), s_k: all.len(), h_q: x.h_q, h_kv: x.h_kv, d: x.d };
+    let (s_q, s_k) = (pos[comm.rank()].len(), all.len());
+    let dims = Dims { b: x.b, s_q, s_k, h_q: x.h_q, h_kv: x.h_kv, d_qk: x.d_qk, d_v: x.d_v };
     Ok(Gathered { k, v, all, dims })
 }
 
@@ -110,8 +112,7 @@ fn backward<Be: Backend>(
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();
-    let w = x.h_kv * x.d;
-    let split = |t: &Be::Buf| {
+    let split = |t: &Be::Buf, w: usize| {
         let mut off = 0;
         pos.iter()
             .map(|p| {
@@ -122,9 +123,9 @@ fn backward<Be: Backend>(
             .collect::<Result<Vec<_>>>()
     };
     let add = |acc: &mut Be::Buf, x: &Be::Buf| be.add_into(acc, x);
-    let dk = reduce_scatter_v(comm, split(&dk_all)?, add)?;
-    let dv = reduce_scatter_v(comm, split(&dv_all)?, add)?;
+    let dk = reduce_scatter_v(comm, split(&dk_all, x.h_kv * x.d_qk)?, add)?;
+    let dv = reduce_scatter_v(comm, split(&dv_all, x.h_kv * x.d_v)?, add)?;
     stats.waiting += start.elapsed();
-    stats.step(Default::default(), Default::default(), crate::flops::BACKWARD_FACTOR * flops(&dims));
+    stats.step(Default::default(), Default::default(), crate::flops::backward_ratio(&dims) * flops(&dims));
     Ok((dq, dk, dv))
 }

@@ -361,7 +361,7 @@ impl Backend for NullBackend {
         _k_pos: &Positions,
         _params: &AttentionParams,
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
-        let o = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d];
+        let o = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d_v];
         Ok(Pending::ready(host_partial((o, vec![f32::NEG_INFINITY; dims.b * dims.h_q * dims.s_q]))))
     }
 
@@ -379,9 +379,9 @@ impl Backend for NullBackend {
         _k_pos: &Positions,
         _params: &AttentionParams,
     ) -> Result<Pending<GradientPartial<HostBuf>>> {
-        let kv = dims.b * dims.s_k * dims.h_kv * dims.d;
-        let dq = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d];
-        Ok(Pending::ready((dq.into(), vec![0.0; kv].into(), vec![0.0; kv].into())))
+        let kv = dims.b * dims.s_k * dims.h_kv;
+        let dq = vec![0.0; dims.b * dims.s_q * dims.h_q * dims.d_qk];
+        Ok(Pending::ready((dq.into(), vec![0.0; kv * dims.d_qk].into(), vec![0.0; kv * dims.d_v].into())))
     }
 
     fn softmax_grad_rowsum(&self, dims: Dims, _o: &HostBuf, _d_o: &HostBuf) -> Result<HostBuf> {

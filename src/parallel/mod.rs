@@ -277,7 +277,8 @@ struct LocalData<B> {
     b: usize,
     h_q: usize,
     h_kv: usize,
-    d: usize,
+    d_qk: usize,
+    d_v: usize,
     q: B,
     k: B,
     v: B,
@@ -295,7 +296,8 @@ impl<B> LocalData<B> {
             b: self.b,
             h_q: self.h_q,
             h_kv: self.h_kv,
-            d: self.d,
+            d_qk: self.d_qk,
+            d_v: self.d_v,
             q: &self.q,
             k: &self.k,
             v: &self.v,
@@ -316,13 +318,13 @@ fn concat_positions(pos: &[Positions]) -> Positions {
 /// repeated calls and recomputation (gradient checkpointing) work.
 #[derive(Clone)]
 pub struct SavedForward<B> {
-    /// Queries `[b, n, h_q, d]`.
+    /// Queries `[b, n, h_q, d_qk]`.
     pub q: B,
-    /// Keys `[b, n, h_kv, d]`.
+    /// Keys `[b, n, h_kv, d_qk]`.
     pub k: B,
-    /// Values `[b, n, h_kv, d]`.
+    /// Values `[b, n, h_kv, d_v]`.
     pub v: B,
-    /// Output `[b, n, h_q, d]`, input dtype.
+    /// Output `[b, n, h_q, d_v]`, input dtype.
     pub o: B,
     /// Log-sum-exp `[b, h_q, n]`, f32.
     pub lse: B,
@@ -331,11 +333,11 @@ pub struct SavedForward<B> {
 /// Gradients of one rank's shard, as the backend's buffers in the input dtype.
 #[derive(Clone)]
 pub struct GradientBufs<B> {
-    /// `[b, n, h_q, d]`.
+    /// `[b, n, h_q, d_qk]`.
     pub dq: B,
-    /// `[b, n, h_kv, d]`.
+    /// `[b, n, h_kv, d_qk]`.
     pub dk: B,
-    /// `[b, n, h_kv, d]`.
+    /// `[b, n, h_kv, d_v]`.
     pub dv: B,
 }
 
@@ -449,8 +451,8 @@ pub fn backward<Be: Backend>(
 }
 
 impl<Be: Backend> ParallelPlan<'_, Be> {
-    /// This rank's part of the forward on the backend's buffers: `q` `[b, n, h_q, d]`, `k`
-    /// and `v` `[b, n, h_kv, d]` of the planned shard, in the planned dtype (as the backend
+    /// This rank's part of the forward on the backend's buffers: `q` `[b, n, h_q, d_qk]`, `k`
+    /// `[b, n, h_kv, d_qk]` and `v` `[b, n, h_kv, d_v]` of the planned shard, in the planned dtype (as the backend
     /// stores it, [`Buffers::storage`]). Returns `o` in the input dtype and the context of
     /// the backward. Collective over the plan's communicator; no handshake, no split, no
     /// host transfer; K/V travel in the input dtype, partial outputs merge in f32.
@@ -462,9 +464,9 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     pub fn forward(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
         self.measured(|stats| {
             let dims = self.dims;
-            self.check_buf("q", q, dims.b * dims.s_q * dims.h_q * dims.d, self.dtype)?;
-            self.check_buf("k", k, dims.b * dims.s_k * dims.h_kv * dims.d, self.dtype)?;
-            self.check_buf("v", v, dims.b * dims.s_k * dims.h_kv * dims.d, self.dtype)?;
+            self.check_buf("q", q, dims.b * dims.s_q * dims.h_q * dims.d_qk, self.dtype)?;
+            self.check_buf("k", k, dims.b * dims.s_k * dims.h_kv * dims.d_qk, self.dtype)?;
+            self.check_buf("v", v, dims.b * dims.s_k * dims.h_kv * dims.d_v, self.dtype)?;
             let x = self.local(q, k, v);
             let (o, lse) = run_forward(self, &x, stats)?;
             let saved = SavedForward { q: x.q, k: x.k, v: x.v, o: o.clone(), lse };
@@ -473,7 +475,7 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     }
 
     /// This rank's part of the backward on the backend's buffers, from the context its
-    /// [`ParallelPlan::forward`] returned and `d_o` (`[b, n, h_q, d]`, input dtype):
+    /// [`ParallelPlan::forward`] returned and `d_o` (`[b, n, h_q, d_v]`, input dtype):
     /// `dq`, `dk`, `dv` in the input dtype. Collective; no handshake, no split, no host
     /// transfer.
     ///
@@ -482,12 +484,12 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     pub fn backward(&self, saved: &SavedForward<Be::Buf>, d_o: &Be::Buf) -> Result<GradientBufs<Be::Buf>> {
         self.measured(|stats| {
             let dims = self.dims;
-            let (q_len, kv_len) = (dims.b * dims.s_q * dims.h_q * dims.d, dims.b * dims.s_k * dims.h_kv * dims.d);
-            self.check_buf("d_o", d_o, q_len, self.dtype)?;
-            self.check_buf("saved q", &saved.q, q_len, self.dtype)?;
-            self.check_buf("saved k", &saved.k, kv_len, self.dtype)?;
-            self.check_buf("saved v", &saved.v, kv_len, self.dtype)?;
-            self.check_buf("saved o", &saved.o, q_len, self.dtype)?;
+            let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
+            self.check_buf("d_o", d_o, q_rows * dims.d_v, self.dtype)?;
+            self.check_buf("saved q", &saved.q, q_rows * dims.d_qk, self.dtype)?;
+            self.check_buf("saved k", &saved.k, kv_rows * dims.d_qk, self.dtype)?;
+            self.check_buf("saved v", &saved.v, kv_rows * dims.d_v, self.dtype)?;
+            self.check_buf("saved o", &saved.o, q_rows * dims.d_v, self.dtype)?;
             self.check_buf("saved lse", &saved.lse, dims.b * dims.h_q * dims.s_q, DType::F32)?;
             let x = self.local(&saved.q, &saved.k, &saved.v);
             let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
@@ -508,7 +510,7 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         // Only the LSE is kept: `o` is then this call's alone and becomes the tensor uncopied.
         let SavedForward { lse, .. } = saved;
         let out = ForwardOutput {
-            o: self.take_tensor(o, dims.q_shape(), q.dtype())?,
+            o: self.take_tensor(o, dims.o_shape(), q.dtype())?,
             lse: self.take_tensor(lse, dims.lse_shape(), DType::F32)?,
         };
         Ok((out, self.last_stats()))
@@ -538,8 +540,8 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         let dims = self.dims;
         let grads = Gradients {
             dq: self.take_tensor(g.dq, dims.q_shape(), q.dtype())?,
-            dk: self.take_tensor(g.dk, dims.kv_shape(), q.dtype())?,
-            dv: self.take_tensor(g.dv, dims.kv_shape(), q.dtype())?,
+            dk: self.take_tensor(g.dk, dims.k_shape(), q.dtype())?,
+            dv: self.take_tensor(g.dv, dims.v_shape(), q.dtype())?,
         };
         Ok((grads, self.last_stats()))
     }
@@ -577,7 +579,8 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
 
     fn local(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> LocalData<Be::Buf> {
         let d = self.dims;
-        LocalData { b: d.b, h_q: d.h_q, h_kv: d.h_kv, d: d.d, q: q.clone(), k: k.clone(), v: v.clone() }
+        let (q, k, v) = (q.clone(), k.clone(), v.clone());
+        LocalData { b: d.b, h_q: d.h_q, h_kv: d.h_kv, d_qk: d.d_qk, d_v: d.d_v, q, k, v }
     }
 
     /// Checks one buffer of a call against the plan: its length and element type.

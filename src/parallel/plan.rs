@@ -383,11 +383,12 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             let positions = resolved.as_ref().map_or(0, positions_hash);
             // Everything but this rank's token counts, which the record carries apart.
             Ok(format!(
-                "{params:?} b={} h_q={} h_kv={} d={} {dtype} {} positions#{positions:016x}",
+                "{params:?} b={} h_q={} h_kv={} d_qk={} d_v={} {dtype} {} positions#{positions:016x}",
                 dims.b,
                 dims.h_q,
                 dims.h_kv,
-                dims.d,
+                dims.d_qk,
+                dims.d_v,
                 std::any::type_name::<Be>()
             ))
         });
@@ -473,6 +474,21 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         self.dtype
     }
 
+    /// The forward's finish step, where every driver hands its merged result over: this
+    /// rank's f32 `o` `[b, n, heads, d_v]` and `lse` `[b, heads, n]` over every key, for the
+    /// query heads `heads` (their global ids: all of them, or a Ulysses rank's), returned as
+    /// the output in the input dtype and the LSE. The one place that sees each query row's
+    /// final (o, lse) with its heads' ids, once: what acts once per row after the merge
+    /// (attention sinks, output transforms) belongs here, not in the drivers' hops.
+    pub(super) fn finish_forward(
+        &self,
+        (o, lse): (Be::Buf, Be::Buf),
+        heads: QueryHeads<'_>,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        let _ = heads; // (no modifier acts per head yet)
+        Ok((self.in_dtype(o)?, lse))
+    }
+
     /// A driver's f32 result in the input dtype (as the backend stores it); the f32 buffer
     /// goes back to the backend ([`Backend::recycle`]: kept unless the result shares it).
     pub(super) fn in_dtype(&self, x: Be::Buf) -> Result<Be::Buf> {
@@ -510,7 +526,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     /// let resolved = params.resolve(2, 2, 16)?;
     /// let verdicts = spmd(2, LocalOptions::default(), |comm| {
     ///     let backend = CpuBackend::default();
-    ///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d: 8 };
+    ///     let dims = Dims { b: 1, s_q: 8, s_k: 8, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
     ///     let plan = ParallelPlan::new(comm, &backend, &resolved, &dims, DType::F32)?;
     ///     let mine: Vec<u64> = resolved.positions(comm.rank()).iter().map(|p| p as u64).collect();
     ///     plan.check_positions(&mine)?; // the layout's own shard
@@ -615,4 +631,14 @@ mod tests {
             4
         );
     }
+}
+
+/// The query heads a driver's result holds, by their global ids (what the forward's finish
+/// step, [`ParallelPlan::finish_forward`], applies per-head options with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum QueryHeads<'a> {
+    /// Every query head, `0..h_q` (ring, all-gather: sequence-sharded results).
+    All(usize),
+    /// These heads, in this order (a Ulysses rank's head-sharded result).
+    Listed(&'a [usize]),
 }

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
+use super::plan::QueryHeads;
 use super::{Driver, LocalData, ParallelParams, ParallelPlan, Rules, Stats};
 use crate::attention::{classify, spans, TileKind};
 use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
@@ -52,8 +53,8 @@ impl Driver for Ring {
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
         let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
-        let (o, lse) = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
-        Ok((plan.in_dtype(o)?, lse))
+        let merged = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
+        plan.finish_forward(merged, QueryHeads::All(x.h_q))
     }
 
     fn backward<Be: Backend>(
@@ -75,7 +76,9 @@ pub(crate) struct RingInputs<'a, B> {
     pub b: usize,
     pub h_q: usize,
     pub h_kv: usize,
-    pub d: usize,
+    /// Head dims of q/k and of v/o.
+    pub d_qk: usize,
+    pub d_v: usize,
     pub q: &'a B,
     pub k: &'a B,
     pub v: &'a B,
@@ -88,7 +91,7 @@ pub(crate) struct RingInputs<'a, B> {
 
 impl<B> RingInputs<'_, B> {
     fn dims(&self, s_q: usize, s_k: usize) -> Dims {
-        Dims { b: self.b, s_q, s_k, h_q: self.h_q, h_kv: self.h_kv, d: self.d }
+        Dims { b: self.b, s_q, s_k, h_q: self.h_q, h_kv: self.h_kv, d_qk: self.d_qk, d_v: self.d_v }
     }
 
     /// Dense forward FLOPs of one block.
@@ -97,8 +100,20 @@ impl<B> RingInputs<'_, B> {
         crate::flops::flops(&dims, crate::flops::dense_pairs(&dims), crate::flops::Pass::Forward)
     }
 
-    fn kv_len(&self, rank: usize) -> usize {
-        self.b * self.pos[rank].len() * self.h_kv * self.d
+    /// Lengths of rank `rank`'s K and V blocks (and of their gradients).
+    fn kv_len(&self, rank: usize) -> [usize; 2] {
+        let rows = self.b * self.pos[rank].len() * self.h_kv;
+        [rows * self.d_qk, rows * self.d_v]
+    }
+
+    /// Length of this rank's `o` (f32 `[b, n, h_q, d_v]`) for `n` query rows.
+    fn o_len(&self, n: usize) -> usize {
+        self.b * n * self.h_q * self.d_v
+    }
+
+    /// Length of this rank's `dq` (f32 `[b, n, h_q, d_qk]`) for `n` query rows.
+    fn dq_len(&self, n: usize) -> usize {
+        self.b * n * self.h_q * self.d_qk
     }
 }
 
@@ -194,18 +209,19 @@ type RecvPair<B> = (RecvHandle<B>, RecvHandle<B>);
 
 /// Posts, as one batch, the receive of the next pair from `from` and the send of a pair of
 /// buffers to `to` (handed over: a sender that keeps no handle lets an in-process receiver
-/// add into the buffer without a copy). `want` is the length of each buffer of the incoming
-/// pair, whose element type is the outgoing pair's.
+/// add into the buffer without a copy). `want` holds the lengths of the incoming pair's
+/// buffers (K and V, or dK and dV: `d_qk` and `d_v` wide), whose element type is the
+/// outgoing pair's.
 fn exchange<B: Payload>(
     comm: &dyn Communicator<Buf = B>,
     to: usize,
     from: usize,
     tag: Tag,
     pair: (B, B),
-    want: usize,
+    want: [usize; 2],
 ) -> Result<Exchange<B>> {
     let elem = pair.0.elem();
-    let recvs = vec![RecvOp { from, tag, len: want, elem }, RecvOp { from, tag: tag + 1, len: want, elem }];
+    let recvs = vec![RecvOp { from, tag, len: want[0], elem }, RecvOp { from, tag: tag + 1, len: want[1], elem }];
     let sends = vec![SendOp { to, tag, data: pair.0 }, SendOp { to, tag: tag + 1, data: pair.1 }];
     let Posted { recvs, sends } = comm.post(recvs, sends)?;
     match (<[_; 2]>::try_from(sends), <[_; 2]>::try_from(recvs)) {
@@ -214,8 +230,8 @@ fn exchange<B: Payload>(
     }
 }
 
-/// Posts hop `t`'s exchange of K/V blocks (the held pair to `to`, the next from `from`, each
-/// of `want` values); none after the last hop. The blocks are shared, not copied.
+/// Posts hop `t`'s exchange of K/V blocks (the held pair to `to`, the next from `from`, of
+/// `want` values); none after the last hop. The blocks are shared, not copied.
 fn post_kv<B: Payload>(
     comm: &dyn Communicator<Buf = B>,
     [to, from]: [usize; 2],
@@ -223,7 +239,7 @@ fn post_kv<B: Payload>(
     t: usize,
     hops: usize,
     (k, v): (&B, &B),
-    want: usize,
+    want: [usize; 2],
 ) -> Result<Option<Exchange<B>>> {
     if t + 1 >= hops {
         return Ok(None);
@@ -237,11 +253,11 @@ struct Exchange<B> {
     recvs: RecvPair<B>,
 }
 
-/// Waits for a posted exchange (if any) and checks that both received buffers hold `want`
+/// Waits for a posted exchange (if any) and checks that the received buffers hold `want`
 /// values; returns the received pair.
 fn finish_exchange<B: Payload>(
     posted: Option<Exchange<B>>,
-    want: usize,
+    want: [usize; 2],
     what: &str,
     peer: usize,
 ) -> Result<Option<(B, B)>> {
@@ -250,8 +266,8 @@ fn finish_exchange<B: Payload>(
         s.wait()?;
     }
     let (a, b) = (rk.wait()?, rv.wait()?);
-    check_len(&a, want, what, peer)?;
-    check_len(&b, want, what, peer)?;
+    check_len(&a, want[0], what, peer)?;
+    check_len(&b, want[1], what, peer)?;
     Ok(Some((a, b)))
 }
 
@@ -297,7 +313,7 @@ pub(crate) fn forward<Be: Backend>(
             match &mut merged {
                 None => merged = Some((ob, lb)),
                 Some((o, lse)) => {
-                    be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d])?;
+                    be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d_v])?;
                     be.recycle(ob);
                     be.recycle(lb);
                 }
@@ -315,10 +331,9 @@ pub(crate) fn forward<Be: Backend>(
     match merged {
         Some(partial) => Ok(partial),
         // No key visible to any query of this rank: o = 0, lse = -inf.
-        None => Ok((
-            be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?,
-            be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?,
-        )),
+        None => {
+            Ok((be.filled(x.o_len(n), 0.0, DType::F32)?, be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?))
+        }
     }
 }
 
@@ -348,8 +363,8 @@ pub(crate) fn backward<Be: Backend>(
     // into (zeros where no block contributed).
     let mut dq: Option<Be::Buf> = None;
     let (mut cur_k, mut cur_v) = (x.k.clone(), x.v.clone());
-    let zeros = |len: usize| -> Result<(Be::Buf, Be::Buf)> {
-        Ok((be.filled(len, 0.0, DType::F32)?, be.filled(len, 0.0, DType::F32)?))
+    let zeros = |[k_len, v_len]: [usize; 2]| -> Result<(Be::Buf, Be::Buf)> {
+        Ok((be.filled(k_len, 0.0, DType::F32)?, be.filled(v_len, 0.0, DType::F32)?))
     };
     let mut acc: Option<(Be::Buf, Be::Buf)> = None;
     let mut acc_recv: Option<RecvPair<Be::Buf>> = None;
@@ -379,14 +394,16 @@ pub(crate) fn backward<Be: Backend>(
             None
         };
         stats.compute += start.elapsed();
-        let step_flops =
-            if grads.is_some() { crate::flops::BACKWARD_FACTOR * x.block_flops(n, k_pos.len()) } else { 0.0 };
+        let step_flops = match grads {
+            Some(_) => crate::flops::backward_ratio(&x.dims(n, k_pos.len())) * x.block_flops(n, k_pos.len()),
+            None => 0.0,
+        };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
         if let Some((hk, hv)) = acc_recv.take() {
             let received = (hk.wait()?, hv.wait()?);
-            check_len(&received.0, kl, "dK/dV accumulators", prev)?;
-            check_len(&received.1, kl, "dK/dV accumulators", prev)?;
+            check_len(&received.0, kl[0], "dK accumulator", prev)?;
+            check_len(&received.1, kl[1], "dV accumulator", prev)?;
             acc = Some(received);
         }
         if let Some((dk, dv)) = grads {
@@ -429,16 +446,16 @@ pub(crate) fn backward<Be: Backend>(
     };
     let dq = match dq {
         Some(dq) => dq,
-        None => be.filled(x.b * n * x.h_q * x.d, 0.0, DType::F32)?,
+        None => be.filled(x.dq_len(n), 0.0, DType::F32)?,
     };
     let (dk, dv) = if holder_of_mine == r {
         acc
     } else {
-        let mine = x.kv_len(r);
-        let recv = |tag| RecvOp { from: holder_of_mine, tag, len: mine, elem: Elem::F32 };
+        let [k_len, v_len] = x.kv_len(r);
+        let recv = |tag, len| RecvOp { from: holder_of_mine, tag, len, elem: Elem::F32 };
         let send = |tag, data| SendOp { to: owner_of_held, tag, data };
         let posted = comm.post(
-            vec![recv(base + FINAL_TAG), recv(base + FINAL_TAG + 1)],
+            vec![recv(base + FINAL_TAG, k_len), recv(base + FINAL_TAG + 1, v_len)],
             vec![send(base + FINAL_TAG, acc.0), send(base + FINAL_TAG + 1, acc.1)],
         )?;
         for s in posted.sends {
@@ -449,8 +466,8 @@ pub(crate) fn backward<Be: Backend>(
             return Err(Error::InvalidArgument("internal: the final receives were not posted".into()));
         };
         let (dk, dv) = (rk.wait()?, rv.wait()?);
-        check_len(&dk, x.kv_len(r), "final dK", holder_of_mine)?;
-        check_len(&dv, x.kv_len(r), "final dV", holder_of_mine)?;
+        check_len(&dk, k_len, "final dK", holder_of_mine)?;
+        check_len(&dv, v_len, "final dV", holder_of_mine)?;
         (dk, dv)
     };
     Ok((dq, dk, dv))

@@ -9,6 +9,7 @@ use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 use super::backend::Backend;
 use super::seq::Shape;
+use super::plan::QueryHeads;
 use super::{concat_positions, ring, Driver, LocalData, ParallelParams, ParallelPlan, ResolvedParams, Rules, Stats};
 
 /// Ulysses (`u = P`) and USP (`u < P`): the sequence → heads all-to-all inside each Ulysses
@@ -87,15 +88,16 @@ impl Driver for Ulysses {
         let m = mesh(plan)?;
         let g = m.group.as_ref();
         let a2a = Instant::now();
-        let q = seq_to_heads(g, be, &x.q, m.q_shape, &m.counts, &m.plan.q_heads)?;
-        let k = seq_to_heads(g, be, &x.k, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
-        let v = seq_to_heads(g, be, &x.v, m.kv_shape, &m.counts, &m.plan.kv_heads)?;
+        let q = seq_to_heads(g, be, &x.q, m.shapes.q, &m.counts, &m.plan.q_heads)?;
+        let k = seq_to_heads(g, be, &x.k, m.shapes.k, &m.counts, &m.plan.kv_heads)?;
+        let v = seq_to_heads(g, be, &x.v, m.shapes.v, &m.counts, &m.plan.kv_heads)?;
         stats.waiting += a2a.elapsed();
-        let (o, lse) = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
+        let merged = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
+        // The finish step on this rank's heads; o returns in the input dtype (rounding
+        // commutes with moving values).
+        let (o, lse) = plan.finish_forward(merged, QueryHeads::Listed(&m.plan.q_heads[m.me]))?;
         let a2a = Instant::now();
-        // o returns in the input dtype (rounding commutes with moving values).
-        let o = plan.in_dtype(o)?;
-        let o = heads_to_seq(g, be, &o, x.b, x.h_q, x.d, &m.counts, &m.plan.q_heads, false)?;
+        let o = heads_to_seq(g, be, &o, x.b, x.h_q, x.d_v, &m.counts, &m.plan.q_heads, false)?;
         let lse = lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
         stats.waiting += a2a.elapsed();
         Ok((o, lse))
@@ -112,13 +114,13 @@ impl Driver for Ulysses {
         let (be, ap) = (&*plan.backend, &plan.resolved.params().attention);
         let m = mesh(plan)?;
         let g = m.group.as_ref();
-        let (qs, ks, qh, kh, c) = (m.q_shape, m.kv_shape, &m.plan.q_heads, &m.plan.kv_heads, &m.counts);
+        let (sh, qh, kh, c) = (m.shapes, &m.plan.q_heads, &m.plan.kv_heads, &m.counts);
         let a2a = Instant::now();
-        let q = seq_to_heads(g, be, &x.q, qs, c, qh)?;
-        let k = seq_to_heads(g, be, &x.k, ks, c, kh)?;
-        let v = seq_to_heads(g, be, &x.v, ks, c, kh)?;
-        let oh = seq_to_heads(g, be, o, qs, c, qh)?;
-        let doh = seq_to_heads(g, be, d_o, qs, c, qh)?;
+        let q = seq_to_heads(g, be, &x.q, sh.q, c, qh)?;
+        let k = seq_to_heads(g, be, &x.k, sh.k, c, kh)?;
+        let v = seq_to_heads(g, be, &x.v, sh.v, c, kh)?;
+        let oh = seq_to_heads(g, be, o, sh.o, c, qh)?;
+        let doh = seq_to_heads(g, be, d_o, sh.o, c, qh)?;
         let lh = lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
         stats.waiting += a2a.elapsed();
         let ri = m.ring_inputs(x, &q, &k, &v, plan.hops, ap);
@@ -127,9 +129,9 @@ impl Driver for Ulysses {
         // dq heads are written once: they travel in the input dtype; dK/dV replicas are
         // summed in f32 first.
         let dq = plan.in_dtype(dq)?;
-        let dq = heads_to_seq(g, be, &dq, x.b, x.h_q, x.d, c, qh, false)?;
-        let dk = heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d, c, kh, true)?;
-        let dv = heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d, c, kh, true)?;
+        let dq = heads_to_seq(g, be, &dq, x.b, x.h_q, x.d_qk, c, qh, false)?;
+        let dk = heads_to_seq(g, be, &dk, x.b, x.h_kv, x.d_qk, c, kh, true)?;
+        let dv = heads_to_seq(g, be, &dv, x.b, x.h_kv, x.d_v, c, kh, true)?;
         stats.waiting += a2a.elapsed();
         Ok((dq, plan.in_dtype(dk)?, plan.in_dtype(dv)?))
     }
@@ -273,6 +275,16 @@ pub(crate) fn lse_to_seq<Be: Backend>(
     Ok(out)
 }
 
+/// This rank's sequence-sharded buffers' shapes: q `[b, n, h_q, d_qk]`, o and d_o `[b, n, h_q,
+/// d_v]`, k `[b, n, h_kv, d_qk]`, v `[b, n, h_kv, d_v]`.
+#[derive(Debug, Clone, Copy)]
+struct Shapes {
+    q: Shape,
+    o: Shape,
+    k: Shape,
+    v: Shape,
+}
+
 /// The `u × (P/u)` mesh of Ulysses (`u = P`) and USP: the Ulysses group of consecutive
 /// ranks, the ring across groups, the head plan and this rank's token counts — made once per
 /// [`ParallelPlan`].
@@ -286,8 +298,7 @@ pub(crate) struct Mesh<B: Payload> {
     pub(crate) group_pos: Vec<Positions>,
     /// This rank's index in its Ulysses group.
     me: usize,
-    q_shape: Shape,
-    kv_shape: Shape,
+    shapes: Shapes,
 }
 
 impl<B: Payload> Mesh<B> {
@@ -310,8 +321,12 @@ impl<B: Payload> Mesh<B> {
             counts,
             group_pos,
             me: rank % u,
-            q_shape: Shape { b: dims.b, n, h: dims.h_q, d: dims.d },
-            kv_shape: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d },
+            shapes: Shapes {
+                q: Shape { b: dims.b, n, h: dims.h_q, d: dims.d_qk },
+                o: Shape { b: dims.b, n, h: dims.h_q, d: dims.d_v },
+                k: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d_qk },
+                v: Shape { b: dims.b, n, h: dims.h_kv, d: dims.d_v },
+            },
         })
     }
 
@@ -326,6 +341,7 @@ impl<B: Payload> Mesh<B> {
         params: &'a AttentionParams,
     ) -> ring::RingInputs<'a, B> {
         let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
-        ring::RingInputs { b: x.b, h_q, h_kv, d: x.d, q, k, v, pos: &self.group_pos, hops, params }
+        let (d_qk, d_v) = (x.d_qk, x.d_v);
+        ring::RingInputs { b: x.b, h_q, h_kv, d_qk, d_v, q, k, v, pos: &self.group_pos, hops, params }
     }
 }

@@ -268,8 +268,12 @@ pub struct JobSpec {
     pub heads: usize,
     /// Key/value heads `h_kv` (a divisor of `h`; GQA when fewer).
     pub kv_heads: usize,
-    /// Head dimension `d`.
+    /// Head dimension `d` of q and k (and of v unless `head_dim_v`).
     pub head_dim: usize,
+    /// Head dimension of v and o when it differs from q and k's (multi-head latent
+    /// attention, e.g. 128 beside `head_dim` 192); `None`: `head_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim_v: Option<usize>,
     /// Bytes per element of q, k, v, o and dO, `e` (2 for bf16/f16, 4 for f32; the crate's
     /// host communicators move f32).
     pub dtype_bytes: usize,
@@ -293,6 +297,7 @@ impl Default for JobSpec {
             heads: 32,
             kv_heads: 8,
             head_dim: 128,
+            head_dim_v: None,
             dtype_bytes: 2,
             accum_bytes: 4,
             causal: true,
@@ -303,11 +308,17 @@ impl Default for JobSpec {
 }
 
 impl JobSpec {
-    /// Forward FLOPs of the whole layer, `4·b·h·N²·d`, halved when causal.
+    /// The head dim of v and o: `head_dim_v`, or `head_dim`.
+    pub fn value_head_dim(&self) -> usize {
+        self.head_dim_v.unwrap_or(self.head_dim)
+    }
+
+    /// Forward FLOPs of the whole layer, `2·b·h·N²·(d + d_v)` (`4·b·h·N²·d` with equal head
+    /// dims), halved when causal.
     pub fn forward_flops(&self) -> f64 {
         let c = if self.causal { 0.5 } else { 1.0 };
-        crate::flops::FORWARD_FLOPS_PER_PAIR_DIM
-            * (self.batch * self.heads * self.head_dim) as f64
+        2.0 * (self.batch * self.heads) as f64
+            * (self.head_dim + self.value_head_dim()) as f64
             * (self.seq as f64).powi(2)
             * c
     }
@@ -328,9 +339,13 @@ impl JobSpec {
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::HeadRatio { h_q: self.heads, h_kv: self.kv_heads });
         }
-        for (name, v) in
-            [("seq", self.seq), ("batch", self.batch), ("head_dim", self.head_dim), ("layers", self.layers)]
-        {
+        for (name, v) in [
+            ("seq", self.seq),
+            ("batch", self.batch),
+            ("head_dim", self.head_dim),
+            ("head_dim_v", self.value_head_dim()),
+            ("layers", self.layers),
+        ] {
             if v == 0 {
                 return Err(Error::InvalidArgument(format!("job: {name} must be at least 1")));
             }

@@ -296,7 +296,8 @@ pub fn evaluate(cluster: &ClusterSpec, job: &JobSpec, p: &Placement) -> Result<C
     let (hq, kv) = (split.q_per_rank as f64, split.max_kv_per_rank() as f64);
     let n_tokens = job.seq.div_ceil(world);
     let n = n_tokens as f64;
-    let (b, d) = (job.batch as f64, job.head_dim as f64);
+    // Head dims of q/k (`d`) and of v/o (`dv`: multi-head latent attention's differs).
+    let (b, d, dv) = (job.batch as f64, job.head_dim as f64, job.value_head_dim() as f64);
     let (e, ea, h, h_kv) = (job.dtype_bytes as f64, job.accum_bytes as f64, job.heads as f64, job.kv_heads as f64);
     let causal = if job.causal { 0.5 } else { 1.0 };
     let (f_fwd, f_bwd) = (cluster.fwd_tflops * 1e12, cluster.bwd_tflops * 1e12);
@@ -306,40 +307,46 @@ pub fn evaluate(cluster: &ClusterSpec, job: &JobSpec, p: &Placement) -> Result<C
 
     let (mut fwd, mut bwd) = (Pass::default(), Pass::default());
     // Memory: (forward working set, backward working set), bytes.
-    let saved = b * n * (2.0 * h + 2.0 * h_kv) * d * e + b * n * h * 4.0;
-    let (own_q, own_kv, own_lse) = (b * n * h * d * e, 2.0 * b * n * h_kv * d * e, b * n * h * 4.0);
+    // q, o, k, v (input dtype) and the LSE (f32).
+    let saved = b * n * (h + h_kv) * (d + dv) * e + b * n * h * 4.0;
+    let (own_q, own_kv, own_lse) = (b * n * h * d * e, b * n * h_kv * (d + dv) * e, b * n * h * 4.0);
+    let own_o = b * n * h * dv * e;
+    // The backward's FLOPs per forward FLOP (2.5 with equal head dims).
+    let bwd_ratio = (3.0 * d + 2.0 * dv) / (d + dv);
     let mem_fwd;
     let mem_bwd;
     if p.strategy == Strategy::AllGather {
         let big_n = n * world as f64;
-        let flops = crate::flops::FORWARD_FLOPS_PER_PAIR_DIM * b * h * d * n * big_n * causal;
-        let part = (world - 1) as f64 * b * n * h_kv * d;
+        let flops = 2.0 * (d + dv) * b * h * n * big_n * causal;
+        // Every other rank's K and V rows (values).
+        let (part_k, part_v) = ((world - 1) as f64 * b * n * h_kv * d, (world - 1) as f64 * b * n * h_kv * dv);
         let gather = |pass: &mut Pass| {
-            pass.exposed("k all-gather", part * e, a2a_s(cluster, part * e, rl));
-            pass.exposed("v all-gather", part * e, a2a_s(cluster, part * e, rl));
+            pass.exposed("k all-gather", part_k * e, a2a_s(cluster, part_k * e, rl));
+            pass.exposed("v all-gather", part_v * e, a2a_s(cluster, part_v * e, rl));
         };
         gather(&mut fwd);
         fwd.compute_s = flops / f_fwd;
         gather(&mut bwd);
-        bwd.compute_s = 2.5 * flops / f_bwd;
-        bwd.exposed("dk reduce-scatter", part * ea, a2a_s(cluster, part * ea, rl));
-        bwd.exposed("dv reduce-scatter", part * ea, a2a_s(cluster, part * ea, rl));
-        let whole_kv = 2.0 * b * big_n * h_kv * d;
-        mem_fwd = own_q + own_kv + whole_kv * e + 2.0 * (b * n * h * d * 4.0 + own_lse) + own_q + own_lse;
+        bwd.compute_s = bwd_ratio * flops / f_bwd;
+        bwd.exposed("dk reduce-scatter", part_k * ea, a2a_s(cluster, part_k * ea, rl));
+        bwd.exposed("dv reduce-scatter", part_v * ea, a2a_s(cluster, part_v * ea, rl));
+        let whole_kv = b * big_n * h_kv * (d + dv);
+        mem_fwd = own_q + own_kv + whole_kv * e + 2.0 * (b * n * h * dv * 4.0 + own_lse) + own_o + own_lse;
         mem_bwd = saved + own_q + whole_kv * (e + ea) + 2.0 * own_lse + b * n * h * d * 4.0 + own_q + own_kv;
     } else {
         // Ulysses in (u > 1), a ring of r over blocks of S = n·u tokens and h/u heads, Ulysses out.
         let s_blk = n * u as f64;
-        let hop_flops = crate::flops::FORWARD_FLOPS_PER_PAIR_DIM * b * hq * s_blk * s_blk * d * causal;
-        let kv_hop = 2.0 * b * s_blk * kv * d * e;
-        let acc_hop = 2.0 * b * s_blk * kv * d * ea;
+        let hop_flops = 2.0 * (d + dv) * b * hq * s_blk * s_blk * causal;
+        let kv_hop = b * s_blk * kv * (d + dv) * e;
+        let acc_hop = b * s_blk * kv * (d + dv) * ea;
         if u > 1 {
-            let (tok, lse) = (b * d * e, b * 4.0);
+            // Bytes per token and head: q, k (d) and v, o, dO (dv).
+            let (tok, tok_v, lse) = (b * d * e, b * dv * e, b * 4.0);
             fwd.a2a(
                 cluster,
                 ul,
                 n,
-                &[("q", &q_heads, tok, true), ("k", kv_heads, tok, true), ("v", kv_heads, tok, true)],
+                &[("q", &q_heads, tok, true), ("k", kv_heads, tok, true), ("v", kv_heads, tok_v, true)],
             );
             bwd.a2a(
                 cluster,
@@ -348,47 +355,48 @@ pub fn evaluate(cluster: &ClusterSpec, job: &JobSpec, p: &Placement) -> Result<C
                 &[
                     ("q", &q_heads, tok, true),
                     ("k", kv_heads, tok, true),
-                    ("v", kv_heads, tok, true),
-                    ("o", &q_heads, tok, true),
-                    ("dO", &q_heads, tok, true),
+                    ("v", kv_heads, tok_v, true),
+                    ("o", &q_heads, tok_v, true),
+                    ("dO", &q_heads, tok_v, true),
                     ("lse", &q_heads, lse, true),
                 ],
             );
         }
         fwd.ring(cluster, "k/v ring", r, hop_flops / f_fwd, kv_hop, rl.crosses);
-        bwd.ring(cluster, "k/v + dk/dv ring", r, 2.5 * hop_flops / f_bwd, kv_hop + acc_hop, rl.crosses);
+        bwd.ring(cluster, "k/v + dk/dv ring", r, bwd_ratio * hop_flops / f_bwd, kv_hop + acc_hop, rl.crosses);
         if r > 1 {
             bwd.exposed("dk/dv return", acc_hop, p2p_s(cluster, acc_hop, rl.crosses));
         }
         if u > 1 {
-            let (tok, grad, lse) = (b * d * e, b * d * ea, b * 4.0);
-            fwd.a2a(cluster, ul, n, &[("o", &q_heads, tok, false), ("lse", &q_heads, lse, false)]);
+            let (tok_v, grad, grad_v, lse) = (b * dv * e, b * d * ea, b * dv * ea, b * 4.0);
+            fwd.a2a(cluster, ul, n, &[("o", &q_heads, tok_v, false), ("lse", &q_heads, lse, false)]);
             bwd.a2a(
                 cluster,
                 ul,
                 n,
-                &[("dq", &q_heads, grad, false), ("dk", kv_heads, grad, false), ("dv", kv_heads, grad, false)],
+                &[("dq", &q_heads, grad, false), ("dk", kv_heads, grad, false), ("dv", kv_heads, grad_v, false)],
             );
         }
-        let sharded = |heads: f64| if u > 1 { b * s_blk * heads * d * e } else { 0.0 };
+        // Head-sharded copies (Ulysses) of `heads` heads of width `w`.
+        let sharded = |heads: f64, w: f64| if u > 1 { b * s_blk * heads * w * e } else { 0.0 };
         let (kv_bufs, acc_sets) = if r > 1 { (2.0, 2.0) } else { (0.0, 1.0) };
-        let (o_acc, lse_acc) = (b * s_blk * hq * d * 4.0, b * s_blk * hq * 4.0);
+        let (o_acc, lse_acc) = (b * s_blk * hq * dv * 4.0, b * s_blk * hq * 4.0);
         mem_fwd = own_q
             + own_kv
-            + sharded(hq)
-            + 2.0 * sharded(kv)
+            + sharded(hq, d)
+            + sharded(kv, d + dv)
             + kv_bufs * kv_hop
             + 2.0 * (o_acc + lse_acc)
-            + own_q
+            + own_o
             + own_lse;
         mem_bwd = saved
             + own_q
-            + 3.0 * sharded(hq)
-            + 2.0 * sharded(kv)
+            + sharded(hq, d + 2.0 * dv)
+            + sharded(kv, d + dv)
             + if u > 1 { lse_acc } else { 0.0 }
             + lse_acc
             + o_acc
-            + b * s_blk * (hq + 2.0 * kv) * d * 4.0
+            + b * s_blk * (hq * d + kv * (d + dv)) * 4.0
             + kv_bufs * kv_hop
             + acc_sets * acc_hop
             + own_q

@@ -448,3 +448,32 @@ proptest! {
         }
     }
 }
+
+/// Multi-head latent attention's head dims in the model: a ring moves K and V of `d_qk +
+/// d_v` values per token and head (so (192, 128) moves what (160, 160) does, and the forward
+/// costs the same FLOPs), while Ulysses moves q and k by `d_qk` and v, o by `d_v`, and the
+/// backward costs `2·(3·d_qk + 2·d_v)` per pair.
+#[test]
+fn unequal_head_dims_move_and_cost_by_their_own_widths() {
+    let c = ClusterSpec { gpus: 8, intra_latency_us: 0.0, inter_latency_us: 0.0, ..Default::default() };
+    let job =
+        |d, d_v| JobSpec { seq: 1 << 16, heads: 16, kv_heads: 16, head_dim: d, head_dim_v: d_v, ..Default::default() };
+    let (mla, even) = (job(192, Some(128)), job(160, None));
+    assert_eq!(mla.forward_flops(), even.forward_flops());
+    mla.validate().unwrap();
+    let ring = Placement::ring(8);
+    let (a, b) = (evaluate(&c, &mla, &ring).unwrap(), evaluate(&c, &even, &ring).unwrap());
+    let (fa, fb) = (a.forward.as_ref().unwrap(), b.forward.as_ref().unwrap());
+    assert_eq!(fa.bytes_sent, fb.bytes_sent, "the ring moves K and V together");
+    assert!((fa.compute_s - fb.compute_s).abs() <= 1e-12 * fb.compute_s);
+    let (ba, bb) = (a.backward.as_ref().unwrap(), b.backward.as_ref().unwrap());
+    // Backward FLOPs: 2·(3·192 + 2·128) = 1664 per pair against 2·5·160 = 1600.
+    assert!((ba.compute_s / bb.compute_s - 1664.0 / 1600.0).abs() < 1e-9, "{} {}", ba.compute_s, bb.compute_s);
+    // Ulysses: q and k by 192, v and o by 128 in the forward's all-to-alls (and the same
+    // LSE): between the equal jobs of 128 and 192.
+    let u = Placement::ulysses(8);
+    let sent = |j: &JobSpec| evaluate(&c, j, &u).unwrap().forward.unwrap().bytes_sent;
+    let (lo, mid, hi) = (sent(&job(128, None)), sent(&mla), sent(&job(192, None)));
+    assert!(lo < mid && mid < hi, "{lo} {mid} {hi}");
+    assert!(a.memory_bytes != b.memory_bytes);
+}

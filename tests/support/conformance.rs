@@ -5,7 +5,7 @@
 
 use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::parallel::{run_in_process, Backend, ParallelParams, Strategy};
-use ringattn::{random::randn, verify, AttentionParams, DType, HostBuf, Layout, Mask};
+use ringattn::{random::randn, verify, AttentionParams, DType, Documents, HostBuf, Layout, Mask};
 
 /// `(strategy, world, Ulysses degree)` of the check: every strategy once, at a world size that
 /// exercises it (uneven shares of the sequence; for USP, two Ulysses groups of two).
@@ -58,6 +58,55 @@ pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DTy
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let report =
                     verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(report.pass(), "{what}\n{}", report.table());
+            }
+        }
+    }
+}
+
+/// Multi-head latent attention's head dims, `d_qk ≠ d_v`, on `backend` with `dtype` inputs:
+/// every strategy (at the world sizes of [`strategies`]) over its contiguous and zigzag
+/// layouts, causal, a sliding window and packed documents (causal within each), GQA (4 query
+/// heads over 2 kv heads, b = 1, s = 61), forward and backward against the float64 oracle;
+/// panics naming the configuration that fails.
+pub fn check_head_dims<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, (d_qk, d_v): (usize, usize)) {
+    let (b, s, hq, hkv) = (1, 61, 4, 2);
+    let q = randn(vec![b, s, hq, d_qk], 21, dtype);
+    let k = randn(vec![b, s, hkv, d_qk], 22, dtype);
+    let v = randn(vec![b, s, hkv, d_v], 23, dtype);
+    let d_o = randn(vec![b, s, hq, d_v], 24, dtype);
+    let cases = [
+        AttentionParams { mask: Mask::Causal, ..Default::default() },
+        AttentionParams { mask: Mask::Window { left: Some(9), right: Some(0) }, ..Default::default() },
+        AttentionParams {
+            mask: Mask::Causal,
+            documents: Some(Documents::new(vec![17, 30, 14]).expect("documents")),
+            ..Default::default()
+        },
+    ];
+    for (strategy, world, ulysses_degree) in strategies() {
+        for layout in layouts(strategy).into_iter().take(2) {
+            for attention in &cases {
+                let params = ParallelParams {
+                    strategy,
+                    layout: Some(layout),
+                    attention: attention.clone(),
+                    ulysses_degree,
+                    ..Default::default()
+                };
+                let what = format!(
+                    "d_qk {d_qk} d_v {d_v}: {strategy} x{world} {layout:?} {:?} documents {} {dtype}",
+                    attention.mask,
+                    attention.documents.is_some()
+                );
+                let r = run_in_process(world, LocalOptions::default(), backend, &q, &k, &v, Some(&d_o), &params)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(r.forward.o.shape(), [b, s, hq, d_v], "{what}");
+                let g = r.gradients.as_ref().expect("gradients");
+                assert_eq!((g.dq.shape(), g.dk.shape(), g.dv.shape()), (q.shape(), k.shape(), v.shape()), "{what}");
+                let report =
+                    verify::check_results(&q, &k, &v, Some(&d_o), None, attention, &r.forward, r.gradients.as_ref())
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                 assert!(report.pass(), "{what}\n{}", report.table());
             }

@@ -37,9 +37,13 @@ pub struct BenchArgs {
     /// Key/value heads (GQA when fewer than --heads) [default: --heads].
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Head dimension.
+    /// Head dimension (of q and k; of v too unless --head-dim-v).
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
+    /// Head dimension of v and o, when it differs from q and k's (multi-head latent
+    /// attention: --head-dim 192 --head-dim-v 128) [default: --head-dim].
+    #[arg(long)]
+    pub head_dim_v: Option<usize>,
     /// Dtype: bf16, f16 or f32 (f32: cpu only; the kernels take 16-bit inputs) [default:
     /// bf16; f32 for cpu sweeps].
     #[arg(long)]
@@ -149,7 +153,10 @@ struct BenchReport {
     s: usize,
     h_q: usize,
     h_kv: usize,
+    /// Head dim of q and k.
     d: usize,
+    /// Head dim of v and o (equal to `d` but in multi-head latent attention).
+    d_v: usize,
     causal: bool,
     /// `[left, right]` of --window (-1: unbounded; right clamped to 0 with --causal).
     window: Option<[i64; 2]>,
@@ -259,9 +266,9 @@ fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64
     let cpu_tiles = cpu::TileConfig::default().chosen(arithmetic, pass.into(), &x.params, dims.s_q, dims.s_k)?;
     let shape = match (backend, pass, x.kernels) {
         (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
-            TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d).1 }
+            TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d_max()).1 }
         }
-        _ => tile_shape(backend, pass, dims.d, cpu_tiles),
+        _ => tile_shape(backend, pass, geometry::fa2_head_dim(dims), cpu_tiles),
     };
     let tiles = flops::tiles(dims, &x.params, shape)?;
     let executor = match backend {
@@ -298,7 +305,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let dtype: DType = a.dtype.as_deref().unwrap_or("bf16").parse()?;
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let (b, s, hq, d) = (a.batch, seqs[0], a.heads, a.head_dim);
-    let hkv = a.kv_heads.unwrap_or(hq);
+    let (hkv, d_v) = (a.kv_heads.unwrap_or(hq), a.head_dim_v.unwrap_or(d));
     if s == 0 || b == 0 {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
@@ -308,8 +315,8 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let seed = a.seed.wrapping_mul(4);
     let q = randn(vec![b, s, hq, d], seed, dtype);
     let k = randn(vec![b, s, hkv, d], seed + 1, dtype);
-    let v = randn(vec![b, s, hkv, d], seed + 2, dtype);
-    let d_o = randn(vec![b, s, hq, d], seed + 3, dtype);
+    let v = randn(vec![b, s, hkv, d_v], seed + 2, dtype);
+    let d_o = randn(vec![b, s, hq, d_v], seed + 3, dtype);
     let dims = Dims::of(&q, &k, &v)?;
     // Counted before timing: refuses documents that disagree with --seq up front.
     let pairs = flops::visible_pairs(&dims, &params)?;
@@ -319,7 +326,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
         BackendKind::Emu => ("cpu".to_string(), emu_bench(a, &x, &passes)?),
         BackendKind::Cuda => cuda_bench(a, &x, &passes)?,
     };
-    let Dims { b, s_q: s, h_q: hq, h_kv: hkv, d, .. } = x.dims;
+    let Dims { b, s_q: s, h_q: hq, h_kv: hkv, d_qk: d, d_v, .. } = x.dims;
     let dtype = x.dtype;
     let dense = flops::dense_pairs(&x.dims);
     if ringattn::kernels::is_emulated_gpu(&device) {
@@ -328,16 +335,16 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
         );
     }
     println!(
-        "ringattn bench: {} ({device}) b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}, {} warmup + {} timed iterations",
+        "ringattn bench: {} ({device}) b={b} s={s} h_q={hq} h_kv={hkv} d_qk={d} d_v={d_v} {dtype} {}, {} warmup + {} timed iterations",
         a.backend,
         describe_mask(&x.params),
         warmup,
         iters
     );
     println!(
-        "work: {pairs} of {dense} (query, key) pairs visible per (batch, head) ({:.2}%); FLOPs: 4·d·b·h_q per visible pair{}",
+        "work: {pairs} of {dense} (query, key) pairs visible per (batch, head) ({:.2}%); FLOPs: 2·(d_qk + d_v)·b·h_q per visible pair{}",
         100.0 * pairs as f64 / dense.max(1) as f64,
-        if passes.contains(&Pass::Backward) { " forward, 2.5× that backward" } else { "" }
+        if passes.contains(&Pass::Backward) { " forward, 2·(3·d_qk + 2·d_v)·b·h_q backward" } else { "" }
     );
     let mut results = Vec::new();
     for (pass, samples_ms) in samples {
@@ -384,6 +391,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
             h_q: hq,
             h_kv: hkv,
             d,
+            d_v,
             causal: a.causal,
             window: a.window.is_some().then(|| {
                 let (l, r) = x.params.mask.bounds();
@@ -477,7 +485,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
             what: "f32 inputs (the kernels take bf16 or f16: --dtype bf16)".into(),
         });
     }
-    ringattn::kernels::geometry::check_head_dim("cuda", dims.d)?;
+    ringattn::kernels::geometry::check_head_dims("cuda", &dims)?;
     let dev = CudaDevice::shared(a.device)?;
     let stream = dev.stream().clone();
     let upload = |t: &Tensor| dev.upload_bits(&to_bits(&t.to_f32_vec(), x.dtype));
@@ -490,7 +498,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
         k: &k,
         v: &v,
         mask: &mask,
-        scale: x.params.softmax_scale(dims.d),
+        scale: x.params.softmax_scale(dims.d_qk),
         kernels: x.kernels,
     };
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
@@ -498,7 +506,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
     for &pass in passes {
         let samples = match pass {
             Pass::Forward => {
-                let mut o16 = dev.alloc_bits(dims.b * dims.s_q * dims.h_q * dims.d)?;
+                let mut o16 = dev.alloc_bits(dims.b * dims.s_q * dims.h_q * dims.d_v)?;
                 let mut lse = dev.alloc_f32(dims.b * dims.h_q * dims.s_q)?;
                 dev.time_iterations(&stream, warmup, iters, || dev.forward16_into(&stream, &args, &mut o16, &mut lse))?
             }

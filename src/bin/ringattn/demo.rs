@@ -27,9 +27,13 @@ pub struct DemoArgs {
     /// Key/value heads (GQA when fewer than --heads) [default: --heads].
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Head dimension.
+    /// Head dimension (of q and k; of v too unless --head-dim-v).
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
+    /// Head dimension of v and o, when it differs from q and k's (multi-head latent
+    /// attention: --head-dim 192 --head-dim-v 128) [default: --head-dim].
+    #[arg(long)]
+    pub head_dim_v: Option<usize>,
     /// Dtype: f32, bf16 or f16 [default: f32 on cpu; bf16 on emu and cuda, whose kernels
     /// take 16-bit inputs].
     #[arg(long)]
@@ -65,7 +69,10 @@ struct Phase {
 
 #[derive(Serialize)]
 struct DemoReport {
+    /// `[b, s, h_q, h_kv, d_qk]`.
     shape: [usize; 5],
+    /// v's head dim (`d_qk` but in multi-head latent attention).
+    d_v: usize,
     dtype: String,
     causal: bool,
     threads: usize,
@@ -97,24 +104,25 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     let dtype: DType = a.dtype.as_deref().unwrap_or(if on_cpu { "f32" } else { "bf16" }).parse()?;
     let s = a.seq.unwrap_or(if backend == BackendKind::Emu { 512 } else { 32768 });
     let (b, hq, d) = (a.batch, a.heads, a.head_dim);
-    let hkv = a.kv_heads.unwrap_or(hq);
+    let (hkv, d_v) = (a.kv_heads.unwrap_or(hq), a.head_dim_v.unwrap_or(d));
     if s == 0 || b == 0 {
         return Err(Error::InvalidArgument("--seq and --batch must be at least 1".into()));
     }
     let causal = !a.no_causal;
     let params = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     println!(
-        "ringattn demo: {} backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d={d} {dtype} {}",
+        "ringattn demo: {} backend, {} threads; b={b} s={s} h_q={hq} h_kv={hkv} d_qk={d} d_v={d_v} {dtype} {}",
         a.exec.backend,
         rayon::current_num_threads(),
         if causal { "causal" } else { "full" }
     );
     let q = random::randn(vec![b, s, hq, d], a.seed * 4, dtype);
     let k = random::randn(vec![b, s, hkv, d], a.seed * 4 + 1, dtype);
-    let v = random::randn(vec![b, s, hkv, d], a.seed * 4 + 2, dtype);
-    let d_o = random::randn(vec![b, s, hq, d], a.seed * 4 + 3, dtype);
+    let v = random::randn(vec![b, s, hkv, d_v], a.seed * 4 + 2, dtype);
+    let d_o = random::randn(vec![b, s, hq, d_v], a.seed * 4 + 3, dtype);
     let dims = ringattn::Dims::of(&q, &k, &v)?;
-    // Forward FLOPs of the visible pairs (s(s+1)/2 when causal); the backward is 2.5× that.
+    // Forward FLOPs of the visible pairs (s(s+1)/2 when causal); the backward is
+    // flops::backward_ratio × that (2.5 with equal head dims).
     let flops = ringattn::flops::flops(&dims, ringattn::flops::visible_pairs(&dims, &params)?, Default::default());
 
     let (forward, backward, fwd, grads, ranks) = if !a.exec.is_single() {
@@ -127,7 +135,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
         let d_o_opt = (!a.forward_only).then_some(&d_o);
         let run = run_parallel(&a.exec, &q, &k, &v, d_o_opt, &pp)?;
         let secs = t.elapsed().as_secs_f64();
-        let work = flops * if a.forward_only { 1.0 } else { 1.0 + ringattn::flops::BACKWARD_FACTOR };
+        let work = flops * if a.forward_only { 1.0 } else { 1.0 + ringattn::flops::backward_ratio(&dims) };
         println!(
             "forward{}: {secs:8.3} s  {:7.3} TFLOP/s (whole run)",
             if a.forward_only { "" } else { " + backward" },
@@ -173,6 +181,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     let pass = check.pass();
     let report = DemoReport {
         shape: [b, s, hq, hkv, d],
+        d_v,
         dtype: dtype.to_string(),
         causal,
         threads: rayon::current_num_threads(),
@@ -243,7 +252,7 @@ fn single(
         let secs = t.elapsed().as_secs_f64();
         let phase = Phase {
             seconds: secs,
-            tflops: ringattn::flops::BACKWARD_FACTOR * flops / secs / 1e12,
+            tflops: ringattn::flops::backward_ratio(&ringattn::Dims::of(q, k, v)?) * flops / secs / 1e12,
             peak_extra_bytes: memory::peak_bytes().saturating_sub(base),
             output_bytes: (g.dq.len() + g.dk.len() + g.dv.len()) * dtype.size_of(),
         };
@@ -291,7 +300,7 @@ fn single_kernels(
     let secs = t.elapsed().as_secs_f64();
     let backward = Phase {
         seconds: secs,
-        tflops: ringattn::flops::BACKWARD_FACTOR * flops / secs / 1e12,
+        tflops: ringattn::flops::backward_ratio(&ringattn::Dims::of(q, k, v)?) * flops / secs / 1e12,
         peak_extra_bytes: 0,
         output_bytes: bytes(&[&g.dq, &g.dk, &g.dv]),
     };

@@ -25,9 +25,13 @@ pub struct ModelArgs {
     /// Key/value heads (GQA when fewer than --heads) [default: --heads].
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Head dimension.
+    /// Head dimension (of q and k; of v too unless --head-dim-v).
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
+    /// Head dimension of v and o, when it differs from q and k's (multi-head latent
+    /// attention: --head-dim 192 --head-dim-v 128) [default: --head-dim].
+    #[arg(long)]
+    pub head_dim_v: Option<usize>,
     /// Batch size (sequences of --seq tokens each).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -187,6 +191,7 @@ impl ModelArgs {
             heads: self.heads,
             kv_heads: self.kv_heads.unwrap_or(self.heads),
             head_dim: self.head_dim,
+            head_dim_v: self.head_dim_v.filter(|&v| v != self.head_dim),
             dtype_bytes: dtype.size_of(),
             accum_bytes: 4,
             causal: self.causal,
@@ -221,12 +226,13 @@ fn describe(c: &ClusterSpec, j: &JobSpec, cal: Option<&Calibration>, grid: bool)
         )
     };
     let mut s = format!(
-        "job: {tokens} tokens × batch {}, {} query / {} kv heads, d = {}, {} bytes/element, {}, {passes}\n\
+        "job: {tokens} tokens × batch {}, {} query / {} kv heads, d = {}{}, {} bytes/element, {}, {passes}\n\
          cluster: {gpus}, intra {} GB/s + {} µs, inter {} GB/s + {} µs, kernel {} / {} TFLOP/s (fwd / bwd), {} GiB per GPU{}",
         j.batch,
         j.heads,
         j.kv_heads,
         j.head_dim,
+        j.head_dim_v.map_or(String::new(), |v| format!(", d_v = {v}")),
         j.dtype_bytes,
         if j.causal { "causal" } else { "no mask" },
         fmt_num(c.intra_gbps),

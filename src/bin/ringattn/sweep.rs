@@ -143,7 +143,7 @@ fn inputs(a: &BenchArgs, s: usize, dtype: DType) -> Inputs {
 fn job_flops(a: &BenchArgs, params: &AttentionParams, s: usize, backward: bool) -> Result<f64> {
     use ringattn::flops::{flops, visible_pairs, Pass};
     let h_kv = a.kv_heads.unwrap_or(a.heads);
-    let dims = ringattn::Dims { b: a.batch, s_q: s, s_k: s, h_q: a.heads, h_kv, d: a.head_dim };
+    let dims = ringattn::Dims { b: a.batch, s_q: s, s_k: s, h_q: a.heads, h_kv, d_qk: a.head_dim, d_v: a.head_dim };
     let pairs = visible_pairs(&dims, params)?;
     Ok(flops(&dims, pairs, Pass::Forward) + if backward { flops(&dims, pairs, Pass::Backward) } else { 0.0 })
 }

@@ -279,6 +279,7 @@ pub fn validate(a: &ValidateArgs) -> Result<ExitCode> {
             heads: h,
             kv_heads: kv,
             head_dim: d,
+            head_dim_v: None,
             dtype_bytes: 4,
             accum_bytes: 4,
             causal: c.causal,

@@ -13,8 +13,10 @@ pub struct VerifyArgs {
     /// Input safetensors file with q, k, v and optionally do (a seeded do is drawn when absent).
     #[arg(long, value_name = "IN.safetensors", conflicts_with_all = ["shape", "dtype"])]
     pub input: Option<PathBuf>,
-    /// Shape of seeded random inputs: b,s,h_q,h_kv,d (s_q = s_k = s) [default: 2,257,4,2,64].
-    #[arg(long, value_name = "B,S,HQ,HKV,D")]
+    /// Shape of seeded random inputs: b,s,h_q,h_kv,d (s_q = s_k = s), and v's head dim as a
+    /// sixth value when it differs from d (multi-head latent attention: 1,512,8,8,192,128)
+    /// [default: 2,257,4,2,64].
+    #[arg(long, value_name = "B,S,HQ,HKV,D[,DV]")]
     pub shape: Option<String>,
     /// Dtype of the random inputs: f32, bf16 or f16 [default: f32; bf16 with --backend emu or cuda].
     #[arg(long)]
@@ -40,14 +42,21 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let (q, k, v, d_o, what) = match &a.input {
         Some(path) => {
             let x = io::read_inputs(path)?;
-            let d_o = x.d_o.unwrap_or_else(|| randn(x.q.shape().to_vec(), a.seed ^ 0xd0, x.q.dtype()));
+            // d_o has o's shape: q's [b, s, h_q] with v's head dim.
+            let o_shape = match (x.q.shape(), x.v.shape().last()) {
+                ([b, s, h, _], Some(&d_v)) => vec![*b, *s, *h, d_v],
+                (q, _) => q.to_vec(),
+            };
+            let d_o = x.d_o.unwrap_or_else(|| randn(o_shape, a.seed ^ 0xd0, x.q.dtype()));
             (x.q, x.k, x.v, d_o, path.display().to_string())
         }
         None => {
             let shape = a.shape.as_deref().unwrap_or("2,257,4,2,64");
             let dims = parse_list(shape, "--shape")?;
-            let [b, s, hq, hkv, d] = dims[..] else {
-                return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d")));
+            let (b, s, hq, hkv, d, d_v) = match dims[..] {
+                [b, s, hq, hkv, d] => (b, s, hq, hkv, d, d),
+                [b, s, hq, hkv, d, d_v] => (b, s, hq, hkv, d, d_v),
+                _ => return Err(Error::InvalidArgument(format!("--shape `{shape}`: expected b,s,h_q,h_kv,d[,d_v]"))),
             };
             // The CUDA kernels (emulated or on a GPU) take 16-bit inputs only.
             let default = if a.exec.backend()? == BackendKind::Cpu { "f32" } else { "bf16" };
@@ -56,8 +65,8 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
             (
                 randn(vec![b, s, hq, d], seed, dtype),
                 randn(vec![b, s, hkv, d], seed + 1, dtype),
-                randn(vec![b, s, hkv, d], seed + 2, dtype),
-                randn(vec![b, s, hq, d], seed + 3, dtype),
+                randn(vec![b, s, hkv, d_v], seed + 2, dtype),
+                randn(vec![b, s, hq, d_v], seed + 3, dtype),
                 format!("random {shape} {dtype} seed {}", a.seed),
             )
         }
@@ -66,9 +75,10 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let (fwd, grads) = compute(&a.exec, &params, &q, &k, &v, d_o)?;
     let report = verify::check_results(&q, &k, &v, d_o, None, &params, &fwd, grads.as_ref())?;
     println!(
-        "verify: {what}, q {:?}, k {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
+        "verify: {what}, q {:?}, k {:?}, v {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
         q.shape(),
         k.shape(),
+        v.shape(),
         params.mask,
         params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
         a.exec.strategy,
