@@ -484,3 +484,35 @@ fn a_bf16_ring_sends_half_the_bytes_of_an_f32_ring() {
     // Backward: K/V in bf16, the dK/dV accumulators in f32 either way.
     assert!(bf16_bwd < f32_bwd, "backward bytes: bf16 {bf16_bwd}, f32 {f32_bwd}");
 }
+
+/// `ringattn run` takes a `v` whose head dim differs from `q`'s (multi-head latent
+/// attention): `o` and `dv` have v's, `dq` and `dk` q's; single device and a ring, against
+/// the library.
+#[test]
+fn run_reads_a_v_of_its_own_head_dim() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = randn(vec![1, 40, 4, 24], 1, DType::F32);
+    let k = randn(vec![1, 40, 2, 24], 2, DType::F32);
+    let v = randn(vec![1, 40, 2, 16], 3, DType::F32);
+    let d_o = randn(vec![1, 40, 4, 16], 4, DType::F32);
+    let input = dir.path().join("mla.safetensors");
+    io::write_tensors(&input, &[("q", &q), ("k", &k), ("v", &v), ("do", &d_o)]).unwrap();
+    let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    let f = cpu::forward(&q, &k, &v, &p).unwrap();
+    let g = cpu::backward(&q, &k, &v, &f.o, &f.lse, &d_o, &p).unwrap();
+    for extra in [&[][..], &["--strategy", "ring", "--world", "3"][..]] {
+        let out = dir.path().join("out.safetensors");
+        let mut args = vec!["run", "--input", s(&input), "--output", s(&out), "--causal"];
+        args.extend_from_slice(extra);
+        let r = ringattn(&args);
+        assert!(r.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&r.stderr));
+        let got = io::read_tensors(&out).unwrap();
+        assert_eq!(got["o"].shape(), [1, 40, 4, 16]);
+        assert_eq!((got["dq"].shape(), got["dk"].shape(), got["dv"].shape()), (q.shape(), k.shape(), v.shape()));
+        for (name, want) in [("o", &f.o), ("lse", &f.lse), ("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
+            let w64: Vec<f64> = want.as_f32().iter().map(|&x| x as f64).collect();
+            let e = ringattn::verify::rel_err(&got[name].to_f32_vec(), &w64);
+            assert!(e < 1e-5, "{extra:?} {name}: {e}");
+        }
+    }
+}

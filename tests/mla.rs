@@ -7,7 +7,9 @@ mod support;
 
 use ringattn::comm::LocalOptions;
 use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
-use ringattn::{cpu, random::randn, verify, AttentionParams, DType, Dims, Documents, Error, Mask, Positions, Tensor};
+use ringattn::{
+    cpu, random::randn, reference, verify, AttentionParams, DType, Dims, Documents, Error, Mask, Positions, Tensor,
+};
 
 const PAIRS: [(usize, usize); 2] = [(192, 128), (96, 64)];
 
@@ -85,6 +87,65 @@ fn every_strategy_on_the_cpu_matches_the_oracle() {
     for pair in PAIRS {
         for dtype in [DType::F32, DType::BF16] {
             support::conformance::check_head_dims(&CpuBackend::default(), dtype, pair);
+        }
+    }
+}
+
+/// TransformerEngine's context-parallel MLA configurations (`test_attention_with_cp.py`,
+/// cp_3_0..cp_3_3: b 2, s 4096, d_qk 192, d_v 128; 128 heads causal, 12 heads full, causal
+/// with a (512, 0) window, a (512, 512) window), scaled to s 256 with the windows (and the
+/// 128 heads to 8) by the same factor, the head dims kept; TransformerEngine runs them over
+/// KV P2P only (2 and 4 GPUs), here every strategy over 2 and 4 ranks, f32 and bf16, on the
+/// CPU against the float64 oracle.
+pub fn transformer_engine_configurations() -> Vec<(&'static str, usize, AttentionParams)> {
+    let window = |left, right| Mask::Window { left: Some(left), right: Some(right) };
+    vec![
+        ("cp_3_0", 8, AttentionParams { mask: Mask::Causal, ..Default::default() }),
+        ("cp_3_1", 12, AttentionParams::default()),
+        ("cp_3_2", 12, AttentionParams { mask: window(32, 0), ..Default::default() }),
+        ("cp_3_3", 12, AttentionParams { mask: window(32, 32), ..Default::default() }),
+    ]
+}
+
+#[test]
+fn transformer_engines_mla_configurations_scaled_pass_on_every_strategy() {
+    let (b, s) = (2, 256);
+    for (name, h, attention) in transformer_engine_configurations() {
+        for dtype in [DType::F32, DType::BF16] {
+            let [q, k, v, d_o] = inputs(b, s, h, h, (192, 128), dtype);
+            // The oracle and the naive model once per inputs, every run against them.
+            let oracle = reference::backward(&q, &k, &v, &d_o, &attention).unwrap();
+            let naive = reference::naive_rounded(&q, &k, &v, Some(&d_o), None, &attention, dtype).unwrap();
+            for (strategy, world, degree) in [
+                (Strategy::Ring, 2, None),
+                (Strategy::AllGather, 2, None),
+                (Strategy::Ulysses, 2, None),
+                (Strategy::Usp, 4, Some(2)),
+                (Strategy::Ring, 4, None),
+            ] {
+                let params = ParallelParams {
+                    strategy,
+                    attention: attention.clone(),
+                    seq_len: s,
+                    ulysses_degree: degree,
+                    ..Default::default()
+                };
+                let what = format!("{name} {dtype} {strategy} x{world}");
+                let run = run_in_process(
+                    world,
+                    LocalOptions::default(),
+                    &CpuBackend::default(),
+                    &q,
+                    &k,
+                    &v,
+                    Some(&d_o),
+                    &params,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let r =
+                    verify::report(dtype, &run.forward, run.gradients.as_ref(), &oracle, &naive, &Default::default());
+                assert!(r.pass() && r.rows.len() == 5, "{what}\n{}", r.table());
+            }
         }
     }
 }
@@ -200,7 +261,10 @@ mod kernels {
             dtype: DType::BF16,
             options: EmuOptions { workers: 1, kernels, ..Default::default() },
         };
-        support::conformance::check_head_dims(&backend(KernelFamily::Fa2), DType::BF16, (96, 64));
-        support::conformance::check_head_dims(&backend(KernelFamily::Hopper), DType::BF16, (192, 128));
+        for family in [KernelFamily::Fa2, KernelFamily::Hopper] {
+            for pair in PAIRS {
+                support::conformance::check_head_dims(&backend(family), DType::BF16, pair);
+            }
+        }
     }
 }

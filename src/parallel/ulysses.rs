@@ -8,8 +8,8 @@ use crate::comm::{all_to_all_v, Communicator, Payload};
 use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 use super::backend::Backend;
-use super::seq::Shape;
 use super::plan::QueryHeads;
+use super::seq::Shape;
 use super::{concat_positions, ring, Driver, LocalData, ParallelParams, ParallelPlan, ResolvedParams, Rules, Stats};
 
 /// Ulysses (`u = P`) and USP (`u < P`): the sequence → heads all-to-all inside each Ulysses
