@@ -48,11 +48,11 @@
 template <typename T>
 __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
     const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // index of [b, h_q, s_q]
-    if (row >= p.b * p.h_q * p.s_q) return;
-    const int64_t i = row % p.s_q, hq = (row / p.s_q) % p.h_q, bi = row / (p.s_q * p.h_q);
-    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d_v;
+    if (row >= p.x.b * p.x.h_q * p.x.s_q) return;
+    const int64_t i = row % p.x.s_q, hq = (row / p.x.s_q) % p.x.h_q, bi = row / (p.x.s_q * p.x.h_q);
+    const int64_t base = ((bi * p.x.s_q + i) * p.x.h_q + hq) * p.x.d_v;
     float acc = 0.0f;
-    for (int64_t c = 0; c < p.d_v; ++c) acc += T::to_float(gmem_load(p.d_o + base + c)) * gmem_load(p.o + base + c);
+    for (int64_t c = 0; c < p.x.d_v; ++c) acc += T::to_float(gmem_load(p.d_o + base + c)) * gmem_load(p.o + base + c);
     gmem_store(p.delta + row, acc);
 }
 
@@ -62,15 +62,15 @@ __device__ void flash_bwd_rowsum(const FlashBwdParams& p) {
 template <typename T>
 __device__ void flash_bwd_kvbound(const FlashBwdParams& p) {
     const int lane = threadIdx.x % 32;
-    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.b * p.s_k * p.h_kv;
+    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.x.b * p.x.s_k * p.x.h_kv;
     for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
         float kmax = 0.0f, v2 = 0.0f;
-        for (int64_t c = lane; c < p.d_qk; c += 32) {
-            const float kc = fabsf(T::to_float(gmem_load(p.k + r * p.d_qk + c)));
+        for (int64_t c = lane; c < p.x.d_qk; c += 32) {
+            const float kc = fabsf(T::to_float(gmem_load(p.x.k + r * p.x.d_qk + c)));
             kmax = kc > kmax || kc != kc ? kc : kmax;
         }
-        for (int64_t c = lane; c < p.d_v; c += 32) {
-            const float vc = T::to_float(gmem_load(p.v + r * p.d_v + c));
+        for (int64_t c = lane; c < p.x.d_v; c += 32) {
+            const float vc = T::to_float(gmem_load(p.x.v + r * p.x.d_v + c));
             v2 = fmaf(vc, vc, v2);
         }
         RINGATTN_UNROLL
@@ -80,8 +80,8 @@ __device__ void flash_bwd_kvbound(const FlashBwdParams& p) {
             v2 += __shfl_xor_sync(0xffffffffu, v2, o);
         }
         if (lane == 0) {
-            const int64_t hk = r % p.h_kv, bi = r / (p.s_k * p.h_kv);
-            unsigned* slot = reinterpret_cast<unsigned*>(p.kv_bound + 2 * (bi * p.h_kv + hk));
+            const int64_t hk = r % p.x.h_kv, bi = r / (p.x.s_k * p.x.h_kv);
+            unsigned* slot = reinterpret_cast<unsigned*>(p.kv_bound + 2 * (bi * p.x.h_kv + hk));
             atomicMax(slot, __float_as_uint(kmax));
             atomicMax(slot + 1, __float_as_uint(sqrtf(v2)));
         }
@@ -94,18 +94,18 @@ __device__ void flash_bwd_kvbound(const FlashBwdParams& p) {
 template <typename T>
 __device__ void flash_bwd_rowunit(const FlashBwdParams& p) {
     const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // index of [b, h_q, s_q]
-    if (row >= p.b * p.h_q * p.s_q) return;
-    const int64_t i = row % p.s_q, hq = (row / p.s_q) % p.h_q, bi = row / (p.s_q * p.h_q);
-    const int64_t hk = hq / (p.h_q / p.h_kv);
-    const int64_t base = ((bi * p.s_q + i) * p.h_q + hq) * p.d_v;
+    if (row >= p.x.b * p.x.h_q * p.x.s_q) return;
+    const int64_t i = row % p.x.s_q, hq = (row / p.x.s_q) % p.x.h_q, bi = row / (p.x.s_q * p.x.h_q);
+    const int64_t hk = hq / (p.x.h_q / p.x.h_kv);
+    const int64_t base = ((bi * p.x.s_q + i) * p.x.h_q + hq) * p.x.d_v;
     float n2 = 0.0f;
-    for (int64_t c = 0; c < p.d_v; ++c) {
+    for (int64_t c = 0; c < p.x.d_v; ++c) {
         const float x = T::to_float(gmem_load(p.d_o + base + c));
         n2 = fmaf(x, x, n2);
     }
-    const float kmax = gmem_load(p.kv_bound + 2 * (bi * p.h_kv + hk));
-    const float vmax = gmem_load(p.kv_bound + 2 * (bi * p.h_kv + hk) + 1);
-    const float r = fabsf(p.scale) * kmax * fmaf(sqrtf(n2), vmax, fabsf(gmem_load(p.delta + row)));
+    const float kmax = gmem_load(p.kv_bound + 2 * (bi * p.x.h_kv + hk));
+    const float vmax = gmem_load(p.kv_bound + 2 * (bi * p.x.h_kv + hk) + 1);
+    const float r = fabsf(p.x.scale) * kmax * fmaf(sqrtf(n2), vmax, fabsf(gmem_load(p.delta + row)));
     float unit = 1.0f;
     if (!(r < INFINITY)) {
         unit = NAN;  // NaN or +inf
@@ -121,19 +121,19 @@ __device__ void flash_bwd_rowunit(const FlashBwdParams& p) {
 // division by a power of two; NaN where the unit is NaN). A warp per row of [b, s_q, h_q].
 __device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
     const int lane = threadIdx.x % 32;
-    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.b * p.s_q * p.h_q;
+    const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), rows = p.x.b * p.x.s_q * p.x.h_q;
     for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
-        const int64_t hq = r % p.h_q, i = (r / p.h_q) % p.s_q, bi = r / (p.h_q * p.s_q);
-        const float unit = gmem_load(p.dq_unit + (bi * p.h_q + hq) * p.s_q + i);
-        for (int64_t c = lane; c < p.d_qk; c += 32) {
-            float* at = p.dq + r * p.d_qk + c;
+        const int64_t hq = r % p.x.h_q, i = (r / p.x.h_q) % p.x.s_q, bi = r / (p.x.h_q * p.x.s_q);
+        const float unit = gmem_load(p.dq_unit + (bi * p.x.h_q + hq) * p.x.s_q + i);
+        for (int64_t c = lane; c < p.x.d_qk; c += 32) {
+            float* at = p.dq + r * p.x.d_qk + c;
             gmem_store(at, float(int(__float_as_uint(gmem_load(at)))) / unit);
         }
     }
 }
 
-// kOwnDv (here and in the dk/dv kernel): V, dO and dV of their own head dim p.d_v (the entry
-// points ..._d{D}_dv); otherwise p.d_qk serves every tensor and p.d_v is not read.
+// kOwnDv (here and in the dk/dv kernel): V, dO and dV of their own head dim p.x.d_v (the entry
+// points ..._d{D}_dv); otherwise p.x.d_qk serves every tensor and p.x.d_v is not read.
 template <typename T, int D, bool kOwnDv = false>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
@@ -141,9 +141,9 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     static_assert(D >= 192, "the dq kernel serves the deterministic backward from head-dim class 192");
     // Rolled (the largest heads: shorter live ranges).
     constexpr int kUnrollK = 1;
-    const int64_t d = p.d_qk;                                     // q, k, dq
-    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // v, d_o
-    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
+    const int64_t d = p.x.d_qk;                                     // q, k, dq
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // v, d_o
+    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.x.h_q / p.x.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
@@ -153,11 +153,11 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     uint16_t* vs = ks + Tr::kStages * kN * S;  // [kStages][kN][S]
     RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemBoundsOffset) + warp;
 
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.s_q, p.h_q, hq, d_v(), q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(), q0);
     cp_async_commit();
     // Tile indices fit in 32 bits: s_k < 2^31 kN (2^35 keys and more hold terabytes).
-    const int64_t ntiles = (p.s_k + kN - 1) / kN;
+    const int64_t ntiles = (p.x.s_k + kN - 1) / kN;
 
     // This thread's two query rows (g and g + 8 of the warp's 16), recomputed where needed.
     auto thread_rows = [&](int64_t (&row)[2]) {
@@ -169,38 +169,38 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         int64_t row[2];
         thread_rows(row);
         for (int r = 0; r < 2; ++r) {
-            const bool in = row[r] < p.s_q;
-            const int64_t i = in ? row[r] : p.s_q - 1;
-            const int64_t st = (bi * p.h_q + hq) * p.s_q + i;
+            const bool in = row[r] < p.x.s_q;
+            const int64_t i = in ? row[r] : p.x.s_q - 1;
+            const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + i;
             lse2[r] = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
             delta[r] = in ? gmem_load(p.delta + st) : 0.0f;
         }
     }
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = mask_is_none(p.mask);
+    const bool unmasked = mask_is_none(p.x.mask);
     // Masked calls classify tiles from the keys' granule bounds and bound the loop to the
     // tiles the block may see, as the forward does (the K buffer, not staged yet, is
     // scratch); the warp's query bounds wait in shared memory, the rows' positions are read
     // again on masked tiles (registers are what the accumulators need).
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr;
     int64_t range_begin = 0, range_end = ntiles;
     if (classify) {
         int64_t row[2], qpos[2];
         uint32_t qdoc[2];
         thread_rows(row);
-        row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+        row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
         const RowBounds warp_rows = warp_row_bounds(qpos, qdoc);
         if (lane == 0) smem_store(bounds_slot, warp_rows);
         if (ntiles > 0) {
-            block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_rows, p.s_k, ntiles,
+            block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.x.mask, warp_rows, p.x.s_k, ntiles,
                                                            reinterpret_cast<int64_t*>(ks), range_begin, range_end);
         }
     }
     const int t_begin = int(range_begin), t_end = int(range_end);
-    const bool rows_in = q0 + warp * 16 + 16 <= p.s_q;  // every row of the warp exists
+    const bool rows_in = q0 + warp * 16 + 16 <= p.x.s_q;  // every row of the warp exists
 
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, S, W, Tr::kThreads>(p.k, p.v, bi, p.s_k, p.h_kv, hk, d, d_v(),
+    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, S, W, Tr::kThreads>(p.x.k, p.x.v, bi, p.x.s_k, p.x.h_kv, hk, d, d_v(),
                                                                         int64_t(t_begin) * kN);
     auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
 
@@ -233,9 +233,9 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         const int64_t k0 = int64_t(tile) * kN;
         // Warp-uniform: a tile fully visible to the warp's 16 rows (all inside the call) runs
         // without the mask; a fully masked one is skipped; else the mask per score.
-        const bool in_range = rows_in && k0 + kN <= p.s_k;
+        const bool in_range = rows_in && k0 + kN <= p.x.s_k;
         const TileClass cls =
-            classify ? classify_tile<kN>(p.mask, smem_load(bounds_slot), tile, p.s_k) : TileClass{unmasked, false};
+            classify ? classify_tile<kN>(p.x.mask, smem_load(bounds_slot), tile, p.x.s_k) : TileClass{unmasked, false};
         uint32_t vis = 0;
         // One copy of the tile's code (a second one, specialised for masked tiles, costs the
         // registers the accumulators need): `masked` branches around the mask's selects.
@@ -267,7 +267,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             for (int n = 0; n < kNT; ++n) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
-                    s[n][e] = ex2_approx(fmaf(s[n][e], p.scale_log2, -lse2[e / 2])) * (dp[n][e] - delta[e / 2]);
+                    s[n][e] = ex2_approx(fmaf(s[n][e], p.x.scale_log2, -lse2[e / 2])) * (dp[n][e] - delta[e / 2]);
                 }
             }
             if (masked) {
@@ -299,9 +299,9 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
             int64_t row[2], qpos[2] = {};
             uint32_t qdoc[2] = {};
             thread_rows(row);
-            if (!unmasked) row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+            if (!unmasked) row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
             const bool row_ok[2] = {lse2[0] != -INFINITY, lse2[1] != -INFINITY};
-            vis = query_row_visibility<kNT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t);
+            vis = query_row_visibility<kNT>(p.x.mask, unmasked, row_ok, qpos, qdoc, k0, p.x.s_k, t);
             masked = true;
             go = __ballot_sync(0xffffffffu, vis != 0) != 0;
         }
@@ -316,27 +316,27 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     constexpr int kStageStride = StageStride<D>::value;
     static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmemBoundsOffset, "the dq rows fit where the tiles were");
     float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
-    const float scale2[2] = {p.scale, p.scale};
+    const float scale2[2] = {p.x.scale, p.x.scale};
     stage_fragments<1, kDT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kDT][4]>(acc), scale2);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     const int64_t w0 = q0 + warp * 16;
     store_staged_rows<T, 16, D, kStageStride>(
         stage, d,
-        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d : int64_t(-1); }, p.dq,
+        [&](int r) { return w0 + r < p.x.s_q ? ((bi * p.x.s_q + w0 + r) * p.x.h_q + hq) * d : int64_t(-1); }, p.dq,
         static_cast<uint16_t*>(nullptr));
 #else
     int64_t row[2];
     thread_rows(row);
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
-        if (row[r] >= p.s_q) continue;
-        float* out = p.dq + ((bi * p.s_q + row[r]) * p.h_q + hq) * d;
+        if (row[r] >= p.x.s_q) continue;
+        float* out = p.dq + ((bi * p.x.s_q + row[r]) * p.x.h_q + hq) * d;
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
             if (c < d) {
-                gmem_store(out + c, acc[n][2 * r] * p.scale);
-                gmem_store(out + c + 1, acc[n][2 * r + 1] * p.scale);
+                gmem_store(out + c, acc[n][2 * r] * p.x.scale);
+                gmem_store(out + c + 1, acc[n][2 * r + 1] * p.x.scale);
             }
         }
     }
@@ -361,8 +361,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
     // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
     constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DKDV_UNROLL_D128 : D / 16;
-    const int64_t d = p.d_qk, group = p.h_q / p.h_kv;           // q, k, dq, dk
-    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // v, d_o, dv
+    const int64_t d = p.x.d_qk, group = p.x.h_q / p.x.h_kv;           // q, k, dq, dk
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // v, d_o, dv
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int split = int(blockIdx.x % Tr::kSplits);
     const int64_t k0 = int64_t(blockIdx.x / Tr::kSplits) * Tr::kBlockN;
@@ -382,10 +382,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     int64_t kpos[2];
     uint32_t kdoc[2];
-    row_positions(p.mask.k_pos, p.mask.k_doc, krow, p.s_k, kpos, kdoc);
-    const MaskEval mask{p.mask};
+    row_positions(p.x.mask.k_pos, p.x.mask.k_doc, krow, p.x.s_k, kpos, kdoc);
+    const MaskEval mask{p.x.mask};
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = mask_is_none(p.mask);
+    const bool unmasked = mask_is_none(p.x.mask);
 
     // Masked calls classify each query tile from the queries' granule bounds against the
     // warp's 16 keys (fully visible: unmasked; fully masked: skipped; else the mask per
@@ -394,19 +394,19 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     // staged yet) are scratch.
     // The warp's key bounds are kept for head dims up to 32 and recomputed per tile from
     // kpos/kdoc (live anyway) above: d64 and d128 sit at the register limit (sm_90a spills).
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr && p.mask.q_bounds != nullptr;
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr && p.x.mask.q_bounds != nullptr;
     constexpr bool kKeepBounds = D <= 32;
     const RowBounds kept_keys = kKeepBounds && classify ? warp_row_bounds(kpos, kdoc) : RowBounds{0, 0, 0u, 0u};
     auto warp_keys = [&] { return kKeepBounds ? kept_keys : warp_row_bounds(kpos, kdoc); };
-    const int64_t qtiles = (p.s_q + kM - 1) / kM;
+    const int64_t qtiles = (p.x.s_q + kM - 1) / kM;
     int64_t qt_begin = 0, qt_end = qtiles;
     if (classify && qtiles > 0) {
         block_tile_range<Tr::kWarps, Tr::kThreads, kM, BlockRows::Keys>(
-            p.mask, warp_keys(), p.s_q, qtiles, reinterpret_cast<int64_t*>(stages), qt_begin, qt_end);
+            p.x.mask, warp_keys(), p.x.s_q, qtiles, reinterpret_cast<int64_t*>(stages), qt_begin, qt_end);
     }
 
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.k, bi, p.s_k, p.h_kv, hk, d, k0);
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.v, bi, p.s_k, p.h_kv, hk, d_v(), k0);
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.x.k, bi, p.x.s_k, p.x.h_kv, hk, d, k0);
+    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.x.v, bi, p.x.s_k, p.x.h_kv, hk, d_v(), k0);
     cp_async_commit();
     // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq,
     // advanced step by step: a division per tile (64-bit: a subroutine call; 32-bit: about 50
@@ -419,13 +419,13 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto advance = [&](Step x) { return x.qtile < qt_last ? Step{x.head, x.qtile + 1} : Step{x.head + 1, qt_first}; };
     auto stage_q = [&](int buf, Step x) {
         const int64_t hq = hk * group + x.head, q0 = int64_t(x.qtile) * kM;
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.q, bi, p.s_q, p.h_q, hq, d, q0);
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.s_q, p.h_q, hq, d_v(), q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(), q0);
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
-            const bool in = q0 + r < p.s_q;
-            const int64_t st = (bi * p.h_q + hq) * p.s_q + (in ? q0 + r : 0);
+            const bool in = q0 + r < p.x.s_q;
+            const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + (in ? q0 + r : 0);
             smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
-            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.scale : 0.0f);  // scale delta
+            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.x.scale : 0.0f);  // scale delta
             if (kFixed) smem_store(unit_tile(buf) + r, in ? gmem_load(p.dq_unit + st) : 0.0f);
         }
     };
@@ -468,8 +468,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // (adding 0 changes nothing; a test and branch per element cost more than the add),
         // from one pointer per row (rows g and g + 8 of each 16-row tile) and this thread's
         // first column: the warp's n-tiles are constant offsets from it.
-        const int64_t row_step = p.h_q * d;
-        float* dq_rows = p.dq + ((bi * p.s_q + q0 + g) * p.h_q + hq) * d + warp * 8 + 2 * t;
+        const int64_t row_step = p.x.h_q * d;
+        float* dq_rows = p.dq + ((bi * p.x.s_q + q0 + g) * p.x.h_q + hq) * d + warp * 8 + 2 * t;
         // Rows g and g + 8 of 16-row tile rt: their units (fixed point).
         auto row_unit = [&](int rt, int half) {
             return kFixed ? smem_load(units + rt * 16 + g + 8 * half) : 1.0f;
@@ -491,8 +491,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             for (int e = 0; e < 4; ++e) {
                 const int64_t i = q0 + rt * 16 + g + 8 * (e / 2);
                 const int64_t col = int64_t(n) * 8 + 2 * t + (e & 1);
-                if (i < p.s_q && col < d && c[e] != 0.0f) {
-                    red_dq(p.dq + ((bi * p.s_q + i) * p.h_q + hq) * d + col, c[e], u[e / 2]);
+                if (i < p.x.s_q && col < d && c[e] != 0.0f) {
+                    red_dq(p.dq + ((bi * p.x.s_q + i) * p.x.h_q + hq) * d + col, c[e], u[e / 2]);
                 }
             }
         };
@@ -564,7 +564,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     // Up to class 128 one branch per tile between two copies of the product (a whole tile's
     // without tests); above, one copy that branches per add (sm_120 spilled d256 with two).
     auto block_dq = [&](int64_t hq, int64_t q0, const float* units) {
-        const bool whole_tile = q0 + kM <= p.s_q && d == D;
+        const bool whole_tile = q0 + kM <= p.x.s_q && d == D;
         if constexpr (D <= 128) {
             if (whole_tile) {
                 block_dq_as(hq, q0, units, std::true_type{}, true);
@@ -605,9 +605,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // Warp-uniform: a query tile fully visible to the warp's 16 keys (all inside the call)
         // runs without the mask (kFull: its queries see a key, so their lse is finite); a fully
         // masked one is skipped; else the mask per score.
-        const bool in_range = k0 + warp * 16 + 16 <= p.s_k && q0 + kM <= p.s_q;
+        const bool in_range = k0 + warp * 16 + 16 <= p.x.s_k && q0 + kM <= p.x.s_q;
         const TileClass cls =
-            classify ? classify_query_tile<kM>(p.mask, warp_keys(), qtile, p.s_q) : TileClass{unmasked, false};
+            classify ? classify_query_tile<kM>(p.x.mask, warp_keys(), qtile, p.x.s_q) : TileClass{unmasked, false};
         uint32_t vis = 0;
         // One copy of the tile's code (a second one, specialised for fully visible tiles, costs
         // the registers the accumulators need): `masked` branches around the mask's selects.
@@ -645,8 +645,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) {
                     const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
-                    const float pv = ex2_approx(fmaf(s[n][e], p.scale_log2, -lse_c));
-                    dp[n][e] = pv * fmaf(dp[n][e], p.scale, -delta_c);
+                    const float pv = ex2_approx(fmaf(s[n][e], p.x.scale_log2, -lse_c));
+                    dp[n][e] = pv * fmaf(dp[n][e], p.x.scale, -delta_c);
                     s[n][e] = pv;
                 }
             }
@@ -697,12 +697,12 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     for (int c = 0; c < 2; ++c) {
                         const int col = n * 8 + 2 * t + c;
                         const int64_t i = q0 + col;
-                        if (i >= p.s_q || smem_load(lt + col) == -INFINITY) continue;
-                        const int64_t pq = unmasked ? 0 : gmem_load(p.mask.q_pos + i);
-                        const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + i) : 0;
+                        if (i >= p.x.s_q || smem_load(lt + col) == -INFINITY) continue;
+                        const int64_t pq = unmasked ? 0 : gmem_load(p.x.mask.q_pos + i);
+                        const uint32_t qd = p.x.mask.q_doc != nullptr ? gmem_load(p.x.mask.q_doc + i) : 0;
                         RINGATTN_UNROLL
                         for (int r = 0; r < 2; ++r) {
-                            const bool ok = krow[r] < p.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
+                            const bool ok = krow[r] < p.x.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
                             vis |= uint32_t(ok) << (4 * n + 2 * r + c);
                         }
                     }
@@ -739,7 +739,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     // Offsets of the key rows in dk (`dh` = d_qk) or dv (d_v).
     auto key_rows = [&](int64_t dh) {
         return [&, dh](int r) {
-            return w0 + r < p.s_k ? ((bi * p.s_k + w0 + r) * p.h_kv + hk) * dh + col0 : int64_t(-1);
+            return w0 + r < p.x.s_k ? ((bi * p.x.s_k + w0 + r) * p.x.h_kv + hk) * dh + col0 : int64_t(-1);
         };
     };
     const float one2[2] = {1.0f, 1.0f};  // (dk holds scale dS^T Q already)
@@ -756,8 +756,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
 #else
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
-        if (krow[r] >= p.s_k) continue;
-        const int64_t row = (bi * p.s_k + krow[r]) * p.h_kv + hk;
+        if (krow[r] >= p.x.s_k) continue;
+        const int64_t row = (bi * p.x.s_k + krow[r]) * p.x.h_kv + hk;
         RINGATTN_UNROLL
         for (int n = 0; n < kOT; ++n) {
             const int64_t c = int64_t(c0 + n) * 8 + 2 * t;

@@ -111,19 +111,19 @@ __device__ void flash_bwd_hopper(const FlashBwdHopperParams& hp) {
     unsigned char* smem = raw + (1024 - smem_u32(raw) % 1024) % 1024;
     const BwdBarriers<kStages> bars(smem + Tr::kOffBars);
 
-    const bool unmasked = mask_is_none(p.mask);
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr && p.mask.q_bounds != nullptr;
+    const bool unmasked = mask_is_none(p.x.mask);
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr && p.x.mask.q_bounds != nullptr;
     // The query tiles any key of the block may see (every thread; warp w stands for the 16
     // keys 16 (w mod kBlockN / 16) ...: a subset of the block's keys).
-    const int64_t qtiles = (p.s_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const int64_t qtiles = (p.x.s_q + Tr::kBlockM - 1) / Tr::kBlockM;
     int64_t range_begin = 0, range_end = qtiles;
     if (classify && qtiles > 0) {
         const int64_t row[2] = {k0 + 16 * (warp % (Tr::kBlockN / 16)) + g, k0 + 16 * (warp % (Tr::kBlockN / 16)) + g + 8};
         int64_t kpos[2];
         uint32_t kdoc[2];
-        row_positions(p.mask.k_pos, p.mask.k_doc, row, p.s_k, kpos, kdoc);
+        row_positions(p.x.mask.k_pos, p.x.mask.k_doc, row, p.x.s_k, kpos, kdoc);
         block_tile_range<Tr::kWarps, Tr::kThreads, Tr::kBlockM, BlockRows::Keys>(
-            p.mask, warp_row_bounds(kpos, kdoc), p.s_q, qtiles, reinterpret_cast<int64_t*>(smem + Tr::kOffScratch),
+            p.x.mask, warp_row_bounds(kpos, kdoc), p.x.s_q, qtiles, reinterpret_cast<int64_t*>(smem + Tr::kOffScratch),
             range_begin, range_end);
     }
 
@@ -157,7 +157,7 @@ __device__ __forceinline__ void flash_bwd_hopper_producer(const FlashBwdHopperPa
     constexpr int kStages = Tr::kStages;
     setmaxnreg_dec<24>();
     const FlashBwdParams& p = hp.p;
-    const int64_t hk = blockIdx.y, bi = blockIdx.z, group = p.h_q / p.h_kv;
+    const int64_t hk = blockIdx.y, bi = blockIdx.z, group = p.x.h_q / p.x.h_kv;
     const int64_t k0 = int64_t(blockIdx.x) * Tr::kBlockN;
     const BwdBarriers<kStages> bars(smem + Tr::kOffBars);
     int qt_begin, qt_end;
@@ -189,7 +189,7 @@ __device__ __forceinline__ void flash_bwd_hopper_producer(const FlashBwdHopperPa
                 const int32_t hq = int32_t(hk * group + step.head), q0 = step.qtile * Tr::kBlockM;
                 mbarrier_arrive_expect_tx(&bars.full[stage], 2 * Tr::kTileBytes + Tr::kStatsBytes);
                 // The rows' lse and delta: 64 values from row (b, hq, q0) of [b, h_q, s_q].
-                const int32_t row = int32_t((bi * p.h_q + hq) * p.s_q + q0);
+                const int32_t row = int32_t((bi * p.x.h_q + hq) * p.x.s_q + q0);
                 float* stats = reinterpret_cast<float*>(smem + Tr::kOffStats + stage * Tr::kStatsBytes);
                 tma_load_2d(stats, &hp.lse, &bars.full[stage], row, 0);
                 tma_load_2d(stats + Tr::kBlockM, &hp.delta, &bars.full[stage], row, 0);
@@ -220,7 +220,7 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     constexpr WgmmaInput kIn = wgmma_input<T>();
     constexpr bool kFixed = kAccum == DqAccum::kFixed;
     const FlashBwdParams& p = hp.p;
-    const int64_t d = p.d_qk, group = p.h_q / p.h_kv;  // dq, dk (p.d_v: dv; the inputs through their maps)
+    const int64_t d = p.x.d_qk, group = p.x.h_q / p.x.h_kv;  // dq, dk (p.x.d_v: dv; the inputs through their maps)
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const BwdBarriers<kStages> bars(smem + Tr::kOffBars);
@@ -233,11 +233,11 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     int64_t krow[2];
     krow[0] = kw0 + 16 * w + g;
     krow[1] = krow[0] + 8;
-    const bool unmasked = mask_is_none(p.mask);
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr && p.mask.q_bounds != nullptr;
-    const bool keys_in = kw0 + 64 <= p.s_k;  // every key of the warpgroup exists
-    const bool wg_live = kw0 < p.s_k;
-    const MaskEval mask{p.mask};
+    const bool unmasked = mask_is_none(p.x.mask);
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr && p.x.mask.q_bounds != nullptr;
+    const bool keys_in = kw0 + 64 <= p.x.s_k;  // every key of the warpgroup exists
+    const bool wg_live = kw0 < p.x.s_k;
+    const MaskEval mask{p.x.mask};
     // (The keys' bounds and positions are read again where a tile needs them: kept across the
     // loop they cost registers that dk and dv need.)
 
@@ -263,16 +263,16 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         // Fully visible to the warpgroup's keys (all inside the call): no mask.
         bool full = unmasked;
         if (classify && wg_live) {
-            full = all_visible(p.mask, tile_query_bounds<kM>(p.mask, step.qtile, p.s_q),
-                               tile_key_bounds<64>(p.mask, kw0 / 64, p.s_k));
+            full = all_visible(p.x.mask, tile_query_bounds<kM>(p.x.mask, step.qtile, p.x.s_q),
+                               tile_key_bounds<64>(p.x.mask, kw0 / 64, p.x.s_k));
         }
-        full = full && keys_in && q0 + kM <= p.s_q;
+        full = full && keys_in && q0 + kM <= p.x.s_q;
 
         // The tile's lse and delta, copied with it (rows past the call hold another head's or
         // zeros: they are masked). Read as pairs from shared memory: 32 global loads per
         // thread would be hoisted by ptxas above the products, into the registers dk and dv
         // need.
-        const int64_t st0 = (bi * p.h_q + hq) * p.s_q;
+        const int64_t st0 = (bi * p.x.h_q + hq) * p.x.s_q;
         const float* stats = reinterpret_cast<const float*>(smem + Tr::kOffStats + stage * Tr::kStatsBytes);
         mbarrier_wait_parity_covered(&bars.full[stage], uint32_t(i / kStages) & 1u);
         // S^T = K Q^T and dP^T = V dO^T.
@@ -295,18 +295,18 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             vis = 0;
             int64_t kpos[2] = {0, 0};
             uint32_t kdoc[2] = {0u, 0u};
-            if (!unmasked) row_positions(p.mask.k_pos, p.mask.k_doc, krow, p.s_k, kpos, kdoc);
+            if (!unmasked) row_positions(p.x.mask.k_pos, p.x.mask.k_doc, krow, p.x.s_k, kpos, kdoc);
             RINGATTN_UNROLL
             for (int j = 0; j < kM / 8; ++j) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 2; ++e) {
                     const int64_t qi = q0 + 8 * j + 2 * t + e;
-                    if (qi >= p.s_q || smem_load(stats + 8 * j + 2 * t + e) == -INFINITY) continue;
-                    const int64_t pq = unmasked ? 0 : gmem_load(p.mask.q_pos + qi);
-                    const uint32_t qd = p.mask.q_doc != nullptr ? gmem_load(p.mask.q_doc + qi) : 0u;
+                    if (qi >= p.x.s_q || smem_load(stats + 8 * j + 2 * t + e) == -INFINITY) continue;
+                    const int64_t pq = unmasked ? 0 : gmem_load(p.x.mask.q_pos + qi);
+                    const uint32_t qd = p.x.mask.q_doc != nullptr ? gmem_load(p.x.mask.q_doc + qi) : 0u;
                     RINGATTN_UNROLL
                     for (int r = 0; r < 2; ++r) {
-                        const bool ok = krow[r] < p.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
+                        const bool ok = krow[r] < p.x.s_k && (unmasked || mask.visible(pq, qd, kpos[r], kdoc[r]));
                         vis |= uint32_t(ok) << (4 * j + 2 * r + e);
                     }
                 }
@@ -324,12 +324,12 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             RINGATTN_UNROLL
             for (int e = 0; e < 2; ++e) {
                 const float lse = (e ? lse2.y : lse2.x) * 1.4426950408889634f;
-                const float delta = (e ? delta2.y : delta2.x) * p.scale;
+                const float delta = (e ? delta2.y : delta2.x) * p.x.scale;
                 RINGATTN_UNROLL
                 for (int r = 0; r < 2; ++r) {
                     const int v = 4 * j + 2 * r + e;
-                    const float pv = ex2_approx(fmaf(s[v], p.scale_log2, -lse));
-                    const float dsv = pv * fmaf(dp[v], p.scale, -delta);
+                    const float pv = ex2_approx(fmaf(s[v], p.x.scale_log2, -lse));
+                    const float dsv = pv * fmaf(dp[v], p.x.scale, -delta);
                     const bool keep = (vis >> v) & 1u;
                     s[v] = keep ? pv : 0.0f;
                     dp[v] = keep ? dsv : 0.0f;
@@ -384,13 +384,13 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         qrow[1] = qrow[0] + 8;
         if constexpr (kFixed) {
             RINGATTN_UNROLL
-            for (int r = 0; r < 2; ++r) unit[r] = qrow[r] < p.s_q ? gmem_load(p.dq_unit + st0 + qrow[r]) : 0.0f;
+            for (int r = 0; r < 2; ++r) unit[r] = qrow[r] < p.x.s_q ? gmem_load(p.dq_unit + st0 + qrow[r]) : 0.0f;
         }
-        const bool whole = q0 + kM <= p.s_q && d == D;
+        const bool whole = q0 + kM <= p.x.s_q && d == D;
         // This thread's two dq rows at column 2t (the elements are constant offsets from them).
         float* dq_row[2];
         RINGATTN_UNROLL
-        for (int r = 0; r < 2; ++r) dq_row[r] = p.dq + ((bi * p.s_q + qrow[r]) * p.h_q + hq) * d + 2 * t;
+        for (int r = 0; r < 2; ++r) dq_row[r] = p.dq + ((bi * p.x.s_q + qrow[r]) * p.x.h_q + hq) * d + 2 * t;
         RINGATTN_UNROLL
         for (int chunk = 0; chunk < kCols / 64; ++chunk) {
             const int col0 = col_off + 64 * chunk;
@@ -413,7 +413,7 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             for (int v = 0; v < 32; ++v) {
                 const int r = (v >> 1) & 1;
                 const int64_t col = col0 + 8 * (v >> 2) + 2 * t + (v & 1);
-                if (!whole && (qrow[r] >= p.s_q || col >= d || dq[v] == 0.0f)) continue;
+                if (!whole && (qrow[r] >= p.x.s_q || col >= d || dq[v] == 0.0f)) continue;
                 float* at = dq_row[r] + (col0 + 8 * (v >> 2) + (v & 1));
                 if constexpr (kFixed) {
                     atomicAdd(reinterpret_cast<int*>(at), __float2int_rn(dq[v] * unit[r]));
@@ -431,15 +431,15 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     for (int v = 0; v < kCols / 2; v += 2) {
         const int r = (v >> 1) & 1;
         const int64_t col = col_off + 8 * (v >> 2) + 2 * t;
-        if (krow[r] >= p.s_k) continue;
-        const int64_t row = (bi * p.s_k + krow[r]) * p.h_kv + hk;
+        if (krow[r] >= p.x.s_k) continue;
+        const int64_t row = (bi * p.x.s_k + krow[r]) * p.x.h_kv + hk;
         if (col < d) {
             gmem_store(p.dk + row * d + col, dk[v]);
             gmem_store(p.dk + row * d + col + 1, dk[v + 1]);
         }
-        if (col < p.d_v) {
-            gmem_store(p.dv + row * p.d_v + col, dv[v]);
-            gmem_store(p.dv + row * p.d_v + col + 1, dv[v + 1]);
+        if (col < p.x.d_v) {
+            gmem_store(p.dv + row * p.x.d_v + col, dv[v]);
+            gmem_store(p.dv + row * p.x.d_v + col + 1, dv[v + 1]);
         }
     }
 }

@@ -33,8 +33,8 @@
 // values, these kernels do not.
 #include "flash.cuh"
 
-// kOwnDv: V and O have their own head dim p.d_v (multi-head latent attention; the entry
-// points ..._d{D}_dv); otherwise p.d_qk serves Q, K, V and O and p.d_v is not read.
+// kOwnDv: V and O have their own head dim p.x.d_v (multi-head latent attention; the entry
+// points ..._d{D}_dv); otherwise p.x.d_qk serves Q, K, V and O and p.x.d_v is not read.
 template <typename T, int D, bool kOwnDv = false>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     using Tr = FwdTraits<D>;
@@ -44,14 +44,14 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // Unrolled up to class 128 (Q fragments in registers need it; from shared memory at 128,
     // the unrolled loop is the one ptxas schedules without spilling); rolled above (live ranges).
     constexpr int kUnrollK = D <= 128 ? D / 16 : 1;
-    const int64_t d = p.d_qk;
-    auto d_v = [&]() -> int64_t { return kOwnDv ? p.d_v : d; };  // (read where used)
-    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
+    const int64_t d = p.x.d_qk;
+    auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // (read where used)
+    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.x.h_q / p.x.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // The warp's first query row, recomputed where needed (not a register across the loop).
     auto first_row = [&] { return int64_t(blockIdx.x) * Tr::kBlockM + warp * Tr::kWarpRows; };
-    const bool rows_in = first_row() + Tr::kWarpRows <= p.s_q;  // every row of the warp exists
+    const bool rows_in = first_row() + Tr::kWarpRows <= p.x.s_q;  // every row of the warp exists
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
@@ -66,21 +66,21 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     };
 
     // No window and no documents: every existing pair is visible, no position is read.
-    const bool unmasked = mask_is_none(p.mask);
+    const bool unmasked = mask_is_none(p.x.mask);
 
     // Masked calls classify each tile from the keys' granule bounds (flash.cuh RowBounds):
     // fully visible to the warp (run unmasked), fully masked (skipped), or mixed (the mask
     // evaluated per score). The warp's query bounds, once (rows past s_q repeat the last
     // row's: the bounds stay a superset, and a fully visible tile needs every row in range).
     // The warp's bounds wait in shared memory (registers are what the accumulators need).
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr;
     RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemQ + 4 * Tr::kSmemKV) + warp;
     RowBounds warp_rows{0, 0, 0u, 0u};
     if (classify) {
         int64_t row[kR], qpos[kR];
         uint32_t qdoc[kR];
         thread_rows(row);
-        row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+        row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
         warp_rows = warp_row_bounds(qpos, qdoc);
         if (lane == 0) smem_store(bounds_slot, warp_rows);
     }
@@ -89,18 +89,18 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // see — tiles outside are neither loaded nor waited on (a causal block stops at its
     // diagonal, a window starts at its left edge). The K buffer (not staged yet) is scratch.
     // Tile indices fit in 32 bits: s_k < 2^31 kN (2^36 keys and more hold terabytes).
-    const int64_t ntiles = (p.s_k + kN - 1) / kN;
+    const int64_t ntiles = (p.x.s_k + kN - 1) / kN;
     int64_t range_begin = 0, range_end = ntiles;
     if (classify && ntiles > 0) {
-        block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.mask, warp_rows, p.s_k, ntiles,
+        block_tile_range<Tr::kWarps, Tr::kThreads, kN>(p.x.mask, warp_rows, p.x.s_k, ntiles,
                                                        reinterpret_cast<int64_t*>(ks), range_begin, range_end);
     }
     const int t_begin = int(range_begin), t_end = int(range_end);
 
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.q, bi, p.s_q, p.h_q, hq, d, q0);
+    stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
     cp_async_commit();
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(p.k, p.v, bi, p.s_k, p.h_kv, hk,
+    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(p.x.k, p.x.v, bi, p.x.s_k, p.x.h_kv, hk,
                                                                                      d, d_v(), int64_t(t_begin) * kN);
     auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * kStride); };
     if (t_begin < t_end) stage_kv(0);
@@ -108,8 +108,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 
     // The softmax scale folded into one FFMA per score: exp2(s sc - m sc) with sc >= 0. A
     // negative scale negates Q instead (exact in 16 bits: s sc = (-s)(-sc)), once per block.
-    const bool negate_q = p.scale_log2 < 0.0f;
-    const float sc = negate_q ? -p.scale_log2 : p.scale_log2;
+    const bool negate_q = p.x.scale_log2 < 0.0f;
+    const float sc = negate_q ? -p.x.scale_log2 : p.x.scale_log2;
 
     // Fragment rows (flash.cuh SwzRow; the swizzle depends on the row modulo 8, so whole
     // 8-row steps add a constant): K rows for S = Q K^T (k chunks 2kk, 2kk + 1), V rows for
@@ -170,9 +170,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         // fully masked one is skipped.
         const int64_t k0 = int64_t(tile) * kN;
         // Warp-uniform (the MMAs below are warp-wide): the warp's rows, the tile's keys.
-        const bool in_range = rows_in && k0 + kN <= p.s_k;
+        const bool in_range = rows_in && k0 + kN <= p.x.s_k;
         const TileClass cls =
-            classify ? classify_tile<kN>(p.mask, smem_load(bounds_slot), tile, p.s_k) : TileClass{unmasked, false};
+            classify ? classify_tile<kN>(p.x.mask, smem_load(bounds_slot), tile, p.x.s_k) : TileClass{unmasked, false};
         uint32_t vis[kMT];
         // One copy of the tile's code (a second one, specialised for masked tiles, costs the
         // registers the accumulators need): `masked` branches around the mask's selects.
@@ -311,10 +311,10 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
             uint32_t qdoc[kR] = {};
             bool row_ok[kR];
             thread_rows(row);
-            if (!unmasked) row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+            if (!unmasked) row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
             RINGATTN_UNROLL
-            for (int r = 0; r < kR; ++r) row_ok[r] = row[r] < p.s_q;
-            query_rows_visibility<kNT, kMT>(p.mask, unmasked, row_ok, qpos, qdoc, k0, p.s_k, t, vis);
+            for (int r = 0; r < kR; ++r) row_ok[r] = row[r] < p.x.s_q;
+            query_rows_visibility<kNT, kMT>(p.x.mask, unmasked, row_ok, qpos, qdoc, k0, p.x.s_k, t, vis);
             uint32_t any = 0;
             RINGATTN_UNROLL
             for (int mt = 0; mt < kMT; ++mt) any |= vis[mt];
@@ -349,14 +349,14 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     const int64_t w0 = first_row();
     store_staged_rows<T, Tr::kWarpRows, D, kStageStride>(
         stage, d_v(),
-        [&](int r) { return w0 + r < p.s_q ? ((bi * p.s_q + w0 + r) * p.h_q + hq) * d_v() : int64_t(-1); }, p.o,
+        [&](int r) { return w0 + r < p.x.s_q ? ((bi * p.x.s_q + w0 + r) * p.x.h_q + hq) * d_v() : int64_t(-1); }, p.o,
         p.o16);
 #else
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) {
-        if (row[r] >= p.s_q) continue;
+        if (row[r] >= p.x.s_q) continue;
         const int mt = r / 2, e0 = 2 * (r % 2);
-        const int64_t base = ((bi * p.s_q + row[r]) * p.h_q + hq) * d_v();
+        const int64_t base = ((bi * p.x.s_q + row[r]) * p.x.h_q + hq) * d_v();
         RINGATTN_UNROLL
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
@@ -373,8 +373,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 #endif
     RINGATTN_UNROLL
     for (int r = 0; r < kR; ++r) {
-        if (row[r] < p.s_q && t == 0) {
-            gmem_store(p.lse + (bi * p.h_q + hq) * p.s_q + row[r],
+        if (row[r] < p.x.s_q && t == 0) {
+            gmem_store(p.lse + (bi * p.x.h_q + hq) * p.x.s_q + row[r],
                        l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY);
         }
     }

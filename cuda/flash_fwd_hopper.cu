@@ -71,7 +71,7 @@ __device__ void flash_fwd_hopper(const FlashFwdHopperParams& hp) {
     using Tr = HopperFwdTraits<D>;
     constexpr int kN = Tr::kBlockN, kStages = Tr::kStages;
     const FlashFwdParams& p = hp.p;
-    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.h_q / p.h_kv);
+    const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.x.h_q / p.x.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
     unsigned char* raw = RINGATTN_DYNAMIC_SMEM();
@@ -79,8 +79,8 @@ __device__ void flash_fwd_hopper(const FlashFwdHopperParams& hp) {
     const FwdBarriers<kStages> bars(smem + Tr::kOffBars);
     uint64_t *q_full = bars.q_full, *k_full = bars.k_full, *v_full = bars.v_full, *empty = bars.empty;
 
-    const bool unmasked = mask_is_none(p.mask);
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    const bool unmasked = mask_is_none(p.x.mask);
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr;
 
     // The tiles any row of the block may see (every thread; producer warps stand in for the
     // consumer warp of the same rank mod 8: a subset of the block's rows).
@@ -89,15 +89,15 @@ __device__ void flash_fwd_hopper(const FlashFwdHopperParams& hp) {
         row[0] = q0 + 16 * cw + g;
         row[1] = row[0] + 8;
     };
-    const int64_t ntiles64 = (p.s_k + 63) / 64;
+    const int64_t ntiles64 = (p.x.s_k + 63) / 64;
     int64_t range_begin = 0, range_end = ntiles64;
     if (classify && ntiles64 > 0) {
         int64_t row[2], qpos[2];
         uint32_t qdoc[2];
         thread_rows(row);
-        row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
+        row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
         const RowBounds warp_rows = warp_row_bounds(qpos, qdoc);
-        block_tile_range<Tr::kWarps, Tr::kThreads, 64>(p.mask, warp_rows, p.s_k, ntiles64,
+        block_tile_range<Tr::kWarps, Tr::kThreads, 64>(p.x.mask, warp_rows, p.x.s_k, ntiles64,
                                                        reinterpret_cast<int64_t*>(smem + Tr::kOffScratch),
                                                        range_begin, range_end);
     }
@@ -169,32 +169,32 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     constexpr int kN = Tr::kBlockN, kStages = Tr::kStages, kPer64 = kN / 64;
     constexpr WgmmaInput kIn = wgmma_input<T>();
     const FlashFwdParams& p = hp.p;
-    const int64_t d = p.d_v;  // (the output's: Q and K come through their tensor maps)
+    const int64_t d = p.x.d_v;  // (the output's: Q and K come through their tensor maps)
     const int64_t hq = blockIdx.y, bi = blockIdx.z;
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const FwdBarriers<kStages> bars(smem + Tr::kOffBars);
     uint64_t *q_full = bars.q_full, *k_full = bars.k_full, *v_full = bars.v_full, *empty = bars.empty;
-    const bool unmasked = mask_is_none(p.mask);
-    const bool classify = !unmasked && p.mask.k_bounds != nullptr;
+    const bool unmasked = mask_is_none(p.x.mask);
+    const bool classify = !unmasked && p.x.mask.k_bounds != nullptr;
     setmaxnreg_inc<240>();
     const int c = warp / 4 - 1, w = warp % 4;
     int64_t row[2];
     row[0] = q0 + 64 * c + 16 * w + g;
     row[1] = row[0] + 8;
-    const bool rows_in = q0 + 64 * c + 64 <= p.s_q;  // every row of the warpgroup exists
+    const bool rows_in = q0 + 64 * c + 64 <= p.x.s_q;  // every row of the warpgroup exists
     int64_t qpos[2] = {0, 0};
     uint32_t qdoc[2] = {0u, 0u};
-    if (!unmasked) row_positions(p.mask.q_pos, p.mask.q_doc, row, p.s_q, qpos, qdoc);
-    const bool row_ok[2] = {row[0] < p.s_q, row[1] < p.s_q};
+    if (!unmasked) row_positions(p.x.mask.q_pos, p.x.mask.q_doc, row, p.x.s_q, qpos, qdoc);
+    const bool row_ok[2] = {row[0] < p.x.s_q, row[1] < p.x.s_q};
     // The warpgroup's query bounds, from the queries' granule bounds (64 rows: two granules).
     // A warpgroup past the last query row only keeps the pipeline going.
-    const bool wg_live = q0 + 64 * c < p.s_q;
+    const bool wg_live = q0 + 64 * c < p.x.s_q;
     const RowBounds wg_rows =
-        classify && wg_live ? tile_query_bounds<64>(p.mask, (q0 + 64 * c) / 64, p.s_q) : RowBounds{0, 0, 0u, 0u};
+        classify && wg_live ? tile_query_bounds<64>(p.x.mask, (q0 + 64 * c) / 64, p.x.s_q) : RowBounds{0, 0, 0u, 0u};
 
-    const bool negate = p.scale_log2 < 0.0f;
-    const float sc = negate ? -p.scale_log2 : p.scale_log2;
+    const bool negate = p.x.scale_log2 < 0.0f;
+    const float sc = negate ? -p.x.scale_log2 : p.x.scale_log2;
     const uint32_t q_base = smem_u32(smem) + uint32_t(64 * c) * 128;
     WgmmaAcc<D> o;
     for (int v = 0; v < D / 2; ++v) o[v] = 0.0f;
@@ -230,12 +230,12 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
             full = true;
             RINGATTN_UNROLL
             for (int h = 0; h < kPer64; ++h) {
-                if (k0 + 64 * h >= p.s_k) continue;
-                const RowBounds keys = tile_key_bounds<64>(p.mask, int64_t(tile) * kPer64 + h, p.s_k);
-                full = full && all_visible(p.mask, wg_rows, keys);
+                if (k0 + 64 * h >= p.x.s_k) continue;
+                const RowBounds keys = tile_key_bounds<64>(p.x.mask, int64_t(tile) * kPer64 + h, p.x.s_k);
+                full = full && all_visible(p.x.mask, wg_rows, keys);
             }
         }
-        full = full && rows_in && k0 + kN <= p.s_k;
+        full = full && rows_in && k0 + kN <= p.x.s_k;
         mbarrier_wait_parity_covered(&k_full[stage], phase);
         named_barrier_sync(my_turn, 256);
         // Orders the last softmax's register accesses (S, P, O's rescale) before the wgmmas.
@@ -276,7 +276,7 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
         if (!full) {
             RINGATTN_UNROLL
             for (int h = 0; h < kPer64; ++h) {
-                vis[h] = query_row_visibility<8>(p.mask, unmasked, row_ok, qpos, qdoc, k0 + 64 * h, p.s_k, t);
+                vis[h] = query_row_visibility<8>(p.x.mask, unmasked, row_ok, qpos, qdoc, k0 + 64 * h, p.x.s_k, t);
             }
             RINGATTN_UNROLL
             for (int v = 0; v < kN / 2; ++v) {
@@ -378,8 +378,8 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     for (int v = 0; v < D / 2; v += 2) {
         const int r = (v >> 1) & 1;
         const int64_t col = 8 * (v >> 2) + 2 * t;
-        if (row[r] >= p.s_q || col >= d) continue;
-        const int64_t at = ((bi * p.s_q + row[r]) * p.h_q + hq) * d + col;
+        if (row[r] >= p.x.s_q || col >= d) continue;
+        const int64_t at = ((bi * p.x.s_q + row[r]) * p.x.h_q + hq) * d + col;
         const float x = o[v] * inv[r], y = o[v + 1] * inv[r];
         if (p.o16 != nullptr) {
             gmem_store(reinterpret_cast<uint32_t*>(p.o16 + at), pack2<T>(x, y));
@@ -390,8 +390,8 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     }
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
-        if (row[r] < p.s_q && t == 0) {
-            gmem_store(p.lse + (bi * p.h_q + hq) * p.s_q + row[r],
+        if (row[r] < p.x.s_q && t == 0) {
+            gmem_store(p.lse + (bi * p.x.h_q + hq) * p.x.s_q + row[r],
                        l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY);
         }
     }

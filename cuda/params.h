@@ -61,24 +61,35 @@ struct MaskParams {
 
 static_assert(sizeof(MaskParams) == 80, "MaskParams is mirrored in Rust: 8 pointers + 2 int64");
 
-// flash_fwd.cu: o, lse of queries q against keys k, values v. q, k, v hold bf16 or f16 bits
-// (the entry point names the type); o and lse are f32 and unrounded, so that ring hops merge
-// in f32, or o goes to o16 rounded to the input type (the single-device training path).
-// Rows with no visible key get o = 0, lse = -inf.
-struct FlashFwdParams {
+// The attention problem of a flash kernel call: the first member of the forward's and the
+// backward's params of both kernel families, so that what every flash kernel reads — the
+// 16-bit inputs, the visibility, the shape, the score's options — is declared once (a score
+// option added here reaches every kernel; src/kernels.rs `FlashProblem::new` fills it, the
+// one constructor every backend calls). q, k, v hold bf16 or f16 bits (the entry point names
+// the type). h_q % h_kv == 0; d_qk and d_v: multiples of 8 up to the entry point's head-dim
+// class (columns past either are zero-filled in shared memory, so the class of the larger
+// serves both: multi-head latent attention's d_qk 192, d_v 128 runs at class 192).
+struct FlashProblem {
     const uint16_t* q;  // [b, s_q, h_q, d_qk]
     const uint16_t* k;  // [b, s_k, h_kv, d_qk]
     const uint16_t* v;  // [b, s_k, h_kv, d_v]
-    float* o;           // [b, s_q, h_q, d_v] f32, written (unless o16 is set)
-    float* lse;         // [b, h_q, s_q] written, natural log
-    uint16_t* o16;      // [b, s_q, h_q, d_v] in the input type, written instead of o when non-null
     MaskParams mask;
-    // h_q % h_kv == 0; d_qk and d_v: multiples of 8 up to the entry point's head-dim class
-    // (columns past either are zero-filled in shared memory, so the class of the larger serves
-    // both: multi-head latent attention's d_qk 192, d_v 128 runs at class 192).
     int64_t b, s_q, s_k, h_q, h_kv, d_qk, d_v;
     float scale;       // softmax scale (applied to q.k)
     float scale_log2;  // scale * log2(e)
+};
+
+static_assert(sizeof(FlashProblem) == 168, "FlashProblem is mirrored in Rust: 3 pointers, the mask, 7 int64, 2 f32");
+static_assert(alignof(FlashProblem) == 8, "FlashProblem alignment");
+
+// flash_fwd.cu: o, lse of the problem's queries against its keys and values. o and lse are
+// f32 and unrounded, so that ring hops merge in f32, or o goes to o16 rounded to the input
+// type (the single-device training path). Rows with no visible key get o = 0, lse = -inf.
+struct FlashFwdParams {
+    FlashProblem x;
+    float* o;       // [b, s_q, h_q, d_v] f32, written (unless o16 is set)
+    float* lse;     // [b, h_q, s_q] written, natural log
+    uint16_t* o16;  // [b, s_q, h_q, d_v] in the input type, written instead of o when non-null
 };
 
 static_assert(sizeof(FlashFwdParams) == 192, "FlashFwdParams is mirrored in Rust");
@@ -105,9 +116,7 @@ static_assert(offsetof(FlashFwdHopperParams, q) == 256 && offsetof(FlashFwdHoppe
 // fixed-point integers (dq_accum 0, deterministic: the dqconvert kernel turns them into f32 in
 // place) or as f32 (dq_accum 1, atomic).
 struct FlashBwdParams {
-    const uint16_t* q;    // [b, s_q, h_q, d_qk]
-    const uint16_t* k;    // [b, s_k, h_kv, d_qk]
-    const uint16_t* v;    // [b, s_k, h_kv, d_v]
+    FlashProblem x;
     const float* o;       // [b, s_q, h_q, d_v] the forward output (read by the rowsum kernel)
     const uint16_t* d_o;  // [b, s_q, h_q, d_v]
     const float* lse;     // [b, h_q, s_q] of the whole key set
@@ -117,11 +126,7 @@ struct FlashBwdParams {
     float* dv;            // [b, s_k, h_kv, d_v] written
     float* dq_unit;       // [b, h_q, s_q] fixed-point dq: 1 / each row's unit, a power of two
     float* kv_bound;      // [b, h_kv, 2] fixed-point dq: max |k_jc| and max ||v_j||, zeroed by the caller
-    MaskParams mask;
-    int64_t b, s_q, s_k, h_q, h_kv, d_qk, d_v;  // as FlashFwdParams'
-    float scale;
-    float scale_log2;
-    int32_t dq_accum;  // informational: 0 fixed point (DqAccum::kFixed), 1 f32 atomics (kF32)
+    int32_t dq_accum;     // informational: 0 fixed point (DqAccum::kFixed), 1 f32 atomics (kF32)
     int32_t reserved;
 };
 

@@ -7,8 +7,11 @@ use ringattn::kernels::geometry::{self, DqAccum, HEAD_DIM_CLASSES};
 use ringattn::Dims;
 
 fn main() {
-    for d in HEAD_DIM_CLASSES {
-        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk: d, d_v: d };
+    // Every class with equal head dims, then multi-head latent attention's pairs on the `_dv`
+    // entry points ("d_v" below; the kernels run at the class of d).
+    let equal = HEAD_DIM_CLASSES.map(|d| (d, d));
+    for (d, d_v) in equal.into_iter().chain([(192, 128), (96, 64)]) {
+        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk: d, d_v };
         let (fm, fn_) = geometry::forward_tile(d);
         let (km, kn) = geometry::dkdv_tile(d);
         let (qm, qn) = geometry::dq_tile(d);
@@ -22,8 +25,8 @@ fn main() {
         // (family, launch, rows the block keeps, rows of each streamed tile)
         for (family, launch, rows, streamed) in rows {
             println!(
-                "{{\"family\":\"{family}\",\"d\":{d},\"threads\":{},\"smem_bytes\":{},\"block_rows\":{rows},\"tile_rows\":{streamed}}}",
-                launch.block, launch.smem_bytes
+                "{{\"family\":\"{family}\",\"d\":{d},\"d_v\":{d_v},\"own_dv\":{},\"threads\":{},\"smem_bytes\":{},\"block_rows\":{rows},\"tile_rows\":{streamed}}}",
+                launch.own_dv, launch.block, launch.smem_bytes
             );
         }
     }

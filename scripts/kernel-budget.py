@@ -380,8 +380,9 @@ def expected_hmma(family, d, geo):
     return None
 
 
-def kernel_name(family, d):
-    return f"ringattn_{family}_bf16_d{d}"
+def kernel_name(family, d, own_dv=False):
+    """The entry point: ..._d{D}, or its variant for V of its own head dim ..._d{D}_dv."""
+    return f"ringattn_{family}_bf16_d{d}" + ("_dv" if own_dv else "")
 
 
 def build(sass_dir, geometry):
@@ -398,7 +399,7 @@ def build(sass_dir, geometry):
                 family, d = geo["family"], geo["d"]
                 if not family.startswith(family_file):
                     continue
-                name = kernel_name(family, d)
+                name = kernel_name(family, d, geo.get("own_dv", False))
                 if name not in funcs:
                     continue
                 a = analyse(funcs[name])
@@ -413,7 +414,7 @@ def build(sass_dir, geometry):
                 smem_bound = min(1.0, 128 * clocks / 4 / spm) if spm else 1.0
                 r = regs.get(name, 0)
                 row = dict(
-                    kernel=name, family=family, d=d, arch=arch, gpu=gpu, registers=r,
+                    kernel=name, family=family, d=d, d_v=geo.get("d_v", d), arch=arch, gpu=gpu, registers=r,
                     smem_bytes=geo["smem_bytes"], threads=geo["threads"],
                     blocks_per_sm=blocks_per_sm(r, geo["threads"], geo["smem_bytes"], smem_per_sm),
                     inner_loops=a["inner_loops"], static_insns_per_hmma=static["insns_per_hmma"],

@@ -1,5 +1,6 @@
 //! The attention problem as every backend and driver shares it, independent of any of them:
-//! what a call gives back ([`ForwardOutput`], [`Gradients`]), and, inside the crate, the
+//! what a call gives back ([`ForwardOutput`], [`Gradients`]), how its scores are formed
+//! ([`ScoreSpec`]), and, inside the crate, the
 //! visibility of a call's positions under its mask (`visibility`, `block_visibility`) and
 //! the tile geometry the CPU and the ring's hop schedule classify with (`Span`, `spans`,
 //! `TileKind`, `classify`).
@@ -7,7 +8,7 @@
 use crate::params::Visibility;
 use crate::{AttentionParams, Dims, Error, Positions, Result, Tensor};
 
-/// Forward outputs: `o` `[b, s_q, h_q, d]` in the input dtype and `lse` `[b, h_q, s_q]`
+/// Forward outputs: `o` `[b, s_q, h_q, d_v]` in the input dtype and `lse` `[b, h_q, s_q]`
 /// in f32 (natural log; `-inf` for rows that see no key).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ForwardOutput {
@@ -17,7 +18,7 @@ pub struct ForwardOutput {
     pub lse: Tensor,
 }
 
-/// Gradients, in the input dtype: `dq` like q, `dk` and `dv` like k.
+/// Gradients, in the input dtype: `dq` like q, `dk` like k, `dv` like v.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {
     /// Gradient of q.
@@ -26,6 +27,30 @@ pub struct Gradients {
     pub dk: Tensor,
     /// Gradient of v.
     pub dv: Tensor,
+}
+
+/// How a call forms its scores from `q·k`, resolved once from its [`AttentionParams`] and
+/// head dims: what every backend's tiles take (the CPU's paths, the kernels'
+/// `FlashProblem`, built by `kernels::params::FlashProblem::new`). The score options to come
+/// (soft-capping, sinks) join it here, so that each reaches every backend through one field.
+///
+/// ```
+/// use ringattn::attention::ScoreSpec;
+/// use ringattn::{AttentionParams, Dims};
+/// let dims = Dims { b: 1, s_q: 1, s_k: 1, h_q: 1, h_kv: 1, d_qk: 64, d_v: 32 };
+/// assert_eq!(ScoreSpec::of(&AttentionParams::default(), &dims).scale, 0.125);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreSpec {
+    /// The factor applied to `q·k` before the softmax.
+    pub scale: f32,
+}
+
+impl ScoreSpec {
+    /// The spec of a call of `dims` under `params` (scale `1/sqrt(d_qk)` unless given).
+    pub fn of(params: &AttentionParams, dims: &Dims) -> ScoreSpec {
+        ScoreSpec { scale: params.softmax_scale(dims.d_qk) }
+    }
 }
 
 /// The visibility of a call: single-device positions when `positions` is `None`, else the

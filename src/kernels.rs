@@ -214,25 +214,20 @@ pub mod params {
         (pos, docs)
     }
 
-    /// `FlashFwdParams` of `cuda/params.h` (flash forward): `q` `[b, s_q, h_q, d_qk]`, `k`
-    /// `[b, s_k, h_kv, d_qk]`, `v` `[b, s_k, h_kv, d_v]` as bf16 or f16 bits; `o` `[b, s_q,
-    /// h_q, d_v]` and `lse` `[b, h_q, s_q]` f32, written (or `o16`, the output in the input
-    /// type, instead of `o`).
+    /// `FlashProblem` of `cuda/params.h`: the attention problem every flash kernel reads,
+    /// the first member (`x`) of [`FlashFwdParams`] and [`FlashBwdParams`] — `q` `[b, s_q,
+    /// h_q, d_qk]`, `k` `[b, s_k, h_kv, d_qk]`, `v` `[b, s_k, h_kv, d_v]` as bf16 or f16
+    /// bits, the visibility, the shape and the score's options. [`FlashProblem::new`] is the
+    /// one constructor every backend fills it with.
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
-    pub struct FlashFwdParams {
+    pub struct FlashProblem {
         /// Queries.
         pub q: u64,
         /// Keys.
         pub k: u64,
         /// Values.
         pub v: u64,
-        /// Output, f32.
-        pub o: u64,
-        /// Log-sum-exp, f32, natural log.
-        pub lse: u64,
-        /// When non-zero: the output in the input type (16-bit), written instead of `o`.
-        pub o16: u64,
         /// Visibility.
         pub mask: MaskParams,
         /// Batch.
@@ -255,6 +250,43 @@ pub mod params {
         pub scale_log2: f32,
     }
 
+    impl FlashProblem {
+        /// The shape of `dims` and the score of `spec`, every buffer null and no mask: callers
+        /// fill in their addresses and mask (`FlashProblem { q, k, v, mask, ..FlashProblem::new(..) }`).
+        pub fn new(dims: &crate::Dims, spec: &crate::attention::ScoreSpec) -> Self {
+            let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] =
+                [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d_qk, dims.d_v].map(|x| x as i64);
+            FlashProblem {
+                b,
+                s_q,
+                s_k,
+                h_q,
+                h_kv,
+                d_qk,
+                d_v,
+                scale: spec.scale,
+                scale_log2: spec.scale * std::f32::consts::LOG2_E,
+                ..Default::default()
+            }
+        }
+    }
+
+    /// `FlashFwdParams` of `cuda/params.h` (flash forward): the problem, and `o` `[b, s_q,
+    /// h_q, d_v]` and `lse` `[b, h_q, s_q]` f32, written (or `o16`, the output in the input
+    /// type, instead of `o`).
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct FlashFwdParams {
+        /// The attention problem.
+        pub x: FlashProblem,
+        /// Output, f32.
+        pub o: u64,
+        /// Log-sum-exp, f32, natural log.
+        pub lse: u64,
+        /// When non-zero: the output in the input type (16-bit), written instead of `o`.
+        pub o16: u64,
+    }
+
     /// `FlashFwdHopperParams` of `cuda/params.h` (the sm_90a forward, `flash_fwd_hopper.cu`):
     /// the forward's params and the tensor maps of `q`, `k` and `v` (4-d views `{d, h, s, b}`
     /// with boxes of 64 columns × 1 head × the tile's rows × 1, 128-byte swizzled; see
@@ -275,19 +307,15 @@ pub mod params {
         pub v: TensorMap,
     }
 
-    /// `FlashBwdParams` of `cuda/params.h` (flash backward): as [`FlashFwdParams`] plus the
-    /// forward output `o` (f32), `d_o` (16-bit), the final `lse`, `delta = rowsum(dO∘O)` (f32
-    /// `[b, h_q, s_q]`, written by the rowsum kernel), the f32 gradients (`dk`, `dv` written,
-    /// `dq` added into zeros) and the fixed-point dq's workspace (`dq_unit`, `kv_bound`).
+    /// `FlashBwdParams` of `cuda/params.h` (flash backward): the problem, the forward output
+    /// `o` (f32), `d_o` (16-bit), the final `lse`, `delta = rowsum(dO∘O)` (f32 `[b, h_q, s_q]`,
+    /// written by the rowsum kernel), the f32 gradients (`dk`, `dv` written, `dq` added into
+    /// zeros) and the fixed-point dq's workspace (`dq_unit`, `kv_bound`).
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashBwdParams {
-        /// Queries.
-        pub q: u64,
-        /// Keys.
-        pub k: u64,
-        /// Values.
-        pub v: u64,
+        /// The attention problem.
+        pub x: FlashProblem,
         /// Forward output, f32.
         pub o: u64,
         /// Output gradient.
@@ -310,26 +338,6 @@ pub mod params {
         /// Fixed-point dq: `[b, h_kv, 2]` f32, `max |k|` and `max ‖v_j‖` per head, zeroed by
         /// the caller and raised by the kvbound kernel.
         pub kv_bound: u64,
-        /// Visibility.
-        pub mask: MaskParams,
-        /// Batch.
-        pub b: i64,
-        /// Query rows.
-        pub s_q: i64,
-        /// Key rows.
-        pub s_k: i64,
-        /// Query heads.
-        pub h_q: i64,
-        /// Key/value heads.
-        pub h_kv: i64,
-        /// Head dimension of q, k, dq and dk.
-        pub d_qk: i64,
-        /// Head dimension of v, o, d_o and dv.
-        pub d_v: i64,
-        /// Softmax scale.
-        pub scale: f32,
-        /// `scale · log2(e)`.
-        pub scale_log2: f32,
         /// Informational: 0 in the deterministic mode
         /// ([`super::geometry::DqMode::Deterministic`]), 1 when the dk/dv kernel adds dq with
         /// f32 atomics ([`super::geometry::DqMode::Atomic`]).
@@ -338,48 +346,10 @@ pub mod params {
         pub reserved: i32,
     }
 
-    /// `b, s_q, s_k, h_q, h_kv, d_qk, d_v` of `dims` as the structs hold them.
-    fn shape(dims: &crate::Dims) -> [i64; 7] {
-        [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d_qk, dims.d_v].map(|x| x as i64)
-    }
-
-    impl FlashFwdParams {
-        /// The shape of `dims` and the softmax `scale` (with `scale · log2 e`), every buffer
-        /// null and no mask: callers fill in their addresses (`..FlashFwdParams::for_shape(..)`).
-        pub fn for_shape(dims: &crate::Dims, scale: f32) -> Self {
-            let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] = shape(dims);
-            FlashFwdParams {
-                b,
-                s_q,
-                s_k,
-                h_q,
-                h_kv,
-                d_qk,
-                d_v,
-                scale,
-                scale_log2: scale * std::f32::consts::LOG2_E,
-                ..Default::default()
-            }
-        }
-    }
-
     impl FlashBwdParams {
-        /// As [`FlashFwdParams::for_shape`], with the dq mode.
-        pub fn for_shape(dims: &crate::Dims, scale: f32, dq_mode: super::geometry::DqMode) -> Self {
-            let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] = shape(dims);
-            FlashBwdParams {
-                b,
-                s_q,
-                s_k,
-                h_q,
-                h_kv,
-                d_qk,
-                d_v,
-                scale,
-                scale_log2: scale * std::f32::consts::LOG2_E,
-                dq_accum: (dq_mode == super::geometry::DqMode::Atomic) as i32,
-                ..Default::default()
-            }
+        /// The problem `x` with the dq mode, every other buffer null.
+        pub fn of(x: FlashProblem, dq_mode: super::geometry::DqMode) -> Self {
+            FlashBwdParams { x, dq_accum: (dq_mode == super::geometry::DqMode::Atomic) as i32, ..Default::default() }
         }
     }
 
@@ -598,6 +568,8 @@ pub mod params {
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 80);
+    const _: () = assert!(std::mem::size_of::<FlashProblem>() == 168);
+    const _: () = assert!(std::mem::align_of::<FlashProblem>() == 8);
     const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 192);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 248);

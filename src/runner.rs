@@ -23,7 +23,7 @@ pub(crate) struct ForwardJob<'a> {
     pub k: &'a [u16],
     pub v: &'a [u16],
     pub vis: &'a Visibility,
-    pub scale: f32,
+    pub spec: crate::attention::ScoreSpec,
     /// Let the kernel round `o` to `dtype` (it is then exactly representable in `dtype`).
     pub round_o: bool,
 }
@@ -139,7 +139,7 @@ pub(crate) fn forward_tensors<E: Executor>(
         k: &kb,
         v: &vb,
         vis: &vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         round_o: true,
     };
     let (o, lse) = e.forward(&x)?;
@@ -177,7 +177,7 @@ pub(crate) fn backward_tensors<E: Executor>(
             k: &kb,
             v: &vb,
             vis: &vis,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             round_o: false,
         },
         o: &of,
@@ -246,7 +246,7 @@ pub(crate) fn forward_block<E: Executor>(
         k: &kb,
         v: &vb,
         vis: &vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         round_o: false,
     })?;
     Ok((o.into(), lse.into()))
@@ -287,7 +287,7 @@ pub(crate) fn backward_block<E: Executor>(
             k: &kb,
             v: &vb,
             vis: &vis,
-            scale: x.params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(x.params, &dims),
             round_o: false,
         },
         o: &o,

@@ -67,9 +67,9 @@ fn unsupported_inputs_get_clear_errors_on_any_machine() {
     assert!(e.to_string().contains("f32"), "{e}");
     let x = randn(vec![1, 8, 1, 20], 1, DType::BF16);
     let e = cuda::forward(&x, &x, &x, None, &p, &opts).unwrap_err();
-    assert!(e.to_string().contains("head dim 20"), "{e}");
+    assert!(e.to_string().contains("head dim d_qk = 20"), "{e}");
     let x = randn(vec![1, 8, 1, 264], 1, DType::F16);
-    assert!(cuda::forward(&x, &x, &x, None, &p, &opts).unwrap_err().to_string().contains("head dim 264"));
+    assert!(cuda::forward(&x, &x, &x, None, &p, &opts).unwrap_err().to_string().contains("head dim d_qk = 264"));
     let q = randn(vec![1, 8, 3, 16], 1, DType::BF16);
     let k = randn(vec![1, 8, 2, 16], 1, DType::BF16);
     assert!(matches!(cuda::forward(&q, &k, &k, None, &p, &opts).unwrap_err(), Error::HeadRatio { .. }));
@@ -230,7 +230,7 @@ fn the_device_resident_api_matches_the_host_path() {
         k: &k,
         v: &v,
         mask: &mask,
-        scale: c.params.softmax_scale(64),
+        spec: ringattn::attention::ScoreSpec::of(&c.params, &dims),
         kernels: Default::default(),
     };
     let saved = dev.forward(&stream, &args).unwrap();

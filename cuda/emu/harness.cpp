@@ -118,8 +118,9 @@ int main() {
         std::vector<float> o(q.size(), NAN), lse(b * hq * s, NAN);
         const float scale = 0.25f;
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0, nullptr, nullptr, nullptr, nullptr};
-        FlashFwdParams fp{q.data(), k.data(), v.data(), o.data(), lse.data(), nullptr, m, b, s, s, hq, hkv, d, d,
-                          scale, scale * 1.4426950408889634f};
+        const FlashProblem problem{q.data(), k.data(), v.data(), m, b, s, s, hq, hkv, d, d,
+                                   scale, scale * 1.4426950408889634f};
+        FlashFwdParams fp{problem, o.data(), lse.data(), nullptr};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 32 rows,
         // 64-key tiles double-buffered, each warp's query bounds (src/kernels.rs
         // `geometry::forward`).
@@ -177,9 +178,8 @@ int main() {
         // the K/V bounds raised from zeros.
         std::vector<float> delta(lse.size(), NAN), dq(q.size(), 0.0f), dk(k.size(), NAN), dv(v.size(), NAN);
         std::vector<float> unit(lse.size(), NAN), kv_bound(2 * b * hkv, 0.0f);
-        FlashBwdParams bp{q.data(),   k.data(),     v.data(),  o.data(),  dout.data(), lse.data(), delta.data(),
-                          dq.data(),  dk.data(),    dv.data(), unit.data(), kv_bound.data(), m, b, s, s, hq, hkv, d, d,
-                          scale,      scale * 1.4426950408889634f, 0, 0};
+        FlashBwdParams bp{problem,   o.data(),  dout.data(), lse.data(),      delta.data(), dq.data(),
+                          dk.data(), dv.data(), unit.data(), kv_bound.data(), 0,            0};
         // Launches as src/kernels.rs `geometry::backward` gives them for head-dim class 32:
         // rowsum, kvbound, rowunit, the dk/dv kernel with fixed-point dq, dqconvert.
         const unsigned rows = unsigned((b * hq * s + 255) / 256);

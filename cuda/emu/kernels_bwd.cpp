@@ -17,11 +17,11 @@
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, int own_dv, EmuLaunch l,
                                       char* msg, size_t cap) {
     emu::LaunchConfig c = config(l);
-    const int64_t q_rows = p.b * p.s_q * p.h_q, kv_rows = p.b * p.s_k * p.h_kv, st = p.b * p.h_q * p.s_q;
-    const int64_t q = q_rows * p.d_qk, o = q_rows * p.d_v, k = kv_rows * p.d_qk, v = kv_rows * p.d_v;
-    c.globals = {{p.q, bytes(q, 2), "q"},
-                 {p.k, bytes(k, 2), "k"},
-                 {p.v, bytes(v, 2), "v"},
+    const int64_t q_rows = p.x.b * p.x.s_q * p.x.h_q, kv_rows = p.x.b * p.x.s_k * p.x.h_kv, st = p.x.b * p.x.h_q * p.x.s_q;
+    const int64_t q = q_rows * p.x.d_qk, o = q_rows * p.x.d_v, k = kv_rows * p.x.d_qk, v = kv_rows * p.x.d_v;
+    c.globals = {{p.x.q, bytes(q, 2), "q"},
+                 {p.x.k, bytes(k, 2), "k"},
+                 {p.x.v, bytes(v, 2), "v"},
                  {p.o, bytes(o, 4), "o"},
                  {p.d_o, bytes(o, 2), "d_o"},
                  {p.lse, bytes(st, 4), "lse"},
@@ -30,8 +30,8 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
                  {p.dk, bytes(k, 4), "dk"},
                  {p.dv, bytes(v, 4), "dv"},
                  {p.dq_unit, bytes(st, 4), "dq_unit"},
-                 {p.kv_bound, bytes(2 * p.b * p.h_kv, 4), "kv_bound"}};
-    add_mask(c, p.mask, p.s_q, p.s_k);
+                 {p.kv_bound, bytes(2 * p.x.b * p.x.h_kv, 4), "kv_bound"}};
+    add_mask(c, p.x.mask, p.x.s_q, p.x.s_k);
     void (*fn)(FlashBwdParams) = nullptr;
     switch (kernel) {
         case 0:

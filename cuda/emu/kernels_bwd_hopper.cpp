@@ -17,13 +17,13 @@ extern "C" int ringattn_emu_flash_bwd_hopper(const FlashBwdHopperParams* hp, int
     const FlashBwdHopperParams params = *hp;
     const FlashBwdParams& p = params.p;
     emu::LaunchConfig c = config(l);
-    const int64_t q_rows = p.b * p.s_q * p.h_q, kv_rows = p.b * p.s_k * p.h_kv, st = p.b * p.h_q * p.s_q;
-    const int64_t q = q_rows * p.d_qk, o = q_rows * p.d_v, k = kv_rows * p.d_qk, v = kv_rows * p.d_v;
-    c.globals = {{p.q, bytes(q, 2), "q"},           {p.k, bytes(k, 2), "k"},          {p.v, bytes(v, 2), "v"},
+    const int64_t q_rows = p.x.b * p.x.s_q * p.x.h_q, kv_rows = p.x.b * p.x.s_k * p.x.h_kv, st = p.x.b * p.x.h_q * p.x.s_q;
+    const int64_t q = q_rows * p.x.d_qk, o = q_rows * p.x.d_v, k = kv_rows * p.x.d_qk, v = kv_rows * p.x.d_v;
+    c.globals = {{p.x.q, bytes(q, 2), "q"},           {p.x.k, bytes(k, 2), "k"},          {p.x.v, bytes(v, 2), "v"},
                  {p.d_o, bytes(o, 2), "d_o"},       {p.lse, bytes(st, 4), "lse"},     {p.delta, bytes(st, 4), "delta"},
                  {p.dq, bytes(q, 4), "dq"},         {p.dk, bytes(k, 4), "dk"},        {p.dv, bytes(v, 4), "dv"},
                  {p.dq_unit, bytes(st, 4), "dq_unit"}};
-    add_mask(c, p.mask, p.s_q, p.s_k);
+    add_mask(c, p.x.mask, p.x.s_q, p.x.s_k);
     void (*kernel)(FlashBwdHopperParams) = nullptr;
 #define RINGATTN_EMU_BWD_HOPPER_CASE(D)                                                                          \
     case D:                                                                                                      \

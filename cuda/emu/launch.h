@@ -60,12 +60,12 @@ inline void add_mask(emu::LaunchConfig& c, const MaskParams& m, int64_t s_q, int
 
 // The buffers a flash forward (either family) reads and writes, and its mask's.
 inline void add_forward_globals(emu::LaunchConfig& c, const FlashFwdParams& p) {
-    const int64_t q_rows = p.b * p.s_q * p.h_q, kv_rows = p.b * p.s_k * p.h_kv;
-    const int64_t q = q_rows * p.d_qk, o = q_rows * p.d_v, k = kv_rows * p.d_qk, v = kv_rows * p.d_v;
-    c.globals = {{p.q, bytes(q, 2), "q"}, {p.k, bytes(k, 2), "k"},           {p.v, bytes(v, 2), "v"},
-                 {p.o, bytes(o, 4), "o"}, {p.lse, bytes(p.b * p.h_q * p.s_q, 4), "lse"}};
+    const int64_t q_rows = p.x.b * p.x.s_q * p.x.h_q, kv_rows = p.x.b * p.x.s_k * p.x.h_kv;
+    const int64_t q = q_rows * p.x.d_qk, o = q_rows * p.x.d_v, k = kv_rows * p.x.d_qk, v = kv_rows * p.x.d_v;
+    c.globals = {{p.x.q, bytes(q, 2), "q"}, {p.x.k, bytes(k, 2), "k"},           {p.x.v, bytes(v, 2), "v"},
+                 {p.o, bytes(o, 4), "o"}, {p.lse, bytes(p.x.b * p.x.h_q * p.x.s_q, 4), "lse"}};
     if (p.o16) c.globals.push_back({p.o16, bytes(o, 2), "o16"});
-    add_mask(c, p.mask, p.s_q, p.s_k);
+    add_mask(c, p.x.mask, p.x.s_q, p.x.s_k);
 }
 }  // namespace emu_entry
 using namespace emu_entry;

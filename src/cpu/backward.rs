@@ -33,7 +33,7 @@ pub(crate) struct BackwardInputs<'a> {
     /// `D = rowsum(dO∘O)` `[b, h_q, s_q]` when already known (computed here otherwise).
     pub delta: Option<&'a [f32]>,
     pub vis: &'a Visibility,
-    pub scale: f32,
+    pub spec: crate::attention::ScoreSpec,
     pub tiles: TileConfig,
     /// Incremented by the number of key rows finished per (row, kv head).
     pub progress: Option<&'a AtomicU64>,
@@ -56,7 +56,7 @@ pub(crate) fn backward(x: &BackwardInputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, crate::flops::Pass::Backward);
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
-    drive(dm, x.scale, &tiles, dm.d_qk, x.progress, || Scratch::new(x, delta, &q_spans, bq, bk))
+    drive(dm, x.spec.scale, &tiles, dm.d_qk, x.progress, || Scratch::new(x, delta, &q_spans, bq, bk))
 }
 
 /// The tiles of a backward call: their spans and the visibility that classifies them.
@@ -263,7 +263,7 @@ impl KeyTileWork for Scratch<'_> {
         let gs = dm.group();
         let bc = ks.len;
         let (q_rs, kv_rs, o_rs, v_rs) = (dm.h_q * d, dm.h_kv * d, dm.h_q * d_v, dm.h_kv * d_v);
-        let c = x.scale * std::f32::consts::LOG2_E;
+        let c = x.spec.scale * std::f32::consts::LOG2_E;
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];
         let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);

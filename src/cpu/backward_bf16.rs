@@ -35,7 +35,7 @@ pub(crate) struct BackwardInputs<'a> {
     /// `D = rowsum(dO∘O)`, `[b, h_q, s_q]`.
     pub delta: &'a [f32],
     pub vis: &'a Visibility,
-    pub scale: f32,
+    pub spec: crate::attention::ScoreSpec,
     pub tiles: TileConfig,
     pub progress: Option<&'a AtomicU64>,
 }
@@ -47,7 +47,7 @@ pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>
     let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
     let dq_rs = mm::vectors(dm.d_qk) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
-    drive(dm, x.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
+    drive(dm, x.spec.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
 }
 
 /// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
@@ -174,7 +174,7 @@ impl KeyTileWork for Worker<'_> {
         let k_steps = BOperand { data: &self.k_steps, vectors: sv };
         self.dk[..bc * gr].fill(0.0);
         self.dv[..bc * gr_v].fill(0.0);
-        let c = x.scale * std::f32::consts::LOG2_E;
+        let c = x.spec.scale * std::f32::consts::LOG2_E;
         for hl in 0..gs {
             let h = hk * gs + hl;
             let bh = b * dm.h_q + h;

@@ -31,7 +31,7 @@ pub(crate) struct ForwardInputs<'a, T = f32> {
     pub k: &'a [T],
     pub v: &'a [T],
     pub vis: &'a Visibility,
-    pub scale: f32,
+    pub spec: crate::attention::ScoreSpec,
     pub tiles: TileConfig,
     /// Incremented by the number of query rows finished per (row, head).
     pub progress: Option<&'a AtomicU64>,
@@ -441,7 +441,7 @@ impl QueryTileWork for Scratch<'_> {
         self.m[..br].fill(f32::NEG_INFINITY);
         self.l[..br].fill(0.0);
         self.acc[..br * d_v].fill(0.0);
-        let c = x.scale * std::f32::consts::LOG2_E;
+        let c = x.spec.scale * std::f32::consts::LOG2_E;
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];

@@ -156,7 +156,7 @@ impl QueryTileWork for Worker<'_> {
         let hk = dm.kv_head(h);
         let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d_v) * 16);
         self.st.start(br);
-        let c = x.scale * std::f32::consts::LOG2_E;
+        let c = x.spec.scale * std::f32::consts::LOG2_E;
         let qa = self.queries.at(b, h, qs.start);
         for (t, ks) in self.k_spans.iter().enumerate() {
             let kind = classify(x.vis, qs, ks);
@@ -226,15 +226,15 @@ mod tests {
             let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
             let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             let (qf, kf, vf) = (wide(&q), wide(k), wide(&v));
-            let scale = params.softmax_scale(dims.d_qk);
-            let x = ForwardInputs { dims, q: &q, k, v: &v, vis: &vis, scale, tiles, progress: None };
+            let spec = crate::attention::ScoreSpec::of(&params, &dims);
+            let x = ForwardInputs { dims, q: &q, k, v: &v, vis: &vis, spec, tiles, progress: None };
             let xf = super::super::forward::ForwardInputs {
                 dims,
                 q: &qf,
                 k: &kf,
                 v: &vf,
                 vis: &vis,
-                scale,
+                spec,
                 tiles,
                 progress: None,
             };

@@ -229,7 +229,7 @@ impl QueryTileWork for Worker<'_> {
                 d_v,
                 sr: keys.key_vectors * 16,
                 or,
-                c: x.scale * std::f32::consts::LOG2_E,
+                c: x.spec.scale * std::f32::consts::LOG2_E,
             };
             let key_reach = match kind {
                 TileKind::Partial => reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
@@ -292,7 +292,7 @@ mod tests {
             k: &k,
             v: &v,
             vis: &vis,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             tiles,
             progress: None,
         };

@@ -127,7 +127,7 @@ pub fn forward_with(
             k,
             v,
             vis: &vis,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             tiles: config.tiles,
             progress: config.progress,
         });
@@ -143,7 +143,7 @@ pub fn forward_with(
         k: &kf,
         v: &vf,
         vis: &vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles: config.tiles,
         progress: config.progress,
     });
@@ -234,7 +234,7 @@ pub fn backward_with(
             lse: &lf,
             delta: &delta,
             vis: &vis,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             tiles: config.tiles,
             progress: config.progress,
         });
@@ -255,7 +255,7 @@ pub fn backward_with(
         d_o: &df,
         delta: None,
         vis: &vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles: config.tiles,
         progress: config.progress,
     });
@@ -283,7 +283,7 @@ pub(crate) fn forward_f32(
         k,
         v,
         vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles,
         progress: None,
     })
@@ -306,7 +306,7 @@ pub(crate) fn forward_bf16(
         k,
         v,
         vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles,
         progress: None,
     })
@@ -336,7 +336,7 @@ pub(crate) fn backward_bf16(
         lse,
         delta,
         vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles,
         progress: None,
     })
@@ -368,7 +368,7 @@ pub(crate) fn backward_f32(
         d_o,
         delta,
         vis,
-        scale: params.softmax_scale(dims.d_qk),
+        spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles,
         progress: None,
     })

@@ -147,8 +147,9 @@ impl DeviceGradients {
 
 /// The inputs of a forward on the device: `q` `[b, s_q, h_q, d_qk]`, `k` `[b, s_k, h_kv,
 /// d_qk]` and `v` `[b, s_k, h_kv, d_v]`, each as the 16-bit patterns of `dtype` ([`DType::BF16`] or [`DType::F16`]; see
-/// [`super::to_bits`]), the mask, and the softmax scale (`params.softmax_scale(d_qk)` for the usual
-/// `1/sqrt(d_qk)`). Buffers may be longer than `dims` needs; the kernels address the prefix.
+/// [`super::to_bits`]), the mask, and how the scores are formed (`ScoreSpec::of(&params,
+/// &dims)`: the usual scale `1/sqrt(d_qk)`). Buffers may be longer than `dims` needs; the
+/// kernels address the prefix.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashForwardArgs<'a> {
     /// Dimensions of the call.
@@ -163,8 +164,8 @@ pub struct FlashForwardArgs<'a> {
     pub v: &'a CudaSlice<u16>,
     /// Visibility.
     pub mask: &'a DeviceMask,
-    /// Softmax scale (finite).
-    pub scale: f32,
+    /// How the scores are formed (a finite scale): [`crate::attention::ScoreSpec::of`] the call's parameters.
+    pub spec: crate::attention::ScoreSpec,
     /// Which kernel family runs a forward, and the dk/dv kernel of a backward with these
     /// arguments (see [`crate::kernels::geometry::KernelFamily`]).
     pub kernels: crate::kernels::geometry::KernelFamily,

@@ -18,7 +18,8 @@ use super::images;
 use super::probe::{driver_error, guard, probe, version_string, DriverInfo};
 use crate::kernels::geometry::{self, BackwardKernel, DqMode, KernelFamily, Launch, OpsKernel};
 use crate::kernels::params::{
-    FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams, MergeParams, OpsParams,
+    FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, FlashProblem, MaskParams, MergeParams,
+    OpsParams,
 };
 use crate::kernels::tensor_map::{hopper_backward_params, hopper_forward_params, TensorMapSpec};
 use crate::kernels::{self, ImageKind, KernelImage};
@@ -83,8 +84,8 @@ struct Kernel {
 /// let q = dev.upload_bits(&to_bits(&x, DType::BF16))?;
 /// let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
 /// let mask = dev.mask(&dims, None, &params)?;
-/// let scale = params.softmax_scale(64);
-/// let args = FlashForwardArgs { dims, dtype: DType::BF16, q: &q, k: &q, v: &q, mask: &mask, scale, kernels: Default::default() };
+/// let spec = ringattn::attention::ScoreSpec::of(&params, &dims);
+/// let args = FlashForwardArgs { dims, dtype: DType::BF16, q: &q, k: &q, v: &q, mask: &mask, spec, kernels: Default::default() };
 /// let saved = dev.forward(dev.stream(), &args)?; // o and lse stay on the GPU
 /// let lse = dev.download_f32(&saved.lse, 8 * 4096)?;
 /// # Ok::<(), ringattn::Error>(())
@@ -393,8 +394,8 @@ impl CudaDevice {
         if dims.h_kv == 0 || dims.h_q == 0 || !dims.h_q.is_multiple_of(dims.h_kv) {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
-        if !x.scale.is_finite() {
-            return Err(Error::Scale(x.scale));
+        if !x.spec.scale.is_finite() {
+            return Err(Error::Scale(x.spec.scale));
         }
         need(self, "q", x.q, q_len(&dims))?;
         need(self, "k", x.k, k_len(&dims))?;
@@ -490,7 +491,8 @@ impl CudaDevice {
         let (k, _gk) = args.k.device_ptr(stream);
         let (v, _gv) = args.v.device_ptr(stream);
         let (mask, _gm) = mask_params(args.mask, stream);
-        let p = FlashFwdParams { q, k, v, lse, mask, ..o.params(FlashFwdParams::for_shape(&args.dims, args.scale)) };
+        let x = FlashProblem { q, k, v, mask, ..FlashProblem::new(&args.dims, &args.spec) };
+        let p = o.params(FlashFwdParams { x, lse, ..Default::default() });
         if self.hopper_family(args.kernels, &[q, k, v])? {
             let hp = hopper_forward_params(p, &args.dims, args.dtype, TensorMapSpec::encode_driver)?;
             let base = format!("ringattn_hopper_flash_fwd_{}", if args.dtype == DType::F16 { "f16" } else { "bf16" });
@@ -620,6 +622,7 @@ impl CudaDevice {
             let (k, _gk) = x.k.device_ptr(stream);
             let (v, _gv) = x.v.device_ptr(stream);
             let (mask, _gm) = mask_params(x.mask, stream);
+            let problem = FlashProblem { q, k, v, mask, ..FlashProblem::new(&dims, &x.spec) };
             // Without o (delta given), the kernels never read it: a null address.
             let o_ptr = saved_o.map(|o| o.device_ptr(stream));
             let o = o_ptr.as_ref().map_or(0, |(p, _)| *p);
@@ -635,8 +638,7 @@ impl CudaDevice {
             let mut family = geometry::Backward::Fa2;
             let mut hopper = None;
             if self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
-                let copied =
-                    FlashBwdParams { q, k, v, d_o, lse, delta, ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode) };
+                let copied = FlashBwdParams { d_o, lse, delta, ..FlashBwdParams::of(problem, dq_mode) };
                 match hopper_backward_params(copied, &dims, x.dtype, TensorMapSpec::encode_driver) {
                     Ok(hp) => (family, hopper) = (geometry::Backward::Hopper, Some(hp)),
                     Err(_) if x.kernels == KernelFamily::Auto => {}
@@ -661,9 +663,6 @@ impl CudaDevice {
             let (dq_unit, _gw) = grads.dq_work.device_ptr_mut(stream);
             let kv_bound = dq_unit + 4 * units as u64;
             let p = FlashBwdParams {
-                q,
-                k,
-                v,
                 o,
                 d_o,
                 lse,
@@ -673,8 +672,7 @@ impl CudaDevice {
                 dv,
                 dq_unit,
                 kv_bound,
-                mask,
-                ..FlashBwdParams::for_shape(&dims, x.scale, dq_mode)
+                ..FlashBwdParams::of(problem, dq_mode)
             };
             for (kernel, launch) in kernels {
                 let base = kernel.entry_base(x.dtype);
@@ -725,7 +723,8 @@ impl CudaDevice {
             let (o, _go) = o.device_ptr(stream);
             let (d_o, _gdo) = d_o.device_ptr(stream);
             let (delta, _gd) = delta.device_ptr_mut(stream);
-            let p = FlashBwdParams { o, d_o, delta, ..FlashBwdParams::for_shape(dims, 0.0, DqMode::default()) };
+            let problem = FlashProblem::new(dims, &crate::attention::ScoreSpec { scale: 0.0 });
+            let p = FlashBwdParams { o, d_o, delta, ..FlashBwdParams::of(problem, DqMode::default()) };
             self.launch(stream, "flash_bwd", &entry("flash_bwd_rowsum", dtype), geometry::rowsum(dims), &p)?;
         }
         self.deferred_errors()
@@ -943,7 +942,7 @@ mod tests {
 
     #[test]
     fn the_epilogue_sets_one_output_field() {
-        let base = FlashFwdParams { o: 7, o16: 9, lse: 3, ..Default::default() };
+        let base = FlashFwdParams { o: 7, o16: 9, lse: 3, x: Default::default() };
         let f32_out = Epilogue::F32(0x1000).params(base);
         assert_eq!((f32_out.o, f32_out.o16, f32_out.lse), (0x1000, 0, 3));
         let o16 = Epilogue::Input16(0x2000).params(base);

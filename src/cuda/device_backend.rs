@@ -579,7 +579,7 @@ impl Backend for DeviceBackend {
             k: k16.bits()?,
             v: v16.bits()?,
             mask: &mask,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             kernels: self.kernels,
         };
         self.device.forward_into(&self.stream, &args, &mut out)?;
@@ -643,7 +643,7 @@ impl Backend for DeviceBackend {
             k: k16.bits()?,
             v: v16.bits()?,
             mask: &mask,
-            scale: params.softmax_scale(dims.d_qk),
+            spec: crate::attention::ScoreSpec::of(params, &dims),
             kernels: self.kernels,
         };
         // `delta` is given: the kernels do not read `o` (which may be 16-bit).

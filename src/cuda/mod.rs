@@ -166,7 +166,7 @@ impl CudaDevice {
         let s = self.stream();
         let (q, k, v) = (self.upload_bits(x.q)?, self.upload_bits(x.k)?, self.upload_bits(x.v)?);
         let mask = DeviceMask::upload(s, x.vis)?;
-        let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, scale: x.scale, kernels };
+        let args = FlashForwardArgs { dims, dtype: x.dtype, q: &q, k: &k, v: &v, mask: &mask, spec: x.spec, kernels };
         let saved = self.forward(s, &args)?;
         let mut o = buffers::download(s, &saved.o, buffers::o_len(&dims))?;
         if x.round_o {
@@ -200,16 +200,7 @@ impl CudaDevice {
         let saved = SavedContext { o: buffers::upload(s, x.o)?, lse: buffers::upload(s, x.lse)? };
         let mask = DeviceMask::upload(s, f.vis)?;
         let args = FlashBackwardArgs {
-            forward: FlashForwardArgs {
-                dims,
-                dtype: f.dtype,
-                q: &q,
-                k: &k,
-                v: &v,
-                mask: &mask,
-                scale: f.scale,
-                kernels,
-            },
+            forward: FlashForwardArgs { dims, dtype: f.dtype, q: &q, k: &k, v: &v, mask: &mask, spec: f.spec, kernels },
             saved: &saved,
             d_o: &d_o,
             dq_mode: x.dq_mode,

@@ -9,9 +9,11 @@ use std::ffi::c_char;
 use half::{bf16, f16};
 
 use super::{check, BlockCounts, EmuLaunch, EmuOptions};
-use crate::attention::{ForwardOutput, Gradients};
+use crate::attention::{ForwardOutput, Gradients, ScoreSpec};
 use crate::kernels::geometry::{self, BackwardKernel, DqAccum, DqMode, KernelFamily};
-use crate::kernels::params::{FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, MaskParams};
+use crate::kernels::params::{
+    FlashBwdHopperParams, FlashBwdParams, FlashFwdHopperParams, FlashFwdParams, FlashProblem, MaskParams,
+};
 use crate::kernels::tensor_map::{hopper_backward_params, hopper_forward_params, TensorMapSpec};
 use crate::params::Visibility;
 use crate::runner::{self, check_supported, BackwardJob, Executor, ForwardJob, MaskBounds, SideBounds};
@@ -125,7 +127,7 @@ fn mask_params(vis: &Visibility, bounds: &Option<MaskBounds>) -> MaskParams {
 
 /// Forward of one block: f32 `(o, lse)`, unrounded unless `x.round_o`.
 fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
-    let ForwardJob { dims, dtype, q, k, v, vis, scale, round_o } = *x;
+    let ForwardJob { dims, dtype, q, k, v, vis, spec, round_o } = *x;
     check_supported(BACKEND, &dims, dtype)?;
     let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
     let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
@@ -144,14 +146,16 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
     let mut o16 = if round_o { vec![0xFFFFu16; no] } else { Vec::new() };
     let bounds = MaskBounds::of(vis);
     let p = FlashFwdParams {
-        q: q.as_ptr() as u64,
-        k: k.as_ptr() as u64,
-        v: v.as_ptr() as u64,
+        x: FlashProblem {
+            q: q.as_ptr() as u64,
+            k: k.as_ptr() as u64,
+            v: v.as_ptr() as u64,
+            mask: mask_params(vis, &bounds),
+            ..FlashProblem::new(&dims, &spec)
+        },
         o: o.as_mut_ptr() as u64,
         lse: lse.as_mut_ptr() as u64,
         o16: if round_o { o16.as_mut_ptr() as u64 } else { 0 },
-        mask: mask_params(vis, &bounds),
-        ..FlashFwdParams::for_shape(&dims, scale)
     };
     let mut msg = [0u8; 1024];
     let bf16 = (dtype == DType::BF16) as i32;
@@ -235,10 +239,14 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         return Ok((dq, dk, dv));
     }
     let bounds = MaskBounds::of(f.vis);
-    let p = FlashBwdParams {
+    let problem = FlashProblem {
         q: f.q.as_ptr() as u64,
         k: f.k.as_ptr() as u64,
         v: f.v.as_ptr() as u64,
+        mask: mask_params(f.vis, &bounds),
+        ..FlashProblem::new(&dims, &f.spec)
+    };
+    let p = FlashBwdParams {
         o: x.o.as_ptr() as u64,
         d_o: x.d_o.as_ptr() as u64,
         lse: x.lse.as_ptr() as u64,
@@ -248,8 +256,7 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         dv: dv.as_mut_ptr() as u64,
         dq_unit: dq_unit.as_mut_ptr() as u64,
         kv_bound: kv_bound.as_mut_ptr() as u64,
-        mask: mask_params(f.vis, &bounds),
-        ..FlashBwdParams::for_shape(&dims, f.scale, x.dq_mode)
+        ..FlashBwdParams::of(problem, x.dq_mode)
     };
     let bf = (f.dtype == DType::BF16) as i32;
     for (kernel, launch) in kernels {
@@ -306,7 +313,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
         o: o.as_ptr() as u64,
         d_o: d_o.as_ptr() as u64,
         delta: delta.as_mut_ptr() as u64,
-        ..FlashBwdParams::for_shape(&dims, 0.0, DqMode::default())
+        ..FlashBwdParams::of(FlashProblem::new(&dims, &ScoreSpec { scale: 0.0 }), DqMode::default())
     };
     let l = EmuLaunch::new(geometry::rowsum(&dims), opts)?;
     let mut msg = [0u8; 1024];

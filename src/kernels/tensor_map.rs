@@ -324,9 +324,9 @@ pub fn hopper_forward_params(
     Ok(FlashFwdHopperParams {
         p,
         reserved: [0; 8],
-        q: map(p.q, dims.s_q, dims.h_q, dims.d_qk, block_m)?,
-        k: map(p.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
-        v: map(p.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
+        q: map(p.x.q, dims.s_q, dims.h_q, dims.d_qk, block_m)?,
+        k: map(p.x.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
+        v: map(p.x.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
     })
 }
 
@@ -351,9 +351,9 @@ pub fn hopper_backward_params(
     Ok(FlashBwdHopperParams {
         p,
         reserved: [0; 1],
-        q: map(p.q, dims.s_q, dims.h_q, dims.d_qk, 64)?,
-        k: map(p.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
-        v: map(p.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
+        q: map(p.x.q, dims.s_q, dims.h_q, dims.d_qk, 64)?,
+        k: map(p.x.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
+        v: map(p.x.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
         d_o: map(p.d_o, dims.s_q, dims.h_q, dims.d_v, 64)?,
         lse: encode(&row_stats_map(p.lse, dims)?)?,
         delta: encode(&row_stats_map(p.delta, dims)?)?,

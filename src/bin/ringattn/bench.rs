@@ -498,7 +498,7 @@ fn cuda_bench(a: &BenchArgs, x: &Inputs, passes: &[Pass]) -> Result<(String, Sam
         k: &k,
         v: &v,
         mask: &mask,
-        scale: x.params.softmax_scale(dims.d_qk),
+        spec: ringattn::attention::ScoreSpec::of(&x.params, &dims),
         kernels: x.kernels,
     };
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
