@@ -12,7 +12,9 @@ use crate::{AttentionParams, Dims, Positions, Result};
 /// All-gather K/V, attend locally, reduce-scatter dK/dV.
 pub(super) struct AllGather;
 
-impl Rules for AllGather {}
+impl Rules for AllGather {
+    const CHECK_WORLD: (usize, Option<usize>) = (2, None);
+}
 
 impl Driver for AllGather {
     fn forward<Be: Backend>(

@@ -145,6 +145,23 @@ strategies! { $
     Usp = "usp" => crate::parallel::ulysses::Usp, crate::parallel::ulysses::Ulysses,
 }
 
+impl Strategy {
+    /// The smallest world size (and Ulysses degree, where the strategy takes one) that
+    /// runs every path of the strategy — uneven shares of the sequence, more than one
+    /// hop or group where it has them: what the conformance check of every backend
+    /// runs each strategy with (stated by the strategy's own rules, so that a new
+    /// strategy is checked without a table to extend).
+    ///
+    /// ```
+    /// use ringattn::parallel::Strategy;
+    /// assert_eq!(Strategy::Single.check_world(), (1, None));
+    /// assert_eq!(Strategy::Usp.check_world(), (4, Some(2)));
+    /// ```
+    pub fn check_world(self) -> (usize, Option<usize>) {
+        with_rules!(self, R => <R as Rules>::CHECK_WORLD)
+    }
+}
+
 mod allgather;
 mod backend;
 mod plan;
@@ -617,6 +634,12 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
 trait Rules {
     /// Whether the plan splits the communicator into the Ulysses mesh for it.
     const USES_MESH: bool = false;
+
+    /// The smallest world size (and Ulysses degree, where the strategy takes one) that runs
+    /// every path of the strategy: uneven shares of the sequence, more than one hop or group
+    /// where it has them. [`Strategy::check_world`]; the conformance check runs each
+    /// strategy with it on every backend.
+    const CHECK_WORLD: (usize, Option<usize>);
 
     /// The strategy's own constraints on the world size, heads and layout.
     ///

@@ -36,6 +36,8 @@ pub(super) struct Ring;
 pub(super) struct Single;
 
 impl Rules for Single {
+    const CHECK_WORLD: (usize, Option<usize>) = (1, None);
+
     fn validate(_params: &ParallelParams, world: usize, _h_q: usize) -> Result<()> {
         if world != 1 {
             return Err(Error::Parallel(format!("strategy single runs on one rank, not {world}")));
@@ -44,7 +46,10 @@ impl Rules for Single {
     }
 }
 
-impl Rules for Ring {}
+impl Rules for Ring {
+    // Three ranks: a hop between neighbours that are not each other's only peer.
+    const CHECK_WORLD: (usize, Option<usize>) = (3, None);
+}
 
 impl Driver for Ring {
     fn forward<Be: Backend>(

@@ -24,6 +24,8 @@ pub(super) struct Usp;
 
 impl Rules for Usp {
     const USES_MESH: bool = true;
+    // Two Ulysses groups of two: the all-to-alls inside groups and the ring across them.
+    const CHECK_WORLD: (usize, Option<usize>) = (4, Some(2));
 
     fn validate(params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
         if params.layout() == crate::Layout::Striped {
@@ -63,6 +65,7 @@ fn mesh<'p, Be: Backend>(plan: &'p ParallelPlan<'_, Be>) -> Result<&'p Mesh<Be::
 
 impl Rules for Ulysses {
     const USES_MESH: bool = true;
+    const CHECK_WORLD: (usize, Option<usize>) = (2, None);
 
     fn validate(_params: &ParallelParams, world: usize, h_q: usize) -> Result<()> {
         if !h_q.is_multiple_of(world) {

@@ -7,29 +7,30 @@ use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::parallel::{run_in_process, Backend, ParallelParams, Strategy};
 use ringattn::{random::randn, verify, AttentionParams, DType, Documents, HostBuf, Layout, Mask};
 
-/// `(strategy, world, Ulysses degree)` of the check: every strategy once, at a world size that
-/// exercises it (uneven shares of the sequence; for USP, two Ulysses groups of two).
+/// `(strategy, world, Ulysses degree)` of the check: every strategy of the registry once, at
+/// the world size its rules state exercises it (`Strategy::check_world`).
 pub fn strategies() -> Vec<(Strategy, usize, Option<usize>)> {
     Strategy::ALL
         .into_iter()
-        .map(|s| match s {
-            Strategy::Single => (s, 1, None),
-            Strategy::Ring => (s, 3, None),
-            Strategy::AllGather => (s, 2, None),
-            Strategy::Ulysses => (s, 2, None),
-            Strategy::Usp => (s, 4, Some(2)),
-            other => panic!("the conformance table has no world size for {other}"),
+        .map(|s| {
+            let (world, degree) = s.check_world();
+            (s, world, degree)
         })
         .collect()
 }
 
-/// The layouts `strategy` takes.
+/// The layouts `strategy` takes at its check world (those its rules accept for 77 tokens and
+/// 4 query heads; on one rank every layout is the same, so the first).
 pub fn layouts(strategy: Strategy) -> Vec<Layout> {
-    match strategy {
-        Strategy::Single => vec![Layout::Contiguous],
-        Strategy::Usp => vec![Layout::Contiguous, Layout::Zigzag],
-        _ => vec![Layout::Contiguous, Layout::Zigzag, Layout::Striped],
-    }
+    let (world, ulysses_degree) = strategy.check_world();
+    let taken: Vec<Layout> = [Layout::Contiguous, Layout::Zigzag, Layout::Striped]
+        .into_iter()
+        .filter(|&layout| {
+            let p = ParallelParams { strategy, layout: Some(layout), ulysses_degree, ..Default::default() };
+            p.resolve(world, 4, 77).is_ok()
+        })
+        .collect();
+    taken.into_iter().take(if world == 1 { 1 } else { 3 }).collect()
 }
 
 /// Runs the whole table on `backend` with `dtype` inputs (b = 1, s = 77, 4 query heads over 2

@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let rank = comm.rank();
                     let mine = ringattn::candle::shard(resolved, x, 1, rank)?;
                     let n = mine.dim(1)?;
-                    let dims = Dims { b: 1, s_q: n, s_k: n, h_q: h, h_kv: h, d };
+                    let dims = Dims { b: 1, s_q: n, s_k: n, h_q: h, h_kv: h, d_qk: d, d_v: d };
                     let backend = DeviceBackend::on_stream(gpu.clone(), stream.clone(), ringattn::DType::BF16)?;
                     let comm: Arc<dyn Communicator<Buf = ringattn::cuda::DeviceBuf>> = Arc::new(comm);
                     let plan = Arc::new(ParallelPlan::new_shared(
