@@ -10,9 +10,10 @@
 //!   `pos_q(i) − left ≤ pos_k(j) ≤ pos_q(i) + right` (an unbounded side drops its bound) and,
 //!   with packed documents, both lie in the same document — the predicate of
 //!   [`crate::Mask`] and [`crate::Documents`]. Causal with `s_q = s_k = s` has `s(s+1)/2`.
-//! * **FLOPs**: the forward costs `4·d` per visible pair (`q·k` and `p·v`, one multiply-add =
-//!   2 FLOPs each), `4·d·b·h_q·pairs` in all; the backward is counted as
-//!   [`BACKWARD_FACTOR`] = 2.5× the forward (five products per pair: `S` recomputed, `dP =
+//! * **FLOPs**: the forward costs `2·(d_qk + d_v)` per visible pair (`q·k` over `d_qk` and
+//!   `p·v` over `d_v`, one multiply-add = 2 FLOPs each; `4·d` with equal head dims),
+//!   `2·(d_qk + d_v)·b·h_q·pairs` in all; the backward `2·(3·d_qk + 2·d_v)` per pair, with
+//!   equal head dims [`BACKWARD_FACTOR`] = 2.5× the forward (five products per pair: `S` recomputed, `dP =
 //!   dO·vᵀ`, `dv`, `dq`, `dk`), the flash-attention convention. The softmax's exponentials,
 //!   masking and rescaling are not counted. **Dense** FLOPs count all `s_q·s_k` pairs (what a
 //!   kernel skipping nothing computes; `4·b·h·s²·d`, the figure other benchmarks halve when

@@ -63,11 +63,6 @@ pub struct Dims {
 }
 
 impl Dims {
-    /// Dimensions with one head dim for q, k and v (`d_qk = d_v = d`).
-    pub fn equal_heads(b: usize, s_q: usize, s_k: usize, h_q: usize, h_kv: usize, d: usize) -> Dims {
-        Dims { b, s_q, s_k, h_q, h_kv, d_qk: d, d_v: d }
-    }
-
     /// Query heads per key/value head.
     pub fn group(&self) -> usize {
         self.h_q / self.h_kv

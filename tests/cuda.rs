@@ -138,18 +138,27 @@ fn check(c: &Case) {
     assert!(report.pass(), "{c:?}\n{}", report.table());
 }
 
-/// The float64 oracle and the naive rounded model of a single-device forward and backward
-/// (what `verify::check_results` computes per call), once for several results.
-fn references(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    d_o: &Tensor,
-    p: &AttentionParams,
-) -> (ringattn::reference::Reference, ringattn::reference::Reference) {
-    let oracle = ringattn::reference::backward(q, k, v, d_o, p).unwrap();
-    let naive = ringattn::reference::naive_rounded(q, k, v, Some(d_o), None, p, q.dtype()).unwrap();
-    (oracle, naive)
+/// Each `(strategy, world)` under each mask, run by `run` (in-process ranks on the host or
+/// device-resident ranks), forward and backward against the float64 oracle — it and the
+/// naive rounded model computed once per mask.
+fn check_strategies(
+    [q, k, v, d_o]: [&Tensor; 4],
+    masks: &[Mask],
+    strategies: &[(Strategy, usize)],
+    run: impl Fn(usize, &ParallelParams) -> Result<ringattn::parallel::ProcessRun, Error>,
+) {
+    for &mask in masks {
+        let attention = AttentionParams { mask, ..Default::default() };
+        let oracle = ringattn::reference::backward(q, k, v, d_o, &attention).unwrap();
+        let naive = ringattn::reference::naive_rounded(q, k, v, Some(d_o), None, &attention, q.dtype()).unwrap();
+        for &(strategy, world) in strategies {
+            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
+            let r = run(world, &params).unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
+            let report =
+                verify::report(q.dtype(), &r.forward, r.gradients.as_ref(), &oracle, &naive, &Default::default());
+            assert!(report.pass() && report.rows.len() == 5, "{strategy:?} x{world} {mask:?}\n{}", report.table());
+        }
+    }
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -305,24 +314,16 @@ fn every_strategy_runs_on_the_gpu() {
     let v = randn(vec![b, s, hkv, d], 13, dtype);
     let d_o = randn(vec![b, s, hq, d], 14, dtype);
     let backend = CudaBackend::new(0, dtype).unwrap();
-    for mask in [Mask::None, Mask::Causal] {
-        let attention = AttentionParams { mask, ..Default::default() };
-        // The oracle and the naive model once per mask; every strategy against them.
-        let (oracle, naive) = references(&q, &k, &v, &d_o, &attention);
-        for (strategy, world) in [
-            (Strategy::Single, 1),
-            (Strategy::Ring, 3),
-            (Strategy::AllGather, 2),
-            (Strategy::Ulysses, 2),
-            (Strategy::Usp, 4),
-        ] {
-            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
-            let r = run_in_process(world, LocalOptions::default(), &backend, &q, &k, &v, Some(&d_o), &params)
-                .unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
-            let report = verify::report(dtype, &r.forward, r.gradients.as_ref(), &oracle, &naive, &Default::default());
-            assert!(report.pass() && report.rows.len() == 5, "{strategy:?} x{world} {mask:?}\n{}", report.table());
-        }
-    }
+    let strategies = [
+        (Strategy::Single, 1),
+        (Strategy::Ring, 3),
+        (Strategy::AllGather, 2),
+        (Strategy::Ulysses, 2),
+        (Strategy::Usp, 4),
+    ];
+    check_strategies([&q, &k, &v, &d_o], &[Mask::None, Mask::Causal], &strategies, |world, params| {
+        run_in_process(world, LocalOptions::default(), &backend, &q, &k, &v, Some(&d_o), params)
+    });
     let x = randn(vec![1, 16, 2, 16], 1, DType::F16);
     let params = ParallelParams { strategy: Strategy::Ring, ..Default::default() };
     let e = run_in_process(2, LocalOptions::default(), &backend, &x, &x, &x, None, &params).unwrap_err();
@@ -371,24 +372,18 @@ fn every_strategy_runs_device_resident() {
     let v = randn(vec![b, s, hkv, d], 23, dtype);
     let d_o = randn(vec![b, s, hq, d], 24, dtype);
     let run = cuda::DeviceRunOptions::default();
-    for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(100), right: Some(0) }] {
-        let attention = AttentionParams { mask, ..Default::default() };
-        let (oracle, naive) = references(&q, &k, &v, &d_o, &attention);
-        for (strategy, world) in [
-            (Strategy::Single, 1),
-            (Strategy::Ring, 3),
-            (Strategy::AllGather, 2),
-            (Strategy::Ulysses, 2),
-            (Strategy::Ulysses, 3),
-            (Strategy::Usp, 4),
-        ] {
-            let params = ParallelParams { strategy, attention: attention.clone(), ..Default::default() };
-            let r = cuda::run_on_device(world, LocalOptions::default(), &run, &q, &k, &v, Some(&d_o), &params)
-                .unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
-            let report = verify::report(dtype, &r.forward, r.gradients.as_ref(), &oracle, &naive, &Default::default());
-            assert!(report.pass() && report.rows.len() == 5, "{strategy:?} x{world} {mask:?}\n{}", report.table());
-        }
-    }
+    let masks = [Mask::None, Mask::Causal, Mask::Window { left: Some(100), right: Some(0) }];
+    let strategies = [
+        (Strategy::Single, 1),
+        (Strategy::Ring, 3),
+        (Strategy::AllGather, 2),
+        (Strategy::Ulysses, 2),
+        (Strategy::Ulysses, 3),
+        (Strategy::Usp, 4),
+    ];
+    check_strategies([&q, &k, &v, &d_o], &masks, &strategies, |world, params| {
+        cuda::run_on_device(world, LocalOptions::default(), &run, &q, &k, &v, Some(&d_o), params)
+    });
     let params = ParallelParams {
         strategy: Strategy::Ring,
         attention: AttentionParams { mask: Mask::Causal, ..Default::default() },

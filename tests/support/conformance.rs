@@ -5,7 +5,7 @@
 
 use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::parallel::{run_in_process, Backend, ParallelParams, Strategy};
-use ringattn::{random::randn, verify, AttentionParams, DType, Documents, HostBuf, Layout, Mask};
+use ringattn::{random::randn, reference, verify, AttentionParams, DType, Documents, HostBuf, Layout, Mask, Tensor};
 
 /// `(strategy, world, Ulysses degree)` of the check: every strategy of the registry once, at
 /// the world size its rules state exercises it (`Strategy::check_world`).
@@ -37,33 +37,10 @@ pub fn layouts(strategy: Strategy) -> Vec<Layout> {
 /// kv heads, d = 16) and messages matched in `order`; panics naming the configuration that
 /// fails.
 pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, order: MessageOrder) {
-    let (b, s, hq, hkv, d) = (1, 77, 4, 2, 16);
-    let q = randn(vec![b, s, hq, d], 11, dtype);
-    let k = randn(vec![b, s, hkv, d], 12, dtype);
-    let v = randn(vec![b, s, hkv, d], 13, dtype);
-    let d_o = randn(vec![b, s, hq, d], 14, dtype);
-    let options = LocalOptions { order, ..Default::default() };
-    for (strategy, world, ulysses_degree) in strategies() {
-        for layout in layouts(strategy) {
-            for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }] {
-                let attention = AttentionParams { mask, ..Default::default() };
-                let params = ParallelParams {
-                    strategy,
-                    layout: Some(layout),
-                    attention: attention.clone(),
-                    ulysses_degree,
-                    ..Default::default()
-                };
-                let what = format!("{strategy} x{world} {layout:?} {mask:?} {dtype} {order:?}");
-                let r = run_in_process(world, options, backend, &q, &k, &v, Some(&d_o), &params)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
-                let report =
-                    verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &r.forward, r.gradients.as_ref())
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert!(report.pass(), "{what}\n{}", report.table());
-            }
-        }
-    }
+    let cases = [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }]
+        .map(|mask| AttentionParams { mask, ..Default::default() });
+    let inputs = Inputs::drawn((1, 77, 4, 2), (16, 16), dtype, 11);
+    sweep(backend, &inputs, &cases, 3, LocalOptions { order, ..Default::default() });
 }
 
 /// Multi-head latent attention's head dims, `d_qk ≠ d_v`, on `backend` with `dtype` inputs:
@@ -71,12 +48,7 @@ pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DTy
 /// layouts, causal, a sliding window and packed documents (causal within each), GQA (4 query
 /// heads over 2 kv heads, b = 1, s = 61), forward and backward against the float64 oracle;
 /// panics naming the configuration that fails.
-pub fn check_head_dims<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, (d_qk, d_v): (usize, usize)) {
-    let (b, s, hq, hkv) = (1, 61, 4, 2);
-    let q = randn(vec![b, s, hq, d_qk], 21, dtype);
-    let k = randn(vec![b, s, hkv, d_qk], 22, dtype);
-    let v = randn(vec![b, s, hkv, d_v], 23, dtype);
-    let d_o = randn(vec![b, s, hq, d_v], 24, dtype);
+pub fn check_head_dims<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, heads: (usize, usize)) {
     let cases = [
         AttentionParams { mask: Mask::Causal, ..Default::default() },
         AttentionParams { mask: Mask::Window { left: Some(9), right: Some(0) }, ..Default::default() },
@@ -86,9 +58,51 @@ pub fn check_head_dims<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, (
             ..Default::default()
         },
     ];
-    for (strategy, world, ulysses_degree) in strategies() {
-        for layout in layouts(strategy).into_iter().take(2) {
-            for attention in &cases {
+    let inputs = Inputs::drawn((1, 61, 4, 2), heads, dtype, 21);
+    sweep(backend, &inputs, &cases, 2, LocalOptions::default());
+}
+
+/// q `[b, s, h_q, d_qk]`, k `[b, s, h_kv, d_qk]`, v `[b, s, h_kv, d_v]`, d_o `[b, s, h_q, d_v]`.
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    d_o: Tensor,
+}
+
+impl Inputs {
+    fn drawn(
+        (b, s, hq, hkv): (usize, usize, usize, usize),
+        (d_qk, d_v): (usize, usize),
+        dtype: DType,
+        seed: u64,
+    ) -> Self {
+        Inputs {
+            q: randn(vec![b, s, hq, d_qk], seed, dtype),
+            k: randn(vec![b, s, hkv, d_qk], seed + 1, dtype),
+            v: randn(vec![b, s, hkv, d_v], seed + 2, dtype),
+            d_o: randn(vec![b, s, hq, d_v], seed + 3, dtype),
+        }
+    }
+}
+
+/// Every strategy at its check world, over the first `max_layouts` layouts it takes, × every
+/// case, forward and backward on `backend`: the results' shapes, and their values against the
+/// float64 oracle (computed once per case).
+fn sweep<Be: Backend<Buf = HostBuf>>(
+    backend: &Be,
+    x: &Inputs,
+    cases: &[AttentionParams],
+    max_layouts: usize,
+    options: LocalOptions,
+) {
+    let Inputs { q, k, v, d_o } = x;
+    let dtype = q.dtype();
+    for attention in cases {
+        let oracle = reference::backward(q, k, v, d_o, attention).expect("oracle");
+        let naive = reference::naive_rounded(q, k, v, Some(d_o), None, attention, dtype).expect("naive model");
+        for (strategy, world, ulysses_degree) in strategies() {
+            for layout in layouts(strategy).into_iter().take(max_layouts) {
                 let params = ParallelParams {
                     strategy,
                     layout: Some(layout),
@@ -97,19 +111,20 @@ pub fn check_head_dims<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, (
                     ..Default::default()
                 };
                 let what = format!(
-                    "d_qk {d_qk} d_v {d_v}: {strategy} x{world} {layout:?} {:?} documents {} {dtype}",
+                    "{strategy} x{world} {layout:?} {:?} documents {} {dtype} {:?} q {:?} v {:?}",
                     attention.mask,
-                    attention.documents.is_some()
+                    attention.documents.is_some(),
+                    options.order,
+                    q.shape(),
+                    v.shape()
                 );
-                let r = run_in_process(world, LocalOptions::default(), backend, &q, &k, &v, Some(&d_o), &params)
+                let r = run_in_process(world, options, backend, q, k, v, Some(d_o), &params)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert_eq!(r.forward.o.shape(), [b, s, hq, d_v], "{what}");
                 let g = r.gradients.as_ref().expect("gradients");
+                assert_eq!(r.forward.o.shape(), d_o.shape(), "{what}");
                 assert_eq!((g.dq.shape(), g.dk.shape(), g.dv.shape()), (q.shape(), k.shape(), v.shape()), "{what}");
-                let report =
-                    verify::check_results(&q, &k, &v, Some(&d_o), None, attention, &r.forward, r.gradients.as_ref())
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert!(report.pass(), "{what}\n{}", report.table());
+                let report = verify::report(dtype, &r.forward, Some(g), &oracle, &naive, &Default::default());
+                assert!(report.pass() && report.rows.len() == 5, "{what}\n{}", report.table());
             }
         }
     }

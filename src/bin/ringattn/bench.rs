@@ -122,7 +122,8 @@ struct PassResult {
     /// `flops` / median time.
     tflops: f64,
     samples_ms: Vec<f64>,
-    /// FLOPs of the visible pairs: `4·d·b·h_q·visible_pairs`, 2.5× for the backward.
+    /// FLOPs of the visible pairs: `2·(d_qk + d_v)·b·h_q·visible_pairs` forward (`4·d` with equal
+    /// head dims), `2·(3·d_qk + 2·d_v)·b·h_q·visible_pairs` backward (2.5× the forward).
     flops: f64,
     /// FLOPs of all `s²` pairs.
     dense_flops: f64,

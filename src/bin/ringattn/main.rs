@@ -55,9 +55,9 @@ enum Command {
     /// Time the single-device kernels of a backend: median and minimum milliseconds and
     /// TFLOP/s per pass, from the FLOPs of the pairs the mask leaves visible.
     ///
-    /// FLOPs: forward 4·d per visible (query, key) pair, times b·h_q (s(s+1)/2 pairs per head
-    /// when causal; windows and --seqlens documents counted exactly); backward 2.5× the
-    /// forward. Reported beside them: the dense FLOPs (all s² pairs), the visible pairs per
+    /// FLOPs: forward 2·(d_qk + d_v) per visible (query, key) pair (4·d with one head dim),
+    /// times b·h_q (s(s+1)/2 pairs per head when causal; windows and --seqlens documents
+    /// counted exactly); backward 2·(3·d_qk + 2·d_v) (2.5× the forward with one head dim). Reported beside them: the dense FLOPs (all s² pairs), the visible pairs per
     /// (batch, head), and the tiles of the backend's tiling (cpu: the tiles its path chooses,
     /// `cpu::TileConfig::chosen`: f32 128×256 forward and 256×256 backward, bf16 128×512 with
     /// the forward's key tiles 256 where over a quarter of the visible ones would take its
