@@ -30,26 +30,52 @@ pub struct Gradients {
 }
 
 /// How a call forms its scores from `q·k`, resolved once from its [`AttentionParams`] and
-/// head dims: what every backend's tiles take (the CPU's paths, the kernels'
-/// `FlashProblem`, built by `kernels::params::FlashProblem::new`). The score options to come
-/// (soft-capping, sinks) join it here, so that each reaches every backend through one field.
+/// head dims: what every backend's tiles take (the CPU's paths through `cpu::score`, the
+/// kernels' `FlashProblem`, built by `kernels::params::FlashProblem::new`, through
+/// `cuda/score.cuh`). A score option joins it here, so that it reaches every backend through
+/// one field.
+///
+/// The score of a pair is `s = scale · q·k`, then `softcap · tanh(s / softcap)` with a
+/// soft-cap; the mask applies after. Its derivative by `q·k` is `scale` (times `1 − tanh²`
+/// with a soft-cap).
 ///
 /// ```
 /// use ringattn::attention::ScoreSpec;
 /// use ringattn::{AttentionParams, Dims};
 /// let dims = Dims { b: 1, s_q: 1, s_k: 1, h_q: 1, h_kv: 1, d_qk: 64, d_v: 32 };
-/// assert_eq!(ScoreSpec::of(&AttentionParams::default(), &dims).scale, 0.125);
+/// let capped = AttentionParams { softcap: Some(30.0), ..Default::default() };
+/// let spec = ScoreSpec::of(&capped, &dims);
+/// assert_eq!((spec.scale, spec.softcap), (0.125, Some(30.0)));
+/// assert!((spec.score(240.0) - 30.0 * 1f32.tanh()).abs() < 1e-5);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ScoreSpec {
     /// The factor applied to `q·k` before the softmax.
     pub scale: f32,
+    /// The tanh soft-cap of the scaled scores, if any (finite, positive: validated with the
+    /// parameters).
+    pub softcap: Option<f32>,
 }
 
 impl ScoreSpec {
     /// The spec of a call of `dims` under `params` (scale `1/sqrt(d_qk)` unless given).
     pub fn of(params: &AttentionParams, dims: &Dims) -> ScoreSpec {
-        ScoreSpec { scale: params.softmax_scale(dims.d_qk) }
+        ScoreSpec { scale: params.softmax_scale(dims.d_qk), softcap: params.softcap }
+    }
+
+    /// The score of a product `q·k` (natural units), as the definition above says, in f32.
+    pub fn score(&self, dot: f32) -> f32 {
+        let s = self.scale * dot;
+        match self.softcap {
+            Some(c) => c * (s / c).tanh(),
+            None => s,
+        }
+    }
+
+    /// The options a backend's kernels must honour beyond the scale, by name and value, for
+    /// a refusal's message: `None` when the scores are plain scaled products.
+    pub fn modifiers(&self) -> Option<String> {
+        self.softcap.map(|c| format!("soft-capping (softcap = {c})"))
     }
 }
 

@@ -58,6 +58,9 @@ pub enum Error {
     /// The softmax scale is not a finite number.
     #[error("softmax scale must be finite, got {0}")]
     Scale(f32),
+    /// The soft-cap is not a finite positive number.
+    #[error("soft-cap must be a finite number above 0, got {0}")]
+    Softcap(f32),
     /// Tensors that must share one dtype do not.
     #[error("dtype mismatch: `{name}` is {got}, expected {expected} (the dtype of `q`)")]
     DtypeMismatch {

@@ -607,7 +607,7 @@ mod tests {
                 ];
                 for d in docs {
                     let documents = d.map(|l| Documents::new(l).unwrap());
-                    let params = AttentionParams { mask, documents, scale: None };
+                    let params = AttentionParams { mask, documents, ..Default::default() };
                     for shape in shapes {
                         check(s_q, s_k, &params, shape);
                     }
@@ -731,7 +731,7 @@ mod tests {
                 c.sort_unstable();
                 Documents::new(c.windows(2).map(|w| w[1] - w[0]).collect()).unwrap()
             });
-            let params = AttentionParams { mask, documents, scale: None };
+            let params = AttentionParams { mask, documents, ..Default::default() };
             check(s_q, s_k, &params, TileShape { block_q: bq, block_k: bk });
         }
     }

@@ -5,7 +5,8 @@ use crate::{Documents, Error, Mask, Positions, Result, Tensor};
 /// Largest head dimension the CPU implementation and the oracle accept.
 pub const MAX_HEAD_DIM: usize = 512;
 
-/// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d_qk)`.
+/// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d_qk)`,
+/// no soft-cap.
 ///
 /// ```
 /// use ringattn::{AttentionParams, Mask};
@@ -20,6 +21,11 @@ pub struct AttentionParams {
     pub documents: Option<Documents>,
     /// Softmax scale; `None` means `1/sqrt(d_qk)` (the query/key head dim).
     pub scale: Option<f32>,
+    /// Tanh soft-capping of the scaled scores (Gemma 2, Grok-1): with `cap = Some(c)`, a
+    /// score `s = scale · q·k` enters the softmax as `c · tanh(s / c)`, before the mask.
+    /// `c` must be finite and positive ([`crate::Error::Softcap`] otherwise); `None` leaves
+    /// the scores as they are.
+    pub softcap: Option<f32>,
 }
 
 impl AttentionParams {
@@ -229,6 +235,11 @@ impl Visibility {
         if let Some(s) = params.scale {
             if !s.is_finite() {
                 return Err(Error::Scale(s));
+            }
+        }
+        if let Some(c) = params.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::Softcap(c));
             }
         }
         let (left, right) = params.mask.bounds();

@@ -3,7 +3,9 @@
 //! Every quantity is computed in f64 from the (exactly widened) inputs, row by row: a query
 //! row's scores against its visible keys, the softmax, the output, and the gradients. No
 //! `s_q × s_k` matrix is ever stored, so any subset of rows of a long sequence can be
-//! checked ([`rows`]).
+//! checked ([`rows`]). A score is `s = scale · q·k`, soft-capped to `cap · tanh(s / cap)`
+//! when [`AttentionParams::softcap`] is set (its gradient then carries the slope
+//! `1 − tanh²(s / cap)`, and so do the magnitudes below).
 //!
 //! [`naive_rounded`] is the same computation with every intermediate rounded to a storage
 //! dtype, the way an unfused low-precision implementation would run it; its error against
@@ -325,6 +327,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     let dm = x.dims;
     let (d, e) = (dm.d_qk, dm.d_v); // q/k and v/o head dims
     let scale = params.softmax_scale(d) as f64;
+    let softcap = params.softcap.map(f64::from);
     let rnd = |t: f64| match round {
         Some(dt) => dt.round_f64(t),
         None => t,
@@ -368,6 +371,9 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
             let mut ex: Vec<f64> = Vec::with_capacity(dm.s_k);
             let mut absdot: Vec<f64> = Vec::with_capacity(dm.s_k);
             let mut dp: Vec<f64> = Vec::with_capacity(dm.s_k);
+            // Per visible key, the score's derivative by its scaled product: 1 − tanh² under
+            // a soft-cap, else 1.
+            let mut slope: Vec<f64> = Vec::with_capacity(dm.s_k);
             for (r, &i) in rows.iter().enumerate() {
                 keys.clear();
                 keys.extend((0..dm.s_k).filter(|&j| vis.visible(i, j)));
@@ -377,6 +383,17 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let qi = q_row(b, r, h);
                 dots_into(qi, &keys, |j| k_row(b, j, hk), |x, y| x * y, acc, &mut s);
                 s.iter_mut().for_each(|t| *t = rnd(rnd(*t) * scale));
+                slope.clear();
+                match softcap {
+                    None => slope.resize(s.len(), 1.0),
+                    Some(cap) => {
+                        for t in s.iter_mut() {
+                            let th = (*t / cap).tanh();
+                            slope.push(1.0 - th * th);
+                            *t = rnd(cap * th);
+                        }
+                    }
+                }
                 // NaN propagates through the max (a NaN score makes the whole row NaN).
                 let m = if s.iter().any(|t| t.is_nan()) {
                     f64::NAN
@@ -395,9 +412,9 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 w.clear();
                 let mut lse_mag = 0.0;
                 dots_into(qi, &keys, |j| k_row(b, j, hk), |x, y| (x * y).abs(), |t| t, &mut absdot);
-                for ((&t, &e), &absdot) in s.iter().zip(&ex).zip(&absdot) {
+                for (((&t, &e), &absdot), &g) in s.iter().zip(&ex).zip(&absdot).zip(&slope) {
                     let p = e / sum;
-                    let e = scale.abs() * absdot + t.abs();
+                    let e = scale.abs() * absdot * g + t.abs();
                     lse_mag += (p * e) * (p * e);
                     w.push(p * (1.0 + e + lse.abs()));
                 }
@@ -428,10 +445,10 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
                 let o_row = &res.o[r * e..(r + 1) * e];
                 let d_rss: f64 = o_row.iter().zip(doi).map(|(a, b)| (a * b) * (a * b)).sum::<f64>().sqrt();
-                for (((&j, &p), &g), &wj) in keys.iter().zip(&s).zip(&dp).zip(&w) {
-                    let ds = rnd(rnd(p * (g - delta)) * scale);
-                    let ds_mag = (wj * (g.abs() + delta.abs()) * scale).abs();
-                    let ds_mag_o = p * d_rss * scale;
+                for ((((&j, &p), &g), &wj), &sl) in keys.iter().zip(&s).zip(&dp).zip(&w).zip(&slope) {
+                    let ds = rnd(rnd(p * (g - delta)) * (scale * sl));
+                    let ds_mag = (wj * (g.abs() + delta.abs()) * scale * sl).abs();
+                    let ds_mag_o = p * d_rss * scale * sl;
                     let kj = k_row(b, j, hk);
                     for c in 0..d {
                         let kc = kj[c] as f64;
@@ -564,6 +581,51 @@ mod tests {
                 assert_eq!(part.lse_mag, pick(&whole.lse_mag, b * hq, s, 1, &picked));
             }
             assert_ne!(oracle.o, naive.o, "the naive model rounds");
+        }
+    }
+
+    /// The oracle's gradients against central finite differences of its forward, for the
+    /// loss `L = Σ dO ∘ O`: plain, soft-capped (the slope `1 − tanh²`; a small cap so that
+    /// scores sit on tanh's bend), under a sliding window, with grouped heads and `d_v ≠ d_qk`.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let (b, s, hq, hkv, d, dv) = (1, 9, 2, 1, 6, 4);
+        let q = random::randn(vec![b, s, hq, d], 11, DType::F32);
+        let k = random::randn(vec![b, s, hkv, d], 12, DType::F32);
+        let v = random::randn(vec![b, s, hkv, dv], 13, DType::F32);
+        let d_o = random::randn(vec![b, s, hq, dv], 14, DType::F32);
+        let window = Mask::Window { left: Some(4), right: Some(2) };
+        for (softcap, scale) in [(None, None), (Some(0.8f32), Some(1.5f32)), (Some(3.0), None)] {
+            let p = AttentionParams { mask: window, softcap, scale, ..Default::default() };
+            let grads = backward(&q, &k, &v, &d_o, &p).unwrap();
+            let dov = d_o.as_f32();
+            let loss = |q: &Tensor, k: &Tensor, v: &Tensor| -> f64 {
+                let o = forward(q, k, v, &p).unwrap().o;
+                o.iter().zip(dov.iter()).map(|(&o, &g)| o * g as f64).sum()
+            };
+            let which = [("q", &q, &grads.dq), ("k", &k, &grads.dk), ("v", &v, &grads.dv)];
+            for (wi, (name, x, want)) in which.into_iter().enumerate() {
+                let base = x.as_f32().into_owned();
+                for i in (0..base.len()).step_by(5) {
+                    let at = |h: f32| {
+                        let mut y = base.clone();
+                        y[i] += h;
+                        (y[i] as f64 - base[i] as f64, Tensor::from_f32(x.shape().to_vec(), y).unwrap())
+                    };
+                    let ((hp, xp), (hm, xm)) = (at(1e-3), at(-1e-3));
+                    let f = |t: &Tensor| match wi {
+                        0 => loss(t, &k, &v),
+                        1 => loss(&q, t, &v),
+                        _ => loss(&q, &k, t),
+                    };
+                    let fd = (f(&xp) - f(&xm)) / (hp - hm);
+                    assert!(
+                        (fd - want[i]).abs() <= 1e-4 * (1.0 + want[i].abs()),
+                        "{softcap:?} d{name}[{i}]: {fd} vs {}",
+                        want[i]
+                    );
+                }
+            }
         }
     }
 }

@@ -97,7 +97,7 @@ fn masked_positions_never_influence_outputs_even_when_nan() {
         (Mask::None, Some(docs.clone())),
         (Mask::Causal, Some(docs)),
     ] {
-        let p = AttentionParams { mask, documents, scale: None };
+        let p = AttentionParams { mask, documents, ..Default::default() };
         let base_f = cpu::forward(&q, &k, &v, &p).unwrap();
         let base_g = cpu::backward(&q, &k, &v, &base_f.o, &base_f.lse, &d_o, &p).unwrap();
         // Query 30 (in document 1): poison every key it cannot see, then compare its row.
@@ -180,7 +180,11 @@ fn lse_is_natural_log_of_visible_exponentials() {
 #[test]
 fn documents_equal_separate_calls() {
     let (q, k, v) = qkv(1, 30, 30, 2, 1, 16, 10);
-    let p = AttentionParams { mask: Mask::Causal, documents: Some(Documents::new(vec![12, 18]).unwrap()), scale: None };
+    let p = AttentionParams {
+        mask: Mask::Causal,
+        documents: Some(Documents::new(vec![12, 18]).unwrap()),
+        ..Default::default()
+    };
     let packed = cpu::forward(&q, &k, &v, &p).unwrap();
     let c = AttentionParams { mask: Mask::Causal, ..Default::default() };
     for (r0, r1) in [(0, 12), (12, 30)] {

@@ -58,7 +58,7 @@ prop_compose! {
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },
-            params: AttentionParams { mask, documents, scale },
+            params: AttentionParams { mask, documents, scale, softcap: None },
             positions, seed, tiles: Default::default(), arithmetic: Default::default(),
         }
     }

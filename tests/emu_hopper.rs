@@ -62,7 +62,7 @@ prop_compose! {
         Case {
             b: 1, s_q, s_k, h_q: ratio, h_kv: 1, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },
-            params: AttentionParams { mask, documents, scale },
+            params: AttentionParams { mask, documents, scale, softcap: None },
             positions, seed, tiles: Default::default(), arithmetic: Default::default(),
         }
     }

@@ -62,12 +62,18 @@ fn dtype_mismatch_names_the_tensor() {
 }
 
 #[test]
-fn bad_windows_scales_documents_positions() {
+fn bad_windows_scales_softcaps_documents_positions() {
     assert!(matches!(Mask::from_signed_window(-2, 0), Err(Error::Window(_))));
     assert!(Mask::from_signed_window(-1, -1).is_ok());
     let q = t(&[1, 4, 1, 8], DType::F32);
     let e = cpu::forward(&q, &q, &q, &AttentionParams { scale: Some(f32::NAN), ..Default::default() }).unwrap_err();
     assert!(matches!(e, Error::Scale(_)), "{e}");
+    for cap in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let e = cpu::forward(&q, &q, &q, &AttentionParams { softcap: Some(cap), ..Default::default() }).unwrap_err();
+        assert!(matches!(e, Error::Softcap(c) if c.to_bits() == cap.to_bits()), "{cap}: {e}");
+        let e = ringattn::reference::forward(&q, &q, &q, &AttentionParams { softcap: Some(cap), ..Default::default() });
+        assert!(matches!(e, Err(Error::Softcap(_))), "the oracle with softcap {cap}");
+    }
     let docs = Documents::new(vec![2, 3]).unwrap();
     let e = cpu::forward(&q, &q, &q, &AttentionParams { documents: Some(docs), ..Default::default() }).unwrap_err();
     assert!(matches!(e, Error::Documents(_)) && e.to_string().contains("sum to 5"), "{e}");

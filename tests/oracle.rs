@@ -29,6 +29,9 @@ prop_compose! {
         mask in mask(),
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
+        // Soft-caps small enough that scores reach tanh's bend (the randn scores scaled by
+        // 1/sqrt(d) are about 1) and one that leaves them nearly linear.
+        softcap in prop_oneof![2 => Just(None), 1 => Just(Some(0.7f32)), 1 => Just(Some(2.5f32)), 1 => Just(Some(30.0f32))],
         seed in 0u64..1_000_000,
         tiles in prop::sample::select(TILES),
     ) -> Case {
@@ -41,7 +44,7 @@ prop_compose! {
         let (positions, documents) = placement.apply(s_q, s_k);
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
-            params: AttentionParams { mask, documents, scale },
+            params: AttentionParams { mask, documents, scale, softcap },
             positions, seed, tiles: ringattn::cpu::TileConfig { block_q: tiles.0, block_k: tiles.1 }, arithmetic,
         }
     }

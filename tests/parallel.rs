@@ -22,6 +22,8 @@ struct PCase {
     d_v: usize,
     mask: Mask,
     docs: Option<Vec<usize>>,
+    /// The tanh soft-cap of the scores, if any.
+    softcap: Option<f32>,
     dtype: DType,
     ulysses_degree: Option<usize>,
     seed: u64,
@@ -33,8 +35,12 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
     let k = randn(vec![c.b, c.s, c.h_kv, c.d], c.seed + 1, c.dtype);
     let v = randn(vec![c.b, c.s, c.h_kv, c.d_v], c.seed + 2, c.dtype);
     let d_o = randn(vec![c.b, c.s, c.h_q, c.d_v], c.seed + 3, c.dtype);
-    let attention =
-        AttentionParams { mask: c.mask, documents: c.docs.clone().map(|d| Documents::new(d).unwrap()), scale: None };
+    let attention = AttentionParams {
+        mask: c.mask,
+        documents: c.docs.clone().map(|d| Documents::new(d).unwrap()),
+        softcap: c.softcap,
+        ..Default::default()
+    };
     let params = ParallelParams {
         strategy: c.strategy,
         layout: Some(c.layout),
@@ -79,6 +85,7 @@ prop_compose! {
             (0u64..20).prop_map(|l| Mask::Window { left: Some(l), right: Some(0) }),
         ],
         docs in any::<bool>(),
+        softcap in prop_oneof![2 => Just(None), 1 => Just(Some(0.8f32)), 1 => Just(Some(3.0f32))],
         cut in 0usize..90,
         dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
         seed in 0u64..10_000,
@@ -98,7 +105,7 @@ prop_compose! {
         let order = if fifo { MessageOrder::PerPeerFifo } else { MessageOrder::Tag };
         // d_v 0: equal head dims.
         let d_v = if d_v == 0 { d } else { d_v };
-        PCase { world, strategy, layout, b, s, h_q, h_kv, d, d_v, mask, docs, dtype, ulysses_degree: None, seed, order }
+        PCase { world, strategy, layout, b, s, h_q, h_kv, d, d_v, mask, docs, softcap, dtype, ulysses_degree: None, seed, order }
     }
 }
 
@@ -153,6 +160,7 @@ fn every_strategy_and_layout_on_one_case() {
             d_v: 16,
             mask: Mask::Causal,
             docs: None,
+            softcap: None,
             dtype: DType::F32,
             ulysses_degree: Some(2),
             seed: 5,
@@ -183,6 +191,7 @@ fn ranks_without_tokens_or_visible_blocks_match_the_oracle() {
                 d_v: 8,
                 mask,
                 docs: docs.clone(),
+                softcap: Some(2.0),
                 dtype,
                 ulysses_degree: None,
                 seed: 11,

@@ -229,6 +229,8 @@ struct Scratch<'a> {
     dv: Vec<f32>,
     p: Vec<f32>,
     dp: Vec<f32>,
+    /// The scores' slopes under a soft-cap (empty without one).
+    slopes: Vec<f32>,
     /// The key tile's K and V, column-major: `[d_qk][block_k]` and `[d_v][block_k]`.
     k_cm: Vec<f32>,
     v_cm: Vec<f32>,
@@ -245,6 +247,7 @@ impl<'a> Scratch<'a> {
             dv: vec![0.0; bk * d_v],
             p: vec![0.0; bq * bk],
             dp: vec![0.0; bq * bk],
+            slopes: if x.spec.softcap.is_some() { vec![0.0; bq * bk] } else { Vec::new() },
             k_cm: vec![0.0; bk * d],
             v_cm: vec![0.0; bk * d_v],
         }
@@ -263,7 +266,7 @@ impl KeyTileWork for Scratch<'_> {
         let gs = dm.group();
         let bc = ks.len;
         let (q_rs, kv_rs, o_rs, v_rs) = (dm.h_q * d, dm.h_kv * d, dm.h_q * d_v, dm.h_kv * d_v);
-        let c = x.spec.scale * std::f32::consts::LOG2_E;
+        let sc = super::score::Scores::of(&x.spec);
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];
         let k_tile = View::rows(k_base, ks.start, bc, d, kv_rs);
@@ -306,10 +309,11 @@ impl KeyTileWork for Scratch<'_> {
                         bc,
                         q_tile.rows_of(rows.clone()),
                         k_rows.t(),
-                        c,
+                        sc.factor(),
                         false,
                     );
                 }
+                sc.finish_row(p);
                 let mut exact = false;
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, bc, br, bc, qs.start, ks.start);
@@ -320,6 +324,11 @@ impl KeyTileWork for Scratch<'_> {
                         && rows_finite(q_base, qs.start, br, d, q_rs)
                         && rows_finite(do_base, qs.start, br, d_v, o_rs));
                 }
+                // The scores' slopes (none without a soft-cap), before P replaces them.
+                let slopes = match sc.fused() {
+                    true => None,
+                    false => sc.slope_row(p, &mut self.slopes[..br * bc]).map(|_| &self.slopes[..br * bc]),
+                };
                 for i in 0..br {
                     let row = &mut p[i * bc..(i + 1) * bc];
                     let l = lse[qs.start + i];
@@ -332,7 +341,7 @@ impl KeyTileWork for Scratch<'_> {
                 let dq_tile = dq.rows(hl, qs.start, br);
                 if exact {
                     let bases = Bases { q: q_base, d_o: do_base, k: k_base, v: v_base, dd };
-                    exact_tile(x, qs, ks, &bases, p, dk, dv, dq_tile);
+                    exact_tile(x, qs, ks, &bases, p, slopes, dk, dv, dq_tile);
                     continue;
                 }
                 let dp = &mut self.dp[..br * bc];
@@ -350,7 +359,10 @@ impl KeyTileWork for Scratch<'_> {
                     );
                     for i in rows.clone() {
                         let at = i * bc + keys.start..i * bc + keys.end;
-                        simd::softmax_grad(&mut p[at.clone()], &dp[at], dd[qs.start + i]);
+                        simd::softmax_grad(&mut p[at.clone()], &dp[at.clone()], dd[qs.start + i]);
+                        if let Some(g) = slopes {
+                            super::score::times(&mut p[at.clone()], &g[at]);
+                        }
                     }
                 }
                 for (rows, keys) in &blocks {
@@ -386,6 +398,7 @@ fn exact_tile(
     ks: &Span,
     at: &Bases,
     p: &[f32],
+    slopes: Option<&[f32]>,
     dk: &mut [f32],
     dv: &mut [f32],
     dq_tile: &mut [f32],
@@ -403,7 +416,8 @@ fn exact_tile(
             let kj = &at.k[(ks.start + j) * kv_rs..][..d];
             let vj = &at.v[(ks.start + j) * v_rs..][..d_v];
             let pij = p[i * bc + j];
-            let ds = pij * (simd::dot(doi, vj) - at.dd[qs.start + i]);
+            let slope = slopes.map_or(1.0, |g| g[i * bc + j]);
+            let ds = pij * (simd::dot(doi, vj) - at.dd[qs.start + i]) * slope;
             simd::axpy(&mut dv[j * d_v..(j + 1) * d_v], pij, doi);
             simd::axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
             simd::axpy(&mut dq_tile[i * d..(i + 1) * d], ds, kj);

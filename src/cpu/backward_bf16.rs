@@ -20,6 +20,7 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
+use super::score::{self, Scores};
 use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf, TileConfig};
 use crate::attention::{classify, Span, TileKind};
 use crate::params::Visibility;
@@ -115,6 +116,8 @@ struct Worker<'a> {
     /// P, then dS, and dP: `[block_q][sr]` f32, keys as lanes.
     p: Vec<f32>,
     dp: Vec<f32>,
+    /// The scores' slopes under a soft-cap, `[block_q][sr]` (empty without one).
+    slopes: Vec<f32>,
     /// P and dS rounded, query rows interleaved in pairs: `[pairs(block_q)][sr]` A pairs.
     p_pairs: Vec<u32>,
     ds_pairs: Vec<u32>,
@@ -140,6 +143,7 @@ impl<'a> Worker<'a> {
             k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 16],
             p: vec![0.0; bq * sr],
             dp: vec![0.0; bq * sr],
+            slopes: if x.spec.softcap.is_some() { vec![0.0; bq * sr] } else { Vec::new() },
             p_pairs: vec![0; mm::pairs(bq) * sr],
             ds_pairs: vec![0; mm::pairs(bq) * sr],
             ds_rows: vec![0; bq * sr / 2],
@@ -174,7 +178,7 @@ impl KeyTileWork for Worker<'_> {
         let k_steps = BOperand { data: &self.k_steps, vectors: sv };
         self.dk[..bc * gr].fill(0.0);
         self.dv[..bc * gr_v].fill(0.0);
-        let c = x.spec.scale * std::f32::consts::LOG2_E;
+        let sc = Scores::of(&x.spec);
         for hl in 0..gs {
             let h = hk * gs + hl;
             let bh = b * dm.h_q + h;
@@ -206,9 +210,20 @@ impl KeyTileWork for Worker<'_> {
                 let (lanes, key_steps) = (mm::Reach::lanes(&key_reach), mm::Reach::steps(&key_reach));
                 let query_steps = mm::Reach::steps(&query_reach);
                 let p = &mut self.p[..br * sr];
-                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(c), lanes);
+                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(sc.factor()), lanes);
+                // The score options before the mask, the scores' slopes after it (none
+                // without a soft-cap), before P replaces them.
+                for row in p.chunks_exact_mut(sr) {
+                    sc.finish_row(&mut row[..bc]);
+                }
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, sr, br, bc, qs.start, ks.start);
+                }
+                let sloped = !sc.fused();
+                if sloped {
+                    for i in 0..br {
+                        sc.slope_row(&p[i * sr..][..bc], &mut self.slopes[i * sr..][..bc]);
+                    }
                 }
                 // P in place and, rounded, as Pᵀ's A pairs, two query rows at a time. A row
                 // whose LSE is −inf sees no key: subtracting +inf makes its P exactly 0.
@@ -240,6 +255,12 @@ impl KeyTileWork for Worker<'_> {
 
                 let dpv = &mut self.dp[..br * sr];
                 mm::product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
+                if sloped {
+                    // dS = (P ∘ slopes) ∘ (dP − D): P's pairs of dV above are taken already.
+                    for i in 0..br {
+                        score::times(&mut p[i * sr..][..bc], &self.slopes[i * sr..][..bc]);
+                    }
+                }
                 // dS rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
                 let mut ds_rows = ds16.chunks_mut(sr);

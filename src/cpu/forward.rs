@@ -441,7 +441,7 @@ impl QueryTileWork for Scratch<'_> {
         self.m[..br].fill(f32::NEG_INFINITY);
         self.l[..br].fill(0.0);
         self.acc[..br * d_v].fill(0.0);
-        let c = x.spec.scale * std::f32::consts::LOG2_E;
+        let sc = super::score::Scores::of(&x.spec);
         let q_base = &x.q[(b * dm.s_q * dm.h_q + h) * d..];
         let k_base = &x.k[(b * dm.s_k * dm.h_kv + hk) * d..];
         let v_base = &x.v[(b * dm.s_k * dm.h_kv + hk) * d_v..];
@@ -463,8 +463,19 @@ impl QueryTileWork for Scratch<'_> {
                 for (rows, keys) in &blocks {
                     let q_rows = q_tile.rows_of(rows.clone());
                     let k_rows = View::rows(k_base, ks.start + keys.start, keys.len(), d, kv_rs);
-                    matmul_strided(&mut st[keys.start * br + rows.start..], 1, br, q_rows, k_rows.t(), c, false);
+                    matmul_strided(
+                        &mut st[keys.start * br + rows.start..],
+                        1,
+                        br,
+                        q_rows,
+                        k_rows.t(),
+                        sc.factor(),
+                        false,
+                    );
                 }
+                // The score options before the mask (entries outside a block's reach are
+                // masked below whatever they hold).
+                sc.finish_row(st);
                 if kind == TileKind::Partial {
                     for j in 0..bc {
                         x.vis.mask_key_column(&mut st[j * br..(j + 1) * br], qs.start, ks.start + j);

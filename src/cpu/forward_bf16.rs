@@ -21,6 +21,7 @@
 use super::bf16_rows as rows;
 use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
+use super::score::Scores;
 use super::simd;
 use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf};
 use crate::attention::{classify, Span, TileKind};
@@ -57,6 +58,8 @@ struct Worker<'a> {
     /// lazily rescaled tile's shifted scores with their sums ([`mm::product_exp2_bf16`]).
     maxes: Vec<f32>,
     sums: Vec<f32>,
+    /// How the scores are formed.
+    scores: Scores,
 }
 
 impl<'a> Worker<'a> {
@@ -79,6 +82,7 @@ impl<'a> Worker<'a> {
             p: vec![0; bq * sr / 2],
             maxes: vec![0.0; bq * 16],
             sums: vec![0.0; bq * 16],
+            scores: Scores::of(&x.spec),
         }
     }
 
@@ -129,6 +133,10 @@ impl<'a> Worker<'a> {
         } else {
             let lanes = mm::Reach::lanes(key_reach);
             mm::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), lanes);
+            // The score options before the mask (lanes outside a block's reach are masked below).
+            for row in s.chunks_exact_mut(sr) {
+                self.scores.finish_row(&mut row[..bc]);
+            }
         }
         if kind == TileKind::Partial {
             mask_rows(x.vis, s, sr, br, bc, qs.start, ks.start);
@@ -156,7 +164,7 @@ impl QueryTileWork for Worker<'_> {
         let hk = dm.kv_head(h);
         let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d_v) * 16);
         self.st.start(br);
-        let c = x.spec.scale * std::f32::consts::LOG2_E;
+        let c = self.scores.factor();
         let qa = self.queries.at(b, h, qs.start);
         for (t, ks) in self.k_spans.iter().enumerate() {
             let kind = classify(x.vis, qs, ks);
@@ -173,7 +181,7 @@ impl QueryTileWork for Worker<'_> {
             };
             // A fully visible tile without padding lanes, once every row has a running max:
             // P in the product's epilogue against it, the output not rescaled.
-            let whole = kind == TileKind::Full && bc % 16 == 0;
+            let whole = kind == TileKind::Full && bc % 16 == 0 && self.scores.fused();
             let lazy = whole && self.st.all_finite() && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
             if !lazy {
                 self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);

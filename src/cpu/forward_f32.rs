@@ -23,6 +23,7 @@ use super::forward::{
     drive_into, drive_packed, ForwardInputs, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET,
 };
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
+use super::score::Scores;
 use super::simd;
 use super::tiles::{call_spans, mask_rows, reach, rows_finite, ReachOf};
 use crate::attention::{classify, Span, TileKind};
@@ -85,7 +86,7 @@ impl<'a> Worker<'a> {
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let (s, sr, n16) = (&mut self.s[..br * t.sr], t.sr, mm::vectors(t.ks.len));
-        mm::product_exp2(s, sr, br, n16, t.qa, t.kop, t.d, t.c, &self.st.m[..br], maxes, sums);
+        mm::product_exp2(s, sr, br, n16, t.qa, t.kop, t.d, t.scores.factor(), &self.st.m[..br], maxes, sums);
         // SAFETY: this worker runs only where AVX512F is (asserted in `forward`).
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
         let bounded = x_max <= LAZY_GROWTH && total.is_finite();
@@ -123,7 +124,11 @@ impl<'a> Worker<'a> {
         let (br, bc, vis) = (t.qs.len, t.ks.len, self.x.vis);
         let s = &mut self.s[..br * t.sr];
         let reach = mm::Reach::lanes(key_reach);
-        mm::product(s, t.sr, br, mm::vectors(bc), t.qa, t.kop, t.d, Epilogue::Set(t.c), reach);
+        mm::product(s, t.sr, br, mm::vectors(bc), t.qa, t.kop, t.d, Epilogue::Set(t.scores.factor()), reach);
+        // The score options before the mask (lanes outside a block's reach are masked below).
+        for row in s.chunks_exact_mut(t.sr) {
+            t.scores.finish_row(&mut row[..bc]);
+        }
         if t.kind == TileKind::Partial {
             mask_rows(vis, s, t.sr, br, bc, t.qs.start, t.ks.start);
         }
@@ -134,12 +139,12 @@ impl<'a> Worker<'a> {
     /// epilogue.
     fn exact(&mut self, t: &Tile, key_reach: &[Range<usize>]) {
         let (br, bc) = (t.qs.len, t.ks.len);
-        let whole = t.kind == TileKind::Full && bc % 16 == 0;
+        let whole = t.kind == TileKind::Full && bc % 16 == 0 && t.scores.fused();
         if whole {
             let maxes = &mut self.maxes[..16 * br];
             maxes.fill(f32::NEG_INFINITY);
             let s = &mut self.s[..br * t.sr];
-            mm::product_max(s, t.sr, br, mm::vectors(bc), t.qa, t.kop, t.d, t.c, maxes);
+            mm::product_max(s, t.sr, br, mm::vectors(bc), t.qa, t.kop, t.d, t.scores.factor(), maxes);
         } else {
             self.scores(t, key_reach);
         }
@@ -191,13 +196,12 @@ struct Tile<'a> {
     kop: BOperand<'a, f32>,
     vop: BOperand<'a, f32>,
     v_base: &'a [f32],
-    /// Head sizes (q/k and v), `S`'s and the output's row lengths, the scores' scale (log2
-    /// units).
+    /// Head sizes (q/k and v), `S`'s and the output's row lengths, how the scores are formed.
     d: usize,
     d_v: usize,
     sr: usize,
     or: usize,
-    c: f32,
+    scores: Scores,
 }
 
 impl QueryTileWork for Worker<'_> {
@@ -229,7 +233,7 @@ impl QueryTileWork for Worker<'_> {
                 d_v,
                 sr: keys.key_vectors * 16,
                 or,
-                c: x.spec.scale * std::f32::consts::LOG2_E,
+                scores: Scores::of(&x.spec),
             };
             let key_reach = match kind {
                 TileKind::Partial => reach(x.vis, qs, ks, mm::BLOCK_ROWS, ReachOf::QueryBlocks),
@@ -242,7 +246,7 @@ impl QueryTileWork for Worker<'_> {
             };
             if self.st.all_finite() {
                 let lazy = match kind {
-                    TileKind::Full if ks.len % 16 == 0 => self.lazy_whole(&t),
+                    TileKind::Full if ks.len % 16 == 0 && t.scores.fused() => self.lazy_whole(&t),
                     _ => self.lazy_partial(&t, &key_reach),
                 };
                 if lazy {

@@ -27,6 +27,7 @@ mod forward_f32;
 mod matmul;
 mod products;
 pub(crate) mod reuse;
+mod score;
 pub(crate) mod simd;
 pub(crate) mod tiles;
 

@@ -242,6 +242,8 @@ macro_rules! dispatch {
     };
 }
 
+pub(crate) use dispatch;
+
 dispatch!(
     /// `row = 2^(row - sub)`.
     exp2_sub => exp2_sub_impl(row: &mut [f32], sub: f32) -> (), avx512: avx512::exp2_sub

@@ -391,6 +391,7 @@ impl CudaDevice {
         self.check_stream(stream)?;
         let dims = x.dims;
         crate::runner::check_supported(super::BACKEND, &dims, x.dtype)?;
+        crate::runner::check_score(super::BACKEND, &x.spec)?;
         if dims.h_kv == 0 || dims.h_q == 0 || !dims.h_q.is_multiple_of(dims.h_kv) {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
@@ -723,7 +724,7 @@ impl CudaDevice {
             let (o, _go) = o.device_ptr(stream);
             let (d_o, _gdo) = d_o.device_ptr(stream);
             let (delta, _gd) = delta.device_ptr_mut(stream);
-            let problem = FlashProblem::new(dims, &crate::attention::ScoreSpec { scale: 0.0 });
+            let problem = FlashProblem::new(dims, &crate::attention::ScoreSpec::default());
             let p = FlashBwdParams { o, d_o, delta, ..FlashBwdParams::of(problem, DqMode::default()) };
             self.launch(stream, "flash_bwd", &entry("flash_bwd_rowsum", dtype), geometry::rowsum(dims), &p)?;
         }

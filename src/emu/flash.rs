@@ -129,6 +129,7 @@ fn mask_params(vis: &Visibility, bounds: &Option<MaskBounds>) -> MaskParams {
 fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
     let ForwardJob { dims, dtype, q, k, v, vis, spec, round_o } = *x;
     check_supported(BACKEND, &dims, dtype)?;
+    runner::check_score(BACKEND, &spec)?;
     let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
     let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
     let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
@@ -203,6 +204,7 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     let f = &x.fwd;
     let dims = f.dims;
     check_supported(BACKEND, &dims, f.dtype)?;
+    runner::check_score(BACKEND, &f.spec)?;
     let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
     let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
     let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
@@ -313,7 +315,7 @@ pub(crate) fn rowsum(dims: Dims, o: &[f32], d_o: &[u16], dtype: DType, opts: &Em
         o: o.as_ptr() as u64,
         d_o: d_o.as_ptr() as u64,
         delta: delta.as_mut_ptr() as u64,
-        ..FlashBwdParams::of(FlashProblem::new(&dims, &ScoreSpec { scale: 0.0 }), DqMode::default())
+        ..FlashBwdParams::of(FlashProblem::new(&dims, &ScoreSpec::default()), DqMode::default())
     };
     let l = EmuLaunch::new(geometry::rowsum(&dims), opts)?;
     let mut msg = [0u8; 1024];

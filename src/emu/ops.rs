@@ -484,8 +484,8 @@ impl Buffers for EmuDevice {
 }
 
 impl crate::parallel::Backend for EmuDevice {
-    fn supports(&self, dims: &crate::Dims, dtype: DType) -> Result<()> {
-        self.flash.supports(dims, dtype)
+    fn supports(&self, dims: &crate::Dims, dtype: DType, spec: &crate::attention::ScoreSpec) -> Result<()> {
+        self.flash.supports(dims, dtype, spec)
     }
 
     fn forward_block(

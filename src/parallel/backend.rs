@@ -149,13 +149,14 @@ pub trait Buffers: Sync {
 /// call nothing else, so another backend (the emulated or CUDA kernels, with device buffers)
 /// plugs in without touching them. Steps are asynchronous: each returns a [`Pending`] handle.
 pub trait Backend: Buffers {
-    /// Checks that this backend computes on `dtype` inputs of `dims` (called by the drivers
-    /// before any step, so that every rank reports the same error). The CPU backend takes
-    /// everything.
+    /// Checks that this backend computes on `dtype` inputs of `dims` with scores formed as
+    /// `spec` says (called by the drivers before any step, so that every rank reports the
+    /// same error: an option a backend cannot honour is refused, never dropped). The CPU
+    /// backend takes everything.
     ///
     /// # Errors
     /// [`crate::Error::BackendUnsupported`] or a dtype error naming the offending value.
-    fn supports(&self, _dims: &Dims, _dtype: crate::DType) -> Result<()> {
+    fn supports(&self, _dims: &Dims, _dtype: crate::DType, _spec: &crate::attention::ScoreSpec) -> Result<()> {
         Ok(())
     }
 

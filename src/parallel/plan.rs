@@ -366,7 +366,8 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     ) -> Result<Self> {
         let world = comm.size();
         let params = source.params();
-        let local: Result<String> = backend.supports(dims, dtype).and_then(|_| {
+        let spec = crate::attention::ScoreSpec::of(&params.attention, dims);
+        let local: Result<String> = backend.supports(dims, dtype, &spec).and_then(|_| {
             params.validate(world, dims.h_q)?;
             // Every rank's positions where they are known before the token counts are.
             let resolved = match source {

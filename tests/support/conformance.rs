@@ -1,11 +1,16 @@
 //! The conformance check every backend passes: each strategy (`Strategy::ALL`, with its
-//! world size and every layout it takes) × masks, forward and backward over in-process
-//! ranks, against the float64 oracle; the communicator in a given message order. One table
+//! world size and every layout it takes) × masks and score options, forward and backward
+//! over in-process ranks, against the float64 oracle; the communicator in a given message
+//! order. A score option the backend does not take (its `Backend::supports` refuses it) must
+//! be refused by every strategy's call, naming the option — never run without it. One table
 //! here, one macro line per (backend, dtype, order) in the test files.
 
+use ringattn::attention::ScoreSpec;
 use ringattn::comm::{LocalOptions, MessageOrder};
 use ringattn::parallel::{run_in_process, Backend, ParallelParams, Strategy};
-use ringattn::{random::randn, reference, verify, AttentionParams, DType, Documents, HostBuf, Layout, Mask, Tensor};
+use ringattn::{
+    random::randn, reference, verify, AttentionParams, DType, Dims, Documents, HostBuf, Layout, Mask, Tensor,
+};
 
 /// `(strategy, world, Ulysses degree)` of the check: every strategy of the registry once, at
 /// the world size its rules state exercises it (`Strategy::check_world`).
@@ -37,10 +42,26 @@ pub fn layouts(strategy: Strategy) -> Vec<Layout> {
 /// kv heads, d = 16) and messages matched in `order`; panics naming the configuration that
 /// fails.
 pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DType, order: MessageOrder) {
-    let cases = [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }]
-        .map(|mask| AttentionParams { mask, ..Default::default() });
+    let masks = [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }];
+    let mut cases: Vec<AttentionParams> = masks.map(|mask| AttentionParams { mask, ..Default::default() }).into();
+    cases.extend(score_options());
     let inputs = Inputs::drawn((1, 77, 4, 2), (16, 16), dtype, 11);
     sweep(backend, &inputs, &cases, 3, LocalOptions { order, ..Default::default() });
+}
+
+/// Every score option of [`ScoreSpec`] in use, on masks: soft-caps at tanh's bend (the
+/// drawn scores, scaled by 1/4, are about 1) under a causal mask, and with a scale under a
+/// sliding window.
+pub fn score_options() -> Vec<AttentionParams> {
+    vec![
+        AttentionParams { mask: Mask::Causal, softcap: Some(1.5), ..Default::default() },
+        AttentionParams {
+            mask: Mask::Window { left: Some(20), right: Some(0) },
+            scale: Some(0.6),
+            softcap: Some(4.0),
+            ..Default::default()
+        },
+    ]
 }
 
 /// Multi-head latent attention's head dims, `d_qk ≠ d_v`, on `backend` with `dtype` inputs:
@@ -98,7 +119,24 @@ fn sweep<Be: Backend<Buf = HostBuf>>(
 ) {
     let Inputs { q, k, v, d_o } = x;
     let dtype = q.dtype();
+    let dims = Dims::of(q, k, v).expect("dims");
     for attention in cases {
+        // An option the backend does not take: every strategy's call is refused naming it.
+        let spec = ScoreSpec::of(attention, &dims);
+        if let Err(refusal) = backend.supports(&dims, dtype, &spec) {
+            let option = spec.modifiers().unwrap_or_else(|| panic!("{refusal} for plain scores {attention:?}"));
+            for (strategy, world, ulysses_degree) in strategies() {
+                let params =
+                    ParallelParams { strategy, attention: attention.clone(), ulysses_degree, ..Default::default() };
+                match run_in_process(world, options, backend, q, k, v, Some(d_o), &params) {
+                    Ok(_) => panic!("{strategy} x{world} ran {attention:?}, which its backend refuses: {refusal}"),
+                    Err(e) => {
+                        assert!(e.to_string().contains(&option), "{strategy} x{world}: {e} does not name {option}")
+                    }
+                }
+            }
+            continue;
+        }
         let oracle = reference::backward(q, k, v, d_o, attention).expect("oracle");
         let naive = reference::naive_rounded(q, k, v, Some(d_o), None, attention, dtype).expect("naive model");
         for (strategy, world, ulysses_degree) in strategies() {
@@ -111,9 +149,10 @@ fn sweep<Be: Backend<Buf = HostBuf>>(
                     ..Default::default()
                 };
                 let what = format!(
-                    "{strategy} x{world} {layout:?} {:?} documents {} {dtype} {:?} q {:?} v {:?}",
+                    "{strategy} x{world} {layout:?} {:?} documents {} softcap {:?} {dtype} {:?} q {:?} v {:?}",
                     attention.mask,
                     attention.documents.is_some(),
+                    attention.softcap,
                     options.order,
                     q.shape(),
                     v.shape()

@@ -23,6 +23,10 @@ pub struct MaskArgs {
     /// Packed documents: comma-separated lengths summing to the key sequence length.
     #[arg(long, value_name = "A,B,...")]
     pub seqlens: Option<String>,
+    /// Tanh soft-cap C of the scaled scores (Gemma 2: 50): a score s enters the softmax as
+    /// C·tanh(s/C). A backend that cannot honour it refuses the call.
+    #[arg(long, value_name = "C")]
+    pub softcap: Option<f32>,
 }
 
 impl MaskArgs {
@@ -53,7 +57,12 @@ impl MaskArgs {
             None => None,
             Some(list) => Some(Documents::new(parse_list(list, "--seqlens")?)?),
         };
-        Ok(AttentionParams { mask, documents, scale: self.scale })
+        if let Some(c) = self.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::Softcap(c));
+            }
+        }
+        Ok(AttentionParams { mask, documents, scale: self.scale, softcap: self.softcap })
     }
 }
 

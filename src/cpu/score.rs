@@ -1,0 +1,197 @@
+//! How the CPU's paths turn products `q·k` into the scores their softmax takes: the one
+//! place that knows the score options of [`ScoreSpec`] (a new one changes this file, not
+//! the paths).
+//!
+//! Every path works in log2 units (its exponentials are `2^x`). A path forms a tile's
+//! products with [`Scores::factor`] (a product epilogue's scale, or `matmul`'s alpha), then
+//! maps each row with [`Scores::finish_row`] — nothing without a soft-cap — *before* it
+//! masks the tile (masked entries are set afterwards, so a cap never reaches them). The
+//! backward takes the scores' slopes ([`Scores::slope_row`]) before it turns them into
+//! probabilities and multiplies the probabilities by them before `dS = P ∘ (dP − D)`.
+//! A path with a fused score epilogue runs it only when [`Scores::fused`] (plain scores).
+
+use super::simd;
+use crate::attention::ScoreSpec;
+
+/// The scores of a call, in log2 units: `c · dot` with `c = scale · log2(e)`, or with a
+/// soft-cap `cap` (natural units) `cap2 · tanh(dot · scale / cap)` with `cap2 = cap · log2(e)`
+/// (the capped natural score `cap · tanh(scale · dot / cap)` times `log2(e)`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Scores {
+    /// The products' factor: `c`, or `scale / cap` under a cap.
+    factor: f32,
+    /// `cap2`, under a cap.
+    cap2: Option<f32>,
+}
+
+impl Scores {
+    pub(crate) fn of(spec: &ScoreSpec) -> Scores {
+        match spec.softcap {
+            None => Scores { factor: spec.scale * std::f32::consts::LOG2_E, cap2: None },
+            Some(cap) => Scores { factor: spec.scale / cap, cap2: Some(cap * std::f32::consts::LOG2_E) },
+        }
+    }
+
+    /// The factor a path's score products take (their epilogue scale or `matmul` alpha).
+    pub(crate) fn factor(self) -> f32 {
+        self.factor
+    }
+
+    /// Whether the products times [`Scores::factor`] are the scores themselves, so that a
+    /// fused epilogue (exponentials of the products as they are stored) may run.
+    pub(crate) fn fused(self) -> bool {
+        self.cap2.is_none()
+    }
+
+    /// Maps products already multiplied by [`Scores::factor`] to scores (in place): the
+    /// identity without a cap. Call before masking.
+    pub(crate) fn finish_row(self, row: &mut [f32]) {
+        if let Some(cap2) = self.cap2 {
+            cap_row(row, cap2);
+        }
+    }
+
+    /// The derivative of each score of `scores` (as [`Scores::finish_row`] left them, then
+    /// masked) by its plainly scaled product, into `slopes`: `1 − tanh²` under a cap, 0 for
+    /// a masked (`-inf`) score. `None` (nothing written) without a cap, where every slope is
+    /// 1.
+    pub(crate) fn slope_row(self, scores: &[f32], slopes: &mut [f32]) -> Option<()> {
+        let cap2 = self.cap2?;
+        slope_row(scores, 1.0 / cap2, slopes);
+        Some(())
+    }
+}
+
+/// `row[j] *= by[j]`: a backward's probabilities times their scores' slopes, before
+/// `dS = P ∘ (dP − D)`.
+pub(crate) fn times(row: &mut [f32], by: &[f32]) {
+    times_impl(row, by)
+}
+
+/// `tanh(x)` in f32 within a few units in the last place, branch-free (so that the row
+/// kernels vectorise it): an odd Taylor polynomial to `x¹⁷` below `|x| = 0.55` (truncation
+/// below 1e-8 relative), `1 − 2 / (2^(2|x| log2 e) + 1)` with the crate's `exp2` above, the
+/// sign restored. NaN stays NaN; `±inf` gives `±1`.
+#[inline(always)]
+pub(crate) fn tanh<const FMA: bool>(x: f32) -> f32 {
+    // Taylor coefficients of tanh: x + Σ a_k x^(2k+1), k = 1..8.
+    const A: [f32; 8] = [
+        -1.0 / 3.0,
+        2.0 / 15.0,
+        -17.0 / 315.0,
+        62.0 / 2835.0,
+        -1382.0 / 155_925.0,
+        21_844.0 / 6_081_075.0,
+        -929_569.0 / 638_512_875.0,
+        6_404_582.0 / 10_854_718_875.0,
+    ];
+    let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
+    let a = x.abs();
+    let x2 = x * x;
+    let mut p = A[7];
+    for &c in A[..7].iter().rev() {
+        p = madd(p, x2, c);
+    }
+    let small = madd(p * x2, x, x);
+    // 2|x| log2(e), clamped where tanh is 1 in f32 (and so that exp2 stays finite).
+    let e = simd::exp2::<FMA>((2.0 * std::f32::consts::LOG2_E * a).min(40.0));
+    let large = (1.0 - 2.0 / (e + 1.0)).copysign(x);
+    if a < 0.55 {
+        small
+    } else if x.is_nan() {
+        x
+    } else {
+        large
+    }
+}
+
+/// `row[j] = cap2 · tanh(row[j])`.
+#[inline(always)]
+fn cap_row_impl<const FMA: bool>(row: &mut [f32], cap2: f32) {
+    for x in row.iter_mut() {
+        *x = cap2 * tanh::<FMA>(*x);
+    }
+}
+
+/// `slopes[j] = 1 − t²` with `t = scores[j] · inv_cap2` clamped to `[-1, 1]` (a masked
+/// score, `-inf`, gets 0; NaN stays NaN).
+#[inline(always)]
+fn slope_row_impl<const FMA: bool>(scores: &[f32], inv_cap2: f32, slopes: &mut [f32]) {
+    for (g, &s) in slopes.iter_mut().zip(scores) {
+        let t = (s * inv_cap2).clamp(-1.0, 1.0);
+        *g = if FMA { (-t).mul_add(t, 1.0) } else { 1.0 - t * t };
+    }
+}
+
+/// `row[j] *= by[j]`.
+#[inline(always)]
+fn times_impl_generic<const FMA: bool>(row: &mut [f32], by: &[f32]) {
+    for (x, &g) in row.iter_mut().zip(by) {
+        *x *= g;
+    }
+}
+
+crate::cpu::simd::dispatch!(
+    /// `row = cap2 · tanh(row)`.
+    cap_row => cap_row_impl(row: &mut [f32], cap2: f32) -> ()
+);
+crate::cpu::simd::dispatch!(
+    /// `row *= by`.
+    times_impl => times_impl_generic(row: &mut [f32], by: &[f32]) -> ()
+);
+crate::cpu::simd::dispatch!(
+    /// `slopes = 1 − (scores · inv_cap2)²`.
+    slope_row => slope_row_impl(scores: &[f32], inv_cap2: f32, slopes: &mut [f32]) -> ()
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row kernels' tanh against f64's on a dense sweep across the branch point and into
+    /// saturation, on every instruction set the processor has (the dispatchers) and the
+    /// portable code: within 4 units in the last place of the result (or 1e-7 absolute near
+    /// 0, where f32's own spacing is finer); NaN kept, infinities saturate.
+    #[test]
+    fn tanh_is_accurate_everywhere() {
+        let xs: Vec<f32> = (-40_000..=40_000).map(|i| i as f32 * 2.5e-4).chain([1e-30, -3e-8, 200.0, -1e30]).collect();
+        let check = |got: &[f32], what: &str| {
+            for (&x, &t) in xs.iter().zip(got) {
+                let want = (x as f64).tanh();
+                let err = (t as f64 - want).abs();
+                assert!(err <= 4.0 * f32::EPSILON as f64 * want.abs() + 1e-12, "{what}: tanh({x}) = {t}, want {want}");
+            }
+        };
+        let mut row = xs.clone();
+        cap_row(&mut row, 1.0);
+        check(&row, "dispatched");
+        let portable: Vec<f32> = xs.iter().map(|&x| tanh::<false>(x)).collect();
+        check(&portable, "portable");
+        let mut odd = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+        cap_row(&mut odd, 2.0);
+        assert!(odd[0].is_nan());
+        assert_eq!(&odd[1..], &[2.0, -2.0]);
+    }
+
+    /// `Scores` reproduces the spec's score (in log2 units) and its slope.
+    #[test]
+    fn scores_follow_the_spec() {
+        for spec in [ScoreSpec { scale: 0.3, softcap: None }, ScoreSpec { scale: -0.7, softcap: Some(5.0) }] {
+            let s = Scores::of(&spec);
+            let dots: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.9).collect();
+            let mut row: Vec<f32> = dots.iter().map(|&d| d * s.factor()).collect();
+            s.finish_row(&mut row);
+            let mut slopes = vec![0.0; row.len()];
+            let sloped = s.slope_row(&row, &mut slopes).is_some();
+            assert_eq!(sloped, spec.softcap.is_some());
+            for ((&d, &got), &g) in dots.iter().zip(&row).zip(&slopes) {
+                let want = spec.score(d) * std::f32::consts::LOG2_E;
+                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{spec:?} dot {d}: {got} vs {want}");
+                if let Some(cap) = spec.softcap {
+                    let th = (spec.scale as f64 * d as f64 / cap as f64).tanh();
+                    assert!((g as f64 - (1.0 - th * th)).abs() <= 1e-5, "{spec:?} slope at {d}: {g}");
+                }
+            }
+        }
+    }
+}
