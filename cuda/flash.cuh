@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "score.cuh"
 
 // Element types: 16-bit storage, f32 arithmetic.
 struct Bf16 {

@@ -105,7 +105,7 @@ __device__ void flash_bwd_rowunit(const FlashBwdParams& p) {
     }
     const float kmax = gmem_load(p.kv_bound + 2 * (bi * p.x.h_kv + hk));
     const float vmax = gmem_load(p.kv_bound + 2 * (bi * p.x.h_kv + hk) + 1);
-    const float r = fabsf(p.x.scale) * kmax * fmaf(sqrtf(n2), vmax, fabsf(gmem_load(p.delta + row)));
+    const float r = fabsf(p.x.score.scale) * kmax * fmaf(sqrtf(n2), vmax, fabsf(gmem_load(p.delta + row)));
     float unit = 1.0f;
     if (!(r < INFINITY)) {
         unit = NAN;  // NaN or +inf
@@ -134,7 +134,7 @@ __device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
 
 // kOwnDv (here and in the dk/dv kernel): V, dO and dV of their own head dim p.x.d_v (the entry
 // points ..._d{D}_dv); otherwise p.x.d_qk serves every tensor and p.x.d_v is not read.
-template <typename T, int D, bool kOwnDv = false>
+template <typename T, int D, bool kOwnDv, bool kCapped>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     using Tr = DqTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
@@ -143,6 +143,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     constexpr int kUnrollK = 1;
     const int64_t d = p.x.d_qk;                                     // q, k, dq
     auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // v, d_o
+    const BackwardScores scores = BackwardScores::of(p.x.score);
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.x.h_q / p.x.h_kv);
     const int64_t q0 = int64_t(blockIdx.x) * Tr::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -262,12 +263,24 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                     mma_16816<T>(dp[n + 1], ad, bv + 2);
                 }
             }
-            // dS = P (dP - delta), in place of s; masked scores give 0.
-            RINGATTN_UNROLL
-            for (int n = 0; n < kNT; ++n) {
+            // dS = P (dP - delta) (times the scores' slopes under a soft-cap: score.cuh), in place
+            // of s; masked scores give 0.
+            {
+                if constexpr (kCapped) {
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kNT; ++n) {
+                        RINGATTN_UNROLL
+                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped>(s[n][e]);
+                    }
+                }
                 RINGATTN_UNROLL
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = ex2_approx(fmaf(s[n][e], p.x.scale_log2, -lse2[e / 2])) * (dp[n][e] - delta[e / 2]);
+                for (int n = 0; n < kNT; ++n) {
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) {
+                        float slope;
+                        const float pv = scores.template prob<kCapped>(s[n][e], lse2[e / 2], slope);
+                        s[n][e] = (pv * slope) * (dp[n][e] - delta[e / 2]);
+                    }
                 }
             }
             if (masked) {
@@ -316,7 +329,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     constexpr int kStageStride = StageStride<D>::value;
     static_assert(Tr::kWarps * 16 * kStageStride * 4 <= Tr::kSmemBoundsOffset, "the dq rows fit where the tiles were");
     float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStageStride;
-    const float scale2[2] = {p.x.scale, p.x.scale};
+    const float scale2[2] = {p.x.score.scale, p.x.score.scale};
     stage_fragments<1, kDT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kDT][4]>(acc), scale2);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     const int64_t w0 = q0 + warp * 16;
@@ -335,13 +348,29 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         for (int n = 0; n < kDT; ++n) {
             const int64_t c = n * 8 + 2 * t;
             if (c < d) {
-                gmem_store(out + c, acc[n][2 * r] * p.x.scale);
-                gmem_store(out + c + 1, acc[n][2 * r + 1] * p.x.scale);
+                gmem_store(out + c, acc[n][2 * r] * p.x.score.scale);
+                gmem_store(out + c + 1, acc[n][2 * r + 1] * p.x.score.scale);
             }
         }
     }
 #endif
 }
+
+// The soft-capped variant of the dk/dv kernels (score.cuh) on sm_100 and later: its S^T/dP^T
+// loop rolled (unrolled, it spills 8 to 56 bytes at d64 beside the plain variant), and none at
+// class 128, where it spills whatever its unrolling (the plain kernel holds 254-255 registers
+// there): the host refuses the soft-cap for the FA2 backward of that class on those
+// architectures (src/kernels.rs `geometry::capped_backward`), and the entry point traps
+// rather than run it without the cap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define RINGATTN_CAPPED_ROLLED true
+#define RINGATTN_CAPPED_AT(D) ((D) != 128)
+#define RINGATTN_CAPPED_MISSING() __trap()
+#else
+#define RINGATTN_CAPPED_ROLLED false
+#define RINGATTN_CAPPED_AT(D) true
+#define RINGATTN_CAPPED_MISSING() ((void)0)  // the emulator has every variant
+#endif
 
 // The dk/dv kernel's S^T/dP^T loop at d128: unrolled by RINGATTN_DKDV_UNROLL_D128 of its 8
 // steps — all of them since the tile code exists once (no spills on sm_80 ... sm_120; 5.9 ->
@@ -354,15 +383,21 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
 #endif
 #endif
 
-template <typename T, int D, DqAccum kAccum, bool kOwnDv = false>
+template <typename T, int D, DqAccum kAccum, bool kOwnDv, bool kCapped>
 __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     using Tr = DkDvTraits<D, kAccum>;
     constexpr bool kFixed = kAccum == DqAccum::kFixed, kWithDq = Tr::kWithDq;
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
     // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
-    constexpr int kUnrollK = D >= 192 || D == 96 ? 1 : D == 128 ? RINGATTN_DKDV_UNROLL_D128 : D / 16;
+    // The soft-capped variant rolled on sm_100 and later, where unrolled it spills (24 to 56
+    // bytes at d64 and d128, beside the plain variant in the same entry point).
+    constexpr int kUnrollK = kCapped && RINGATTN_CAPPED_ROLLED ? 1
+                             : D >= 192 || D == 96         ? 1
+                             : D == 128                    ? RINGATTN_DKDV_UNROLL_D128
+                                                           : D / 16;
     const int64_t d = p.x.d_qk, group = p.x.h_q / p.x.h_kv;           // q, k, dq, dk
     auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // v, d_o, dv
+    const BackwardScores scores = BackwardScores::of(p.x.score);
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int split = int(blockIdx.x % Tr::kSplits);
     const int64_t k0 = int64_t(blockIdx.x / Tr::kSplits) * Tr::kBlockN;
@@ -425,7 +460,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
             const bool in = q0 + r < p.x.s_q;
             const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + (in ? q0 + r : 0);
             smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
-            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.x.scale : 0.0f);  // scale delta
+            smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.x.score.scale : 0.0f);  // scale delta
             if (kFixed) smem_store(unit_tile(buf) + r, in ? gmem_load(p.dq_unit + st) : 0.0f);
         }
     };
@@ -618,36 +653,60 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
             }
-            RINGATTN_UNROLL_BY(kUnrollK)
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4], av[4];
-                ldmatrix_x4(a, ks + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
-                ldmatrix_x4(av, vs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
-                RINGATTN_UNROLL
-                for (int n = 0; n < kMT; n += 2) {
-                    uint32_t b[4], bd[4];
-                    const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
-                    ldmatrix_x4(b, qt + swz<S, W>(r, c));
-                    ldmatrix_x4(bd, dot + swz<S, W>(r, c));
-                    mma_16816<T>(s[n], a, b);
-                    mma_16816<T>(s[n + 1], a, b + 2);
-                    mma_16816<T>(dp[n], av, bd);
-                    mma_16816<T>(dp[n + 1], av, bd + 2);
+            // S^T = K Q^T (kS) and dP^T = V dO^T (kDp) over the head dim, in one loop when both.
+            auto products = [&](auto with_s, auto with_dp) {
+                constexpr bool kS = decltype(with_s)::value, kDp = decltype(with_dp)::value;
+                RINGATTN_UNROLL_BY(kUnrollK)
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    uint32_t a[4], av[4];
+                    if constexpr (kS) ldmatrix_x4(a, ks + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                    if constexpr (kDp) ldmatrix_x4(av, vs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kMT; n += 2) {
+                        uint32_t b[4], bd[4];
+                        const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
+                        if constexpr (kS) ldmatrix_x4(b, qt + swz<S, W>(r, c));
+                        if constexpr (kDp) ldmatrix_x4(bd, dot + swz<S, W>(r, c));
+                        if constexpr (kS) {
+                            mma_16816<T>(s[n], a, b);
+                            mma_16816<T>(s[n + 1], a, b + 2);
+                        }
+                        if constexpr (kDp) {
+                            mma_16816<T>(dp[n], av, bd);
+                            mma_16816<T>(dp[n + 1], av, bd + 2);
+                        }
+                    }
                 }
-            }
+            };
             // P^T in s, scale dS^T in dp (the softmax scale folded in here, once per score, so
             // that neither dk's epilogue nor dq's atomic adds multiply by it); the columns' lse
-            // and scale delta as pairs (columns 2t, 2t + 1).
-            RINGATTN_UNROLL
-            for (int n = 0; n < kMT; ++n) {
-                const F32x2 l2 = smem_load(reinterpret_cast<const F32x2*>(lt + n * 8 + 2 * t));
-                const F32x2 d2 = smem_load(reinterpret_cast<const F32x2*>(dt + n * 8 + 2 * t));
+            // and scale delta as pairs (columns 2t, 2t + 1). Under a soft-cap (score.cuh) S^T is
+            // prepared before dP^T exists (its registers free for the tanh), and dS^T takes the
+            // scores' slopes.
+            {
+                if constexpr (kCapped) {
+                    products(ScoreVariant<true>{}, ScoreVariant<false>{});
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kMT; ++n) {
+                        RINGATTN_UNROLL
+                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped>(s[n][e]);
+                    }
+                    products(ScoreVariant<false>{}, ScoreVariant<true>{});
+                } else {
+                    products(ScoreVariant<true>{}, ScoreVariant<true>{});
+                }
                 RINGATTN_UNROLL
-                for (int e = 0; e < 4; ++e) {
-                    const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
-                    const float pv = ex2_approx(fmaf(s[n][e], p.x.scale_log2, -lse_c));
-                    dp[n][e] = pv * fmaf(dp[n][e], p.x.scale, -delta_c);
-                    s[n][e] = pv;
+                for (int n = 0; n < kMT; ++n) {
+                    const F32x2 l2 = smem_load(reinterpret_cast<const F32x2*>(lt + n * 8 + 2 * t));
+                    const F32x2 d2 = smem_load(reinterpret_cast<const F32x2*>(dt + n * 8 + 2 * t));
+                    RINGATTN_UNROLL
+                    for (int e = 0; e < 4; ++e) {
+                        const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
+                        float slope;
+                        const float pv = scores.template prob<kCapped>(s[n][e], lse_c, slope);
+                        dp[n][e] = (pv * slope) * fmaf(dp[n][e], p.x.score.scale, -delta_c);
+                        s[n][e] = pv;
+                    }
                 }
             }
             // Masked pairs (whatever their exponential gave: a query past the call has lse -inf)
@@ -785,6 +844,35 @@ extern "C" __global__ void ringattn_flash_bwd_rowunit_f16(FlashBwdParams p) { fl
 extern "C" __global__ void ringattn_flash_bwd_dqconvert_bf16(FlashBwdParams p) { flash_bwd_dqconvert(p); }
 extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { flash_bwd_dqconvert(p); }
 
+// Each backward kernel in two variants behind one entry point, chosen once per launch: plain
+// scores, or soft-capped ones (score.cuh) — each its own code, so that neither perturbs the
+// other's registers (the plain kernels sit at 255 registers on several architectures, where a
+// per-tile branch between the two tips ptxas into spills).
+template <typename T, int D, DqAccum kAccum, bool kOwnDv>
+__device__ __forceinline__ void flash_bwd_dkdv(const FlashBwdParams& p) {
+    if constexpr (RINGATTN_CAPPED_AT(D)) {
+        if (BackwardScores::of(p.x.score).capped()) {
+            flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, true>(p);
+        } else {
+            flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, false>(p);
+        }
+    } else {
+        // No soft-capped variant here (refused on the host): a launch with a cap fails rather
+        // than return gradients without it (checked after the plain kernel, which a branch
+        // around it would push past 255 registers).
+        flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, false>(p);
+        if (BackwardScores::of(p.x.score).capped()) RINGATTN_CAPPED_MISSING();
+    }
+}
+template <typename T, int D, bool kOwnDv>
+__device__ __forceinline__ void flash_bwd_dq(const FlashBwdParams& p) {
+    if (BackwardScores::of(p.x.score).capped()) {
+        flash_bwd_dq_tc<T, D, kOwnDv, true>(p);
+    } else {
+        flash_bwd_dq_tc<T, D, kOwnDv, false>(p);
+    }
+}
+
 // Which kernels each head-dim class has (src/kernels.rs `geometry::backward` launches them):
 // the deterministic backward runs the fused fixed-point dkdvqfx up to class 128 (five
 // products) and from 192 the dq kernel beside dkdv (the fused kernel splits the columns there,
@@ -797,19 +885,19 @@ extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { 
 #define RINGATTN_BWD_ATOMIC(TY, NAME, D, OWN_DV, SFX)                                                     \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
         ringattn_flash_bwd_dkdvq_##NAME##_d##D##SFX(FlashBwdParams p) {                                   \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kF32, OWN_DV>(p);                                               \
+        flash_bwd_dkdv<TY, D, DqAccum::kF32, OWN_DV>(p);                                                   \
     }
 #define RINGATTN_BWD_FIXED(TY, NAME, D, OWN_DV, SFX)                                                      \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
         ringattn_flash_bwd_dkdvqfx_##NAME##_d##D##SFX(FlashBwdParams p) {                                 \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kFixed, OWN_DV>(p);                                             \
+        flash_bwd_dkdv<TY, D, DqAccum::kFixed, OWN_DV>(p);                                                 \
     }
 #define RINGATTN_BWD_SEPARATE(TY, NAME, D, OWN_DV, SFX)                                                                  \
     extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D##SFX(FlashBwdParams p) { \
-        flash_bwd_dq_tc<TY, D, OWN_DV>(p);                                                                              \
+        flash_bwd_dq<TY, D, OWN_DV>(p);                                                                                  \
     }                                                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D##SFX(FlashBwdParams p) { \
-        flash_bwd_dkdv_tc<TY, D, DqAccum::kNone, OWN_DV>(p);                                                            \
+        flash_bwd_dkdv<TY, D, DqAccum::kNone, OWN_DV>(p);                                                                \
     }
 #define RINGATTN_BWD_BOTH(KIND, D) \
     RINGATTN_BWD_##KIND(Bf16, bf16, D, false, ) RINGATTN_BWD_##KIND(F16, f16, D, false, )

@@ -88,6 +88,17 @@ struct HopperBwdStep {
 
 template <typename T, int D, DqAccum kAccum>
 __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperParams& hp, unsigned char* smem);
+
+// Whether the consumer of class D has the soft-capped variant (score.cuh): every class but 128,
+// in the emulator too (src/kernels.rs `geometry::backward_family` sends a soft-capped backward
+// of class 128 to the FA2 family). A launch that asks for it anyway fails.
+template <int D>
+constexpr bool kHopperCappedAt = D != 128;
+#ifdef __CUDACC__
+#define RINGATTN_HOPPER_CAPPED_MISSING() __trap()
+#else
+#define RINGATTN_HOPPER_CAPPED_MISSING() ::emu::fail("a soft-capped Hopper backward of class 128 (it runs on the FA2 family)")
+#endif
 template <int D>
 __device__ __forceinline__ void flash_bwd_hopper_producer(const FlashBwdHopperParams& hp, unsigned char* smem);
 
@@ -221,6 +232,7 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
     constexpr bool kFixed = kAccum == DqAccum::kFixed;
     const FlashBwdParams& p = hp.p;
     const int64_t d = p.x.d_qk, group = p.x.h_q / p.x.h_kv;  // dq, dk (p.x.d_v: dv; the inputs through their maps)
+    const BackwardScores scores = BackwardScores::of(p.x.score);
     const int64_t hk = blockIdx.y, bi = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const BwdBarriers<kStages> bars(smem + Tr::kOffBars);
@@ -315,26 +327,40 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         wgmma_wait_group<0>(s, dp);
 
         // P^T in s, scale dS^T in dp (the softmax scale folded in once per score, so that
-        // neither dk's epilogue nor dq's atomics multiply by it). Masked pairs (queries past
-        // the call among them) give 0 whatever their exponential.
-        RINGATTN_UNROLL
-        for (int j = 0; j < kM / 8; ++j) {
-            const F32x2 lse2 = smem_load(reinterpret_cast<const F32x2*>(stats + 8 * j + 2 * t));
-            const F32x2 delta2 = smem_load(reinterpret_cast<const F32x2*>(stats + kM + 8 * j + 2 * t));
+        // neither dk's epilogue nor dq's atomics multiply by it; the scores' slopes under a
+        // soft-cap: score.cuh). Masked pairs (queries past the call among them) give 0
+        // whatever their exponential.
+        auto probabilities = [&](auto variant) {
+            constexpr bool kCapped = decltype(variant)::value;
             RINGATTN_UNROLL
-            for (int e = 0; e < 2; ++e) {
-                const float lse = (e ? lse2.y : lse2.x) * 1.4426950408889634f;
-                const float delta = (e ? delta2.y : delta2.x) * p.x.scale;
+            for (int j = 0; j < kM / 8; ++j) {
+                const F32x2 lse2 = smem_load(reinterpret_cast<const F32x2*>(stats + 8 * j + 2 * t));
+                const F32x2 delta2 = smem_load(reinterpret_cast<const F32x2*>(stats + kM + 8 * j + 2 * t));
                 RINGATTN_UNROLL
-                for (int r = 0; r < 2; ++r) {
-                    const int v = 4 * j + 2 * r + e;
-                    const float pv = ex2_approx(fmaf(s[v], p.x.scale_log2, -lse));
-                    const float dsv = pv * fmaf(dp[v], p.x.scale, -delta);
-                    const bool keep = (vis >> v) & 1u;
-                    s[v] = keep ? pv : 0.0f;
-                    dp[v] = keep ? dsv : 0.0f;
+                for (int e = 0; e < 2; ++e) {
+                    const float lse = (e ? lse2.y : lse2.x) * 1.4426950408889634f;
+                    const float delta = (e ? delta2.y : delta2.x) * p.x.score.scale;
+                    RINGATTN_UNROLL
+                    for (int r = 0; r < 2; ++r) {
+                        const int v = 4 * j + 2 * r + e;
+                        float slope;
+                        const float pv = scores.template prob<kCapped>(scores.template prepare<kCapped>(s[v]), lse, slope);
+                        const float dsv = (pv * slope) * fmaf(dp[v], p.x.score.scale, -delta);
+                        const bool keep = (vis >> v) & 1u;
+                        s[v] = keep ? pv : 0.0f;
+                        dp[v] = keep ? dsv : 0.0f;
+                    }
                 }
             }
+        };
+        // The soft-capped variant (score.cuh) behind one uniform branch per tile, except at class
+        // 128, where it takes the consumer past its 168 registers (4 bytes spilled): the host runs
+        // a soft-capped backward of that class on the FA2 family (src/kernels.rs
+        // `geometry::backward_family`), and the consumer traps on one at its end.
+        if constexpr (kHopperCappedAt<D>) {
+            scores.dispatch(probabilities);
+        } else {
+            probabilities(ScoreVariant<false>{});
         }
         // The A fragments of P^T and dS^T (K-step ks of 16 queries, register r: elements 8 ks +
         // 2r and 8 ks + 2r + 1).
@@ -441,6 +467,9 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             gmem_store(p.dv + row * p.x.d_v + col, dv[v]);
             gmem_store(p.dv + row * p.x.d_v + col + 1, dv[v + 1]);
         }
+    }
+    if constexpr (!kHopperCappedAt<D>) {
+        if (scores.capped()) RINGATTN_HOPPER_CAPPED_MISSING();
     }
 }
 

@@ -35,7 +35,9 @@
 
 // kOwnDv: V and O have their own head dim p.x.d_v (multi-head latent attention; the entry
 // points ..._d{D}_dv); otherwise p.x.d_qk serves Q, K, V and O and p.x.d_v is not read.
-template <typename T, int D, bool kOwnDv = false>
+// kCapped: the soft-capped variant (score.cuh); kPerTile: both variants behind a uniform
+// branch per tile instead (kCapped then unused).
+template <typename T, int D, bool kOwnDv, bool kCapped, bool kPerTile>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     using Tr = FwdTraits<D>;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
@@ -108,8 +110,10 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 
     // The softmax scale folded into one FFMA per score: exp2(s sc - m sc) with sc >= 0. A
     // negative scale negates Q instead (exact in 16 bits: s sc = (-s)(-sc)), once per block.
-    const bool negate_q = p.x.scale_log2 < 0.0f;
-    const float sc = negate_q ? -p.x.scale_log2 : p.x.scale_log2;
+    // Under a soft-cap the raw scores are capped first and sc is 1 (score.cuh).
+    const bool negate_q = p.x.score.scale_log2 < 0.0f;
+    const ForwardScores scores = kPerTile ? ForwardScores::any(p.x.score) : ForwardScores::of<kCapped>(p.x.score);
+    const float sc = scores.sc;
 
     // Fragment rows (flash.cuh SwzRow; the swizzle depends on the row modulo 8, so whole
     // 8-row steps add a constant): K rows for S = Q K^T (k chunks 2kk, 2kk + 1), V rows for
@@ -220,6 +224,17 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     }
                 }
             };
+            // The score options before the mask (score.cuh): the soft-capped variant's.
+            if (kPerTile ? scores.capped() : kCapped) {
+                RINGATTN_UNROLL
+                for (int mt = 0; mt < kMT; ++mt) {
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kNT; ++n) {
+                        RINGATTN_UNROLL
+                        for (int e = 0; e < 4; ++e) s[mt][n][e] = scores.cap(s[mt][n][e]);
+                    }
+                }
+            }
             if (masked) for_masked([](float& x) { x = -INFINITY; });
             float mt_max[kR];
             RINGATTN_UNROLL
@@ -380,15 +395,34 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     }
 }
 
+// Each forward in two variants behind one entry point: plain scores, or soft-capped ones
+// (score.cuh). Class 96 instantiates each variant on its own, chosen once per launch (a
+// per-tile branch between them moved its plain instructions per HMMA by 5-6%); the others
+// branch per tile (two instantiations push classes 64 and 128, at 255 registers, into spills
+// of 40-88 bytes, and move class 192's rolled loop by 6%; the branch leaves the plain SASS of
+// 32, 64, 128 and 256 as it was, and class 192's within 1.1%).
+template <typename T, int D, bool kOwnDv>
+__device__ __forceinline__ void flash_fwd(const FlashFwdParams& p) {
+    if constexpr (D == 96) {
+        if (p.x.score.softcap_log2 > 0.0f) {
+            flash_fwd_tc<T, D, kOwnDv, true, false>(p);
+        } else {
+            flash_fwd_tc<T, D, kOwnDv, false, false>(p);
+        }
+    } else {
+        flash_fwd_tc<T, D, kOwnDv, false, true>(p);
+    }
+}
+
 #define RINGATTN_FWD_ENTRY(TY, NAME, D) \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D(FlashFwdParams p) { \
-        flash_fwd_tc<TY, D>(p); \
+        flash_fwd<TY, D, false>(p); \
     }
 #define RINGATTN_FWD_ENTRIES(D) RINGATTN_FWD_ENTRY(Bf16, bf16, D) RINGATTN_FWD_ENTRY(F16, f16, D)
 // V and O of their own head dim (src/kernels.rs `geometry::OWN_DV_CLASSES`).
 #define RINGATTN_FWD_DV_ENTRY(TY, NAME, D) \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D##_dv(FlashFwdParams p) { \
-        flash_fwd_tc<TY, D, true>(p); \
+        flash_fwd<TY, D, true>(p); \
     }
 #define RINGATTN_FWD_DV_ENTRIES(D) RINGATTN_FWD_DV_ENTRY(Bf16, bf16, D) RINGATTN_FWD_DV_ENTRY(F16, f16, D)
 RINGATTN_FWD_ENTRIES(32)

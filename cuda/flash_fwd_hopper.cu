@@ -193,8 +193,12 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
     const RowBounds wg_rows =
         classify && wg_live ? tile_query_bounds<64>(p.x.mask, (q0 + 64 * c) / 64, p.x.s_q) : RowBounds{0, 0, 0u, 0u};
 
-    const bool negate = p.x.scale_log2 < 0.0f;
-    const float sc = negate ? -p.x.scale_log2 : p.x.scale_log2;
+    // The raw scores' sign folded (negated for a negative scale), so that the exponent takes
+    // sc >= 0 and the row max commutes with it; under a soft-cap they are capped first and sc
+    // is 1 (score.cuh).
+    const bool negate = p.x.score.scale_log2 < 0.0f;
+    const ForwardScores scores = ForwardScores::any(p.x.score);
+    const float sc = scores.sc;
     const uint32_t q_base = smem_u32(smem) + uint32_t(64 * c) * 128;
     WgmmaAcc<D> o;
     for (int v = 0; v < D / 2; ++v) o[v] = 0.0f;
@@ -267,6 +271,10 @@ __device__ __forceinline__ void flash_fwd_hopper_consumer(const FlashFwdHopperPa
         if (negate) {
             RINGATTN_UNROLL
             for (int v = 0; v < kN / 2; ++v) s[v] = -s[v];
+        }
+        if (scores.capped()) {  // the score options before the mask: one uniform branch per tile
+            RINGATTN_UNROLL
+            for (int v = 0; v < kN / 2; ++v) s[v] = scores.cap(s[v]);
         }
         // The mask: element v of the fragment is row (v >> 1) & 1, key k0 + 8 (v >> 2) + 2t +
         // (v & 1), i.e. bit v % 32 of the visibility of 64-key half v / 32.

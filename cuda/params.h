@@ -61,6 +61,19 @@ struct MaskParams {
 
 static_assert(sizeof(MaskParams) == 80, "MaskParams is mirrored in Rust: 8 pointers + 2 int64");
 
+// How a flash kernel forms its scores from the products q.k (src/attention.rs ScoreSpec,
+// filled by FlashProblem::new in src/kernels.rs; cuda/score.cuh is the device code that reads
+// it): s = scale * q.k, then softcap * tanh(s / softcap) when softcap > 0. The kernels work in
+// log2 units (their exponentials are 2^x), hence the _log2 copies (times log2(e)).
+struct ScoreParams {
+    float scale;         // softmax scale (applied to q.k)
+    float scale_log2;    // scale * log2(e)
+    float softcap;       // tanh soft-cap of the scaled scores; 0: none
+    float softcap_log2;  // softcap * log2(e); 0: none
+};
+
+static_assert(sizeof(ScoreParams) == 16, "ScoreParams is mirrored in Rust: 4 f32");
+
 // The attention problem of a flash kernel call: the first member of the forward's and the
 // backward's params of both kernel families, so that what every flash kernel reads — the
 // 16-bit inputs, the visibility, the shape, the score's options — is declared once (a score
@@ -75,11 +88,10 @@ struct FlashProblem {
     const uint16_t* v;  // [b, s_k, h_kv, d_v]
     MaskParams mask;
     int64_t b, s_q, s_k, h_q, h_kv, d_qk, d_v;
-    float scale;       // softmax scale (applied to q.k)
-    float scale_log2;  // scale * log2(e)
+    ScoreParams score;
 };
 
-static_assert(sizeof(FlashProblem) == 168, "FlashProblem is mirrored in Rust: 3 pointers, the mask, 7 int64, 2 f32");
+static_assert(sizeof(FlashProblem) == 176, "FlashProblem is mirrored in Rust: 3 pointers, the mask, 7 int64, the score");
 static_assert(alignof(FlashProblem) == 8, "FlashProblem alignment");
 
 // flash_fwd.cu: o, lse of the problem's queries against its keys and values. o and lse are
@@ -92,7 +104,7 @@ struct FlashFwdParams {
     uint16_t* o16;  // [b, s_q, h_q, d_v] in the input type, written instead of o when non-null
 };
 
-static_assert(sizeof(FlashFwdParams) == 192, "FlashFwdParams is mirrored in Rust");
+static_assert(sizeof(FlashFwdParams) == 200, "FlashFwdParams is mirrored in Rust");
 static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 
 // flash_fwd_hopper.cu (sm_90a): the forward's params plus the tensor maps of q, k and v
@@ -100,7 +112,7 @@ static_assert(alignof(FlashFwdParams) == 8, "FlashFwdParams alignment");
 // (q) or kBlockN (k, v) rows x 1, 128-byte swizzle). Passed as a __grid_constant__.
 struct FlashFwdHopperParams {
     FlashFwdParams p;
-    uint64_t reserved[8];  // pads p to 256 bytes: the maps are 128-byte aligned
+    uint64_t reserved[7];  // pads p to 256 bytes: the maps are 128-byte aligned
     TensorMap q, k, v;
 };
 
@@ -130,7 +142,7 @@ struct FlashBwdParams {
     int32_t reserved;
 };
 
-static_assert(sizeof(FlashBwdParams) == 248, "FlashBwdParams is mirrored in Rust");
+static_assert(sizeof(FlashBwdParams) == 256, "FlashBwdParams is mirrored in Rust");
 static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 
 // flash_bwd_hopper.cu (sm_90a): the backward's params plus the tensor maps of q, k, v and d_o
@@ -138,8 +150,7 @@ static_assert(alignof(FlashBwdParams) == 8, "FlashBwdParams alignment");
 // block's rows (k, v) x 1, 128-byte swizzle) and of lse and delta (f32 [b, h_q, s_q] as 2-d
 // maps {b h_q s_q, 1}: boxes of 64 x 1, no swizzle). Passed as a __grid_constant__.
 struct FlashBwdHopperParams {
-    FlashBwdParams p;
-    uint64_t reserved[1];  // pads p to 256 bytes: the maps are 128-byte aligned
+    FlashBwdParams p;  // 256 bytes: the maps that follow are 128-byte aligned
     TensorMap q, k, v, d_o, lse, delta;
 };
 

@@ -223,6 +223,14 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
+// 1/x with rcp.approx (at most 1 ulp; subnormal inputs and results flushed to zero: 1/+-0 and
+// 1/subnormal give +-inf, 1/+-inf gives +-0).
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // bf16/f16 conversions, round to nearest even. A packed .bf16x2/.f16x2 register holds the
 // lower-numbered element (`lo`, the one at the lower address) in bits 0..15. PTX cvt puts its
 // FIRST source in the UPPER half, hence the (hi, lo) operand order.
@@ -1516,6 +1524,14 @@ inline void tma_prefetch_map(const TensorMap*) {}
 inline float ex2_approx(float x) {
     const float y = std::exp2(x);
     return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
+
+// rcp.approx.ftz twin: the correctly rounded 1/x (within the instruction's 1 ulp), subnormal
+// inputs and results flushed to zero as .ftz does.
+inline float rcp_approx(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
+    const float y = 1.0f / x;
+    return std::fpclassify(y) == FP_SUBNORMAL ? std::copysign(0.0f, y) : y;
 }
 
 inline void ldmatrix_x4(uint32_t r[4], const void* row) { ::emu::ldmatrix(r, 4, false, row); }

@@ -10,7 +10,9 @@ class). No GPU.
 The model (stated here, used everywhere below):
   * Main loop: of the natural loops of the function's control-flow graph (basic blocks; back
     edges found by a depth-first walk from the entry), the one holding the most HMMA
-    instructions, i.e. the loop over streamed K/V (or Q) tiles. Inside it, edges leaving the
+    instructions, i.e. the loop over streamed K/V (or Q) tiles; of two such loops (a kernel
+    instantiated for plain and soft-capped scores, cuda/score.cuh), the one with the fewest
+    MUFU: the plain scores'. Inside it, edges leaving the
     loop and the back edges of inner loops are dropped, which leaves a DAG.
   * Paths: of the paths from the loop head to its back edge that issue the most HMMAs (a full
     tile: paths that skip the MMAs are fully masked tiles), then the most LDGSTS (a tile that
@@ -254,10 +256,17 @@ def analyse(insns, key="HMMA"):
     for latch, header in back_edges(succ, [0]):
         body = natural_loop(succ, latch, header)
         hmma = sum(stats[k][key] for k in body)
-        loops.append(((hmma, sum(stats[k]["insns"] for k in body)), latch, header, body))
+        mufu = sum(stats[k]["MUFU"] for k in body)
+        loops.append(((hmma, sum(stats[k]["insns"] for k in body)), latch, header, body, mufu))
     if not loops:
         return None
-    (hmma, _), latch, header, body = max(loops, key=lambda l: l[0])
+    # Kernels instantiated for plain and soft-capped scores in one entry point (the FA2
+    # backward: cuda/score.cuh) hold two main loops with as many HMMAs; the plain one is that
+    # with the fewest MUFU (the cap's tanh adds two per score).
+    most = max(l[0][0] for l in loops)
+    (hmma, _), latch, header, body, _ = max(
+        (l for l in loops if l[0][0] == most), key=lambda l: (-l[4], l[0][1])
+    )
     if hmma == 0:
         return None
     # Inner loops: the other loops whose header lies in the main loop's body.

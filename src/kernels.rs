@@ -244,10 +244,37 @@ pub mod params {
         pub d_qk: i64,
         /// Head dimension of v and o (multiple of 8, at most the entry point's class).
         pub d_v: i64,
+        /// How the scores are formed.
+        pub score: ScoreParams,
+    }
+
+    /// `ScoreParams` of `cuda/params.h`: how a flash kernel forms its scores, mirrored from
+    /// [`crate::attention::ScoreSpec`] (`cuda/score.cuh` reads it): `s = scale · q·k`, then
+    /// `softcap · tanh(s / softcap)` when `softcap > 0`; the `_log2` copies times `log2(e)`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct ScoreParams {
         /// Softmax scale.
         pub scale: f32,
         /// `scale · log2(e)`.
         pub scale_log2: f32,
+        /// The tanh soft-cap of the scaled scores; 0: none.
+        pub softcap: f32,
+        /// `softcap · log2(e)`; 0: none.
+        pub softcap_log2: f32,
+    }
+
+    impl ScoreParams {
+        /// The kernels' form of `spec`.
+        pub fn of(spec: &crate::attention::ScoreSpec) -> Self {
+            let cap = spec.softcap.unwrap_or(0.0);
+            ScoreParams {
+                scale: spec.scale,
+                scale_log2: spec.scale * std::f32::consts::LOG2_E,
+                softcap: cap,
+                softcap_log2: cap * std::f32::consts::LOG2_E,
+            }
+        }
     }
 
     impl FlashProblem {
@@ -256,18 +283,7 @@ pub mod params {
         pub fn new(dims: &crate::Dims, spec: &crate::attention::ScoreSpec) -> Self {
             let [b, s_q, s_k, h_q, h_kv, d_qk, d_v] =
                 [dims.b, dims.s_q, dims.s_k, dims.h_q, dims.h_kv, dims.d_qk, dims.d_v].map(|x| x as i64);
-            FlashProblem {
-                b,
-                s_q,
-                s_k,
-                h_q,
-                h_kv,
-                d_qk,
-                d_v,
-                scale: spec.scale,
-                scale_log2: spec.scale * std::f32::consts::LOG2_E,
-                ..Default::default()
-            }
+            FlashProblem { b, s_q, s_k, h_q, h_kv, d_qk, d_v, score: ScoreParams::of(spec), ..Default::default() }
         }
     }
 
@@ -298,7 +314,7 @@ pub mod params {
         pub p: FlashFwdParams,
         /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
         /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
-        pub reserved: [u64; 8],
+        pub reserved: [u64; 7],
         /// Queries' map (boxes of 128 rows).
         pub q: TensorMap,
         /// Keys' map (boxes of the key tile).
@@ -361,11 +377,9 @@ pub mod params {
     #[repr(C, align(128))]
     #[derive(Debug, Clone, Copy, Default, PartialEq)]
     pub struct FlashBwdHopperParams {
-        /// Everything but the maps.
+        /// Everything but the maps: 256 bytes, so that the maps sit at 128-byte multiples of
+        /// the parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
         pub p: FlashBwdParams,
-        /// Padding: `p` to 256 bytes, so that the maps sit at 128-byte multiples of the
-        /// parameter space (CUDA 13's `CUtensorMap` is `alignas(128)`).
-        pub reserved: [u64; 1],
         /// Queries' map (boxes of 64 rows).
         pub q: TensorMap,
         /// Keys' map (boxes of the key block).
@@ -568,11 +582,12 @@ pub mod params {
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
     const _: () = assert!(std::mem::size_of::<MaskParams>() == 80);
-    const _: () = assert!(std::mem::size_of::<FlashProblem>() == 168);
+    const _: () = assert!(std::mem::size_of::<ScoreParams>() == 16);
+    const _: () = assert!(std::mem::size_of::<FlashProblem>() == 176);
     const _: () = assert!(std::mem::align_of::<FlashProblem>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 192);
+    const _: () = assert!(std::mem::size_of::<FlashFwdParams>() == 200);
     const _: () = assert!(std::mem::align_of::<FlashFwdParams>() == 8);
-    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 248);
+    const _: () = assert!(std::mem::size_of::<FlashBwdParams>() == 256);
     const _: () = assert!(std::mem::align_of::<FlashBwdParams>() == 8);
     const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
     const _: () = assert!(std::mem::size_of::<FlashFwdHopperParams>() == 640);
@@ -1140,6 +1155,56 @@ pub mod geometry {
         v
     }
 
+    /// The backward family that honours `spec` when `family` is asked for: the Hopper dk/dv
+    /// kernel of head-dim class 128 has no soft-capped variant (`kHopperCappedAt` in
+    /// `cuda/flash_bwd_hopper.cu`: it would take the consumer past its 168 registers), so a
+    /// soft-capped backward of that class runs on the FA2 family, which takes it (on sm_90a).
+    ///
+    /// ```
+    /// use ringattn::attention::ScoreSpec;
+    /// use ringattn::kernels::geometry::{backward_family, Backward};
+    /// use ringattn::Dims;
+    /// let dims = Dims { b: 1, s_q: 64, s_k: 64, h_q: 2, h_kv: 1, d_qk: 128, d_v: 128 };
+    /// let capped = ScoreSpec { scale: 0.1, softcap: Some(30.0) };
+    /// assert_eq!(backward_family(Backward::Hopper, &dims, &capped), Backward::Fa2);
+    /// assert_eq!(backward_family(Backward::Hopper, &dims, &ScoreSpec { softcap: None, ..capped }), Backward::Hopper);
+    /// ```
+    pub fn backward_family(family: Backward, dims: &Dims, spec: &crate::attention::ScoreSpec) -> Backward {
+        let capped_missing = spec.softcap.is_some() && hopper_head_dim_class(dims.d_max()) == 128;
+        match family {
+            Backward::Hopper if capped_missing => Backward::Fa2,
+            f => f,
+        }
+    }
+
+    /// Whether the FA2 backward of `dims` honours `spec` on a device of compute capability
+    /// `cc`: on sm_100 and later its dk/dv kernel of head-dim class 128 has no soft-capped
+    /// variant (`RINGATTN_CAPPED_AT` in `cuda/flash_bwd.cu`: beside the plain one, which holds
+    /// 254-255 registers there, it spills whatever its unrolling), and no other family runs
+    /// there.
+    ///
+    /// # Errors
+    /// [`crate::Error::BackendUnsupported`] naming the soft-cap, the head-dim class and the
+    /// compute capability.
+    pub fn check_capped_backward(
+        backend: &'static str,
+        dims: &Dims,
+        spec: &crate::attention::ScoreSpec,
+        cc: (i32, i32),
+    ) -> crate::Result<()> {
+        let class = head_dim_class(fa2_head_dim(dims));
+        match spec.softcap {
+            Some(cap) if cc.0 >= 10 && class == 128 => Err(crate::Error::BackendUnsupported {
+                backend,
+                what: format!(
+                    "soft-capping (softcap = {cap}) in the backward at head-dim class 128 on compute capability                      {}.{} (its kernel has no soft-capped variant there; the forward takes it, the cpu backend                      both)",
+                    cc.0, cc.1
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The backward's kernels on `family` ([`backward_hopper`] or [`backward`]).
     pub fn backward_on(
         family: Backward,
@@ -1333,6 +1398,28 @@ pub mod geometry {
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        /// A soft-capped backward is refused on sm_100 and later at FA2 class 128 (and only
+        /// there: other classes, other devices, the plain scores, d_v of its own class), and
+        /// leaves the Hopper family for the FA2 one at Hopper class 128 only.
+        #[test]
+        fn soft_capped_backwards_where_the_kernels_lack_the_variant() {
+            use crate::attention::ScoreSpec;
+            let dims = |d_qk, d_v| Dims { b: 1, s_q: 8, s_k: 8, h_q: 1, h_kv: 1, d_qk, d_v };
+            let capped = ScoreSpec { scale: 0.1, softcap: Some(50.0) };
+            let plain = ScoreSpec { softcap: None, ..capped };
+            let refused = |d: Dims, spec: &ScoreSpec, cc| check_capped_backward("cuda", &d, spec, cc).is_err();
+            assert!(refused(dims(128, 128), &capped, (10, 0)) && refused(dims(112, 112), &capped, (12, 0)));
+            let e = check_capped_backward("cuda", &dims(128, 128), &capped, (10, 0)).unwrap_err().to_string();
+            assert!(e.contains("softcap = 50") && e.contains("class 128") && e.contains("10.0"), "{e}");
+            assert!(!refused(dims(128, 128), &capped, (9, 0)) && !refused(dims(128, 128), &plain, (10, 0)));
+            assert!(!refused(dims(64, 64), &capped, (10, 0)) && !refused(dims(256, 256), &capped, (10, 0)));
+            assert!(!refused(dims(128, 96), &capped, (10, 0)), "d_v of its own: class 192");
+            assert_eq!(backward_family(Backward::Hopper, &dims(128, 128), &capped), Backward::Fa2);
+            assert_eq!(backward_family(Backward::Hopper, &dims(64, 64), &capped), Backward::Hopper);
+            assert_eq!(backward_family(Backward::Hopper, &dims(128, 128), &plain), Backward::Hopper);
+            assert_eq!(backward_family(Backward::Fa2, &dims(128, 128), &capped), Backward::Fa2);
+        }
 
         #[test]
         fn every_kernel_fits_in_99_kib_of_shared_memory() {

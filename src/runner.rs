@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use half::{bf16, f16};
 
-use crate::attention::{ForwardOutput, Gradients, ScoreSpec};
+use crate::attention::{ForwardOutput, Gradients};
 use crate::kernels::geometry::{self, DqMode};
 use crate::params::Visibility;
 use crate::{AttentionParams, DType, Dims, Error, HostBuf, HostData, Positions, Result, Tensor, TensorData};
@@ -194,30 +194,14 @@ pub(crate) fn backward_tensors<E: Executor>(
     })
 }
 
-/// Refuses the score options the kernels do not honour ([`ScoreSpec::modifiers`]: a
-/// soft-cap, until the kernels take one), so that no kernel runs a call without one.
+/// `Backend::supports` of a kernel backend for inputs of `dtype` (its own is `own`). Both
+/// kernel families honour every score option of [`crate::attention::ScoreSpec`]
+/// (`cuda/score.cuh`).
 ///
 /// # Errors
-/// [`Error::BackendUnsupported`] naming the option and its value.
-pub(crate) fn check_score(backend: &'static str, spec: &ScoreSpec) -> Result<()> {
-    match spec.modifiers() {
-        None => Ok(()),
-        Some(what) => Err(Error::BackendUnsupported {
-            backend,
-            what: format!("{what} in its kernels (the cpu backend honours it)"),
-        }),
-    }
-}
-
-/// `Backend::supports` of a kernel backend for inputs of `dtype` (its own is `own`) whose
-/// scores `spec` forms.
-///
-/// # Errors
-/// As [`check_supported`] and [`check_score`]; [`Error::DtypeMismatch`] when `dtype` is not
-/// `own`.
-pub(crate) fn supports(backend: &'static str, own: DType, dims: &Dims, dtype: DType, spec: &ScoreSpec) -> Result<()> {
+/// As [`check_supported`]; [`Error::DtypeMismatch`] when `dtype` is not `own`.
+pub(crate) fn supports(backend: &'static str, own: DType, dims: &Dims, dtype: DType) -> Result<()> {
     check_supported(backend, dims, dtype)?;
-    check_score(backend, spec)?;
     if dtype != own {
         return Err(Error::DtypeMismatch {
             name: "q".into(),

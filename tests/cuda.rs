@@ -147,8 +147,10 @@ fn check_strategies(
     strategies: &[(Strategy, usize)],
     run: impl Fn(usize, &ParallelParams) -> Result<ringattn::parallel::ProcessRun, Error>,
 ) {
-    for &mask in masks {
-        let attention = AttentionParams { mask, ..Default::default() };
+    // The masks, then a soft-capped case (the kernels' capped variants through this path).
+    let cases = masks.iter().map(|&mask| AttentionParams { mask, ..Default::default() });
+    for attention in cases.chain(support::conformance::score_options().into_iter().take(1)) {
+        let mask = attention.mask;
         let oracle = ringattn::reference::backward(q, k, v, d_o, &attention).unwrap();
         let naive = ringattn::reference::naive_rounded(q, k, v, Some(d_o), None, &attention, q.dtype()).unwrap();
         for &(strategy, world) in strategies {
@@ -156,7 +158,8 @@ fn check_strategies(
             let r = run(world, &params).unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
             let report =
                 verify::report(q.dtype(), &r.forward, r.gradients.as_ref(), &oracle, &naive, &Default::default());
-            assert!(report.pass() && report.rows.len() == 5, "{strategy:?} x{world} {mask:?}\n{}", report.table());
+            let what = format!("{strategy:?} x{world} {mask:?} softcap {:?}", attention.softcap);
+            assert!(report.pass() && report.rows.len() == 5, "{what}\n{}", report.table());
         }
     }
 }

@@ -13,7 +13,7 @@ use ringattn::emu::{self, EmuBackend, EmuOptions, Schedule};
 use ringattn::kernels::geometry::DqMode;
 use ringattn::parallel::{run_in_process, ParallelParams, Strategy};
 use ringattn::{random::randn, verify, AttentionParams, DType, Error, Mask, Tensor};
-use support::{mask, placement, Case};
+use support::{mask, placement, softcap, Case};
 
 /// Lengths around the kernels' 32-row inner tiles and their 16/32/64-row blocks.
 const LENGTHS: &[usize] = &[1, 2, 7, 16, 31, 32, 33, 63, 64, 65, 97, 130, 200];
@@ -47,6 +47,7 @@ prop_compose! {
         mask in mask(),
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
+        softcap in softcap(),
         seed in 0u64..1_000_000,
     ) -> Case {
         let s_k = if same_len { s_q } else { s_k };
@@ -58,7 +59,7 @@ prop_compose! {
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },
-            params: AttentionParams { mask, documents, scale, softcap: None },
+            params: AttentionParams { mask, documents, scale, softcap },
             positions, seed, tiles: Default::default(), arithmetic: Default::default(),
         }
     }

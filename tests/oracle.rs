@@ -5,7 +5,7 @@ mod support;
 
 use proptest::prelude::*;
 use ringattn::{cpu::Arithmetic, AttentionParams, DType};
-use support::{check_case, dtype, mask, placement, Case};
+use support::{check_case, dtype, mask, placement, softcap, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
 const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
@@ -29,9 +29,7 @@ prop_compose! {
         mask in mask(),
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
-        // Soft-caps small enough that scores reach tanh's bend (the randn scores scaled by
-        // 1/sqrt(d) are about 1) and one that leaves them nearly linear.
-        softcap in prop_oneof![2 => Just(None), 1 => Just(Some(0.7f32)), 1 => Just(Some(2.5f32)), 1 => Just(Some(30.0f32))],
+        softcap in softcap(),
         seed in 0u64..1_000_000,
         tiles in prop::sample::select(TILES),
     ) -> Case {

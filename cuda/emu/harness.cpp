@@ -119,7 +119,7 @@ int main() {
         const float scale = 0.25f;
         MaskParams m{pos.data(), pos.data(), nullptr, nullptr, -1, 0, nullptr, nullptr, nullptr, nullptr};
         const FlashProblem problem{q.data(), k.data(), v.data(), m, b, s, s, hq, hkv, d, d,
-                                   scale, scale * 1.4426950408889634f};
+                                   ScoreParams{scale, scale * 1.4426950408889634f, 0.0f, 0.0f}};
         FlashFwdParams fp{problem, o.data(), lse.data(), nullptr};
         // The tensor-core forward, head-dim class 32 (d = 16 zero-padded): 4 warps of 32 rows,
         // 64-key tiles double-buffered, each warp's query bounds (src/kernels.rs

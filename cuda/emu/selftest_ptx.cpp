@@ -2,6 +2,7 @@
 // stmatrix, bf16/f16 conversions). Driven by src/emu/ptx_tests.rs.
 #include "emu/emu.h"
 #include "ptx.cuh"
+#include "score.cuh"
 
 #include <string>
 
@@ -137,6 +138,23 @@ extern "C" int ringattn_emu_selftest_stmatrix(int count, int trans, const uint32
 extern "C" int ringattn_emu_selftest_convert(const float* x, unsigned n, uint16_t* bf, uint16_t* hf, uint32_t* packed,
                                              float* unpacked, float* all_bf, float* all_hf, char* msg, size_t cap) {
     std::function<void()> body = [=] { convert_lanes(x, n, bf, hf, packed, unpacked, all_bf, all_hf); };
+    return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
+}
+
+namespace {
+// One warp: the soft-cap's tanh (score.cuh, on the twins of ex2.approx and rcp.approx) and
+// rcp.approx of n values, lane L taking every 32nd.
+__global__ void score_tanh_lanes(const float* x, unsigned n, float* tanh_out, float* rcp_out) {
+    for (unsigned i = threadIdx.x; i < n; i += 32) {
+        tanh_out[i] = score_tanh(x[i]);
+        rcp_out[i] = rcp_approx(x[i]);
+    }
+}
+}  // namespace
+
+extern "C" int ringattn_emu_selftest_score_tanh(const float* x, unsigned n, float* tanh_out, float* rcp_out, char* msg,
+                                                size_t cap) {
+    std::function<void()> body = [=] { score_tanh_lanes(x, n, tanh_out, rcp_out); };
     return report(emu::launch(dim3(1), dim3(32), body), msg, cap);
 }
 

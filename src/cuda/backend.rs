@@ -78,8 +78,8 @@ impl CudaBackend {
 impl HostMemory for CudaBackend {}
 
 impl Backend for CudaBackend {
-    fn supports(&self, dims: &Dims, dtype: DType, spec: &crate::attention::ScoreSpec) -> Result<()> {
-        runner::supports(super::BACKEND, self.dtype, dims, dtype, spec)
+    fn supports(&self, dims: &Dims, dtype: DType, _spec: &crate::attention::ScoreSpec) -> Result<()> {
+        runner::supports(super::BACKEND, self.dtype, dims, dtype)
     }
 
     fn forward_block(

@@ -391,7 +391,6 @@ impl CudaDevice {
         self.check_stream(stream)?;
         let dims = x.dims;
         crate::runner::check_supported(super::BACKEND, &dims, x.dtype)?;
-        crate::runner::check_score(super::BACKEND, &x.spec)?;
         if dims.h_kv == 0 || dims.h_q == 0 || !dims.h_q.is_multiple_of(dims.h_kv) {
             return Err(Error::HeadRatio { h_q: dims.h_q, h_kv: dims.h_kv });
         }
@@ -597,6 +596,7 @@ impl CudaDevice {
     ) -> Result<()> {
         self.check_forward(stream, x)?;
         let dims = x.dims;
+        geometry::check_capped_backward(super::BACKEND, &dims, &x.spec, self.cc)?;
         let (saved_o, saved_lse) = saved;
         match saved_o {
             Some(o) => need(self, "saved.o", o, o_len(&dims))?,
@@ -638,7 +638,9 @@ impl CudaDevice {
             // the FA2 family).
             let mut family = geometry::Backward::Fa2;
             let mut hopper = None;
-            if self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
+            let hopper_takes_it =
+                geometry::backward_family(geometry::Backward::Hopper, &dims, &x.spec) == geometry::Backward::Hopper;
+            if hopper_takes_it && self.hopper_family(x.kernels, &[q, k, v, d_o, lse, delta])? {
                 let copied = FlashBwdParams { d_o, lse, delta, ..FlashBwdParams::of(problem, dq_mode) };
                 match hopper_backward_params(copied, &dims, x.dtype, TensorMapSpec::encode_driver) {
                     Ok(hp) => (family, hopper) = (geometry::Backward::Hopper, Some(hp)),

@@ -546,8 +546,8 @@ impl DeviceBackend {
 }
 
 impl Backend for DeviceBackend {
-    fn supports(&self, dims: &Dims, dtype: DType, spec: &crate::attention::ScoreSpec) -> Result<()> {
-        crate::runner::supports(super::BACKEND, self.dtype, dims, dtype, spec)
+    fn supports(&self, dims: &Dims, dtype: DType, _spec: &crate::attention::ScoreSpec) -> Result<()> {
+        crate::runner::supports(super::BACKEND, self.dtype, dims, dtype)
     }
 
     fn forward_block(

@@ -40,8 +40,8 @@ impl Default for EmuBackend {
 impl HostMemory for EmuBackend {}
 
 impl Backend for EmuBackend {
-    fn supports(&self, dims: &Dims, dtype: DType, spec: &crate::attention::ScoreSpec) -> Result<()> {
-        runner::supports(BACKEND, self.dtype, dims, dtype, spec)
+    fn supports(&self, dims: &Dims, dtype: DType, _spec: &crate::attention::ScoreSpec) -> Result<()> {
+        runner::supports(BACKEND, self.dtype, dims, dtype)
     }
 
     fn forward_block(

@@ -129,7 +129,6 @@ fn mask_params(vis: &Visibility, bounds: &Option<MaskBounds>) -> MaskParams {
 fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
     let ForwardJob { dims, dtype, q, k, v, vis, spec, round_o } = *x;
     check_supported(BACKEND, &dims, dtype)?;
-    runner::check_score(BACKEND, &spec)?;
     let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
     let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
     let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
@@ -204,7 +203,6 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     let f = &x.fwd;
     let dims = f.dims;
     check_supported(BACKEND, &dims, f.dtype)?;
-    runner::check_score(BACKEND, &f.spec)?;
     let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
     let (nq, no) = (q_rows * dims.d_qk, q_rows * dims.d_v);
     let (nk, nv) = (kv_rows * dims.d_qk, kv_rows * dims.d_v);
@@ -225,8 +223,9 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
     // by the dq kernel; what is written (dq then, dk, dv) starts as NaN, so an element the
     // kernels fail to write shows up. The fixed-point dq's units start as NaN too (the rowunit
     // kernel writes every one), its K/V bounds as zeros.
-    let family =
+    let asked =
         if emu.opts.kernels == KernelFamily::Hopper { geometry::Backward::Hopper } else { geometry::Backward::Fa2 };
+    let family = geometry::backward_family(asked, &dims, &f.spec);
     let kernels = geometry::backward_on(family, &dims, x.delta.is_none(), x.dq_mode);
     let mut dq = vec![if geometry::backward_zeroing(&kernels).dq { 0.0 } else { f32::NAN }; nq];
     let mut dk = vec![f32::NAN; nk];

@@ -1280,3 +1280,47 @@ fn named_barriers_alternate_two_groups_and_report_misuse() {
     assert!(named_turns(3, 2, 0).unwrap_err().contains("expects 256 threads"));
     assert!(named_turns(3, 3, 0).unwrap_err().contains("outside 1 ... 15"));
 }
+
+extern "C" {
+    fn ringattn_emu_selftest_score_tanh(
+        x: *const f32,
+        n: u32,
+        tanh_out: *mut f32,
+        rcp_out: *mut f32,
+        msg: *mut c_char,
+        cap: usize,
+    ) -> i32;
+}
+
+/// The kernels' soft-cap tanh (`cuda/score.cuh` on the twins of `ex2.approx` and
+/// `rcp.approx`) against f64's tanh on a dense sweep across its switch at |y| = 0.3 and into
+/// saturation: within 12 units in the last place of the result (its stated bound: about 10 at
+/// the switch); ±inf give ±1, NaN stays NaN. And `rcp.approx`'s twin:
+/// the correctly rounded reciprocal, .ftz (subnormals in and out are zero).
+#[test]
+fn score_tanh_and_rcp_approx_twins_are_accurate() {
+    let mut x: Vec<f32> = (-24_000..=24_000).map(|i| i as f32 * 5e-4).collect();
+    x.extend([1e-30, -3e-8, 0.2999999, 0.3, 0.3000001, 95.0, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    x.extend([1e-40, 3e38, -0.5]);
+    let n = x.len();
+    let (mut t, mut r) = (vec![0.0f32; n], vec![0.0f32; n]);
+    selftest(|msg, cap| unsafe {
+        ringattn_emu_selftest_score_tanh(x.as_ptr(), n as u32, t.as_mut_ptr(), r.as_mut_ptr(), msg, cap)
+    })
+    .unwrap();
+    for ((&xi, &ti), &ri) in x.iter().zip(&t).zip(&r) {
+        if xi.is_nan() {
+            assert!(ti.is_nan() && ri.is_nan(), "NaN in: tanh {ti}, rcp {ri}");
+            continue;
+        }
+        let want = (xi as f64).tanh();
+        let err = (ti as f64 - want).abs();
+        assert!(err <= 12.0 * f32::EPSILON as f64 * want.abs(), "tanh({xi}) = {ti}, want {want}");
+        let flushed = if xi.abs() < f32::MIN_POSITIVE { 0.0f32.copysign(xi) } else { xi };
+        let mut want_r = 1.0f32 / flushed;
+        if want_r.abs() < f32::MIN_POSITIVE {
+            want_r = 0.0f32.copysign(want_r);
+        }
+        assert_eq!(ri.to_bits(), want_r.to_bits(), "rcp({xi}) = {ri}, want {want_r}");
+    }
+}

@@ -323,7 +323,7 @@ pub fn hopper_forward_params(
     };
     Ok(FlashFwdHopperParams {
         p,
-        reserved: [0; 8],
+        reserved: [0; 7],
         q: map(p.x.q, dims.s_q, dims.h_q, dims.d_qk, block_m)?,
         k: map(p.x.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
         v: map(p.x.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,
@@ -350,7 +350,6 @@ pub fn hopper_backward_params(
     };
     Ok(FlashBwdHopperParams {
         p,
-        reserved: [0; 1],
         q: map(p.x.q, dims.s_q, dims.h_q, dims.d_qk, 64)?,
         k: map(p.x.k, dims.s_k, dims.h_kv, dims.d_qk, block_n)?,
         v: map(p.x.v, dims.s_k, dims.h_kv, dims.d_v, block_n)?,

@@ -96,6 +96,12 @@ pub fn mask() -> impl Strategy<Value = Mask> {
     ]
 }
 
+/// A tanh soft-cap or none: caps small enough that the scores (randn products scaled by about
+/// 1/sqrt(d): about 1) reach tanh's bend, and one that leaves them nearly linear.
+pub fn softcap() -> impl Strategy<Value = Option<f32>> {
+    prop_oneof![2 => Just(None), 1 => Just(Some(0.7f32)), 1 => Just(Some(2.5f32)), 1 => Just(Some(30.0f32))]
+}
+
 pub fn dtype() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
 }

@@ -1,0 +1,125 @@
+// How the flash kernels turn a raw product q.k into the score their softmax takes, in log2
+// units (their exponentials are 2^x): the one place of the device code that knows the score
+// options of ScoreParams (cuda/params.h; src/attention.rs ScoreSpec defines them,
+// src/cpu/score.rs is the CPU's counterpart of this file). An option added to ScoreParams is
+// honoured here; the kernels call these helpers and know no option by name.
+//
+// The score of a raw product x is x * scale_log2, or under a soft-cap c (natural units,
+// c2 = c * log2(e)) c2 * tanh(x * scale_log2 / c2). Both are monotonic in x * |scale_log2|, so
+// a row's maximum commutes with the map: the forwards fold a negative scale into the sign of
+// their operands and take the maximum of the raw products.
+#pragma once
+
+#include "common.cuh"
+
+// tanh(y) to a few units in the last place relative (the CPU's src/cpu/score.rs takes the same
+// two forms): below |y| = 0.3 its odd Taylor polynomial to y^9 (truncation below 5e-8
+// relative), above 1 - 2 / (2^(2 y log2 e) + 1) with ex2.approx and rcp.approx (2 ulp and 1
+// ulp: at most about 10 ulp at the switch, falling with |y|). +-inf gives +-1, NaN gives NaN.
+// A single MUFU.TANH (tanh.approx, relative error 2^-11) would move every capped score by up to
+// 2^-11 of itself: beyond the f32 LSE's bound.
+__device__ __forceinline__ float score_tanh(float y) {
+    const float y2 = y * y;
+    float poly = fmaf(y2, 62.0f / 2835.0f, -17.0f / 315.0f);
+    poly = fmaf(poly, y2, 2.0f / 15.0f);
+    poly = fmaf(poly, y2, -1.0f / 3.0f);
+    const float small = fmaf(poly * y2, y, y);
+    const float large = fmaf(-2.0f, rcp_approx(ex2_approx(2.8853900817779268f * y) + 1.0f), 1.0f);  // 2 log2(e) y
+    return fabsf(y) < 0.3f ? small : large;
+}
+
+// The forwards' scores: the kernels take x -> x * sc (sc >= 0: the scale's sign folded into Q
+// or the raw scores) in the exponent's multiply-add; under a soft-cap the raw scores of a tile
+// are capped in place first (cap(), before the mask) and sc is 1. The FA2 forward and backward
+// are instantiated once per variant (each their own code: their registers are at their limit);
+// the Hopper kernels branch per tile.
+struct ForwardScores {
+    float sc;    // the factor of the exponent's multiply-add
+    float pre;   // capped: |scale_log2| / softcap_log2
+    float cap2;  // softcap_log2; 0: plain scores
+
+    // The scores of a kernel's variant: soft-capped (kCapped, the parameters have a cap) or plain.
+    template <bool kCapped>
+    __device__ __forceinline__ static ForwardScores of(const ScoreParams& s) {
+        const float sc = s.scale_log2 < 0.0f ? -s.scale_log2 : s.scale_log2;
+        if constexpr (kCapped) {
+            return ForwardScores{1.0f, sc / s.softcap_log2, s.softcap_log2};
+        } else {
+            return ForwardScores{sc, 0.0f, 0.0f};
+        }
+    }
+
+    // Whether the tile's raw scores go through cap() before the mask (the Hopper forward's
+    // per-tile branch; the FA2 forward instantiates a variant per case instead).
+    __device__ __forceinline__ bool capped() const { return cap2 > 0.0f; }
+
+    // The scores of the parameters, either variant (the Hopper forward).
+    __device__ __forceinline__ static ForwardScores any(const ScoreParams& s) {
+        const float sc = fabsf(s.scale_log2);
+        if (s.softcap_log2 > 0.0f) return ForwardScores{1.0f, sc / s.softcap_log2, s.softcap_log2};
+        return ForwardScores{sc, 0.0f, 0.0f};
+    }
+
+    // A raw (sign-folded) product's capped score, log2 units.
+    __device__ __forceinline__ float cap(float x) const { return cap2 * score_tanh(x * pre); }
+};
+
+// A compile-time flag as a type (the tag of a generic lambda's variant): the backwards are
+// instantiated for the plain scores (kCapped false: every slope is 1 and costs nothing) and the
+// soft-capped ones, chosen on BackwardScores::capped().
+template <bool kCapped>
+struct ScoreVariant {
+    static constexpr bool value = kCapped;
+};
+
+// The backwards' scores: the probability of a raw product against its row's log2 LSE, and the
+// score's slope by the plainly scaled product (1 - tanh^2 under a soft-cap, 1 otherwise), which
+// the kernels multiply into dS. It reads the kernel's parameters in place (their constant bank:
+// no register for the plain scores' scale).
+struct BackwardScores {
+    const ScoreParams& s;
+    float pre;  // capped: scale_log2 / softcap_log2 (dead code in the plain variant)
+
+    __device__ __forceinline__ static BackwardScores of(const ScoreParams& s) {
+        return BackwardScores{s, s.softcap_log2 > 0.0f ? s.scale_log2 / s.softcap_log2 : 0.0f};
+    }
+
+    __device__ __forceinline__ bool capped() const { return s.softcap_log2 > 0.0f; }
+
+    // A raw product prepared for prob(), in place in the kernels' score registers (a pass of its
+    // own, so that its temporaries are dead before the probabilities' pass): tanh(x * pre)
+    // under a soft-cap, x itself otherwise.
+    template <bool kCapped>
+    __device__ __forceinline__ float prepare(float x) const {
+        if constexpr (kCapped) {
+            return score_tanh(x * pre);
+        } else {
+            return x;
+        }
+    }
+
+    // P = 2^(score - lse2) of a prepared product `y`; `slope` gets the score's slope (kCapped
+    // false: 1, folded away).
+    template <bool kCapped>
+    __device__ __forceinline__ float prob(float y, float lse2, float& slope) const {
+        if constexpr (kCapped) {
+            slope = fmaf(-y, y, 1.0f);
+            return ex2_approx(fmaf(s.softcap_log2, y, -lse2));
+        } else {
+            slope = 1.0f;
+            return ex2_approx(fmaf(y, s.scale_log2, -lse2));
+        }
+    }
+
+    // Runs body(ScoreVariant<capped()>{}): a tile's loop instantiated for both variants behind
+    // one uniform branch per tile (flash_bwd_hopper.cu; the FA2 backward instantiates whole
+    // kernels instead, its registers being at their limit).
+    template <typename Body>
+    __device__ __forceinline__ void dispatch(Body&& body) const {
+        if (capped()) {
+            body(ScoreVariant<true>{});
+        } else {
+            body(ScoreVariant<false>{});
+        }
+    }
+};
