@@ -58,9 +58,16 @@ pub enum Error {
     /// The softmax scale is not a finite number.
     #[error("softmax scale must be finite, got {0}")]
     Scale(f32),
-    /// The soft-cap is not a finite positive number.
-    #[error("soft-cap must be a finite number above 0, got {0}")]
-    Softcap(f32),
+    /// A score option of the parameters (`softcap`, …) is out of its range.
+    #[error("score option `{option}` must be {rule}, got {value}")]
+    ScoreOption {
+        /// The option's name in [`crate::AttentionParams`].
+        option: &'static str,
+        /// The value received.
+        value: f32,
+        /// What the option must be.
+        rule: &'static str,
+    },
     /// Tensors that must share one dtype do not.
     #[error("dtype mismatch: `{name}` is {got}, expected {expected} (the dtype of `q`)")]
     DtypeMismatch {

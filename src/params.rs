@@ -23,8 +23,8 @@ pub struct AttentionParams {
     pub scale: Option<f32>,
     /// Tanh soft-capping of the scaled scores (Gemma 2, Grok-1): with `cap = Some(c)`, a
     /// score `s = scale · q·k` enters the softmax as `c · tanh(s / c)`, before the mask.
-    /// `c` must be finite and positive ([`crate::Error::Softcap`] otherwise); `None` leaves
-    /// the scores as they are.
+    /// `c` must be finite and positive ([`crate::Error::ScoreOption`] otherwise); `None`
+    /// leaves the scores as they are.
     pub softcap: Option<f32>,
 }
 
@@ -32,6 +32,32 @@ impl AttentionParams {
     /// The scale applied to `q·k` before the softmax, for query/key head dim `d_qk`.
     pub fn softmax_scale(&self, d_qk: usize) -> f32 {
         self.scale.unwrap_or_else(|| 1.0 / (d_qk.max(1) as f32).sqrt())
+    }
+
+    /// Checks the score options (the scale and those of [`crate::attention::ScoreSpec`]):
+    /// what every call's resolution runs (`Visibility::new`), and the CLI as it parses them.
+    ///
+    /// # Errors
+    /// [`Error::Scale`] for a scale that is not finite, [`Error::ScoreOption`] naming an
+    /// option out of its range (`softcap`: finite, above 0).
+    ///
+    /// ```
+    /// use ringattn::{AttentionParams, Error};
+    /// let p = AttentionParams { softcap: Some(0.0), ..Default::default() };
+    /// assert!(matches!(p.check_scores(), Err(Error::ScoreOption { option: "softcap", .. })));
+    /// ```
+    pub fn check_scores(&self) -> Result<()> {
+        if let Some(s) = self.scale {
+            if !s.is_finite() {
+                return Err(Error::Scale(s));
+            }
+        }
+        if let Some(c) = self.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::ScoreOption { option: "softcap", value: c, rule: "a finite number above 0" });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -232,16 +258,7 @@ pub(crate) struct Visibility {
 impl Visibility {
     /// Resolves positions and documents for rows of a call.
     pub fn new(params: &AttentionParams, q_pos: &Positions, k_pos: &Positions) -> Result<Self> {
-        if let Some(s) = params.scale {
-            if !s.is_finite() {
-                return Err(Error::Scale(s));
-            }
-        }
-        if let Some(c) = params.softcap {
-            if !(c.is_finite() && c > 0.0) {
-                return Err(Error::Softcap(c));
-            }
-        }
+        params.check_scores()?;
         let (left, right) = params.mask.bounds();
         let q_pos = q_pos.to_vec();
         let k_pos = k_pos.to_vec();

@@ -27,7 +27,7 @@ fn f32_tensor(shape: &[usize], v: &[f64]) -> Tensor {
 /// Two layers, o1 = A(q, k, v) and o2 = A(o1, k, v), loss = Σ o2 ∘ w; layer 1 is run twice
 /// (the first result dropped, as a checkpointed layer is recomputed), so three calls record
 /// their own contexts. Gradients of q, k, v through candle's backward on 4 ranks against the
-/// float64 oracle chained through both layers.
+/// float64 oracle chained through both layers, with plain and soft-capped scores.
 #[test]
 fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
     let (world, b, s, hq, hkv, d) = (4, 1, 48, 4, 2, 16);
@@ -35,50 +35,58 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
     let k = randn(vec![b, s, hkv, d], 2, DType::F32);
     let v = randn(vec![b, s, hkv, d], 3, DType::F32);
     let w = randn(vec![b, s, hq, d], 4, DType::F32);
-    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
-    // The oracle, chained: layer 2 backward gives dO1 (its dq), dK2, dV2; layer 1 the rest.
-    let o1 = reference::forward(&q, &k, &v, &attention).unwrap();
-    let o1t = f32_tensor(&[b, s, hq, d], &o1.o);
-    let l2 = reference::backward(&o1t, &k, &v, &w, &attention).unwrap();
-    let d_o1 = f32_tensor(&[b, s, hq, d], &l2.dq);
-    let l1 = reference::backward(&q, &k, &v, &d_o1, &attention).unwrap();
-    let dk: Vec<f64> = l1.dk.iter().zip(&l2.dk).map(|(a, b)| a + b).collect();
-    let dv: Vec<f64> = l1.dv.iter().zip(&l2.dv).map(|(a, b)| a + b).collect();
-    for (strategy, degree) in [(Strategy::Ring, None), (Strategy::Ulysses, None), (Strategy::Usp, Some(2))] {
-        let params =
-            ParallelParams { strategy, attention: attention.clone(), ulysses_degree: degree, ..Default::default() };
-        let resolved = params.resolve(world, hq, s).unwrap();
-        let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
-        let parts = spmd_shared(world, LocalOptions::default(), |comm| {
-            let rank = comm.rank();
-            let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
-            let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
-            let n = qs.dim(1)?;
-            let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
-            let plan =
-                Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
-            let (qv, kv, vv) = (Var::from_tensor(&qs)?, Var::from_tensor(&ks)?, Var::from_tensor(&vs)?);
-            let first = rc::ring_attention(&plan, qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
-            drop(first); // the checkpointed layer's first forward
-            let o1 = rc::ring_attention(&plan, qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
-            let o2 = rc::ring_attention(&plan, &o1, kv.as_tensor(), vv.as_tensor())?;
-            let grads = (o2 * ws)?.sum_all()?.backward()?;
-            let get = |x: &Var| {
-                grads
-                    .get(x.as_tensor())
-                    .map(from_candle)
-                    .ok_or_else(|| ringattn::Error::InvalidArgument("no grad".into()))
+    let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    // Plain scores and soft-capped ones (the cap at tanh's bend: the drawn scores are about 1).
+    for attention in [causal.clone(), AttentionParams { softcap: Some(2.0), ..causal }] {
+        // The oracle, chained: layer 2 backward gives dO1 (its dq), dK2, dV2; layer 1 the rest.
+        let o1 = reference::forward(&q, &k, &v, &attention).unwrap();
+        let o1t = f32_tensor(&[b, s, hq, d], &o1.o);
+        let l2 = reference::backward(&o1t, &k, &v, &w, &attention).unwrap();
+        let d_o1 = f32_tensor(&[b, s, hq, d], &l2.dq);
+        let l1 = reference::backward(&q, &k, &v, &d_o1, &attention).unwrap();
+        let dk: Vec<f64> = l1.dk.iter().zip(&l2.dk).map(|(a, b)| a + b).collect();
+        let dv: Vec<f64> = l1.dv.iter().zip(&l2.dv).map(|(a, b)| a + b).collect();
+        for (strategy, degree) in [(Strategy::Ring, None), (Strategy::Ulysses, None), (Strategy::Usp, Some(2))] {
+            let params =
+                ParallelParams { strategy, attention: attention.clone(), ulysses_degree: degree, ..Default::default() };
+            let resolved = params.resolve(world, hq, s).unwrap();
+            let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
+            let parts = spmd_shared(world, LocalOptions::default(), |comm| {
+                let rank = comm.rank();
+                let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
+                let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
+                let n = qs.dim(1)?;
+                let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
+                let plan = Arc::new(ParallelPlan::new_shared(
+                    comm,
+                    Arc::new(CpuBackend::default()),
+                    &params,
+                    &dims,
+                    DType::F32,
+                )?);
+                let (qv, kv, vv) = (Var::from_tensor(&qs)?, Var::from_tensor(&ks)?, Var::from_tensor(&vs)?);
+                let first = rc::ring_attention(&plan, qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+                drop(first); // the checkpointed layer's first forward
+                let o1 = rc::ring_attention(&plan, qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+                let o2 = rc::ring_attention(&plan, &o1, kv.as_tensor(), vv.as_tensor())?;
+                let grads = (o2 * ws)?.sum_all()?.backward()?;
+                let get = |x: &Var| {
+                    grads
+                        .get(x.as_tensor())
+                        .map(from_candle)
+                        .ok_or_else(|| ringattn::Error::InvalidArgument("no grad".into()))
+                };
+                Ok((get(&qv)?, get(&kv)?, get(&vv)?))
+            });
+            let parts: Vec<_> = parts.into_iter().map(|p| p.unwrap_or_else(|e| panic!("{strategy}: {e}"))).collect();
+            let whole = |f: &dyn Fn(&(Tensor, Tensor, Tensor)) -> Tensor| {
+                resolved.unshard(&parts.iter().map(f).collect::<Vec<_>>()).unwrap().to_f32_vec()
             };
-            Ok((get(&qv)?, get(&kv)?, get(&vv)?))
-        });
-        let parts: Vec<_> = parts.into_iter().map(|p| p.unwrap_or_else(|e| panic!("{strategy}: {e}"))).collect();
-        let whole = |f: &dyn Fn(&(Tensor, Tensor, Tensor)) -> Tensor| {
-            resolved.unshard(&parts.iter().map(f).collect::<Vec<_>>()).unwrap().to_f32_vec()
-        };
-        let (gq, gk, gv) = (whole(&|p| p.0.clone()), whole(&|p| p.1.clone()), whole(&|p| p.2.clone()));
-        for (name, got, want) in [("dq", &gq, &l1.dq), ("dk", &gk, &dk), ("dv", &gv, &dv)] {
-            let e = verify::rel_err(got, want);
-            assert!(e < 1e-5, "{strategy}: {name} relative error {e:.3e}");
+            let (gq, gk, gv) = (whole(&|p| p.0.clone()), whole(&|p| p.1.clone()), whole(&|p| p.2.clone()));
+            for (name, got, want) in [("dq", &gq, &l1.dq), ("dk", &gk, &dk), ("dv", &gv, &dv)] {
+                let e = verify::rel_err(got, want);
+                assert!(e < 1e-5, "{strategy} softcap {:?}: {name} relative error {e:.3e}", attention.softcap);
+            }
         }
     }
 }

@@ -70,9 +70,12 @@ fn bad_windows_scales_softcaps_documents_positions() {
     assert!(matches!(e, Error::Scale(_)), "{e}");
     for cap in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         let e = cpu::forward(&q, &q, &q, &AttentionParams { softcap: Some(cap), ..Default::default() }).unwrap_err();
-        assert!(matches!(e, Error::Softcap(c) if c.to_bits() == cap.to_bits()), "{cap}: {e}");
+        assert!(
+            matches!(e, Error::ScoreOption { option: "softcap", value, .. } if value.to_bits() == cap.to_bits()),
+            "{cap}: {e}"
+        );
         let e = ringattn::reference::forward(&q, &q, &q, &AttentionParams { softcap: Some(cap), ..Default::default() });
-        assert!(matches!(e, Err(Error::Softcap(_))), "the oracle with softcap {cap}");
+        assert!(matches!(e, Err(Error::ScoreOption { .. })), "the oracle with softcap {cap}");
     }
     let docs = Documents::new(vec![2, 3]).unwrap();
     let e = cpu::forward(&q, &q, &q, &AttentionParams { documents: Some(docs), ..Default::default() }).unwrap_err();

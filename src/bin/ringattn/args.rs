@@ -48,21 +48,13 @@ impl MaskArgs {
         if self.causal {
             mask = if self.window.is_some() { mask.and_causal() } else { Mask::Causal };
         }
-        if let Some(s) = self.scale {
-            if !s.is_finite() {
-                return Err(Error::Scale(s));
-            }
-        }
         let documents = match &self.seqlens {
             None => None,
             Some(list) => Some(Documents::new(parse_list(list, "--seqlens")?)?),
         };
-        if let Some(c) = self.softcap {
-            if !(c.is_finite() && c > 0.0) {
-                return Err(Error::Softcap(c));
-            }
-        }
-        Ok(AttentionParams { mask, documents, scale: self.scale, softcap: self.softcap })
+        let params = AttentionParams { mask, documents, scale: self.scale, softcap: self.softcap };
+        params.check_scores()?;
+        Ok(params)
     }
 }
 

@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// Packed documents: comma-separated lengths summing to --seq (single runs, not sweeps).
     #[arg(long, value_name = "A,B,...")]
     pub seqlens: Option<String>,
+    /// Tanh soft-cap C of the scaled scores (single runs and sweeps).
+    #[arg(long, value_name = "C")]
+    pub softcap: Option<f32>,
     /// Passes to time: forward, backward (from a forward's o and lse: rowsum, dq, dk/dv) or
     /// both.
     #[arg(long, default_value = "both")]
@@ -163,6 +166,8 @@ struct BenchReport {
     window: Option<[i64; 2]>,
     /// Document lengths of --seqlens.
     seqlens: Option<Vec<usize>>,
+    /// The tanh soft-cap of --softcap.
+    softcap: Option<f32>,
     results: Vec<PassResult>,
 }
 
@@ -256,6 +261,9 @@ fn describe_mask(p: &AttentionParams) -> String {
     if let Some(d) = &p.documents {
         m += &format!(", {} documents", d.lengths().len());
     }
+    if let Some(c) = p.softcap {
+        m += &format!(", softcap {c}");
+    }
     m
 }
 
@@ -300,8 +308,13 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let passes = passes(&a.pass)?;
     let dq_mode = parse_dq_mode(&a.dq_mode)?;
     let kernels = crate::args::kernel_family(&a.kernels, backend)?;
-    let mask_args =
-        MaskArgs { causal: a.causal, window: a.window.clone(), seqlens: a.seqlens.clone(), ..Default::default() };
+    let mask_args = MaskArgs {
+        causal: a.causal,
+        window: a.window.clone(),
+        seqlens: a.seqlens.clone(),
+        softcap: a.softcap,
+        ..Default::default()
+    };
     let params = mask_args.params()?;
     let dtype: DType = a.dtype.as_deref().unwrap_or("bf16").parse()?;
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
@@ -399,6 +412,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
                 [l.unwrap_or(-1), r.unwrap_or(-1)]
             }),
             seqlens: x.params.documents.as_ref().map(|d| d.lengths()),
+            softcap: x.params.softcap,
             results,
         };
         ringattn::io::write_json(path, &report)?;
@@ -546,10 +560,15 @@ mod tests {
     fn inputs(args: &[&str]) -> Inputs {
         let cli = Cli::parse_from(std::iter::once("x").chain(args.iter().copied()));
         let a = &cli.b;
-        let params =
-            MaskArgs { causal: a.causal, window: a.window.clone(), seqlens: a.seqlens.clone(), ..Default::default() }
-                .params()
-                .unwrap();
+        let params = MaskArgs {
+            causal: a.causal,
+            window: a.window.clone(),
+            seqlens: a.seqlens.clone(),
+            softcap: a.softcap,
+            ..Default::default()
+        }
+        .params()
+        .unwrap();
         let s: usize = a.seq.as_deref().unwrap_or("64").parse().unwrap();
         let t = |h| randn(vec![1, s, h, a.head_dim], 0, DType::BF16);
         let (q, k) = (t(a.heads), t(a.kv_heads.unwrap_or(a.heads)));
@@ -618,6 +637,7 @@ mod tests {
         assert_eq!(describe_mask(&inputs(&["--window", "-1,3"]).params), "window -1,3");
         assert_eq!(describe_mask(&inputs(&["--causal"]).params), "causal");
         assert_eq!(describe_mask(&inputs(&[]).params), "full");
+        assert_eq!(describe_mask(&inputs(&["--causal", "--softcap", "30"]).params), "causal, softcap 30");
         // Documents: 30 and 70 tokens, each seeing its own last 9 keys at most.
         let want: u64 = [30u64, 70].iter().map(|&n| (0..n).map(|i| (i + 1).min(9)).sum::<u64>()).sum();
         assert_eq!(flops::visible_pairs(&x.dims, &x.params).unwrap(), want);

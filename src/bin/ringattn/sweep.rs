@@ -84,6 +84,9 @@ pub struct SweepReport {
     pub dtype: String,
     /// Causal mask.
     pub causal: bool,
+    /// The tanh soft-cap of the scores, if any.
+    #[serde(default)]
+    pub softcap: Option<f32>,
     /// Link model of the in-process ranks.
     pub link: Option<LinkSpec>,
     /// One entry per configuration.
@@ -365,7 +368,12 @@ pub fn sweep(a: &BenchArgs) -> Result<std::process::ExitCode> {
         link.map(|l| LinkModel { bandwidth: l.gbps * 1e9, latency: Duration::from_secs_f64(l.latency_us * 1e-6) });
     let out_dir = a.out.clone().unwrap_or_else(|| PathBuf::from("bench-out"));
     std::fs::create_dir_all(&out_dir).map_err(|source| Error::Io { path: out_dir.clone(), source })?;
-    let params = AttentionParams { mask: if a.causal { Mask::Causal } else { Mask::None }, ..Default::default() };
+    let params = AttentionParams {
+        mask: if a.causal { Mask::Causal } else { Mask::None },
+        softcap: a.softcap,
+        ..Default::default()
+    };
+    params.check_scores()?;
     println!(
         "ringattn bench sweep: {} backend, {} threads, b={} h_q={} h_kv={} d={} {dtype} {}, {} configurations, link {}",
         a.backend,
@@ -424,6 +432,7 @@ pub fn sweep(a: &BenchArgs) -> Result<std::process::ExitCode> {
         d: a.head_dim,
         dtype: dtype.to_string().to_lowercase(),
         causal: a.causal,
+        softcap: a.softcap,
         link,
         records,
     };
@@ -607,6 +616,7 @@ mod tests {
             d: 32,
             dtype: "f32".into(),
             causal: true,
+            softcap: Some(30.0),
             link: Some(LinkSpec { gbps: 2.0, latency_us: 20.0 }),
             records: vec![SweepRecord {
                 strategy: "ring".into(),
