@@ -30,9 +30,10 @@ __device__ __forceinline__ float score_tanh(float y) {
 
 // The forwards' scores: the kernels take x -> x * sc (sc >= 0: the scale's sign folded into Q
 // or the raw scores) in the exponent's multiply-add; under a soft-cap the raw scores of a tile
-// are capped in place first (cap(), before the mask) and sc is 1. The FA2 forward and backward
-// are instantiated once per variant (each their own code: their registers are at their limit);
-// the Hopper kernels branch per tile.
+// are capped in place first (cap(), before the mask) and sc is 1. The FA2 backward and the FA2
+// forward of class 96 are instantiated once per variant (each their own code, so that the plain
+// SASS stays as it was); the other forwards and the Hopper backward branch per tile (where two
+// instantiations would spill).
 struct ForwardScores {
     float sc;    // the factor of the exponent's multiply-add
     float pre;   // capped: |scale_log2| / softcap_log2
@@ -49,11 +50,10 @@ struct ForwardScores {
         }
     }
 
-    // Whether the tile's raw scores go through cap() before the mask (the Hopper forward's
-    // per-tile branch; the FA2 forward instantiates a variant per case instead).
+    // Whether the tile's raw scores go through cap() before the mask (the per-tile branch).
     __device__ __forceinline__ bool capped() const { return cap2 > 0.0f; }
 
-    // The scores of the parameters, either variant (the Hopper forward).
+    // The scores of the parameters, either variant (the kernels that branch per tile).
     __device__ __forceinline__ static ForwardScores any(const ScoreParams& s) {
         const float sc = fabsf(s.scale_log2);
         if (s.softcap_log2 > 0.0f) return ForwardScores{1.0f, sc / s.softcap_log2, s.softcap_log2};
