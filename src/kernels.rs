@@ -1193,14 +1193,17 @@ pub mod geometry {
         cc: (i32, i32),
     ) -> crate::Result<()> {
         let class = head_dim_class(fa2_head_dim(dims));
-        match spec.softcap {
-            Some(cap) if cc.0 >= 10 && class == 128 => Err(crate::Error::BackendUnsupported {
-                backend,
-                what: format!(
-                    "soft-capping (softcap = {cap}) in the backward at head-dim class 128 on compute capability                      {}.{} (its kernel has no soft-capped variant there; the forward takes it, the cpu backend                      both)",
-                    cc.0, cc.1
-                ),
-            }),
+        match spec.modifiers() {
+            Some(option) if spec.softcap.is_some() && cc.0 >= 10 && class == 128 => {
+                Err(crate::Error::BackendUnsupported {
+                    backend,
+                    what: format!(
+                        "{option} in the backward at head-dim class 128 on compute capability {}.{} (its kernel \
+                         has no soft-capped variant there; the forward takes it, the cpu backend both)",
+                        cc.0, cc.1
+                    ),
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -1412,6 +1415,7 @@ pub mod geometry {
             assert!(refused(dims(128, 128), &capped, (10, 0)) && refused(dims(112, 112), &capped, (12, 0)));
             let e = check_capped_backward("cuda", &dims(128, 128), &capped, (10, 0)).unwrap_err().to_string();
             assert!(e.contains("softcap = 50") && e.contains("class 128") && e.contains("10.0"), "{e}");
+            assert!(!e.contains("  "), "one space between words: {e}");
             assert!(!refused(dims(128, 128), &capped, (9, 0)) && !refused(dims(128, 128), &plain, (10, 0)));
             assert!(!refused(dims(64, 64), &capped, (10, 0)) && !refused(dims(256, 256), &capped, (10, 0)));
             assert!(!refused(dims(128, 96), &capped, (10, 0)), "d_v of its own: class 192");

@@ -327,7 +327,11 @@ impl KeyTileWork for Scratch<'_> {
                 // The scores' slopes (none without a soft-cap), before P replaces them.
                 let slopes = match sc.fused() {
                     true => None,
-                    false => sc.slope_row(p, &mut self.slopes[..br * bc]).map(|_| &self.slopes[..br * bc]),
+                    false => {
+                        let g = &mut self.slopes[..br * bc];
+                        sc.slope_row(p, g);
+                        Some(&*g)
+                    }
                 };
                 for i in 0..br {
                     let row = &mut p[i * bc..(i + 1) * bc];

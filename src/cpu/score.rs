@@ -53,19 +53,13 @@ impl Scores {
 
     /// The derivative of each score of `scores` (as [`Scores::finish_row`] left them, then
     /// masked) by its plainly scaled product, into `slopes`: `1 − tanh²` under a cap, 0 for
-    /// a masked (`-inf`) score. `None` (nothing written) without a cap, where every slope is
-    /// 1.
-    pub(crate) fn slope_row(self, scores: &[f32], slopes: &mut [f32]) -> Option<()> {
-        let cap2 = self.cap2?;
-        slope_row(scores, 1.0 / cap2, slopes);
-        Some(())
+    /// a masked (`-inf`) score. Without a cap every slope is 1 and nothing is written (the
+    /// paths skip the slopes when [`Scores::fused`]).
+    pub(crate) fn slope_row(self, scores: &[f32], slopes: &mut [f32]) {
+        if let Some(cap2) = self.cap2 {
+            slope_row(scores, 1.0 / cap2, slopes);
+        }
     }
-}
-
-/// `row[j] *= by[j]`: a backward's probabilities times their scores' slopes, before
-/// `dS = P ∘ (dP − D)`.
-pub(crate) fn times(row: &mut [f32], by: &[f32]) {
-    times_impl(row, by)
 }
 
 /// `tanh(x)` in f32 within a few units in the last place, branch-free (so that the row
@@ -125,7 +119,7 @@ fn slope_row_impl<const FMA: bool>(scores: &[f32], inv_cap2: f32, slopes: &mut [
 
 /// `row[j] *= by[j]`.
 #[inline(always)]
-fn times_impl_generic<const FMA: bool>(row: &mut [f32], by: &[f32]) {
+fn times_impl<const FMA: bool>(row: &mut [f32], by: &[f32]) {
     for (x, &g) in row.iter_mut().zip(by) {
         *x *= g;
     }
@@ -136,8 +130,9 @@ crate::cpu::simd::dispatch!(
     cap_row => cap_row_impl(row: &mut [f32], cap2: f32) -> ()
 );
 crate::cpu::simd::dispatch!(
-    /// `row *= by`.
-    times_impl => times_impl_generic(row: &mut [f32], by: &[f32]) -> ()
+    /// `row *= by`: a backward's probabilities times their scores' slopes, before
+    /// `dS = P ∘ (dP − D)`.
+    times => times_impl(row: &mut [f32], by: &[f32]) -> ()
 );
 crate::cpu::simd::dispatch!(
     /// `slopes = 1 − (scores · inv_cap2)²`.
@@ -181,9 +176,9 @@ mod tests {
             let dots: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.9).collect();
             let mut row: Vec<f32> = dots.iter().map(|&d| d * s.factor()).collect();
             s.finish_row(&mut row);
-            let mut slopes = vec![0.0; row.len()];
-            let sloped = s.slope_row(&row, &mut slopes).is_some();
-            assert_eq!(sloped, spec.softcap.is_some());
+            let mut slopes = vec![1.0; row.len()];
+            s.slope_row(&row, &mut slopes);
+            assert_eq!(s.fused(), spec.softcap.is_none());
             for ((&d, &got), &g) in dots.iter().zip(&row).zip(&slopes) {
                 let want = spec.score(d) * std::f32::consts::LOG2_E;
                 assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{spec:?} dot {d}: {got} vs {want}");

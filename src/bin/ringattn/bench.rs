@@ -171,6 +171,21 @@ struct BenchReport {
     results: Vec<PassResult>,
 }
 
+impl BenchArgs {
+    /// The attention parameters of a single run: its mask, documents and soft-cap (the
+    /// softmax scale is the default).
+    fn params(&self) -> Result<AttentionParams> {
+        let mask = MaskArgs {
+            causal: self.causal,
+            window: self.window.clone(),
+            seqlens: self.seqlens.clone(),
+            softcap: self.softcap,
+            ..Default::default()
+        };
+        mask.params()
+    }
+}
+
 /// The inputs of a run.
 struct Inputs {
     dims: Dims,
@@ -308,14 +323,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     let passes = passes(&a.pass)?;
     let dq_mode = parse_dq_mode(&a.dq_mode)?;
     let kernels = crate::args::kernel_family(&a.kernels, backend)?;
-    let mask_args = MaskArgs {
-        causal: a.causal,
-        window: a.window.clone(),
-        seqlens: a.seqlens.clone(),
-        softcap: a.softcap,
-        ..Default::default()
-    };
-    let params = mask_args.params()?;
+    let params = a.params()?;
     let dtype: DType = a.dtype.as_deref().unwrap_or("bf16").parse()?;
     let (warmup, iters) = (a.warmup.unwrap_or(3), a.iters.unwrap_or(10));
     let (b, s, hq, d) = (a.batch, seqs[0], a.heads, a.head_dim);
@@ -560,15 +568,7 @@ mod tests {
     fn inputs(args: &[&str]) -> Inputs {
         let cli = Cli::parse_from(std::iter::once("x").chain(args.iter().copied()));
         let a = &cli.b;
-        let params = MaskArgs {
-            causal: a.causal,
-            window: a.window.clone(),
-            seqlens: a.seqlens.clone(),
-            softcap: a.softcap,
-            ..Default::default()
-        }
-        .params()
-        .unwrap();
+        let params = a.params().unwrap();
         let s: usize = a.seq.as_deref().unwrap_or("64").parse().unwrap();
         let t = |h| randn(vec![1, s, h, a.head_dim], 0, DType::BF16);
         let (q, k) = (t(a.heads), t(a.kv_heads.unwrap_or(a.heads)));
