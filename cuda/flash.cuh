@@ -42,28 +42,36 @@ struct TileGeom {
     static constexpr int kRowBytes = kStride * 2;
 };
 
-template <int D>
+// Forward tiles of head-dim class D for Q and K and DV for V and O (DV = D but for the
+// pair entry points: multi-head latent attention's (192, 128)).
+template <int D, int DV = D>
 struct FwdTraits : TileGeom<D> {
     static_assert(D % 32 == 0 || D == 96, "head-dim classes: 32, 64, 96, 128, 192, 256");
     using G = TileGeom<D>;
+    using VG = TileGeom<DV>;  // V's tiles (and O's staged rows)
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
     // 16-row m-tiles per warp: two (FlashAttention-2's 128-row blocks: each K/V fragment
-    // feeds twice the MMAs) at classes 32, 64 and 128, one at 96 and above. At 128 the two
-    // m-tiles' O and S accumulators take 192 registers, so Q is read from shared memory each
-    // tile (kQInRegs) and flash_fwd.cu's ptxas options keep ptxas within 255 without spilling.
-    static constexpr int kRowTiles = D <= 64 || D == 128 ? 2 : 1;
+    // feeds twice the MMAs) at classes 32, 64 and 128 and at the pair (192, 128), one at 96
+    // and above. At 128 the two m-tiles' O and S accumulators take 192 registers, so Q is
+    // read from shared memory each tile (kQInRegs) and flash_fwd.cu's ptxas options keep
+    // ptxas within 255 without spilling; at (192, 128) they take 160 (O of 128 columns, S of
+    // 32 keys). (A (96, 64) pair of two m-tiles spilled 24 to 84 bytes on sm_80 and sm_90a,
+    // Q's fragments in registers or not: its per-chunk staging of 12-chunk rows.)
+    static constexpr int kRowTiles = D <= 64 || D == 128 || (D == 192 && DV == 128) ? 2 : 1;
     static constexpr int kWarpRows = 16 * kRowTiles;
     static constexpr int kBlockM = kWarpRows * kWarps;  // query rows per block
     static constexpr int kBlockN = D <= 128 ? 64 : 32;  // keys per tile
     static constexpr bool kQInRegs = D <= 96;          // Q fragments kept in registers
     static constexpr int kSmemQ = kBlockM * G::kRowBytes;
-    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one K or V stage
-    static constexpr int kSmemBounds = kWarps * 32;         // each warp's query bounds (masked calls)
-    static constexpr int kSmem = kSmemQ + 4 * kSmemKV + kSmemBounds;  // Q, K and V double-buffered
+    static constexpr int kSmemK = kBlockN * G::kRowBytes;   // one K stage
+    static constexpr int kSmemV = kBlockN * VG::kRowBytes;  // one V stage
+    static constexpr int kSmemTiles = kSmemQ + 2 * (kSmemK + kSmemV);  // Q, K and V double-buffered
+    static constexpr int kSmemBounds = kWarps * 32;                     // each warp's query bounds (masked calls)
+    static constexpr int kSmem = kSmemTiles + kSmemBounds;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     // f32 registers per thread for the O and S accumulators (+ Q fragments when kept).
-    static constexpr int kAccRegs = kRowTiles * (D / 2 + kBlockN / 2 + (kQInRegs ? D / 4 : 0));
+    static constexpr int kAccRegs = kRowTiles * (DV / 2 + kBlockN / 2 + (kQInRegs ? D / 4 : 0));
     static_assert(kAccRegs <= 192, "accumulators leave room for addressing within 255 registers");
     static_assert(kBlockN / 2 <= 32, "one visibility bit per S element in a 32-bit mask");
 };
@@ -78,13 +86,19 @@ __device__ __forceinline__ int swz(int r, int c) {
 // thread (ldmatrix's address tables): 2j + b = 2j ^ b, so the swizzled chunk is 2j ^ x with x
 // = b ^ (r & kSwizzle). When a row holds a power-of-two number of chunks (every class but
 // 192), r kStride has no bits where (2j ^ x) << 3 has any, so the offset of pair j is one XOR
-// of a single register with the constant 16 j; otherwise a shift-add on two registers.
+// of a single register with the constant 16 j. At 192 (24 chunks a row, the swizzle inside
+// groups of 8) the XOR touches the chunk's position in its group only: the offset is the
+// swizzled base XOR 16 (j % 4), four registers whatever j, plus the group's 64 (j / 4)
+// elements, an immediate of the ldmatrix address (not one address register per j).
 template <int kStride, int kSwizzle>
 struct SwzRow {
-    // Chunks per row a power of two (and the swizzle inside them): offsets XOR into the row's.
     static constexpr int kRowChunks = kStride / 8;
+    // Chunks per row a power of two (and the swizzle inside them): offsets XOR into the row's.
     static constexpr bool kXorOnly = (kRowChunks & (kRowChunks - 1)) == 0 && kSwizzle < kRowChunks;
-    int base, x;
+    // Rows of whole groups of 8 chunks, swizzled inside each group.
+    static constexpr bool kGrouped = kRowChunks % 8 == 0 && kSwizzle == 7;
+    static_assert(kXorOnly || kGrouped, "tile rows of a power-of-two number of chunks or of whole groups of 8");
+    int base, x;  // the offset of the row's chunk b (swizzled; of the row when grouped), b ^ (r & kSwizzle)
     __device__ __forceinline__ SwzRow(int r, int b)
         : base(kXorOnly ? r * kStride + ((b ^ (r & kSwizzle)) << 3) : r * kStride), x(b ^ (r & kSwizzle)) {}
     // Element offset of chunk 2j + b of the row.
@@ -92,7 +106,7 @@ struct SwzRow {
         if constexpr (kXorOnly) {
             return base ^ (j << 4);
         } else {
-            return base + (((2 * j) ^ x) << 3);
+            return ((base | (x << 3)) ^ ((j % 4) << 4)) + ((j / 4) << 6);
         }
     }
 };
@@ -148,6 +162,28 @@ __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x
             const bool in = i * kRowStep < left;
             cp_async_cg16(tile + swz<kStride, kSwizzle>(r, col), in ? src : x, in ? 16u : 0u);
             src += step;
+        }
+    } else if constexpr (kChunks % 8 == 0 && kThreads % 8 == 0 && kSwizzle == 7) {
+        // Rows of whole groups of 8 chunks whose number does not divide the threads (class
+        // 192: 24): a thread takes the same chunk of every group, in rows kThreads / 8 apart.
+        // The swizzle stays inside a group and repeats every 8 rows, so each chunk's source and
+        // destination are the thread's first plus constants (no offset per chunk held).
+        constexpr int kGroups = kChunks / 8, kRowStep = kThreads / 8;
+        constexpr int kSteps = (kRows + kRowStep - 1) / kRowStep;
+        static_assert(kRowStep % 8 == 0, "a thread's rows share their swizzle");
+        const int c8 = int(threadIdx.x) % 8, r_first = int(threadIdx.x) / 8;
+        const int64_t left = s - r0 - r_first;  // rows of this thread inside the sequence
+        const uint16_t* src = base + (r0 + r_first) * row_stride + c8 * 8;
+        uint16_t* dst = tile + swz<kStride, kSwizzle>(r_first, c8);
+        RINGATTN_UNROLL
+        for (int i = 0; i < kSteps; ++i) {
+            if (kRows % kRowStep != 0 && r_first + i * kRowStep >= kRows) break;
+            RINGATTN_UNROLL
+            for (int g = 0; g < kGroups; ++g) {
+                const bool in = i * kRowStep < left && (8 * g + c8) * 8 < d;
+                cp_async_cg16(dst + i * kRowStep * kStride + 64 * g, in ? src + 64 * g : x, in ? 16u : 0u);
+            }
+            src += kRowStep * row_stride;
         }
     } else {
         RINGATTN_UNROLL
@@ -229,30 +265,39 @@ struct PairStager {
 };
 
 // PairStager's interface for K and V of their own head dims (multi-head latent attention:
-// K d_a wide, V d_b): stage_swizzled per tensor, tile by tile.
-template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
+// K d_qk wide in tiles of geometry KG, V d_v wide in tiles of geometry VG — K's class's for
+// the _dv entry points, V's own class's for the pair ones): stage_swizzled per tensor, tile
+// by tile. The pointers, lengths and head dims are read from the problem (kernel parameters,
+// in constant memory) at each tile, not held in registers across the kernel's loop.
+template <int kRows, typename KG, typename VG, int kThreads>
 struct SplitStager {
-    const uint16_t *a, *b;
-    int64_t bi, s, h, hi, d_a, d_b;
+    const FlashProblem& x;
+    int bi, hi;  // batch, key/value head (32 bits: three registers in all across the loop)
     int64_t r0;  // first row of the next tile
 
-    __device__ __forceinline__ void stage_next(uint16_t* tile_a, uint16_t* tile_b) {
-        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_a, a, bi, s, h, hi, d_a, r0);
-        stage_swizzled<kRows, kChunks, kStride, kSwizzle, kThreads>(tile_b, b, bi, s, h, hi, d_b, r0);
+    __device__ __forceinline__ void stage_next(uint16_t* tile_k, uint16_t* tile_v) {
+        stage_swizzled<kRows, KG::kChunks, KG::kStride, KG::kSwizzle, kThreads>(tile_k, x.k, bi, x.s_k, x.h_kv, hi,
+                                                                                x.d_qk, r0);
+        stage_swizzled<kRows, VG::kChunks, VG::kStride, VG::kSwizzle, kThreads>(tile_v, x.v, bi, x.s_k, x.h_kv, hi,
+                                                                                x.d_v, r0);
         r0 += kRows;
     }
 };
 
-// The K/V stager of a kernel: PairStager when V shares K's head dim d_k (the entry points
-// without kOwnDv: d_v is not read), SplitStager when V has its own (d_v).
-template <bool kOwnDv, int kRows, int kChunks, int kStride, int kSwizzle, int kThreads>
-__device__ __forceinline__ auto kv_stager(const uint16_t* k, const uint16_t* v, int64_t bi, int64_t s, int64_t h,
-                                          int64_t hi, int64_t d_k, int64_t d_v, int64_t first_row) {
+// The K/V stager of a kernel for problem x (batch bi, key/value head hk, tiles of kRows keys
+// from tile `first`; K in tiles of geometry KG): PairStager when V shares K's head dim (the
+// entry points without kOwnDv: d_v is not read), SplitStager when V has its own (d_v; in
+// tiles of geometry VG, K's class's but at the pair entry points).
+// (d_k is x.d_qk as the kernel holds it: the PairStager's copy from the problem instead moved
+// ptxas's allocation of the d128 forward on sm_90a into an 8-byte spill.)
+template <bool kOwnDv, int kRows, typename KG, int kThreads, typename VG = KG>
+__device__ __forceinline__ auto kv_stager(const FlashProblem& x, int64_t bi, int64_t hk, int64_t d_k, int first) {
     if constexpr (kOwnDv) {
-        return SplitStager<kRows, kChunks, kStride, kSwizzle, kThreads>{k, v, bi, s, h, hi, d_k, d_v, first_row};
+        return SplitStager<kRows, KG, VG, kThreads>{x, int(bi), int(hk), int64_t(first) * kRows};
     } else {
-        (void)d_v;
-        return PairStager<kRows, kChunks, kStride, kSwizzle, kThreads>(k, v, bi, s, h, hi, d_k, first_row);
+        static_assert(VG::kStride == KG::kStride, "V shares K's tiles");
+        return PairStager<kRows, KG::kChunks, KG::kStride, KG::kSwizzle, kThreads>(x.k, x.v, bi, x.s_k, x.h_kv, hk,
+                                                                                   d_k, int64_t(first) * kRows);
     }
 }
 

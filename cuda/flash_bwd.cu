@@ -201,8 +201,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     const bool rows_in = q0 + warp * 16 + 16 <= p.x.s_q;  // every row of the warp exists
 
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, S, W, Tr::kThreads>(p.x.k, p.x.v, bi, p.x.s_k, p.x.h_kv, hk, d, d_v(),
-                                                                        int64_t(t_begin) * kN);
+    auto stager = kv_stager<kOwnDv, kN, TileGeom<D>, Tr::kThreads>(p.x, bi, hk, d, t_begin);
     auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
 
     // Fragment rows (flash.cuh SwzRow): Q and dO rows (k chunks 2kk, 2kk + 1), K and V rows

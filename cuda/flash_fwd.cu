@@ -34,18 +34,22 @@
 #include "flash.cuh"
 
 // kOwnDv: V and O have their own head dim p.x.d_v (multi-head latent attention; the entry
-// points ..._d{D}_dv); otherwise p.x.d_qk serves Q, K, V and O and p.x.d_v is not read.
+// points ..._d{D}_dv, V in tiles of class DV = D, and ..._d{D}_v{DV}, V in tiles of its own
+// class DV); otherwise p.x.d_qk serves Q, K, V and O and p.x.d_v is not read.
 // kCapped: the soft-capped variant (score.cuh); kPerTile: both variants behind a uniform
 // branch per tile instead (kCapped then unused).
-template <typename T, int D, bool kOwnDv, bool kCapped, bool kPerTile>
+template <typename T, int D, int DV, bool kOwnDv, bool kCapped, bool kPerTile>
 __device__ void flash_fwd_tc(const FlashFwdParams& p) {
-    using Tr = FwdTraits<D>;
-    constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8;
+    static_assert(kOwnDv || DV == D, "V of its own class only with its own head dim");
+    using Tr = FwdTraits<D, DV>;
+    using VG = typename Tr::VG;
+    constexpr int kN = Tr::kBlockN, kNT = kN / 8, kOT = DV / 8;  // S n-tiles, O n-tiles
     constexpr int kMT = Tr::kRowTiles, kR = 2 * kMT;  // m-tiles per warp, rows per thread
     constexpr int kStride = Tr::kStride, kSwizzle = Tr::kSwizzle;
-    // Unrolled up to class 128 (Q fragments in registers need it; from shared memory at 128,
-    // the unrolled loop is the one ptxas schedules without spilling); rolled above (live ranges).
-    constexpr int kUnrollK = D <= 128 ? D / 16 : 1;
+    // Unrolled up to class 128 and with two m-tiles (Q fragments in registers need it; from
+    // shared memory at 128, the unrolled loop is the one ptxas schedules without spilling);
+    // rolled above with one (live ranges).
+    constexpr int kUnrollK = D <= 128 || kMT == 2 ? D / 16 : 1;
     const int64_t d = p.x.d_qk;
     auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // (read where used)
     const int64_t hq = blockIdx.y, bi = blockIdx.z, hk = hq / (p.x.h_q / p.x.h_kv);
@@ -57,7 +61,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + Tr::kSmemQ);  // [2][kN][kStride]
-    uint16_t* vs = ks + 2 * kN * kStride;                            // [2][kN][kStride]
+    uint16_t* vs = ks + 2 * kN * kStride;                            // [2][kN][VG::kStride]
 
     // This thread's query rows: g and g + 8 of each of the warp's m-tiles (row 2 mt + r is
     // first_row() + 16 mt + g + 8 r); their positions and documents (read again on masked tiles rather
@@ -76,7 +80,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // row's: the bounds stay a superset, and a fully visible tile needs every row in range).
     // The warp's bounds wait in shared memory (registers are what the accumulators need).
     const bool classify = !unmasked && p.x.mask.k_bounds != nullptr;
-    RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemQ + 4 * Tr::kSmemKV) + warp;
+    RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemTiles) + warp;
     RowBounds warp_rows{0, 0, 0u, 0u};
     if (classify) {
         int64_t row[kR], qpos[kR];
@@ -102,9 +106,8 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     stage_swizzled<Tr::kBlockM, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(qs, p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
     cp_async_commit();
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    auto stager = kv_stager<kOwnDv, kN, Tr::kChunks, kStride, kSwizzle, Tr::kThreads>(p.x.k, p.x.v, bi, p.x.s_k, p.x.h_kv, hk,
-                                                                                     d, d_v(), int64_t(t_begin) * kN);
-    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * kStride); };
+    auto stager = kv_stager<kOwnDv, kN, TileGeom<D>, Tr::kThreads, VG>(p.x, bi, hk, d, t_begin);
+    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * kStride, vs + buf * kN * VG::kStride); };
     if (t_begin < t_end) stage_kv(0);
     cp_async_commit();
 
@@ -119,14 +122,14 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     // 8-row steps add a constant): K rows for S = Q K^T (k chunks 2kk, 2kk + 1), V rows for
     // O += P V (column chunks 2j, 2j + 1), Q rows (when read from shared memory each tile).
     const SwzRow<kStride, kSwizzle> krow((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-    const SwzRow<kStride, kSwizzle> vrow((lane / 8) % 2 * 8 + lane % 8, lane / 16);
+    const SwzRow<VG::kStride, VG::kSwizzle> vrow((lane / 8) % 2 * 8 + lane % 8, lane / 16);
     const SwzRow<kStride, kSwizzle> qrow(warp * Tr::kWarpRows + lane % 16, lane / 16);
 
-    float acc[kMT][kDT][4];
+    float acc[kMT][kOT][4];
     RINGATTN_UNROLL
     for (int mt = 0; mt < kMT; ++mt) {
         RINGATTN_UNROLL
-        for (int n = 0; n < kDT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+        for (int n = 0; n < kOT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
     }
     // Per row: the base of the exponentials (scaled, base 2; -inf until a score is visible;
     // its negation and the slack of the lazy rescaling below are derived from it per tile),
@@ -166,7 +169,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         cp_async_wait<1>();  // Q and this tile have landed; the next one may still be in flight
         __syncthreads();
         const uint16_t* kt = ks + buf * kN * kStride;
-        const uint16_t* vt = vs + buf * kN * kStride;
+        const uint16_t* vt = vs + buf * kN * VG::kStride;
         // Visibility of this thread's scores: vis[mt] bit 4n + e for n-tile n, element e (rows
         // g, g, g + 8, g + 8 of m-tile mt; columns 2t, 2t + 1). A tile fully visible to the
         // warp (every row of the warp and every key of the tile inside the call; no mask, or
@@ -273,7 +276,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     l[r] *= alpha;
                     const int mt = r / 2, e0 = 2 * (r % 2);
                     RINGATTN_UNROLL
-                    for (int n = 0; n < kDT; ++n) acc[mt][n][e0] *= alpha, acc[mt][n][e0 + 1] *= alpha;
+                    for (int n = 0; n < kOT; ++n) acc[mt][n][e0] *= alpha, acc[mt][n][e0 + 1] *= alpha;
                 }
             }
             float nbase[kR];  // the negated base (0 while nothing is visible)
@@ -309,9 +312,9 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
                 RINGATTN_UNROLL
-                for (int n = 0; n < kDT; n += 2) {
+                for (int n = 0; n < kOT; n += 2) {
                     uint32_t b[4];  // V rows kk*16 .. +15 (keys), columns n*8 .. n*8 + 15
-                    ldmatrix_x4_trans(b, vt + vrow.at(n / 2) + kk * 16 * kStride);
+                    ldmatrix_x4_trans(b, vt + vrow.at(n / 2) + kk * 16 * VG::kStride);
                     RINGATTN_UNROLL
                     for (int mt = 0; mt < kMT; ++mt) {
                         mma_16816<T>(acc[mt][n], a[mt], b);
@@ -355,14 +358,14 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
     int64_t row[kR];
     thread_rows(row);
 #if RINGATTN_STAGED_EPILOGUE
-    constexpr int kStageStride = StageStride<D>::value;
-    static_assert(Tr::kWarps * Tr::kWarpRows * kStageStride * 4 <= Tr::kSmemQ + 4 * Tr::kSmemKV,
+    constexpr int kStageStride = StageStride<DV>::value;
+    static_assert(Tr::kWarps * Tr::kWarpRows * kStageStride * 4 <= Tr::kSmemTiles,
                   "the output rows fit where Q, K and V were");
     float* stage = reinterpret_cast<float*>(smem) + warp * Tr::kWarpRows * kStageStride;
-    stage_fragments<kMT, kDT, kStageStride>(stage, acc, inv);
+    stage_fragments<kMT, kOT, kStageStride>(stage, acc, inv);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     const int64_t w0 = first_row();
-    store_staged_rows<T, Tr::kWarpRows, D, kStageStride>(
+    store_staged_rows<T, Tr::kWarpRows, DV, kStageStride>(
         stage, d_v(),
         [&](int r) { return w0 + r < p.x.s_q ? ((bi * p.x.s_q + w0 + r) * p.x.h_q + hq) * d_v() : int64_t(-1); }, p.o,
         p.o16);
@@ -373,7 +376,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
         const int mt = r / 2, e0 = 2 * (r % 2);
         const int64_t base = ((bi * p.x.s_q + row[r]) * p.x.h_q + hq) * d_v();
         RINGATTN_UNROLL
-        for (int n = 0; n < kDT; ++n) {
+        for (int n = 0; n < kOT; ++n) {
             const int64_t c = n * 8 + 2 * t;
             if (c >= d_v()) continue;
             const float x = acc[mt][n][e0] * inv[r], y = acc[mt][n][e0 + 1] * inv[r];
@@ -401,30 +404,37 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
 // branch per tile (two instantiations push classes 64 and 128, at 255 registers, into spills
 // of 40-88 bytes, and move class 192's rolled loop by 6%; the branch leaves the plain SASS of
 // 32, 64, 128 and 256 as it was, and class 192's within 1.1%).
-template <typename T, int D, bool kOwnDv>
+template <typename T, int D, int DV, bool kOwnDv>
 __device__ __forceinline__ void flash_fwd(const FlashFwdParams& p) {
     if constexpr (D == 96) {
         if (p.x.score.softcap_log2 > 0.0f) {
-            flash_fwd_tc<T, D, kOwnDv, true, false>(p);
+            flash_fwd_tc<T, D, DV, kOwnDv, true, false>(p);
         } else {
-            flash_fwd_tc<T, D, kOwnDv, false, false>(p);
+            flash_fwd_tc<T, D, DV, kOwnDv, false, false>(p);
         }
     } else {
-        flash_fwd_tc<T, D, kOwnDv, false, true>(p);
+        flash_fwd_tc<T, D, DV, kOwnDv, false, true>(p);
     }
 }
 
 #define RINGATTN_FWD_ENTRY(TY, NAME, D) \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D(FlashFwdParams p) { \
-        flash_fwd<TY, D, false>(p); \
+        flash_fwd<TY, D, D, false>(p); \
     }
 #define RINGATTN_FWD_ENTRIES(D) RINGATTN_FWD_ENTRY(Bf16, bf16, D) RINGATTN_FWD_ENTRY(F16, f16, D)
-// V and O of their own head dim (src/kernels.rs `geometry::OWN_DV_CLASSES`).
+// V and O of their own head dim (src/kernels.rs `geometry::OWN_DV_CLASSES`), in tiles of the
+// class D...
 #define RINGATTN_FWD_DV_ENTRY(TY, NAME, D) \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D##_dv(FlashFwdParams p) { \
-        flash_fwd<TY, D, true>(p); \
+        flash_fwd<TY, D, D, true>(p); \
     }
 #define RINGATTN_FWD_DV_ENTRIES(D) RINGATTN_FWD_DV_ENTRY(Bf16, bf16, D) RINGATTN_FWD_DV_ENTRY(F16, f16, D)
+// ... or of their own class DV (src/kernels.rs `geometry::HEAD_DIM_PAIRS`).
+#define RINGATTN_FWD_PAIR_ENTRY(TY, NAME, D, DV) \
+    extern "C" __global__ void __launch_bounds__(128) ringattn_flash_fwd_##NAME##_d##D##_v##DV(FlashFwdParams p) { \
+        flash_fwd<TY, D, DV, true>(p); \
+    }
+#define RINGATTN_FWD_PAIR_ENTRIES(D, DV) RINGATTN_FWD_PAIR_ENTRY(Bf16, bf16, D, DV) RINGATTN_FWD_PAIR_ENTRY(F16, f16, D, DV)
 RINGATTN_FWD_ENTRIES(32)
 RINGATTN_FWD_ENTRIES(64)
 RINGATTN_FWD_ENTRIES(96)
@@ -434,3 +444,4 @@ RINGATTN_FWD_ENTRIES(256)
 RINGATTN_FWD_DV_ENTRIES(96)
 RINGATTN_FWD_DV_ENTRIES(192)
 RINGATTN_FWD_DV_ENTRIES(256)
+RINGATTN_FWD_PAIR_ENTRIES(192, 128)

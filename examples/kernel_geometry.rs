@@ -3,18 +3,19 @@
 //! dynamic shared memory and tile shape of each head-dim class, which only the Rust side of
 //! the kernel/host line knows): `cargo run --example kernel_geometry`.
 
-use ringattn::kernels::geometry::{self, DqAccum, HEAD_DIM_CLASSES};
+use ringattn::kernels::geometry::{self, DqAccum, ValueDim, HEAD_DIM_CLASSES};
 use ringattn::Dims;
 
 fn main() {
-    // Every class with equal head dims, then multi-head latent attention's pairs on the `_dv`
-    // entry points ("d_v" below; the kernels run at the class of d).
+    // Every class with equal head dims, then multi-head latent attention's pairs: on the pair
+    // entry points (`_d192_v128`) and the `_dv` ones ((96, 64); (128, 64) at class 192). "d"
+    // is the entry point's class, "v_class" V's.
     let equal = HEAD_DIM_CLASSES.map(|d| (d, d));
-    for (d, d_v) in equal.into_iter().chain([(192, 128), (96, 64)]) {
-        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk: d, d_v };
-        let (fm, fn_) = geometry::forward_tile(d);
-        let (km, kn) = geometry::dkdv_tile(d);
-        let (qm, qn) = geometry::dq_tile(d);
+    for (d_qk, d_v) in equal.into_iter().chain([(192, 128), (96, 64), (128, 64)]) {
+        let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk, d_v };
+        let (fm, fn_) = geometry::forward_tile(&dims);
+        let (km, kn) = geometry::dkdv_tile(geometry::fa2_head_dim(&dims));
+        let (qm, qn) = geometry::dq_tile(geometry::fa2_head_dim(&dims));
         let rows = [
             ("flash_fwd", geometry::forward(&dims), fm, fn_),
             ("flash_bwd_dq", geometry::dq(&dims), qm, qn),
@@ -25,8 +26,15 @@ fn main() {
         // (family, launch, rows the block keeps, rows of each streamed tile)
         for (family, launch, rows, streamed) in rows {
             println!(
-                "{{\"family\":\"{family}\",\"d\":{d},\"d_v\":{d_v},\"own_dv\":{},\"threads\":{},\"smem_bytes\":{},\"block_rows\":{rows},\"tile_rows\":{streamed}}}",
-                launch.own_dv, launch.block, launch.smem_bytes
+                "{{\"family\":\"{family}\",\"d\":{},\"d_v\":{d_v},\"own_dv\":{},\"v_class\":{},\"threads\":{},\"smem_bytes\":{},\"block_rows\":{rows},\"tile_rows\":{streamed}}}",
+                launch.head_dim_class,
+                launch.value_dim != ValueDim::Shared,
+                match launch.value_dim {
+                    ValueDim::Class(dv) => dv,
+                    _ => launch.head_dim_class,
+                },
+                launch.block,
+                launch.smem_bytes
             );
         }
     }

@@ -367,7 +367,7 @@ def blocks_per_sm(regs, threads, smem, smem_per_sm):
 def expected_ldgsts(family, d, geo):
     """16-byte cp.async per thread per tile: the streamed tile's two 16-bit matrices (K and V;
     Q and dO for dk/dv, with their f32 LSE and delta rows)."""
-    chunks = 2 * geo["tile_rows"] * (d // 8)
+    chunks = geo["tile_rows"] * (d + geo.get("v_class", d)) // 8
     if family.startswith("flash_bwd_dkdv"):
         chunks += 2 * geo["tile_rows"] * 4 // 16
     return chunks / geo["threads"]
@@ -375,22 +375,27 @@ def expected_ldgsts(family, d, geo):
 
 def expected_hmma(family, d, geo):
     """m16n8k16 HMMAs per warp per tile, for the block's rows split evenly over its warps (m
-    16-row m-tiles per warp): the forward's QKᵀ and PV (m·N·d/64 for N keys), dq's QKᵀ, dOVᵀ
-    and dS·K (3·m·N·d/128), dk/dv's four products for M streamed query rows (m·M·d/32); None
-    for the dk/dv kernels that add dq (their dq share is split)."""
+    16-row m-tiles per warp), with d the class of Q and K and dv V's (d but at the pair entry
+    points): the forward's QKᵀ and PV (m·N·(d + dv)/128 for N keys), dq's QKᵀ, dOVᵀ and dS·K
+    (m·N·(2d + dv)/128), dk/dv's four products for M streamed query rows (m·M·(d + dv)/64);
+    None for the dk/dv kernels that add dq (their dq share is split)."""
     n = geo["tile_rows"]
     m = geo["block_rows"] // (geo["threads"] // 32) // 16
+    dv = geo.get("v_class", d)
     if family == "flash_fwd":
-        return m * n * d // 64
+        return m * n * (d + dv) // 128
     if family == "flash_bwd_dq":
-        return m * 3 * n * d // 128
+        return m * n * (2 * d + dv) // 128
     if family == "flash_bwd_dkdv":
-        return m * n * d // 32
+        return m * n * (d + dv) // 64
     return None
 
 
-def kernel_name(family, d, own_dv=False):
-    """The entry point: ..._d{D}, or its variant for V of its own head dim ..._d{D}_dv."""
+def kernel_name(family, d, own_dv=False, v_class=None):
+    """The entry point: ..._d{D}, its variant for V of its own head dim ..._d{D}_dv, or the
+    pair entry point ..._d{D}_v{DV} (V in tiles of its own class)."""
+    if own_dv and v_class not in (None, d):
+        return f"ringattn_{family}_bf16_d{d}_v{v_class}"
     return f"ringattn_{family}_bf16_d{d}" + ("_dv" if own_dv else "")
 
 
@@ -408,7 +413,7 @@ def build(sass_dir, geometry):
                 family, d = geo["family"], geo["d"]
                 if not family.startswith(family_file):
                     continue
-                name = kernel_name(family, d, geo.get("own_dv", False))
+                name = kernel_name(family, d, geo.get("own_dv", False), geo.get("v_class"))
                 if name not in funcs:
                     continue
                 a = analyse(funcs[name])

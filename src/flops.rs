@@ -160,12 +160,12 @@ impl From<TileConfig> for TileShape {
 }
 
 impl TileShape {
-    /// The tiles of the CUDA forward kernel for head dimension `d`: 128 query rows (4 warps of
-    /// 32) × 64 keys at head-dim classes 32, 64 and 128, 64 (4 × 16) × 64 at 96, 64 × 32 above
-    /// (`FwdTraits::kBlockM`, `kBlockN` in
-    /// `cuda/flash.cuh`; [`geometry::forward`]).
-    pub fn cuda_forward(d: usize) -> TileShape {
-        let (block_q, block_k) = geometry::forward_tile(d);
+    /// The tiles of the CUDA forward kernel for `dims`: 128 query rows (4 warps of 32) × 64
+    /// keys at head-dim classes 32, 64 and 128, 64 (4 × 16) × 64 at 96, 64 × 32 above, 128 ×
+    /// 32 at the pair (192, 128) (`FwdTraits::kBlockM`, `kBlockN` in `cuda/flash.cuh`;
+    /// [`geometry::forward_tile`]).
+    pub fn cuda_forward(dims: &Dims) -> TileShape {
+        let (block_q, block_k) = geometry::forward_tile(dims);
         TileShape { block_q, block_k }
     }
 
@@ -297,8 +297,8 @@ pub enum Executor {
 ///   bound there.
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
-///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128)
-///   × a key tile, `S` and `PV`; dk/dv kernel, a query tile × 16 keys, `Sᵀ` and `dPᵀ` at
+///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128
+///   but for the pair (192, 128)) × a key tile, `S` and `PV` (`PV` at V's class at the pair); dk/dv kernel, a query tile × 16 keys, `Sᵀ` and `dPᵀ` at
 ///   full `D` in each of its column ranges, `dV` and `dK` over all columns once; when it adds
 ///   dq (atomic mode; deterministic up to class 128) `dQ` once per query tile × 64-key block
 ///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
@@ -356,9 +356,14 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
             let dc = geometry::head_dim_class(geometry::fa2_head_dim(dims)) as f64;
             match pass {
                 Pass::Forward => {
-                    let (_, n) = geometry::forward_tile(geometry::fa2_head_dim(dims));
-                    let rows = geometry::forward_warp_rows(geometry::fa2_head_dim(dims));
-                    warp_tiles(rows, n)? * 2.0 * (rows * n) as f64 * dc
+                    let (_, n) = geometry::forward_tile(dims);
+                    let rows = geometry::forward_warp_rows(dims);
+                    // S at Q and K's class, PV at V's (the pair entry points' own).
+                    let dvc = match geometry::forward_classes(dims) {
+                        (_, geometry::ValueDim::Class(dv)) => dv as f64,
+                        _ => dc,
+                    };
+                    warp_tiles(rows, n)? * (rows * n) as f64 * (dc + dvc)
                 }
                 Pass::Backward => {
                     let (m, _) = geometry::dkdv_tile(geometry::fa2_head_dim(dims));
@@ -679,7 +684,7 @@ mod tests {
             let dims = Dims { b: 2, s_q: 1000, s_k: 700, h_q: 4, h_kv: 2, d_qk: d, d_v: d };
             let dc = geometry::head_dim_class(d);
             let row = 2 * stride(dc);
-            let f = TileShape::cuda_forward(d);
+            let f = TileShape::cuda_forward(&dims);
             let l = geometry::forward(&dims);
             assert_eq!(l.grid[0], dims.s_q.div_ceil(f.block_q), "d = {d}");
             // Q, K and V double-buffered, each warp's query bounds (4 x 32 bytes).

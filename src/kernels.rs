@@ -663,10 +663,44 @@ pub mod geometry {
         /// Head-dim class `D` of the entry point (`..._d{D}`), 0 for kernels without classes.
         pub head_dim_class: usize,
         /// The entry point's variant for V (and O, dO, dV) of their own head dim `d_v`
-        /// (`..._d{D}_dv`: multi-head latent attention on the FA2-class kernels, at the
-        /// classes of [`OWN_DV_CLASSES`]); the Hopper kernels read V through its tensor map and
-        /// need none.
-        pub own_dv: bool,
+        /// (multi-head latent attention on the FA2-class kernels; [`ValueDim`]); the Hopper
+        /// kernels read V through its tensor map and need none.
+        pub value_dim: ValueDim,
+    }
+
+    /// How the head dim of V (and O, dO, dV) of a kernel's entry point relates to its class.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum ValueDim {
+        /// V shares the head dim of Q and K (`..._d{D}`; `d_v` is not read).
+        #[default]
+        Shared,
+        /// V has its own head dim `d_v`, in tiles of the class `D` (`..._d{D}_dv`, the
+        /// classes of [`OWN_DV_CLASSES`]; columns past `d_v` zero-filled and computed).
+        Own,
+        /// V has its own head dim `d_v`, in tiles of its own class `DV` (`..._d{D}_v{DV}`, the
+        /// pairs of [`HEAD_DIM_PAIRS`]): O, dO and dV of `DV` columns only.
+        Class(usize),
+    }
+
+    impl ValueDim {
+        /// The entry point's suffix after `_d{D}`: none, `_dv` or `_v{DV}`.
+        pub fn suffix(self) -> String {
+            match self {
+                ValueDim::Shared => String::new(),
+                ValueDim::Own => "_dv".into(),
+                ValueDim::Class(dv) => format!("_v{dv}"),
+            }
+        }
+
+        /// The emulator's code for it (`cuda/emu/kernels_fwd.cpp`): 0 shared, 1 own, else
+        /// the class of V.
+        pub fn code(self) -> i32 {
+            match self {
+                ValueDim::Shared => 0,
+                ValueDim::Own => 1,
+                ValueDim::Class(dv) => dv as i32,
+            }
+        }
     }
 
     impl Launch {
@@ -685,10 +719,30 @@ pub mod geometry {
     pub const HEAD_DIM_CLASSES: [usize; 6] = [32, 64, 96, 128, 192, 256];
 
     /// The head-dim classes whose FA2-class kernels have a variant for V of its own head dim
-    /// (`..._d{D}_dv`, [`Launch::own_dv`]): unequal head dims (`d_qk ≠ d_v`) run at the
+    /// (`..._d{D}_dv`, [`ValueDim::Own`]): unequal head dims (`d_qk ≠ d_v`) run at the
     /// smallest of these that holds the larger one (above 64; class 128's variant would
-    /// spill, so 97–128 run at 192).
+    /// spill, so 97–128 run at 192), but for the pairs of [`HEAD_DIM_PAIRS`].
     pub const OWN_DV_CLASSES: [usize; 3] = [96, 192, 256];
+
+    /// `(class of d_qk, class of d_v)` pairs whose FA2-class forward has an entry point of its
+    /// own (`..._d{D}_v{DV}`, [`ValueDim::Class`]): multi-head latent attention's (192, 128),
+    /// with O of 128 columns and two 16-row m-tiles per warp (`FwdTraits<192, 128>`).
+    pub const HEAD_DIM_PAIRS: [(usize, usize); 1] = [(192, 128)];
+
+    /// `(class of Q and K, value dim)` of the FA2-class forward for `dims`: the pair of
+    /// [`HEAD_DIM_PAIRS`] that holds `d_qk` and `d_v` (`d_qk` in its class, `d_v` at most its
+    /// V class), or [`fa2_head_dim`]'s class with V [`ValueDim::Own`] (unequal head dims) or
+    /// [`ValueDim::Shared`].
+    pub fn forward_classes(dims: &Dims) -> (usize, ValueDim) {
+        if dims.equal_head_dims() {
+            return (head_dim_class(dims.d_qk), ValueDim::Shared);
+        }
+        let pair = HEAD_DIM_PAIRS.into_iter().find(|&(d, dv)| head_dim_class(dims.d_qk) == d && dims.d_v <= dv);
+        match pair {
+            Some((d, dv)) => (d, ValueDim::Class(dv)),
+            None => (head_dim_class(fa2_head_dim(dims)), ValueDim::Own),
+        }
+    }
 
     /// The head dim the FA2-class kernels of `dims` are chosen by: the larger head dim, or with
     /// unequal head dims the [`OWN_DV_CLASSES`] class that holds it (its columns past the data
@@ -727,22 +781,21 @@ pub mod geometry {
         }
     }
 
-    /// Query rows per warp of the tensor-core forward (`FwdTraits::kWarpRows`): two 16-row
-    /// m-tiles at head-dim classes 32, 64 and 128 (FlashAttention-2's layout), one at 96 and
-    /// above 128.
-    pub fn forward_warp_rows(d: usize) -> usize {
-        if matches!(head_dim_class(d), 32 | 64 | 128) {
-            32
-        } else {
-            16
+    /// Query rows per warp of the tensor-core forward (`FwdTraits::kWarpRows`) for `dims`: two
+    /// 16-row m-tiles at head-dim classes 32, 64 and 128 (FlashAttention-2's layout) and at
+    /// the pair (192, 128), one at 96 and above 128.
+    pub fn forward_warp_rows(dims: &Dims) -> usize {
+        match forward_classes(dims) {
+            (32 | 64 | 128, _) | (192, ValueDim::Class(128)) => 32,
+            _ => 16,
         }
     }
 
-    /// `(query rows, keys)` of one tile of the tensor-core forward for head dimension `d`:
-    /// 128 × 64 (4 warps of 32 rows) at head-dim classes 32, 64 and 128, 64 × 64 at 96,
-    /// 64 × 32 above 128.
-    pub fn forward_tile(d: usize) -> (usize, usize) {
-        (4 * forward_warp_rows(d), tc_block_n(head_dim_class(d)))
+    /// `(query rows, keys)` of one tile of the tensor-core forward for `dims`: 128 × 64 (4
+    /// warps of 32 rows) at head-dim classes 32, 64 and 128, 64 × 64 at 96, 64 × 32 above
+    /// 128, 128 × 32 at the pair (192, 128).
+    pub fn forward_tile(dims: &Dims) -> (usize, usize) {
+        (4 * forward_warp_rows(dims), tc_block_n(forward_classes(dims).0))
     }
 
     /// `(query rows, keys)` of one tile of the dq kernel: the block's 64 query rows against a
@@ -757,20 +810,23 @@ pub mod geometry {
         (bwd_tile(head_dim_class(d)), 64)
     }
 
-    /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`) for `dims`: 4 warps of
-    /// [`forward_warp_rows`] query rows, Q staged once, K/V double-buffered
-    /// (`FwdTraits<D>::kSmem`).
+    /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`, `_d{D}_dv` or
+    /// `_d{D}_v{DV}`: [`forward_classes`]) for `dims`: 4 warps of [`forward_warp_rows`] query
+    /// rows, Q staged once, K/V double-buffered (`FwdTraits<D, DV>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
-        let dc = head_dim_class(fa2_head_dim(dims));
-        let stride = tc_stride(dc);
-        let (block_m, block_n) = forward_tile(fa2_head_dim(dims));
+        let (dc, value_dim) = forward_classes(dims);
+        let v_stride = match value_dim {
+            ValueDim::Class(dv) => tc_stride(dv),
+            _ => tc_stride(dc),
+        };
+        let (block_m, block_n) = forward_tile(dims);
         Launch {
             grid: [dims.s_q.div_ceil(block_m), dims.h_q, dims.b],
             block: 128,
             // Q, K and V double-buffered, and each warp's query bounds (32 bytes).
-            smem_bytes: block_m * stride * 2 + 4 * block_n * stride * 2 + 4 * 32,
+            smem_bytes: block_m * tc_stride(dc) * 2 + 2 * block_n * (tc_stride(dc) + v_stride) * 2 + 4 * 32,
             head_dim_class: dc,
-            own_dv: !dims.equal_head_dims(),
+            value_dim,
         }
     }
 
@@ -812,7 +868,7 @@ pub mod geometry {
             block: 384,
             smem_bytes: tiles + 8 * (1 + 3 * stages) + 4 * 12 * 8 + 1024,
             head_dim_class: dc,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -823,7 +879,7 @@ pub mod geometry {
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -852,7 +908,7 @@ pub mod geometry {
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -871,7 +927,7 @@ pub mod geometry {
             block: 256,
             smem_bytes: 0,
             head_dim_class: 0,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -890,7 +946,7 @@ pub mod geometry {
             block: 128,
             smem_bytes: 2 * 64 * row + 2 * stages * block_n * row + bounds,
             head_dim_class: dc,
-            own_dv: !dims.equal_head_dims(),
+            value_dim: if dims.equal_head_dims() { ValueDim::Shared } else { ValueDim::Own },
         }
     }
 
@@ -926,7 +982,7 @@ pub mod geometry {
             block: 128,
             smem_bytes: 2 * kv + stages * stage + ds,
             head_dim_class: dc,
-            own_dv: !dims.equal_head_dims(),
+            value_dim: if dims.equal_head_dims() { ValueDim::Shared } else { ValueDim::Own },
         }
     }
 
@@ -1125,7 +1181,7 @@ pub mod geometry {
             // + the mbarriers, the tile range (two i32), the scratch of the block's tile range.
             smem_bytes: tiles + stats + 8 * (1 + 2 * stages) + 8 + 4 * 12 * 8 + 1024,
             head_dim_class: dc,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -1383,7 +1439,7 @@ pub mod geometry {
             block: OPS_THREADS,
             smem_bytes: 0,
             head_dim_class: 0,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
@@ -1394,13 +1450,35 @@ pub mod geometry {
             block: MERGE_THREADS,
             smem_bytes: 0,
             head_dim_class: 0,
-            own_dv: false,
+            value_dim: ValueDim::Shared,
         }
     }
 
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        /// Unequal head dims choose their forward entry point: the (192, 128) pair's own when
+        /// d_qk is in class 192 and d_v at most 128 (with its tiles: 128 query rows, V rows of
+        /// 128 columns in shared memory), class `_dv` variants otherwise.
+        #[test]
+        fn unequal_head_dims_pick_the_pair_entry_point_where_it_holds_them() {
+            let dims = |d_qk, d_v| Dims { b: 1, s_q: 300, s_k: 300, h_q: 2, h_kv: 1, d_qk, d_v };
+            assert_eq!(forward_classes(&dims(192, 128)), (192, ValueDim::Class(128)));
+            assert_eq!(forward_classes(&dims(136, 8)), (192, ValueDim::Class(128)));
+            assert_eq!(forward_classes(&dims(192, 136)), (192, ValueDim::Own));
+            assert_eq!(forward_classes(&dims(128, 64)), (192, ValueDim::Own));
+            assert_eq!(forward_classes(&dims(96, 64)), (96, ValueDim::Own));
+            assert_eq!(forward_classes(&dims(192, 192)), (192, ValueDim::Shared));
+            let l = forward(&dims(192, 128));
+            assert_eq!((l.grid, l.head_dim_class, l.value_dim), ([3, 2, 1], 192, ValueDim::Class(128)));
+            // Q (128 rows of 384 bytes), K (2 x 32 rows of 384), V (2 x 32 rows of 256), bounds.
+            assert_eq!(l.smem_bytes, 128 * 384 + 2 * 32 * 384 + 2 * 32 * 256 + 128);
+            assert_eq!(forward_tile(&dims(192, 128)), (128, 32));
+            assert_eq!(forward_tile(&dims(192, 136)), (64, 32));
+            assert_eq!(ValueDim::Class(128).suffix(), "_v128");
+            assert_eq!((ValueDim::Own.suffix(), ValueDim::Shared.suffix()), ("_dv".to_string(), String::new()));
+        }
 
         /// A soft-capped backward is refused on sm_100 and later at FA2 class 128 (and only
         /// there: other classes, other devices, the plain scores, d_v of its own class), and

@@ -219,8 +219,9 @@ mod kernels {
                 ..Default::default()
             },
         ];
-        // (128, 64): a larger head dim of 97..=128 runs at class 192's `_dv` kernels.
-        for pair in PAIRS.into_iter().chain([(128, 64)]) {
+        // (128, 64): a larger head dim of 97..=128 runs at class 192's `_dv` kernels; (160,
+        // 96): the (192, 128) pair's kernels with columns past both head dims zero-filled.
+        for pair in PAIRS.into_iter().chain([(128, 64), (160, 96)]) {
             for (dtype, opts) in
                 [DType::BF16, DType::F16].into_iter().flat_map(|t| options().into_iter().map(move |o| (t, o)))
             {

@@ -845,12 +845,12 @@ fn entry(family: &str, dtype: DType) -> String {
 }
 
 /// The entry point a launch of `base` calls: `base`, or `base_d{D}` for a kernel instantiated
-/// per head-dim class (`base_d{D}_dv`: its variant for V of its own head dim).
+/// per head-dim class (`base_d{D}_dv`, `base_d{D}_v{DV}`: its variants for V of its own head
+/// dim, [`geometry::ValueDim`]).
 fn entry_name(base: &str, l: &Launch) -> String {
-    match (l.head_dim_class, l.own_dv) {
-        (0, _) => base.to_string(),
-        (dc, false) => format!("{base}_d{dc}"),
-        (dc, true) => format!("{base}_d{dc}_dv"),
+    match l.head_dim_class {
+        0 => base.to_string(),
+        dc => format!("{base}_d{dc}{}", l.value_dim.suffix()),
     }
 }
 
@@ -968,8 +968,10 @@ mod tests {
     #[test]
     fn every_launched_entry_point_is_in_the_images() {
         let mut checked = 0;
-        for d in (8..=geometry::MAX_HEAD_DIM).step_by(8) {
-            let dims = Dims { b: 1, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d_qk: d, d_v: d };
+        // Equal head dims, and unequal ones on the `_dv` and pair (`_d192_v128`) entry points.
+        let equal = (8..=geometry::MAX_HEAD_DIM).step_by(8).map(|d| (d, d));
+        for (d, d_v) in equal.chain([(192, 128), (160, 96), (96, 64), (128, 64), (64, 192), (256, 128)]) {
+            let dims = Dims { b: 1, s_q: 100, s_k: 70, h_q: 4, h_kv: 2, d_qk: d, d_v };
             for dtype in [DType::BF16, DType::F16] {
                 for (family, name) in entry_points(&dims, dtype) {
                     for image in kernels::images().iter().filter(|i| i.family == family) {

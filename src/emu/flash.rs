@@ -183,7 +183,7 @@ fn forward_job(x: &ForwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Vec<
         // for the call (the block counts' slot, two u64 per block, too); o and lse are
         // exclusively borrowed; the emulator runs synchronously.
         let code = unsafe {
-            let (dclass, own_dv) = (launch.head_dim_class as i32, i32::from(launch.own_dv));
+            let (dclass, own_dv) = (launch.head_dim_class as i32, launch.value_dim.code());
             ringattn_emu_flash_fwd(p, bf16, dclass, own_dv, l, msg.as_mut_ptr().cast(), msg.len())
         };
         check(code, &msg, "flash_fwd")?;
@@ -272,7 +272,7 @@ fn backward_job(x: &BackwardJob<'_>, emu: &Emulator<'_>) -> Result<(Vec<f32>, Ve
         } else {
             // SAFETY: as in forward_job; delta, dq, dk, dv, dq_unit and kv_bound are
             // exclusively owned here.
-            let (code, own_dv) = (kernel_code(kernel), i32::from(launch.own_dv));
+            let (code, own_dv) = (kernel_code(kernel), launch.value_dim.code());
             unsafe { ringattn_emu_flash_bwd(p, code, bf, dclass, own_dv, l, msg.as_mut_ptr().cast(), msg.len()) }
         };
         check(rc, &msg, &format!("flash_bwd_{}", kernel.name()))?;

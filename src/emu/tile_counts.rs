@@ -103,7 +103,7 @@ fn check(c: &Case) {
     let opts = EmuOptions::default();
     let emu = Emulator { opts: &opts, counts: Some(&counts) };
     let f = runner::forward_tensors(&emu, &q, &k, &v, pos, &c.params).expect("forward");
-    let (fm, fnk) = geometry::forward_tile(c.d);
+    let (fm, fnk) = geometry::forward_tile(&Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d_qk: c.d, d_v: c.d });
     let fwd = counts.take();
     assert_eq!(fwd.len(), 1, "{}: one forward launch", c.name);
     let got = loaded_tiles(&fwd[0].copies, fm as u64, 2 * fnk as u64, chunks, "forward");

@@ -254,11 +254,11 @@ pub(crate) fn parse_dq_mode(s: &str) -> Result<DqMode> {
 
 /// The tiles of `backend`'s tiling of `pass`: the CPU's [`cpu::TileConfig`], the CUDA
 /// kernels' tiles (forward kernel; fused kernel of the backward) on emu and cuda.
-fn tile_shape(backend: BackendKind, pass: Pass, d: usize, cpu_tiles: cpu::TileConfig) -> TileShape {
+fn tile_shape(backend: BackendKind, pass: Pass, dims: &Dims, cpu_tiles: cpu::TileConfig) -> TileShape {
     match (backend, pass) {
         (BackendKind::Cpu, _) => cpu_tiles.into(),
-        (_, Pass::Forward) => TileShape::cuda_forward(d),
-        (_, Pass::Backward) => TileShape::cuda_backward(d),
+        (_, Pass::Forward) => TileShape::cuda_forward(dims),
+        (_, Pass::Backward) => TileShape::cuda_backward(geometry::fa2_head_dim(dims)),
     }
 }
 
@@ -292,7 +292,7 @@ fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64
         (BackendKind::Emu | BackendKind::Cuda, Pass::Forward, KernelFamily::Hopper) => {
             TileShape { block_q: 64, block_k: geometry::hopper_forward_tile(dims.d_max()).1 }
         }
-        _ => tile_shape(backend, pass, geometry::fa2_head_dim(dims), cpu_tiles),
+        _ => tile_shape(backend, pass, dims, cpu_tiles),
     };
     let tiles = flops::tiles(dims, &x.params, shape)?;
     let executor = match backend {
