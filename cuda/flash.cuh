@@ -329,17 +329,21 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // Backward dq kernel (deterministic backward from head-dim class 192): like the forward, 4
 // warps of 16 query rows; Q and dO tiles stay, K/V tiles of kBlockN keys stream through
-// kStages buffers (two when they fit in 99 KiB).
-template <int D>
+// kStages buffers (two when they fit in 99 KiB). Q and K in tiles of class D, dO and V of
+// class DV (D but at the pair entry points: MLA's (192, 128), whose tiles hold 32 keys).
+template <int D, int DV = D>
 struct DqTraits : TileGeom<D> {
     using G = TileGeom<D>;
+    using VG = TileGeom<DV>;  // dO's and V's tiles
     static constexpr int kWarps = 4, kThreads = 128, kBlockM = 64;
-    static constexpr int kBlockN = DQ_BLOCK_N(D);
-    static constexpr int kSmemQ = kBlockM * G::kRowBytes;  // one of Q, dO
-    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V, one stage
-    static constexpr int kSmemBounds = kWarps * 32;  // each warp's query bounds (masked calls)
-    static constexpr int kStages = 2 * kSmemQ + 4 * kSmemKV + kSmemBounds <= 99 * 1024 ? 2 : 1;
-    static constexpr int kSmemBoundsOffset = 2 * kSmemQ + 2 * kStages * kSmemKV;
+    static constexpr int kBlockN = DV < D ? 32 : DQ_BLOCK_N(D);
+    static constexpr int kSmemQ = kBlockM * G::kRowBytes;    // Q
+    static constexpr int kSmemDo = kBlockM * VG::kRowBytes;  // dO
+    static constexpr int kSmemK = kBlockN * G::kRowBytes;    // one K stage
+    static constexpr int kSmemV = kBlockN * VG::kRowBytes;   // one V stage
+    static constexpr int kSmemBounds = kWarps * 32;          // each warp's query bounds (masked calls)
+    static constexpr int kStages = kSmemQ + kSmemDo + 2 * (kSmemK + kSmemV) + kSmemBounds <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmemBoundsOffset = kSmemQ + kSmemDo + kStages * (kSmemK + kSmemV);
     static constexpr int kSmem = kSmemBoundsOffset + kSmemBounds;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
     static_assert(D / 2 + kBlockN <= 160, "dq, S and dP accumulators within the register budget");
@@ -369,28 +373,34 @@ enum class DqAccum {
 // the accumulators fit in registers. At 128 with dq the kernel runs unsplit at 254-255
 // registers without spilling on sm_80 ... sm_120 (an earlier version spilled 4 to 32 bytes
 // there, the query stage's hoisted addresses, and split the columns).
-template <int D, DqAccum kAccum = DqAccum::kNone>
+template <int D, DqAccum kAccum = DqAccum::kNone, int DV = D>
 struct DkDvTraits : TileGeom<D> {
     using G = TileGeom<D>;
+    using VG = TileGeom<DV>;  // V's and dO's tiles (D's but at the pair entry points: (192, 128))
     static constexpr bool kWithDq = kAccum != DqAccum::kNone;
     static constexpr int kWarps = 4, kThreads = 128, kBlockN = 64;
     static constexpr int kBlockM = DKDV_BLOCK_M(D);
-    static constexpr int kSplits = D > 128 ? 2 : 1;
-    static constexpr int kDOut = D / kSplits;
-    static constexpr int kSmemKV = kBlockN * G::kRowBytes;  // one of K, V
+    // The pairs run unsplit: dk of D columns and dv of DV (96 + 64 registers at (192, 128)).
+    static constexpr int kSplits = D > 128 && DV == D ? 2 : 1;
+    static constexpr int kDOut = D / kSplits;    // dk's columns per block
+    static constexpr int kDvOut = DV / kSplits;  // dv's
+    static constexpr int kSmemK = kBlockN * G::kRowBytes;   // K
+    static constexpr int kSmemV = kBlockN * VG::kRowBytes;  // V
     // Q, dO, then f32 per query row: lse, scale delta (and the unit with dq).
     static constexpr int kRowScalars = kWithDq ? 3 : 2;
-    static constexpr int kSmemStage = 2 * kBlockM * G::kRowBytes + kRowScalars * kBlockM * 4;
+    static constexpr int kSmemStageQ = kBlockM * G::kRowBytes;  // Q's part of a stage (dO follows)
+    static constexpr int kSmemStage = kBlockM * (G::kRowBytes + VG::kRowBytes) + kRowScalars * kBlockM * 4;
     // With dq: the block's dS^T (its 64 keys x the query tile, 16-bit, key-major) for the
     // block-level dq product, rows padded by 8 elements (ldmatrix.trans rows on distinct
     // banks); then one int per warp: whether it ran the tile.
     static constexpr int kDsStride = kBlockM + 8;
     static constexpr int kSmemDs = kWithDq ? kBlockN * kDsStride * 2 + kWarps * 4 : 0;
-    static constexpr int kStages = 2 * kSmemKV + 2 * kSmemStage + kSmemDs <= 99 * 1024 ? 2 : 1;
-    static constexpr int kSmem = 2 * kSmemKV + kStages * kSmemStage + kSmemDs;
+    static constexpr int kStages = kSmemK + kSmemV + 2 * kSmemStage + kSmemDs <= 99 * 1024 ? 2 : 1;
+    static constexpr int kSmem = kSmemK + kSmemV + kStages * kSmemStage + kSmemDs;
     static_assert(kSmem <= 99 * 1024, "fits the 99 KiB opt-in limit of every sm_80+ GPU");
-    static_assert(kDOut % 16 == 0, "column ranges in whole n-tile pairs");
-    static_assert(kDOut + kBlockM <= 160, "dk, dv, S and dP accumulators within the register budget");
+    static_assert(kDOut % 16 == 0 && kDvOut % 16 == 0, "column ranges in whole n-tile pairs");
+    static_assert((kDOut + kDvOut) / 2 + kBlockM <= (DV == D ? 160 : 176),
+                  "dk, dv, S and dP accumulators within the register budget");
 };
 
 // Epilogues go through shared memory (coalesced 16-byte stores) except on sm_100 and later,

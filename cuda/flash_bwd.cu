@@ -11,6 +11,8 @@
 //       qfx and q variants also add dq += dS K for the block's 64 keys (dS^T through shared
 //       memory: one atomic add per dq element per key block), in fixed point (qfx) or with
 //       f32 atomics (q);
+//   (the tensor-core kernels also as _d{D}_dv and _d192_v128: V, dO and dV of their own head
+//   dim, in tiles of the class D or of their own class 128, dk/dv then unsplit)
 //   ringattn_flash_bwd_dq_{bf16,f16}_d{D}       a block per 64 query rows (4 warps x 16),
 //       streaming K/V tiles: S = Q K^T and dP = dO V^T on mma.sync, P and dS on the
 //       fragments, dq += dS K with dS reused from registers and K by ldmatrix.trans;
@@ -134,13 +136,16 @@ __device__ void flash_bwd_dqconvert(const FlashBwdParams& p) {
 
 // kOwnDv (here and in the dk/dv kernel): V, dO and dV of their own head dim p.x.d_v (the entry
 // points ..._d{D}_dv); otherwise p.x.d_qk serves every tensor and p.x.d_v is not read.
-template <typename T, int D, bool kOwnDv, bool kCapped>
+template <typename T, int D, int DV, bool kOwnDv, bool kCapped>
 __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
-    using Tr = DqTraits<D>;
+    static_assert(kOwnDv || DV == D, "V of its own class only with its own head dim");
+    using Tr = DqTraits<D, DV>;
+    using VG = typename Tr::VG;
     constexpr int kN = Tr::kBlockN, kNT = kN / 8, kDT = D / 8, S = Tr::kStride, W = Tr::kSwizzle;
+    constexpr int SV = VG::kStride;
     static_assert(D >= 192, "the dq kernel serves the deterministic backward from head-dim class 192");
-    // Rolled (the largest heads: shorter live ranges).
-    constexpr int kUnrollK = 1;
+    // Rolled (the largest heads: shorter live ranges), but for the pairs: unrolled.
+    constexpr int kUnrollK = DV < D ? D / 16 : 1;
     const int64_t d = p.x.d_qk;                                     // q, k, dq
     auto d_v = [&]() -> int64_t { return kOwnDv ? p.x.d_v : d; };  // v, d_o
     const BackwardScores scores = BackwardScores::of(p.x.score);
@@ -149,13 +154,14 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
-    uint16_t* dos = qs + Tr::kBlockM * S;
-    uint16_t* ks = dos + Tr::kBlockM * S;      // [kStages][kN][S]
-    uint16_t* vs = ks + Tr::kStages * kN * S;  // [kStages][kN][S]
+    uint16_t* dos = qs + Tr::kBlockM * S;       // [kBlockM][SV]
+    uint16_t* ks = dos + Tr::kBlockM * SV;      // [kStages][kN][S]
+    uint16_t* vs = ks + Tr::kStages * kN * S;   // [kStages][kN][SV]
     RowBounds* bounds_slot = reinterpret_cast<RowBounds*>(smem + Tr::kSmemBoundsOffset) + warp;
 
     stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(qs, p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
-    stage_swizzled<Tr::kBlockM, Tr::kChunks, S, W, Tr::kThreads>(dos, p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(), q0);
+    stage_swizzled<Tr::kBlockM, VG::kChunks, SV, VG::kSwizzle, Tr::kThreads>(dos, p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(),
+                                                                          q0);
     cp_async_commit();
     // Tile indices fit in 32 bits: s_k < 2^31 kN (2^35 keys and more hold terabytes).
     const int64_t ntiles = (p.x.s_k + kN - 1) / kN;
@@ -201,23 +207,28 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
     const bool rows_in = q0 + warp * 16 + 16 <= p.x.s_q;  // every row of the warp exists
 
     // K/V tiles t_begin, t_begin + 1, ... in turn.
-    auto stager = kv_stager<kOwnDv, kN, TileGeom<D>, Tr::kThreads>(p.x, bi, hk, d, t_begin);
-    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * S, vs + buf * kN * S); };
+    auto stager = kv_stager<kOwnDv, kN, TileGeom<D>, Tr::kThreads, VG>(p.x, bi, hk, d, t_begin);
+    auto stage_kv = [&](int buf) { stager.stage_next(ks + buf * kN * S, vs + buf * kN * SV); };
 
     // Fragment rows (flash.cuh SwzRow): Q and dO rows (k chunks 2kk, 2kk + 1), K and V rows
     // for S and dP, K rows for dq += dS K (column chunks 2j, 2j + 1, by ldmatrix.trans).
     const SwzRow<S, W> qrow(warp * 16 + lane % 16, lane / 16);
+    const SwzRow<SV, VG::kSwizzle> dorow(warp * 16 + lane % 16, lane / 16);
     const SwzRow<S, W> krow((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<SV, VG::kSwizzle> vrow((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
     const SwzRow<S, W> ktrow((lane / 8) % 2 * 8 + lane % 8, lane / 16);
 
     float acc[kDT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
+    // The pairs stage the first K/V tile before the loop (as the dk/dv kernel).
+    constexpr bool kFirstBefore = DV != D && Tr::kStages == 2;
+    if (kFirstBefore && t_begin < t_end) stage_kv(0);
     for (int tile = t_begin; tile < t_end; ++tile) {
         const int buf = Tr::kStages == 2 ? (tile - t_begin) & 1 : 0;
         if (Tr::kStages == 2) {
-            if (tile == t_begin) stage_kv(0);
+            if (!kFirstBefore && tile == t_begin) stage_kv(0);
             cp_async_commit();
             if (tile + 1 < t_end) stage_kv(buf ^ 1);
             cp_async_commit();
@@ -229,7 +240,7 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
         }
         __syncthreads();
         const uint16_t* kt = ks + buf * kN * S;
-        const uint16_t* vt = vs + buf * kN * S;
+        const uint16_t* vt = vs + buf * kN * SV;
         const int64_t k0 = int64_t(tile) * kN;
         // Warp-uniform: a tile fully visible to the warp's 16 rows (all inside the call) runs
         // without the mask; a fully masked one is skipped; else the mask per score.
@@ -246,20 +257,28 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
             }
+            // S = Q K^T over D / 16 steps, dP = dO V^T over DV / 16 (the first ones).
             RINGATTN_UNROLL_BY(kUnrollK)
             for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4], ad[4];
+                uint32_t a[4];
                 ldmatrix_x4(a, qs + qrow.at(kk));
-                ldmatrix_x4(ad, dos + qrow.at(kk));
                 RINGATTN_UNROLL
                 for (int n = 0; n < kNT; n += 2) {
-                    uint32_t b[4], bv[4];
+                    uint32_t b[4];
                     ldmatrix_x4(b, kt + krow.at(kk) + n * 8 * S);
-                    ldmatrix_x4(bv, vt + krow.at(kk) + n * 8 * S);
                     mma_16816<T>(s[n], a, b);
                     mma_16816<T>(s[n + 1], a, b + 2);
-                    mma_16816<T>(dp[n], ad, bv);
-                    mma_16816<T>(dp[n + 1], ad, bv + 2);
+                }
+                if (DV == D || kk < DV / 16) {
+                    uint32_t ad[4];
+                    ldmatrix_x4(ad, dos + dorow.at(kk));
+                    RINGATTN_UNROLL
+                    for (int n = 0; n < kNT; n += 2) {
+                        uint32_t bv[4];
+                        ldmatrix_x4(bv, vt + vrow.at(kk) + n * 8 * SV);
+                        mma_16816<T>(dp[n], ad, bv);
+                        mma_16816<T>(dp[n + 1], ad, bv + 2);
+                    }
                 }
             }
             // dS = P (dP - delta) (times the scores' slopes under a soft-cap: score.cuh), in place
@@ -382,15 +401,20 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
 #endif
 #endif
 
-template <typename T, int D, DqAccum kAccum, bool kOwnDv, bool kCapped>
+template <typename T, int D, int DV, DqAccum kAccum, bool kOwnDv, bool kCapped>
 __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
-    using Tr = DkDvTraits<D, kAccum>;
+    static_assert(kOwnDv || DV == D, "V of its own class only with its own head dim");
+    using Tr = DkDvTraits<D, kAccum, DV>;
+    using VG = typename Tr::VG;
     constexpr bool kFixed = kAccum == DqAccum::kFixed, kWithDq = Tr::kWithDq;
     constexpr int kM = Tr::kBlockM, kMT = kM / 8, kOT = Tr::kDOut / 8, S = Tr::kStride, W = Tr::kSwizzle;
-    // Rolled for the largest heads (shorter live ranges); at d128 by RINGATTN_DKDV_UNROLL_D128.
-    // The soft-capped variant rolled on sm_100 and later, where unrolled it spills (24 to 56
-    // bytes at d64 and d128, beside the plain variant in the same entry point).
+    constexpr int kVT = Tr::kDvOut / 8, SV = VG::kStride, WV = VG::kSwizzle;  // dv's n-tiles, V's and dO's tiles
+    // Rolled for the largest heads (shorter live ranges), but for the pairs; at d128 by
+    // RINGATTN_DKDV_UNROLL_D128. The soft-capped variant rolled on sm_100 and later, where
+    // unrolled it spills (24 to 56 bytes at d64 and d128, beside the plain variant in the same
+    // entry point).
     constexpr int kUnrollK = kCapped && RINGATTN_CAPPED_ROLLED ? 1
+                             : DV < D                      ? D / 16
                              : D >= 192 || D == 96         ? 1
                              : D == 128                    ? RINGATTN_DKDV_UNROLL_D128
                                                            : D / 16;
@@ -404,19 +428,31 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     unsigned char* smem = RINGATTN_DYNAMIC_SMEM();
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem);
-    uint16_t* vs = ks + Tr::kBlockN * S;
-    unsigned char* stages = smem + 2 * Tr::kSmemKV;
+    uint16_t* vs = ks + Tr::kBlockN * S;  // [kBlockN][SV]
+    unsigned char* stages = smem + Tr::kSmemK + Tr::kSmemV;
     auto q_tile = [&](int buf) { return reinterpret_cast<uint16_t*>(stages + buf * Tr::kSmemStage); };
-    auto do_tile = [&](int buf) { return q_tile(buf) + kM * S; };
-    auto lse_tile = [&](int buf) { return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + 2 * kM * Tr::kRowBytes); };
+    auto do_tile = [&](int buf) { return q_tile(buf) + kM * S; };  // [kM][SV]
+    auto lse_tile = [&](int buf) {
+        return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + kM * (Tr::kRowBytes + VG::kRowBytes));
+    };
     auto delta_tile = [&](int buf) { return lse_tile(buf) + kM; };
     auto unit_tile = [&](int buf) { return lse_tile(buf) + 2 * kM; };
 
-    // This thread's two key rows (g and g + 8 of the warp's 16).
+    // This thread's two key rows (g and g + 8 of the warp's 16), their positions and
+    // documents: held across the loop, but for the pairs (their accumulators take 176
+    // registers), which read them again where the mask needs them.
+    constexpr bool kHoldKeys = DV == D;
     const int64_t krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
-    int64_t kpos[2];
-    uint32_t kdoc[2];
-    row_positions(p.x.mask.k_pos, p.x.mask.k_doc, krow, p.x.s_k, kpos, kdoc);
+    int64_t held_kpos[2] = {};
+    uint32_t held_kdoc[2] = {};
+    if (kHoldKeys) row_positions(p.x.mask.k_pos, p.x.mask.k_doc, krow, p.x.s_k, held_kpos, held_kdoc);
+    auto key_positions = [&](int64_t (&kpos)[2], uint32_t (&kdoc)[2]) {
+        if constexpr (kHoldKeys) {
+            kpos[0] = held_kpos[0], kpos[1] = held_kpos[1], kdoc[0] = held_kdoc[0], kdoc[1] = held_kdoc[1];
+        } else {
+            row_positions(p.x.mask.k_pos, p.x.mask.k_doc, krow, p.x.s_k, kpos, kdoc);
+        }
+    };
     const MaskEval mask{p.x.mask};
     // No window and no documents: every existing pair is visible, no position is read.
     const bool unmasked = mask_is_none(p.x.mask);
@@ -430,8 +466,14 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     // kpos/kdoc (live anyway) above: d64 and d128 sit at the register limit (sm_90a spills).
     const bool classify = !unmasked && p.x.mask.k_bounds != nullptr && p.x.mask.q_bounds != nullptr;
     constexpr bool kKeepBounds = D <= 32;
-    const RowBounds kept_keys = kKeepBounds && classify ? warp_row_bounds(kpos, kdoc) : RowBounds{0, 0, 0u, 0u};
-    auto warp_keys = [&] { return kKeepBounds ? kept_keys : warp_row_bounds(kpos, kdoc); };
+    auto key_bounds = [&] {
+        int64_t kpos[2];
+        uint32_t kdoc[2];
+        key_positions(kpos, kdoc);
+        return warp_row_bounds(kpos, kdoc);
+    };
+    const RowBounds kept_keys = kKeepBounds && classify ? key_bounds() : RowBounds{0, 0, 0u, 0u};
+    auto warp_keys = [&] { return kKeepBounds ? kept_keys : key_bounds(); };
     const int64_t qtiles = (p.x.s_q + kM - 1) / kM;
     int64_t qt_begin = 0, qt_end = qtiles;
     if (classify && qtiles > 0) {
@@ -440,7 +482,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     }
 
     stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(ks, p.x.k, bi, p.x.s_k, p.x.h_kv, hk, d, k0);
-    stage_swizzled<Tr::kBlockN, Tr::kChunks, S, W, Tr::kThreads>(vs, p.x.v, bi, p.x.s_k, p.x.h_kv, hk, d_v(), k0);
+    stage_swizzled<Tr::kBlockN, VG::kChunks, SV, WV, Tr::kThreads>(vs, p.x.v, bi, p.x.s_k, p.x.h_kv, hk, d_v(), k0);
     cp_async_commit();
     // Step `it` covers query head hk * group + it / nq and query tile qt_begin + it % nq,
     // advanced step by step: a division per tile (64-bit: a subroutine call; 32-bit: about 50
@@ -454,7 +496,8 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     auto stage_q = [&](int buf, Step x) {
         const int64_t hq = hk * group + x.head, q0 = int64_t(x.qtile) * kM;
         stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(), q0);
+        stage_swizzled<kM, VG::kChunks, SV, WV, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(),
+                                                                    q0);
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
             const bool in = q0 + r < p.x.s_q;
             const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + (in ? q0 + r : 0);
@@ -496,7 +539,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         static_assert(!kWithDq || kNTD % Tr::kWarps == 0, "the warps share the dq tile's n-tiles evenly");
         // This warp's pieces: n-tiles warp + 4 j of every 16-row tile rt, in chunks of up to 4
         // n-tiles that share the A (dS) fragment of each key step.
-        constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : 3;
+        // Rows of whole groups of 8 chunks (class 192: 24 n-tiles, six per warp): pairs, so
+        // that every K fragment below starts at an even j (one offset register, see kfrag).
+        constexpr bool kGroupedRows = (S / 8) % 8 == 0 && ((S / 8) & (S / 8 - 1)) != 0 && W == 7;
+        constexpr int kChunk = kJ <= 4 ? kJ : kJ % 4 == 0 ? 4 : kGroupedRows && kJ % 2 == 0 ? 2 : 3;
         static_assert(!kWithDq || kJ % kChunk == 0, "whole chunks");
         // A whole tile (every row inside the call, d the class) adds without per-element tests
         // (adding 0 changes nothing; a test and branch per element cost more than the add),
@@ -534,12 +580,17 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         // the second n-tile of an x4 load; x2 loads ignore them). Where a row holds a power of
         // two of chunks and every pair starts at an even j, the swizzled chunk is one XOR of a
         // per-thread constant: (warp | 4 m) ^ s = (warp ^ s) ^ 4 m, and 4 (j + h) = 4 j ^ 4 h.
+        // In rows of whole groups of 8 chunks (class 192) with j even, chunk warp + 4 (j + h)
+        // is chunk (warp | 4 h) of group j / 2, swizzled inside it: the same constant plus 32 j.
         constexpr bool kXorB = ((S / 8) & (S / 8 - 1)) == 0 && (kChunk % 2 == 0 || kChunk == kJ);
+        constexpr bool kGroupB = kGroupedRows && kChunk % 2 == 0;
         const int kb = (lane % 16) * S + ((warp ^ (lane & W) ^ (4 * (lane / 16))) << 3);
         auto kfrag = [&](int kk, int j) {
             const uint16_t* row = ks + kk * 16 * S;
             if constexpr (kXorB) {
                 row += kb ^ (32 * j);
+            } else if constexpr (kGroupB) {
+                row += kb + 32 * j;
             } else {
                 row += swz<S, W>(lane % 16, warp + Tr::kWarps * (j + lane / 16));
             }
@@ -608,19 +659,38 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         block_dq_as(hq, q0, units, std::false_type{}, whole_tile);
     };
 
-    float dk[kOT][4], dv[kOT][4];
+    // The pairs' fragment rows (flash.cuh SwzRow): K and V rows as S^T's and dP^T's A operands,
+    // Q and dO rows as their B operands and (transposed) as dv's and dk's.
+    const SwzRow<S, W> krow_a(warp * 16 + lane % 16, lane / 16), qrow_b((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<SV, WV> vrow_a(warp * 16 + lane % 16, lane / 16), dorow_b((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<S, W> qrow_t((lane / 8) % 2 * 8 + lane % 8, lane / 16);
+    const SwzRow<SV, WV> dorow_t((lane / 8) % 2 * 8 + lane % 8, lane / 16);
+    static_assert(DV == D || Tr::kSplits == 1, "the pairs run unsplit");
+
+    float dk[kOT][4], dv[kVT][4];
     RINGATTN_UNROLL
     for (int n = 0; n < kOT; ++n) {
         RINGATTN_UNROLL
-        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) dk[n][e] = 0.0f;
+    }
+    RINGATTN_UNROLL
+    for (int n = 0; n < kVT; ++n) {
+        RINGATTN_UNROLL
+        for (int e = 0; e < 4; ++e) dv[n][e] = 0.0f;
     }
 
     Step step{0, qt_first};
+    // The pairs without dq stage the first query tile before the loop (its code then is no
+    // branch of the loop's); the others in the loop's first step (moving it shifts ptxas's
+    // allocation of kernels at 254-255 registers: 4 to 8 bytes of spills at (192, 128) with dq
+    // on sm_90a).
+    constexpr bool kFirstBefore = DV != D && !kWithDq && Tr::kStages == 2;
+    if (kFirstBefore && steps > 0) stage_q(0, step);
     for (int64_t it = 0; it < steps; ++it) {
         const int buf = Tr::kStages == 2 ? int(it & 1) : 0;
         const Step next = advance(step);
         if (Tr::kStages == 2) {
-            if (it == 0) stage_q(0, step);
+            if (!kFirstBefore && it == 0) stage_q(0, step);
             cp_async_commit();
             if (it + 1 < steps) stage_q(buf ^ 1, next);
             cp_async_commit();
@@ -652,25 +722,37 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 RINGATTN_UNROLL
                 for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
             }
-            // S^T = K Q^T (kS) and dP^T = V dO^T (kDp) over the head dim, in one loop when both.
+            // S^T = K Q^T (kS, over D / 16 steps) and dP^T = V dO^T (kDp, over DV / 16: the
+            // first ones), in one loop when both.
             auto products = [&](auto with_s, auto with_dp) {
                 constexpr bool kS = decltype(with_s)::value, kDp = decltype(with_dp)::value;
                 RINGATTN_UNROLL_BY(kUnrollK)
-                for (int kk = 0; kk < D / 16; ++kk) {
+                for (int kk = 0; kk < (kS ? D : DV) / 16; ++kk) {
+                    const bool dp_step = kDp && (DV == D || kk < DV / 16);
                     uint32_t a[4], av[4];
-                    if constexpr (kS) ldmatrix_x4(a, ks + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
-                    if constexpr (kDp) ldmatrix_x4(av, vs + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                    if constexpr (DV != D) {  // (the pairs: fragment offsets from SwzRow's few registers)
+                        if constexpr (kS) ldmatrix_x4(a, ks + krow_a.at(kk));
+                        if (dp_step) ldmatrix_x4(av, vs + vrow_a.at(kk));
+                    } else {
+                        if constexpr (kS) ldmatrix_x4(a, ks + swz<S, W>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                        if (dp_step) ldmatrix_x4(av, vs + swz<SV, WV>(warp * 16 + lane % 16, 2 * kk + lane / 16));
+                    }
                     RINGATTN_UNROLL
                     for (int n = 0; n < kMT; n += 2) {
                         uint32_t b[4], bd[4];
                         const int r = n * 8 + (lane / 16) * 8 + lane % 8, c = 2 * kk + (lane / 8) % 2;
-                        if constexpr (kS) ldmatrix_x4(b, qt + swz<S, W>(r, c));
-                        if constexpr (kDp) ldmatrix_x4(bd, dot + swz<S, W>(r, c));
+                        if constexpr (DV != D) {
+                            if constexpr (kS) ldmatrix_x4(b, qt + qrow_b.at(kk) + n * 8 * S);
+                            if (dp_step) ldmatrix_x4(bd, dot + dorow_b.at(kk) + n * 8 * SV);
+                        } else {
+                            if constexpr (kS) ldmatrix_x4(b, qt + swz<S, W>(r, c));
+                            if (dp_step) ldmatrix_x4(bd, dot + swz<SV, WV>(r, c));
+                        }
                         if constexpr (kS) {
                             mma_16816<T>(s[n], a, b);
                             mma_16816<T>(s[n + 1], a, b + 2);
                         }
-                        if constexpr (kDp) {
+                        if (dp_step) {
                             mma_16816<T>(dp[n], av, bd);
                             mma_16816<T>(dp[n + 1], av, bd + 2);
                         }
@@ -729,15 +811,28 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                                         pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
                                         pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
                 RINGATTN_UNROLL
-                for (int n = 0; n < kOT; n += 2) {
+                for (int n = 0; n < (kOT > kVT ? kOT : kVT); n += 2) {
                     uint32_t bd[4], bq[4];
                     const int r = kk * 16 + (lane / 8) % 2 * 8 + lane % 8, c = c0 + n + lane / 16;
-                    ldmatrix_x4_trans(bd, dot + swz<S, W>(r, c));
-                    ldmatrix_x4_trans(bq, qt + swz<S, W>(r, c));
-                    mma_16816<T>(dv[n], ap, bd);
-                    mma_16816<T>(dv[n + 1], ap, bd + 2);
-                    mma_16816<T>(dk[n], as, bq);
-                    mma_16816<T>(dk[n + 1], as, bq + 2);
+                    if constexpr (DV == D) {
+                        ldmatrix_x4_trans(bd, dot + swz<S, W>(r, c));
+                        ldmatrix_x4_trans(bq, qt + swz<S, W>(r, c));
+                        mma_16816<T>(dv[n], ap, bd);
+                        mma_16816<T>(dv[n + 1], ap, bd + 2);
+                        mma_16816<T>(dk[n], as, bq);
+                        mma_16816<T>(dk[n + 1], as, bq + 2);
+                    } else {
+                        // dv's n-tiles are dk's first ones (c0 = 0: the pairs run unsplit).
+                        (void)r, (void)c;
+                        if (n < kVT) {
+                            ldmatrix_x4_trans(bd, dot + dorow_t.at(n / 2) + kk * 16 * SV);
+                            mma_16816<T>(dv[n], ap, bd);
+                            mma_16816<T>(dv[n + 1], ap, bd + 2);
+                        }
+                        ldmatrix_x4_trans(bq, qt + qrow_t.at(n / 2) + kk * 16 * S);
+                        mma_16816<T>(dk[n], as, bq);
+                        mma_16816<T>(dk[n + 1], as, bq + 2);
+                    }
                 }
             }
             // This warp's dS^T rows (rounded as mma operands) into shared memory for the block's
@@ -749,6 +844,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         {
             if (!go && !cls.empty) {
                 // Visibility of S^T fragments: rows are keys, columns queries.
+                int64_t kpos[2];
+                uint32_t kdoc[2];
+                key_positions(kpos, kdoc);
                 RINGATTN_UNROLL
                 for (int n = 0; n < kMT; ++n) {
                     RINGATTN_UNROLL
@@ -807,10 +905,10 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_rows(d), p.dk,
                                                       static_cast<uint16_t*>(nullptr));
     __syncthreads();
-    stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dv), one2);
+    stage_fragments<1, kVT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kVT][4]>(dv), one2);
     __syncthreads();
-    store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d_v() - col0, key_rows(d_v()), p.dv,
-                                                      static_cast<uint16_t*>(nullptr));
+    store_staged_rows<T, 16, Tr::kDvOut, kStageStride>(stage, d_v() - col0, key_rows(d_v()), p.dv,
+                                                       static_cast<uint16_t*>(nullptr));
 #else
     RINGATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -823,9 +921,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 gmem_store(p.dk + row * d + c, dk[n][2 * r]);
                 gmem_store(p.dk + row * d + c + 1, dk[n][2 * r + 1]);
             }
-            if (c < d_v()) {
-                gmem_store(p.dv + row * d_v() + c, dv[n][2 * r]);
-                gmem_store(p.dv + row * d_v() + c + 1, dv[n][2 * r + 1]);
+            if (n < kVT && c < d_v()) {
+                gmem_store(p.dv + row * d_v() + c, dv[n < kVT ? n : 0][2 * r]);
+                gmem_store(p.dv + row * d_v() + c + 1, dv[n < kVT ? n : 0][2 * r + 1]);
             }
         }
     }
@@ -847,28 +945,28 @@ extern "C" __global__ void ringattn_flash_bwd_dqconvert_f16(FlashBwdParams p) { 
 // scores, or soft-capped ones (score.cuh) — each its own code, so that neither perturbs the
 // other's registers (the plain kernels sit at 255 registers on several architectures, where a
 // per-tile branch between the two tips ptxas into spills).
-template <typename T, int D, DqAccum kAccum, bool kOwnDv>
+template <typename T, int D, int DV, DqAccum kAccum, bool kOwnDv>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashBwdParams& p) {
     if constexpr (RINGATTN_CAPPED_AT(D)) {
         if (BackwardScores::of(p.x.score).capped()) {
-            flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, true>(p);
+            flash_bwd_dkdv_tc<T, D, DV, kAccum, kOwnDv, true>(p);
         } else {
-            flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, false>(p);
+            flash_bwd_dkdv_tc<T, D, DV, kAccum, kOwnDv, false>(p);
         }
     } else {
         // No soft-capped variant here (refused on the host): a launch with a cap fails rather
         // than return gradients without it (checked after the plain kernel, which a branch
         // around it would push past 255 registers).
-        flash_bwd_dkdv_tc<T, D, kAccum, kOwnDv, false>(p);
+        flash_bwd_dkdv_tc<T, D, DV, kAccum, kOwnDv, false>(p);
         if (BackwardScores::of(p.x.score).capped()) RINGATTN_CAPPED_MISSING();
     }
 }
-template <typename T, int D, bool kOwnDv>
+template <typename T, int D, int DV, bool kOwnDv>
 __device__ __forceinline__ void flash_bwd_dq(const FlashBwdParams& p) {
     if (BackwardScores::of(p.x.score).capped()) {
-        flash_bwd_dq_tc<T, D, kOwnDv, true>(p);
+        flash_bwd_dq_tc<T, D, DV, kOwnDv, true>(p);
     } else {
-        flash_bwd_dq_tc<T, D, kOwnDv, false>(p);
+        flash_bwd_dq_tc<T, D, DV, kOwnDv, false>(p);
     }
 }
 
@@ -879,29 +977,32 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashBwdParams& p) {
 // mode runs dkdvq at every class. dkdv[q[fx]]: `__launch_bounds__(128, 1)` with dq (one block
 // per SM is enough; with (128) alone ptxas holds it at 168 registers and spills). dq: (128, 2):
 // with (128) alone ptxas aims at 3 blocks per SM (168 registers) and spills 16 bytes at d64.
-// OWN_DV: the kernels of V, dO and dV of their own head dim (suffix _dv; src/kernels.rs
-// `geometry::OWN_DV_CLASSES`).
-#define RINGATTN_BWD_ATOMIC(TY, NAME, D, OWN_DV, SFX)                                                     \
+// OWN_DV: the kernels of V, dO and dV of their own head dim (suffix _dv, V in tiles of the
+// class D; src/kernels.rs `geometry::OWN_DV_CLASSES`), or in tiles of their own class DV
+// (suffix _v{DV}; `geometry::HEAD_DIM_PAIRS`).
+#define RINGATTN_BWD_ATOMIC(TY, NAME, D, DV, OWN_DV, SFX)                                                 \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
         ringattn_flash_bwd_dkdvq_##NAME##_d##D##SFX(FlashBwdParams p) {                                   \
-        flash_bwd_dkdv<TY, D, DqAccum::kF32, OWN_DV>(p);                                                   \
+        flash_bwd_dkdv<TY, D, DV, DqAccum::kF32, OWN_DV>(p);                                               \
     }
-#define RINGATTN_BWD_FIXED(TY, NAME, D, OWN_DV, SFX)                                                      \
+#define RINGATTN_BWD_FIXED(TY, NAME, D, DV, OWN_DV, SFX)                                                  \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                  \
         ringattn_flash_bwd_dkdvqfx_##NAME##_d##D##SFX(FlashBwdParams p) {                                 \
-        flash_bwd_dkdv<TY, D, DqAccum::kFixed, OWN_DV>(p);                                                 \
+        flash_bwd_dkdv<TY, D, DV, DqAccum::kFixed, OWN_DV>(p);                                             \
     }
-#define RINGATTN_BWD_SEPARATE(TY, NAME, D, OWN_DV, SFX)                                                                  \
+#define RINGATTN_BWD_SEPARATE(TY, NAME, D, DV, OWN_DV, SFX)                                                              \
     extern "C" __global__ void __launch_bounds__(128, 2) ringattn_flash_bwd_dq_##NAME##_d##D##SFX(FlashBwdParams p) { \
-        flash_bwd_dq<TY, D, OWN_DV>(p);                                                                                  \
+        flash_bwd_dq<TY, D, DV, OWN_DV>(p);                                                                              \
     }                                                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) ringattn_flash_bwd_dkdv_##NAME##_d##D##SFX(FlashBwdParams p) { \
-        flash_bwd_dkdv<TY, D, DqAccum::kNone, OWN_DV>(p);                                                                \
+        flash_bwd_dkdv<TY, D, DV, DqAccum::kNone, OWN_DV>(p);                                                            \
     }
 #define RINGATTN_BWD_BOTH(KIND, D) \
-    RINGATTN_BWD_##KIND(Bf16, bf16, D, false, ) RINGATTN_BWD_##KIND(F16, f16, D, false, )
+    RINGATTN_BWD_##KIND(Bf16, bf16, D, D, false, ) RINGATTN_BWD_##KIND(F16, f16, D, D, false, )
 #define RINGATTN_BWD_BOTH_DV(KIND, D) \
-    RINGATTN_BWD_##KIND(Bf16, bf16, D, true, _dv) RINGATTN_BWD_##KIND(F16, f16, D, true, _dv)
+    RINGATTN_BWD_##KIND(Bf16, bf16, D, D, true, _dv) RINGATTN_BWD_##KIND(F16, f16, D, D, true, _dv)
+#define RINGATTN_BWD_BOTH_PAIR(KIND, D, DV) \
+    RINGATTN_BWD_##KIND(Bf16, bf16, D, DV, true, _v##DV) RINGATTN_BWD_##KIND(F16, f16, D, DV, true, _v##DV)
 RINGATTN_BWD_BOTH(ATOMIC, 32)
 RINGATTN_BWD_BOTH(ATOMIC, 64)
 RINGATTN_BWD_BOTH(ATOMIC, 96)
@@ -920,3 +1021,5 @@ RINGATTN_BWD_BOTH_DV(ATOMIC, 256)
 RINGATTN_BWD_BOTH_DV(FIXED, 96)
 RINGATTN_BWD_BOTH_DV(SEPARATE, 192)
 RINGATTN_BWD_BOTH_DV(SEPARATE, 256)
+RINGATTN_BWD_BOTH_PAIR(ATOMIC, 192, 128)
+RINGATTN_BWD_BOTH_PAIR(SEPARATE, 192, 128)

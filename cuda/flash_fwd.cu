@@ -17,8 +17,8 @@
 // ring hops merge in f32), or o rounded to the input type into o16 when it is set; rows
 // with no visible key get o = 0, lse = -inf.
 //
-// Entry points ringattn_flash_fwd_{bf16,f16}_d{32,64,96,128,192,256}: the head-dim class
-// is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
+// Entry points ringattn_flash_fwd_{bf16,f16}_d{32,64,96,128,192,256} (and _d{96,192,256}_dv,
+// _d192_v128 for V of its own head dim, below): the head-dim class is the head dim rounded up (src/kernels.rs `geometry::forward` picks it, with the launch:
 // grid (ceil(s_q / kBlockM), h_q, b), 128 threads, FwdTraits<D>::kSmem bytes).
 //
 // Build: at class 128 the accumulators take 192 of the 255 registers; under ptxas's default

@@ -15,7 +15,7 @@ fn main() {
         let dims = Dims { b: 1, s_q: 4096, s_k: 4096, h_q: 1, h_kv: 1, d_qk, d_v };
         let (fm, fn_) = geometry::forward_tile(&dims);
         let (km, kn) = geometry::dkdv_tile(geometry::fa2_head_dim(&dims));
-        let (qm, qn) = geometry::dq_tile(geometry::fa2_head_dim(&dims));
+        let (qm, qn) = geometry::dq_tile(&dims);
         let rows = [
             ("flash_fwd", geometry::forward(&dims), fm, fn_),
             ("flash_bwd_dq", geometry::dq(&dims), qm, qn),

@@ -354,30 +354,33 @@ pub fn executed_flops(dims: &Dims, params: &AttentionParams, pass: Pass, exec: E
         }
         Executor::Kernels(mode) => {
             let dc = geometry::head_dim_class(geometry::fa2_head_dim(dims)) as f64;
+            // Products with V or dO at V's class (the pair entry points' own), the others at
+            // Q and K's.
+            let dvc = match geometry::fa2_classes(dims) {
+                (_, geometry::ValueDim::Class(dv)) => dv as f64,
+                _ => dc,
+            };
             match pass {
                 Pass::Forward => {
                     let (_, n) = geometry::forward_tile(dims);
                     let rows = geometry::forward_warp_rows(dims);
-                    // S at Q and K's class, PV at V's (the pair entry points' own).
-                    let dvc = match geometry::forward_classes(dims) {
-                        (_, geometry::ValueDim::Class(dv)) => dv as f64,
-                        _ => dc,
-                    };
                     warp_tiles(rows, n)? * (rows * n) as f64 * (dc + dvc)
                 }
                 Pass::Backward => {
                     let (m, _) = geometry::dkdv_tile(geometry::fa2_head_dim(dims));
                     let accum = geometry::dkdv_accum(geometry::fa2_head_dim(dims), mode);
-                    let splits = geometry::dkdv_splits(geometry::fa2_head_dim(dims)) as f64;
-                    let per_tile = (16 * m) as f64 * dc;
+                    let splits = geometry::dkdv_splits(dims) as f64;
+                    // S^T and dP^T in each column range, dV and dK once.
+                    let per_tile = (16 * m) as f64 * (splits + 1.0) * (dc + dvc);
                     let dq = if accum == DqAccum::None {
-                        let (_, n) = geometry::dq_tile(geometry::fa2_head_dim(dims));
-                        warp_tiles(16, n)? * 3.0 * (16 * n) as f64 * dc
+                        // S, dP and dQ.
+                        let (_, n) = geometry::dq_tile(dims);
+                        warp_tiles(16, n)? * (16 * n) as f64 * (2.0 * dc + dvc)
                     } else {
                         // dQ by the block: its 64 keys x the query tile, where a warp ran it.
                         warp_tiles(m, 64)? * (m * 64) as f64 * dc
                     };
-                    warp_tiles(m, 16)? * (2.0 * splits + 2.0) * per_tile + dq
+                    warp_tiles(m, 16)? * per_tile + dq
                 }
             }
         }

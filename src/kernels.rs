@@ -724,16 +724,18 @@ pub mod geometry {
     /// spill, so 97–128 run at 192), but for the pairs of [`HEAD_DIM_PAIRS`].
     pub const OWN_DV_CLASSES: [usize; 3] = [96, 192, 256];
 
-    /// `(class of d_qk, class of d_v)` pairs whose FA2-class forward has an entry point of its
-    /// own (`..._d{D}_v{DV}`, [`ValueDim::Class`]): multi-head latent attention's (192, 128),
-    /// with O of 128 columns and two 16-row m-tiles per warp (`FwdTraits<192, 128>`).
+    /// `(class of d_qk, class of d_v)` pairs whose FA2-class kernels have entry points of
+    /// their own (`..._d{D}_v{DV}`, [`ValueDim::Class`]): multi-head latent attention's (192,
+    /// 128) — forward with O of 128 columns and two 16-row m-tiles per warp
+    /// (`FwdTraits<192, 128>`), dq with 32-key tiles, dk/dv unsplit (dk of 192 columns, dv of
+    /// 128).
     pub const HEAD_DIM_PAIRS: [(usize, usize); 1] = [(192, 128)];
 
-    /// `(class of Q and K, value dim)` of the FA2-class forward for `dims`: the pair of
+    /// `(class of Q and K, value dim)` of the FA2-class kernels for `dims`: the pair of
     /// [`HEAD_DIM_PAIRS`] that holds `d_qk` and `d_v` (`d_qk` in its class, `d_v` at most its
     /// V class), or [`fa2_head_dim`]'s class with V [`ValueDim::Own`] (unequal head dims) or
     /// [`ValueDim::Shared`].
-    pub fn forward_classes(dims: &Dims) -> (usize, ValueDim) {
+    pub fn fa2_classes(dims: &Dims) -> (usize, ValueDim) {
         if dims.equal_head_dims() {
             return (head_dim_class(dims.d_qk), ValueDim::Shared);
         }
@@ -785,7 +787,7 @@ pub mod geometry {
     /// 16-row m-tiles at head-dim classes 32, 64 and 128 (FlashAttention-2's layout) and at
     /// the pair (192, 128), one at 96 and above 128.
     pub fn forward_warp_rows(dims: &Dims) -> usize {
-        match forward_classes(dims) {
+        match fa2_classes(dims) {
             (32 | 64 | 128, _) | (192, ValueDim::Class(128)) => 32,
             _ => 16,
         }
@@ -795,13 +797,17 @@ pub mod geometry {
     /// warps of 32 rows) at head-dim classes 32, 64 and 128, 64 × 64 at 96, 64 × 32 above
     /// 128, 128 × 32 at the pair (192, 128).
     pub fn forward_tile(dims: &Dims) -> (usize, usize) {
-        (4 * forward_warp_rows(dims), tc_block_n(forward_classes(dims).0))
+        (4 * forward_warp_rows(dims), tc_block_n(fa2_classes(dims).0))
     }
 
-    /// `(query rows, keys)` of one tile of the dq kernel: the block's 64 query rows against a
-    /// streamed key tile of 64, 32 or 16 rows by head-dim class.
-    pub fn dq_tile(d: usize) -> (usize, usize) {
-        (64, bwd_tile(head_dim_class(d)))
+    /// `(query rows, keys)` of one tile of the dq kernel for `dims`: the block's 64 query rows
+    /// against a streamed key tile of 64, 32 or 16 rows by head-dim class, 32 at the pair
+    /// (192, 128).
+    pub fn dq_tile(dims: &Dims) -> (usize, usize) {
+        match fa2_classes(dims) {
+            (_, ValueDim::Class(_)) => (64, 32),
+            (dc, _) => (64, bwd_tile(dc)),
+        }
     }
 
     /// `(query rows, keys)` of one tile of the dk/dv kernel (every [`DqAccum`]): a streamed
@@ -811,10 +817,10 @@ pub mod geometry {
     }
 
     /// The tensor-core forward (`ringattn_flash_fwd_{bf16,f16}_d{D}`, `_d{D}_dv` or
-    /// `_d{D}_v{DV}`: [`forward_classes`]) for `dims`: 4 warps of [`forward_warp_rows`] query
+    /// `_d{D}_v{DV}`: [`fa2_classes`]) for `dims`: 4 warps of [`forward_warp_rows`] query
     /// rows, Q staged once, K/V double-buffered (`FwdTraits<D, DV>::kSmem`).
     pub fn forward(dims: &Dims) -> Launch {
-        let (dc, value_dim) = forward_classes(dims);
+        let (dc, value_dim) = fa2_classes(dims);
         let v_stride = match value_dim {
             ValueDim::Class(dv) => tc_stride(dv),
             _ => tc_stride(dc),
@@ -931,58 +937,70 @@ pub mod geometry {
         }
     }
 
-    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, classes from 192):
-    /// 4 warps of 16 query rows; Q and dO tiles stay, K/V tiles stream (`DqTraits<D>::kSmem`).
+    /// Shared-memory row strides (elements) of the tiles of Q and K and of V and dO for the
+    /// FA2-class kernels of `dims` ([`fa2_classes`]).
+    fn tc_strides(dims: &Dims) -> (usize, usize) {
+        match fa2_classes(dims) {
+            (dc, ValueDim::Class(dv)) => (tc_stride(dc), tc_stride(dv)),
+            (dc, _) => (tc_stride(dc), tc_stride(dc)),
+        }
+    }
+
+    /// The tensor-core dq kernel (`ringattn_flash_bwd_dq_{bf16,f16}_d{D}`, `_dv`, `_v{DV}`;
+    /// classes from 192): 4 warps of 16 query rows; Q and dO tiles stay, K/V tiles stream
+    /// ([`dq_tile`]; `DqTraits<D, DV>::kSmem`).
     pub fn dq(dims: &Dims) -> Launch {
-        let dc = head_dim_class(fa2_head_dim(dims));
-        let row = tc_stride(dc) * 2;
-        let block_n = bwd_tile(dc);
+        let (dc, value_dim) = fa2_classes(dims);
+        let (row, v_row) = (tc_strides(dims).0 * 2, tc_strides(dims).1 * 2);
+        let block_n = dq_tile(dims).1;
         // Q and dO, K and V in one or two stages, and each warp's query bounds (32 bytes).
         let bounds = 4 * 32;
-        let two = 2 * 64 * row + 4 * block_n * row + bounds;
+        let two = 64 * (row + v_row) + 2 * block_n * (row + v_row) + bounds;
         let stages = if two <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
             grid: [dims.s_q.div_ceil(64), dims.h_q, dims.b],
             block: 128,
-            smem_bytes: 2 * 64 * row + 2 * stages * block_n * row + bounds,
+            smem_bytes: 64 * (row + v_row) + stages * block_n * (row + v_row) + bounds,
             head_dim_class: dc,
-            value_dim: if dims.equal_head_dims() { ValueDim::Shared } else { ValueDim::Own },
+            value_dim,
         }
     }
 
-    /// Column ranges of the dk/dv kernel (`DkDvTraits::kSplits`, every [`DqAccum`]): blocks
-    /// per 64 keys, each with its share of the head dim's columns — two above head-dim class
-    /// 128 (registers for the accumulators), one otherwise.
-    pub fn dkdv_splits(d: usize) -> usize {
-        if head_dim_class(d) > 128 {
-            2
-        } else {
-            1
+    /// Column ranges of the dk/dv kernel for `dims` (`DkDvTraits::kSplits`, every
+    /// [`DqAccum`]): blocks per 64 keys, each with its share of the head dim's columns — two
+    /// above head-dim class 128 (registers for the accumulators) but at the pair (192, 128),
+    /// one otherwise.
+    pub fn dkdv_splits(dims: &Dims) -> usize {
+        match fa2_classes(dims) {
+            (_, ValueDim::Class(_)) => 1,
+            (dc, _) if dc > 128 => 2,
+            _ => 1,
         }
     }
 
     /// The tensor-core dk/dv kernel (`ringattn_flash_bwd_{dkdv,dkdvqfx,dkdvq}_{bf16,f16}_d{D}`
-    /// by [`DqAccum`]): 4 warps of 16 key rows, one block per 64 keys and column range; query
-    /// tiles stream with their lse and delta (and the dq unit in fixed point); with dq, the
-    /// block's dS^T is held for its block-level dq product (`DkDvTraits<D, kAccum>::kSmem`).
+    /// by [`DqAccum`], `_dv`, `_v{DV}`): 4 warps of 16 key rows, one block per 64 keys and
+    /// column range; query tiles stream with their lse and delta (and the dq unit in fixed
+    /// point); with dq, the block's dS^T is held for its block-level dq product
+    /// (`DkDvTraits<D, kAccum, DV>::kSmem`).
     pub fn dkdv(dims: &Dims, accum: DqAccum) -> Launch {
-        let dc = head_dim_class(fa2_head_dim(dims));
-        let row = tc_stride(dc) * 2;
+        let (dc, value_dim) = fa2_classes(dims);
+        let (row, v_row) = (tc_strides(dims).0 * 2, tc_strides(dims).1 * 2);
         let block_m = dkdv_tile(fa2_head_dim(dims)).0;
-        let kv = 64 * row;
+        let kv = 64 * (row + v_row);
         let (scalars, ds) = match accum {
             DqAccum::None => (2, 0),
             // dS^T (64 keys x (query tile + 8) 16-bit values) and one flag per warp.
             DqAccum::Fixed | DqAccum::F32 => (3, 64 * (block_m + 8) * 2 + 4 * 4),
         };
-        let stage = 2 * block_m * row + scalars * block_m * 4;
-        let stages = if 2 * kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
+        let stage = block_m * (row + v_row) + scalars * block_m * 4;
+        let stages = if kv + 2 * stage + ds <= SMEM_LIMIT { 2 } else { 1 };
         Launch {
-            grid: [dims.s_k.div_ceil(64) * dkdv_splits(fa2_head_dim(dims)), dims.h_kv, dims.b],
+            grid: [dims.s_k.div_ceil(64) * dkdv_splits(dims), dims.h_kv, dims.b],
             block: 128,
-            smem_bytes: 2 * kv + stages * stage + ds,
+            smem_bytes: kv + stages * stage + ds,
             head_dim_class: dc,
-            value_dim: if dims.equal_head_dims() { ValueDim::Shared } else { ValueDim::Own },
+            value_dim,
         }
     }
 
@@ -1464,18 +1482,26 @@ pub mod geometry {
         #[test]
         fn unequal_head_dims_pick_the_pair_entry_point_where_it_holds_them() {
             let dims = |d_qk, d_v| Dims { b: 1, s_q: 300, s_k: 300, h_q: 2, h_kv: 1, d_qk, d_v };
-            assert_eq!(forward_classes(&dims(192, 128)), (192, ValueDim::Class(128)));
-            assert_eq!(forward_classes(&dims(136, 8)), (192, ValueDim::Class(128)));
-            assert_eq!(forward_classes(&dims(192, 136)), (192, ValueDim::Own));
-            assert_eq!(forward_classes(&dims(128, 64)), (192, ValueDim::Own));
-            assert_eq!(forward_classes(&dims(96, 64)), (96, ValueDim::Own));
-            assert_eq!(forward_classes(&dims(192, 192)), (192, ValueDim::Shared));
+            assert_eq!(fa2_classes(&dims(192, 128)), (192, ValueDim::Class(128)));
+            assert_eq!(fa2_classes(&dims(136, 8)), (192, ValueDim::Class(128)));
+            assert_eq!(fa2_classes(&dims(192, 136)), (192, ValueDim::Own));
+            assert_eq!(fa2_classes(&dims(128, 64)), (192, ValueDim::Own));
+            assert_eq!(fa2_classes(&dims(96, 64)), (96, ValueDim::Own));
+            assert_eq!(fa2_classes(&dims(192, 192)), (192, ValueDim::Shared));
             let l = forward(&dims(192, 128));
             assert_eq!((l.grid, l.head_dim_class, l.value_dim), ([3, 2, 1], 192, ValueDim::Class(128)));
             // Q (128 rows of 384 bytes), K (2 x 32 rows of 384), V (2 x 32 rows of 256), bounds.
             assert_eq!(l.smem_bytes, 128 * 384 + 2 * 32 * 384 + 2 * 32 * 256 + 128);
             assert_eq!(forward_tile(&dims(192, 128)), (128, 32));
             assert_eq!(forward_tile(&dims(192, 136)), (64, 32));
+            // The backward's: dq with 32-key tiles, dk/dv unsplit, V and dO rows of 128 columns.
+            let (q, kv) = (dq(&dims(192, 128)), dkdv(&dims(192, 128), DqAccum::None));
+            assert_eq!((q.value_dim, kv.value_dim), (ValueDim::Class(128), ValueDim::Class(128)));
+            assert_eq!((dq_tile(&dims(192, 128)), dq_tile(&dims(192, 136))), ((64, 32), (64, 16)));
+            assert_eq!((dkdv_splits(&dims(192, 128)), dkdv_splits(&dims(192, 136))), (1, 2));
+            assert_eq!(q.smem_bytes, 64 * (384 + 256) + 2 * 32 * (384 + 256) + 128);
+            assert_eq!(kv.grid, [5, 1, 1]);
+            assert_eq!(kv.smem_bytes, 64 * (384 + 256) + 2 * (16 * (384 + 256) + 2 * 16 * 4));
             assert_eq!(ValueDim::Class(128).suffix(), "_v128");
             assert_eq!((ValueDim::Own.suffix(), ValueDim::Shared.suffix()), ("_dv".to_string(), String::new()));
         }

@@ -238,6 +238,25 @@ mod kernels {
         }
     }
 
+    /// The (192, 128) pair's own kernels with a soft-cap (their capped variants), a window and
+    /// GQA, in both dq modes, against the oracle.
+    #[test]
+    fn the_pair_kernels_take_the_soft_cap() {
+        let p = AttentionParams {
+            mask: Mask::Window { left: Some(40), right: Some(3) },
+            softcap: Some(1.5),
+            ..Default::default()
+        };
+        for opts in options().into_iter().filter(|o| o.kernels == KernelFamily::Fa2) {
+            let [q, k, v, d_o] = inputs(1, 90, 4, 2, (192, 128), DType::BF16);
+            let what = format!("{:?}", opts.dq_mode);
+            let fwd = emu::forward(&q, &k, &v, None, &p, &opts).expect(&what);
+            let g = emu::backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, None, &p, &opts).expect(&what);
+            let r = verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&g)).unwrap();
+            assert!(r.pass(), "{what}\n{}", r.table());
+        }
+    }
+
     #[test]
     fn pairs_no_kernel_holds_are_refused_on_every_rank() {
         // The larger head dim at most 64: no `_dv` class; refused, typed, naming both dims.

@@ -13,7 +13,8 @@
 // dq (classes up to 128), 4 dk/dv with f32 atomic dq, 5 dqconvert, 6 dq (classes from 192), 7
 // dk/dv alone (classes from 192) (src/emu/flash.rs `kernel_code`); `bf16` as above; `dclass`
 // the head-dim class of the entry points instantiated per class, `own_dv` 1 for their
-// V-of-its-own-head-dim variants (..._dv).
+// V-of-its-own-head-dim variants (..._dv), V's class for the pair ones (..._d{D}_v{DV}), 0
+// otherwise (src/kernels.rs `ValueDim::code`).
 extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, int dclass, int own_dv, EmuLaunch l,
                                       char* msg, size_t cap) {
     emu::LaunchConfig c = config(l);
@@ -55,8 +56,11 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
 #define RINGATTN_EMU_PICK(CODE, NAME, D)                                                                        \
     if (kernel == CODE && !own_dv) fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D : ringattn_flash_bwd_##NAME##_f16_d##D
 #define RINGATTN_EMU_PICK_DV(CODE, NAME, D) \
-    if (kernel == CODE && own_dv)           \
+    if (kernel == CODE && own_dv == 1)      \
     fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D##_dv : ringattn_flash_bwd_##NAME##_f16_d##D##_dv
+#define RINGATTN_EMU_PICK_PAIR(CODE, NAME, D, DV) \
+    if (kernel == CODE && own_dv == DV)           \
+    fn = bf16 ? ringattn_flash_bwd_##NAME##_bf16_d##D##_v##DV : ringattn_flash_bwd_##NAME##_f16_d##D##_v##DV
 // Up to class 128: the dk/dv kernels that add dq; from 192 also the dq kernel and plain dk/dv.
 #define RINGATTN_EMU_FIXED_CLASS(D)      \
     case D:                              \
@@ -79,12 +83,25 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
         RINGATTN_EMU_PICK_DV(6, dq, D);    \
         RINGATTN_EMU_PICK_DV(7, dkdv, D);  \
         break;
+// ... and the pairs' (V of its own class DV).
+#define RINGATTN_EMU_PAIR_CLASS(D, DV)        \
+    case D:                                   \
+        RINGATTN_EMU_PICK(4, dkdvq, D);       \
+        RINGATTN_EMU_PICK(6, dq, D);          \
+        RINGATTN_EMU_PICK(7, dkdv, D);        \
+        RINGATTN_EMU_PICK_DV(4, dkdvq, D);    \
+        RINGATTN_EMU_PICK_DV(6, dq, D);       \
+        RINGATTN_EMU_PICK_DV(7, dkdv, D);     \
+        RINGATTN_EMU_PICK_PAIR(4, dkdvq, D, DV); \
+        RINGATTN_EMU_PICK_PAIR(6, dq, D, DV);    \
+        RINGATTN_EMU_PICK_PAIR(7, dkdv, D, DV);  \
+        break;
             switch (dclass) {
                 RINGATTN_EMU_FIXED_CLASS(32)
                 RINGATTN_EMU_FIXED_CLASS(64)
                 RINGATTN_EMU_FIXED_CLASS_DV(96)
                 RINGATTN_EMU_FIXED_CLASS(128)
-                RINGATTN_EMU_SEPARATE_CLASS(192)
+                RINGATTN_EMU_PAIR_CLASS(192, 128)
                 RINGATTN_EMU_SEPARATE_CLASS(256)
                 default:
                     break;
@@ -92,11 +109,16 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
 #undef RINGATTN_EMU_FIXED_CLASS
 #undef RINGATTN_EMU_FIXED_CLASS_DV
 #undef RINGATTN_EMU_SEPARATE_CLASS
+#undef RINGATTN_EMU_PAIR_CLASS
+#undef RINGATTN_EMU_PICK_PAIR
 #undef RINGATTN_EMU_PICK
 #undef RINGATTN_EMU_PICK_DV
             if (fn == nullptr) {
                 return report("no backward kernel " + std::to_string(kernel) + " for head-dim class " +
-                                  std::to_string(dclass) + (own_dv ? " with its own d_v" : ""),
+                                  std::to_string(dclass) +
+                                  (own_dv == 1   ? " with its own d_v"
+                                   : own_dv > 1 ? " with V of class " + std::to_string(own_dv)
+                                                : ""),
                               msg, cap);
             }
             break;
@@ -126,5 +148,8 @@ static const EmuNamedKernel kNamedBwd[] = {
                                     RINGATTN_EMU_BWD_NAMED2(dkdvq, 192_dv) RINGATTN_EMU_BWD_NAMED2(dkdvq, 256_dv)
                                         RINGATTN_EMU_BWD_NAMED2(dkdvqfx, 96_dv) RINGATTN_EMU_BWD_NAMED2(dq, 192_dv)
                                                 RINGATTN_EMU_BWD_NAMED2(dq, 256_dv) RINGATTN_EMU_BWD_NAMED2(dkdv, 192_dv)
-                                                    RINGATTN_EMU_BWD_NAMED2(dkdv, 256_dv)};
+                                                    RINGATTN_EMU_BWD_NAMED2(dkdv, 256_dv)
+                                                        RINGATTN_EMU_BWD_NAMED2(dkdvq, 192_v128)
+                                                            RINGATTN_EMU_BWD_NAMED2(dq, 192_v128)
+                                                                RINGATTN_EMU_BWD_NAMED2(dkdv, 192_v128)};
 RINGATTN_EMU_NAMED_TABLE(flash_bwd, kNamedBwd)

@@ -103,7 +103,8 @@ fn check(c: &Case) {
     let opts = EmuOptions::default();
     let emu = Emulator { opts: &opts, counts: Some(&counts) };
     let f = runner::forward_tensors(&emu, &q, &k, &v, pos, &c.params).expect("forward");
-    let (fm, fnk) = geometry::forward_tile(&Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d_qk: c.d, d_v: c.d });
+    let dims = Dims { b: 1, s_q, s_k, h_q: h, h_kv: h, d_qk: c.d, d_v: c.d };
+    let (fm, fnk) = geometry::forward_tile(&dims);
     let fwd = counts.take();
     assert_eq!(fwd.len(), 1, "{}: one forward launch", c.name);
     let got = loaded_tiles(&fwd[0].copies, fm as u64, 2 * fnk as u64, chunks, "forward");
@@ -117,7 +118,7 @@ fn check(c: &Case) {
             let got_expected = match kernel {
                 "rowsum" | "kvbound" | "rowunit" | "dqconvert" => continue,
                 "dq" => {
-                    let (m, n) = geometry::dq_tile(c.d);
+                    let (m, n) = geometry::dq_tile(&dims);
                     let got = loaded_tiles(copies, 2 * m as u64, 2 * n as u64, chunks, "dq");
                     (got, heads(expected_tiles(&pairs, Blocks::Queries, m, n)))
                 }
@@ -125,7 +126,7 @@ fn check(c: &Case) {
                     let accum = geometry::dkdv_accum(c.d, mode);
                     assert_eq!(kernel, BackwardKernel::DkDv(accum).name(), "{}: {mode:?}", c.name);
                     let (m, n) = geometry::dkdv_tile(c.d);
-                    let splits = geometry::dkdv_splits(c.d);
+                    let splits = geometry::dkdv_splits(&dims);
                     let got = loaded_tiles(copies, 2 * n as u64, 2 * m as u64, chunks, kernel);
                     // Query tiles of every query head of the block's GQA group (here one).
                     let per_block = expected_tiles(&pairs, Blocks::Keys, n, m);
