@@ -164,7 +164,8 @@ for kernels in fa2 hopper; do
   done
 done
 # Multi-head latent attention's head dims (d_qk 192, d_v 128; 96 and 64) on the GPU host path:
-# device buffers and tensor maps of their own widths, the FA2 family's _dv entry points.
+# device buffers and tensor maps of their own widths, the FA2 family's pair (_d192_v128) and
+# _dv entry points.
 for kernels in fa2 hopper; do
   scripts/with-emulated-gpu target/debug/ringattn verify --backend cuda --kernels "$kernels" \
     --shape 1,160,4,2,192,128 --dtype bf16 --causal >/dev/null
@@ -174,8 +175,10 @@ for kernels in fa2 hopper; do
   done
   echo "verify --backend cuda --kernels $kernels, d_qk != d_v: single and 3 strategies x 4 ranks pass"
 done
-grep -q "^launch ringattn_flash_fwd_bf16_d192_dv" "$launches" ||
-  { echo "the _dv forward never ran for unequal head dims" >&2; exit 1; }
+for entry in flash_fwd_bf16_d192_v128 flash_bwd_dq_bf16_d192_v128 flash_bwd_dkdv_bf16_d192_v128 flash_fwd_bf16_d96_dv; do
+  grep -q "^launch ringattn_$entry" "$launches" ||
+    { echo "ringattn_$entry never ran for unequal head dims" >&2; exit 1; }
+done
 # --kernels hopper reaches the backward: the launch log names the Hopper backward kernel.
 grep -q "^launch ringattn_hopper_flash_bwd_" "$launches" ||
   { echo "the Hopper backward never ran under --kernels hopper" >&2; exit 1; }
