@@ -298,11 +298,13 @@ pub enum Executor {
 /// * [`Executor::Kernels`]: whole warp tiles of tensor-core products at the head-dim class `D`
 ///   (`d` rounded up), over every warp tile holding a visible pair (the others are skipped):
 ///   forward, a warp's query rows ([`geometry::forward_warp_rows`]: 32, 16 at class 96 and above 128
-///   but for the pair (192, 128)) × a key tile, `S` and `PV` (`PV` at V's class at the pair); dk/dv kernel, a query tile × 16 keys, `Sᵀ` and `dPᵀ` at
-///   full `D` in each of its column ranges, `dV` and `dK` over all columns once; when it adds
-///   dq (atomic mode; deterministic up to class 128) `dQ` once per query tile × 64-key block
-///   holding a visible pair (the block's product), else the dq kernel's 16 query rows × a key
-///   tile, `S`, `dP` and `dQ`. Tile shapes from [`geometry`].
+///   but for the pair (192, 128)) × a key tile, `S` and `PV`; dk/dv kernel, a query tile × 16
+///   keys, `Sᵀ` and `dPᵀ` whole in each of its column ranges, `dV` and `dK` over all columns
+///   once; when it adds dq (atomic mode; deterministic up to class 128) `dQ` once per query
+///   tile × 64-key block holding a visible pair (the block's product), else the dq kernel's 16
+///   query rows × a key tile, `S`, `dP` and `dQ`. Products with V or dO (`PV`, `dPᵀ`, `dV`,
+///   `dP`) at V's class on the pair's kernels ([`geometry::fa2_classes`]), the others at `D`.
+///   Tile shapes from [`geometry`].
 /// * [`Executor::Hopper`]: the forward by block (128 query rows: both consumer warpgroups)
 ///   × every key tile ([`geometry::hopper_forward_tile`]) from the block's first to its last
 ///   visible one, `S` and `PV` at the Hopper class (64, 128, 256); the backward by key block

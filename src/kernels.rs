@@ -951,7 +951,8 @@ pub mod geometry {
     /// ([`dq_tile`]; `DqTraits<D, DV>::kSmem`).
     pub fn dq(dims: &Dims) -> Launch {
         let (dc, value_dim) = fa2_classes(dims);
-        let (row, v_row) = (tc_strides(dims).0 * 2, tc_strides(dims).1 * 2);
+        let (row, v_row) = tc_strides(dims);
+        let (row, v_row) = (row * 2, v_row * 2); // bytes
         let block_n = dq_tile(dims).1;
         // Q and dO, K and V in one or two stages, and each warp's query bounds (32 bytes).
         let bounds = 4 * 32;
@@ -985,7 +986,8 @@ pub mod geometry {
     /// (`DkDvTraits<D, kAccum, DV>::kSmem`).
     pub fn dkdv(dims: &Dims, accum: DqAccum) -> Launch {
         let (dc, value_dim) = fa2_classes(dims);
-        let (row, v_row) = (tc_strides(dims).0 * 2, tc_strides(dims).1 * 2);
+        let (row, v_row) = tc_strides(dims);
+        let (row, v_row) = (row * 2, v_row * 2); // bytes
         let block_m = dkdv_tile(fa2_head_dim(dims)).0;
         let kv = 64 * (row + v_row);
         let (scalars, ds) = match accum {

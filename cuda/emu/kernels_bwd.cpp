@@ -74,24 +74,21 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
         RINGATTN_EMU_PICK_DV(3, dkdvqfx, D); \
         RINGATTN_EMU_PICK_DV(4, dkdvq, D);   \
         break;
-#define RINGATTN_EMU_SEPARATE_CLASS(D)    \
-    case D:                               \
-        RINGATTN_EMU_PICK(4, dkdvq, D);    \
-        RINGATTN_EMU_PICK(6, dq, D);       \
-        RINGATTN_EMU_PICK(7, dkdv, D);     \
-        RINGATTN_EMU_PICK_DV(4, dkdvq, D); \
-        RINGATTN_EMU_PICK_DV(6, dq, D);    \
-        RINGATTN_EMU_PICK_DV(7, dkdv, D);  \
+#define RINGATTN_EMU_SEPARATE_PICKS(D) \
+    RINGATTN_EMU_PICK(4, dkdvq, D);     \
+    RINGATTN_EMU_PICK(6, dq, D);        \
+    RINGATTN_EMU_PICK(7, dkdv, D);      \
+    RINGATTN_EMU_PICK_DV(4, dkdvq, D);  \
+    RINGATTN_EMU_PICK_DV(6, dq, D);     \
+    RINGATTN_EMU_PICK_DV(7, dkdv, D)
+#define RINGATTN_EMU_SEPARATE_CLASS(D) \
+    case D:                            \
+        RINGATTN_EMU_SEPARATE_PICKS(D); \
         break;
-// ... and the pairs' (V of its own class DV).
-#define RINGATTN_EMU_PAIR_CLASS(D, DV)        \
-    case D:                                   \
-        RINGATTN_EMU_PICK(4, dkdvq, D);       \
-        RINGATTN_EMU_PICK(6, dq, D);          \
-        RINGATTN_EMU_PICK(7, dkdv, D);        \
-        RINGATTN_EMU_PICK_DV(4, dkdvq, D);    \
-        RINGATTN_EMU_PICK_DV(6, dq, D);       \
-        RINGATTN_EMU_PICK_DV(7, dkdv, D);     \
+// ... and with a pair's (V of its own class DV).
+#define RINGATTN_EMU_PAIR_CLASS(D, DV)           \
+    case D:                                      \
+        RINGATTN_EMU_SEPARATE_PICKS(D);          \
         RINGATTN_EMU_PICK_PAIR(4, dkdvq, D, DV); \
         RINGATTN_EMU_PICK_PAIR(6, dq, D, DV);    \
         RINGATTN_EMU_PICK_PAIR(7, dkdv, D, DV);  \
@@ -109,6 +106,7 @@ extern "C" int ringattn_emu_flash_bwd(FlashBwdParams p, int kernel, int bf16, in
 #undef RINGATTN_EMU_FIXED_CLASS
 #undef RINGATTN_EMU_FIXED_CLASS_DV
 #undef RINGATTN_EMU_SEPARATE_CLASS
+#undef RINGATTN_EMU_SEPARATE_PICKS
 #undef RINGATTN_EMU_PAIR_CLASS
 #undef RINGATTN_EMU_PICK_PAIR
 #undef RINGATTN_EMU_PICK
