@@ -116,7 +116,12 @@ struct SwzRow {
 // kInteriorPath: a second copy of the chunk loop, without per-chunk tests, for threads whose
 // chunks all lie inside (interior tiles): it pays in the dk/dv kernel's query stage, not in
 // the forward's (where ptxas then spends more instructions per tile).
-template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads, bool kInteriorPath = false>
+// kRereadIndex: derive this thread's offsets from a fresh read of its index (ptx.cuh
+// thread_index_reread) rather than hold them across the caller's loop — for a kernel at its
+// register limit (the (192, 128) dk/dv kernel with dq spilled one such offset on sm_90a);
+// elsewhere the recomputation costs instructions per tile.
+template <int kRows, int kChunks, int kStride, int kSwizzle, int kThreads, bool kInteriorPath = false,
+          bool kRereadIndex = false>
 __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x, int64_t bi, int64_t s, int64_t h,
                                                int64_t hi, int64_t d, int64_t r0) {
     constexpr int kTotal = kRows * kChunks;
@@ -140,7 +145,8 @@ __device__ __forceinline__ void stage_swizzled(uint16_t* tile, const uint16_t* x
     const uint16_t* base = x + (bi * s * h + hi) * d;
     if constexpr (kThreads % kChunks == 0) {
         constexpr int kRowStep = kThreads / kChunks;
-        const int col = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+        const int tid = int(kRereadIndex ? thread_index_reread() : threadIdx.x);
+        const int col = tid % kChunks, r_first = tid / kChunks;
         // Rows of this thread still inside the sequence (none when the column is past d).
         const int64_t left = col * 8 < d ? s - r0 - r_first : 0;
         const uint16_t* src = base + (r0 + r_first) * row_stride + col * 8;

@@ -493,11 +493,14 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     };
     const int qt_first = int(qt_begin), qt_last = int(qt_end) - 1;
     auto advance = [&](Step x) { return x.qtile < qt_last ? Step{x.head, x.qtile + 1} : Step{x.head + 1, qt_first}; };
+    // (The pair with dq, at 255 registers, re-reads the thread index in each stage.)
+    constexpr bool kReread = DV != D && kWithDq;
     auto stage_q = [&](int buf, Step x) {
         const int64_t hq = hk * group + x.head, q0 = int64_t(x.qtile) * kM;
-        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true>(q_tile(buf), p.x.q, bi, p.x.s_q, p.x.h_q, hq, d, q0);
-        stage_swizzled<kM, VG::kChunks, SV, WV, Tr::kThreads, true>(do_tile(buf), p.d_o, bi, p.x.s_q, p.x.h_q, hq, d_v(),
-                                                                    q0);
+        stage_swizzled<kM, Tr::kChunks, S, W, Tr::kThreads, true, kReread>(q_tile(buf), p.x.q, bi, p.x.s_q, p.x.h_q,
+                                                                           hq, d, q0);
+        stage_swizzled<kM, VG::kChunks, SV, WV, Tr::kThreads, true, kReread>(do_tile(buf), p.d_o, bi, p.x.s_q,
+                                                                             p.x.h_q, hq, d_v(), q0);
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
             const bool in = q0 + r < p.x.s_q;
             const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + (in ? q0 + r : 0);
@@ -680,11 +683,15 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     }
 
     Step step{0, qt_first};
-    // The pairs without dq stage the first query tile before the loop (its code then is no
-    // branch of the loop's); the others in the loop's first step (moving it shifts ptxas's
-    // allocation of kernels at 254-255 registers: 4 to 8 bytes of spills at (192, 128) with dq
-    // on sm_90a).
+    // The pairs stage the first query tile before the loop (its code then is no branch of the
+    // loop's), but for the one with dq on sm_100 and later (there ptxas then spills 8 bytes);
+    // the others in the loop's first step (moving it shifts ptxas's allocation of kernels at
+    // 254-255 registers).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
     constexpr bool kFirstBefore = DV != D && !kWithDq && Tr::kStages == 2;
+#else
+    constexpr bool kFirstBefore = DV != D && Tr::kStages == 2;
+#endif
     if (kFirstBefore && steps > 0) stage_q(0, step);
     for (int64_t it = 0; it < steps; ++it) {
         const int buf = Tr::kStages == 2 ? int(it & 1) : 0;

@@ -293,6 +293,16 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The thread's index in the block (x), read afresh from %tid.x: a volatile read is neither
+// merged with other reads nor hoisted, so offsets derived from it are recomputed where used
+// (two instructions) instead of held in a register across a loop by a kernel at its
+// register limit.
+__device__ __forceinline__ unsigned thread_index_reread() {
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    return tid;
+}
+
 // ---- Hopper (sm_90): mbarrier, election (../shared/reference/hopper-ptx.md §3, §5) ----
 //
 // An mbarrier is an 8-byte, 8-byte aligned object in shared memory with a current phase,
@@ -972,6 +982,7 @@ inline bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
 inline void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
 inline void mbarrier_wait_parity_covered(uint64_t* bar, uint32_t parity) { mbarrier_try_wait_parity(bar, parity); }
 
+inline unsigned thread_index_reread() { return threadIdx.x; }
 inline void named_barrier_sync(uint32_t id, uint32_t threads) { ::emu::named_barrier(id, threads, true, "bar.sync"); }
 inline void named_barrier_arrive(uint32_t id, uint32_t threads) {
     ::emu::named_barrier(id, threads, false, "bar.arrive");
