@@ -1,4 +1,5 @@
-// Merge of partial attention results over disjoint key sets (the combine step of a ring hop):
+// The merge family (MergeParams). Merge of partial attention results over disjoint key sets
+// (the combine step of a ring hop):
 //   m = max(lse_a, lse_b); w_x = exp(lse_x - m); lse = m + log(w_a + w_b);
 //   o = (w_a o_a + w_b o_b) / (w_a + w_b)
 // A side with lse = -inf contributes nothing (its o is never read, so NaN there cannot leak);
@@ -43,5 +44,65 @@ extern "C" __global__ void ringattn_merge_f32(MergeParams p) {
     __syncwarp();
     if (lane == 0) {
         p.lse_acc[warp] = m + logf(wa + wb);
+    }
+}
+
+// Attention sinks merged into a finished result: each row of head hi joins a value-less
+// partial of LSE sinks[hi] (finite): lse' = log(e^lse + e^sink), o' = e^(lse - lse') o; a
+// row that saw no key (lse = -inf) gets o = 0, lse = sinks[hi]. Same arithmetic as
+// src/merge.rs merge_sinks. One warp per (batch, head, row), as the merge.
+extern "C" __global__ void ringattn_merge_sinks_f32(MergeParams p) {
+    const int64_t rows = p.b * p.h * p.s;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= rows) {
+        return;
+    }
+    const int64_t si = warp % p.s;
+    const int64_t hi = (warp / p.s) % p.h;
+    const int64_t bi = warp / (p.s * p.h);
+    const float la = p.lse_acc[warp];
+    const float lb = p.sinks[hi];
+    const float m = fmaxf(la, lb);
+    const float wa = expf(la - m);
+    const float wb = expf(lb - m);
+    const float sum = wa + wb;
+    const float ca = wa / sum;
+    float* o = p.o_acc + ((bi * p.s + si) * p.h + hi) * p.d;
+    for (int64_t c = lane; c < p.d; c += 32) {
+        o[c] = ca == 0.0f ? 0.0f : ca * o[c];
+    }
+    __syncwarp();
+    if (lane == 0) {
+        p.lse_acc[warp] = m + logf(sum);
+    }
+}
+
+// The sinks' gradient: dsinks[hi] = -sum over (batch, row) of e^(sinks[hi] - lse) * delta,
+// from the final lse (sinks included) and delta = rowsum(dO∘O), both [b, h, s]. One block of
+// kSinkThreads per head: each thread sums its strided rows in order, then a fixed-order tree
+// in (dynamic, kSinkThreads floats) shared memory: the same bits on every run.
+constexpr int kSinkThreads = 256;
+extern "C" __global__ void __launch_bounds__(kSinkThreads) ringattn_sink_grad_f32(MergeParams p) {
+    float* part = reinterpret_cast<float*>(RINGATTN_DYNAMIC_SMEM());
+    const int64_t hi = blockIdx.x;
+    const float sigma = p.sinks[hi];
+    float acc = 0.0f;
+    for (int64_t bi = 0; bi < p.b; ++bi) {
+        const int64_t at = (bi * p.h + hi) * p.s;
+        for (int64_t si = threadIdx.x; si < p.s; si += kSinkThreads) {
+            acc += expf(sigma - p.lse_acc[at + si]) * p.delta[at + si];
+        }
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int half = kSinkThreads / 2; half > 0; half /= 2) {
+        if (int(threadIdx.x) < half) {
+            part[threadIdx.x] += part[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        p.dsinks[hi] = -part[0];
     }
 }

@@ -5,20 +5,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// merge.cu: combine partial (O, LSE) over disjoint key sets, in place into the accumulator.
-// o layout [b, s, h, d] (f32), lse layout [b, h, s] (f32, natural log, -inf = no key).
+// merge.cu: combine partial (O, LSE) over disjoint key sets, in place into the accumulator;
+// merge attention sinks (a value-less partial of LSE sinks[h] per row) into a finished
+// result; the sinks' gradient. o layout [b, s, h, d] (f32), lse layout [b, h, s] (f32,
+// natural log, -inf = no key). Each kernel reads the fields its comment names.
 struct MergeParams {
-    float* o_acc;        // [b, s, h, d], read and written
-    float* lse_acc;      // [b, h, s], read and written
-    const float* o_part; // [b, s, h, d]
-    const float* lse_part; // [b, h, s]
+    float* o_acc;        // [b, s, h, d], read and written (merge, merge_sinks)
+    float* lse_acc;      // [b, h, s], read and written (merge, merge_sinks); read (sink_grad)
+    const float* o_part; // [b, s, h, d] (merge)
+    const float* lse_part; // [b, h, s] (merge)
     int64_t b;
     int64_t s;
     int64_t h;
     int64_t d;
+    const float* sinks;  // [h]: the sinks' logits of the result's heads (merge_sinks, sink_grad)
+    const float* delta;  // [b, h, s]: D = rowsum(dO∘O) (sink_grad)
+    float* dsinks;       // [h], written (sink_grad)
 };
 
-static_assert(sizeof(MergeParams) == 64, "MergeParams is mirrored in Rust: 4 pointers + 4 int64");
+static_assert(sizeof(MergeParams) == 88, "MergeParams is mirrored in Rust: 4 pointers + 4 int64 + 3 pointers");
 static_assert(alignof(MergeParams) == 8, "MergeParams alignment");
 
 // A tensor map (the operand of the bulk tensor copies, TMA): 128 bytes, 128-byte aligned (CUDA

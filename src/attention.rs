@@ -18,7 +18,8 @@ pub struct ForwardOutput {
     pub lse: Tensor,
 }
 
-/// Gradients, in the input dtype: `dq` like q, `dk` like k, `dv` like v.
+/// Gradients, in the input dtype: `dq` like q, `dk` like k, `dv` like v; with attention
+/// sinks ([`AttentionParams::sinks`]) also theirs, `dsinks` `[h_q]` f32.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {
     /// Gradient of q.
@@ -27,6 +28,10 @@ pub struct Gradients {
     pub dk: Tensor,
     /// Gradient of v.
     pub dv: Tensor,
+    /// Gradient of the sinks, `[h_q]` f32, over the query rows the call holds (a rank of a
+    /// parallel call: its own rows; the sum over the ranks is the whole sequence's, what a
+    /// training loop's gradient all-reduce takes). `None` without sinks.
+    pub dsinks: Option<Tensor>,
 }
 
 /// How a call forms its scores from `q·k`, resolved once from its [`AttentionParams`] and

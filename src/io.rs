@@ -12,7 +12,8 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::{DType, Error, Result, Tensor, TensorData};
 
-/// The inputs of an attention call read from a file: `q`, `k`, `v` and optionally `do`.
+/// The inputs of an attention call read from a file: `q`, `k`, `v` and optionally `do` and
+/// `sinks`.
 #[derive(Debug, Clone)]
 pub struct AttentionInputs {
     /// Queries `[b, s_q, h_q, d]`.
@@ -23,6 +24,10 @@ pub struct AttentionInputs {
     pub v: Tensor,
     /// Output gradient `[b, s_q, h_q, d]`, when present.
     pub d_o: Option<Tensor>,
+    /// Attention sinks' logits `[h_q]` (any float dtype, read as f32), when the file has a
+    /// tensor `sinks` ([`crate::AttentionParams::sinks`]; their gradient is written as
+    /// `dsinks`).
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// The crate's dtype of a stored tensor.
@@ -45,8 +50,21 @@ fn tensor_data(dtype: DType, bytes: &[u8]) -> TensorData {
 }
 
 impl AttentionInputs {
-    /// The inputs, once `k`, `v` and `do` are found to share the dtype of `q`.
-    fn checked(q: Tensor, k: Tensor, v: Tensor, d_o: Option<Tensor>) -> Result<AttentionInputs> {
+    /// The logits of a stored `sinks` tensor, which must be one-dimensional (`[h_q]`).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for another rank.
+    pub fn sinks_of(t: &Tensor) -> Result<Vec<f32>> {
+        if t.shape().len() != 1 {
+            return Err(Error::ShapeMismatch(format!("sinks has shape {:?}; expected [h_q]", t.shape())));
+        }
+        Ok(t.as_f32().into_owned())
+    }
+
+    /// The inputs, once `k`, `v` and `do` are found to share the dtype of `q` and `sinks` to
+    /// be one-dimensional.
+    fn checked(q: Tensor, k: Tensor, v: Tensor, d_o: Option<Tensor>, sinks: Option<Tensor>) -> Result<AttentionInputs> {
+        let sinks = sinks.as_ref().map(AttentionInputs::sinks_of).transpose()?;
         for (name, t) in [("k", Some(&k)), ("v", Some(&v)), ("do", d_o.as_ref())] {
             if let Some(t) = t {
                 if t.dtype() != q.dtype() {
@@ -58,7 +76,7 @@ impl AttentionInputs {
                 }
             }
         }
-        Ok(AttentionInputs { q, k, v, d_o })
+        Ok(AttentionInputs { q, k, v, d_o, sinks })
     }
 }
 
@@ -80,7 +98,8 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     Ok(out)
 }
 
-/// Reads `q`, `k`, `v` (required) and `do` (optional), which must share one dtype.
+/// Reads `q`, `k`, `v` (required) and `do` (optional), which must share one dtype, and
+/// `sinks` (optional, `[h_q]`).
 ///
 /// # Errors
 /// As [`read_tensors`], plus [`Error::MissingTensor`] and [`Error::DtypeMismatch`].
@@ -91,7 +110,8 @@ pub fn read_inputs(path: &Path) -> Result<AttentionInputs> {
     };
     let (q, k, v) = (take("q")?, take("k")?, take("v")?);
     let d_o = take("do").ok();
-    AttentionInputs::checked(q, k, v, d_o)
+    let sinks = take("sinks").ok();
+    AttentionInputs::checked(q, k, v, d_o, sinks)
 }
 
 /// A safetensors file opened for reading parts of tensors: the header is parsed and checked
@@ -228,8 +248,25 @@ impl TensorFile {
         Tensor::new(out_shape, tensor_data(*dtype, &bytes))
     }
 
+    /// The whole tensor `name` (e.g. `sinks`, which every rank holds whole).
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`]; [`Error::Io`] on a read error.
+    pub fn read_whole(&self, name: &str) -> Result<Tensor> {
+        use std::os::unix::fs::FileExt;
+        let StoredTensor { dtype, shape, start } = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.to_string() })?;
+        let mut bytes = vec![0u8; shape.iter().product::<usize>() * dtype.size_of()];
+        self.file
+            .read_exact_at(&mut bytes, self.data_start + *start as u64)
+            .map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        Tensor::new(shape.clone(), tensor_data(*dtype, &bytes))
+    }
+
     /// The rows `positions` of `q`, `k`, `v` and (when present) `do`, which must share one
-    /// dtype: what one rank of a sequence-parallel run holds.
+    /// dtype, and `sinks` whole: what one rank of a sequence-parallel run holds.
     ///
     /// # Errors
     /// As [`TensorFile::read_rows`], plus [`Error::DtypeMismatch`].
@@ -238,7 +275,8 @@ impl TensorFile {
         let k = self.read_rows("k", positions)?;
         let v = self.read_rows("v", positions)?;
         let d_o = if self.tensors.contains_key("do") { Some(self.read_rows("do", positions)?) } else { None };
-        AttentionInputs::checked(q, k, v, d_o)
+        let sinks = if self.tensors.contains_key("sinks") { Some(self.read_whole("sinks")?) } else { None };
+        AttentionInputs::checked(q, k, v, d_o, sinks)
     }
 }
 

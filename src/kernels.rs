@@ -131,8 +131,9 @@ pub fn compiled() -> bool {
 
 /// Mirrors of the `#[repr(C)]` parameter structs of `cuda/params.h`.
 pub mod params {
-    /// `MergeParams` of `cuda/params.h` (merge kernel): pointers to `o_acc`, `lse_acc`,
-    /// `o_part`, `lse_part` (device addresses) and the dims `b, s, h, d`.
+    /// `MergeParams` of `cuda/params.h` (the merge family: the merge, the sinks' merge and
+    /// their gradient): pointers to `o_acc`, `lse_acc`, `o_part`, `lse_part` (device
+    /// addresses), the dims `b, s, h, d`, then `sinks`, `delta`, `dsinks`.
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct MergeParams {
@@ -152,6 +153,12 @@ pub mod params {
         pub h: i64,
         /// Head dimension.
         pub d: i64,
+        /// `[h]` f32: the sinks' logits of the result's heads (`merge_sinks`, `sink_grad`).
+        pub sinks: u64,
+        /// `[b, h, s]` f32: `D = rowsum(dO∘O)` (`sink_grad`).
+        pub delta: u64,
+        /// `[h]` f32, written (`sink_grad`).
+        pub dsinks: u64,
     }
 
     /// `MaskParams` of `cuda/params.h`: the visibility of (query `i`, key `j`) on global
@@ -577,7 +584,7 @@ pub mod params {
     }
 
     // The same size and alignment as the C structs (static_asserts in cuda/params.h).
-    const _: () = assert!(std::mem::size_of::<MergeParams>() == 64);
+    const _: () = assert!(std::mem::size_of::<MergeParams>() == 88);
     const _: () = assert!(std::mem::size_of::<OpsParams>() == 136);
     const _: () = assert!(std::mem::align_of::<OpsParams>() == 8);
     const _: () = assert!(std::mem::align_of::<MergeParams>() == 8);
@@ -1463,7 +1470,24 @@ pub mod geometry {
         }
     }
 
-    /// The merge kernel (`ringattn_merge_f32`) for `rows` LSE rows: one warp per row.
+    /// Threads per block of the sinks' gradient (one block per head).
+    pub const SINK_GRAD_THREADS: usize = 256;
+
+    /// The sinks' gradient (`ringattn_sink_grad_f32`) over `h` heads: one block per head,
+    /// its threads striding over the head's rows, then a fixed-order tree sum in shared
+    /// memory (one f32 per thread; deterministic).
+    pub fn sink_grad(h: usize) -> Launch {
+        Launch {
+            grid: [h, 1, 1],
+            block: SINK_GRAD_THREADS,
+            smem_bytes: SINK_GRAD_THREADS * 4,
+            head_dim_class: 0,
+            value_dim: ValueDim::Shared,
+        }
+    }
+
+    /// The merge kernel (`ringattn_merge_f32`) and the sinks' merge
+    /// (`ringattn_merge_sinks_f32`) for `rows` LSE rows: one warp per row.
     pub fn merge(rows: usize) -> Launch {
         Launch {
             grid: [(rows * 32).div_ceil(MERGE_THREADS), 1, 1],

@@ -6,7 +6,7 @@ use crate::{Documents, Error, Mask, Positions, Result, Tensor};
 pub const MAX_HEAD_DIM: usize = 512;
 
 /// Options of an attention call. `Default` is no mask, no documents, scale `1/sqrt(d_qk)`,
-/// no soft-cap.
+/// no soft-cap, no sinks.
 ///
 /// ```
 /// use ringattn::{AttentionParams, Mask};
@@ -26,6 +26,16 @@ pub struct AttentionParams {
     /// `c` must be finite and positive ([`crate::Error::ScoreOption`] otherwise); `None`
     /// leaves the scores as they are.
     pub softcap: Option<f32>,
+    /// Learnable attention sinks (gpt-oss): one logit `σ_h` per query head (`h_q` values, in
+    /// the units of the scaled scores) that joins each row's softmax denominator without a
+    /// value: `o_i = Σ_j e^{s_ij} v_j / (e^{σ_h} + Σ_j e^{s_ij})`, and the LSE includes it
+    /// (`lse_i = log(e^{σ_h} + Σ_j e^{s_ij})`; a row that sees no key gets `o = 0`, `lse =
+    /// σ_h`). It enters once per row, after every key block is merged — under every strategy
+    /// (the plan's finish step), never once per hop. Its gradient, `dσ_h = −Σ_i
+    /// e^{σ_h − lse_i} · D_i` with `D_i = rowsum(dO∘O)` over the rows a call holds, is
+    /// returned with the other gradients ([`crate::Gradients::dsinks`]). Values must be
+    /// finite and number `h_q` ([`crate::Error::ScoreOption`], [`crate::Error::ShapeMismatch`]).
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl AttentionParams {
@@ -57,7 +67,34 @@ impl AttentionParams {
                 return Err(Error::ScoreOption { option: "softcap", value: c, rule: "a finite number above 0" });
             }
         }
+        if let Some(&x) = self.sinks.iter().flatten().find(|x| !x.is_finite()) {
+            return Err(Error::ScoreOption { option: "sinks", value: x, rule: "finite" });
+        }
         Ok(())
+    }
+
+    /// Checks the per-head options against the call's query head count `h_q`: the sinks
+    /// must number `h_q` (with the checks of [`AttentionParams::check_scores`]).
+    ///
+    /// # Errors
+    /// As [`AttentionParams::check_scores`]; [`Error::ShapeMismatch`] for sinks of another
+    /// count.
+    ///
+    /// ```
+    /// use ringattn::{AttentionParams, Error};
+    /// let p = AttentionParams { sinks: Some(vec![0.5; 3]), ..Default::default() };
+    /// assert!(p.check_heads(3).is_ok());
+    /// assert!(matches!(p.check_heads(4), Err(Error::ShapeMismatch(_))));
+    /// ```
+    pub fn check_heads(&self, h_q: usize) -> Result<()> {
+        self.check_scores()?;
+        match &self.sinks {
+            Some(s) if s.len() != h_q => Err(Error::ShapeMismatch(format!(
+                "sinks holds {} values; the call has h_q = {h_q} query heads",
+                s.len()
+            ))),
+            _ => Ok(()),
+        }
     }
 }
 

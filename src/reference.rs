@@ -59,6 +59,14 @@ pub struct Reference {
     pub dq_mag_o: Vec<f64>,
     /// The same for `dk`: `sqrt(Σ_i (scale · P_ij D'_i q_ic)²)`.
     pub dk_mag_o: Vec<f64>,
+    /// Gradient of the sinks `[h_q]` over the computed rows (empty without sinks or
+    /// gradients): `dσ_h = −Σ_{b, i} P^σ_bhi D_bhi` with the sink's share `P^σ = e^{σ − lse}`.
+    pub dsinks: Vec<f64>,
+    /// Magnitude of `dsinks` terms: `sqrt(Σ (P^σ (|D| (1 + |σ| + |lse|) + D_mag))²)`, with
+    /// `D_mag = sqrt(Σ_j (w_ij dP_ij)²)` the magnitude of `D` itself.
+    pub dsinks_mag: Vec<f64>,
+    /// The part through the stored `O`: `sqrt(Σ (P^σ D')²)` (`D'` as for `dq_mag_o`).
+    pub dsinks_mag_o: Vec<f64>,
 }
 
 /// Oracle forward of a single-device call.
@@ -76,6 +84,7 @@ pub struct Reference {
 /// ```
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q))?, params, &vis, None, Grads::None))
 }
@@ -94,6 +103,7 @@ pub fn forward_at(
     params: &AttentionParams,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     Ok(run(&Inputs::new(dims, q, k, v, None, all_rows(dims.s_q))?, params, &vis, None, Grads::None))
 }
@@ -104,6 +114,7 @@ pub fn forward_at(
 /// As [`forward`], plus a shape or dtype error for `d_o`.
 pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, params: &AttentionParams) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     Dims::expect("do", d_o, &dims.o_shape(), q)?;
     let vis = Visibility::single_device(params, dims.s_q, dims.s_k)?;
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
@@ -123,6 +134,7 @@ pub fn backward_at(
     params: &AttentionParams,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     Dims::expect("do", d_o, &dims.o_shape(), q)?;
     let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
     Ok(run(&Inputs::new(dims, q, k, v, Some(d_o), all_rows(dims.s_q))?, params, &vis, None, Grads::All))
@@ -184,6 +196,7 @@ fn rows_inputs<'a>(
     rows: &[usize],
 ) -> Result<(Inputs<'a>, Visibility, Grads)> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     if let Some(t) = d_o {
         Dims::expect("do", t, &dims.o_shape(), q)?;
     }
@@ -211,6 +224,7 @@ pub fn naive_rounded(
     dtype: DType,
 ) -> Result<Reference> {
     let dims = Dims::of(q, k, v)?;
+    params.check_heads(dims.h_q)?;
     if let Some(t) = d_o {
         Dims::expect("do", t, &dims.o_shape(), q)?;
     }
@@ -297,6 +311,8 @@ fn check_rows(rows: &[usize], s_q: usize) -> Result<()> {
 
 /// Per-(batch, query head) results, assembled into the crate layouts afterwards.
 struct HeadResult {
+    /// The sinks' gradient over this head's rows, and its two magnitudes squared.
+    dsink: [f64; 3],
     o: Vec<f64>,
     lse: Vec<f64>,
     lse_mag: Vec<f64>,
@@ -328,6 +344,7 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
     let (d, e) = (dm.d_qk, dm.d_v); // q/k and v/o head dims
     let scale = params.softmax_scale(d) as f64;
     let softcap = params.softcap.map(f64::from);
+    let sinks = params.sinks.as_deref();
     let rnd = |t: f64| match round {
         Some(dt) => dt.round_f64(t),
         None => t,
@@ -348,7 +365,10 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
             let (b, h) = (bh / dm.h_q, bh % dm.h_q);
             let hk = dm.kv_head(h);
             let n = rows.len();
+            // The sink's logit of this head: one more term of each row's denominator.
+            let sigma = sinks.map(|x| f64::from(x[h]));
             let mut res = HeadResult {
+                dsink: [0.0; 3],
                 o: vec![0.0; n * e],
                 lse: vec![f64::NEG_INFINITY; n],
                 lse_mag: vec![0.0; n],
@@ -378,7 +398,12 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 keys.clear();
                 keys.extend((0..dm.s_k).filter(|&j| vis.visible(i, j)));
                 if keys.is_empty() {
-                    continue; // fully masked row: o = 0, lse = -inf, zero gradients
+                    // Fully masked row: o = 0, lse = -inf (σ with a sink: then D = 0 adds
+                    // nothing to its gradient), zero gradients.
+                    if let Some(sg) = sigma {
+                        res.lse[r] = if round.is_some() { sg as f32 as f64 } else { sg };
+                    }
+                    continue;
                 }
                 let qi = q_row(b, r, h);
                 dots_into(qi, &keys, |j| k_row(b, j, hk), |x, y| x * y, acc, &mut s);
@@ -398,11 +423,13 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 let m = if s.iter().any(|t| t.is_nan()) {
                     f64::NAN
                 } else {
-                    s.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                    s.iter().copied().fold(sigma.unwrap_or(f64::NEG_INFINITY), f64::max)
                 };
                 ex.clear();
                 ex.extend(s.iter().map(|&t| (t - m).exp()));
-                let sum: f64 = ex.iter().fold(0.0, |a, &e| acc(a + e));
+                // The sink's term joins the denominator (it has no value).
+                let sink_ex = sigma.map_or(0.0, |sg| (sg - m).exp());
+                let sum: f64 = acc(ex.iter().fold(0.0, |a, &e| acc(a + e)) + sink_ex);
                 let lse = m + sum.ln();
                 res.lse[r] = match round {
                     Some(_) => lse as f32 as f64,
@@ -440,6 +467,17 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
                 dots_into(doi, &keys, |j| v_row(b, j, hk), |x, y| x * y, acc, &mut dp);
                 dp.iter_mut().for_each(|t| *t = rnd(*t));
                 let delta: f64 = s.iter().zip(&dp).fold(0.0, |a, (p, g)| acc(a + p * g));
+                if let Some(sg) = sigma {
+                    // The sink's share of the row and its gradient term; magnitudes as above.
+                    let p_sink = (sg - lse).exp();
+                    res.dsink[0] = acc(res.dsink[0] - rnd(p_sink) * delta);
+                    let delta_mag: f64 = w.iter().zip(&dp).map(|(wj, g)| (wj * g) * (wj * g)).sum::<f64>().sqrt();
+                    let m1 = p_sink * (delta.abs() * (1.0 + sg.abs() + lse.abs()) + delta_mag);
+                    res.dsink[1] += m1 * m1;
+                    let o_row = &res.o[r * e..(r + 1) * e];
+                    let d_rss2: f64 = o_row.iter().zip(do_row(b, r, h)).map(|(a, b)| (a * b) * (a * b)).sum();
+                    res.dsink[2] += p_sink * p_sink * d_rss2;
+                }
                 let dq = &mut res.dq[r * d..(r + 1) * d];
                 let dqm = &mut dq_mag[r * d..(r + 1) * d];
                 let dqmo = &mut dq_mag_o[r * d..(r + 1) * d];
@@ -532,7 +570,26 @@ fn run(x: &Inputs, params: &AttentionParams, vis: &Visibility, round: Option<DTy
             }
         }
     }
-    for m in [&mut out.o_mag, &mut out.dq_mag, &mut out.dk_mag, &mut out.dv_mag, &mut out.dk_mag_o] {
+    if with_grad && sinks.is_some() {
+        out.dsinks = vec![0.0; dm.h_q];
+        out.dsinks_mag = vec![0.0; dm.h_q];
+        out.dsinks_mag_o = vec![0.0; dm.h_q];
+        for (bh, hr) in heads.iter().enumerate() {
+            let h = bh % dm.h_q;
+            out.dsinks[h] = acc(out.dsinks[h] + hr.dsink[0]);
+            out.dsinks_mag[h] += hr.dsink[1];
+            out.dsinks_mag_o[h] += hr.dsink[2];
+        }
+    }
+    for m in [
+        &mut out.o_mag,
+        &mut out.dq_mag,
+        &mut out.dk_mag,
+        &mut out.dv_mag,
+        &mut out.dk_mag_o,
+        &mut out.dsinks_mag,
+        &mut out.dsinks_mag_o,
+    ] {
         m.iter_mut().for_each(|x| *x = x.sqrt());
     }
     out.dq_mag_o.iter_mut().for_each(|x| *x = x.abs());
@@ -595,14 +652,40 @@ mod tests {
         let v = random::randn(vec![b, s, hkv, dv], 13, DType::F32);
         let d_o = random::randn(vec![b, s, hq, dv], 14, DType::F32);
         let window = Mask::Window { left: Some(4), right: Some(2) };
-        for (softcap, scale) in [(None, None), (Some(0.8f32), Some(1.5f32)), (Some(3.0), None)] {
-            let p = AttentionParams { mask: window, softcap, scale, ..Default::default() };
+        let sinks = Some(vec![0.7f32, -0.4]);
+        for (softcap, scale, sinks) in [
+            (None, None, None),
+            (Some(0.8f32), Some(1.5f32), None),
+            (Some(3.0), None, None),
+            (None, None, sinks.clone()),
+            (Some(0.8), Some(1.5), sinks),
+        ] {
+            let p = AttentionParams { mask: window, softcap, scale, sinks, ..Default::default() };
             let grads = backward(&q, &k, &v, &d_o, &p).unwrap();
             let dov = d_o.as_f32();
-            let loss = |q: &Tensor, k: &Tensor, v: &Tensor| -> f64 {
-                let o = forward(q, k, v, &p).unwrap().o;
+            let loss_with = |q: &Tensor, k: &Tensor, v: &Tensor, p: &AttentionParams| -> f64 {
+                let o = forward(q, k, v, p).unwrap().o;
                 o.iter().zip(dov.iter()).map(|(&o, &g)| o * g as f64).sum()
             };
+            let loss = |q: &Tensor, k: &Tensor, v: &Tensor| loss_with(q, k, v, &p);
+            // dσ against central differences of the oracle's loss.
+            if let Some(sg) = &p.sinks {
+                assert_eq!(grads.dsinks.len(), hq);
+                for h in 0..hq {
+                    let moved = |step: f32| {
+                        let mut x = sg.clone();
+                        x[h] += step;
+                        (f64::from(x[h]) - f64::from(sg[h]), AttentionParams { sinks: Some(x), ..p.clone() })
+                    };
+                    let ((hp, pp), (hm, pm)) = (moved(1e-3), moved(-1e-3));
+                    let fd = (loss_with(&q, &k, &v, &pp) - loss_with(&q, &k, &v, &pm)) / (hp - hm);
+                    let want = grads.dsinks[h];
+                    assert!(want.abs() > 1e-3, "a sink gradient worth testing: {want}");
+                    assert!((fd - want).abs() <= 1e-4 * (1.0 + want.abs()), "dsinks[{h}]: {fd} vs {want}");
+                }
+            } else {
+                assert!(grads.dsinks.is_empty());
+            }
             let which = [("q", &q, &grads.dq), ("k", &k, &grads.dk), ("v", &v, &grads.dv)];
             for (wi, (name, x, want)) in which.into_iter().enumerate() {
                 let base = x.as_f32().into_owned();

@@ -140,9 +140,11 @@ pub(crate) fn forward_tensors<E: Executor>(
         v: &vb,
         vis: &vis,
         spec: crate::attention::ScoreSpec::of(params, &dims),
-        round_o: true,
+        // (With sinks, `o` is rounded after they merge.)
+        round_o: params.sinks.is_none(),
     };
-    let (o, lse) = e.forward(&x)?;
+    let (mut o, mut lse) = e.forward(&x)?;
+    crate::merge::finish_with_sinks(params, &dims, &mut o, &mut lse)?;
     Ok(ForwardOutput {
         o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
         lse: Tensor::from_f32(dims.lse_shape(), lse)?,
@@ -191,6 +193,7 @@ pub(crate) fn backward_tensors<E: Executor>(
         dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
         dk: Tensor::from_f32_owned(dims.k_shape(), dk, q.dtype())?,
         dv: Tensor::from_f32_owned(dims.v_shape(), dv, q.dtype())?,
+        dsinks: crate::merge::sinks_grad_of(params, &dims, o, lse, d_o)?,
     })
 }
 

@@ -53,7 +53,7 @@ impl Tolerance {
 /// One row of a verification report.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Comparison {
-    /// Quantity name: `o`, `lse`, `dq`, `dk`, `dv`.
+    /// Quantity name: `o`, `lse`, `dq`, `dk`, `dv`, `dsinks`.
     pub name: String,
     /// Relative error against the oracle.
     pub rel_err: f64,
@@ -196,6 +196,12 @@ pub fn report(
         rows.push(compare("dq", &g.dq.as_f32(), &oracle.dq, &naive.dq, &oracle.dq_mag, &oracle.dq_mag_o, dtype, tol));
         rows.push(compare("dk", &g.dk.as_f32(), &oracle.dk, &naive.dk, &oracle.dk_mag, &oracle.dk_mag_o, dtype, tol));
         rows.push(compare("dv", &g.dv.as_f32(), &oracle.dv, &naive.dv, &oracle.dv_mag, &[], dtype, tol));
+        // With sinks, their gradient (f32; a result without one fails: empty against h_q).
+        if !oracle.dsinks.is_empty() || g.dsinks.is_some() {
+            let ours = g.dsinks.as_ref().map(|t| t.as_f32().into_owned()).unwrap_or_default();
+            let (mag, mag_o) = (&oracle.dsinks_mag, &oracle.dsinks_mag_o);
+            rows.push(compare("dsinks", &ours, &oracle.dsinks, &naive.dsinks, mag, mag_o, dtype, tol));
+        }
     }
     Report { dtype: dtype.to_string(), rows }
 }

@@ -113,6 +113,62 @@ fn bad_inputs_fail_cleanly_and_leave_no_output() {
     assert_eq!(others(dir.path(), &[&input, &bad_heads, &no_v, &junk]), Vec::<PathBuf>::new());
 }
 
+/// Attention sinks through the files: `sinks` `[h_q]` read from the input, `dsinks` written
+/// beside the gradients; single device and every strategy of the CPU backend, and the
+/// emulated kernels, against the oracle; `verify --input` takes them too; sinks of another
+/// count are refused naming them, writing nothing.
+#[test]
+fn run_reads_sinks_and_writes_their_gradient() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.safetensors");
+    let sinks = Tensor::from_f32(vec![4], vec![1.0, 3.5, -1.0, 2.0]).unwrap();
+    for (dt, backend) in [(DType::F32, "cpu"), (DType::BF16, "emu")] {
+        let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", dt, true);
+        let mut all = io::read_tensors(&input).unwrap();
+        all.insert("sinks".into(), sinks.clone());
+        let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        io::write_tensors(&input, &named).unwrap();
+        let p = AttentionParams { mask: Mask::Causal, sinks: Some(sinks.to_f32_vec()), ..Default::default() };
+        let strategies: &[&[&str]] =
+            &[&[], &["--strategy", "ring", "--world", "3"], &["--strategy", "ulysses", "--world", "2"]];
+        for extra in strategies {
+            let mut args = vec!["run", "--backend", backend, "--input", s(&input), "--output", s(&out), "--causal"];
+            args.extend(extra.iter());
+            let r = ringattn(&args);
+            assert!(r.status.success(), "{args:?}: {}", String::from_utf8_lossy(&r.stderr));
+            let got = io::read_tensors(&out).unwrap();
+            assert_eq!(got["dsinks"].shape(), &[4], "{args:?}");
+            let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
+            let grads = cpu::Gradients {
+                dq: got["dq"].clone(),
+                dk: got["dk"].clone(),
+                dv: got["dv"].clone(),
+                dsinks: got.get("dsinks").cloned(),
+            };
+            let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
+            assert!(report.pass() && report.rows.len() == 6, "{args:?}\n{}", report.table());
+        }
+        let r = ringattn(&["verify", "--backend", backend, "--input", s(&input), "--causal"]);
+        let text = String::from_utf8_lossy(&r.stdout);
+        assert!(r.status.success() && text.contains("sinks [1.0, 3.5") && text.contains("dsinks"), "{text}");
+    }
+    // Three sinks for four query heads.
+    let (input, _) = write_inputs(dir.path(), "bad.safetensors", DType::F32, true);
+    let mut all = io::read_tensors(&input).unwrap();
+    all.insert("sinks".into(), Tensor::from_f32(vec![3], vec![0.0; 3]).unwrap());
+    let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    io::write_tensors(&input, &named).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    for extra in [&[][..], &["--strategy", "ring", "--world", "2"][..]] {
+        let mut args = vec!["run", "--input", s(&input), "--output", s(&out)];
+        args.extend(extra);
+        let r = ringattn(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success() && err.contains("sinks holds 3 values"), "{args:?}: {err}");
+        assert!(!out.exists(), "{args:?} left an output file");
+    }
+}
+
 /// `ringattn run --backend emu`: the CUDA kernels under the emulator, single device and
 /// ring, forward and backward, checked against the oracle.
 #[test]
@@ -129,7 +185,12 @@ fn run_on_the_emulated_kernels_matches_the_oracle() {
             let got = io::read_tensors(&out).unwrap();
             let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
             let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
-            let grads = cpu::Gradients { dq: got["dq"].clone(), dk: got["dk"].clone(), dv: got["dv"].clone() };
+            let grads = cpu::Gradients {
+                dq: got["dq"].clone(),
+                dk: got["dk"].clone(),
+                dv: got["dv"].clone(),
+                dsinks: got.get("dsinks").cloned(),
+            };
             assert_eq!(fwd.o.dtype(), dt);
             let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
             assert!(report.pass(), "{args:?}\n{}", report.table());
@@ -300,7 +361,12 @@ fn run_on_the_cuda_backend_fails_cleanly_without_a_gpu() {
         let got = io::read_tensors(&out).unwrap();
         let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
         let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
-        let grads = cpu::Gradients { dq: got["dq"].clone(), dk: got["dk"].clone(), dv: got["dv"].clone() };
+        let grads = cpu::Gradients {
+            dq: got["dq"].clone(),
+            dk: got["dk"].clone(),
+            dv: got["dv"].clone(),
+            dsinks: got.get("dsinks").cloned(),
+        };
         let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
         assert!(report.pass(), "{}", report.table());
         return;

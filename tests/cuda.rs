@@ -147,9 +147,16 @@ fn check_strategies(
     strategies: &[(Strategy, usize)],
     run: impl Fn(usize, &ParallelParams) -> Result<ringattn::parallel::ProcessRun, Error>,
 ) {
-    // The masks, then a soft-capped case (the kernels' capped variants through this path).
+    // The masks, then a soft-capped case (the kernels' capped variants through this path),
+    // then sinks (the merge family's sink kernels at the finish step and the gradient).
     let cases = masks.iter().map(|&mask| AttentionParams { mask, ..Default::default() });
-    for attention in cases.chain(support::conformance::score_options().into_iter().take(1)) {
+    let h_q = q.shape()[2];
+    let sinks = AttentionParams {
+        mask: Mask::Causal,
+        sinks: Some((0..h_q).map(|h| 1.0 + 1.5 * h as f32).collect()),
+        ..Default::default()
+    };
+    for attention in cases.chain(support::conformance::score_options().into_iter().take(1)).chain([sinks]) {
         let mask = attention.mask;
         let oracle = ringattn::reference::backward(q, k, v, d_o, &attention).unwrap();
         let naive = ringattn::reference::naive_rounded(q, k, v, Some(d_o), None, &attention, q.dtype()).unwrap();
@@ -158,8 +165,10 @@ fn check_strategies(
             let r = run(world, &params).unwrap_or_else(|e| panic!("{strategy:?} x{world}: {e}"));
             let report =
                 verify::report(q.dtype(), &r.forward, r.gradients.as_ref(), &oracle, &naive, &Default::default());
-            let what = format!("{strategy:?} x{world} {mask:?} softcap {:?}", attention.softcap);
-            assert!(report.pass() && report.rows.len() == 5, "{what}\n{}", report.table());
+            let what =
+                format!("{strategy:?} x{world} {mask:?} softcap {:?} sinks {:?}", attention.softcap, attention.sinks);
+            let rows = 5 + usize::from(attention.sinks.is_some());
+            assert!(report.pass() && report.rows.len() == rows, "{what}\n{}", report.table());
         }
     }
 }

@@ -13,7 +13,7 @@ use ringattn::emu::{self, EmuBackend, EmuOptions, Schedule};
 use ringattn::kernels::geometry::DqMode;
 use ringattn::parallel::{run_in_process, ParallelParams, Strategy};
 use ringattn::{random::randn, verify, AttentionParams, DType, Error, Mask, Tensor};
-use support::{mask, placement, softcap, Case};
+use support::{mask, placement, sink_level, sinks, softcap, Case};
 
 /// Lengths around the kernels' 32-row inner tiles and their 16/32/64-row blocks.
 const LENGTHS: &[usize] = &[1, 2, 7, 16, 31, 32, 33, 63, 64, 65, 97, 130, 200];
@@ -48,6 +48,7 @@ prop_compose! {
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         softcap in softcap(),
+        sink_level in sink_level(),
         seed in 0u64..1_000_000,
     ) -> Case {
         let s_k = if same_len { s_q } else { s_k };
@@ -59,7 +60,7 @@ prop_compose! {
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },
-            params: AttentionParams { mask, documents, scale, softcap },
+            params: AttentionParams { mask, documents, scale, softcap, sinks: sinks(sink_level, h_kv * ratio) },
             positions, seed, tiles: Default::default(), arithmetic: Default::default(),
         }
     }

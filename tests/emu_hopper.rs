@@ -12,7 +12,7 @@ use ringattn::cpu::{ForwardOutput, Gradients};
 use ringattn::emu::{self, EmuOptions, Schedule};
 use ringattn::kernels::geometry::{DqMode, KernelFamily};
 use ringattn::{random::randn, verify, AttentionParams, DType, Mask, Tensor};
-use support::{mask, placement, softcap, Case};
+use support::{mask, placement, sink_level, sinks, softcap, Case};
 
 /// Lengths around the kernel's 64-row consumer tiles and 64/128-key tiles.
 const LENGTHS: &[usize] = &[1, 7, 63, 64, 65, 127, 128, 129, 200];
@@ -54,6 +54,7 @@ prop_compose! {
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         softcap in softcap(),
+        sink_level in sink_level(),
         seed in 0u64..1_000_000,
     ) -> Case {
         let s_k = if same_len { s_q } else { s_k };
@@ -63,7 +64,7 @@ prop_compose! {
         Case {
             b: 1, s_q, s_k, h_q: ratio, h_kv: 1, d,
             dtype: if bf16 { DType::BF16 } else { DType::F16 },
-            params: AttentionParams { mask, documents, scale, softcap },
+            params: AttentionParams { mask, documents, scale, softcap, sinks: sinks(sink_level, ratio) },
             positions, seed, tiles: Default::default(), arithmetic: Default::default(),
         }
     }

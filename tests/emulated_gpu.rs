@@ -56,7 +56,7 @@ fn check(out: &Path, x: &[Tensor; 4], causal: bool, what: &str) {
     let mut t = io::read_tensors(out).unwrap_or_else(|e| panic!("{what}: read outputs: {e}"));
     let mut take = |n: &str| t.remove(n).unwrap_or_else(|| panic!("{what}: output lacks {n}"));
     let f = ForwardOutput { o: take("o"), lse: take("lse") };
-    let g = Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv") };
+    let g = Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv"), dsinks: t.remove("dsinks") };
     let attention = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
     let [q, k, v, d_o] = x;
     let report = verify::check_results(q, k, v, Some(d_o), None, &attention, &f, Some(&g)).expect("oracle check");

@@ -50,7 +50,9 @@ fn outputs(path: &Path) -> (ForwardOutput, Gradients) {
     let mut t = io::read_tensors(path).expect("read outputs");
     let mut take = |n: &str| t.remove(n).unwrap_or_else(|| panic!("output lacks {n}"));
     let f = ForwardOutput { o: take("o"), lse: take("lse") };
-    (f, Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv") })
+    let g = Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv"), dsinks: None };
+    assert!(t.remove("dsinks").is_none(), "no sinks given, no dsinks written");
+    (f, g)
 }
 
 #[test]

@@ -5,7 +5,7 @@ mod support;
 
 use proptest::prelude::*;
 use ringattn::{cpu::Arithmetic, AttentionParams, DType};
-use support::{check_case, dtype, mask, placement, softcap, Case};
+use support::{check_case, dtype, mask, placement, sink_level, sinks, softcap, Case};
 
 /// Sequence lengths: 1, primes, and non-multiples of every tile size around the tile edges.
 const LENGTHS: &[usize] = &[1, 2, 3, 7, 13, 31, 63, 64, 65, 97, 127, 128, 129, 191, 256, 257, 300];
@@ -30,6 +30,7 @@ prop_compose! {
         placement in placement(),
         scale in prop_oneof![Just(None), Just(Some(0.3f32)), Just(Some(-0.2f32))],
         softcap in softcap(),
+        sink_level in sink_level(),
         seed in 0u64..1_000_000,
         tiles in prop::sample::select(TILES),
     ) -> Case {
@@ -42,7 +43,7 @@ prop_compose! {
         let (positions, documents) = placement.apply(s_q, s_k);
         Case {
             b, s_q, s_k, h_q: h_kv * ratio, h_kv, d, dtype,
-            params: AttentionParams { mask, documents, scale, softcap },
+            params: AttentionParams { mask, documents, scale, softcap, sinks: sinks(sink_level, h_kv * ratio) },
             positions, seed, tiles: ringattn::cpu::TileConfig { block_q: tiles.0, block_k: tiles.1 }, arithmetic,
         }
     }

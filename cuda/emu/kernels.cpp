@@ -23,6 +23,25 @@ extern "C" int ringattn_emu_merge_f32(MergeParams p, EmuLaunch l, char* msg, siz
     return report(emu::launch(c, body), msg, cap);
 }
 
+// The sinks' merge (geometry as the merge's) and gradient (one block per head).
+extern "C" int ringattn_emu_merge_sinks_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t o = p.b * p.s * p.h * p.d, st = p.b * p.h * p.s;
+    c.globals = {{p.o_acc, bytes(o, 4), "o_acc"}, {p.lse_acc, bytes(st, 4), "lse_acc"}, {p.sinks, bytes(p.h, 4), "sinks"}};
+    std::function<void()> body = [p] { ringattn_merge_sinks_f32(p); };
+    return report(emu::launch(c, body), msg, cap);
+}
+extern "C" int ringattn_emu_sink_grad_f32(MergeParams p, EmuLaunch l, char* msg, size_t cap) {
+    emu::LaunchConfig c = config(l);
+    const int64_t st = p.b * p.h * p.s;
+    c.globals = {{p.lse_acc, bytes(st, 4), "lse"},
+                 {p.delta, bytes(st, 4), "delta"},
+                 {p.sinks, bytes(p.h, 4), "sinks"},
+                 {p.dsinks, bytes(p.h, 4), "dsinks"}};
+    std::function<void()> body = [p] { ringattn_sink_grad_f32(p); };
+    return report(emu::launch(c, body), msg, cap);
+}
+
 // The ops kernels; `kernel` numbers them as src/kernels.rs `geometry::OpsKernel` (0 fill,
 // 1 add, 2 to_bf16, 3 to_f16, 4 copy_rows, 5 select_heads, 6 scatter_heads, 7 round_bf16,
 // 8 round_f16, 9 from_bf16, 10 from_f16). Registers
@@ -76,7 +95,9 @@ extern "C" int ringattn_emu_ops(int kernel, OpsParams p, EmuLaunch l, char* msg,
 }
 
 // Every entry point of merge.cu and ops.cu by name (emu/named.h).
-static const EmuNamedKernel kNamedMerge[] = {RINGATTN_EMU_NAMED(ringattn_merge_f32, MergeParams)};
+static const EmuNamedKernel kNamedMerge[] = {RINGATTN_EMU_NAMED(ringattn_merge_f32, MergeParams)
+                                                 RINGATTN_EMU_NAMED(ringattn_merge_sinks_f32, MergeParams)
+                                                     RINGATTN_EMU_NAMED(ringattn_sink_grad_f32, MergeParams)};
 RINGATTN_EMU_NAMED_TABLE(merge, kNamedMerge)
 static const EmuNamedKernel kNamedOps[] = {
     RINGATTN_EMU_NAMED(ringattn_ops_fill_f32, OpsParams) RINGATTN_EMU_NAMED(ringattn_ops_add_f32, OpsParams)

@@ -120,7 +120,26 @@ pub fn forward_with(
 ) -> Result<ForwardOutput> {
     let dims = Dims::of(q, k, v)?;
     let vis = visibility(&dims, positions, params)?;
+    params.check_heads(dims.h_q)?;
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
+    // (With sinks, `o` is rounded after they merge: the f32 paths below.)
+    if let (Arithmetic::Bf16, Some([qb, kb, vb]), true) = (arithmetic, finite_bf16([q, k, v]), params.sinks.is_some()) {
+        let (mut o, mut lse) = forward_bf16::forward::<f32>(&forward_bf16::ForwardInputs {
+            dims,
+            q: qb,
+            k: kb,
+            v: vb,
+            vis: &vis,
+            spec: crate::attention::ScoreSpec::of(params, &dims),
+            tiles: config.tiles,
+            progress: config.progress,
+        });
+        crate::merge::finish_with_sinks(params, &dims, &mut o, &mut lse)?;
+        return Ok(ForwardOutput {
+            o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
+            lse: Tensor::from_f32(dims.lse_shape(), lse)?,
+        });
+    }
     if let (Arithmetic::Bf16, Some([q, k, v])) = (arithmetic, finite_bf16([q, k, v])) {
         let (o, lse) = forward_bf16::forward::<bf16>(&forward_bf16::ForwardInputs {
             dims,
@@ -138,7 +157,7 @@ pub fn forward_with(
         });
     }
     let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
-    let (o, lse) = forward::forward(&forward::ForwardInputs {
+    let (mut o, mut lse) = forward::forward(&forward::ForwardInputs {
         dims,
         q: &qf,
         k: &kf,
@@ -148,6 +167,7 @@ pub fn forward_with(
         tiles: config.tiles,
         progress: config.progress,
     });
+    crate::merge::finish_with_sinks(params, &dims, &mut o, &mut lse)?;
     Ok(ForwardOutput {
         o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
         lse: Tensor::from_f32(dims.lse_shape(), lse)?,
@@ -243,6 +263,7 @@ pub fn backward_with(
             dq: Tensor::new(dims.q_shape(), TensorData::BF16(dq))?,
             dk: Tensor::new(dims.k_shape(), TensorData::BF16(dk))?,
             dv: Tensor::new(dims.v_shape(), TensorData::BF16(dv))?,
+            dsinks: crate::merge::sinks_grad_of(params, &dims, o, lse, d_o)?,
         });
     }
     let (qf, kf, vf, of, lf, df) = (q.as_f32(), k.as_f32(), v.as_f32(), o.as_f32(), lse.as_f32(), d_o.as_f32());
@@ -264,6 +285,7 @@ pub fn backward_with(
         dq: Tensor::from_f32_owned(dims.q_shape(), dq, q.dtype())?,
         dk: Tensor::from_f32_owned(dims.k_shape(), dk, q.dtype())?,
         dv: Tensor::from_f32_owned(dims.v_shape(), dv, q.dtype())?,
+        dsinks: crate::merge::sinks_grad_of(params, &dims, o, lse, d_o)?,
     })
 }
 

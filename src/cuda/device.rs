@@ -761,9 +761,99 @@ impl CudaDevice {
             let (lse_acc, _g2) = lse_acc.device_ptr_mut(stream);
             let (o_part, _g3) = o_part.device_ptr(stream);
             let (lse_part, _g4) = lse_part.device_ptr(stream);
-            let p =
-                MergeParams { o_acc, lse_acc, o_part, lse_part, b: b as i64, s: s as i64, h: h as i64, d: d as i64 };
+            let p = MergeParams {
+                o_acc,
+                lse_acc,
+                o_part,
+                lse_part,
+                b: b as i64,
+                s: s as i64,
+                h: h as i64,
+                d: d as i64,
+                ..Default::default()
+            };
             self.launch(stream, "merge", "ringattn_merge_f32", geometry::merge(b * h * s), &p)?;
+        }
+        self.deferred_errors()
+    }
+
+    /// Enqueues the sinks' merge (`ringattn_merge_sinks_f32`): each row of head `hi` of the
+    /// finished `(o, lse)` joins a value-less partial of LSE `sinks[hi]`, as
+    /// [`crate::merge::merge_sinks`] does (`o` `[b, s, h, d]`, `lse` `[b, h, s]`, `sinks`
+    /// `[h]`, f32).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a buffer shorter than `bshd` needs; [`Error::Kernel`]
+    /// when the launch fails.
+    pub fn merge_sinks(
+        &self,
+        stream: &Arc<CudaStream>,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+        sinks: &CudaSlice<f32>,
+        bshd: [usize; 4],
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let [b, s, h, d] = bshd;
+        need(self, "o", o, b * s * h * d)?;
+        need(self, "lse", lse, b * h * s)?;
+        need(self, "sinks", sinks, h)?;
+        {
+            let (o_acc, _g1) = o.device_ptr_mut(stream);
+            let (lse_acc, _g2) = lse.device_ptr_mut(stream);
+            let (sinks, _g3) = sinks.device_ptr(stream);
+            let p = MergeParams {
+                o_acc,
+                lse_acc,
+                sinks,
+                b: b as i64,
+                s: s as i64,
+                h: h as i64,
+                d: d as i64,
+                ..Default::default()
+            };
+            self.launch(stream, "merge", "ringattn_merge_sinks_f32", geometry::merge(b * h * s), &p)?;
+        }
+        self.deferred_errors()
+    }
+
+    /// Enqueues the sinks' gradient (`ringattn_sink_grad_f32`): `dsinks[hi] = −Σ_{b, i}
+    /// e^{sinks[hi] − lse} · delta` over the rows of head `hi` (`lse`, `delta` `[b, h, s]`,
+    /// `sinks`, `dsinks` `[h]`, f32), as [`crate::merge::sink_grad`] (there in f64).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::merge_sinks`].
+    pub fn sink_grad(
+        &self,
+        stream: &Arc<CudaStream>,
+        lse: &CudaSlice<f32>,
+        delta: &CudaSlice<f32>,
+        sinks: &CudaSlice<f32>,
+        dsinks: &mut CudaSlice<f32>,
+        bhs: [usize; 3],
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let [b, h, s] = bhs;
+        need(self, "lse", lse, b * h * s)?;
+        need(self, "delta", delta, b * h * s)?;
+        need(self, "sinks", sinks, h)?;
+        need(self, "dsinks", dsinks, h)?;
+        {
+            let (lse_acc, _g1) = lse.device_ptr(stream);
+            let (delta, _g2) = delta.device_ptr(stream);
+            let (sinks, _g3) = sinks.device_ptr(stream);
+            let (dsinks, _g4) = dsinks.device_ptr_mut(stream);
+            let p = MergeParams {
+                lse_acc,
+                delta,
+                sinks,
+                dsinks,
+                b: b as i64,
+                s: s as i64,
+                h: h as i64,
+                ..Default::default()
+            };
+            self.launch(stream, "merge", "ringattn_sink_grad_f32", geometry::sink_grad(h), &p)?;
         }
         self.deferred_errors()
     }
@@ -868,6 +958,8 @@ fn entry_points(dims: &Dims, dtype: DType) -> Vec<(&'static str, String)> {
         v.push((kernel.family(), entry_name(&kernel.entry_base(dtype), &launch)));
     }
     v.push(("merge", "ringattn_merge_f32".into()));
+    v.push(("merge", "ringattn_merge_sinks_f32".into()));
+    v.push(("merge", "ringattn_sink_grad_f32".into()));
     v
 }
 

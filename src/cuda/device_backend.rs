@@ -408,6 +408,38 @@ impl Buffers for DeviceBackend {
         self.device.merge_into(&self.stream, o_acc, lse_acc, o_part, lse_part, bshd)
     }
 
+    fn merge_sinks(&self, o: &mut DeviceBuf, lse: &mut DeviceBuf, sinks: &DeviceBuf, bshd: [usize; 4]) -> Result<()> {
+        let [b, s, h, d] = bshd;
+        expect_len("o", o, b * s * h * d)?;
+        expect_len("lse", lse, b * h * s)?;
+        expect_len("sinks", sinks, h)?;
+        sinks.wait_on(&self.stream)?;
+        let sinks = sinks.f32s()?;
+        let o = o.f32s_mut(&self.stream)?;
+        let lse = lse.f32s_mut(&self.stream)?;
+        self.device.merge_sinks(&self.stream, o, lse, sinks, bshd)
+    }
+
+    fn sink_grad(&self, lse: &DeviceBuf, delta: &DeviceBuf, sinks: &DeviceBuf, bhs: [usize; 3]) -> Result<DeviceBuf> {
+        let [b, h, s] = bhs;
+        expect_len("lse", lse, b * h * s)?;
+        expect_len("delta", delta, b * h * s)?;
+        expect_len("sinks", sinks, h)?;
+        for x in [lse, delta, sinks] {
+            x.wait_on(&self.stream)?;
+        }
+        let mut out = DeviceBuf::alloc(&self.stream, Elem::F32, h)?;
+        self.device.sink_grad(
+            &self.stream,
+            lse.f32s()?,
+            delta.f32s()?,
+            sinks.f32s()?,
+            out.f32s_mut(&self.stream)?,
+            bhs,
+        )?;
+        Ok(out)
+    }
+
     fn concat_seq(&self, parts: &[DeviceBuf], b: usize, w: usize) -> Result<DeviceBuf> {
         let elem = parts.first().map_or(Elem::F32, |p| p.elem());
         if let Some(p) = parts.iter().find(|p| p.elem() != elem) {

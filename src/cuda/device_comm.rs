@@ -507,6 +507,11 @@ fn run_ranks(
                     dq: plan.download_tensor(&g.dq, dims.q_shape(), dtype)?,
                     dk: plan.download_tensor(&g.dk, dims.k_shape(), dtype)?,
                     dv: plan.download_tensor(&g.dv, dims.v_shape(), dtype)?,
+                    dsinks: g
+                        .dsinks
+                        .as_ref()
+                        .map(|x| plan.download_tensor(x, vec![dims.h_q], DType::F32))
+                        .transpose()?,
                 },
                 bs,
             )),

@@ -133,6 +133,8 @@ impl BlockCounts {
 
 extern "C" {
     fn ringattn_emu_merge_f32(p: MergeParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_merge_sinks_f32(p: MergeParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
+    fn ringattn_emu_sink_grad_f32(p: MergeParams, l: EmuLaunch, msg: *mut c_char, cap: usize) -> i32;
 }
 
 /// The order in which the emulator resumes a block's CUDA threads. Kernels whose results do
@@ -207,6 +209,7 @@ pub fn merge_f32_with(
         s: s as i64,
         h: h as i64,
         d: d as i64,
+        ..Default::default()
     };
     let launch = crate::kernels::geometry::merge(b * h * s);
     if launch.is_empty() {
@@ -220,11 +223,120 @@ pub fn merge_f32_with(
     check(code, &msg, "merge")
 }
 
+/// [`crate::merge::merge_sinks`] run by the merge family's `ringattn_merge_sinks_f32` under
+/// the emulator (`o` `[b, s, h, d]`, `lse` `[b, h, s]`, `sinks` `[h]`, f32).
+///
+/// # Errors
+/// As [`crate::merge::merge_sinks`]; the emulator's report when the kernel misbehaves.
+///
+/// ```
+/// let (mut o, mut lse) = (vec![2.0f32; 2], vec![0.0f32; 1]);
+/// ringattn::emu::merge_sinks_f32(&mut o, &mut lse, &[0.0], [1, 1, 1, 2])?;
+/// assert_eq!(o, vec![1.0; 2]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn merge_sinks_f32(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usize; 4]) -> Result<()> {
+    let [b, s, h, d] = bshd;
+    if o.len() != b * s * h * d || lse.len() != b * h * s || sinks.len() != h {
+        // (The host function names the buffer at fault.)
+        return crate::merge::merge_sinks(o, lse, sinks, bshd);
+    }
+    let p = MergeParams {
+        o_acc: o.as_mut_ptr() as u64,
+        lse_acc: lse.as_mut_ptr() as u64,
+        sinks: sinks.as_ptr() as u64,
+        b: b as i64,
+        s: s as i64,
+        h: h as i64,
+        d: d as i64,
+        ..Default::default()
+    };
+    let launch = crate::kernels::geometry::merge(b * h * s);
+    if launch.is_empty() {
+        return Ok(());
+    }
+    let l = EmuLaunch::new(launch, &EmuOptions::default())?;
+    let mut msg = [0u8; 512];
+    // SAFETY: the buffers have the lengths the kernel addresses (checked above), live for the
+    // call, `o`/`lse` exclusively borrowed; the emulator runs synchronously.
+    let code = unsafe { ringattn_emu_merge_sinks_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, "merge_sinks")
+}
+
+/// [`crate::merge::sink_grad`] run by the merge family's `ringattn_sink_grad_f32` under the
+/// emulator (`lse`, `delta` `[b, h, s]`, `sinks` `[h]`, f32): `dsinks` `[h]`.
+///
+/// # Errors
+/// As [`crate::merge::sink_grad`]; the emulator's report when the kernel misbehaves.
+pub fn sink_grad_f32(lse: &[f32], delta: &[f32], sinks: &[f32], bhs: [usize; 3]) -> Result<Vec<f32>> {
+    let [b, h, s] = bhs;
+    if lse.len() != b * h * s || delta.len() != b * h * s || sinks.len() != h {
+        return crate::merge::sink_grad(lse, delta, sinks, bhs);
+    }
+    let mut dsinks = vec![0.0f32; h];
+    let p = MergeParams {
+        lse_acc: lse.as_ptr() as u64,
+        sinks: sinks.as_ptr() as u64,
+        delta: delta.as_ptr() as u64,
+        dsinks: dsinks.as_mut_ptr() as u64,
+        b: b as i64,
+        s: s as i64,
+        h: h as i64,
+        ..Default::default()
+    };
+    let launch = crate::kernels::geometry::sink_grad(h);
+    if launch.is_empty() {
+        return Ok(dsinks);
+    }
+    let l = EmuLaunch::new(launch, &EmuOptions::default())?;
+    let mut msg = [0u8; 512];
+    // SAFETY: as merge_sinks_f32; the kernel only reads `lse` (through a mutable-typed field).
+    let code = unsafe { ringattn_emu_sink_grad_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, "sink_grad")?;
+    Ok(dsinks)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::random::randn;
     use crate::DType;
+
+    /// The sinks' kernels against the host functions: the merge bit for bit (the same f32
+    /// operations), the gradient within f32 summation error of the f64 sum; rows that saw no
+    /// key get `o = 0`, `lse = σ`.
+    #[test]
+    fn sink_kernels_match_the_host_functions() {
+        let (b, s, h, d) = (2, 300, 3, 40);
+        let o = randn(vec![b * s * h * d], 1, DType::F32).to_f32_vec();
+        let mut lse = randn(vec![b * h * s], 2, DType::F32).to_f32_vec();
+        for i in (0..lse.len()).step_by(7) {
+            lse[i] = f32::NEG_INFINITY;
+        }
+        let sinks = [0.5f32, -1.0, 2.0];
+        let (mut o_host, mut lse_host) = (o.clone(), lse.clone());
+        crate::merge::merge_sinks(&mut o_host, &mut lse_host, &sinks, [b, s, h, d]).unwrap();
+        let (mut o_emu, mut lse_emu) = (o.clone(), lse.clone());
+        merge_sinks_f32(&mut o_emu, &mut lse_emu, &sinks, [b, s, h, d]).unwrap();
+        assert!(o_emu.iter().zip(&o_host).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(lse_emu.iter().zip(&lse_host).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert_eq!(lse_host[0], sinks[0]);
+        assert!(o_host[..d].iter().all(|&x| x == 0.0));
+        let delta = randn(vec![b * h * s], 3, DType::F32).to_f32_vec();
+        let want = crate::merge::sink_grad(&lse_host, &delta, &sinks, [b, h, s]).unwrap();
+        let got = sink_grad_f32(&lse_host, &delta, &sinks, [b, h, s]).unwrap();
+        for (hi, (g, w)) in got.iter().zip(&want).enumerate() {
+            // |error| <= (rows) u_f32 Σ|terms|
+            let at = |bi: usize| (bi * h + hi) * s;
+            let mass: f64 = (0..b)
+                .flat_map(|bi| (at(bi)..at(bi) + s).map(|i| ((sinks[hi] - lse_host[i]).exp() * delta[i]).abs() as f64))
+                .sum();
+            let bound = 2.0 * (s as f64) * f64::from(f32::EPSILON) * mass;
+            assert!((f64::from(*g) - f64::from(*w)).abs() <= bound, "head {hi}: {g} vs {w} (bound {bound})");
+            assert_ne!(*w, 0.0);
+        }
+        assert!(sink_grad_f32(&lse_host, &delta, &sinks[..2], [b, h, s]).is_err());
+    }
 
     #[test]
     fn merge_kernel_matches_the_host_merge() {

@@ -426,6 +426,16 @@ impl Buffers for EmuDevice {
         crate::merge::merge_into(o.f32s_mut()?, lse.f32s_mut()?, o_b.f32s()?, lse_b.f32s()?, bshd)
     }
 
+    fn merge_sinks(&self, o: &mut HostBuf, lse: &mut HostBuf, sinks: &HostBuf, bshd: [usize; 4]) -> Result<()> {
+        // The sinks' kernels run here (the emulated device's only use of them besides their
+        // test against the host functions).
+        crate::emu::merge_sinks_f32(o.f32s_mut()?, lse.f32s_mut()?, sinks.f32s()?, bshd)
+    }
+
+    fn sink_grad(&self, lse: &HostBuf, delta: &HostBuf, sinks: &HostBuf, bhs: [usize; 3]) -> Result<HostBuf> {
+        Ok(crate::emu::sink_grad_f32(lse.f32s()?, delta.f32s()?, sinks.f32s()?, bhs)?.into())
+    }
+
     fn concat_seq(&self, parts: &[HostBuf], b: usize, w: usize) -> Result<HostBuf> {
         let elem = parts.first().map_or(Elem::F32, HostBuf::elem);
         let rows: Vec<usize> = parts.iter().map(|p| p.len() / (b * w)).collect();

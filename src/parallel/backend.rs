@@ -115,6 +115,19 @@ pub trait Buffers: Sync {
         lse_b: &Self::Buf,
         bshd: [usize; 4],
     ) -> Result<()>;
+    /// Merges attention sinks into a finished f32 result (see [`crate::merge::merge_sinks`]):
+    /// `sinks` holds the logits of the result's `h` heads in its order; `bshd` is `[b, s, h,
+    /// d]` of `o`.
+    ///
+    /// # Errors
+    /// [`crate::Error::ShapeMismatch`] for lengths that disagree with `bshd`.
+    fn merge_sinks(&self, o: &mut Self::Buf, lse: &mut Self::Buf, sinks: &Self::Buf, bshd: [usize; 4]) -> Result<()>;
+    /// The sinks' gradient `[h]` f32 from a finished result's `lse` and `delta` (`[b, h, s]`
+    /// f32) and the `sinks` of its heads (see [`crate::merge::sink_grad`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::ShapeMismatch`] for lengths that disagree with `bhs`.
+    fn sink_grad(&self, lse: &Self::Buf, delta: &Self::Buf, sinks: &Self::Buf, bhs: [usize; 3]) -> Result<Self::Buf>;
     /// Concatenates `[b, n_i, w]` buffers (one element type) along the middle axis.
     ///
     /// # Errors
@@ -278,6 +291,14 @@ impl<T: HostMemory> Buffers for T {
         bshd: [usize; 4],
     ) -> Result<()> {
         crate::merge::merge_into(o.f32s_mut()?, lse.f32s_mut()?, o_b.f32s()?, lse_b.f32s()?, bshd)
+    }
+
+    fn merge_sinks(&self, o: &mut HostBuf, lse: &mut HostBuf, sinks: &HostBuf, bshd: [usize; 4]) -> Result<()> {
+        crate::merge::merge_sinks(o.f32s_mut()?, lse.f32s_mut()?, sinks.f32s()?, bshd)
+    }
+
+    fn sink_grad(&self, lse: &HostBuf, delta: &HostBuf, sinks: &HostBuf, bhs: [usize; 3]) -> Result<HostBuf> {
+        Ok(crate::merge::sink_grad(lse.f32s()?, delta.f32s()?, sinks.f32s()?, bhs)?.into())
     }
 
     fn concat_seq(&self, parts: &[HostBuf], b: usize, w: usize) -> Result<HostBuf> {

@@ -356,6 +356,9 @@ pub struct GradientBufs<B> {
     pub dk: B,
     /// `[b, n, h_kv, d_v]`.
     pub dv: B,
+    /// `[h_q]` f32: the sinks' gradient over this rank's rows (with sinks; see
+    /// [`crate::Gradients::dsinks`]).
+    pub dsinks: Option<B>,
 }
 
 /// Exact attention of this rank's shard of one long sequence against the whole sequence, on
@@ -510,7 +513,8 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
             self.check_buf("saved lse", &saved.lse, dims.b * dims.h_q * dims.s_q, DType::F32)?;
             let x = self.local(&saved.q, &saved.k, &saved.v);
             let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
-            Ok(GradientBufs { dq, dk, dv })
+            let dsinks = self.sinks_grad(&saved.o, &saved.lse, d_o)?;
+            Ok(GradientBufs { dq, dk, dv, dsinks })
         })
     }
 
@@ -559,6 +563,7 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
             dq: self.take_tensor(g.dq, dims.q_shape(), q.dtype())?,
             dk: self.take_tensor(g.dk, dims.k_shape(), q.dtype())?,
             dv: self.take_tensor(g.dv, dims.v_shape(), q.dtype())?,
+            dsinks: g.dsinks.map(|x| self.take_tensor(x, vec![dims.h_q], DType::F32)).transpose()?,
         };
         Ok((grads, self.last_stats()))
     }
@@ -735,11 +740,16 @@ pub fn gather_results<Bu: Buffers>(
     let mut tensors = vec![&forward.o, &forward.lse];
     if let Some(g) = grads {
         tensors.extend([&g.dq, &g.dk, &g.dv]);
+        // (The sinks' gradient, [h_q] on every rank, is summed.)
+        tensors.extend(g.dsinks.as_ref());
     }
-    // Part shapes of rank r: rows [b, n_r, h, d]; the LSE [b, h, n_r].
+    const DSINKS: usize = 5;
+    // Part shapes of rank r: rows [b, n_r, h, d]; the LSE [b, h, n_r]; dsinks [h_q].
     let shape_of = |i: usize, t: &Tensor, r: usize| -> Vec<usize> {
         let mut sh = t.shape().to_vec();
-        sh[if i == 1 { 2 } else { 1 }] = pos[r].len();
+        if i != DSINKS {
+            sh[if i == 1 { 2 } else { 1 }] = pos[r].len();
+        }
         sh
     };
     let tag = comm.next_collective_tag();
@@ -775,7 +785,12 @@ pub fn gather_results<Bu: Buffers>(
                 recvs.next().ok_or_else(|| Error::InvalidArgument("gather: a receive missing".into()))?.wait()?;
             parts.push(buffers.download(&data)?.converted(t.dtype()).into_tensor(sh)?);
         }
-        whole.push(if i == 1 { Layout::unshard_lse_rows(&parts, pos)? } else { Layout::unshard_rows(&parts, pos)? });
+        whole.push(match i {
+            1 => Layout::unshard_lse_rows(&parts, pos)?,
+            DSINKS => crate::merge::sum_dsinks(parts.iter().map(Some))?
+                .ok_or_else(|| Error::InvalidArgument("gather: no sinks gradient".into()))?,
+            _ => Layout::unshard_rows(&parts, pos)?,
+        });
     }
     let mut it = whole.into_iter();
     let (o, lse) = (it.next(), it.next());
@@ -783,7 +798,7 @@ pub fn gather_results<Bu: Buffers>(
         return Err(Error::InvalidArgument("gather: missing outputs".into()));
     };
     let grads = match (it.next(), it.next(), it.next()) {
-        (Some(dq), Some(dk), Some(dv)) => Some(Gradients { dq, dk, dv }),
+        (Some(dq), Some(dk), Some(dv)) => Some(Gradients { dq, dk, dv, dsinks: it.next() }),
         _ => None,
     };
     Ok(Some((ForwardOutput { o, lse }, grads)))
@@ -871,7 +886,8 @@ pub(crate) fn assemble(p: &ResolvedParams, with_grads: bool, parts: Vec<RankRun>
     let gradients = match parts.iter().map(|x| x.2.as_ref().map(|g| &g.0)).collect::<Option<Vec<_>>>() {
         Some(gs) if with_grads => {
             let pick = |f: &dyn Fn(&Gradients) -> &Tensor| p.unshard(&gs.iter().map(|g| f(g)).collect::<Vec<_>>());
-            Some(Gradients { dq: pick(&|g| &g.dq)?, dk: pick(&|g| &g.dk)?, dv: pick(&|g| &g.dv)? })
+            let dsinks = crate::merge::sum_dsinks(gs.iter().map(|g| g.dsinks.as_ref()))?;
+            Some(Gradients { dq: pick(&|g| &g.dq)?, dk: pick(&|g| &g.dk)?, dv: pick(&|g| &g.dv)?, dsinks })
         }
         _ => None,
     };

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::ulysses::Mesh;
 use super::{Rules, Stats, Strategy};
-use crate::comm::{all_gather, Communicator};
+use crate::comm::{all_gather, Communicator, Payload};
 use crate::parallel::{Backend, ParallelParams};
 use crate::{DType, Dims, Error, HostBuf, Layout, Positions, Result, Tensor};
 
@@ -239,6 +239,16 @@ pub struct ParallelPlan<'c, Be: Backend> {
     /// positions, once.
     pub(super) hops: usize,
     pub(super) last: Mutex<Stats>,
+    /// The attention sinks in the backend's buffers (f32), when the parameters have them.
+    pub(super) sinks: Option<PlanSinks<Be::Buf>>,
+}
+
+/// A plan's attention sinks, uploaded once: every query head's logits (the ranks' results of
+/// the sequence-sharded strategies and the sinks' gradient), and, under Ulysses, this rank's
+/// heads' (its head-sharded result), with their ids.
+pub(super) struct PlanSinks<B> {
+    all: B,
+    listed: Option<(Vec<usize>, B)>,
 }
 
 /// What a plan runs on: borrowed for the plan's lifetime ([`ParallelPlan::new`]), or shared
@@ -369,6 +379,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let spec = crate::attention::ScoreSpec::of(&params.attention, dims);
         let local: Result<String> = backend.supports(dims, dtype, &spec).and_then(|_| {
             params.validate(world, dims.h_q)?;
+            params.attention.check_heads(dims.h_q)?;
             // Every rank's positions where they are known before the token counts are.
             let resolved = match source {
                 PlanSource::Resolved(r) if r.world() != world => {
@@ -442,7 +453,32 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let mesh = if uses_mesh { Some(Mesh::new(&*comm, &resolved, dims)?) } else { None };
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
-        Ok(ParallelPlan { comm, backend, resolved, dims: *dims, dtype, mesh, hops, last: Mutex::new(Stats::default()) })
+        let sinks = match &resolved.params().attention.sinks {
+            Some(all) => {
+                let upload = |v: Vec<f32>| backend.upload(&HostBuf::from(v));
+                let listed = match &mesh {
+                    Some(m) => {
+                        let heads = m.query_heads().to_vec();
+                        let mine = heads.iter().map(|&h| all[h]).collect();
+                        Some((heads, upload(mine)?))
+                    }
+                    None => None,
+                };
+                Some(PlanSinks { all: upload(all.clone())?, listed })
+            }
+            None => None,
+        };
+        Ok(ParallelPlan {
+            comm,
+            backend,
+            resolved,
+            dims: *dims,
+            dtype,
+            mesh,
+            hops,
+            last: Mutex::new(Stats::default()),
+            sinks,
+        })
     }
 
     /// The resolved parameters and every rank's positions.
@@ -481,13 +517,40 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     /// the output in the input dtype and the LSE. The one place that sees each query row's
     /// final (o, lse) with its heads' ids, once: what acts once per row after the merge
     /// (attention sinks, output transforms) belongs here, not in the drivers' hops.
+    /// Attention sinks merge here, once per row: each row of head `h` joins a value-less
+    /// partial of LSE `σ_h` ([`Buffers::merge_sinks`]), before the output's rounding.
     pub(super) fn finish_forward(
         &self,
-        (o, lse): (Be::Buf, Be::Buf),
+        (mut o, mut lse): (Be::Buf, Be::Buf),
         heads: QueryHeads<'_>,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let _ = heads; // (no modifier acts per head yet)
+        if let Some(sinks) = &self.sinks {
+            let (count, logits) = match heads {
+                QueryHeads::All(h) => (h, &sinks.all),
+                QueryHeads::Listed(ids) => match &sinks.listed {
+                    Some((mine, buf)) if mine == ids => (ids.len(), buf),
+                    _ => {
+                        return Err(Error::Parallel(format!(
+                            "the finish step got query heads {ids:?}, not the plan's for this rank"
+                        )))
+                    }
+                },
+            };
+            let (b, d_v) = (self.dims.b, self.dims.d_v);
+            let rows = lse.elements() / (b * count).max(1);
+            self.backend.merge_sinks(&mut o, &mut lse, logits, [b, rows, count, d_v])?;
+        }
         Ok((self.in_dtype(o)?, lse))
+    }
+
+    /// The sinks' gradient over this rank's rows (`[h_q]` f32), from its final `o` and `lse`
+    /// (the sinks included) and `d_o`, in the sequence-sharded layout every strategy hands
+    /// back: `dσ_h = −Σ_i e^{σ_h − lse_i} · D_i`, `D = rowsum(dO∘O)`. `None` without sinks.
+    pub(super) fn sinks_grad(&self, o: &Be::Buf, lse: &Be::Buf, d_o: &Be::Buf) -> Result<Option<Be::Buf>> {
+        let Some(sinks) = &self.sinks else { return Ok(None) };
+        let dims = self.dims;
+        let delta = self.backend.softmax_grad_rowsum(dims, o, d_o)?;
+        self.backend.sink_grad(lse, &delta, &sinks.all, [dims.b, dims.h_q, dims.s_q]).map(Some)
     }
 
     /// A driver's f32 result in the input dtype (as the backend stores it); the f32 buffer

@@ -305,6 +305,11 @@ pub(crate) struct Mesh<B: Payload> {
 }
 
 impl<B: Payload> Mesh<B> {
+    /// The global ids of the query heads this rank computes (its share of its group's).
+    pub(crate) fn query_heads(&self) -> &[usize] {
+        &self.plan.q_heads[self.me]
+    }
+
     /// Splits `comm` into the Ulysses groups and the rings across them (collective).
     pub(crate) fn new(comm: &dyn Communicator<Buf = B>, resolved: &ResolvedParams, dims: &Dims) -> Result<Self> {
         let (world, rank) = (comm.size(), comm.rank());

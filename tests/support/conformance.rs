@@ -45,6 +45,7 @@ pub fn check_every_strategy<Be: Backend<Buf = HostBuf>>(backend: &Be, dtype: DTy
     let masks = [Mask::None, Mask::Causal, Mask::Window { left: Some(20), right: Some(0) }];
     let mut cases: Vec<AttentionParams> = masks.map(|mask| AttentionParams { mask, ..Default::default() }).into();
     cases.extend(score_options());
+    cases.extend(sink_options());
     let inputs = Inputs::drawn((1, 77, 4, 2), (16, 16), dtype, 11);
     sweep(backend, &inputs, &cases, 3, LocalOptions { order, ..Default::default() });
 }
@@ -59,6 +60,28 @@ pub fn score_options() -> Vec<AttentionParams> {
             mask: Mask::Window { left: Some(20), right: Some(0) },
             scale: Some(0.6),
             softcap: Some(4.0),
+            ..Default::default()
+        },
+    ]
+}
+
+/// Attention sinks (4 query heads: logits from below to above the rows' LSE, which is about
+/// log of the keys seen) under a causal mask, with a soft-cap under a sliding window (which
+/// stops the ring early), and with packed documents (causal within each).
+pub fn sink_options() -> Vec<AttentionParams> {
+    let sinks = Some(vec![1.0, 3.0, -2.0, 4.5]);
+    vec![
+        AttentionParams { mask: Mask::Causal, sinks: sinks.clone(), ..Default::default() },
+        AttentionParams {
+            mask: Mask::Window { left: Some(12), right: Some(0) },
+            softcap: Some(1.5),
+            sinks: sinks.clone(),
+            ..Default::default()
+        },
+        AttentionParams {
+            mask: Mask::Causal,
+            documents: Some(Documents::new(vec![30, 5, 42]).expect("documents")),
+            sinks,
             ..Default::default()
         },
     ]
@@ -149,10 +172,11 @@ fn sweep<Be: Backend<Buf = HostBuf>>(
                     ..Default::default()
                 };
                 let what = format!(
-                    "{strategy} x{world} {layout:?} {:?} documents {} softcap {:?} {dtype} {:?} q {:?} v {:?}",
+                    "{strategy} x{world} {layout:?} {:?} documents {} softcap {:?} sinks {:?} {dtype} {:?} q {:?} v {:?}",
                     attention.mask,
                     attention.documents.is_some(),
                     attention.softcap,
+                    attention.sinks,
                     options.order,
                     q.shape(),
                     v.shape()
@@ -163,7 +187,9 @@ fn sweep<Be: Backend<Buf = HostBuf>>(
                 assert_eq!(r.forward.o.shape(), d_o.shape(), "{what}");
                 assert_eq!((g.dq.shape(), g.dk.shape(), g.dv.shape()), (q.shape(), k.shape(), v.shape()), "{what}");
                 let report = verify::report(dtype, &r.forward, Some(g), &oracle, &naive, &Default::default());
-                assert!(report.pass() && report.rows.len() == 5, "{what}\n{}", report.table());
+                // o, lse, dq, dk, dv, and with sinks dsinks.
+                let rows = 5 + usize::from(attention.sinks.is_some());
+                assert!(report.pass() && report.rows.len() == rows, "{what}\n{}", report.table());
             }
         }
     }

@@ -102,6 +102,17 @@ pub fn softcap() -> impl Strategy<Value = Option<f32>> {
     prop_oneof![2 => Just(None), 1 => Just(Some(0.7f32)), 1 => Just(Some(2.5f32)), 1 => Just(Some(30.0f32))]
 }
 
+/// Attention sinks' base logit, when drawn: below, near and above the rows' LSE (about the
+/// log of the keys a row sees); [`sinks`] spreads it over the heads.
+pub fn sink_level() -> impl Strategy<Value = Option<f32>> {
+    prop_oneof![2 => Just(None), 1 => Just(Some(-3.0f32)), 1 => Just(Some(1.0f32)), 1 => Just(Some(6.0f32))]
+}
+
+/// `h_q` sink logits from a drawn level (`None`: no sinks): level + h / 2 for head h.
+pub fn sinks(level: Option<f32>, h_q: usize) -> Option<Vec<f32>> {
+    level.map(|x| (0..h_q).map(|h| x + 0.5 * h as f32).collect())
+}
+
 pub fn dtype() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
 }

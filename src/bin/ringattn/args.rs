@@ -52,7 +52,7 @@ impl MaskArgs {
             None => None,
             Some(list) => Some(Documents::new(parse_list(list, "--seqlens")?)?),
         };
-        let params = AttentionParams { mask, documents, scale: self.scale, softcap: self.softcap };
+        let params = AttentionParams { mask, documents, scale: self.scale, softcap: self.softcap, sinks: None };
         params.check_scores()?;
         Ok(params)
     }

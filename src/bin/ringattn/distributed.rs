@@ -274,6 +274,11 @@ fn run_rank<Be: Backend>(
         return Err(Error::ShapeMismatch(format!("q has shape {q_shape:?}; expected [b, s, h_q, d]")));
     };
     params.seq_len = s;
+    // The input file's sinks (if any; every rank reads them whole) join the parameters.
+    if file.info("sinks").is_some() {
+        let x = ringattn::io::AttentionInputs::sinks_of(&file.read_whole("sinks")?)?;
+        params.attention.sinks = Some(x);
+    }
     // Resolved once: a configuration error found on every rank is a handshake error (printed
     // once); the plan's handshake then checks what every rank read.
     let resolved = params.resolve(world, h_q, s).map_err(|e| Error::Handshake(e.to_string()))?;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use ringattn::cpu::{ForwardOutput, Gradients};
-use ringattn::{io, Result};
+use ringattn::{io, AttentionParams, Result};
 
 use ringattn::parallel::Stats;
 
@@ -47,6 +47,8 @@ pub fn run(a: &RunArgs) -> Result<ExitCode> {
         return crate::distributed::run(a);
     }
     let x = io::read_inputs(&a.input)?;
+    // The input file's sinks (if any) join the parameters.
+    let params = AttentionParams { sinks: x.sinks.clone(), ..params };
     let (fwd, grads) = match &a.stats {
         Some(path) if !a.exec.is_single() => {
             let mut parallel = a.exec.parallel(params.clone())?;
@@ -92,12 +94,15 @@ pub fn write_rank_stats(path: &Path, strategy: &str, ranks: Vec<RankStats>) -> R
     io::write_json(path, &serde_json::json!({ "strategy": strategy, "world": world, "ranks": ranks }))
 }
 
-/// Writes `o`, `lse` and, when present, `dq`, `dk`, `dv` to `path` (atomically).
+/// Writes `o`, `lse` and, when present, `dq`, `dk`, `dv` and `dsinks` to `path`
+/// (atomically).
 pub fn write_outputs(path: &Path, fwd: &ForwardOutput, grads: Option<&Gradients>) -> Result<()> {
-    match grads {
-        None => io::write_tensors(path, &[("o", &fwd.o), ("lse", &fwd.lse)]),
-        Some(g) => {
-            io::write_tensors(path, &[("o", &fwd.o), ("lse", &fwd.lse), ("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)])
+    let mut tensors = vec![("o", &fwd.o), ("lse", &fwd.lse)];
+    if let Some(g) = grads {
+        tensors.extend([("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)]);
+        if let Some(ds) = &g.dsinks {
+            tensors.push(("dsinks", ds));
         }
     }
+    io::write_tensors(path, &tensors)
 }

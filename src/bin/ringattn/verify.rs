@@ -37,11 +37,13 @@ pub struct VerifyArgs {
 }
 
 pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
-    let params = a.mask.params()?;
-    let parallel = a.exec.parallel(params.clone())?;
+    let mut params = a.mask.params()?;
+    a.exec.parallel(params.clone())?;
     let (q, k, v, d_o, what) = match &a.input {
         Some(path) => {
             let x = io::read_inputs(path)?;
+            // The input file's sinks (if any) join the parameters.
+            params.sinks = x.sinks.clone();
             // d_o has o's shape: q's [b, s, h_q] with v's head dim.
             let o_shape = match (x.q.shape(), x.v.shape().last()) {
                 ([b, s, h, _], Some(&d_v)) => vec![*b, *s, *h, d_v],
@@ -74,13 +76,15 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let d_o = (!a.forward_only).then_some(&d_o);
     let (fwd, grads) = compute(&a.exec, &params, &q, &k, &v, d_o)?;
     let report = verify::check_results(&q, &k, &v, d_o, None, &params, &fwd, grads.as_ref())?;
+    let parallel = a.exec.parallel(params.clone())?;
     println!(
-        "verify: {what}, q {:?}, k {:?}, v {:?}, mask {:?}{}, strategy {} x{} ({:?} layout), backend {}",
+        "verify: {what}, q {:?}, k {:?}, v {:?}, mask {:?}{}{}, strategy {} x{} ({:?} layout), backend {}",
         q.shape(),
         k.shape(),
         v.shape(),
         params.mask,
         params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
+        params.sinks.as_ref().map(|x| format!(", sinks {x:?}")).unwrap_or_default(),
         a.exec.strategy,
         a.exec.world(),
         parallel.layout(),
