@@ -24,6 +24,8 @@ struct PCase {
     docs: Option<Vec<usize>>,
     /// The tanh soft-cap of the scores, if any.
     softcap: Option<f32>,
+    /// The attention sinks' base logit, if any (spread over the heads).
+    sink_level: Option<f32>,
     dtype: DType,
     ulysses_degree: Option<usize>,
     seed: u64,
@@ -39,6 +41,7 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
         mask: c.mask,
         documents: c.docs.clone().map(|d| Documents::new(d).unwrap()),
         softcap: c.softcap,
+        sinks: support::sinks(c.sink_level, c.h_q),
         ..Default::default()
     };
     let params = ParallelParams {
@@ -86,6 +89,7 @@ prop_compose! {
         ],
         docs in any::<bool>(),
         softcap in prop_oneof![2 => Just(None), 1 => Just(Some(0.8f32)), 1 => Just(Some(3.0f32))],
+        sink_level in support::sink_level(),
         cut in 0usize..90,
         dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
         seed in 0u64..10_000,
@@ -105,7 +109,7 @@ prop_compose! {
         let order = if fifo { MessageOrder::PerPeerFifo } else { MessageOrder::Tag };
         // d_v 0: equal head dims.
         let d_v = if d_v == 0 { d } else { d_v };
-        PCase { world, strategy, layout, b, s, h_q, h_kv, d, d_v, mask, docs, softcap, dtype, ulysses_degree: None, seed, order }
+        PCase { world, strategy, layout, b, s, h_q, h_kv, d, d_v, mask, docs, softcap, sink_level, dtype, ulysses_degree: None, seed, order }
     }
 }
 
@@ -161,6 +165,7 @@ fn every_strategy_and_layout_on_one_case() {
             mask: Mask::Causal,
             docs: None,
             softcap: None,
+            sink_level: None,
             dtype: DType::F32,
             ulysses_degree: Some(2),
             seed: 5,
@@ -192,6 +197,8 @@ fn ranks_without_tokens_or_visible_blocks_match_the_oracle() {
                 mask,
                 docs: docs.clone(),
                 softcap: Some(2.0),
+                // (Ranks without tokens merge no sink and add nothing to their gradient.)
+                sink_level: Some(1.0),
                 dtype,
                 ulysses_degree: None,
                 seed: 11,
@@ -201,6 +208,81 @@ fn ranks_without_tokens_or_visible_blocks_match_the_oracle() {
             assert!(r.pass(), "{c:?}\n{}", r.table());
         }
     }
+}
+
+/// Sinks given per call ([`ParallelPlan::forward_with_sinks`], what a training loop with
+/// learnable sinks does) on a plan built with other values: the output, LSE and gradients
+/// (dσ summed over the ranks) are those of the call's sinks, under ring and Ulysses; a plan
+/// built without sinks refuses them on every rank.
+#[test]
+fn sinks_given_per_call_replace_the_plans() {
+    use ringattn::comm::{spmd, Communicator};
+    use ringattn::parallel::ParallelPlan;
+    use ringattn::{reference, Dims, HostBuf, Tensor};
+    let (b, s, h_q, h_kv, d) = (1, 40, 4, 2, 16);
+    let q = randn(vec![b, s, h_q, d], 1, DType::F32);
+    let k = randn(vec![b, s, h_kv, d], 2, DType::F32);
+    let v = randn(vec![b, s, h_kv, d], 3, DType::F32);
+    let d_o = randn(vec![b, s, h_q, d], 4, DType::F32);
+    let call = vec![2.0f32, -1.0, 3.5, 0.5];
+    let want = AttentionParams { mask: Mask::Causal, sinks: Some(call.clone()), ..Default::default() };
+    let oracle = reference::backward(&q, &k, &v, &d_o, &want).unwrap();
+    for strategy in [Strat::Ring, Strat::Ulysses] {
+        let planned = AttentionParams { sinks: Some(vec![0.0; h_q]), ..want.clone() };
+        let params = ParallelParams { strategy, attention: planned, ..Default::default() };
+        let resolved = params.resolve(2, h_q, s).unwrap();
+        let parts = spmd(2, LocalOptions::default(), |comm| {
+            let backend = CpuBackend::default();
+            let rank = comm.rank();
+            let mine = |t: &Tensor| resolved.shard(t, rank).unwrap();
+            let (qs, ks, vs, dos) = (mine(&q), mine(&k), mine(&v), mine(&d_o));
+            let n = qs.shape()[1];
+            let dims = Dims { b, s_q: n, s_k: n, h_q, h_kv, d_qk: d, d_v: d };
+            let plan = ParallelPlan::new(comm, &backend, &resolved, &dims, DType::F32)?;
+            let up = |t: &Tensor| plan.upload_tensor(t).unwrap();
+            let sinks = backend_sinks(&call);
+            let (o, saved) = plan.forward_with_sinks(&up(&qs), &up(&ks), &up(&vs), &sinks)?;
+            let g = plan.backward(&saved, &up(&dos))?;
+            let take = |x: &HostBuf, shape: Vec<usize>, dt| plan.download_tensor(x, shape, dt).unwrap();
+            Ok((
+                take(&o, dims.o_shape(), DType::F32),
+                take(&saved.lse, dims.lse_shape(), DType::F32),
+                take(&g.dq, dims.q_shape(), DType::F32),
+                take(g.dsinks.as_ref().expect("dsinks"), vec![h_q], DType::F32),
+            ))
+        });
+        let parts: Vec<_> = parts.into_iter().map(|r| r.unwrap()).collect();
+        let o = resolved.unshard(&parts.iter().map(|p| &p.0).collect::<Vec<_>>()).unwrap();
+        let lse = resolved.unshard_lse(&parts.iter().map(|p| &p.1).collect::<Vec<_>>()).unwrap();
+        let dq = resolved.unshard(&parts.iter().map(|p| &p.2).collect::<Vec<_>>()).unwrap();
+        let close = |x: &[f32], r: &[f64], what: &str| {
+            let err = verify::rel_err(x, r);
+            assert!(err < 1e-5, "{strategy} {what}: relative error {err}");
+        };
+        close(&o.as_f32(), &oracle.o, "o");
+        close(&lse.as_f32(), &oracle.lse, "lse");
+        close(&dq.as_f32(), &oracle.dq, "dq");
+        let dsinks: Vec<f32> = (0..h_q).map(|h| parts.iter().map(|p| p.3.as_f32()[h]).sum()).collect();
+        close(&dsinks, &oracle.dsinks, "dsinks");
+    }
+    // Without sinks in the plan, a call's sinks are refused on every rank.
+    let refusals = spmd(2, LocalOptions::default(), |comm| {
+        let backend = CpuBackend::default();
+        let dims = Dims { b, s_q: s / 2, s_k: s / 2, h_q, h_kv, d_qk: d, d_v: d };
+        let params = ParallelParams { strategy: Strat::Ring, seq_len: s, ..Default::default() };
+        let plan = ParallelPlan::new(comm, &backend, &params, &dims, DType::F32)?;
+        let x = plan.upload_tensor(&Tensor::zeros(vec![b, s / 2, h_q, d], DType::F32))?;
+        let kv = plan.upload_tensor(&Tensor::zeros(vec![b, s / 2, h_kv, d], DType::F32))?;
+        Ok(plan.forward_with_sinks(&x, &kv, &kv, &backend_sinks(&call)).err().map(|e| e.to_string()))
+    });
+    for r in refusals {
+        let e = r.unwrap().expect("refused");
+        assert!(e.contains("without attention sinks"), "{e}");
+    }
+}
+
+fn backend_sinks(x: &[f32]) -> ringattn::HostBuf {
+    ringattn::HostBuf::from(x.to_vec())
 }
 
 mod faults {

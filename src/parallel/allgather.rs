@@ -24,7 +24,7 @@ impl Driver for AllGather {
     ) -> Result<(Be::Buf, Be::Buf)> {
         let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
         let merged = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
-        plan.finish_forward(merged, QueryHeads::All(x.h_q))
+        plan.finish_forward(merged, QueryHeads::All(x.h_q), x.sinks.as_ref())
     }
 
     fn backward<Be: Backend>(

@@ -299,6 +299,8 @@ struct LocalData<B> {
     q: B,
     k: B,
     v: B,
+    /// The call's attention sinks (the forward's finish step merges them), if any.
+    sinks: Option<plan::PlanSinks<B>>,
 }
 
 impl<B> LocalData<B> {
@@ -345,6 +347,9 @@ pub struct SavedForward<B> {
     pub o: B,
     /// Log-sum-exp `[b, h_q, n]`, f32.
     pub lse: B,
+    /// The attention sinks' logits the call used, `[h_q]` f32 (with sinks: the plan's, or the
+    /// call's own from [`ParallelPlan::forward_with_sinks`]); their gradient comes from these.
+    pub sinks: Option<B>,
 }
 
 /// Gradients of one rank's shard, as the backend's buffers in the input dtype.
@@ -482,14 +487,53 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     /// [`Error::ShapeMismatch`] when the buffers are not the planned shard; communication
     /// and backend errors.
     pub fn forward(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
+        self.forward_sinks(q, k, v, self.sinks.clone())
+    }
+
+    /// [`ParallelPlan::forward`] with this call's attention sinks: `sinks` `[h_q]` f32 (the
+    /// backend's buffer) in place of the plan's — what a training loop whose sinks are
+    /// parameters passes every step (the plan's own values, fixed when it was built, serve
+    /// calls without). The backward ([`ParallelPlan::backward`]) returns their gradient. Not
+    /// collective beyond the forward itself.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] when the plan was built without sinks (its parameters say whether
+    /// the layer has them, so that every rank agrees); [`Error::ShapeMismatch`] or a dtype
+    /// error for `sinks` that are not `[h_q]` f32; as [`ParallelPlan::forward`].
+    pub fn forward_with_sinks(
+        &self,
+        q: &Be::Buf,
+        k: &Be::Buf,
+        v: &Be::Buf,
+        sinks: &Be::Buf,
+    ) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
+        if self.sinks.is_none() {
+            return Err(Error::Parallel(
+                "the plan was built without attention sinks: give its AttentionParams `sinks` (any h_q values) so                  that every rank plans them"
+                    .into(),
+            ));
+        }
+        self.check_buf("sinks", sinks, self.dims.h_q, DType::F32)?;
+        let call = self.plan_sinks(sinks.clone())?;
+        self.forward_sinks(q, k, v, Some(call))
+    }
+
+    fn forward_sinks(
+        &self,
+        q: &Be::Buf,
+        k: &Be::Buf,
+        v: &Be::Buf,
+        sinks: Option<plan::PlanSinks<Be::Buf>>,
+    ) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
         self.measured(|stats| {
             let dims = self.dims;
             self.check_buf("q", q, dims.b * dims.s_q * dims.h_q * dims.d_qk, self.dtype)?;
             self.check_buf("k", k, dims.b * dims.s_k * dims.h_kv * dims.d_qk, self.dtype)?;
             self.check_buf("v", v, dims.b * dims.s_k * dims.h_kv * dims.d_v, self.dtype)?;
-            let x = self.local(q, k, v);
+            let x = self.local(q, k, v, sinks);
             let (o, lse) = run_forward(self, &x, stats)?;
-            let saved = SavedForward { q: x.q, k: x.k, v: x.v, o: o.clone(), lse };
+            let sinks = x.sinks.map(|s| s.all);
+            let saved = SavedForward { q: x.q, k: x.k, v: x.v, o: o.clone(), lse, sinks };
             Ok((o, saved))
         })
     }
@@ -511,9 +555,22 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
             self.check_buf("saved v", &saved.v, kv_rows * dims.d_v, self.dtype)?;
             self.check_buf("saved o", &saved.o, q_rows * dims.d_v, self.dtype)?;
             self.check_buf("saved lse", &saved.lse, dims.b * dims.h_q * dims.s_q, DType::F32)?;
-            let x = self.local(&saved.q, &saved.k, &saved.v);
+            if saved.sinks.is_some() != self.sinks.is_some() {
+                return Err(Error::Parallel(format!(
+                    "the saved forward {} sinks, the plan {}",
+                    if saved.sinks.is_some() { "has" } else { "has no" },
+                    if self.sinks.is_some() { "has" } else { "has none" }
+                )));
+            }
+            let x = self.local(&saved.q, &saved.k, &saved.v, None);
             let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
-            let dsinks = self.sinks_grad(&saved.o, &saved.lse, d_o)?;
+            let dsinks = match &saved.sinks {
+                Some(s) => {
+                    self.check_buf("saved sinks", s, dims.h_q, DType::F32)?;
+                    Some(self.sinks_grad(&saved.o, &saved.lse, d_o, s)?)
+                }
+                None => None,
+            };
             Ok(GradientBufs { dq, dk, dv, dsinks })
         })
     }
@@ -556,7 +613,8 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         self.check_call(q, k, v)?;
         self.dims.expect_backward_inputs(q, o, lse, d_o)?;
         let up = |t: &Tensor| self.upload_tensor(t);
-        let saved = SavedForward { q: up(q)?, k: up(k)?, v: up(v)?, o: up(o)?, lse: up(lse)? };
+        let sinks = self.sinks.as_ref().map(|s| s.all.clone());
+        let saved = SavedForward { q: up(q)?, k: up(k)?, v: up(v)?, o: up(o)?, lse: up(lse)?, sinks };
         let g = self.backward(&saved, &up(d_o)?)?;
         let dims = self.dims;
         let grads = Gradients {
@@ -599,10 +657,16 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
         host.into_converted(dtype).into_tensor(shape)
     }
 
-    fn local(&self, q: &Be::Buf, k: &Be::Buf, v: &Be::Buf) -> LocalData<Be::Buf> {
+    fn local(
+        &self,
+        q: &Be::Buf,
+        k: &Be::Buf,
+        v: &Be::Buf,
+        sinks: Option<plan::PlanSinks<Be::Buf>>,
+    ) -> LocalData<Be::Buf> {
         let d = self.dims;
         let (q, k, v) = (q.clone(), k.clone(), v.clone());
-        LocalData { b: d.b, h_q: d.h_q, h_kv: d.h_kv, d_qk: d.d_qk, d_v: d.d_v, q, k, v }
+        LocalData { b: d.b, h_q: d.h_q, h_kv: d.h_kv, d_qk: d.d_qk, d_v: d.d_v, q, k, v, sinks }
     }
 
     /// Checks one buffer of a call against the plan: its length and element type.

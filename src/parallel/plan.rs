@@ -246,8 +246,9 @@ pub struct ParallelPlan<'c, Be: Backend> {
 /// A plan's attention sinks, uploaded once: every query head's logits (the ranks' results of
 /// the sequence-sharded strategies and the sinks' gradient), and, under Ulysses, this rank's
 /// heads' (its head-sharded result), with their ids.
+#[derive(Clone)]
 pub(super) struct PlanSinks<B> {
-    all: B,
+    pub(super) all: B,
     listed: Option<(Vec<usize>, B)>,
 }
 
@@ -454,21 +455,10 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
         let sinks = match &resolved.params().attention.sinks {
-            Some(all) => {
-                let upload = |v: Vec<f32>| backend.upload(&HostBuf::from(v));
-                let listed = match &mesh {
-                    Some(m) => {
-                        let heads = m.query_heads().to_vec();
-                        let mine = heads.iter().map(|&h| all[h]).collect();
-                        Some((heads, upload(mine)?))
-                    }
-                    None => None,
-                };
-                Some(PlanSinks { all: upload(all.clone())?, listed })
-            }
+            Some(all) => Some(backend.upload(&HostBuf::from(all.clone()))?),
             None => None,
         };
-        Ok(ParallelPlan {
+        let mut plan = ParallelPlan {
             comm,
             backend,
             resolved,
@@ -477,8 +467,25 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             mesh,
             hops,
             last: Mutex::new(Stats::default()),
-            sinks,
-        })
+            sinks: None,
+        };
+        plan.sinks = sinks.map(|all| plan.plan_sinks(all)).transpose()?;
+        Ok(plan)
+    }
+
+    /// The sinks of a call from every head's logits `all` (`[h_q]` f32): with this rank's
+    /// heads' under Ulysses (selected on the backend, in its order).
+    pub(super) fn plan_sinks(&self, all: Be::Buf) -> Result<PlanSinks<Be::Buf>> {
+        let listed = match &self.mesh {
+            Some(m) => {
+                let heads = m.query_heads().to_vec();
+                let shape = crate::parallel::BufShape { b: 1, n: 1, h: self.dims.h_q, d: 1 };
+                let mine = self.backend.select_heads(&all, shape, &heads)?;
+                Some((heads, mine))
+            }
+            None => None,
+        };
+        Ok(PlanSinks { all, listed })
     }
 
     /// The resolved parameters and every rank's positions.
@@ -523,8 +530,9 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         &self,
         (mut o, mut lse): (Be::Buf, Be::Buf),
         heads: QueryHeads<'_>,
+        sinks: Option<&PlanSinks<Be::Buf>>,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        if let Some(sinks) = &self.sinks {
+        if let Some(sinks) = sinks {
             let (count, logits) = match heads {
                 QueryHeads::All(h) => (h, &sinks.all),
                 QueryHeads::Listed(ids) => match &sinks.listed {
@@ -545,12 +553,11 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
 
     /// The sinks' gradient over this rank's rows (`[h_q]` f32), from its final `o` and `lse`
     /// (the sinks included) and `d_o`, in the sequence-sharded layout every strategy hands
-    /// back: `dσ_h = −Σ_i e^{σ_h − lse_i} · D_i`, `D = rowsum(dO∘O)`. `None` without sinks.
-    pub(super) fn sinks_grad(&self, o: &Be::Buf, lse: &Be::Buf, d_o: &Be::Buf) -> Result<Option<Be::Buf>> {
-        let Some(sinks) = &self.sinks else { return Ok(None) };
+    /// back: `dσ_h = −Σ_i e^{σ_h − lse_i} · D_i`, `D = rowsum(dO∘O)`, for the call's `sinks`.
+    pub(super) fn sinks_grad(&self, o: &Be::Buf, lse: &Be::Buf, d_o: &Be::Buf, sinks: &Be::Buf) -> Result<Be::Buf> {
         let dims = self.dims;
         let delta = self.backend.softmax_grad_rowsum(dims, o, d_o)?;
-        self.backend.sink_grad(lse, &delta, &sinks.all, [dims.b, dims.h_q, dims.s_q]).map(Some)
+        self.backend.sink_grad(lse, &delta, sinks, [dims.b, dims.h_q, dims.s_q])
     }
 
     /// A driver's f32 result in the input dtype (as the backend stores it); the f32 buffer

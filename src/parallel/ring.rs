@@ -59,7 +59,7 @@ impl Driver for Ring {
     ) -> Result<(Be::Buf, Be::Buf)> {
         let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
         let merged = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
-        plan.finish_forward(merged, QueryHeads::All(x.h_q))
+        plan.finish_forward(merged, QueryHeads::All(x.h_q), x.sinks.as_ref())
     }
 
     fn backward<Be: Backend>(

@@ -98,7 +98,7 @@ impl Driver for Ulysses {
         let merged = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
         // The finish step on this rank's heads; o returns in the input dtype (rounding
         // commutes with moving values).
-        let (o, lse) = plan.finish_forward(merged, QueryHeads::Listed(&m.plan.q_heads[m.me]))?;
+        let (o, lse) = plan.finish_forward(merged, QueryHeads::Listed(&m.plan.q_heads[m.me]), x.sinks.as_ref())?;
         let a2a = Instant::now();
         let o = heads_to_seq(g, be, &o, x.b, x.h_q, x.d_v, &m.counts, &m.plan.q_heads, false)?;
         let lse = lse_to_seq(g, be, &lse, x.b, x.h_q, &m.counts, &m.plan.q_heads)?;
