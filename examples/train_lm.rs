@@ -113,6 +113,13 @@ struct Args {
     /// Seed of the initial values and the data.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Learnable attention sinks: one logit per query head and layer in each row's softmax
+    /// denominator (gpt-oss style), trained with the model.
+    #[arg(long)]
+    sinks: bool,
+    /// Tanh soft-capping of the attention scores at this cap (Gemma 2 style: 50).
+    #[arg(long, value_name = "CAP")]
+    softcap: Option<f32>,
     /// Also train the same model with plain attention on one rank and compare.
     #[arg(long)]
     compare_single: bool,
@@ -129,8 +136,9 @@ fn fail(e: impl std::fmt::Display) -> ringattn::Error {
 }
 
 /// Deterministic initial values of every parameter (the same on every rank and in the
-/// single-rank run), in a fixed order, on `device`.
-fn parameters(seed: u64, seq: usize, device: &Device) -> candle_core::Result<Vec<Var>> {
+/// single-rank run), in a fixed order, on `device`: embeddings, the layers' weights, the
+/// output projection, then (with `sinks`) each layer's sink logits `[HEADS_Q]`.
+fn parameters(seed: u64, seq: usize, sinks: bool, device: &Device) -> candle_core::Result<Vec<Var>> {
     let mut shapes: Vec<Vec<usize>> = vec![vec![VOCAB, MODEL], vec![seq, MODEL]];
     for _ in 0..LAYERS {
         shapes.extend([
@@ -143,6 +151,9 @@ fn parameters(seed: u64, seq: usize, device: &Device) -> candle_core::Result<Vec
         ]);
     }
     shapes.push(vec![MODEL, VOCAB]);
+    if sinks {
+        shapes.extend((0..LAYERS).map(|_| vec![HEADS_Q]));
+    }
     shapes
         .iter()
         .enumerate()
@@ -186,8 +197,16 @@ fn rms_norm(x: &Tensor) -> candle_core::Result<Tensor> {
     x.broadcast_div(&(ms + 1e-6)?.sqrt()?)
 }
 
-/// Plain causal attention with GQA, for the single-rank reference: `[1, s, h, d]`.
-fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+/// Plain causal attention with GQA, for the single-rank reference: `[1, s, h, d]`; scores
+/// soft-capped at `softcap` (`cap · tanh(s / cap)`), and with `sinks` `[h]` one more logit
+/// per head in each row's softmax (its column dropped after).
+fn plain_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: Option<&Tensor>,
+    softcap: Option<f32>,
+) -> candle_core::Result<Tensor> {
     let (b, s, h, d) = q.dims4()?;
     let g = h / k.dim(2)?;
     let rep = |t: &Tensor| -> candle_core::Result<Tensor> {
@@ -195,24 +214,34 @@ fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Te
         t.unsqueeze(3)?.expand((b, s, hk, g, d))?.reshape((b, s, hk * g, d))?.transpose(1, 2)?.contiguous()
     };
     let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, rep(k)?, rep(v)?);
-    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    if let Some(cap) = softcap {
+        scores = ((scores / f64::from(cap))?.tanh()? * f64::from(cap))?;
+    }
     let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { -1e30 } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(mask, (s, s), &Device::Cpu)?;
-    let p = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+    let mask = Tensor::from_vec(mask, (s, s), q.device())?;
+    let mut scores = scores.broadcast_add(&mask)?;
+    if let Some(sk) = sinks {
+        let column = sk.reshape((1, h, 1, 1))?.broadcast_as((b, h, s, 1))?.to_dtype(scores.dtype())?;
+        scores = Tensor::cat(&[&scores, &column], D::Minus1)?;
+    }
+    let p = candle_nn::ops::softmax(&scores, D::Minus1)?.narrow(D::Minus1, 0, s)?;
     p.matmul(&v)?.transpose(1, 2)?.reshape((b, s, h, d))
 }
 
-/// An attention (ring or plain) as the layers call it: `[b, n, h, d]` in and out.
-type Attend = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+/// An attention (ring or plain) as the layers call it: `[b, n, h, d]` in and out, with the
+/// layer's sinks when the model has them.
+type Attend = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor> + Send + Sync>;
 
 /// One transformer layer over `x` `[b, n, MODEL]`: attention and MLP, pre-norm, residual.
+/// `w`: its six weights, then its sinks when the model has them.
 fn layer(x: &Tensor, w: &[Var], attend: &Attend) -> candle_core::Result<Tensor> {
     let (b, n, _) = x.dims3()?;
     let h = rms_norm(x)?;
     let q = h.broadcast_matmul(w[0].as_tensor())?.reshape((b, n, HEADS_Q, HEAD_DIM))?;
     let k = h.broadcast_matmul(w[1].as_tensor())?.reshape((b, n, HEADS_KV, HEAD_DIM))?;
     let v = h.broadcast_matmul(w[2].as_tensor())?.reshape((b, n, HEADS_KV, HEAD_DIM))?;
-    let o = attend(&q, &k, &v)?.reshape((b, n, HEADS_Q * HEAD_DIM))?;
+    let o = attend(&q, &k, &v, w.get(6).map(Var::as_tensor))?.reshape((b, n, HEADS_Q * HEAD_DIM))?;
     let x = (x + o.broadcast_matmul(w[3].as_tensor())?)?;
     let h = rms_norm(&x)?;
     x + h.broadcast_matmul(w[4].as_tensor())?.gelu()?.broadcast_matmul(w[5].as_tensor())?
@@ -233,8 +262,10 @@ fn loss(
     let (b, n) = tokens.dims2()?;
     let emb = p[0].as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, n, MODEL))?;
     let mut x = emb.broadcast_add(&p[1].as_tensor().embedding(pos)?)?;
+    let out = 2 + 6 * LAYERS; // the output projection; the sinks follow it
     for l in 0..LAYERS {
-        let w = p[2 + 6 * l..8 + 6 * l].to_vec();
+        let mut w = p[2 + 6 * l..8 + 6 * l].to_vec();
+        w.extend(p.get(out + 1 + l).cloned());
         x = match checkpoint {
             Some(ck) => {
                 let (wl, at) = (w.clone(), attend.clone());
@@ -243,7 +274,7 @@ fn loss(
             None => layer(&x, &w, attend)?,
         };
     }
-    let logits = rms_norm(&x)?.broadcast_matmul(p[p.len() - 1].as_tensor())?.reshape((b * n, VOCAB))?;
+    let logits = rms_norm(&x)?.broadcast_matmul(p[out].as_tensor())?.reshape((b * n, VOCAB))?;
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     let picked = logp.gather(&targets.reshape((b * n, 1))?, 1)?;
     picked.sum_all()? * (-1.0 / total as f64)
@@ -267,10 +298,13 @@ fn adamw(vars: &[Var], lr: f64) -> candle_core::Result<AdamW> {
 
 /// The single-rank run with plain attention: losses and the step-1 gradients.
 fn train_single(a: &Args) -> candle_core::Result<(Vec<f64>, Vec<f32>)> {
-    let vars = parameters(a.seed, a.seq, &Device::Cpu)?;
+    let vars = parameters(a.seed, a.seq, a.sinks, &Device::Cpu)?;
     let mut opt = adamw(&vars, a.lr)?;
     let pos = Tensor::arange(0u32, a.seq as u32, &Device::Cpu)?;
-    let plain: Attend = Arc::new(plain_attention);
+    let softcap = a.softcap;
+    let plain: Attend = Arc::new(move |q: &Tensor, k: &Tensor, v: &Tensor, sinks: Option<&Tensor>| {
+        plain_attention(q, k, v, sinks, softcap)
+    });
     let (mut losses, mut first) = (Vec::new(), Vec::new());
     for step in 0..a.steps {
         let (tokens, targets) = batch(a.seed, step, a.batch, a.seq, &Device::Cpu)?;
@@ -319,12 +353,15 @@ where
     let cp = Arc::new(ContextParallel::new(comm, backend, params.clone(), HEADS_Q)?); // [cp]
     let pos = cp.position_ids(a.seq, device)?; // [cp]
     let (cpa, posa) = (cp.clone(), pos.clone()); // [cp]
-    let attend: Attend = Arc::new(move |q: &Tensor, k: &Tensor, v: &Tensor| {
+    let attend: Attend = Arc::new(move |q: &Tensor, k: &Tensor, v: &Tensor, sinks: Option<&Tensor>| {
         let (q, k, v) = (q.to_dtype(cdt)?, k.to_dtype(cdt)?, v.to_dtype(cdt)?);
-        cpa.attention_at(&q, &k, &v, &posa)?.to_dtype(CDType::F32) // [cp]
+        match sinks {
+            Some(s) => cpa.attention_with_sinks_at(&q, &k, &v, s, &posa)?.to_dtype(CDType::F32), // [cp]
+            None => cpa.attention_at(&q, &k, &v, &posa)?.to_dtype(CDType::F32),                  // [cp]
+        }
     });
     let checkpoint = a.checkpoint.then(rc::Checkpoint::new); // [cp]
-    let vars = parameters(a.seed, a.seq, device)?;
+    let vars = parameters(a.seed, a.seq, a.sinks, device)?;
     let mut opt = adamw(&vars, a.lr)?;
     let (mut losses, mut first_grads, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut kept = 0usize;
@@ -462,7 +499,9 @@ fn main() -> ringattn::Result<()> {
     let a = Args::parse();
     let candle_threads_env = std::env::var("CANDLE_NUM_THREADS").ok();
     let layout = a.layout.as_deref().map(str::parse::<SeqLayout>).transpose()?;
-    let attention = AttentionParams { mask: Mask::Causal, ..Default::default() };
+    // (With sinks, the plan's values are placeholders: each call passes the layer's.)
+    let sinks = a.sinks.then(|| vec![0.0; HEADS_Q]);
+    let attention = AttentionParams { mask: Mask::Causal, softcap: a.softcap, sinks, ..Default::default() }; // [cp]
     let params = ParallelParams { strategy: a.strategy, layout, attention, ..Default::default() }; // [cp]
     let world = match a.comm.as_str() {
         "mpi" => std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(a.world),
@@ -504,6 +543,8 @@ fn main() -> ringattn::Result<()> {
         "peak_heap_mib": peak_heap_mib(),
         "heap_after_forward_mib": run.heap_after_forward as f64 / (1 << 20) as f64,
         "candle_num_threads_env": candle_threads_env,
+        "sinks": a.sinks,
+        "softcap": a.softcap,
         "losses": run.losses,
         "replicas_identical": run.replicas_identical,
     });
@@ -516,6 +557,13 @@ fn main() -> ringattn::Result<()> {
         let diff = run.losses.iter().zip(&single_losses).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
         let grad_err = rel_err(&run.first_grads, &single_grads);
         println!("against one rank with plain attention: max |loss diff| {diff:.3e}, step-1 gradient relative error {grad_err:.3e}");
+        if a.sinks {
+            // The sinks are the last parameters: their step-1 gradients alone.
+            let tail = |g: &[f32]| g[g.len() - LAYERS * HEADS_Q..].to_vec();
+            let sinks_err = rel_err(&tail(&run.first_grads), &tail(&single_grads));
+            println!("the sinks' step-1 gradient relative error {sinks_err:.3e}");
+            json["step1_sinks_grad_rel_err"] = serde_json::json!(sinks_err);
+        }
         json["single_losses"] = serde_json::json!(single_losses);
         json["max_abs_loss_diff"] = serde_json::json!(diff);
         json["step1_grad_rel_err"] = serde_json::json!(grad_err);

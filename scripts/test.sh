@@ -122,6 +122,10 @@ for st in ring ulysses; do
     --json "target/train_lm-$st.json" >/dev/null
   python3 scripts/check_train_lm.py "target/train_lm-$st.json"
 done
+# Learnable sinks and soft-capped scores (issue 41), Ulysses over 4 threads.
+target/debug/examples/train_lm --world 4 --strategy ulysses --steps 10 --seq 256 --sinks --softcap 30 \
+  --compare-single --json target/train_lm-sinks.json >/dev/null
+python3 scripts/check_train_lm.py target/train_lm-sinks.json
 target/debug/examples/train_lm --world 4 --strategy ring --steps 2 --seq 128 --backend emu --dtype bf16 \
   --compare-single --json target/train_lm-emu.json >/dev/null
 python3 scripts/check_train_lm.py target/train_lm-emu.json

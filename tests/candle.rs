@@ -91,6 +91,87 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
     }
 }
 
+/// Learnable sinks through candle ([`rc::ring_attention_with_sinks`]) on 4 ranks: the
+/// output and the gradients of q, k, v and the sinks (each rank's over its rows, summed here
+/// as the training loop's all-reduce does) against the float64 oracle with the call's sinks
+/// (the plan was built with others), for the ring, Ulysses and USP, plain and soft-capped;
+/// sinks of another shape and a plan without sinks are refused.
+#[test]
+fn learnable_sinks_get_the_oracles_gradient() {
+    let (world, b, s, hq, hkv, d) = (4, 1, 48, 4, 2, 16);
+    let q = randn(vec![b, s, hq, d], 1, DType::F32);
+    let k = randn(vec![b, s, hkv, d], 2, DType::F32);
+    let v = randn(vec![b, s, hkv, d], 3, DType::F32);
+    let w = randn(vec![b, s, hq, d], 4, DType::F32);
+    let call = vec![1.5f32, -0.5, 3.0, 0.25];
+    for softcap in [None, Some(2.0f32)] {
+        let attention =
+            AttentionParams { mask: Mask::Causal, softcap, sinks: Some(call.clone()), ..Default::default() };
+        let oracle = reference::backward(&q, &k, &v, &w, &attention).unwrap();
+        for (strategy, degree) in [(Strategy::Ring, None), (Strategy::Ulysses, None), (Strategy::Usp, Some(2))] {
+            let planned = AttentionParams { sinks: Some(vec![0.0; hq]), ..attention.clone() };
+            let params = ParallelParams { strategy, attention: planned, ulysses_degree: degree, ..Default::default() };
+            let resolved = params.resolve(world, hq, s).unwrap();
+            let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
+            let parts = spmd_shared(world, LocalOptions::default(), |comm| {
+                let rank = comm.rank();
+                let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
+                let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
+                let n = qs.dim(1)?;
+                let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
+                let plan = Arc::new(ParallelPlan::new_shared(
+                    comm,
+                    Arc::new(CpuBackend::default()),
+                    &params,
+                    &dims,
+                    DType::F32,
+                )?);
+                let qv = Var::from_tensor(&qs)?;
+                let sinks = Var::from_tensor(&CTensor::new(call.as_slice(), &Device::Cpu)?)?;
+                let bad = CTensor::new(&call[..3], &Device::Cpu)?;
+                let refused = rc::ring_attention_with_sinks(&plan, qv.as_tensor(), &ks, &vs, &bad).is_err();
+                let o = rc::ring_attention_with_sinks(&plan, qv.as_tensor(), &ks, &vs, sinks.as_tensor())?;
+                let grads = (o.clone() * ws)?.sum_all()?.backward()?;
+                let get = |x: &Var| {
+                    grads
+                        .get(x.as_tensor())
+                        .map(from_candle)
+                        .ok_or_else(|| ringattn::Error::InvalidArgument("no grad".into()))
+                };
+                Ok((from_candle(&o), get(&qv)?, get(&sinks)?, refused))
+            });
+            let parts: Vec<_> = parts.into_iter().map(|p| p.unwrap_or_else(|e| panic!("{strategy}: {e}"))).collect();
+            assert!(parts.iter().all(|p| p.3), "{strategy}: sinks of 3 values for 4 heads refused");
+            let whole = |f: &dyn Fn(&(Tensor, Tensor, Tensor, bool)) -> Tensor| {
+                resolved.unshard(&parts.iter().map(f).collect::<Vec<_>>()).unwrap().to_f32_vec()
+            };
+            let (o, gq) = (whole(&|p| p.0.clone()), whole(&|p| p.1.clone()));
+            let dsinks: Vec<f32> = (0..hq).map(|h| parts.iter().map(|p| p.2.to_f32_vec()[h]).sum()).collect();
+            for (name, got, want) in
+                [("o", &o, &oracle.o), ("dq", &gq, &oracle.dq), ("dsinks", &dsinks, &oracle.dsinks)]
+            {
+                let e = verify::rel_err(got, want);
+                assert!(e < 1e-5, "{strategy} softcap {softcap:?}: {name} relative error {e:.3e}");
+            }
+        }
+    }
+    // A plan without sinks refuses a call's sinks (on every rank).
+    let refusals = spmd_shared(2, LocalOptions::default(), |comm| {
+        let dims = Dims { b, s_q: 8, s_k: 8, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
+        let params = ParallelParams { seq_len: 16, ..Default::default() };
+        let plan =
+            Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
+        let x = CTensor::zeros((b, 8, hq, d), candle_core::DType::F32, &Device::Cpu)?;
+        let kv = CTensor::zeros((b, 8, hkv, d), candle_core::DType::F32, &Device::Cpu)?;
+        let sinks = CTensor::zeros(hq, candle_core::DType::F32, &Device::Cpu)?;
+        Ok(rc::ring_attention_with_sinks(&plan, &x, &kv, &kv, &sinks).map_err(|e| e.to_string()).err())
+    });
+    for r in refusals {
+        let e = r.unwrap().expect("refused");
+        assert!(e.contains("without attention sinks"), "{e}");
+    }
+}
+
 /// Shards and their inverse by the plan's layout, gradients summed over the group
 /// bit-identically, and the refusals: another dtype than the plan's.
 #[test]

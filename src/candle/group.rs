@@ -351,7 +351,7 @@ where
     /// (ranks whose calls disagree); communication errors. All wrapped in candle's error
     /// (`ringattn::Error::from` recovers them).
     pub fn attention_at(&self, q: &Tensor, k: &Tensor, v: &Tensor, positions: &Tensor) -> candle_core::Result<Tensor> {
-        self.attend(q, k, v, Some(positions))
+        self.attend(q, k, v, Some(positions), None)
     }
 
     /// [`ContextParallel::attention_at`] without position ids: shapes, dtypes and every
@@ -362,10 +362,35 @@ where
     /// # Errors
     /// As [`ContextParallel::attention_at`]; [`Error::Positions`] in the strict mode.
     pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        self.attend(q, k, v, None)
+        self.attend(q, k, v, None, None)
     }
 
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, positions: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    /// [`ContextParallel::attention_at`] with learnable attention sinks (`[h_q]` f32, e.g. a
+    /// `Var`), as [`super::ring_attention_with_sinks`]: the group's parameters must have
+    /// sinks (any values: the call's replace them); their gradient over this rank's rows
+    /// joins the others' in [`ContextParallel::all_reduce_gradients`].
+    ///
+    /// # Errors
+    /// As [`ContextParallel::attention_at`] and [`super::ring_attention_with_sinks`].
+    pub fn attention_with_sinks_at(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: &Tensor,
+        positions: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.attend(q, k, v, Some(positions), Some(sinks))
+    }
+
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        positions: Option<&Tensor>,
+        sinks: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let checked = self.record(q, k, v, positions);
         let mine = match &checked {
             Ok((r, _)) => r.clone(),
@@ -385,7 +410,10 @@ where
                 ))));
             }
         }
-        ring_attention(&plan, q, k, v)
+        match sinks {
+            Some(s) => super::ring_attention_with_sinks(&plan, q, k, v, s),
+            None => ring_attention(&plan, q, k, v),
+        }
     }
 
     /// This rank's call, checked locally, and its position ids (on the host).

@@ -24,7 +24,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType as CDType, Device, Layout, Shape, Tensor, Var};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType as CDType, Device, Layout, Shape, Tensor, Var};
 
 use crate::comm::{add_host, Communicator};
 use crate::parallel::{Backend, ParallelPlan, ResolvedParams, SavedForward};
@@ -104,8 +105,69 @@ fn dtype_of(d: CDType) -> candle_core::Result<DType> {
 /// its backward.
 struct RingAttention<Be: Backend + 'static> {
     plan: SharedPlan<Be>,
-    /// Shared, not cloned, by the backward (a second backward of the same graph finds it too).
-    saved: Mutex<Option<Arc<SavedForward<Be::Buf>>>>,
+    /// Shared, not cloned, by the backward (a second backward of the same graph finds it too)
+    /// and by the call's [`SinkGradient`], when it has sinks.
+    saved: Saved<Be::Buf>,
+    /// The call's attention sinks (`[h_q]` f32), when given ([`ring_attention_with_sinks`]).
+    sinks: Option<Be::Buf>,
+}
+
+/// A call's saved forward context, shared between its operations.
+type Saved<B> = Arc<Mutex<Option<Arc<SavedForward<B>>>>>;
+
+/// The sinks' side of a call with attention sinks ([`ring_attention_with_sinks`]): `o' =
+/// op(o, sinks)` is `o` itself in the forward (the sinks merged into it already); its
+/// backward hands `d_o` on to the attention unchanged and gives the sinks their gradient from
+/// the attention's saved context ([`ParallelPlan::sinks_gradient`]). With the sinks held
+/// fixed inside the attention's own backward, the two gradients are the call's.
+struct SinkGradient<Be: Backend + 'static> {
+    plan: SharedPlan<Be>,
+    saved: Saved<Be::Buf>,
+}
+
+impl<Be> CustomOp2 for SinkGradient<Be>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
+    fn name(&self) -> &'static str {
+        "ringattn-attention-sinks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((s1.try_clone(l1)?, l1.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        Ok((s1.try_clone(l1)?, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _o: &Tensor,
+        sinks: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let saved = saved.ok_or_else(|| msg("ringattn: a backward without its forward".into()))?;
+        let d_o: Be::Buf = tensor_buf(grad_res, self.plan.dtype())?;
+        let ds = self.plan.sinks_gradient(&saved, &d_o).map_err(wrap)?;
+        let ds = ds.ok_or_else(|| msg("ringattn: the call saved no sinks".into()))?;
+        Ok((Some(grad_res.clone()), Some(buf_tensor(ds, sinks.shape(), sinks)?)))
+    }
 }
 
 impl<Be> RingAttention<Be>
@@ -114,7 +176,11 @@ where
     Be::Buf: CandleBuf,
 {
     fn forward(&self, q: Be::Buf, k: Be::Buf, v: Be::Buf) -> candle_core::Result<Be::Buf> {
-        let (o, saved) = self.plan.forward(&q, &k, &v).map_err(wrap)?;
+        let (o, saved) = match &self.sinks {
+            Some(s) => self.plan.forward_with_sinks(&q, &k, &v, s),
+            None => self.plan.forward(&q, &k, &v),
+        }
+        .map_err(wrap)?;
         *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(saved));
         Ok(o)
     }
@@ -229,6 +295,22 @@ where
     Be: Backend + Send + Sync + 'static,
     Be::Buf: CandleBuf,
 {
+    let (q, k, v) = checked_inputs(plan, q, k, v)?;
+    q.apply_op3(&k, &v, RingAttention { plan: plan.clone(), saved: Saved::default(), sinks: None })
+}
+
+/// The checks of [`ring_attention`]'s inputs (devices, dtypes, shapes), then the inputs
+/// contiguous.
+fn checked_inputs<Be>(
+    plan: &SharedPlan<Be>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
     for (name, t) in [("k", k), ("v", v)] {
         if !t.device().same_device(q.device()) {
             return Err(msg(format!("ringattn: `{name}` is on {:?}, `q` on {:?}", t.device(), q.device())));
@@ -248,8 +330,77 @@ where
     check_shape("q", q, [dims.b, dims.s_q, dims.h_q, dims.d_qk])?;
     check_shape("k", k, [dims.b, dims.s_k, dims.h_kv, dims.d_qk])?;
     check_shape("v", v, [dims.b, dims.s_k, dims.h_kv, dims.d_v])?;
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    q.apply_op3(&k, &v, RingAttention { plan: plan.clone(), saved: Mutex::new(None) })
+    Ok((q.contiguous()?, k.contiguous()?, v.contiguous()?))
+}
+
+/// [`ring_attention`] with learnable attention sinks: `sinks` `[h_q]` f32 (a `Var`, say),
+/// on the inputs' device, merged once into every row's softmax denominator
+/// ([`crate::AttentionParams::sinks`]); its gradient (over this rank's rows: the training
+/// loop's all-reduce of replicated parameters sums it) flows to `sinks`. The plan must have
+/// been built with sinks (any values: the call's replace them), so that every rank plans
+/// them.
+///
+/// # Errors
+/// As [`ring_attention`]; a wrapped [`Error::ShapeMismatch`] or [`Error::DtypeMismatch`] for
+/// sinks that are not `[h_q]` f32, [`Error::Parallel`] for a plan without sinks.
+///
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{DType as CDType, Device, Tensor, Var};
+/// use ringattn::comm::{spmd_shared, LocalOptions};
+/// use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan};
+/// use ringattn::{AttentionParams, DType, Dims, Mask};
+///
+/// let attention = AttentionParams { mask: Mask::Causal, sinks: Some(vec![0.0; 2]), ..Default::default() };
+/// let params = ParallelParams { attention, ..Default::default() };
+/// let resolved = params.resolve(2, 2, 32)?;
+/// let x = Tensor::randn(0f32, 1.0, (1, 32, 2, 8), &Device::Cpu)?;
+/// let grads = spmd_shared(2, LocalOptions::default(), |comm| {
+///     let mine = ringattn::candle::shard(&resolved, &x, 1, comm.rank())?;
+///     let dims = Dims { b: 1, s_q: 16, s_k: 16, h_q: 2, h_kv: 2, d_qk: 8, d_v: 8 };
+///     let plan = Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), &params, &dims, DType::F32)?);
+///     let sinks = Var::from_tensor(&Tensor::new(&[1.0f32, -0.5], &Device::Cpu)?)?;
+///     let o = ringattn::candle::ring_attention_with_sinks(&plan, &mine, &mine, &mine, sinks.as_tensor())?;
+///     let grads = o.sum_all()?.backward()?;
+///     Ok(grads.get(sinks.as_tensor()).map(|g| g.dims().to_vec()))
+/// });
+/// assert!(grads.into_iter().all(|g| g.ok().flatten() == Some(vec![2])));
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+pub fn ring_attention_with_sinks<Be>(
+    plan: &SharedPlan<Be>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+) -> candle_core::Result<Tensor>
+where
+    Be: Backend + Send + Sync + 'static,
+    Be::Buf: CandleBuf,
+{
+    if !sinks.device().same_device(q.device()) {
+        return Err(msg(format!("ringattn: `sinks` is on {:?}, `q` on {:?}", sinks.device(), q.device())));
+    }
+    if sinks.dtype() != CDType::F32 {
+        return Err(wrap(Error::DtypeMismatch {
+            name: "sinks".into(),
+            got: format!("{:?}", sinks.dtype()),
+            expected: "f32".into(),
+        }));
+    }
+    if sinks.dims() != [plan.dims().h_q] {
+        return Err(wrap(Error::ShapeMismatch(format!(
+            "`sinks` has shape {:?}; the plan has {} query heads: [h_q]",
+            sinks.dims(),
+            plan.dims().h_q
+        ))));
+    }
+    // The attention, then the sinks' operation, sharing the call's context.
+    let (q, k, v) = checked_inputs(plan, q, k, v)?;
+    let saved = Saved::default();
+    let op = RingAttention { plan: plan.clone(), saved: saved.clone(), sinks: Some(tensor_buf(sinks, DType::F32)?) };
+    let o = q.apply_op3(&k, &v, op)?;
+    o.apply_op2(sinks, SinkGradient { plan: plan.clone(), saved })
 }
 
 /// [`ring_attention`] that also checks the global positions of this rank's tokens: `positions`

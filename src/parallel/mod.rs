@@ -564,15 +564,28 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
             }
             let x = self.local(&saved.q, &saved.k, &saved.v, None);
             let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
-            let dsinks = match &saved.sinks {
-                Some(s) => {
-                    self.check_buf("saved sinks", s, dims.h_q, DType::F32)?;
-                    Some(self.sinks_grad(&saved.o, &saved.lse, d_o, s)?)
-                }
-                None => None,
-            };
+            let dsinks = self.sinks_gradient(saved, d_o)?;
             Ok(GradientBufs { dq, dk, dv, dsinks })
         })
+    }
+
+    /// The attention sinks' gradient over this rank's rows (`[h_q]` f32, the backend's
+    /// buffer) from a forward's context and `d_o`: `dσ_h = −Σ_i e^{σ_h − lse_i} · D_i`, `D =
+    /// rowsum(dO∘O)` — what [`ParallelPlan::backward`] returns as `dsinks`, alone (a framework
+    /// whose sinks are their own operation takes it here). `None` when the forward had no
+    /// sinks. Not collective.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for `d_o` or a context of another shape; backend errors.
+    pub fn sinks_gradient(&self, saved: &SavedForward<Be::Buf>, d_o: &Be::Buf) -> Result<Option<Be::Buf>> {
+        let Some(sinks) = &saved.sinks else { return Ok(None) };
+        let dims = self.dims;
+        let q_rows = dims.b * dims.s_q * dims.h_q;
+        self.check_buf("saved sinks", sinks, dims.h_q, DType::F32)?;
+        self.check_buf("saved o", &saved.o, q_rows * dims.d_v, self.dtype)?;
+        self.check_buf("saved lse", &saved.lse, dims.b * dims.h_q * dims.s_q, DType::F32)?;
+        self.check_buf("d_o", d_o, q_rows * dims.d_v, self.dtype)?;
+        self.sinks_grad(&saved.o, &saved.lse, d_o, sinks).map(Some)
     }
 
     /// The forward on host tensors (this rank's shard): uploaded to the backend's buffers,
