@@ -142,10 +142,12 @@ fn learnable_sinks_get_the_oracles_gradient() {
             });
             let parts: Vec<_> = parts.into_iter().map(|p| p.unwrap_or_else(|e| panic!("{strategy}: {e}"))).collect();
             assert!(parts.iter().all(|p| p.3), "{strategy}: sinks of 3 values for 4 heads refused");
-            let whole = |f: &dyn Fn(&(Tensor, Tensor, Tensor, bool)) -> Tensor| {
-                resolved.unshard(&parts.iter().map(f).collect::<Vec<_>>()).unwrap().to_f32_vec()
+            let whole = |pick: usize| {
+                let picked: Vec<Tensor> =
+                    parts.iter().map(|p| if pick == 0 { p.0.clone() } else { p.1.clone() }).collect();
+                resolved.unshard(&picked).unwrap().to_f32_vec()
             };
-            let (o, gq) = (whole(&|p| p.0.clone()), whole(&|p| p.1.clone()));
+            let (o, gq) = (whole(0), whole(1));
             let dsinks: Vec<f32> = (0..hq).map(|h| parts.iter().map(|p| p.2.to_f32_vec()[h]).sum()).collect();
             for (name, got, want) in
                 [("o", &o, &oracle.o), ("dq", &gq, &oracle.dq), ("dsinks", &dsinks, &oracle.dsinks)]
