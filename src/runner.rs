@@ -130,6 +130,7 @@ pub(crate) fn forward_tensors<E: Executor>(
 ) -> Result<ForwardOutput> {
     let dims = Dims::of(q, k, v)?;
     check_supported(E::NAME, &dims, q.dtype())?;
+    params.check_heads(dims.h_q)?;
     let vis = crate::attention::visibility(&dims, positions, params)?;
     let (qb, kb, vb) = (tensor_bits(q), tensor_bits(k), tensor_bits(v));
     let x = ForwardJob {
@@ -168,6 +169,7 @@ pub(crate) fn backward_tensors<E: Executor>(
     let dims = Dims::of(q, k, v)?;
     check_supported(E::NAME, &dims, q.dtype())?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
+    params.check_heads(dims.h_q)?;
     let vis = crate::attention::visibility(&dims, positions, params)?;
     let (qb, kb, vb, dob) = (tensor_bits(q), tensor_bits(k), tensor_bits(v), tensor_bits(d_o));
     let (of, lf) = (o.as_f32(), lse.as_f32());

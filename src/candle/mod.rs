@@ -234,7 +234,8 @@ where
         let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let saved = saved.ok_or_else(|| msg("ringattn: a backward without its forward".into()))?;
         let d_o: Be::Buf = tensor_buf(grad_res, self.plan.dtype())?;
-        let g = self.plan.backward(&saved, &d_o).map_err(wrap)?;
+        // (With sinks, their gradient is the SinkGradient operation's.)
+        let g = self.plan.backward_as(&saved, &d_o, crate::parallel::SinksGradient::Skip).map_err(wrap)?;
         let t = |b, like: &Tensor| buf_tensor(b, like.shape(), like).map(Some);
         Ok((t(g.dq, q)?, t(g.dk, k)?, t(g.dv, v)?))
     }

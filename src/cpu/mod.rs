@@ -80,7 +80,11 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttentionParams) -> 
 }
 
 /// Forward of a block of queries against a block of keys at arbitrary global positions: the
-/// step of every ring hop. `q_pos.len()` must be `s_q`, `k_pos.len()` must be `s_k`.
+/// attention of those queries over those keys alone (the step of a ring hop, for plain
+/// parameters). `q_pos.len()` must be `s_q`, `k_pos.len()` must be `s_k`. With
+/// [`AttentionParams::sinks`] the result is final (the sinks merged into it), not a hop's
+/// partial: a caller composing hops passes parameters without sinks and merges them once at
+/// the end ([`crate::merge::merge_sinks`]), as the plan's finish step does.
 ///
 /// # Errors
 /// As [`forward`], plus [`Error::Positions`](crate::Error::Positions).
@@ -238,6 +242,7 @@ pub fn backward_with(
 ) -> Result<Gradients> {
     let dims = Dims::of(q, k, v)?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
+    params.check_heads(dims.h_q)?;
     let vis = visibility(&dims, positions, params)?;
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
     if let (Arithmetic::Bf16, Some([qb, kb, vb, dob])) = (arithmetic, finite_bf16([q, k, v, d_o])) {

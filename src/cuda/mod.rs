@@ -272,6 +272,7 @@ pub fn forward(
     // Validate before touching the GPU, so that bad input gets its own error on any machine.
     let dims = Dims::of(q, k, v)?;
     runner::check_supported(BACKEND, &dims, q.dtype())?;
+    params.check_heads(dims.h_q)?;
     crate::attention::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
     runner::forward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, positions, params)
@@ -308,6 +309,7 @@ pub fn backward(
     let dims = Dims::of(q, k, v)?;
     runner::check_supported(BACKEND, &dims, q.dtype())?;
     dims.expect_backward_inputs(q, o, lse, d_o)?;
+    params.check_heads(dims.h_q)?;
     crate::attention::visibility(&dims, positions, params)?;
     let dev = CudaDevice::shared(opts.device)?;
     runner::backward_tensors(&WithKernels(&dev, opts.kernels), q, k, v, o, lse, d_o, positions, params, opts.dq_mode)

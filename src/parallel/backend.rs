@@ -187,6 +187,9 @@ pub trait Backend: Buffers {
 
     /// Attention of queries at `q_pos` against keys at `k_pos`: f32 `(o, lse)`, unrounded.
     /// `q`, `k` and `v` hold the input dtype (or what [`Backend::step_input`] made of it).
+    /// A partial over these keys: per-row options after the merge (`params.sinks`) are not
+    /// the step's — the plan's finish step merges them once ([`Buffers::merge_sinks`]);
+    /// a backend ignores them here.
     ///
     /// # Errors
     /// Invalid positions or parameters.

@@ -352,6 +352,17 @@ pub struct SavedForward<B> {
     pub sinks: Option<B>,
 }
 
+/// Whether a backward computes the attention sinks' gradient ([`GradientBufs::dsinks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum SinksGradient {
+    /// With the other gradients (when the forward had sinks).
+    #[default]
+    Compute,
+    /// Not: the caller takes it from [`ParallelPlan::sinks_gradient`].
+    #[cfg_attr(not(feature = "candle"), allow(dead_code, reason = "the candle operation's"))]
+    Skip,
+}
+
 /// Gradients of one rank's shard, as the backend's buffers in the input dtype.
 #[derive(Clone)]
 pub struct GradientBufs<B> {
@@ -509,7 +520,8 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     ) -> Result<(Be::Buf, SavedForward<Be::Buf>)> {
         if self.sinks.is_none() {
             return Err(Error::Parallel(
-                "the plan was built without attention sinks: give its AttentionParams `sinks` (any h_q values) so                  that every rank plans them"
+                "the plan was built without attention sinks: give its AttentionParams `sinks` (any h_q values) so \
+                 that every rank plans them"
                     .into(),
             ));
         }
@@ -546,6 +558,17 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     /// # Errors
     /// As [`ParallelPlan::forward`], for `d_o` and the saved buffers.
     pub fn backward(&self, saved: &SavedForward<Be::Buf>, d_o: &Be::Buf) -> Result<GradientBufs<Be::Buf>> {
+        self.backward_as(saved, d_o, SinksGradient::Compute)
+    }
+
+    /// [`ParallelPlan::backward`], with the sinks' gradient computed or left to the caller
+    /// (the candle operation's sinks side computes it itself).
+    pub(crate) fn backward_as(
+        &self,
+        saved: &SavedForward<Be::Buf>,
+        d_o: &Be::Buf,
+        sinks_gradient: SinksGradient,
+    ) -> Result<GradientBufs<Be::Buf>> {
         self.measured(|stats| {
             let dims = self.dims;
             let (q_rows, kv_rows) = (dims.b * dims.s_q * dims.h_q, dims.b * dims.s_k * dims.h_kv);
@@ -564,7 +587,10 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
             }
             let x = self.local(&saved.q, &saved.k, &saved.v, None);
             let (dq, dk, dv) = run_backward(self, &x, &saved.o, &saved.lse, d_o, stats)?;
-            let dsinks = self.sinks_gradient(saved, d_o)?;
+            let dsinks = match sinks_gradient {
+                SinksGradient::Compute => self.sinks_gradient(saved, d_o)?,
+                SinksGradient::Skip => None,
+            };
             Ok(GradientBufs { dq, dk, dv, dsinks })
         })
     }
