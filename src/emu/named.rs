@@ -8,7 +8,7 @@
 //!
 //! ```
 //! let k = ringattn::emu::named::find("ringattn_merge_f32").expect("merge is a kernel");
-//! assert_eq!((k.family, k.param_bytes), ("merge", 64));
+//! assert_eq!((k.family, k.param_bytes), ("merge", 88));
 //! assert!(ringattn::emu::named::find("no_such_kernel").is_none());
 //! ```
 
