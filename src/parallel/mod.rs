@@ -552,11 +552,13 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
 
     /// This rank's part of the backward on the backend's buffers, from the context its
     /// [`ParallelPlan::forward`] returned and `d_o` (`[b, n, h_q, d_v]`, input dtype):
-    /// `dq`, `dk`, `dv` in the input dtype. Collective; no handshake, no split, no host
-    /// transfer.
+    /// `dq`, `dk`, `dv` in the input dtype, and with sinks their gradient over this rank's
+    /// rows (`dsinks`, [`ParallelPlan::sinks_gradient`]). Collective; no handshake, no split,
+    /// no host transfer.
     ///
     /// # Errors
-    /// As [`ParallelPlan::forward`], for `d_o` and the saved buffers.
+    /// As [`ParallelPlan::forward`], for `d_o` and the saved buffers; [`Error::Parallel`] for
+    /// a context whose sinks disagree with the plan's (one with, the other without).
     pub fn backward(&self, saved: &SavedForward<Be::Buf>, d_o: &Be::Buf) -> Result<GradientBufs<Be::Buf>> {
         self.backward_as(saved, d_o, SinksGradient::Compute)
     }
