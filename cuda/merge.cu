@@ -8,22 +8,36 @@
 // One warp per (batch, head, row); lanes stride over the head dimension.
 #include "common.cuh"
 
-extern "C" __global__ void ringattn_merge_f32(MergeParams p) {
-    const int64_t rows = p.b * p.h * p.s;
+// The row of a merge-family thread: one warp per (batch, head, row); `lse` indexes the LSE
+// layout [b, h, s], `o` the row's first element in [b, s, h, d]; lse < 0 past the last row.
+struct MergeRow {
+    int64_t lse, o, head;
+    int lane;
+};
+__device__ __forceinline__ MergeRow merge_row(const MergeParams& p) {
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
-    if (warp >= rows) {
-        return;
+    if (warp >= p.b * p.h * p.s) {
+        return MergeRow{-1, 0, 0, lane};
     }
-    // warp indexes the LSE layout [b, h, s].
     const int64_t si = warp % p.s;
     const int64_t hi = (warp / p.s) % p.h;
     const int64_t bi = warp / (p.s * p.h);
+    return MergeRow{warp, ((bi * p.s + si) * p.h + hi) * p.d, hi, lane};
+}
+
+extern "C" __global__ void ringattn_merge_f32(MergeParams p) {
+    const MergeRow r = merge_row(p);
+    if (r.lse < 0) {
+        return;
+    }
+    const int64_t warp = r.lse;
+    const int lane = r.lane;
     const float la = p.lse_acc[warp];
     const float lb = p.lse_part[warp];
     const float m = fmaxf(la, lb);
-    float* o = p.o_acc + ((bi * p.s + si) * p.h + hi) * p.d;
-    const float* ob = p.o_part + ((bi * p.s + si) * p.h + hi) * p.d;
+    float* o = p.o_acc + r.o;
+    const float* ob = p.o_part + r.o;
     if (m == -INFINITY) {
         for (int64_t c = lane; c < p.d; c += 32) {
             o[c] = 0.0f;
@@ -52,23 +66,20 @@ extern "C" __global__ void ringattn_merge_f32(MergeParams p) {
 // row that saw no key (lse = -inf) gets o = 0, lse = sinks[hi]. Same arithmetic as
 // src/merge.rs merge_sinks. One warp per (batch, head, row), as the merge.
 extern "C" __global__ void ringattn_merge_sinks_f32(MergeParams p) {
-    const int64_t rows = p.b * p.h * p.s;
-    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (warp >= rows) {
+    const MergeRow r = merge_row(p);
+    if (r.lse < 0) {
         return;
     }
-    const int64_t si = warp % p.s;
-    const int64_t hi = (warp / p.s) % p.h;
-    const int64_t bi = warp / (p.s * p.h);
+    const int64_t warp = r.lse;
+    const int lane = r.lane;
     const float la = p.lse_acc[warp];
-    const float lb = p.sinks[hi];
+    const float lb = p.sinks[r.head];
     const float m = fmaxf(la, lb);
     const float wa = expf(la - m);
     const float wb = expf(lb - m);
     const float sum = wa + wb;
     const float ca = wa / sum;
-    float* o = p.o_acc + ((bi * p.s + si) * p.h + hi) * p.d;
+    float* o = p.o_acc + r.o;
     for (int64_t c = lane; c < p.d; c += 32) {
         o[c] = ca == 0.0f ? 0.0f : ca * o[c];
     }

@@ -122,7 +122,7 @@ for st in ring ulysses; do
     --json "target/train_lm-$st.json" >/dev/null
   python3 scripts/check_train_lm.py "target/train_lm-$st.json"
 done
-# Learnable sinks and soft-capped scores (issue 41), Ulysses over 4 threads.
+# Learnable sinks and soft-capped scores, Ulysses over 4 threads, against one rank.
 target/debug/examples/train_lm --world 4 --strategy ulysses --steps 10 --seq 256 --sinks --softcap 30 \
   --compare-single --json target/train_lm-sinks.json >/dev/null
 python3 scripts/check_train_lm.py target/train_lm-sinks.json

@@ -77,8 +77,8 @@ pub fn merge_into(o_a: &mut [f32], lse_a: &mut [f32], o_b: &[f32], lse_b: &[f32]
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn merge_sinks(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usize; 4]) -> Result<()> {
+    check_merge_sinks(o.len(), lse.len(), sinks.len(), bshd)?;
     let [b, s, h, d] = bshd;
-    check_sink_lengths(&[("o", o.len(), b * s * h * d), ("lse", lse.len(), b * h * s), ("sinks", sinks.len(), h)])?;
     for bi in 0..b {
         for (hi, &sigma) in sinks.iter().enumerate() {
             for si in 0..s {
@@ -114,8 +114,8 @@ pub fn merge_sinks(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usize; 
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn sink_grad(lse: &[f32], delta: &[f32], sinks: &[f32], bhs: [usize; 3]) -> Result<Vec<f32>> {
+    check_sink_grad(lse.len(), delta.len(), sinks.len(), bhs)?;
     let [b, h, s] = bhs;
-    check_sink_lengths(&[("lse", lse.len(), b * h * s), ("delta", delta.len(), b * h * s), ("sinks", sinks.len(), h)])?;
     Ok(sinks
         .iter()
         .enumerate()
@@ -166,18 +166,17 @@ pub fn sum_dsinks<'a>(parts: impl Iterator<Item = Option<&'a Tensor>>) -> Result
 
 /// The sinks of `params` merged into a single-device (or block) call's finished f32 result
 /// (`o` `[b, s_q, h_q, d_v]`, `lse` `[b, h_q, s_q]`), before the output's rounding: what
-/// the tensor-level entry points of every backend run after their kernels. Nothing without
-/// sinks.
+/// the tensor-level entry points of every backend run after their kernels (which checked
+/// the sinks with [`crate::AttentionParams::check_heads`] first). Nothing without sinks.
 ///
 /// # Errors
-/// As [`crate::AttentionParams::check_heads`].
+/// As [`merge_sinks`].
 pub(crate) fn finish_with_sinks(
     params: &crate::AttentionParams,
     dims: &crate::Dims,
     o: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    params.check_heads(dims.h_q)?;
     match &params.sinks {
         Some(sinks) => merge_sinks(o, lse, sinks, [dims.b, dims.s_q, dims.h_q, dims.d_v]),
         None => Ok(()),
@@ -185,10 +184,11 @@ pub(crate) fn finish_with_sinks(
 }
 
 /// The sinks' gradient `[h_q]` f32 of a single-device (or block) call from its final `o`,
-/// `lse` (sinks included) and `d_o` (`D = rowsum(dO∘O)` in f32); `None` without sinks.
+/// `lse` (sinks included) and `d_o` (`D = rowsum(dO∘O)` in f32); `None` without sinks (the
+/// entry points checked them with [`crate::AttentionParams::check_heads`]).
 ///
 /// # Errors
-/// As [`crate::AttentionParams::check_heads`] and [`sink_grad`].
+/// As [`sink_grad`].
 pub(crate) fn sinks_grad_of(
     params: &crate::AttentionParams,
     dims: &crate::Dims,
@@ -196,11 +196,22 @@ pub(crate) fn sinks_grad_of(
     lse: &Tensor,
     d_o: &Tensor,
 ) -> Result<Option<Tensor>> {
-    params.check_heads(dims.h_q)?;
     let Some(sinks) = &params.sinks else { return Ok(None) };
     let delta = crate::cpu::softmax_grad_rowsum(*dims, &o.as_f32(), &d_o.as_f32());
     let ds = sink_grad(&lse.as_f32(), &delta, sinks, [dims.b, dims.h_q, dims.s_q])?;
     Tensor::from_f32(vec![dims.h_q], ds).map(Some)
+}
+
+/// Checks the lengths of [`merge_sinks`]' buffers (`o`, `lse`, `sinks`) against `bshd`.
+pub(crate) fn check_merge_sinks(o: usize, lse: usize, sinks: usize, bshd: [usize; 4]) -> Result<()> {
+    let [b, s, h, d] = bshd;
+    check_sink_lengths(&[("o", o, b * s * h * d), ("lse", lse, b * h * s), ("sinks", sinks, h)])
+}
+
+/// Checks the lengths of [`sink_grad`]'s buffers (`lse`, `delta`, `sinks`) against `bhs`.
+pub(crate) fn check_sink_grad(lse: usize, delta: usize, sinks: usize, bhs: [usize; 3]) -> Result<()> {
+    let [b, h, s] = bhs;
+    check_sink_lengths(&[("lse", lse, b * h * s), ("delta", delta, b * h * s), ("sinks", sinks, h)])
 }
 
 fn check_sink_lengths(buffers: &[(&str, usize, usize)]) -> Result<()> {

@@ -24,6 +24,24 @@ fn f32_tensor(shape: &[usize], v: &[f64]) -> Tensor {
     Tensor::from_f32(shape.to_vec(), v.iter().map(|&x| x as f32).collect()).unwrap()
 }
 
+/// This rank's shards of q, k, v and the loss weights (along the sequence) and its plan
+/// (CPU backend, f32) for `params` resolved as `resolved`.
+fn rank_plan(
+    comm: Arc<dyn Communicator<Buf = ringattn::HostBuf>>,
+    resolved: &ringattn::parallel::ResolvedParams,
+    params: &ParallelParams,
+    [q, k, v, w]: [&CTensor; 4],
+) -> ringattn::Result<([CTensor; 4], Arc<ParallelPlan<'static, CpuBackend>>)> {
+    let rank = comm.rank();
+    let shard = |t: &CTensor| rc::shard(resolved, t, 1, rank);
+    let shards = [shard(q)?, shard(k)?, shard(v)?, shard(w)?];
+    let [b, n, h_q, d_qk] = shards[0].dims4().map(|(b, n, h, d)| [b, n, h, d])?;
+    let (h_kv, d_v) = (shards[1].dim(2)?, shards[2].dim(3)?);
+    let dims = Dims { b, s_q: n, s_k: n, h_q, h_kv, d_qk, d_v };
+    let plan = Arc::new(ParallelPlan::new_shared(comm, Arc::new(CpuBackend::default()), params, &dims, DType::F32)?);
+    Ok((shards, plan))
+}
+
 /// Two layers, o1 = A(q, k, v) and o2 = A(o1, k, v), loss = Σ o2 ∘ w; layer 1 is run twice
 /// (the first result dropped, as a checkpointed layer is recomputed), so three calls record
 /// their own contexts. Gradients of q, k, v through candle's backward on 4 ranks against the
@@ -52,18 +70,7 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
             let resolved = params.resolve(world, hq, s).unwrap();
             let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
             let parts = spmd_shared(world, LocalOptions::default(), |comm| {
-                let rank = comm.rank();
-                let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
-                let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
-                let n = qs.dim(1)?;
-                let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
-                let plan = Arc::new(ParallelPlan::new_shared(
-                    comm,
-                    Arc::new(CpuBackend::default()),
-                    &params,
-                    &dims,
-                    DType::F32,
-                )?);
+                let ([qs, ks, vs, ws], plan) = rank_plan(comm, &resolved, &params, [&cq, &ck, &cv, &cw])?;
                 let (qv, kv, vv) = (Var::from_tensor(&qs)?, Var::from_tensor(&ks)?, Var::from_tensor(&vs)?);
                 let first = rc::ring_attention(&plan, qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
                 drop(first); // the checkpointed layer's first forward
@@ -114,18 +121,7 @@ fn learnable_sinks_get_the_oracles_gradient() {
             let resolved = params.resolve(world, hq, s).unwrap();
             let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
             let parts = spmd_shared(world, LocalOptions::default(), |comm| {
-                let rank = comm.rank();
-                let shard = |t: &CTensor| rc::shard(&resolved, t, 1, rank);
-                let (qs, ks, vs, ws) = (shard(&cq)?, shard(&ck)?, shard(&cv)?, shard(&cw)?);
-                let n = qs.dim(1)?;
-                let dims = Dims { b, s_q: n, s_k: n, h_q: hq, h_kv: hkv, d_qk: d, d_v: d };
-                let plan = Arc::new(ParallelPlan::new_shared(
-                    comm,
-                    Arc::new(CpuBackend::default()),
-                    &params,
-                    &dims,
-                    DType::F32,
-                )?);
+                let ([qs, ks, vs, ws], plan) = rank_plan(comm, &resolved, &params, [&cq, &ck, &cv, &cw])?;
                 let qv = Var::from_tensor(&qs)?;
                 let sinks = Var::from_tensor(&CTensor::new(call.as_slice(), &Device::Cpu)?)?;
                 let bad = CTensor::new(&call[..3], &Device::Cpu)?;

@@ -24,6 +24,27 @@ fn write_inputs(dir: &Path, name: &str, dt: DType, with_do: bool) -> (PathBuf, [
     (path, [q, k, v, d_o])
 }
 
+/// The outputs a run wrote to `path`: `o`, `lse`, and the gradients (`dsinks` when written).
+fn outputs(path: &Path) -> (cpu::ForwardOutput, cpu::Gradients) {
+    let got = io::read_tensors(path).unwrap();
+    let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
+    let grads = cpu::Gradients {
+        dq: got["dq"].clone(),
+        dk: got["dk"].clone(),
+        dv: got["dv"].clone(),
+        dsinks: got.get("dsinks").cloned(),
+    };
+    (fwd, grads)
+}
+
+/// Adds a `sinks` tensor to the input file at `path`.
+fn add_sinks(path: &Path, sinks: &Tensor) {
+    let mut all = io::read_tensors(path).unwrap();
+    all.insert("sinks".into(), sinks.clone());
+    let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    io::write_tensors(path, &named).unwrap();
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -124,10 +145,7 @@ fn run_reads_sinks_and_writes_their_gradient() {
     let sinks = Tensor::from_f32(vec![4], vec![1.0, 3.5, -1.0, 2.0]).unwrap();
     for (dt, backend) in [(DType::F32, "cpu"), (DType::BF16, "emu")] {
         let (input, [q, k, v, d_o]) = write_inputs(dir.path(), "in.safetensors", dt, true);
-        let mut all = io::read_tensors(&input).unwrap();
-        all.insert("sinks".into(), sinks.clone());
-        let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        io::write_tensors(&input, &named).unwrap();
+        add_sinks(&input, &sinks);
         let p = AttentionParams { mask: Mask::Causal, sinks: Some(sinks.to_f32_vec()), ..Default::default() };
         let strategies: &[&[&str]] =
             &[&[], &["--strategy", "ring", "--world", "3"], &["--strategy", "ulysses", "--world", "2"]];
@@ -136,15 +154,8 @@ fn run_reads_sinks_and_writes_their_gradient() {
             args.extend(extra.iter());
             let r = ringattn(&args);
             assert!(r.status.success(), "{args:?}: {}", String::from_utf8_lossy(&r.stderr));
-            let got = io::read_tensors(&out).unwrap();
-            assert_eq!(got["dsinks"].shape(), &[4], "{args:?}");
-            let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
-            let grads = cpu::Gradients {
-                dq: got["dq"].clone(),
-                dk: got["dk"].clone(),
-                dv: got["dv"].clone(),
-                dsinks: got.get("dsinks").cloned(),
-            };
+            let (fwd, grads) = outputs(&out);
+            assert_eq!(grads.dsinks.as_ref().map(|t| t.shape().to_vec()), Some(vec![4]), "{args:?}");
             let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
             assert!(report.pass() && report.rows.len() == 6, "{args:?}\n{}", report.table());
         }
@@ -154,10 +165,7 @@ fn run_reads_sinks_and_writes_their_gradient() {
     }
     // Three sinks for four query heads.
     let (input, _) = write_inputs(dir.path(), "bad.safetensors", DType::F32, true);
-    let mut all = io::read_tensors(&input).unwrap();
-    all.insert("sinks".into(), Tensor::from_f32(vec![3], vec![0.0; 3]).unwrap());
-    let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    io::write_tensors(&input, &named).unwrap();
+    add_sinks(&input, &Tensor::from_f32(vec![3], vec![0.0; 3]).unwrap());
     std::fs::remove_file(&out).unwrap();
     for extra in [&[][..], &["--strategy", "ring", "--world", "2"][..]] {
         let mut args = vec!["run", "--input", s(&input), "--output", s(&out)];
@@ -182,15 +190,8 @@ fn run_on_the_emulated_kernels_matches_the_oracle() {
             args.extend(extra);
             let r = ringattn(&args);
             assert!(r.status.success(), "{args:?}: {}", String::from_utf8_lossy(&r.stderr));
-            let got = io::read_tensors(&out).unwrap();
+            let (fwd, grads) = outputs(&out);
             let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
-            let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
-            let grads = cpu::Gradients {
-                dq: got["dq"].clone(),
-                dk: got["dk"].clone(),
-                dv: got["dv"].clone(),
-                dsinks: got.get("dsinks").cloned(),
-            };
             assert_eq!(fwd.o.dtype(), dt);
             let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
             assert!(report.pass(), "{args:?}\n{}", report.table());
@@ -358,15 +359,8 @@ fn run_on_the_cuda_backend_fails_cleanly_without_a_gpu() {
     let r = ringattn(&["run", "--backend", "cuda", "--input", s(&input), "--output", s(&out), "--causal"]);
     let err = String::from_utf8_lossy(&r.stderr);
     if r.status.success() {
-        let got = io::read_tensors(&out).unwrap();
+        let (fwd, grads) = outputs(&out);
         let p = AttentionParams { mask: Mask::Causal, ..Default::default() };
-        let fwd = cpu::ForwardOutput { o: got["o"].clone(), lse: got["lse"].clone() };
-        let grads = cpu::Gradients {
-            dq: got["dq"].clone(),
-            dk: got["dk"].clone(),
-            dv: got["dv"].clone(),
-            dsinks: got.get("dsinks").cloned(),
-        };
         let report = ringattn::verify::check_results(&q, &k, &v, Some(&d_o), None, &p, &fwd, Some(&grads)).unwrap();
         assert!(report.pass(), "{}", report.table());
         return;

@@ -50,8 +50,7 @@ fn outputs(path: &Path) -> (ForwardOutput, Gradients) {
     let mut t = io::read_tensors(path).expect("read outputs");
     let mut take = |n: &str| t.remove(n).unwrap_or_else(|| panic!("output lacks {n}"));
     let f = ForwardOutput { o: take("o"), lse: take("lse") };
-    let g = Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv"), dsinks: None };
-    assert!(t.remove("dsinks").is_none(), "no sinks given, no dsinks written");
+    let g = Gradients { dq: take("dq"), dk: take("dk"), dv: take("dv"), dsinks: t.remove("dsinks") };
     (f, g)
 }
 
@@ -80,6 +79,7 @@ fn every_strategy_over_four_processes_matches_the_oracle_and_the_in_process_run(
         let r = mpirun(4, &args);
         assert!(r.status.success(), "{strategy} causal={causal}: {}", text(&r));
         let (fwd, grads) = outputs(&out);
+        assert!(grads.dsinks.is_none(), "{strategy}: no sinks given, no dsinks written");
         let attention = AttentionParams { mask: if causal { Mask::Causal } else { Mask::None }, ..Default::default() };
         let report =
             verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &fwd, Some(&grads)).expect("oracle check");
@@ -97,6 +97,39 @@ fn every_strategy_over_four_processes_matches_the_oracle_and_the_in_process_run(
         assert_eq!(fwd.o, local.forward.o, "{strategy}: o differs from the in-process run");
         assert_eq!(fwd.lse, local.forward.lse, "{strategy}: lse differs");
         assert_eq!((grads.dq, grads.dk, grads.dv), (lg.dq, lg.dk, lg.dv), "{strategy}: gradients differ");
+    }
+}
+
+/// Attention sinks read from the input file by every process: the output and gradients
+/// against the oracle, the sinks' gradient gathered (summed over the ranks) to rank 0's
+/// file, and the same bits as the in-process run, under the ring and Ulysses.
+#[test]
+fn sinks_over_four_processes_match_the_oracle_and_the_in_process_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, [q, k, v, d_o]) = inputs(dir.path(), DType::F32);
+    let sinks = Tensor::from_f32(vec![4], vec![1.0, 3.5, -1.0, 2.0]).expect("sinks");
+    io::write_tensors(&input, &[("q", &q), ("k", &k), ("v", &v), ("do", &d_o), ("sinks", &sinks)]).expect("write");
+    let attention = AttentionParams { mask: Mask::Causal, sinks: Some(sinks.to_f32_vec()), ..Default::default() };
+    for strategy in ["ring", "ulysses"] {
+        let out = dir.path().join(format!("out-sinks-{strategy}.safetensors"));
+        let args =
+            ["run", "--comm", "mpi", "--strategy", strategy, "--causal", "--input", s(&input), "--output", s(&out)];
+        let r = mpirun(4, &args);
+        assert!(r.status.success(), "{strategy}: {}", text(&r));
+        let (fwd, grads) = outputs(&out);
+        let report =
+            verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &fwd, Some(&grads)).expect("oracle check");
+        assert!(report.pass() && report.rows.len() == 6, "{strategy}:\n{}", report.table());
+        let params = ParallelParams {
+            strategy: strategy.parse::<Strategy>().expect("strategy"),
+            attention: attention.clone(),
+            ..Default::default()
+        };
+        let local = run_in_process(4, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)
+            .expect("in-process run");
+        let lg = local.gradients.expect("gradients");
+        assert_eq!(fwd.o, local.forward.o, "{strategy}: o differs from the in-process run");
+        assert_eq!(grads.dsinks, lg.dsinks, "{strategy}: the sinks' gradient differs");
     }
 }
 

@@ -211,16 +211,37 @@ pub fn merge_f32_with(
         d: d as i64,
         ..Default::default()
     };
-    let launch = crate::kernels::geometry::merge(b * h * s);
+    // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
+    // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
+    unsafe {
+        run_merge_family(ringattn_emu_merge_f32, "merge", p, crate::kernels::geometry::merge(b * h * s), schedule)
+    }
+}
+
+/// An emulator entry of the merge family (`cuda/emu/kernels.cpp`).
+type MergeEntry = unsafe extern "C" fn(MergeParams, EmuLaunch, *mut c_char, usize) -> i32;
+
+/// Runs `entry` with `p` on `launch` under `schedule` (nothing for an empty launch); the
+/// emulator's report as [`Error::Kernel`] naming `kernel`.
+///
+/// # Safety
+/// Every address in `p` is live for the call, covers what the kernel addresses for `p`'s
+/// dims, and what the kernel writes is exclusively borrowed by the caller.
+unsafe fn run_merge_family(
+    entry: MergeEntry,
+    kernel: &str,
+    p: MergeParams,
+    launch: crate::kernels::geometry::Launch,
+    schedule: Schedule,
+) -> Result<()> {
     if launch.is_empty() {
         return Ok(());
     }
     let l = EmuLaunch::new(launch, &EmuOptions { schedule, workers: 0, ..Default::default() })?;
     let mut msg = [0u8; 512];
-    // SAFETY: the four buffers have the lengths the kernel addresses (checked above), live for
-    // the call, and `o_a`/`lse_a` are exclusively borrowed; the emulator runs synchronously.
-    let code = unsafe { ringattn_emu_merge_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
-    check(code, &msg, "merge")
+    // SAFETY: the caller's contract; the emulator runs synchronously.
+    let code = unsafe { entry(p, l, msg.as_mut_ptr().cast(), msg.len()) };
+    check(code, &msg, kernel)
 }
 
 /// [`crate::merge::merge_sinks`] run by the merge family's `ringattn_merge_sinks_f32` under
@@ -236,11 +257,8 @@ pub fn merge_f32_with(
 /// # Ok::<(), ringattn::Error>(())
 /// ```
 pub fn merge_sinks_f32(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usize; 4]) -> Result<()> {
+    crate::merge::check_merge_sinks(o.len(), lse.len(), sinks.len(), bshd)?;
     let [b, s, h, d] = bshd;
-    if o.len() != b * s * h * d || lse.len() != b * h * s || sinks.len() != h {
-        // (The host function names the buffer at fault.)
-        return crate::merge::merge_sinks(o, lse, sinks, bshd);
-    }
     let p = MergeParams {
         o_acc: o.as_mut_ptr() as u64,
         lse_acc: lse.as_mut_ptr() as u64,
@@ -252,15 +270,9 @@ pub fn merge_sinks_f32(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usi
         ..Default::default()
     };
     let launch = crate::kernels::geometry::merge(b * h * s);
-    if launch.is_empty() {
-        return Ok(());
-    }
-    let l = EmuLaunch::new(launch, &EmuOptions::default())?;
-    let mut msg = [0u8; 512];
     // SAFETY: the buffers have the lengths the kernel addresses (checked above), live for the
-    // call, `o`/`lse` exclusively borrowed; the emulator runs synchronously.
-    let code = unsafe { ringattn_emu_merge_sinks_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
-    check(code, &msg, "merge_sinks")
+    // call, `o`/`lse` exclusively borrowed.
+    unsafe { run_merge_family(ringattn_emu_merge_sinks_f32, "merge_sinks", p, launch, Schedule::Forward) }
 }
 
 /// [`crate::merge::sink_grad`] run by the merge family's `ringattn_sink_grad_f32` under the
@@ -269,10 +281,8 @@ pub fn merge_sinks_f32(o: &mut [f32], lse: &mut [f32], sinks: &[f32], bshd: [usi
 /// # Errors
 /// As [`crate::merge::sink_grad`]; the emulator's report when the kernel misbehaves.
 pub fn sink_grad_f32(lse: &[f32], delta: &[f32], sinks: &[f32], bhs: [usize; 3]) -> Result<Vec<f32>> {
+    crate::merge::check_sink_grad(lse.len(), delta.len(), sinks.len(), bhs)?;
     let [b, h, s] = bhs;
-    if lse.len() != b * h * s || delta.len() != b * h * s || sinks.len() != h {
-        return crate::merge::sink_grad(lse, delta, sinks, bhs);
-    }
     let mut dsinks = vec![0.0f32; h];
     let p = MergeParams {
         lse_acc: lse.as_ptr() as u64,
@@ -285,14 +295,9 @@ pub fn sink_grad_f32(lse: &[f32], delta: &[f32], sinks: &[f32], bhs: [usize; 3])
         ..Default::default()
     };
     let launch = crate::kernels::geometry::sink_grad(h);
-    if launch.is_empty() {
-        return Ok(dsinks);
-    }
-    let l = EmuLaunch::new(launch, &EmuOptions::default())?;
-    let mut msg = [0u8; 512];
-    // SAFETY: as merge_sinks_f32; the kernel only reads `lse` (through a mutable-typed field).
-    let code = unsafe { ringattn_emu_sink_grad_f32(p, l, msg.as_mut_ptr().cast(), msg.len()) };
-    check(code, &msg, "sink_grad")?;
+    // SAFETY: as merge_sinks_f32, `dsinks` this function's own; the kernel only reads `lse`
+    // (through a mutable-typed field).
+    unsafe { run_merge_family(ringattn_emu_sink_grad_f32, "sink_grad", p, launch, Schedule::Forward)? };
     Ok(dsinks)
 }
 
