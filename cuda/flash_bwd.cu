@@ -777,7 +777,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     RINGATTN_UNROLL
                     for (int n = 0; n < kMT; ++n) {
                         RINGATTN_UNROLL
-                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped>(s[n][e]);
+                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped, kernel_tanh<D, true>()>(s[n][e]);
                     }
                     products(ScoreVariant<false>{}, ScoreVariant<true>{});
                 } else {

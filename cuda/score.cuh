@@ -12,20 +12,63 @@
 
 #include "common.cuh"
 
-// tanh(y) to a few units in the last place relative (the CPU's src/cpu/score.rs takes the same
-// two forms): below |y| = 0.3 its odd Taylor polynomial to y^9 (truncation below 5e-8
-// relative), above 1 - 2 / (2^(2 y log2 e) + 1) with ex2.approx and rcp.approx (2 ulp and 1
-// ulp: at most about 10 ulp at the switch, falling with |y|). +-inf gives +-1, NaN gives NaN.
-// A single MUFU.TANH (tanh.approx, relative error 2^-11) would move every capped score by up to
-// 2^-11 of itself: beyond the f32 LSE's bound.
+// 1 / (2^z + 1) on ex2.approx and rcp.approx (2 ulp and 1 ulp): the one piece of the
+// soft-cap's tanh, tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1). +inf gives 0, -inf 1, NaN NaN.
+__device__ __forceinline__ float rcp_ex2_plus_one(float z) { return rcp_approx(ex2_approx(z) + 1.0f); }
+
+// 2 log2(e): tanh(y) = 1 - 2 * rcp_ex2_plus_one(kTanhLog2 * y).
+constexpr float kTanhLog2 = 2.8853900817779268f;
+
+// The two forms of the soft-cap's tanh a kernel may take, both within the capped scores' bound:
+//  * kShort: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1) — two chained MUFU and three FP32 ops —
+//    within about 3e-7 of tanh(y) absolutely at every y (relatively coarse near 0, where the
+//    result is small). A capped score c2 * tanh(y) is then off by c2 * 3e-7 at most: the
+//    rounding of one f32 score of the cap's size, a relative error of about 1e-5 in its
+//    probability, far below the 16-bit probabilities' 2^-9 — the softmax and the backward's
+//    slope 1 - tanh^2 read absolute error.
+//  * kSplit: below |y| = 0.3 the odd Taylor polynomial to y^9 (truncation below 5e-8
+//    relative), kShort above (at most about 10 ulp relative at the switch): eight more
+//    instructions per score, yet ptxas allocates some kernels at the register limit without
+//    spilling with it where kShort spills: kernel_tanh picks it for them.
+// Both: +-inf give +-1, NaN gives NaN. A single MUFU.TANH (tanh.approx, relative error 2^-11)
+// would move every capped score by up to 2^-11 of itself, the same way for neighbouring
+// scores: beyond the f32 LSE's bound.
+enum class TanhForm { kShort, kSplit };
+
+// tanh(z / (2 log2 e)) in the form F (z: tanh's argument doubled, in log2 units).
+template <TanhForm F>
+__device__ __forceinline__ float tanh_log2(float z) {
+    const float short_form = fmaf(-2.0f, rcp_ex2_plus_one(z), 1.0f);
+    if constexpr (F == TanhForm::kShort) {
+        return short_form;
+    } else {
+        const float y = z * (1.0f / kTanhLog2);
+        const float y2 = y * y;
+        float poly = fmaf(y2, 62.0f / 2835.0f, -17.0f / 315.0f);
+        poly = fmaf(poly, y2, 2.0f / 15.0f);
+        poly = fmaf(poly, y2, -1.0f / 3.0f);
+        const float small = fmaf(poly * y2, y, y);
+        return fabsf(y) < 0.3f ? small : short_form;
+    }
+}
+
+// The form of the kernel whose head-dim class is D (`kBackwardKeys`: the FA2 dk/dv kernels;
+// otherwise the forwards and dq): kSplit where kShort spills (sm_90a: the dk/dv kernels of
+// class 128 and the forward of class 192, which spills with kSplit on sm_80), kShort
+// elsewhere and in the emulator (which tests kSplit through the self-test of score_tanh).
+template <int D, bool kBackwardKeys>
+__device__ __forceinline__ constexpr TanhForm kernel_tanh() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+    return (kBackwardKeys ? D == 128 : D == 192) ? TanhForm::kSplit : TanhForm::kShort;
+#else
+    return TanhForm::kShort;
+#endif
+}
+
+// tanh(y) in the form F (the self-test's entry).
+template <TanhForm F>
 __device__ __forceinline__ float score_tanh(float y) {
-    const float y2 = y * y;
-    float poly = fmaf(y2, 62.0f / 2835.0f, -17.0f / 315.0f);
-    poly = fmaf(poly, y2, 2.0f / 15.0f);
-    poly = fmaf(poly, y2, -1.0f / 3.0f);
-    const float small = fmaf(poly * y2, y, y);
-    const float large = fmaf(-2.0f, rcp_approx(ex2_approx(2.8853900817779268f * y) + 1.0f), 1.0f);  // 2 log2(e) y
-    return fabsf(y) < 0.3f ? small : large;
+    return tanh_log2<F>(kTanhLog2 * y);
 }
 
 // The forwards' scores: the kernels take x -> x * sc (sc >= 0: the scale's sign folded into Q
@@ -36,7 +79,7 @@ __device__ __forceinline__ float score_tanh(float y) {
 // instantiations would spill).
 struct ForwardScores {
     float sc;    // the factor of the exponent's multiply-add
-    float pre;   // capped: |scale_log2| / softcap_log2
+    float pre;   // capped: 2 log2(e) |scale_log2| / softcap_log2 (tanh's argument, doubled, log2)
     float cap2;  // softcap_log2; 0: plain scores
 
     // The scores of a kernel's variant: soft-capped (kCapped, the parameters have a cap) or plain.
@@ -44,7 +87,7 @@ struct ForwardScores {
     __device__ __forceinline__ static ForwardScores of(const ScoreParams& s) {
         const float sc = s.scale_log2 < 0.0f ? -s.scale_log2 : s.scale_log2;
         if constexpr (kCapped) {
-            return ForwardScores{1.0f, sc / s.softcap_log2, s.softcap_log2};
+            return ForwardScores{1.0f, kTanhLog2 * sc / s.softcap_log2, s.softcap_log2};
         } else {
             return ForwardScores{sc, 0.0f, 0.0f};
         }
@@ -56,12 +99,20 @@ struct ForwardScores {
     // The scores of the parameters, either variant (the kernels that branch per tile).
     __device__ __forceinline__ static ForwardScores any(const ScoreParams& s) {
         const float sc = fabsf(s.scale_log2);
-        if (s.softcap_log2 > 0.0f) return ForwardScores{1.0f, sc / s.softcap_log2, s.softcap_log2};
+        if (s.softcap_log2 > 0.0f) return ForwardScores{1.0f, kTanhLog2 * sc / s.softcap_log2, s.softcap_log2};
         return ForwardScores{sc, 0.0f, 0.0f};
     }
 
-    // A raw (sign-folded) product's capped score, log2 units.
-    __device__ __forceinline__ float cap(float x) const { return cap2 * score_tanh(x * pre); }
+    // A raw (sign-folded) product's capped score, log2 units, with the tanh of form F (kShort:
+    // c2 - 2 c2 / (2^z + 1), one multiply-add).
+    template <TanhForm F = TanhForm::kShort>
+    __device__ __forceinline__ float cap(float x) const {
+        if constexpr (F == TanhForm::kShort) {
+            return fmaf(-2.0f * cap2, rcp_ex2_plus_one(x * pre), cap2);
+        } else {
+            return cap2 * tanh_log2<F>(x * pre);
+        }
+    }
 };
 
 // A compile-time flag as a type (the tag of a generic lambda's variant): the backwards are
@@ -78,21 +129,21 @@ struct ScoreVariant {
 // no register for the plain scores' scale).
 struct BackwardScores {
     const ScoreParams& s;
-    float pre;  // capped: scale_log2 / softcap_log2 (dead code in the plain variant)
+    float pre;  // capped: 2 log2(e) scale_log2 / softcap_log2 (dead code in the plain variant)
 
     __device__ __forceinline__ static BackwardScores of(const ScoreParams& s) {
-        return BackwardScores{s, s.softcap_log2 > 0.0f ? s.scale_log2 / s.softcap_log2 : 0.0f};
+        return BackwardScores{s, s.softcap_log2 > 0.0f ? kTanhLog2 * s.scale_log2 / s.softcap_log2 : 0.0f};
     }
 
     __device__ __forceinline__ bool capped() const { return s.softcap_log2 > 0.0f; }
 
     // A raw product prepared for prob(), in place in the kernels' score registers (a pass of its
-    // own, so that its temporaries are dead before the probabilities' pass): tanh(x * pre)
+    // own, so that its temporaries are dead before the probabilities' pass): its tanh (form F)
     // under a soft-cap, x itself otherwise.
-    template <bool kCapped>
+    template <bool kCapped, TanhForm F = TanhForm::kShort>
     __device__ __forceinline__ float prepare(float x) const {
         if constexpr (kCapped) {
-            return score_tanh(x * pre);
+            return tanh_log2<F>(x * pre);
         } else {
             return x;
         }

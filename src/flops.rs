@@ -58,7 +58,7 @@
 
 use crate::cpu::TileConfig;
 use crate::kernels::geometry::{self, DqAccum, DqMode};
-use crate::{AttentionParams, Dims, Error, Result};
+use crate::{AttentionParams, Dims, Error, Positions, Result};
 
 /// FLOPs of the forward per visible pair and head-dimension element: `q·k` and `p·v`, 2
 /// FLOPs per multiply-add each.
@@ -128,6 +128,55 @@ pub fn backward_ratio(dims: &Dims) -> f64 {
 pub fn visible_pairs(dims: &Dims, params: &AttentionParams) -> Result<u64> {
     let band = Band::new(dims, params)?;
     Ok(saturate(band.pairs(0, dims.s_q as i128)))
+}
+
+/// Visible (query, key) pairs of the queries at global positions `p` of each of `positions`
+/// (every position in `0..s`), in self-attention over a sequence of `s` tokens (keys `0..s`)
+/// under `params` — the work of a rank that holds those queries, per (batch element, query
+/// head). Closed form per run of consecutive positions: O(segments + documents touched), not
+/// per pair.
+///
+/// ```
+/// use ringattn::{flops, AttentionParams, Documents, Mask, Positions};
+/// let causal = AttentionParams { mask: Mask::Causal, documents: Some(Documents::new(vec![4, 4])?), ..Default::default() };
+/// // Rank 0 holds positions 0..2 and 4..6: 1 + 2 keys in the first document, 1 + 2 in the second.
+/// let p = Positions::from_segments(vec![
+///     ringattn::Segment { start: 0, stride: 1, len: 2 },
+///     ringattn::Segment { start: 4, stride: 1, len: 2 },
+/// ])?;
+/// assert_eq!(flops::pairs_of_positions(&causal, 8, &[p])?, vec![6]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Documents`] when the documents do not cover exactly `s` tokens;
+/// [`Error::Positions`] for a position outside `0..s`.
+pub fn pairs_of_positions(params: &AttentionParams, s: usize, positions: &[Positions]) -> Result<Vec<u64>> {
+    let dims = Dims { b: 1, s_q: s, s_k: s, h_q: 1, h_kv: 1, d_qk: 1, d_v: 1 };
+    let band = Band::new(&dims, params)?;
+    positions
+        .iter()
+        .map(|pos| {
+            let mut n = 0i128;
+            for seg in pos.segments().iter().filter(|g| g.len > 0) {
+                let last = seg.start + seg.stride * (seg.len as i64 - 1);
+                if seg.start < 0 || last >= s as i64 {
+                    return Err(Error::Positions(format!(
+                        "positions {}..={last} reach outside a sequence of {s} tokens",
+                        seg.start
+                    )));
+                }
+                if seg.stride == 1 {
+                    n += band.pairs(i128::from(seg.start), i128::from(last) + 1);
+                } else {
+                    for p in (0..seg.len as i64).map(|i| i128::from(seg.start + i * seg.stride)) {
+                        n += band.pairs(p, p + 1);
+                    }
+                }
+            }
+            Ok(saturate(n))
+        })
+        .collect()
 }
 
 /// All `s_q·s_k` pairs of one (batch element, query head): what a kernel that skips nothing

@@ -1,9 +1,10 @@
-//! How one sequence is split across ranks: contiguous, zigzag and striped shards of any
-//! length (no padding, no truncation), with the global positions of each rank's tokens.
+//! How one sequence is split across ranks: contiguous, zigzag, striped and work-balanced
+//! shards of any length (no padding, no truncation), with the global positions of each rank's
+//! tokens.
 
 use std::borrow::Borrow;
 
-use crate::{Error, Positions, Result, Segment, Tensor};
+use crate::{AttentionParams, Error, Positions, Result, Segment, Tensor};
 
 /// A sequence layout over `world` ranks.
 ///
@@ -11,12 +12,18 @@ use crate::{Error, Positions, Result, Segment, Tensor};
 /// * `Zigzag`: the sequence is cut into `2P` chunks (`[i·s/2P, (i+1)·s/2P)`); rank `r` holds
 ///   chunks `r` and `2P−1−r`, which balances causal work.
 /// * `Striped`: token `t` lives on rank `t mod P`.
+/// * `Balanced`: chunks of the sequence placed by the dispatch solver ([`crate::dispatch`]) so
+///   that every rank has the same number of tokens and of visible (query, key) pairs under the
+///   call's mask and packed documents; it depends on them, so its positions come from
+///   [`Layout::positions_for`] (or a plan's [`crate::parallel::ResolvedParams`]).
 ///
 /// ```
 /// use ringattn::Layout;
-/// assert_eq!(Layout::Zigzag.positions(10, 2, 0).to_vec(), vec![0, 1, 7, 8, 9]);
-/// assert_eq!(Layout::Striped.positions(10, 4, 1).to_vec(), vec![1, 5, 9]);
-/// assert_eq!(Layout::Contiguous.positions(10, 3, 2).to_vec(), vec![6, 7, 8, 9]);
+/// assert_eq!(Layout::Zigzag.positions(10, 2, 0)?.to_vec(), vec![0, 1, 7, 8, 9]);
+/// assert_eq!(Layout::Striped.positions(10, 4, 1)?.to_vec(), vec![1, 5, 9]);
+/// assert_eq!(Layout::Contiguous.positions(10, 3, 2)?.to_vec(), vec![6, 7, 8, 9]);
+/// assert!(Layout::Balanced.positions(10, 2, 0).is_err()); // needs the mask and documents
+/// # Ok::<(), ringattn::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -28,12 +35,18 @@ pub enum Layout {
     Zigzag,
     /// Token `t` on rank `t mod P`.
     Striped,
+    /// Chunks balanced by visible pairs under the mask and documents ([`crate::dispatch`]).
+    Balanced,
 }
 
 impl Layout {
     /// Global positions of the tokens of `rank` among `world` ranks for a sequence of `s`
     /// tokens, in the order the rank stores them.
-    pub fn positions(&self, s: usize, world: usize, rank: usize) -> Positions {
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] for [`Layout::Balanced`], whose positions depend on the mask and
+    /// documents ([`Layout::positions_for`]).
+    pub fn positions(&self, s: usize, world: usize, rank: usize) -> Result<Positions> {
         let p = world.max(1);
         let cut = |i: usize, parts: usize| i * s / parts;
         let run = |a: usize, b: usize| Segment { start: a as i64, stride: 1, len: b - a };
@@ -46,17 +59,47 @@ impl Layout {
             Layout::Striped => {
                 vec![Segment { start: rank as i64, stride: p as i64, len: s.saturating_sub(rank).div_ceil(p) }]
             }
+            Layout::Balanced => {
+                return Err(Error::Parallel(
+                    "the balanced layout depends on the mask and documents: take its positions from \
+                     Layout::positions_for or a plan's ResolvedParams"
+                        .into(),
+                ))
+            }
         };
-        Positions::from_segments(segs.into_iter().filter(|g| g.len > 0).collect()).expect("valid segments")
+        Positions::from_segments(segs.into_iter().filter(|g| g.len > 0).collect())
+    }
+
+    /// Every rank's positions (indexed by rank) for a sequence of `s` tokens under `attention`'s
+    /// mask and documents: [`Layout::positions`] for the fixed layouts, the dispatch solver's
+    /// balanced chunks ([`crate::dispatch::balance`], default chunk) for `Balanced`.
+    ///
+    /// ```
+    /// use ringattn::{AttentionParams, Documents, Layout, Mask};
+    /// let attention = AttentionParams { mask: Mask::Causal, documents: Some(Documents::new(vec![600, 200, 200])?), ..Default::default() };
+    /// let pos = Layout::Balanced.positions_for(&attention, 1000, 2)?;
+    /// let work = ringattn::flops::pairs_of_positions(&attention, 1000, &pos)?;
+    /// assert!(ringattn::dispatch::imbalance(&work) <= 1.05);
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Documents`] when the documents do not cover exactly `s` tokens (balanced).
+    pub fn positions_for(&self, attention: &AttentionParams, s: usize, world: usize) -> Result<Vec<Positions>> {
+        match self {
+            Layout::Balanced => Ok(crate::dispatch::balance(attention, s, world.max(1), 0)?.positions),
+            fixed => (0..world.max(1)).map(|r| fixed.positions(s, world, r)).collect(),
+        }
     }
 
     /// The rows of `t` (`[b, s, h, d]`) that `rank` holds.
     ///
     /// # Errors
-    /// [`Error::Rank`] when `t` is not 4-dimensional.
+    /// [`Error::Rank`] when `t` is not 4-dimensional; [`Error::Parallel`] for
+    /// [`Layout::Balanced`] (shard by a plan's positions: [`Layout::shard_rows`]).
     pub fn shard(&self, t: &Tensor, world: usize, rank: usize) -> Result<Tensor> {
         let s = dims4(t)?[1];
-        Self::shard_rows(t, &self.positions(s, world, rank))
+        Self::shard_rows(t, &self.positions(s, world, rank)?)
     }
 
     /// The rows of `t` (`[b, s, h, d]`) at `positions` (each in `0..s`), in that order.
@@ -77,10 +120,12 @@ impl Layout {
     /// Reassembles shards (indexed by rank) into the full `[b, s, h, d]` sequence.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the shards do not fit the layout.
+    /// [`Error::ShapeMismatch`] when the shards do not fit the layout; [`Error::Parallel`] for
+    /// [`Layout::Balanced`] ([`Layout::unshard_rows`] with the plan's positions).
     pub fn unshard(&self, shards: &[Tensor]) -> Result<Tensor> {
         let s: usize = shards.iter().map(|t| t.shape().get(1).copied().unwrap_or(0)).sum();
-        let pos: Vec<Positions> = (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect();
+        let pos: Vec<Positions> =
+            (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect::<Result<_>>()?;
         Self::unshard_rows(shards, &pos)
     }
 
@@ -114,10 +159,12 @@ impl Layout {
     /// Reassembles per-rank LSE shards (`[b, h, s_r]`) into `[b, h, s]`.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the shards do not fit the layout.
+    /// [`Error::ShapeMismatch`] when the shards do not fit the layout; [`Error::Parallel`] for
+    /// [`Layout::Balanced`].
     pub fn unshard_lse(&self, shards: &[Tensor]) -> Result<Tensor> {
         let s: usize = shards.iter().map(|t| t.shape().get(2).copied().unwrap_or(0)).sum();
-        let pos: Vec<Positions> = (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect();
+        let pos: Vec<Positions> =
+            (0..shards.len()).map(|r| self.positions(s, shards.len(), r)).collect::<Result<_>>()?;
         Self::unshard_lse_rows(shards, &pos)
     }
 
@@ -160,7 +207,10 @@ impl std::str::FromStr for Layout {
             "contiguous" => Ok(Layout::Contiguous),
             "zigzag" => Ok(Layout::Zigzag),
             "striped" => Ok(Layout::Striped),
-            other => Err(Error::InvalidArgument(format!("unknown layout `{other}` (contiguous, zigzag, striped)"))),
+            "balanced" => Ok(Layout::Balanced),
+            other => {
+                Err(Error::InvalidArgument(format!("unknown layout `{other}` (contiguous, zigzag, striped, balanced)")))
+            }
         }
     }
 }
@@ -191,7 +241,7 @@ mod tests {
                 let world = 3;
                 let shards: Vec<Tensor> = (0..world).map(|r| layout.shard(&t, world, r).unwrap()).collect();
                 for (r, shard) in shards.iter().enumerate() {
-                    let pos = layout.positions(s, world, r).to_vec();
+                    let pos = layout.positions(s, world, r).unwrap().to_vec();
                     assert_eq!(shard.dtype(), dtype);
                     assert_eq!(shard.shape(), [b, pos.len(), h, d]);
                     let want: Vec<f32> = (0..b)

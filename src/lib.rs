@@ -64,6 +64,7 @@ pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dispatch;
 mod dtype;
 #[cfg(feature = "emu")]
 pub mod emu;

@@ -66,6 +66,97 @@ pub fn sample_indices(n: usize, count: usize, seed: u64) -> Vec<usize> {
     v
 }
 
+/// A distribution of document lengths for packed-sequence batches ([`document_lengths`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DocLengths {
+    /// Log-normal: `exp(ln(median) + sigma·N(0, 1))` rounded, clipped to `min..=max`.
+    LogNormal {
+        /// The median length.
+        median: f64,
+        /// The standard deviation of the log-length.
+        sigma: f64,
+        /// Shortest document.
+        min: usize,
+        /// Longest document.
+        max: usize,
+    },
+    /// These lengths in turn, repeated.
+    Fixed(Vec<usize>),
+}
+
+impl Default for DocLengths {
+    /// Log-normal, median 1500, σ 1, 128 ..= 16384 tokens.
+    fn default() -> Self {
+        DocLengths::LogNormal { median: 1500.0, sigma: 1.0, min: 128, max: 16384 }
+    }
+}
+
+impl std::str::FromStr for DocLengths {
+    type Err = crate::Error;
+    /// `lognormal` (the default), `lognormal:MEDIAN:SIGMA:MIN:MAX`, or a comma-separated list of
+    /// lengths (`fixed:` prefix optional).
+    fn from_str(text: &str) -> crate::Result<Self> {
+        let bad = || {
+            crate::Error::InvalidArgument(format!(
+                "document lengths `{text}`: lognormal, lognormal:MEDIAN:SIGMA:MIN:MAX, or a list such as 4096,1024,512"
+            ))
+        };
+        if text == "lognormal" {
+            return Ok(DocLengths::default());
+        }
+        if let Some(rest) = text.strip_prefix("lognormal:") {
+            let f: Vec<&str> = rest.split(':').collect();
+            let [median, sigma, min, max] = f.as_slice() else { return Err(bad()) };
+            let (median, sigma): (f64, f64) = (median.parse().map_err(|_| bad())?, sigma.parse().map_err(|_| bad())?);
+            let (min, max): (usize, usize) = (min.parse().map_err(|_| bad())?, max.parse().map_err(|_| bad())?);
+            if !(median > 0.0 && median.is_finite() && sigma >= 0.0 && sigma.is_finite() && min >= 1 && min <= max) {
+                return Err(bad());
+            }
+            return Ok(DocLengths::LogNormal { median, sigma, min, max });
+        }
+        let list: Vec<usize> = text
+            .strip_prefix("fixed:")
+            .unwrap_or(text)
+            .split(',')
+            .map(|x| x.trim().parse::<usize>().ok().filter(|&l| l > 0))
+            .collect::<Option<_>>()
+            .ok_or_else(bad)?;
+        Ok(DocLengths::Fixed(list))
+    }
+}
+
+/// Document lengths drawn from `dist` with a seeded generator until they fill exactly `s`
+/// tokens (the last one cut to fit): a packed batch. The same `(seed, s, dist)` gives the same
+/// lengths on every machine.
+///
+/// ```
+/// use ringattn::random::{document_lengths, DocLengths};
+/// let lens = document_lengths(3, 32768, &DocLengths::default());
+/// assert_eq!(lens.iter().sum::<usize>(), 32768);
+/// assert_eq!(document_lengths(1, 10, &DocLengths::Fixed(vec![4, 3])), vec![4, 3, 3]);
+/// ```
+pub fn document_lengths(seed: u64, s: usize, dist: &DocLengths) -> Vec<usize> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let mut filled = 0;
+    let mut k = 0;
+    while filled < s {
+        let l = match dist {
+            DocLengths::LogNormal { median, sigma, min, max } => {
+                let z: f64 = rng.sample(StandardNormal);
+                ((median.ln() + sigma * z).exp().round() as usize).clamp(*min, *max)
+            }
+            DocLengths::Fixed(list) if list.is_empty() => s,
+            DocLengths::Fixed(list) => list[k % list.len()],
+        };
+        k += 1;
+        let l = l.min(s - filled);
+        out.push(l);
+        filled += l;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -45,7 +45,8 @@ fn rank_plan(
 /// Two layers, o1 = A(q, k, v) and o2 = A(o1, k, v), loss = Σ o2 ∘ w; layer 1 is run twice
 /// (the first result dropped, as a checkpointed layer is recomputed), so three calls record
 /// their own contexts. Gradients of q, k, v through candle's backward on 4 ranks against the
-/// float64 oracle chained through both layers, with plain and soft-capped scores.
+/// float64 oracle chained through both layers, with plain and soft-capped scores and packed
+/// documents under the balanced layout.
 #[test]
 fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
     let (world, b, s, hq, hkv, d) = (4, 1, 48, 4, 2, 16);
@@ -54,8 +55,15 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
     let v = randn(vec![b, s, hkv, d], 3, DType::F32);
     let w = randn(vec![b, s, hq, d], 4, DType::F32);
     let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
-    // Plain scores and soft-capped ones (the cap at tanh's bend: the drawn scores are about 1).
-    for attention in [causal.clone(), AttentionParams { softcap: Some(2.0), ..causal }] {
+    // Plain scores and soft-capped ones (the cap at tanh's bend: the drawn scores are about 1),
+    // and packed documents under the balanced layout (the ring's zero-redundant schedule).
+    let documents =
+        AttentionParams { documents: Some(ringattn::Documents::new(vec![20, 5, 23]).unwrap()), ..causal.clone() };
+    for (attention, layout) in [
+        (causal.clone(), None),
+        (AttentionParams { softcap: Some(2.0), ..causal }, None),
+        (documents, Some(ringattn::Layout::Balanced)),
+    ] {
         // The oracle, chained: layer 2 backward gives dO1 (its dq), dK2, dV2; layer 1 the rest.
         let o1 = reference::forward(&q, &k, &v, &attention).unwrap();
         let o1t = f32_tensor(&[b, s, hq, d], &o1.o);
@@ -65,8 +73,13 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
         let dk: Vec<f64> = l1.dk.iter().zip(&l2.dk).map(|(a, b)| a + b).collect();
         let dv: Vec<f64> = l1.dv.iter().zip(&l2.dv).map(|(a, b)| a + b).collect();
         for (strategy, degree) in [(Strategy::Ring, None), (Strategy::Ulysses, None), (Strategy::Usp, Some(2))] {
-            let params =
-                ParallelParams { strategy, attention: attention.clone(), ulysses_degree: degree, ..Default::default() };
+            let params = ParallelParams {
+                strategy,
+                layout,
+                attention: attention.clone(),
+                ulysses_degree: degree,
+                ..Default::default()
+            };
             let resolved = params.resolve(world, hq, s).unwrap();
             let (cq, ck, cv, cw) = (to_candle(&q), to_candle(&k), to_candle(&v), to_candle(&w));
             let parts = spmd_shared(world, LocalOptions::default(), |comm| {
@@ -92,7 +105,11 @@ fn layers_and_a_recomputed_layer_give_the_oracles_gradients() {
             let (gq, gk, gv) = (whole(&|p| p.0.clone()), whole(&|p| p.1.clone()), whole(&|p| p.2.clone()));
             for (name, got, want) in [("dq", &gq, &l1.dq), ("dk", &gk, &dk), ("dv", &gv, &dv)] {
                 let e = verify::rel_err(got, want);
-                assert!(e < 1e-5, "{strategy} softcap {:?}: {name} relative error {e:.3e}", attention.softcap);
+                assert!(
+                    e < 1e-5,
+                    "{strategy} {layout:?} softcap {:?}: {name} relative error {e:.3e}",
+                    attention.softcap
+                );
             }
         }
     }

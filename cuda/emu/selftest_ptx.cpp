@@ -142,11 +142,13 @@ extern "C" int ringattn_emu_selftest_convert(const float* x, unsigned n, uint16_
 }
 
 namespace {
-// One warp: the soft-cap's tanh (score.cuh, on the twins of ex2.approx and rcp.approx) and
-// rcp.approx of n values, lane L taking every 32nd.
+// One warp: the soft-cap's tanh (score.cuh, on the twins of ex2.approx and rcp.approx) of n
+// values in both forms (kShort into tanh_out[0..n), kSplit into tanh_out[n..2n)) and
+// rcp.approx of them, lane L taking every 32nd.
 __global__ void score_tanh_lanes(const float* x, unsigned n, float* tanh_out, float* rcp_out) {
     for (unsigned i = threadIdx.x; i < n; i += 32) {
-        tanh_out[i] = score_tanh(x[i]);
+        tanh_out[i] = score_tanh<TanhForm::kShort>(x[i]);
+        tanh_out[n + i] = score_tanh<TanhForm::kSplit>(x[i]);
         rcp_out[i] = rcp_approx(x[i]);
     }
 }

@@ -1292,30 +1292,36 @@ extern "C" {
     ) -> i32;
 }
 
-/// The kernels' soft-cap tanh (`cuda/score.cuh` on the twins of `ex2.approx` and
-/// `rcp.approx`) against f64's tanh on a dense sweep across its switch at |y| = 0.3 and into
-/// saturation: within 12 units in the last place of the result (its stated bound: about 10 at
-/// the switch); ±inf give ±1, NaN stays NaN. And `rcp.approx`'s twin:
-/// the correctly rounded reciprocal, .ftz (subnormals in and out are zero).
+/// The kernels' soft-cap tanh (`cuda/score.cuh`, on the twins of `ex2.approx` and
+/// `rcp.approx`) against f64's tanh on a dense sweep through 0, across the split form's switch
+/// at |y| = 0.3 and into saturation: the short form 1 − 2/(e^{2y} + 1) within 2 units in the
+/// last place of 1, absolutely (a capped score's error is the cap times this: what the softmax
+/// reads); the split form within 12 units in the last place of the result (its stated bound:
+/// about 10 at the switch); ±inf give ±1, NaN stays NaN. And `rcp.approx`'s twin: the
+/// correctly rounded reciprocal, .ftz (subnormals in and out are zero).
 #[test]
 fn score_tanh_and_rcp_approx_twins_are_accurate() {
     let mut x: Vec<f32> = (-24_000..=24_000).map(|i| i as f32 * 5e-4).collect();
     x.extend([1e-30, -3e-8, 0.2999999, 0.3, 0.3000001, 95.0, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    x.extend((1..200).map(|i| 1.0e-4 * i as f32).flat_map(|v| [v, -v]));
     x.extend([1e-40, 3e38, -0.5]);
     let n = x.len();
-    let (mut t, mut r) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let (mut t, mut r) = (vec![0.0f32; 2 * n], vec![0.0f32; n]);
     selftest(|msg, cap| unsafe {
         ringattn_emu_selftest_score_tanh(x.as_ptr(), n as u32, t.as_mut_ptr(), r.as_mut_ptr(), msg, cap)
     })
     .unwrap();
-    for ((&xi, &ti), &ri) in x.iter().zip(&t).zip(&r) {
+    let (short, split) = t.split_at(n);
+    for (((&xi, &ti), &si), &ri) in x.iter().zip(short).zip(split).zip(&r) {
         if xi.is_nan() {
-            assert!(ti.is_nan() && ri.is_nan(), "NaN in: tanh {ti}, rcp {ri}");
+            assert!(ti.is_nan() && si.is_nan() && ri.is_nan(), "NaN in: tanh {ti} / {si}, rcp {ri}");
             continue;
         }
         let want = (xi as f64).tanh();
         let err = (ti as f64 - want).abs();
-        assert!(err <= 12.0 * f32::EPSILON as f64 * want.abs(), "tanh({xi}) = {ti}, want {want}");
+        assert!(err <= 2.0 * f32::EPSILON as f64, "short tanh({xi}) = {ti}, want {want}");
+        let err = (si as f64 - want).abs();
+        assert!(err <= 12.0 * f32::EPSILON as f64 * want.abs(), "split tanh({xi}) = {si}, want {want}");
         let flushed = if xi.abs() < f32::MIN_POSITIVE { 0.0f32.copysign(xi) } else { xi };
         let mut want_r = 1.0f32 / flushed;
         if want_r.abs() < f32::MIN_POSITIVE {

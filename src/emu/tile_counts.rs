@@ -167,8 +167,8 @@ fn ring_hops_of_zigzag_and_striped_shards_visit_their_visible_span() {
     for layout in [Layout::Zigzag, Layout::Striped] {
         // The diagonal hop, a hop whose keys are all earlier, and mixed ones.
         for (rq, rk) in [(1, 1), (3, 0), (0, 2), (2, 1)] {
-            let q_pos = layout.positions(s, world, rq);
-            let k_pos = layout.positions(s, world, rk);
+            let q_pos = layout.positions(s, world, rq).unwrap();
+            let k_pos = layout.positions(s, world, rk).unwrap();
             check(&Case { name: "ring hop", q_pos, k_pos, params: causal(), d: 64 });
         }
     }

@@ -164,6 +164,7 @@ impl Strategy {
 
 mod allgather;
 mod backend;
+mod direct;
 mod plan;
 mod ring;
 mod seq;
@@ -218,6 +219,10 @@ pub struct ParallelParams {
 pub struct Stats {
     /// Ring hops run (1 for non-ring strategies).
     pub hops: usize,
+    /// Ring hops after the local one in which this rank sent and received nothing: past a
+    /// window's early stop, and under the direct schedule the hops whose peers share no
+    /// visible pair with this rank.
+    pub skipped_hops: usize,
     /// Local attention blocks computed.
     pub blocks: usize,
     /// Time in local attention.
@@ -305,10 +310,10 @@ struct LocalData<B> {
 
 impl<B> LocalData<B> {
     /// The ring's view of this rank's own (sequence-sharded) data.
-    fn ring_inputs<'a>(
+    fn ring_inputs<'a, Be: Backend<Buf = B>>(
         &'a self,
         pos: &'a [Positions],
-        hops: usize,
+        plan: &'a ParallelPlan<'_, Be>,
         params: &'a AttentionParams,
     ) -> ring::RingInputs<'a, B> {
         ring::RingInputs {
@@ -321,8 +326,9 @@ impl<B> LocalData<B> {
             k: &self.k,
             v: &self.v,
             pos,
-            hops,
+            hops: plan.hops,
             params,
+            direct: plan.direct.as_ref(),
         }
     }
 }
@@ -767,9 +773,13 @@ trait Rules {
         Ok(1)
     }
 
-    /// Global positions of the tokens `rank` holds (of a resolved `params`): the layout's.
-    fn positions(params: &ParallelParams, world: usize, rank: usize, _ulysses: usize) -> Positions {
-        params.layout().positions(params.seq_len, world, rank)
+    /// Global positions of the tokens every rank holds (of a resolved `params`), indexed by
+    /// rank: the layout's.
+    ///
+    /// # Errors
+    /// As [`Layout::positions_for`].
+    fn positions(params: &ParallelParams, world: usize, _ulysses: usize) -> Result<Vec<Positions>> {
+        params.layout().positions_for(&params.attention, params.seq_len, world)
     }
 }
 

@@ -61,7 +61,7 @@ impl ParallelParams {
         if p.strategy == Strategy::Usp {
             p.ulysses_degree = Some(ulysses);
         }
-        let positions = (0..world).map(|r| with_rules!(p.strategy, R => R::positions(&p, world, r, ulysses))).collect();
+        let positions = with_rules!(p.strategy, R => R::positions(&p, world, ulysses))?;
         Ok(ResolvedParams { params: p, world, ulysses, positions })
     }
 }
@@ -238,6 +238,9 @@ pub struct ParallelPlan<'c, Be: Backend> {
     /// Hops of the ring (of the ring across Ulysses groups for Ulysses/USP), from the
     /// positions, once.
     pub(super) hops: usize,
+    /// The ring's zero-redundant schedule for this rank, when it moves fewer bytes than the
+    /// pass-along ring ([`super::direct::DirectSchedule::better`]), from the positions, once.
+    pub(super) direct: Option<super::direct::DirectSchedule>,
     pub(super) last: Mutex<Stats>,
     /// The attention sinks in the backend's buffers (f32), when the parameters have them.
     pub(super) sinks: Option<PlanSinks<Be::Buf>>,
@@ -454,6 +457,8 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let mesh = if uses_mesh { Some(Mesh::new(&*comm, &resolved, dims)?) } else { None };
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
+        let ring_rank = mesh.as_ref().map_or(comm.rank(), Mesh::ring_rank);
+        let direct = super::direct::DirectSchedule::better(&resolved.params().attention, ring_pos, ring_rank, hops)?;
         let sinks = match &resolved.params().attention.sinks {
             Some(all) => Some(backend.upload(&HostBuf::from(all.clone()))?),
             None => None,
@@ -466,6 +471,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             dtype,
             mesh,
             hops,
+            direct,
             last: Mutex::new(Stats::default()),
             sinks: None,
         };

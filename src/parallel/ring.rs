@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
+use super::direct::{self, DirectSchedule};
 use super::plan::QueryHeads;
 use super::{Driver, LocalData, ParallelParams, ParallelPlan, Rules, Stats};
 use crate::attention::{classify, spans, TileKind};
@@ -57,7 +58,7 @@ impl Driver for Ring {
         x: &LocalData<Be::Buf>,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
-        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
+        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan, &plan.resolved.params().attention);
         let merged = forward(&*plan.comm, &*plan.backend, &inputs, stats)?;
         plan.finish_forward(merged, QueryHeads::All(x.h_q), x.sinks.as_ref())
     }
@@ -70,7 +71,7 @@ impl Driver for Ring {
         d_o: &Be::Buf,
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan.hops, &plan.resolved.params().attention);
+        let inputs = x.ring_inputs(plan.resolved.all_positions(), plan, &plan.resolved.params().attention);
         plan.grads_in_dtype(backward(&*plan.comm, &*plan.backend, &inputs, o, lse, d_o, stats)?)
     }
 }
@@ -92,32 +93,34 @@ pub(crate) struct RingInputs<'a, B> {
     /// Hops the ring runs ([`hops_needed`], computed once by the plan).
     pub hops: usize,
     pub params: &'a AttentionParams,
+    /// The zero-redundant schedule, when the plan chose it (`direct.rs`).
+    pub direct: Option<&'a DirectSchedule>,
 }
 
 impl<B> RingInputs<'_, B> {
-    fn dims(&self, s_q: usize, s_k: usize) -> Dims {
+    pub(super) fn dims(&self, s_q: usize, s_k: usize) -> Dims {
         Dims { b: self.b, s_q, s_k, h_q: self.h_q, h_kv: self.h_kv, d_qk: self.d_qk, d_v: self.d_v }
     }
 
     /// Dense forward FLOPs of one block.
-    fn block_flops(&self, n_q: usize, n_k: usize) -> f64 {
+    pub(super) fn block_flops(&self, n_q: usize, n_k: usize) -> f64 {
         let dims = self.dims(n_q, n_k);
         crate::flops::flops(&dims, crate::flops::dense_pairs(&dims), crate::flops::Pass::Forward)
     }
 
     /// Lengths of rank `rank`'s K and V blocks (and of their gradients).
-    fn kv_len(&self, rank: usize) -> [usize; 2] {
+    pub(super) fn kv_len(&self, rank: usize) -> [usize; 2] {
         let rows = self.b * self.pos[rank].len() * self.h_kv;
         [rows * self.d_qk, rows * self.d_v]
     }
 
     /// Length of this rank's `o` (f32 `[b, n, h_q, d_v]`) for `n` query rows.
-    fn o_len(&self, n: usize) -> usize {
+    pub(super) fn o_len(&self, n: usize) -> usize {
         self.b * n * self.h_q * self.d_v
     }
 
     /// Length of this rank's `dq` (f32 `[b, n, h_q, d_qk]`) for `n` query rows.
-    fn dq_len(&self, n: usize) -> usize {
+    pub(super) fn dq_len(&self, n: usize) -> usize {
         self.b * n * self.h_q * self.d_qk
     }
 }
@@ -285,10 +288,14 @@ pub(crate) fn forward<Be: Backend>(
 ) -> Result<(Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
     let base = tag_block(comm)?;
+    if let Some(sched) = x.direct {
+        return direct::forward(comm, be, x, sched, base, stats);
+    }
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = x.hops;
     stats.hops = hops;
+    stats.skipped_hops = p - hops;
     // q stays: converted to what the steps read once, not per hop.
     let q = be.step_input(x.q)?;
     // The merged (o, lse): the first block's partial as it is, then merged into.
@@ -357,10 +364,14 @@ pub(crate) fn backward<Be: Backend>(
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
     let (p, r) = (comm.size(), comm.rank());
     let base = tag_block(comm)?;
+    if let Some(sched) = x.direct {
+        return direct::backward(comm, be, x, sched, base, (o, lse, d_o), stats);
+    }
     let q_pos = &x.pos[r];
     let n = q_pos.len();
     let hops = x.hops;
     stats.hops = hops;
+    stats.skipped_hops = p - hops;
     // What stays on this rank is converted to what the steps read once, not per hop.
     let (q, o, d_o) = (be.step_input(x.q)?, be.step_input(o)?, be.step_input(d_o)?);
     let delta = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;

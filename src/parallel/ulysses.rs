@@ -44,17 +44,21 @@ impl Rules for Usp {
         params.usp_degree(world, h_q)
     }
 
-    fn positions(params: &ParallelParams, world: usize, rank: usize, u: usize) -> Positions {
+    fn positions(params: &ParallelParams, world: usize, u: usize) -> Result<Vec<Positions>> {
         let (s, layout) = (params.seq_len, params.layout());
+        let groups = layout.positions_for(&params.attention, s, world / u.max(1))?;
         if u <= 1 {
-            return layout.positions(s, world, rank);
+            return Ok(groups);
         }
-        let (g, i) = (rank / u, rank % u);
-        let group = layout.positions(s, world / u, g).to_vec();
-        let n = group.len();
-        let mine = &group[i * n / u..(i + 1) * n / u];
-        let segs = mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect();
-        Positions::from_segments(segs).expect("unit segments")
+        (0..world)
+            .map(|rank| {
+                let (g, i) = (rank / u, rank % u);
+                let group = groups[g].to_vec();
+                let n = group.len();
+                let mine = &group[i * n / u..(i + 1) * n / u];
+                Positions::from_segments(mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect())
+            })
+            .collect()
     }
 }
 
@@ -95,7 +99,7 @@ impl Driver for Ulysses {
         let k = seq_to_heads(g, be, &x.k, m.shapes.k, &m.counts, &m.plan.kv_heads)?;
         let v = seq_to_heads(g, be, &x.v, m.shapes.v, &m.counts, &m.plan.kv_heads)?;
         stats.waiting += a2a.elapsed();
-        let merged = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, &q, &k, &v, plan.hops, ap), stats)?;
+        let merged = ring::forward(m.ring.as_ref(), be, &m.ring_inputs(x, (&q, &k, &v), plan, ap), stats)?;
         // The finish step on this rank's heads; o returns in the input dtype (rounding
         // commutes with moving values).
         let (o, lse) = plan.finish_forward(merged, QueryHeads::Listed(&m.plan.q_heads[m.me]), x.sinks.as_ref())?;
@@ -126,7 +130,7 @@ impl Driver for Ulysses {
         let doh = seq_to_heads(g, be, d_o, sh.o, c, qh)?;
         let lh = lse_to_heads(g, be, lse, x.b, x.h_q, c, qh)?;
         stats.waiting += a2a.elapsed();
-        let ri = m.ring_inputs(x, &q, &k, &v, plan.hops, ap);
+        let ri = m.ring_inputs(x, (&q, &k, &v), plan, ap);
         let (dq, dk, dv) = ring::backward(m.ring.as_ref(), be, &ri, &oh, &lh, &doh, stats)?;
         let a2a = Instant::now();
         // dq heads are written once: they travel in the input dtype; dK/dV replicas are
@@ -305,6 +309,11 @@ pub(crate) struct Mesh<B: Payload> {
 }
 
 impl<B: Payload> Mesh<B> {
+    /// This rank's index in the ring across Ulysses groups (its group's).
+    pub(crate) fn ring_rank(&self) -> usize {
+        self.ring.rank()
+    }
+
     /// The global ids of the query heads this rank computes (its share of its group's).
     pub(crate) fn query_heads(&self) -> &[usize] {
         &self.plan.q_heads[self.me]
@@ -339,17 +348,16 @@ impl<B: Payload> Mesh<B> {
     }
 
     /// The ring's view of this rank's head-sharded data.
-    fn ring_inputs<'a>(
+    fn ring_inputs<'a, Be: Backend<Buf = B>>(
         &'a self,
         x: &LocalData<B>,
-        q: &'a B,
-        k: &'a B,
-        v: &'a B,
-        hops: usize,
+        (q, k, v): (&'a B, &'a B, &'a B),
+        plan: &'a ParallelPlan<'_, Be>,
         params: &'a AttentionParams,
     ) -> ring::RingInputs<'a, B> {
         let (h_q, h_kv) = (self.plan.q_heads[self.me].len(), self.plan.kv_heads[self.me].len());
         let (d_qk, d_v) = (x.d_qk, x.d_v);
-        ring::RingInputs { b: x.b, h_q, h_kv, d_qk, d_v, q, k, v, pos: &self.group_pos, hops, params }
+        let (pos, hops, direct) = (&self.group_pos, plan.hops, plan.direct.as_ref());
+        ring::RingInputs { b: x.b, h_q, h_kv, d_qk, d_v, q, k, v, pos, hops, params, direct }
     }
 }

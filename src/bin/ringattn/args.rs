@@ -77,8 +77,10 @@ pub struct ExecArgs {
     /// only its own rows of --input and rank 0 writes --output.
     #[arg(long, default_value = "local")]
     pub comm: String,
-    /// How tokens are spread over ranks: contiguous, zigzag or striped [default: zigzag for
-    /// causal or windowed masks, contiguous otherwise].
+    /// How tokens are spread over ranks: contiguous, zigzag, striped or balanced (chunks placed
+    /// so that every rank has as many tokens and visible (query, key) pairs as the others under
+    /// the mask and --seqlens documents) [default: zigzag for causal or windowed masks,
+    /// contiguous otherwise].
     #[arg(long)]
     pub layout: Option<String>,
     /// Ulysses degree of --strategy usp [default: the largest divisor of --world that divides

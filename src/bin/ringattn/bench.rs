@@ -80,8 +80,9 @@ pub struct BenchArgs {
     /// Sweep: world sizes, comma-separated (1 = the single-device baseline) [default: 1,2,4].
     #[arg(long, value_name = "LIST")]
     pub world: Option<String>,
-    /// Sweep: token layout over ranks, contiguous, zigzag or striped [default: zigzag when
-    /// causal, contiguous otherwise].
+    /// Sweep: token layout over ranks, contiguous, zigzag, striped or balanced [default: zigzag
+    /// when causal, contiguous otherwise]; with --docs a comma-separated list [default:
+    /// zigzag,balanced].
     #[arg(long)]
     pub layout: Option<String>,
     /// Sweep: folder for bench.json, bench.csv and the plots (throughput, hidden, weak
@@ -114,6 +115,21 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file (atomically).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Packed-document batches: document lengths drawn from DIST to fill --seq (lognormal:
+    /// median 1500, σ 1, 128..16384; lognormal:MEDIAN:SIGMA:MIN:MAX; or a list such as
+    /// 4096,1024 repeated), one batch per --doc-seeds; reports per strategy (--strategies,
+    /// default ring) and layout (--layout, a list, default zigzag,balanced) the imbalance of
+    /// visible pairs per rank, bytes sent, ring hops skipped and forward + backward time
+    /// [default --seq: 32768; --world: 2,4,8].
+    #[arg(long, value_name = "DIST")]
+    pub docs: Option<String>,
+    /// Batches (seeds 0..N) of --docs.
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    pub doc_seeds: usize,
+    /// Ranks of --docs: local (threads of this process, --world) or mpi (the processes of
+    /// `mpirun -n P ringattn bench --comm mpi --docs ...`; a build with --features mpi).
+    #[arg(long, default_value = "local")]
+    pub comm: String,
 }
 
 /// The timings of one pass, with the work they are divided into.
@@ -310,6 +326,9 @@ fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64
 }
 
 pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
+    if let Some(docs) = &a.docs {
+        return crate::docbench::run(a, docs);
+    }
     let seqs = crate::args::parse_list(a.seq.as_deref().unwrap_or("4096"), "--seq")?;
     if seqs.len() != 1 || a.strategies.is_some() || a.world.is_some() || a.out.is_some() {
         if a.window.is_some() || a.seqlens.is_some() {

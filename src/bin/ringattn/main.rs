@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod distributed;
+mod docbench;
 mod doctor;
 mod pingpong;
 mod plan;

@@ -1,0 +1,294 @@
+//! `ringattn bench --docs DIST`: packed-document batches over ranks. For each seeded batch
+//! (`--doc-seeds`), each strategy (`--strategies`) and layout (`--layout`, a list), at each
+//! world size: the layout's imbalance (max over mean of the ranks' visible (query, key)
+//! pairs: [`ringattn::flops::pairs_of_positions`]), and, forward + backward through one plan
+//! per configuration, the bytes every rank sent, the ring hops skipped and the wall time
+//! (the slowest rank's, median of the timed rounds; configurations interleaved round by
+//! round, so drift hits all alike). Ranks are threads of this process (`--comm local`:
+//! they share the cores, so wall time shows no balance) or the processes of an MPI job
+//! (`mpirun -n P ringattn bench --comm mpi ...`, a build with `--features mpi`; one compute
+//! thread each with RAYON_NUM_THREADS=1). JSON with `--json`, a plot with `--out`.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use ringattn::comm::{all_gather, barrier, spmd, Communicator, LocalOptions};
+use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
+use ringattn::random::{document_lengths, randn, DocLengths};
+use ringattn::{dispatch, flops, DType, Dims, Documents, Error, HostBuf, Layout, Result};
+use serde::Serialize;
+
+use crate::bench::BenchArgs;
+
+/// One configuration of one batch.
+#[derive(Serialize, Debug, Clone)]
+pub struct DocRow {
+    /// The batch's seed.
+    pub seed: u64,
+    /// Documents in the batch.
+    pub documents: usize,
+    /// Ranks.
+    pub world: usize,
+    /// Strategy name.
+    pub strategy: String,
+    /// Layout name.
+    pub layout: String,
+    /// Max over mean of the ranks' visible pairs.
+    pub imbalance: f64,
+    /// Visible pairs of each rank's queries (per batch element and head).
+    pub work: Vec<u64>,
+    /// Bytes sent by all ranks, forward + backward.
+    pub bytes_sent: u64,
+    /// What the pass-along ring (every K/V block to every rank, as without documents) sends
+    /// over the same shards, forward + backward: [`pass_along_bytes`] (ring rows only).
+    pub pass_along_bytes: Option<u64>,
+    /// Ring hops skipped, summed over ranks (forward).
+    pub skipped_hops: usize,
+    /// Forward + backward seconds of each timed round (the slowest rank's).
+    pub seconds: Vec<f64>,
+    /// Median of `seconds`.
+    pub median_s: f64,
+}
+
+/// The run's settings, resolved from the bench arguments.
+struct Setup {
+    dist: DocLengths,
+    seeds: Vec<u64>,
+    s: usize,
+    h_q: usize,
+    h_kv: usize,
+    d: usize,
+    dtype: DType,
+    mask: ringattn::Mask,
+    strategies: Vec<Strategy>,
+    layouts: Vec<Layout>,
+    warmup: usize,
+    iters: usize,
+}
+
+impl Setup {
+    fn of(a: &BenchArgs, docs: &str) -> Result<Setup> {
+        let dist: DocLengths = docs.parse()?;
+        let s = match &a.seq {
+            None => 32768,
+            Some(list) => list
+                .trim()
+                .parse()
+                .map_err(|_| Error::InvalidArgument(format!("--seq `{list}`: one length with --docs")))?,
+        };
+        let mut mask_args = crate::args::MaskArgs { causal: a.causal, window: a.window.clone(), ..Default::default() };
+        mask_args.softcap = a.softcap;
+        let mask = mask_args.params()?.mask;
+        let names = |list: &Option<String>, default: &str| -> Vec<String> {
+            list.as_deref()
+                .unwrap_or(default)
+                .split(',')
+                .map(|x| x.trim().to_string())
+                .filter(|x| !x.is_empty())
+                .collect()
+        };
+        let strategies =
+            names(&a.strategies, "ring").iter().map(|n| n.parse::<Strategy>()).collect::<Result<Vec<_>>>()?;
+        let layouts =
+            names(&a.layout, "zigzag,balanced").iter().map(|n| n.parse::<Layout>()).collect::<Result<Vec<_>>>()?;
+        let dtype = match a.dtype.as_deref() {
+            None => DType::BF16,
+            Some(d) => d.parse()?,
+        };
+        Ok(Setup {
+            dist,
+            seeds: (0..a.doc_seeds as u64).collect(),
+            s,
+            h_q: a.heads,
+            h_kv: a.kv_heads.unwrap_or(a.heads),
+            d: a.head_dim,
+            dtype,
+            mask,
+            strategies,
+            layouts,
+            warmup: a.warmup.unwrap_or(1),
+            iters: a.iters.unwrap_or(3).max(1),
+        })
+    }
+}
+
+/// Every configuration of every batch on this rank of `comm` (collective); rank 0's rows hold
+/// the gathered figures.
+fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<DocRow>> {
+    let (world, rank) = (comm.size(), comm.rank());
+    let be = CpuBackend::default();
+    let mut rows = Vec::new();
+    for &seed in &st.seeds {
+        let lens = document_lengths(seed, st.s, &st.dist);
+        let attention = ringattn::AttentionParams {
+            mask: st.mask,
+            documents: Some(Documents::new(lens.clone())?),
+            ..Default::default()
+        };
+        let draw = |h: usize, i: u64| randn(vec![1, st.s, h, st.d], 1000 * seed + i, st.dtype);
+        let (q, k, v, d_o) = (draw(st.h_q, 1), draw(st.h_kv, 2), draw(st.h_kv, 3), draw(st.h_q, 4));
+        struct Config<'c> {
+            row: DocRow,
+            plan: ParallelPlan<'c, CpuBackend>,
+            bufs: [HostBuf; 4],
+        }
+        let mut configs = Vec::new();
+        for &strategy in &st.strategies {
+            for &layout in &st.layouts {
+                let params = ParallelParams {
+                    strategy,
+                    layout: Some(layout),
+                    attention: attention.clone(),
+                    seq_len: st.s,
+                    ulysses_degree: None,
+                };
+                let resolved = params.resolve(world, st.h_q, st.s)?;
+                let work = flops::pairs_of_positions(&attention, st.s, resolved.all_positions())?;
+                let n = resolved.positions(rank).len();
+                let dims = Dims { b: 1, s_q: n, s_k: n, h_q: st.h_q, h_kv: st.h_kv, d_qk: st.d, d_v: st.d };
+                let plan = ParallelPlan::new(comm, &be, &resolved, &dims, st.dtype)?;
+                let up = |t: &ringattn::Tensor| plan.upload_tensor(&resolved.shard(t, rank)?);
+                let bufs = [up(&q)?, up(&k)?, up(&v)?, up(&d_o)?];
+                let row = DocRow {
+                    seed,
+                    documents: lens.len(),
+                    world,
+                    strategy: strategy.name().to_string(),
+                    layout: format!("{layout:?}").to_lowercase(),
+                    imbalance: dispatch::imbalance(&work),
+                    work,
+                    bytes_sent: 0,
+                    pass_along_bytes: (strategy == Strategy::Ring)
+                        .then(|| pass_along_bytes(st.s, st.h_kv, st.d, st.d, st.dtype, world)),
+                    skipped_hops: 0,
+                    seconds: Vec::new(),
+                    median_s: 0.0,
+                };
+                configs.push(Config { row, plan, bufs });
+            }
+        }
+        for round in 0..st.warmup + st.iters {
+            for c in configs.iter_mut() {
+                barrier(comm, HostBuf::from(vec![0.0f32]))?;
+                let start = Instant::now();
+                let [q, k, v, d_o] = &c.bufs;
+                let (_, saved) = c.plan.forward(q, k, v)?;
+                let fwd = c.plan.last_stats();
+                c.plan.backward(&saved, d_o)?;
+                let bwd = c.plan.last_stats();
+                let mine = start.elapsed().as_secs_f64();
+                // Every rank's seconds, bytes and skipped hops.
+                let mine =
+                    HostBuf::from(vec![mine as f32, (fwd.bytes_sent + bwd.bytes_sent) as f32, fwd.skipped_hops as f32]);
+                let all: Vec<f32> = all_gather(comm, mine)?
+                    .iter()
+                    .map(|b| b.f32s().map(<[f32]>::to_vec))
+                    .collect::<Result<Vec<_>>>()?
+                    .concat();
+                if round >= st.warmup {
+                    let per = |j: usize| all.iter().skip(j).step_by(3).copied();
+                    c.row.seconds.push(per(0).fold(0.0f32, f32::max) as f64);
+                    c.row.bytes_sent = per(1).map(|x| x as u64).sum();
+                    c.row.skipped_hops = per(2).map(|x| x as usize).sum();
+                }
+            }
+        }
+        for mut c in configs {
+            let mut sorted = c.row.seconds.clone();
+            sorted.sort_by(f64::total_cmp);
+            c.row.median_s = sorted[sorted.len() / 2];
+            rows.push(c.row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Bytes the pass-along ring of `world` ranks sends over a sequence of `s` tokens (K/V of
+/// `h_kv` heads, head dims `d_qk` and `d_v`, in `dtype`), forward + backward, when every hop
+/// runs: each of the `P − 1` exchanges moves every rank's K and V block (all `s` rows in
+/// total) forward and again backward, plus the blocks' f32 dK/dV accumulators, and the final
+/// return of the accumulators to their owners: `s·h_kv·(d_qk + d_v)·(2·e·(P − 1) + 4·P)` with
+/// `e` the dtype's bytes (`P` = 1: nothing).
+pub fn pass_along_bytes(s: usize, h_kv: usize, d_qk: usize, d_v: usize, dtype: DType, world: usize) -> u64 {
+    if world < 2 {
+        return 0;
+    }
+    let e = dtype.size_of() as u64;
+    let p = world as u64;
+    (s * h_kv * (d_qk + d_v)) as u64 * (2 * e * (p - 1) + 4 * (p - 1) + 4)
+}
+
+/// `ringattn bench --docs DIST`.
+pub fn run(a: &BenchArgs, docs: &str) -> Result<ExitCode> {
+    let st = Setup::of(a, docs)?;
+    let rows = match a.comm.as_str() {
+        "local" => {
+            let worlds = crate::args::parse_list(a.world.as_deref().unwrap_or("2,4,8"), "--world")?;
+            let mut rows = Vec::new();
+            for world in worlds {
+                let options = LocalOptions::default();
+                let mut per_rank = spmd(world, options, |comm| rank_rows(comm, &st));
+                rows.extend(per_rank.swap_remove(0)?);
+            }
+            rows
+        }
+        #[cfg(feature = "mpi")]
+        "mpi" => {
+            let comm = ringattn::comm::MpiComm::init(ringattn::comm::MpiOptions::default())?;
+            let rows = rank_rows(&comm, &st)?;
+            if comm.rank() != 0 {
+                return Ok(ExitCode::SUCCESS);
+            }
+            rows
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "--comm `{other}` for --docs: local, or mpi (a build with --features mpi)"
+            )))
+        }
+    };
+    print_table(&rows);
+    if let Some(path) = &a.json {
+        ringattn::io::write_json(path, &rows)?;
+    }
+    if let Some(dir) = &a.out {
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.clone(), source })?;
+        // Imbalance per batch, one line per (strategy, layout, world).
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for r in &rows {
+            let name = format!("{} {} P={}", r.strategy, r.layout, r.world);
+            match series.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, pts)) => pts.push((r.seed as f64, r.imbalance)),
+                None => series.push((name, vec![(r.seed as f64, r.imbalance)])),
+            }
+        }
+        let title = format!("Visible pairs per rank, max / mean ({} tokens)", st.s);
+        for f in
+            crate::plot::line_chart(&dir.join("balance"), &title, "batch (seed)", "imbalance", &series, false, false)?
+        {
+            println!("wrote {}", f.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(rows: &[DocRow]) {
+    println!("seed docs world strategy   layout      imbalance  MB sent  of pass-along  skipped  median ms");
+    for r in rows {
+        let of_pass =
+            r.pass_along_bytes.map_or("—".to_string(), |p| format!("{:.2}", r.bytes_sent as f64 / p as f64));
+        println!(
+            "{:>4} {:>4} {:>5} {:<10} {:<10} {:>10.3} {:>8.2} {:>14} {:>8} {:>10.1}",
+            r.seed,
+            r.documents,
+            r.world,
+            r.strategy,
+            r.layout,
+            r.imbalance,
+            r.bytes_sent as f64 / 1e6,
+            of_pass,
+            r.skipped_hops,
+            r.median_s * 1e3
+        );
+    }
+}

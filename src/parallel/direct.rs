@@ -1,0 +1,562 @@
+//! The ring's zero-redundant schedule: at hop `t` rank `r` sends its own K/V rows — only those
+//! that rank `r + t`'s queries see at least one pair in — straight to `r + t`, and receives from
+//! `r − t` the rows of `r − t` it sees; a hop with nothing visible either way posts nothing.
+//! The backward sends each block's dK/dV partials (f32, the same rows) straight back to the
+//! block's owner, which adds them into its own accumulators in hop order (deterministic).
+//!
+//! Same hop order and merge order as the pass-along ring (`ring.rs`), so the two schedules are
+//! interchangeable; the plan picks this one when it moves fewer bytes ([`DirectSchedule::better`]
+//! : packed documents, above all under the balanced layout, where most rank pairs share few
+//! or no visible pairs), computed once from every rank's positions.
+
+use std::time::Instant;
+
+use super::backend::Backend;
+use super::ring::RingInputs;
+use super::Stats;
+use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
+use crate::{AttentionParams, DType, Elem, Error, Positions, Result, Segment};
+
+/// Tag offsets in the call's tag block: K of hop t is `KV_TAG + 2t`, V `+ 1`; the dK/dV
+/// partials of hop t `PART_TAG + 2t`, `+ 1`.
+const KV_TAG: Tag = 0;
+const PART_TAG: Tag = 1 << 18;
+
+/// Local row runs `(first row, rows)` of a block, ascending and disjoint.
+type Runs = Vec<(usize, usize)>;
+
+/// One rank's direct schedule over a ring of `P` ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct DirectSchedule {
+    /// Per hop `t` (index 0 unused): the rows of this rank's own K/V that rank `r + t` sees.
+    send: Vec<Runs>,
+    /// Per hop `t`: the positions of the rows of rank `r − t` that this rank sees (`None`: none).
+    recv: Vec<Option<Positions>>,
+}
+
+impl DirectSchedule {
+    /// The schedule of ring rank `rank` given every ring rank's positions, or `None` when the
+    /// pass-along ring of `hops` hops moves no more bytes (every rank's K/V rows counted once
+    /// per hop they travel; the same verdict on every rank).
+    ///
+    /// # Errors
+    /// [`Error::Documents`] when a position lies outside the documents.
+    pub(crate) fn better(
+        params: &AttentionParams,
+        pos: &[Positions],
+        rank: usize,
+        hops: usize,
+    ) -> Result<Option<Self>> {
+        let p = pos.len();
+        if p < 2 {
+            return Ok(None);
+        }
+        let seen: Vec<Vec<(i64, i64)>> = pos.iter().map(|q| visible_keys(params, q)).collect::<Result<_>>()?;
+        let need = |to: usize, from: usize| runs_within(&pos[from], &seen[to]);
+        // Rows each schedule moves, over all ranks: the pass-along ring sends, at each of its
+        // hops but the last, the block it holds.
+        let pass: usize =
+            (0..p).map(|r| (0..hops.saturating_sub(1)).map(|t| pos[(r + p - t) % p].len()).sum::<usize>()).sum();
+        let mut direct = 0usize;
+        for from in 0..p {
+            for t in 1..p {
+                direct += need((from + t) % p, from).iter().map(|r| r.1).sum::<usize>();
+            }
+        }
+        if direct >= pass {
+            return Ok(None);
+        }
+        let send = (0..p).map(|t| if t == 0 { Vec::new() } else { need((rank + t) % p, rank) }).collect();
+        let recv = (0..p)
+            .map(|t| {
+                let from = (rank + p - t) % p;
+                let runs = if t == 0 { Vec::new() } else { need(rank, from) };
+                (!runs.is_empty()).then(|| positions_of(&pos[from], &runs))
+            })
+            .collect();
+        Ok(Some(DirectSchedule { send, recv }))
+    }
+
+    /// Whether this rank sends or receives at hop `t`.
+    fn active(&self, t: usize) -> bool {
+        !self.send[t].is_empty() || self.recv[t].is_some()
+    }
+
+    /// Hops this rank runs: one past its last active hop (the local hop: 1).
+    fn extent(&self) -> usize {
+        (1..self.send.len()).rev().find(|&t| self.active(t)).map_or(1, |t| t + 1)
+    }
+
+    /// Hops after the local one in which this rank sends and receives nothing.
+    fn idle_hops(&self) -> usize {
+        (1..self.send.len()).filter(|&t| !self.active(t)).count()
+    }
+}
+
+/// The key intervals (inclusive, ascending, disjoint) that queries at `q` see at least one
+/// pair in: per run of consecutive queries within one document, `[q0 − left, q1 + right]`
+/// clipped to the document (the mask's sides; a missing side: the document's end).
+fn visible_keys(params: &AttentionParams, q: &Positions) -> Result<Vec<(i64, i64)>> {
+    let (left, right) = params.mask.bounds();
+    // Each document's first position and one past its last.
+    let bounds: Option<Vec<(i64, i64)>> = params.documents.as_ref().map(|docs| {
+        let mut at = 0i64;
+        docs.lengths()
+            .into_iter()
+            .map(|l| {
+                at += l as i64;
+                (at - l as i64, at)
+            })
+            .collect()
+    });
+    let mut out: Vec<(i64, i64)> = Vec::new();
+    let mut add = |q0: i64, q1: i64| -> Result<()> {
+        let mut a = q0;
+        while a <= q1 {
+            // The document holding `a`, inclusive (no documents: one unbounded).
+            let (ds, de) = match (&params.documents, &bounds) {
+                (Some(docs), Some(b)) => {
+                    let d = docs.document_of(a).ok_or_else(|| {
+                        Error::Documents(format!("position {a} lies outside the documents (0..{})", docs.total_len()))
+                    })?;
+                    (b[d].0, b[d].1 - 1)
+                }
+                _ => (i64::MIN, i64::MAX),
+            };
+            let b = q1.min(de);
+            let lo = left.map_or(ds, |l| ds.max(a.saturating_sub(l)));
+            let hi = right.map_or(de, |r| de.min(b.saturating_add(r)));
+            if lo <= hi {
+                out.push((lo, hi));
+            }
+            a = b + 1;
+        }
+        Ok(())
+    };
+    for seg in q.segments().iter().filter(|s| s.len > 0) {
+        if seg.stride == 1 {
+            add(seg.start, seg.start + seg.len as i64 - 1)?;
+        } else {
+            for i in 0..seg.len as i64 {
+                let x = seg.start + i * seg.stride;
+                add(x, x)?;
+            }
+        }
+    }
+    out.sort_unstable();
+    let mut merged: Vec<(i64, i64)> = Vec::with_capacity(out.len());
+    for (a, b) in out {
+        match merged.last_mut() {
+            Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    Ok(merged)
+}
+
+/// The local rows of a block at `k` whose positions lie in `seen` (inclusive, ascending,
+/// disjoint intervals), as runs.
+fn runs_within(k: &Positions, seen: &[(i64, i64)]) -> Runs {
+    let mut runs: Runs = Vec::new();
+    let mut push = |a: usize, n: usize| match runs.last_mut() {
+        Some(last) if last.0 + last.1 == a => last.1 += n,
+        _ if n > 0 => runs.push((a, n)),
+        _ => {}
+    };
+    let mut base = 0usize;
+    for seg in k.segments() {
+        if seg.len > 0 {
+            let last = seg.start + seg.stride * (seg.len as i64 - 1);
+            // The intervals that reach this segment's span.
+            let first = seen.partition_point(|&(_, hi)| hi < seg.start);
+            for &(lo, hi) in seen[first..].iter().take_while(|&&(lo, _)| lo <= last) {
+                // Indices i with lo <= start + i·stride <= hi.
+                let i0 = if lo <= seg.start { 0 } else { (lo - seg.start + seg.stride - 1) / seg.stride };
+                let i1 = ((hi.min(last) - seg.start) / seg.stride).min(seg.len as i64 - 1);
+                if i0 <= i1 {
+                    push(base + i0 as usize, (i1 - i0 + 1) as usize);
+                }
+            }
+        }
+        base += seg.len;
+    }
+    runs
+}
+
+/// The positions of the rows `runs` of a block at `k`.
+fn positions_of(k: &Positions, runs: &Runs) -> Positions {
+    let all = k.to_vec();
+    let mut segs: Vec<Segment> = Vec::new();
+    for &(a, n) in runs {
+        for &x in &all[a..a + n] {
+            match segs.last_mut() {
+                Some(s) if s.start + s.len as i64 == x => s.len += 1,
+                _ => segs.push(Segment { start: x, stride: 1, len: 1 }),
+            }
+        }
+    }
+    Positions::from_segments(segs).expect("stride-1 segments of valid positions")
+}
+
+/// The rows `runs` of a `[b, n, w]` buffer (the buffer itself when they are all of it).
+fn gather<Be: Backend>(be: &Be, x: &Be::Buf, b: usize, n: usize, w: usize, runs: &Runs) -> Result<Be::Buf> {
+    if runs.len() == 1 && runs[0] == (0, n) {
+        return Ok(x.clone());
+    }
+    let parts = runs.iter().map(|&(a, m)| be.seq_slice(x, b, n, w, a, m)).collect::<Result<Vec<_>>>()?;
+    be.concat_seq(&parts, b, w)
+}
+
+/// A partial over the rows `runs` of a `[b, n, w]` f32 buffer, widened to all `n` rows (zeros
+/// elsewhere).
+fn widen<Be: Backend>(be: &Be, part: &Be::Buf, b: usize, n: usize, w: usize, runs: &Runs) -> Result<Be::Buf> {
+    let rows: usize = runs.iter().map(|r| r.1).sum();
+    let mut parts = Vec::with_capacity(2 * runs.len() + 1);
+    let (mut at, mut from) = (0usize, 0usize);
+    for &(a, m) in runs {
+        if a > at {
+            parts.push(be.filled(b * (a - at) * w, 0.0, DType::F32)?);
+        }
+        parts.push(be.seq_slice(part, b, rows, w, from, m)?);
+        at = a + m;
+        from += m;
+    }
+    if n > at {
+        parts.push(be.filled(b * (n - at) * w, 0.0, DType::F32)?);
+    }
+    be.concat_seq(&parts, b, w)
+}
+
+/// Waits for a pair of receives and checks their lengths.
+fn wait_pair<B: Payload>(
+    pair: (RecvHandle<B>, RecvHandle<B>),
+    want: [usize; 2],
+    what: &str,
+    peer: usize,
+) -> Result<(B, B)> {
+    let (a, b) = (pair.0.wait()?, pair.1.wait()?);
+    for (got, want) in [(&a, want[0]), (&b, want[1])] {
+        if got.elements() != want {
+            return Err(Error::ShapeMismatch(format!(
+                "{what} from rank {peer}: {} values, expected {want}",
+                got.elements()
+            )));
+        }
+    }
+    Ok((a, b))
+}
+
+/// A posted hop: its sends and, when this rank receives, the pair's receives.
+struct Hop<B> {
+    sends: Vec<SendHandle>,
+    recvs: Option<(RecvHandle<B>, RecvHandle<B>)>,
+}
+
+impl<B: Payload> Hop<B> {
+    fn wait_sends(self) -> Result<Option<(RecvHandle<B>, RecvHandle<B>)>> {
+        for s in self.sends {
+            s.wait()?;
+        }
+        Ok(self.recvs)
+    }
+}
+
+/// Posts a pair (K and V, or dK and dV) to `to` (if any) and the receive of a pair of
+/// `want` values from `from` (if any), as one batch.
+fn post_pair<B: Payload>(
+    comm: &dyn Communicator<Buf = B>,
+    tag: Tag,
+    send: Option<(usize, B, B)>,
+    recv: Option<(usize, [usize; 2], Elem)>,
+) -> Result<Hop<B>> {
+    let recvs = match recv {
+        Some((from, want, elem)) => {
+            vec![RecvOp { from, tag, len: want[0], elem }, RecvOp { from, tag: tag + 1, len: want[1], elem }]
+        }
+        None => Vec::new(),
+    };
+    let sends = match send {
+        Some((to, a, b)) => vec![SendOp { to, tag, data: a }, SendOp { to, tag: tag + 1, data: b }],
+        None => Vec::new(),
+    };
+    if recvs.is_empty() && sends.is_empty() {
+        return Ok(Hop { sends: Vec::new(), recvs: None });
+    }
+    let Posted { recvs, sends } = comm.post(recvs, sends)?;
+    let mut recvs = recvs.into_iter();
+    let pair = match (recvs.next(), recvs.next()) {
+        (Some(a), Some(b)) => Some((a, b)),
+        (None, None) => None,
+        _ => return Err(Error::InvalidArgument("internal: half of a posted pair".into())),
+    };
+    Ok(Hop { sends, recvs: pair })
+}
+
+/// The view of one rank's schedule at hop `t`: peers and sizes.
+struct At<'a, B> {
+    x: &'a RingInputs<'a, B>,
+    sched: &'a DirectSchedule,
+    p: usize,
+    r: usize,
+}
+
+impl<B> At<'_, B> {
+    /// K and V lengths of `rows` rows.
+    fn kv_len(&self, rows: usize) -> [usize; 2] {
+        let n = self.x.b * rows * self.x.h_kv;
+        [n * self.x.d_qk, n * self.x.d_v]
+    }
+
+    fn to(&self, t: usize) -> usize {
+        (self.r + t) % self.p
+    }
+
+    fn from(&self, t: usize) -> usize {
+        (self.r + self.p - t) % self.p
+    }
+
+    /// Posts hop `t`'s K/V exchange (nothing past the last hop).
+    fn post_kv<Be: Backend<Buf = B>>(
+        &self,
+        comm: &dyn Communicator<Buf = B>,
+        be: &Be,
+        base: Tag,
+        t: usize,
+    ) -> Result<Hop<B>>
+    where
+        B: Payload,
+    {
+        if t >= self.sched.extent() {
+            return Ok(Hop { sends: Vec::new(), recvs: None });
+        }
+        let x = self.x;
+        let n = x.pos[self.r].len();
+        let runs = &self.sched.send[t];
+        let send = if runs.is_empty() {
+            None
+        } else {
+            let k = gather(be, x.k, x.b, n, x.h_kv * x.d_qk, runs)?;
+            let v = gather(be, x.v, x.b, n, x.h_kv * x.d_v, runs)?;
+            Some((self.to(t), k, v))
+        };
+        let recv = self.sched.recv[t].as_ref().map(|pos| (self.from(t), self.kv_len(pos.len()), x.k.elem()));
+        post_pair(comm, base + KV_TAG + 2 * t as Tag, send, recv)
+    }
+}
+
+/// The direct schedule's forward: this rank's merged `(o, lse)` in f32.
+pub(crate) fn forward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &RingInputs<Be::Buf>,
+    sched: &DirectSchedule,
+    base: Tag,
+    stats: &mut Stats,
+) -> Result<(Be::Buf, Be::Buf)> {
+    let (p, r) = (comm.size(), comm.rank());
+    let at = At { x, sched, p, r };
+    let q_pos = &x.pos[r];
+    let n = q_pos.len();
+    let hops = sched.extent();
+    stats.hops = hops;
+    stats.skipped_hops = sched.idle_hops();
+    let q = be.step_input(x.q)?;
+    let mut merged: Option<(Be::Buf, Be::Buf)> = None;
+    let mut posted = at.post_kv(comm, be, base, 1)?;
+    for t in 0..hops {
+        let (c0, w0) = (stats.compute, stats.waiting);
+        let start = Instant::now();
+        // This hop's block: the own one, or what the previous iteration's post receives.
+        let block = if t == 0 {
+            Some((x.k.clone(), x.v.clone(), q_pos.clone()))
+        } else {
+            let hop = std::mem::replace(&mut posted, at.post_kv(comm, be, base, t + 1)?);
+            let recvs = hop.wait_sends()?;
+            match (recvs, &sched.recv[t]) {
+                (Some(pair), Some(pos)) => {
+                    let (k, v) = wait_pair(pair, at.kv_len(pos.len()), "K/V rows", at.from(t))?;
+                    Some((k, v, pos.clone()))
+                }
+                _ => None,
+            }
+        };
+        stats.waiting += start.elapsed();
+        let visible = match &block {
+            Some((_, _, k_pos)) => t > 0 || super::ring::block_visible(x.params, q_pos, k_pos)?,
+            None => false,
+        };
+        match block.filter(|_| visible) {
+            Some((k, v, k_pos)) => {
+                let start = Instant::now();
+                let dims = x.dims(n, k_pos.len());
+                let (ob, lb) = be.forward_block(dims, &q, &k, &v, q_pos, &k_pos, x.params)?.wait()?;
+                match &mut merged {
+                    None => merged = Some((ob, lb)),
+                    Some((o, lse)) => {
+                        be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d_v])?;
+                        be.recycle(ob);
+                        be.recycle(lb);
+                    }
+                }
+                stats.compute += start.elapsed();
+                stats.blocks += 1;
+                stats.step(c0, w0, x.block_flops(n, k_pos.len()));
+            }
+            None => stats.step(c0, w0, 0.0),
+        }
+    }
+    posted.wait_sends()?;
+    match merged {
+        Some(partial) => Ok(partial),
+        None => {
+            Ok((be.filled(x.o_len(n), 0.0, DType::F32)?, be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?))
+        }
+    }
+}
+
+/// The direct schedule's backward: this rank's `(dq, dk, dv)` in f32 from its final `o`, `lse`
+/// and `d_o`. The partials of this rank's K/V rows come back from the ranks that used them and
+/// are added in hop order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &RingInputs<Be::Buf>,
+    sched: &DirectSchedule,
+    base: Tag,
+    (o, lse, d_o): (&Be::Buf, &Be::Buf, &Be::Buf),
+    stats: &mut Stats,
+) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+    let (p, r) = (comm.size(), comm.rank());
+    let at = At { x, sched, p, r };
+    let q_pos = &x.pos[r];
+    let n = q_pos.len();
+    let hops = sched.extent();
+    stats.hops = hops;
+    stats.skipped_hops = sched.idle_hops();
+    let (q, o, d_o) = (be.step_input(x.q)?, be.step_input(o)?, be.step_input(d_o)?);
+    let delta = be.softmax_grad_rowsum(x.dims(n, n), &o, &d_o)?;
+    let (wk, wv) = (x.h_kv * x.d_qk, x.h_kv * x.d_v);
+    let mut dq: Option<Be::Buf> = None;
+    let mut own: Option<(Be::Buf, Be::Buf)> = None;
+    let mut partials: Vec<(usize, Hop<Be::Buf>)> = Vec::new();
+    let mut posted = at.post_kv(comm, be, base, 1)?;
+    for t in 0..hops {
+        let (c0, w0) = (stats.compute, stats.waiting);
+        let start = Instant::now();
+        let block = if t == 0 {
+            Some((x.k.clone(), x.v.clone(), q_pos.clone()))
+        } else {
+            let hop = std::mem::replace(&mut posted, at.post_kv(comm, be, base, t + 1)?);
+            match (hop.wait_sends()?, &sched.recv[t]) {
+                (Some(pair), Some(pos)) => {
+                    let (k, v) = wait_pair(pair, at.kv_len(pos.len()), "K/V rows", at.from(t))?;
+                    Some((k, v, pos.clone()))
+                }
+                _ => None,
+            }
+        };
+        stats.waiting += start.elapsed();
+        let visible = match &block {
+            Some((_, _, k_pos)) => t > 0 || super::ring::block_visible(x.params, q_pos, k_pos)?,
+            None => false,
+        };
+        let start = Instant::now();
+        let mut flops = 0.0;
+        let mut part: Option<(Be::Buf, Be::Buf)> = None;
+        if let Some((k, v, k_pos)) = block.filter(|_| visible) {
+            let dims = x.dims(n, k_pos.len());
+            let (gq, gk, gv) =
+                be.backward_block(dims, &q, &k, &v, &o, lse, &d_o, &delta, q_pos, &k_pos, x.params)?.wait()?;
+            match &mut dq {
+                None => dq = Some(gq),
+                Some(dq) => {
+                    be.add_into(dq, &gq)?;
+                    be.recycle(gq);
+                }
+            }
+            stats.blocks += 1;
+            flops = crate::flops::backward_ratio(&dims) * x.block_flops(n, k_pos.len());
+            if t == 0 {
+                own = Some((gk, gv));
+            } else {
+                part = Some((gk, gv));
+            }
+        }
+        stats.compute += start.elapsed();
+        if t > 0 {
+            // The partials of hop t: ours of rank r − t's rows back to it, and those of our rows
+            // that rank r + t used, from it.
+            let send = part.map(|(a, b)| (at.from(t), a, b));
+            let mine = &sched.send[t];
+            let recv = (!mine.is_empty()).then(|| {
+                let rows: usize = mine.iter().map(|r| r.1).sum();
+                (at.to(t), at.kv_len(rows), Elem::F32)
+            });
+            partials.push((t, post_pair(comm, base + PART_TAG + 2 * t as Tag, send, recv)?));
+        }
+        stats.step(c0, w0, flops);
+    }
+    posted.wait_sends()?;
+    let start = Instant::now();
+    let (mut dk, mut dv) = match own {
+        Some(pair) => pair,
+        None => (be.filled(x.b * n * wk, 0.0, DType::F32)?, be.filled(x.b * n * wv, 0.0, DType::F32)?),
+    };
+    for (t, hop) in partials {
+        if let Some(pair) = hop.wait_sends()? {
+            let runs = &sched.send[t];
+            let rows: usize = runs.iter().map(|r| r.1).sum();
+            let (pk, pv) = wait_pair(pair, at.kv_len(rows), "dK/dV partials", at.to(t))?;
+            be.add_into(&mut dk, &widen(be, &pk, x.b, n, wk, runs)?)?;
+            be.add_into(&mut dv, &widen(be, &pv, x.b, n, wv, runs)?)?;
+        }
+    }
+    stats.waiting += start.elapsed();
+    let dq = match dq {
+        Some(dq) => dq,
+        None => be.filled(x.dq_len(n), 0.0, DType::F32)?,
+    };
+    Ok((dq, dk, dv))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Documents, Layout, Mask};
+
+    /// The rows the schedule sends are exactly those with a visible pair, row by row.
+    #[test]
+    fn sent_rows_are_exactly_the_visible_ones() {
+        let docs = Documents::new(vec![40, 7, 90, 3, 60]).unwrap();
+        let s = 200;
+        for mask in [Mask::Causal, Mask::None, Mask::Window { left: Some(5), right: Some(2) }] {
+            for with_docs in [true, false] {
+                let params = AttentionParams { mask, documents: with_docs.then(|| docs.clone()), ..Default::default() };
+                for layout in [Layout::Zigzag, Layout::Striped, Layout::Balanced, Layout::Contiguous] {
+                    let pos = layout.positions_for(&params, s, 3).unwrap();
+                    for to in 0..3 {
+                        let seen = visible_keys(&params, &pos[to]).unwrap();
+                        for from in 0..3 {
+                            let runs = runs_within(&pos[from], &seen);
+                            let got: Vec<i64> = positions_of(&pos[from], &runs).to_vec();
+                            let want: Vec<i64> = pos[from]
+                                .iter()
+                                .filter(|&k| {
+                                    pos[to].iter().any(|q| {
+                                        let same = params
+                                            .documents
+                                            .as_ref()
+                                            .is_none_or(|d| d.document_of(q) == d.document_of(k));
+                                        same && mask.allows(q, k)
+                                    })
+                                })
+                                .collect();
+                            assert_eq!(got, want, "{mask:?} docs {with_docs} {layout:?} {from}→{to}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
