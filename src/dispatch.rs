@@ -270,11 +270,12 @@ mod tests {
         }
     }
 
+    /// The batches (32,768 tokens at 2, 4 and 8 ranks; 65,536 at 8): within 1.05,
+    /// deterministic; zigzag's imbalance printed beside it (`--nocapture`).
     #[test]
     fn packed_documents_balance_within_five_percent() {
-        for world in [2, 4, 8] {
+        for (s, world) in [(32768, 2), (32768, 4), (32768, 8), (65536, 8)] {
             for seed in 0..5 {
-                let s = 32768;
                 let docs = lognormal_docs(seed, s);
                 let params = AttentionParams {
                     mask: Mask::Causal,
@@ -282,7 +283,10 @@ mod tests {
                     ..Default::default()
                 };
                 let d = balance(&params, s, world, 0).unwrap();
-                assert!(d.imbalance() <= 1.05, "world {world} seed {seed}: {}", d.imbalance());
+                let zigzag = crate::Layout::Zigzag.positions_for(&params, s, world).unwrap();
+                let z = imbalance(&flops::pairs_of_positions(&params, s, &zigzag).unwrap());
+                eprintln!("s {s} P {world} seed {seed}: balanced {:.3}, zigzag {z:.3}", d.imbalance());
+                assert!(d.imbalance() <= 1.05, "s {s} world {world} seed {seed}: {}", d.imbalance());
                 // Deterministic.
                 assert_eq!(balance(&params, s, world, 0).unwrap(), d);
             }

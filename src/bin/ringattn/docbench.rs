@@ -46,6 +46,10 @@ pub struct DocRow {
     pub skipped_hops: usize,
     /// Forward + backward seconds of each timed round (the slowest rank's).
     pub seconds: Vec<f64>,
+    /// Each rank's seconds in local attention (forward + backward, last round).
+    pub compute_s: Vec<f64>,
+    /// Each rank's seconds blocked on communication (forward + backward, last round).
+    pub waiting_s: Vec<f64>,
     /// Median of `seconds`.
     pub median_s: f64,
 }
@@ -162,6 +166,8 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                         .then(|| pass_along_bytes(st.s, st.h_kv, st.d, st.d, st.dtype, world)),
                     skipped_hops: 0,
                     seconds: Vec::new(),
+                    compute_s: Vec::new(),
+                    waiting_s: Vec::new(),
                     median_s: 0.0,
                 };
                 configs.push(Config { row, plan, bufs });
@@ -177,19 +183,26 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                 c.plan.backward(&saved, d_o)?;
                 let bwd = c.plan.last_stats();
                 let mine = start.elapsed().as_secs_f64();
-                // Every rank's seconds, bytes and skipped hops.
-                let mine =
-                    HostBuf::from(vec![mine as f32, (fwd.bytes_sent + bwd.bytes_sent) as f32, fwd.skipped_hops as f32]);
+                // Every rank's seconds, bytes, skipped hops, compute and waiting.
+                let mine = HostBuf::from(vec![
+                    mine as f32,
+                    (fwd.bytes_sent + bwd.bytes_sent) as f32,
+                    fwd.skipped_hops as f32,
+                    (fwd.compute + bwd.compute).as_secs_f32(),
+                    (fwd.waiting + bwd.waiting).as_secs_f32(),
+                ]);
                 let all: Vec<f32> = all_gather(comm, mine)?
                     .iter()
                     .map(|b| b.f32s().map(<[f32]>::to_vec))
                     .collect::<Result<Vec<_>>>()?
                     .concat();
                 if round >= st.warmup {
-                    let per = |j: usize| all.iter().skip(j).step_by(3).copied();
+                    let per = |j: usize| all.iter().skip(j).step_by(5).copied();
                     c.row.seconds.push(per(0).fold(0.0f32, f32::max) as f64);
                     c.row.bytes_sent = per(1).map(|x| x as u64).sum();
                     c.row.skipped_hops = per(2).map(|x| x as usize).sum();
+                    c.row.compute_s = per(3).map(f64::from).collect();
+                    c.row.waiting_s = per(4).map(f64::from).collect();
                 }
             }
         }
@@ -273,12 +286,12 @@ pub fn run(a: &BenchArgs, docs: &str) -> Result<ExitCode> {
 }
 
 fn print_table(rows: &[DocRow]) {
-    println!("seed docs world strategy   layout      imbalance  MB sent  of pass-along  skipped  median ms");
+    println!("seed docs world strategy   layout      imbalance  MB sent  of pass-along  skipped  median ms  compute ms (ranks)");
     for r in rows {
         let of_pass =
             r.pass_along_bytes.map_or("—".to_string(), |p| format!("{:.2}", r.bytes_sent as f64 / p as f64));
         println!(
-            "{:>4} {:>4} {:>5} {:<10} {:<10} {:>10.3} {:>8.2} {:>14} {:>8} {:>10.1}",
+            "{:>4} {:>4} {:>5} {:<10} {:<10} {:>10.3} {:>8.2} {:>14} {:>8} {:>10.1}  {}",
             r.seed,
             r.documents,
             r.world,
@@ -288,7 +301,8 @@ fn print_table(rows: &[DocRow]) {
             r.bytes_sent as f64 / 1e6,
             of_pass,
             r.skipped_hops,
-            r.median_s * 1e3
+            r.median_s * 1e3,
+            r.compute_s.iter().map(|c| format!("{:.0}", c * 1e3)).collect::<Vec<_>>().join(" ")
         );
     }
 }
