@@ -1,6 +1,8 @@
 //! The ring's zero-redundant schedule: at hop `t` rank `r` sends its own K/V rows — only those
-//! that rank `r + t`'s queries see at least one pair in — straight to `r + t`, and receives from
-//! `r − t` the rows of `r − t` it sees; a hop with nothing visible either way posts nothing.
+//! that rank `r + t`'s queries see at least one pair in, widened to whole windows of its rows
+//! ([`window`]: so that the receiver's key tiles do not mix rows from far apart) — straight to
+//! `r + t`, and receives from `r − t` the rows of `r − t` it sees; a hop with nothing visible
+//! either way posts nothing.
 //! The backward sends each block's dK/dV partials (f32, the same rows) straight back to the
 //! block's owner, which adds them into its own accumulators in hop order (deterministic).
 //!
@@ -52,7 +54,7 @@ impl DirectSchedule {
             return Ok(None);
         }
         let seen: Vec<Vec<(i64, i64)>> = pos.iter().map(|q| visible_keys(params, q)).collect::<Result<_>>()?;
-        let need = |to: usize, from: usize| runs_within(&pos[from], &seen[to]);
+        let need = |to: usize, from: usize| aligned(runs_within(&pos[from], &seen[to]), pos[from].len());
         // Rows each schedule moves, over all ranks: the pass-along ring sends, at each of its
         // hops but the last, the block it holds.
         let pass: usize =
@@ -181,6 +183,33 @@ fn runs_within(k: &Positions, seen: &[(i64, i64)]) -> Runs {
         base += seg.len;
     }
     runs
+}
+
+/// Sent runs are widened to whole windows of the sender's rows (clipped to the block), so that
+/// the receiver's key tiles (up to 512 rows on the CPU, 64–128 in the kernels) each hold rows of
+/// one window of the sender's — as its own tiles do — instead of straddling rows that lay far
+/// apart (a tile over unrelated documents runs masked). The extra rows hold no visible pair:
+/// they cost bytes, not results. The window: 512 rows, or a sixteenth of a smaller block (a
+/// power of two, from 64); blocks under 1024 rows are sent row-exact.
+fn window(n: usize) -> usize {
+    if n < 1024 {
+        return 1;
+    }
+    1 << (n / 16).min(512).ilog2()
+}
+
+/// `runs` widened to whole [`window`]s of a block of `n` rows, merged.
+fn aligned(runs: Runs, n: usize) -> Runs {
+    let w = window(n);
+    let mut out: Runs = Vec::with_capacity(runs.len());
+    for (a, m) in runs {
+        let (lo, hi) = (a - a % w, (a + m).div_ceil(w).saturating_mul(w).min(n));
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 >= lo => last.1 = hi.max(last.0 + last.1) - last.0,
+            _ => out.push((lo, hi - lo)),
+        }
+    }
+    out
 }
 
 /// The positions of the rows `runs` of a block at `k`.
@@ -525,7 +554,20 @@ mod tests {
     use super::*;
     use crate::{Documents, Layout, Mask};
 
-    /// The rows the schedule sends are exactly those with a visible pair, row by row.
+    /// Aligned runs cover the exact ones with whole windows (clipped at the block's end).
+    #[test]
+    fn aligned_runs_cover_whole_windows() {
+        let n = 20000; // windows of 512
+        assert_eq!(aligned(vec![(3, 2), (600, 10), (1030, 1)], n), vec![(0, 1536)]);
+        assert_eq!(aligned(vec![(3, 2), (1100, 10)], n), vec![(0, 512), (1024, 512)]);
+        assert_eq!(aligned(vec![(19990, 5)], n), vec![(19968, 32)]);
+        assert_eq!(aligned(vec![(70, 3)], 2000), vec![(64, 64)]); // windows of 64
+        assert_eq!(aligned(vec![(70, 3)], 1000), vec![(70, 3)]); // row-exact
+        assert_eq!(aligned(vec![(2, 1)], 10), vec![(2, 1)]);
+        assert_eq!(aligned(Vec::new(), 10), Vec::new());
+    }
+
+    /// The rows with a visible pair, row by row (before alignment).
     #[test]
     fn sent_rows_are_exactly_the_visible_ones() {
         let docs = Documents::new(vec![40, 7, 90, 3, 60]).unwrap();
