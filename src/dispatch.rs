@@ -1,4 +1,4 @@
-//! Balancing packed documents across ranks: the dispatch solver behind [`Layout::Balanced`].
+//! Balancing packed documents across ranks: the dispatch solver behind [`crate::Layout::Balanced`].
 //!
 //! **Problem.** The sequence of `s` tokens is cut into chunks of `c` consecutive tokens on a
 //! global grid (the last one shorter). A chunk's *work* is the number of visible (query, key)

@@ -554,6 +554,54 @@ mod schedules {
         }
     }
 
+    /// The direct schedule's whole-window sends (blocks of 1,024 rows and more: here 2,048 rows
+    /// per rank, windows of 128) with two batch elements, packed documents and a window, under
+    /// the balanced and zigzag layouts, forward and backward against the oracle.
+    #[test]
+    fn windowed_sends_with_batches_match_the_oracle() {
+        use ringattn::random::{document_lengths, DocLengths};
+        let (s, world) = (4096, 2);
+        let docs = document_lengths(7, s, &DocLengths::LogNormal { median: 700.0, sigma: 1.0, min: 32, max: 3000 });
+        let draw = |h: usize, seed: u64| randn(vec![2, s, h, 8], seed, DType::F32);
+        let (q, k, v, d_o) = (draw(2, 1), draw(1, 2), draw(1, 3), draw(2, 4));
+        for mask in [Mask::Causal, Mask::Window { left: Some(300), right: Some(0) }] {
+            let attention = AttentionParams {
+                mask,
+                documents: Some(ringattn::Documents::new(docs.clone()).unwrap()),
+                ..Default::default()
+            };
+            for layout in [Layout::Balanced, Layout::Zigzag] {
+                let p = ParallelParams {
+                    strategy: Strategy::Ring,
+                    layout: Some(layout),
+                    attention: attention.clone(),
+                    seq_len: s,
+                    ulysses_degree: None,
+                };
+                let run =
+                    run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p)
+                        .unwrap();
+                let report = verify::check_results(
+                    &q,
+                    &k,
+                    &v,
+                    Some(&d_o),
+                    None,
+                    &attention,
+                    &run.forward,
+                    run.gradients.as_ref(),
+                )
+                .unwrap();
+                assert!(report.pass(), "{mask:?} {layout:?}\n{}", report.table());
+                // The direct schedule ran: fewer bytes than the pass-along ring's
+                // s·h_kv·(d_qk + d_v)·(2e(P − 1) + 4P) (f32: e = 4), times the batch.
+                let sent: u64 =
+                    run.stats.iter().map(|(f, b)| f.bytes_sent + b.as_ref().map_or(0, |b| b.bytes_sent)).sum();
+                assert!(sent < 2 * (s * 16 * (8 + 8)) as u64, "{mask:?} {layout:?}: {sent} bytes");
+            }
+        }
+    }
+
     #[test]
     fn a_window_stops_the_ring_early() {
         let (s, world) = (400, 4);

@@ -217,7 +217,8 @@ pub struct ParallelParams {
 /// What one rank did.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Stats {
-    /// Ring hops run (1 for non-ring strategies).
+    /// Ring hops run (1 for non-ring strategies). Under the ring's direct schedule, this
+    /// rank's: one past its last hop with anything to send or receive (ranks may differ).
     pub hops: usize,
     /// Ring hops after the local one in which this rank sent and received nothing: past a
     /// window's early stop, and under the direct schedule the hops whose peers share no

@@ -458,7 +458,11 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
         let ring_rank = mesh.as_ref().map_or(comm.rank(), Mesh::ring_rank);
-        let direct = super::direct::DirectSchedule::better(&resolved.params().attention, ring_pos, ring_rank, hops)?;
+        // The ring's schedule (the all-gather runs no ring).
+        let direct = match resolved.params().strategy {
+            Strategy::AllGather => None,
+            _ => super::direct::DirectSchedule::better(&resolved.params().attention, ring_pos, ring_rank, hops)?,
+        };
         let sinks = match &resolved.params().attention.sinks {
             Some(all) => Some(backend.upload(&HostBuf::from(all.clone()))?),
             None => None,
