@@ -531,6 +531,22 @@ impl Driver {
                     }
                 }
                 alloc.history.record(a, &op.clock);
+            } else if first.is_none() {
+                // Live when the operation started (else it failed there) and gone now: a free on
+                // another stream, not ordered after it, retired the allocation while it ran.
+                first = Some(Failure::new(
+                    ILLEGAL_ADDRESS,
+                    format!(
+                        "{}: {} {base:#x} bytes {}..{} on {}, which is not live memory{} (freed while it ran, \
+                         with no event wait or synchronisation between the two)",
+                        a.label,
+                        if a.write { "writes" } else { "reads" },
+                        a.lo,
+                        a.hi,
+                        labels[sid],
+                        freed_by(st, base + a.lo),
+                    ),
+                ));
             }
         }
         first.map_or(Ok(()), Err)
