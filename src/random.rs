@@ -126,7 +126,7 @@ impl std::str::FromStr for DocLengths {
 }
 
 /// Document lengths drawn from `dist` with a seeded generator until they fill exactly `s`
-/// tokens (the last one cut to fit): a packed batch. The same `(seed, s, dist)` gives the same
+/// tokens (each at least one token, the last one cut to fit): a packed batch. The same `(seed, s, dist)` gives the same
 /// lengths on every machine.
 ///
 /// ```
@@ -134,6 +134,7 @@ impl std::str::FromStr for DocLengths {
 /// let lens = document_lengths(3, 32768, &DocLengths::default());
 /// assert_eq!(lens.iter().sum::<usize>(), 32768);
 /// assert_eq!(document_lengths(1, 10, &DocLengths::Fixed(vec![4, 3])), vec![4, 3, 3]);
+/// assert_eq!(document_lengths(1, 3, &DocLengths::Fixed(vec![0])), vec![1, 1, 1]);
 /// ```
 pub fn document_lengths(seed: u64, s: usize, dist: &DocLengths) -> Vec<usize> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -150,7 +151,9 @@ pub fn document_lengths(seed: u64, s: usize, dist: &DocLengths) -> Vec<usize> {
             DocLengths::Fixed(list) => list[k % list.len()],
         };
         k += 1;
-        let l = l.min(s - filled);
+        // At least one token: a zero length (a list holding 0, a log-normal clipped at 0)
+        // would never fill the batch.
+        let l = l.clamp(1, s - filled);
         out.push(l);
         filled += l;
     }

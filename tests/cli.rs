@@ -576,3 +576,33 @@ fn run_reads_a_v_of_its_own_head_dim() {
         }
     }
 }
+
+/// `bench --docs`: packed-document batches per layout (imbalance, bytes against the pass-along
+/// ring, JSON); the options it cannot honour are refused by name.
+#[test]
+fn bench_docs_reports_layouts_and_refuses_what_it_cannot_honour() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("docs.json");
+    let args = ["bench", "--docs", "300,90,40", "--seq", "512", "--world", "2", "--causal", "--doc-seeds", "1"];
+    let shape = ["--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--batch", "2", "--iters", "1", "--warmup", "0"];
+    let out = ringattn(&[&args[..], &shape[..], &["--json", s(&json)]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "zigzag and balanced");
+    let balanced = rows.iter().find(|r| r["layout"] == "balanced").unwrap();
+    assert!(balanced["imbalance"].as_f64().unwrap() <= 1.05);
+    let (sent, pass) = (balanced["bytes_sent"].as_u64().unwrap(), balanced["pass_along_bytes"].as_u64().unwrap());
+    assert!(sent > 0 && sent < pass, "{sent} vs {pass}");
+    for (flag, value) in [("--backend", "emu"), ("--pass", "forward"), ("--seqlens", "512")] {
+        let out = ringattn(&[&args[..], &shape[..], &[flag, value]].concat());
+        assert!(!out.status.success(), "{flag} {value} ran");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(flag),
+            "{flag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = ringattn(&["bench", "--comm", "mpi", "--seq", "64", "--iters", "1"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--comm"));
+}

@@ -470,8 +470,38 @@ mod faults {
 
 mod schedules {
     use ringattn::comm::LocalOptions;
-    use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, Strategy};
-    use ringattn::{random::randn, reference, verify, AttentionParams, DType, Layout, Mask};
+    use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, ProcessRun, Strategy};
+    use ringattn::{random::randn, reference, verify, AttentionParams, DType, Layout, Mask, Tensor};
+
+    /// The ring over `world` in-process ranks on the CPU: forward, and backward with `d_o`.
+    fn ring(
+        world: usize,
+        layout: Layout,
+        attention: &AttentionParams,
+        [q, k, v]: [&Tensor; 3],
+        d_o: Option<&Tensor>,
+    ) -> ProcessRun {
+        let p = ParallelParams {
+            strategy: Strategy::Ring,
+            layout: Some(layout),
+            attention: attention.clone(),
+            seq_len: q.shape()[1],
+            ulysses_degree: None,
+        };
+        run_in_process(world, LocalOptions::default(), &CpuBackend::default(), q, k, v, d_o, &p).unwrap()
+    }
+
+    /// Bytes all ranks sent, forward and backward.
+    fn bytes_sent(r: &ProcessRun) -> u64 {
+        r.stats.iter().map(|(f, b)| f.bytes_sent + b.as_ref().map_or(0, |b| b.bytes_sent)).sum()
+    }
+
+    /// A run's outputs and gradients against the oracle.
+    fn assert_exact(r: &ProcessRun, [q, k, v, d_o]: [&Tensor; 4], attention: &AttentionParams, what: &str) {
+        let report =
+            verify::check_results(q, k, v, Some(d_o), None, attention, &r.forward, r.gradients.as_ref()).unwrap();
+        assert!(report.pass(), "{what}\n{}", report.table());
+    }
 
     /// Causal attention work (visible pairs) per rank, max over mean.
     fn imbalance(layout: Layout, s: usize, world: usize) -> f64 {
@@ -514,43 +544,17 @@ mod schedules {
                 randn(vec![1, s, 1, 8], seed + 2, DType::F32),
                 randn(vec![1, s, 2, 8], seed + 3, DType::F32),
             );
-            let run = |layout: Layout, attention: &AttentionParams| {
-                let p = ParallelParams {
-                    strategy: Strategy::Ring,
-                    layout: Some(layout),
-                    attention: attention.clone(),
-                    seq_len: s,
-                    ulysses_degree: None,
-                };
-                run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p)
-                    .unwrap()
-            };
-            let balanced = run(Layout::Balanced, &attention);
+            let balanced = ring(world, Layout::Balanced, &attention, [&q, &k, &v], Some(&d_o));
             // The pass-along zigzag ring moves every block to every rank: its bytes are those of
             // the same shapes without a mask or documents, where every block is seen.
-            let passing = run(Layout::Zigzag, &AttentionParams::default());
-            let sent = |r: &ringattn::parallel::ProcessRun| {
-                r.stats.iter().map(|(f, b)| f.bytes_sent + b.as_ref().map_or(0, |b| b.bytes_sent)).sum::<u64>()
-            };
-            let ratio = sent(&balanced) as f64 / sent(&passing) as f64;
+            let passing = ring(world, Layout::Zigzag, &AttentionParams::default(), [&q, &k, &v], Some(&d_o));
+            let ratio = bytes_sent(&balanced) as f64 / bytes_sent(&passing) as f64;
             assert!(
                 ratio <= 0.6,
                 "seed {seed} (documents {docs:?}): balanced sends {ratio:.2} of the zigzag ring's bytes"
             );
-            let work: Vec<f64> = balanced.stats.iter().map(|(f, _)| f.flops).collect();
-            assert!(work.iter().all(|&w| w > 0.0));
-            let report = verify::check_results(
-                &q,
-                &k,
-                &v,
-                Some(&d_o),
-                None,
-                &attention,
-                &balanced.forward,
-                balanced.gradients.as_ref(),
-            )
-            .unwrap();
-            assert!(report.pass(), "seed {seed}\n{}", report.table());
+            assert!(balanced.stats.iter().all(|(f, _)| f.flops > 0.0));
+            assert_exact(&balanced, [&q, &k, &v, &d_o], &attention, &format!("seed {seed}"));
         }
     }
 
@@ -571,32 +575,11 @@ mod schedules {
                 ..Default::default()
             };
             for layout in [Layout::Balanced, Layout::Zigzag] {
-                let p = ParallelParams {
-                    strategy: Strategy::Ring,
-                    layout: Some(layout),
-                    attention: attention.clone(),
-                    seq_len: s,
-                    ulysses_degree: None,
-                };
-                let run =
-                    run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p)
-                        .unwrap();
-                let report = verify::check_results(
-                    &q,
-                    &k,
-                    &v,
-                    Some(&d_o),
-                    None,
-                    &attention,
-                    &run.forward,
-                    run.gradients.as_ref(),
-                )
-                .unwrap();
-                assert!(report.pass(), "{mask:?} {layout:?}\n{}", report.table());
+                let run = ring(world, layout, &attention, [&q, &k, &v], Some(&d_o));
+                assert_exact(&run, [&q, &k, &v, &d_o], &attention, &format!("{mask:?} {layout:?}"));
                 // The direct schedule ran: fewer bytes than the pass-along ring's
                 // s·h_kv·(d_qk + d_v)·(2e(P − 1) + 4P) (f32: e = 4), times the batch.
-                let sent: u64 =
-                    run.stats.iter().map(|(f, b)| f.bytes_sent + b.as_ref().map_or(0, |b| b.bytes_sent)).sum();
+                let sent = bytes_sent(&run);
                 assert!(sent < 2 * (s * 16 * (8 + 8)) as u64, "{mask:?} {layout:?}: {sent} bytes");
             }
         }
@@ -608,18 +591,11 @@ mod schedules {
         let q = randn(vec![1, s, 2, 8], 1, DType::F32);
         let k = randn(vec![1, s, 2, 8], 2, DType::F32);
         let run = |mask: Mask| {
-            let p = ParallelParams {
-                strategy: Strategy::Ring,
-                layout: Some(Layout::Contiguous),
-                attention: AttentionParams { mask, ..Default::default() },
-                seq_len: s,
-                ulysses_degree: None,
-            };
-            run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &k, None, &p).unwrap()
+            ring(world, Layout::Contiguous, &AttentionParams { mask, ..Default::default() }, [&q, &k, &k], None)
         };
         let full = run(Mask::Causal);
         let window = run(Mask::Window { left: Some(50), right: Some(0) });
-        let sent = |r: &ringattn::parallel::ProcessRun| r.stats.iter().map(|x| x.0.bytes_sent).sum::<u64>();
+        let sent = bytes_sent;
         assert_eq!(full.stats[0].0.hops, 4);
         assert_eq!(window.stats[0].0.hops, 2, "a 50-token window over 100-token shards needs one hop back");
         assert_eq!(window.stats[0].0.skipped_hops, 2);

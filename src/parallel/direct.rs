@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use super::backend::Backend;
-use super::ring::RingInputs;
+use super::ring::{wait_pair, RingInputs};
 use super::Stats;
 use crate::comm::{Communicator, Payload, Posted, RecvHandle, RecvOp, SendHandle, SendOp, Tag};
 use crate::{AttentionParams, DType, Elem, Error, Positions, Result, Segment};
@@ -256,25 +256,6 @@ fn widen<Be: Backend>(be: &Be, part: &Be::Buf, b: usize, n: usize, w: usize, run
     be.concat_seq(&parts, b, w)
 }
 
-/// Waits for a pair of receives and checks their lengths.
-fn wait_pair<B: Payload>(
-    pair: (RecvHandle<B>, RecvHandle<B>),
-    want: [usize; 2],
-    what: &str,
-    peer: usize,
-) -> Result<(B, B)> {
-    let (a, b) = (pair.0.wait()?, pair.1.wait()?);
-    for (got, want) in [(&a, want[0]), (&b, want[1])] {
-        if got.elements() != want {
-            return Err(Error::ShapeMismatch(format!(
-                "{what} from rank {peer}: {} values, expected {want}",
-                got.elements()
-            )));
-        }
-    }
-    Ok((a, b))
-}
-
 /// A posted hop: its sends and, when this rank receives, the pair's receives.
 struct Hop<B> {
     sends: Vec<SendHandle>,
@@ -371,6 +352,38 @@ impl<B> At<'_, B> {
         let recv = self.sched.recv[t].as_ref().map(|pos| (self.from(t), self.kv_len(pos.len()), x.k.elem()));
         post_pair(comm, base + KV_TAG + 2 * t as Tag, send, recv)
     }
+
+    /// Hop `t`'s block (K, V and their positions), when this rank's queries see any pair in
+    /// it: its own at hop 0; later, what `posted` (hop `t`'s exchange) receives — replaced
+    /// first by hop `t + 1`'s exchange, so that it travels while this block is computed.
+    #[allow(clippy::type_complexity)]
+    fn block<Be: Backend<Buf = B>>(
+        &self,
+        comm: &dyn Communicator<Buf = B>,
+        be: &Be,
+        base: Tag,
+        t: usize,
+        posted: &mut Hop<B>,
+    ) -> Result<Option<(B, B, Positions)>>
+    where
+        B: Payload,
+    {
+        let x = self.x;
+        if t == 0 {
+            let own = &x.pos[self.r];
+            let seen = super::ring::block_visible(x.params, own, own)?;
+            return Ok(seen.then(|| (x.k.clone(), x.v.clone(), own.clone())));
+        }
+        let hop = std::mem::replace(posted, self.post_kv(comm, be, base, t + 1)?);
+        // Received rows hold a visible pair by construction.
+        match (hop.wait_sends()?, &self.sched.recv[t]) {
+            (Some(pair), Some(pos)) => {
+                let (k, v) = wait_pair(pair, self.kv_len(pos.len()), "K/V rows", self.from(t))?;
+                Ok(Some((k, v, pos.clone())))
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// The direct schedule's forward: this rank's merged `(o, lse)` in f32.
@@ -395,38 +408,18 @@ pub(crate) fn forward<Be: Backend>(
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let start = Instant::now();
-        // This hop's block: the own one, or what the previous iteration's post receives.
-        let block = if t == 0 {
-            Some((x.k.clone(), x.v.clone(), q_pos.clone()))
-        } else {
-            let hop = std::mem::replace(&mut posted, at.post_kv(comm, be, base, t + 1)?);
-            let recvs = hop.wait_sends()?;
-            match (recvs, &sched.recv[t]) {
-                (Some(pair), Some(pos)) => {
-                    let (k, v) = wait_pair(pair, at.kv_len(pos.len()), "K/V rows", at.from(t))?;
-                    Some((k, v, pos.clone()))
-                }
-                _ => None,
-            }
-        };
+        let block = at.block(comm, be, base, t, &mut posted)?;
         stats.waiting += start.elapsed();
-        let visible = match &block {
-            Some((_, _, k_pos)) => t > 0 || super::ring::block_visible(x.params, q_pos, k_pos)?,
-            None => false,
-        };
-        match block.filter(|_| visible) {
+        match block {
             Some((k, v, k_pos)) => {
                 let start = Instant::now();
                 let dims = x.dims(n, k_pos.len());
-                let (ob, lb) = be.forward_block(dims, &q, &k, &v, q_pos, &k_pos, x.params)?.wait()?;
-                match &mut merged {
-                    None => merged = Some((ob, lb)),
-                    Some((o, lse)) => {
-                        be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d_v])?;
-                        be.recycle(ob);
-                        be.recycle(lb);
-                    }
-                }
+                x.merge_partial(
+                    be,
+                    &mut merged,
+                    be.forward_block(dims, &q, &k, &v, q_pos, &k_pos, x.params)?.wait()?,
+                    n,
+                )?;
                 stats.compute += start.elapsed();
                 stats.blocks += 1;
                 stats.step(c0, w0, x.block_flops(n, k_pos.len()));
@@ -435,12 +428,7 @@ pub(crate) fn forward<Be: Backend>(
         }
     }
     posted.wait_sends()?;
-    match merged {
-        Some(partial) => Ok(partial),
-        None => {
-            Ok((be.filled(x.o_len(n), 0.0, DType::F32)?, be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?))
-        }
-    }
+    x.merged_or_empty(be, merged, n)
 }
 
 /// The direct schedule's backward: this rank's `(dq, dk, dv)` in f32 from its final `o`, `lse`
@@ -473,37 +461,16 @@ pub(crate) fn backward<Be: Backend>(
     for t in 0..hops {
         let (c0, w0) = (stats.compute, stats.waiting);
         let start = Instant::now();
-        let block = if t == 0 {
-            Some((x.k.clone(), x.v.clone(), q_pos.clone()))
-        } else {
-            let hop = std::mem::replace(&mut posted, at.post_kv(comm, be, base, t + 1)?);
-            match (hop.wait_sends()?, &sched.recv[t]) {
-                (Some(pair), Some(pos)) => {
-                    let (k, v) = wait_pair(pair, at.kv_len(pos.len()), "K/V rows", at.from(t))?;
-                    Some((k, v, pos.clone()))
-                }
-                _ => None,
-            }
-        };
+        let block = at.block(comm, be, base, t, &mut posted)?;
         stats.waiting += start.elapsed();
-        let visible = match &block {
-            Some((_, _, k_pos)) => t > 0 || super::ring::block_visible(x.params, q_pos, k_pos)?,
-            None => false,
-        };
         let start = Instant::now();
         let mut flops = 0.0;
         let mut part: Option<(Be::Buf, Be::Buf)> = None;
-        if let Some((k, v, k_pos)) = block.filter(|_| visible) {
+        if let Some((k, v, k_pos)) = block {
             let dims = x.dims(n, k_pos.len());
             let (gq, gk, gv) =
                 be.backward_block(dims, &q, &k, &v, &o, lse, &d_o, &delta, q_pos, &k_pos, x.params)?.wait()?;
-            match &mut dq {
-                None => dq = Some(gq),
-                Some(dq) => {
-                    be.add_into(dq, &gq)?;
-                    be.recycle(gq);
-                }
-            }
+            super::ring::accumulate(be, &mut dq, gq)?;
             stats.blocks += 1;
             flops = crate::flops::backward_ratio(&dims) * x.block_flops(n, k_pos.len());
             if t == 0 {

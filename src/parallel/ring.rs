@@ -123,6 +123,55 @@ impl<B> RingInputs<'_, B> {
     pub(super) fn dq_len(&self, n: usize) -> usize {
         self.b * n * self.h_q * self.d_qk
     }
+
+    /// Merges a block's `(o, lse)` partial over `n` query rows into the running result (the
+    /// first partial taken as it is).
+    pub(super) fn merge_partial<Be: Backend<Buf = B>>(
+        &self,
+        be: &Be,
+        merged: &mut Option<(B, B)>,
+        (ob, lb): (B, B),
+        n: usize,
+    ) -> Result<()> {
+        match merged {
+            None => *merged = Some((ob, lb)),
+            Some((o, lse)) => {
+                be.merge_into(o, lse, &ob, &lb, [self.b, n, self.h_q, self.d_v])?;
+                be.recycle(ob);
+                be.recycle(lb);
+            }
+        }
+        Ok(())
+    }
+
+    /// The merged `(o, lse)` over `n` query rows, or, when no block was visible to any query
+    /// of the rank, o = 0 and lse = -inf.
+    pub(super) fn merged_or_empty<Be: Backend<Buf = B>>(
+        &self,
+        be: &Be,
+        merged: Option<(B, B)>,
+        n: usize,
+    ) -> Result<(B, B)> {
+        match merged {
+            Some(partial) => Ok(partial),
+            None => Ok((
+                be.filled(self.o_len(n), 0.0, DType::F32)?,
+                be.filled(self.b * self.h_q * n, f32::NEG_INFINITY, DType::F32)?,
+            )),
+        }
+    }
+}
+
+/// Adds `x` into the accumulator `acc` (the first `x` taken as it is).
+pub(super) fn accumulate<Be: Backend>(be: &Be, acc: &mut Option<Be::Buf>, x: Be::Buf) -> Result<()> {
+    match acc {
+        None => *acc = Some(x),
+        Some(a) => {
+            be.add_into(a, &x)?;
+            be.recycle(x);
+        }
+    }
+    Ok(())
 }
 
 /// Whether any query at `qp` may see any key at `kp` (false only when provably none does),
@@ -269,14 +318,24 @@ fn finish_exchange<B: Payload>(
     what: &str,
     peer: usize,
 ) -> Result<Option<(B, B)>> {
-    let Some(Exchange { sends, recvs: (rk, rv) }) = posted else { return Ok(None) };
+    let Some(Exchange { sends, recvs }) = posted else { return Ok(None) };
     for s in sends {
         s.wait()?;
     }
+    wait_pair(recvs, want, what, peer).map(Some)
+}
+
+/// Waits for a pair of receives from `peer` and checks that they hold `want` values.
+pub(super) fn wait_pair<B: Payload>(
+    (rk, rv): RecvPair<B>,
+    want: [usize; 2],
+    what: &str,
+    peer: usize,
+) -> Result<(B, B)> {
     let (a, b) = (rk.wait()?, rv.wait()?);
     check_len(&a, want[0], what, peer)?;
     check_len(&b, want[1], what, peer)?;
-    Ok(Some((a, b)))
+    Ok((a, b))
 }
 
 /// Ring forward: returns this rank's `(o, lse)` in f32.
@@ -321,15 +380,7 @@ pub(crate) fn forward<Be: Backend>(
         stats.waiting += start.elapsed();
         if let Some(step) = step {
             let start = Instant::now();
-            let (ob, lb) = step.wait()?;
-            match &mut merged {
-                None => merged = Some((ob, lb)),
-                Some((o, lse)) => {
-                    be.merge_into(o, lse, &ob, &lb, [x.b, n, x.h_q, x.d_v])?;
-                    be.recycle(ob);
-                    be.recycle(lb);
-                }
-            }
+            x.merge_partial(be, &mut merged, step.wait()?, n)?;
             stats.compute += start.elapsed();
             stats.blocks += 1;
             stats.step(c0, w0, x.block_flops(n, k_pos.len()));
@@ -340,13 +391,7 @@ pub(crate) fn forward<Be: Backend>(
             (cur_k, cur_v) = (k, v);
         }
     }
-    match merged {
-        Some(partial) => Ok(partial),
-        // No key visible to any query of this rank: o = 0, lse = -inf.
-        None => {
-            Ok((be.filled(x.o_len(n), 0.0, DType::F32)?, be.filled(x.b * x.h_q * n, f32::NEG_INFINITY, DType::F32)?))
-        }
-    }
+    x.merged_or_empty(be, merged, n)
 }
 
 /// Ring backward: given this rank's final `o`, `lse` (f32) and `d_o`, returns its `(dq, dk,
@@ -397,13 +442,7 @@ pub(crate) fn backward<Be: Backend>(
             let dims = x.dims(n, k_pos.len());
             let (gq, gk, gv) =
                 be.backward_block(dims, &q, &cur_k, &cur_v, &o, lse, &d_o, &delta, q_pos, k_pos, x.params)?.wait()?;
-            match &mut dq {
-                None => dq = Some(gq),
-                Some(dq) => {
-                    be.add_into(dq, &gq)?;
-                    be.recycle(gq);
-                }
-            }
+            accumulate(be, &mut dq, gq)?;
             stats.blocks += 1;
             Some((gk, gv))
         } else {
@@ -416,11 +455,8 @@ pub(crate) fn backward<Be: Backend>(
         };
         let start = Instant::now();
         // The accumulators of this block arrive from the previous rank (none at hop 0).
-        if let Some((hk, hv)) = acc_recv.take() {
-            let received = (hk.wait()?, hv.wait()?);
-            check_len(&received.0, kl[0], "dK accumulator", prev)?;
-            check_len(&received.1, kl[1], "dV accumulator", prev)?;
-            acc = Some(received);
+        if let Some(pair) = acc_recv.take() {
+            acc = Some(wait_pair(pair, kl, "dK/dV accumulators", prev)?);
         }
         if let Some((dk, dv)) = grads {
             match &mut acc {

@@ -329,6 +329,12 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     if let Some(docs) = &a.docs {
         return crate::docbench::run(a, docs);
     }
+    if a.comm != "local" {
+        return Err(Error::InvalidArgument(format!(
+            "--comm {} applies to --docs runs; the other benches run in this process",
+            a.comm
+        )));
+    }
     let seqs = crate::args::parse_list(a.seq.as_deref().unwrap_or("4096"), "--seq")?;
     if seqs.len() != 1 || a.strategies.is_some() || a.world.is_some() || a.out.is_some() {
         if a.window.is_some() || a.seqlens.is_some() {

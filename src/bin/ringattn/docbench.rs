@@ -7,12 +7,15 @@
 //! round, so drift hits all alike). Ranks are threads of this process (`--comm local`:
 //! they share the cores, so wall time shows no balance) or the processes of an MPI job
 //! (`mpirun -n P ringattn bench --comm mpi ...`, a build with `--features mpi`; one compute
-//! thread each with RAYON_NUM_THREADS=1). JSON with `--json`, a plot with `--out`.
+//! thread each with RAYON_NUM_THREADS=1). Shape and score options as the other benches
+//! (--batch, --heads, --kv-heads, --head-dim(-v), --dtype, --causal, --window, --softcap;
+//! --link-gbps models the in-process links); what this mode cannot honour (another backend,
+//! one pass, --seqlens) is refused. JSON with `--json`, a plot with `--out`.
 
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use ringattn::comm::{all_gather, barrier, spmd, Communicator, LocalOptions};
+use ringattn::comm::{all_gather, barrier, spmd, Communicator, LinkModel, LocalOptions};
 use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
 use ringattn::random::{document_lengths, randn, DocLengths};
 use ringattn::{dispatch, flops, DType, Dims, Documents, Error, HostBuf, Layout, Result};
@@ -59,19 +62,38 @@ struct Setup {
     dist: DocLengths,
     seeds: Vec<u64>,
     s: usize,
+    b: usize,
     h_q: usize,
     h_kv: usize,
     d: usize,
+    d_v: usize,
     dtype: DType,
-    mask: ringattn::Mask,
+    /// The mask and score options (documents set per batch).
+    attention: ringattn::AttentionParams,
     strategies: Vec<Strategy>,
     layouts: Vec<Layout>,
     warmup: usize,
     iters: usize,
+    /// The link model of in-process ranks (`--link-gbps`; none: instant).
+    link: Option<LinkModel>,
 }
 
 impl Setup {
+    /// The settings of `--docs DIST`; options this mode cannot honour are refused by name.
     fn of(a: &BenchArgs, docs: &str) -> Result<Setup> {
+        let refuse = |what: &str| Err(Error::InvalidArgument(format!("--docs: {what}")));
+        if a.backend != "cpu" {
+            return refuse(&format!("runs the cpu backend, not --backend {}", a.backend));
+        }
+        if a.pass != "both" {
+            return refuse(&format!("times forward + backward, not --pass {}", a.pass));
+        }
+        if a.seqlens.is_some() {
+            return refuse("draws the documents itself: --seqlens does not apply");
+        }
+        if a.comm != "local" && a.link_gbps.is_some() {
+            return refuse("--link-gbps models in-process links: not with --comm mpi");
+        }
         let dist: DocLengths = docs.parse()?;
         let s = match &a.seq {
             None => 32768,
@@ -80,9 +102,13 @@ impl Setup {
                 .parse()
                 .map_err(|_| Error::InvalidArgument(format!("--seq `{list}`: one length with --docs")))?,
         };
-        let mut mask_args = crate::args::MaskArgs { causal: a.causal, window: a.window.clone(), ..Default::default() };
-        mask_args.softcap = a.softcap;
-        let mask = mask_args.params()?.mask;
+        let mask_args = crate::args::MaskArgs {
+            causal: a.causal,
+            window: a.window.clone(),
+            softcap: a.softcap,
+            ..Default::default()
+        };
+        let attention = mask_args.params()?;
         let names = |list: &Option<String>, default: &str| -> Vec<String> {
             list.as_deref()
                 .unwrap_or(default)
@@ -99,19 +125,31 @@ impl Setup {
             None => DType::BF16,
             Some(d) => d.parse()?,
         };
+        let link = match a.link_gbps {
+            Some(g) if g > 0.0 && g.is_finite() && a.link_latency_us.is_finite() && a.link_latency_us >= 0.0 => {
+                Some(LinkModel { bandwidth: g * 1e9, latency: Duration::from_secs_f64(a.link_latency_us * 1e-6) })
+            }
+            Some(0.0) | None => None,
+            Some(g) => {
+                return refuse(&format!("--link-gbps {g} / --link-latency-us {}: finite, positive", a.link_latency_us))
+            }
+        };
         Ok(Setup {
             dist,
             seeds: (0..a.doc_seeds as u64).collect(),
             s,
+            b: a.batch,
             h_q: a.heads,
             h_kv: a.kv_heads.unwrap_or(a.heads),
             d: a.head_dim,
+            d_v: a.head_dim_v.unwrap_or(a.head_dim),
             dtype,
-            mask,
+            attention,
             strategies,
             layouts,
             warmup: a.warmup.unwrap_or(1),
             iters: a.iters.unwrap_or(3).max(1),
+            link,
         })
     }
 }
@@ -124,13 +162,11 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
     let mut rows = Vec::new();
     for &seed in &st.seeds {
         let lens = document_lengths(seed, st.s, &st.dist);
-        let attention = ringattn::AttentionParams {
-            mask: st.mask,
-            documents: Some(Documents::new(lens.clone())?),
-            ..Default::default()
-        };
-        let draw = |h: usize, i: u64| randn(vec![1, st.s, h, st.d], 1000 * seed + i, st.dtype);
-        let (q, k, v, d_o) = (draw(st.h_q, 1), draw(st.h_kv, 2), draw(st.h_kv, 3), draw(st.h_q, 4));
+        let attention =
+            ringattn::AttentionParams { documents: Some(Documents::new(lens.clone())?), ..st.attention.clone() };
+        let draw = |h: usize, d: usize, i: u64| randn(vec![st.b, st.s, h, d], 1000 * seed + i, st.dtype);
+        let (q, k, v, d_o) =
+            (draw(st.h_q, st.d, 1), draw(st.h_kv, st.d, 2), draw(st.h_kv, st.d_v, 3), draw(st.h_q, st.d_v, 4));
         struct Config<'c> {
             row: DocRow,
             plan: ParallelPlan<'c, CpuBackend>,
@@ -149,7 +185,7 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                 let resolved = params.resolve(world, st.h_q, st.s)?;
                 let work = flops::pairs_of_positions(&attention, st.s, resolved.all_positions())?;
                 let n = resolved.positions(rank).len();
-                let dims = Dims { b: 1, s_q: n, s_k: n, h_q: st.h_q, h_kv: st.h_kv, d_qk: st.d, d_v: st.d };
+                let dims = Dims { b: st.b, s_q: n, s_k: n, h_q: st.h_q, h_kv: st.h_kv, d_qk: st.d, d_v: st.d_v };
                 let plan = ParallelPlan::new(comm, &be, &resolved, &dims, st.dtype)?;
                 let up = |t: &ringattn::Tensor| plan.upload_tensor(&resolved.shard(t, rank)?);
                 let bufs = [up(&q)?, up(&k)?, up(&v)?, up(&d_o)?];
@@ -163,7 +199,7 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                     work,
                     bytes_sent: 0,
                     pass_along_bytes: (strategy == Strategy::Ring)
-                        .then(|| pass_along_bytes(st.s, st.h_kv, st.d, st.d, st.dtype, world)),
+                        .then(|| st.b as u64 * pass_along_bytes(st.s, st.h_kv, st.d, st.d_v, st.dtype, world)),
                     skipped_hops: 0,
                     seconds: Vec::new(),
                     compute_s: Vec::new(),
@@ -239,7 +275,7 @@ pub fn run(a: &BenchArgs, docs: &str) -> Result<ExitCode> {
             let worlds = crate::args::parse_list(a.world.as_deref().unwrap_or("2,4,8"), "--world")?;
             let mut rows = Vec::new();
             for world in worlds {
-                let options = LocalOptions::default();
+                let options = LocalOptions { link: st.link, ..Default::default() };
                 let mut per_rank = spmd(world, options, |comm| rank_rows(comm, &st));
                 rows.extend(per_rank.swap_remove(0)?);
             }
@@ -248,6 +284,12 @@ pub fn run(a: &BenchArgs, docs: &str) -> Result<ExitCode> {
         #[cfg(feature = "mpi")]
         "mpi" => {
             let comm = ringattn::comm::MpiComm::init(ringattn::comm::MpiOptions::default())?;
+            if let Some(w) = a.world.as_deref().filter(|w| w.trim() != comm.size().to_string()) {
+                return Err(Error::InvalidArgument(format!(
+                    "--world {w}: the MPI job has {} processes (--comm mpi runs its own size)",
+                    comm.size()
+                )));
+            }
             let rows = rank_rows(&comm, &st)?;
             if comm.rank() != 0 {
                 return Ok(ExitCode::SUCCESS);
