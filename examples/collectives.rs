@@ -98,6 +98,29 @@ mod checks {
             }
         }
         say("ok all_to_all_v f32, uneven lengths".into());
+        // One-sided: each rank sends only to the ranks after it, so rank 0 receives nothing
+        // (an all-gather of only the rows a causal rank sees); large messages, twice in a row.
+        for n in [3usize, 1 << 20] {
+            for _ in 0..2 {
+                let sends: Vec<HostBuf> =
+                    (0..p).map(|j| HostBuf::from(values(r * p + j, if j > r { n } else { 0 }))).collect();
+                let recv_lens: Vec<usize> = (0..p).map(|j| if j < r { n } else { 0 }).collect();
+                let got = all_to_all_v(&comm, sends, &recv_lens)?;
+                for (j, g) in got.iter().enumerate() {
+                    if *g != values(j * p + r, recv_lens[j]) {
+                        return Err(fail(&format!("one-sided all_to_all_v part from {j} on rank {r}")));
+                    }
+                }
+            }
+            say(format!("ok all_to_all_v f32 x{n}, one-sided (rank 0 receives nothing, the last rank sends nothing)"));
+        }
+        // A rank contributing nothing to an all-gather.
+        let lens: Vec<usize> = (0..p).map(|j| if j == 0 { 0 } else { 1 << 18 }).collect();
+        let gathered = all_gather_v(&comm, HostBuf::from(values(r, lens[r])), &lens)?;
+        if gathered.iter().enumerate().any(|(j, g)| *g != values(j, lens[j])) {
+            return Err(fail(&format!("all_gather_v with an empty part on rank {r}")));
+        }
+        say("ok all_gather_v f32, rank 0 contributing nothing".into());
         // A rank expecting another length: every rank gets the same error, nobody hangs.
         let n = if r == p - 1 { 5 } else { 4 };
         match comm.broadcast(HostBuf::from(vec![0.0; n]), 0) {

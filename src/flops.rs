@@ -58,7 +58,7 @@
 
 use crate::cpu::TileConfig;
 use crate::kernels::geometry::{self, DqAccum, DqMode};
-use crate::{AttentionParams, Dims, Error, Positions, Result};
+use crate::{AttentionParams, Dims, Error, Positions, Result, Segment};
 
 /// FLOPs of the forward per visible pair and head-dimension element: `q·k` and `p·v`, 2
 /// FLOPs per multiply-add each.
@@ -177,6 +177,134 @@ pub fn pairs_of_positions(params: &AttentionParams, s: usize, positions: &[Posit
             Ok(saturate(n))
         })
         .collect()
+}
+
+/// Visible (query, key) pairs between blocks of one sequence of `s` tokens: entry `[i][j]` counts
+/// the pairs of the queries at `positions[i]` with the keys at `positions[j]`, per (batch
+/// element, query head) — the work of rank `i` on rank `j`'s K/V block in a ring, the matrix
+/// the cost model ([`crate::plan`]) reads per hop. Row sums equal [`pairs_of_positions`] when
+/// the blocks cover the sequence once. Closed form per (query run, document, key run) for runs
+/// of consecutive positions; a strided key segment is counted per query position (O(1) each).
+///
+/// ```
+/// use ringattn::{flops, AttentionParams, Layout, Mask};
+/// let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+/// let pos = Layout::Contiguous.positions_for(&causal, 8, 2)?;
+/// // Rank 0 holds 0..4, rank 1 4..8: 10 pairs inside each block, 16 from rank 1 to rank 0's keys.
+/// assert_eq!(flops::pair_matrix(&causal, 8, &pos)?, vec![vec![10, 0], vec![16, 10]]);
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Documents`] when the documents do not cover exactly `s` tokens;
+/// [`Error::Positions`] for a position outside `0..s`.
+pub fn pair_matrix(params: &AttentionParams, s: usize, positions: &[Positions]) -> Result<Vec<Vec<u64>>> {
+    let dims = Dims { b: 1, s_q: s, s_k: s, h_q: 1, h_kv: 1, d_qk: 1, d_v: 1 };
+    let band = Band::new(&dims, params)?;
+    let p = positions.len();
+    let blocks: Vec<Vec<Segment>> = positions.iter().map(as_runs).collect();
+    // Every block's key runs `(first, last, owner)` (stride 1) and strided segments.
+    let mut runs: Vec<(i128, i128, usize)> = Vec::new();
+    let mut strided: Vec<(i128, i128, i128, usize)> = Vec::new();
+    for (j, segs) in blocks.iter().enumerate() {
+        for seg in segs.iter().filter(|g| g.len > 0) {
+            let last = seg.start + seg.stride * (seg.len as i64 - 1);
+            if seg.start.min(last) < 0 || seg.start.max(last) >= s as i64 {
+                return Err(Error::Positions(format!(
+                    "positions {}..={last} reach outside a sequence of {s} tokens",
+                    seg.start
+                )));
+            }
+            match seg.stride {
+                1 => runs.push((i128::from(seg.start), i128::from(last), j)),
+                stride => strided.push((i128::from(seg.start), i128::from(stride), seg.len as i128, j)),
+            }
+        }
+    }
+    runs.sort_unstable();
+    // The largest run end up to each run (runs may overlap): the first run that can reach `lo`.
+    let reach: Vec<i128> = runs
+        .iter()
+        .scan(i128::MIN, |m, r| {
+            *m = (*m).max(r.1);
+            Some(*m)
+        })
+        .collect();
+    let mut out = vec![vec![0i128; p]; p];
+    for (i, segs) in blocks.iter().enumerate() {
+        let row = &mut out[i];
+        // Queries `q0..=q1` (consecutive positions).
+        let mut add = |q0: i128, q1: i128| {
+            band.regions(q0, q1, |p0, p1, k0, k1| {
+                if p0 > p1 {
+                    return;
+                }
+                let lo = band.left.map_or(k0, |l| k0.max(p0 - l));
+                let hi = band.right.map_or(k1, |r| k1.min(p1 + r));
+                if lo > hi {
+                    return;
+                }
+                let first = reach.partition_point(|&e| e < lo);
+                for &(a, b, j) in runs[first..].iter().take_while(|r| r.0 <= hi) {
+                    row[j] += band_pairs(p0, p1, k0.max(a), k1.min(b), band.left, band.right);
+                }
+                for &(start, stride, len, j) in &strided {
+                    for q in p0..=p1 {
+                        let a = band.left.map_or(k0, |l| k0.max(q - l));
+                        let b = band.right.map_or(k1, |r| k1.min(q + r));
+                        row[j] += count_in_progression(start, stride, len, a, b);
+                    }
+                }
+            });
+        };
+        for seg in segs.iter().filter(|g| g.len > 0) {
+            let last = seg.start + seg.stride * (seg.len as i64 - 1);
+            if seg.stride == 1 {
+                add(i128::from(seg.start), i128::from(last));
+            } else {
+                for x in (0..seg.len as i64).map(|k| i128::from(seg.start + k * seg.stride)) {
+                    add(x, x);
+                }
+            }
+        }
+    }
+    Ok(out.into_iter().map(|row| row.into_iter().map(saturate).collect()).collect())
+}
+
+/// A block's positions as runs of consecutive positions where they form few of them (the
+/// counts do not depend on the order a block stores its tokens: a Ulysses group's members
+/// interleaved are a few runs together), its own segments otherwise (a striped block).
+fn as_runs(pos: &Positions) -> Vec<Segment> {
+    let segs = pos.segments();
+    if segs.iter().all(|g| g.stride == 1 || g.len <= 1) {
+        return segs.to_vec();
+    }
+    let mut all = pos.to_vec();
+    all.sort_unstable();
+    let mut runs: Vec<Segment> = Vec::new();
+    for x in all {
+        match runs.last_mut() {
+            Some(g) if g.start + g.len as i64 == x => g.len += 1,
+            _ => runs.push(Segment { start: x, stride: 1, len: 1 }),
+        }
+        if runs.len() > 4 * segs.len() + 16 {
+            return segs.to_vec();
+        }
+    }
+    runs
+}
+
+/// Terms of `start + k·stride` (`k < len`, `stride ≠ 0`) within `a..=b`.
+fn count_in_progression(start: i128, stride: i128, len: i128, a: i128, b: i128) -> i128 {
+    if a > b || len <= 0 {
+        return 0;
+    }
+    // Indices k with a ≤ start + k·stride ≤ b, for either sign of the stride.
+    let (lo, hi) = if stride > 0 { (a - start, b - start) } else { (start - b, start - a) };
+    let st = stride.abs();
+    let k0 = if lo <= 0 { 0 } else { (lo + st - 1) / st };
+    let k1 = if hi < 0 { -1 } else { (hi / st).min(len - 1) };
+    (k1 - k0 + 1).max(0)
 }
 
 /// All `s_q·s_k` pairs of one (batch element, query head): what a kernel that skips nothing
@@ -770,6 +898,34 @@ mod tests {
         prop_oneof![Just(Mask::None), Just(Mask::Causal), (side.clone(), side).prop_map(|(l, r)| window(l, r))]
     }
 
+    /// Blocks of a shuffled sequence: consecutive runs, some of them strided.
+    fn arb_blocks(s: usize, seed: u64, blocks: usize) -> Vec<Positions> {
+        use rand::{seq::SliceRandom, SeedableRng};
+        let mut order: Vec<usize> = (0..s).collect();
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let mut out: Vec<Vec<i64>> = vec![Vec::new(); blocks];
+        for (k, &x) in order.iter().enumerate() {
+            out[k % blocks].push(x as i64);
+        }
+        out.into_iter()
+            .map(|mut v| {
+                v.sort_unstable();
+                let mut segs: Vec<crate::Segment> = Vec::new();
+                for x in v {
+                    match segs.last_mut() {
+                        Some(g) if g.len == 1 && x - g.start <= 3 => {
+                            g.stride = x - g.start;
+                            g.len = 2;
+                        }
+                        Some(g) if g.start + g.stride * g.len as i64 == x => g.len += 1,
+                        _ => segs.push(crate::Segment { start: x, stride: 1, len: 1 }),
+                    }
+                }
+                Positions::from_segments(segs).unwrap()
+            })
+            .collect()
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -792,6 +948,36 @@ mod tests {
             });
             let params = AttentionParams { mask, documents, ..Default::default() };
             check(s_q, s_k, &params, TileShape { block_q: bq, block_k: bk });
+        }
+
+        #[test]
+        fn pair_matrix_counts_every_pair_once(
+            s in 1usize..48,
+            mask in arb_mask(),
+            cuts in proptest::collection::vec(0usize..48, 0..5),
+            use_docs in any::<bool>(),
+            blocks in 1usize..5,
+            seed in any::<u64>(),
+        ) {
+            let documents = use_docs.then(|| {
+                let mut c: Vec<usize> = cuts.iter().map(|&x| x % (s + 1)).collect();
+                c.push(0);
+                c.push(s);
+                c.sort_unstable();
+                Documents::new(c.windows(2).map(|w| w[1] - w[0]).collect()).unwrap()
+            });
+            let params = AttentionParams { mask, documents, ..Default::default() };
+            let pos = arb_blocks(s, seed, blocks);
+            let vis = Visibility::single_device(&params, s, s).unwrap();
+            let m = pair_matrix(&params, s, &pos).unwrap();
+            for (i, qi) in pos.iter().enumerate() {
+                for (j, kj) in pos.iter().enumerate() {
+                    let brute = qi.iter().map(|q| kj.iter().filter(|&k| vis.visible(q as usize, k as usize)).count() as u64).sum::<u64>();
+                    prop_assert_eq!(m[i][j], brute, "block {} on {}: {:?} {:?}", i, j, qi, kj);
+                }
+            }
+            let rows: Vec<u64> = m.iter().map(|r| r.iter().sum()).collect();
+            prop_assert_eq!(rows, pairs_of_positions(&params, s, &pos).unwrap());
         }
     }
 }

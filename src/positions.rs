@@ -76,6 +76,30 @@ impl Positions {
         Ok(Positions { segments })
     }
 
+    /// Positions listed one by one, in the order the block stores them, held as runs of
+    /// consecutive positions (a listed block that is a few runs costs a few segments).
+    ///
+    /// ```
+    /// use ringattn::{Positions, Segment};
+    /// let p = Positions::from_list(&[4, 5, 6, 0, 1, 9])?;
+    /// assert_eq!(p.segments().len(), 3);
+    /// assert_eq!(p.to_vec(), vec![4, 5, 6, 0, 1, 9]);
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Positions`] as [`Positions::from_segments`].
+    pub fn from_list(positions: &[i64]) -> Result<Self> {
+        let mut segments: Vec<Segment> = Vec::new();
+        for &x in positions {
+            match segments.last_mut() {
+                Some(g) if g.start.checked_add(g.len as i64) == Some(x) => g.len += 1,
+                _ => segments.push(Segment { start: x, stride: 1, len: 1 }),
+            }
+        }
+        Self::from_segments(segments)
+    }
+
     /// Positions of a single-device call: queries are bottom-right aligned with the keys,
     /// `pos_q(i) = i + (s_k - s_q)` and `pos_k(j) = j`. Returns `(q_positions, k_positions)`.
     pub fn single_device(s_q: usize, s_k: usize) -> (Self, Self) {

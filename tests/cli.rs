@@ -606,3 +606,90 @@ fn bench_docs_reports_layouts_and_refuses_what_it_cannot_honour() {
     let out = ringattn(&["bench", "--comm", "mpi", "--seq", "64", "--iters", "1"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--comm"));
 }
+
+#[test]
+fn auto_is_resolved_per_batch_and_predicted() {
+    // bench --docs with auto: one more row, the choice named, every row with the model's time.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("auto.json");
+    let out = ringattn(&[
+        "bench",
+        "--docs",
+        "300,90,40",
+        "--seq",
+        "512",
+        "--world",
+        "2",
+        "--causal",
+        "--doc-seeds",
+        "1",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--strategies",
+        "ring,auto",
+        "--json",
+        s(&json),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 3, "ring zigzag, ring balanced, auto");
+    assert!(rows.iter().all(|r| r["predicted_s"].as_f64().unwrap() > 0.0));
+    let auto = rows.iter().find(|r| r["strategy"] == "auto").unwrap();
+    assert!(auto["choice"].as_str().unwrap().contains("×"), "{auto}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("auto ("));
+    // --calibration belongs to --docs runs.
+    let out = ringattn(&["bench", "--seq", "64", "--iters", "1", "--calibration", "x.json"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--calibration"));
+
+    // plan --seqlens: the ranking of one batch and auto's pick.
+    let out = ringattn(&[
+        "plan",
+        "--gpus",
+        "4",
+        "--seqlens",
+        "6000,300,900,1200,500,3100",
+        "--heads",
+        "8",
+        "--head-dim",
+        "64",
+        "--causal",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("auto: ") && text.contains("balanced") && text.contains("imbalance"), "{text}");
+    // --seqlens must agree with --seq; one of them is needed.
+    let out = ringattn(&["plan", "--gpus", "2", "--seqlens", "100,28", "--seq", "64"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--seqlens"));
+    assert!(!ringattn(&["plan", "--gpus", "2"]).status.success());
+
+    // simulate --docs: the zigzag and balanced rings and auto per cell.
+    let out = ringattn(&[
+        "simulate",
+        "--docs",
+        "lognormal",
+        "--doc-seeds",
+        "2",
+        "--gpus",
+        "2,4",
+        "--seq",
+        "8k",
+        "--heads",
+        "8",
+        "--head-dim",
+        "64",
+        "--causal",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.contains("balanced ring ms") && text.lines().filter(|l| l.trim_start().starts_with('4')).count() == 1,
+        "{text}"
+    );
+}

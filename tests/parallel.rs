@@ -558,6 +558,51 @@ mod schedules {
         }
     }
 
+    /// The all-gather with packed documents gathers only the rows each rank sees (an
+    /// all-to-all of them; dK/dV returned the same way): fewer bytes than gathering every
+    /// block — a causal sequence without documents too — and exact, forward and backward,
+    /// under every layout.
+    #[test]
+    fn the_all_gather_gathers_only_what_is_seen() {
+        use ringattn::random::{document_lengths, DocLengths};
+        let (s, world) = (1536, 3);
+        let docs = document_lengths(5, s, &DocLengths::LogNormal { median: 150.0, sigma: 1.0, min: 8, max: 900 });
+        let (q, k, v, d_o) = (
+            randn(vec![2, s, 2, 8], 11, DType::BF16),
+            randn(vec![2, s, 1, 8], 12, DType::BF16),
+            randn(vec![2, s, 1, 8], 13, DType::BF16),
+            randn(vec![2, s, 2, 8], 14, DType::BF16),
+        );
+        let run = |layout: Layout, attention: &AttentionParams| {
+            let p = ParallelParams {
+                strategy: Strategy::AllGather,
+                layout: Some(layout),
+                attention: attention.clone(),
+                seq_len: s,
+                ulysses_degree: None,
+            };
+            run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p).unwrap()
+        };
+        let whole = bytes_sent(&run(Layout::Zigzag, &AttentionParams::default()));
+        let packed = AttentionParams {
+            mask: Mask::Causal,
+            documents: Some(ringattn::Documents::new(docs).unwrap()),
+            ..Default::default()
+        };
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        for (attention, what, most) in [(&packed, "documents", 0.6), (&causal, "causal", 0.75)] {
+            for layout in [Layout::Balanced, Layout::Zigzag, Layout::Contiguous] {
+                if layout == Layout::Balanced && attention.documents.is_none() {
+                    continue;
+                }
+                let r = run(layout, attention);
+                let ratio = bytes_sent(&r) as f64 / whole as f64;
+                assert!(ratio <= most, "{what} {layout:?}: {ratio:.2} of the whole gather's bytes");
+                assert_exact(&r, [&q, &k, &v, &d_o], attention, &format!("{what} {layout:?}"));
+            }
+        }
+    }
+
     /// The direct schedule's whole-window sends (blocks of 1,024 rows and more: here 2,048 rows
     /// per rank, windows of 128) with two batch elements, packed documents and a window, under
     /// the balanced and zigzag layouts, forward and backward against the oracle.

@@ -126,6 +126,10 @@ impl MpiComm {
         start: impl FnOnce(&[u8], &[Vec<c_int>], *mut c_void, &mut ffi::MPI_Request) -> c_int,
     ) -> Result<Vec<u8>> {
         let mut recv = vec![0u8; total.max(1)];
+        // An empty Vec's pointer is dangling, 0x1 — Open MPI's MPI_IN_PLACE: a rank sending
+        // nothing would turn the collective in place (and hang its peers). One byte keeps the
+        // pointer real; the counts say what is read.
+        let send = if send.is_empty() { vec![0u8] } else { send };
         let mut req = self.null_request();
         let code = locked(|| start(&send, &ints, recv.as_mut_ptr().cast::<c_void>(), &mut req));
         check(code, name)?;

@@ -1,12 +1,19 @@
 //! All-gather K/V (llama3-style): every rank gathers the whole K/V, attends its queries
 //! with global positions, and the backward reduce-scatters dK/dV back to their owners.
+//!
+//! When the plan found that each rank sees only part of the others' rows (packed documents,
+//! causal shards: [`DirectSchedule`], computed with as many hops as ranks), the gather is an
+//! all-to-all of just those rows — each rank sends every other rank the runs of its K/V rows
+//! that rank's queries see — and the backward returns each part's dK/dV to its owner the same
+//! way, added in rank order (deterministic).
 
 use std::time::Instant;
 
 use super::backend::Backend;
+use super::direct::{self, DirectSchedule};
 use super::plan::QueryHeads;
 use super::{concat_positions, Driver, LocalData, ParallelPlan, Rules, Stats};
-use crate::comm::{all_gather_v, reduce_scatter_v, Communicator};
+use crate::comm::{all_gather_v, all_to_all_v, reduce_scatter_v, Communicator};
 use crate::{AttentionParams, Dims, Positions, Result};
 
 /// All-gather K/V, attend locally, reduce-scatter dK/dV.
@@ -23,7 +30,7 @@ impl Driver for AllGather {
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf)> {
         let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
-        let merged = forward(&*plan.comm, &*plan.backend, x, pos, ap, stats)?;
+        let merged = forward(&*plan.comm, &*plan.backend, x, pos, plan.direct.as_ref(), ap, stats)?;
         plan.finish_forward(merged, QueryHeads::All(x.h_q), x.sinks.as_ref())
     }
 
@@ -36,16 +43,21 @@ impl Driver for AllGather {
         stats: &mut Stats,
     ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
         let (pos, ap) = (plan.resolved.all_positions(), &plan.resolved.params().attention);
-        plan.grads_in_dtype(backward(&*plan.comm, &*plan.backend, x, pos, ap, o, lse, d_o, stats)?)
+        let sched = plan.direct.as_ref();
+        plan.grads_in_dtype(backward(&*plan.comm, &*plan.backend, x, pos, sched, ap, o, lse, d_o, stats)?)
     }
 }
 
-/// The whole K/V, gathered, with their positions and the dims of this rank's block.
+/// The gathered K/V (every rank's rows, or this rank's own and the others' rows it sees),
+/// with their positions and the dims of this rank's block.
 struct Gathered<B> {
     k: B,
     v: B,
     all: Positions,
     dims: Dims,
+    /// Rows of each rank's block in `k`/`v`, in rank order (this rank's own block first in
+    /// the subset gather, then the others' in rank order).
+    rows: Vec<usize>,
 }
 
 fn gather<Be: Backend>(
@@ -53,8 +65,12 @@ fn gather<Be: Backend>(
     be: &Be,
     x: &LocalData<Be::Buf>,
     pos: &[Positions],
+    sched: Option<&DirectSchedule>,
     stats: &mut Stats,
 ) -> Result<Gathered<Be::Buf>> {
+    if let Some(sched) = sched {
+        return gather_seen(comm, be, x, pos, sched, stats);
+    }
     let start = Instant::now();
     let (wk, wv) = (x.h_kv * x.d_qk, x.h_kv * x.d_v);
     let lens = |w: usize| pos.iter().map(|p| x.b * p.len() * w).collect::<Vec<usize>>();
@@ -66,7 +82,91 @@ fn gather<Be: Backend>(
     let all = concat_positions(pos);
     let (s_q, s_k) = (pos[comm.rank()].len(), all.len());
     let dims = Dims { b: x.b, s_q, s_k, h_q: x.h_q, h_kv: x.h_kv, d_qk: x.d_qk, d_v: x.d_v };
-    Ok(Gathered { k, v, all, dims })
+    Ok(Gathered { k, v, all, dims, rows: pos.iter().map(Positions::len).collect() })
+}
+
+/// The subset gather: this rank's own K/V first, then the rows of every other rank that its
+/// queries see, in rank order.
+fn gather_seen<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    x: &LocalData<Be::Buf>,
+    pos: &[Positions],
+    sched: &DirectSchedule,
+    stats: &mut Stats,
+) -> Result<Gathered<Be::Buf>> {
+    let start = Instant::now();
+    let (p, r) = (comm.size(), comm.rank());
+    let n = pos[r].len();
+    let (wk, wv) = (x.h_kv * x.d_qk, x.h_kv * x.d_v);
+    // Rank j sees the runs `sends_at(j − r)` of this rank's rows; this rank sees the rows
+    // `receives_at(r − j)` of rank j's.
+    let seen: Vec<Option<&Positions>> =
+        (0..p).map(|j| if j == r { None } else { sched.receives_at((r + p - j) % p) }).collect();
+    let rows: Vec<usize> = seen.iter().map(|s| s.map_or(0, Positions::len)).collect();
+    let exchange = |t: &Be::Buf, w: usize| -> Result<Vec<Be::Buf>> {
+        // Nothing for itself or for a rank that sees none of its rows: an empty slice of its
+        // own buffer (the receiver checks the element type).
+        let sends = (0..p)
+            .map(|j| match sched.sends_at((j + p - r) % p) {
+                runs if j != r && !runs.is_empty() => direct::gather(be, t, x.b, n, w, runs),
+                _ => be.seq_slice(t, x.b, n, w, 0, 0),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        all_to_all_v(comm, sends, &rows.iter().map(|m| x.b * m * w).collect::<Vec<_>>())
+    };
+    let (ks, vs) = (exchange(&x.k, wk)?, exchange(&x.v, wv)?);
+    stats.waiting += start.elapsed();
+    let others = |parts: Vec<Be::Buf>| parts.into_iter().enumerate().filter(|&(j, _)| j != r && rows[j] > 0);
+    let k =
+        be.concat_seq(&std::iter::once(x.k.clone()).chain(others(ks).map(|(_, b)| b)).collect::<Vec<_>>(), x.b, wk)?;
+    let v =
+        be.concat_seq(&std::iter::once(x.v.clone()).chain(others(vs).map(|(_, b)| b)).collect::<Vec<_>>(), x.b, wv)?;
+    let blocks: Vec<Positions> =
+        std::iter::once(pos[r].clone()).chain(seen.iter().flatten().map(|p| (*p).clone())).collect();
+    let all = concat_positions(&blocks);
+    let dims = Dims { b: x.b, s_q: n, s_k: all.len(), h_q: x.h_q, h_kv: x.h_kv, d_qk: x.d_qk, d_v: x.d_v };
+    let mut rows = rows;
+    rows[r] = n;
+    Ok(Gathered { k, v, all, dims, rows })
+}
+
+/// The subset gather's return: the dK (or dV) rows of `grad` (`[b, s_k, w]` f32, in
+/// [`gather_seen`]'s order) go back to their owners, which add them, in rank order, into their
+/// own rows' part.
+fn return_seen<Be: Backend>(
+    comm: &dyn Communicator<Buf = Be::Buf>,
+    be: &Be,
+    b: usize,
+    grad: &Be::Buf,
+    rows: &[usize],
+    sched: &DirectSchedule,
+    w: usize,
+) -> Result<Be::Buf> {
+    let (p, r) = (comm.size(), comm.rank());
+    let total: usize = rows.iter().sum();
+    let n = rows[r];
+    let mut at = n;
+    let mut sends = Vec::with_capacity(p);
+    for (j, &m) in rows.iter().enumerate() {
+        if j == r {
+            sends.push(be.seq_slice(grad, b, total, w, 0, 0)?);
+        } else {
+            sends.push(be.seq_slice(grad, b, total, w, at, m)?);
+            at += m;
+        }
+    }
+    let runs = |j: usize| sched.sends_at((j + p - r) % p);
+    let recv_lens: Vec<usize> =
+        (0..p).map(|j| if j == r { 0 } else { b * runs(j).iter().map(|x| x.1).sum::<usize>() * w }).collect();
+    let parts = all_to_all_v(comm, sends, &recv_lens)?;
+    let mut own = be.seq_slice(grad, b, total, w, 0, n)?;
+    for (j, part) in parts.iter().enumerate() {
+        if j != r && recv_lens[j] > 0 {
+            be.add_into(&mut own, &direct::widen(be, part, b, n, w, runs(j))?)?;
+        }
+    }
+    Ok(own)
 }
 
 /// Dense forward FLOPs of the local block.
@@ -79,10 +179,11 @@ fn forward<Be: Backend>(
     be: &Be,
     x: &LocalData<Be::Buf>,
     pos: &[Positions],
+    sched: Option<&DirectSchedule>,
     params: &AttentionParams,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf)> {
-    let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
+    let Gathered { k, v, all, dims, .. } = gather(comm, be, x, pos, sched, stats)?;
     let start = Instant::now();
     let q = be.step_input(&x.q)?;
     let out = be.forward_block(dims, &q, &k, &v, &pos[comm.rank()], &all, params)?.wait()?;
@@ -98,13 +199,14 @@ fn backward<Be: Backend>(
     be: &Be,
     x: &LocalData<Be::Buf>,
     pos: &[Positions],
+    sched: Option<&DirectSchedule>,
     params: &AttentionParams,
     o: &Be::Buf,
     lse: &Be::Buf,
     d_o: &Be::Buf,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-    let Gathered { k, v, all, dims } = gather(comm, be, x, pos, stats)?;
+    let Gathered { k, v, all, dims, rows } = gather(comm, be, x, pos, sched, stats)?;
     let q_pos = &pos[comm.rank()];
     let start = Instant::now();
     let (q, o, d_o) = (be.step_input(&x.q)?, be.step_input(o)?, be.step_input(d_o)?);
@@ -114,6 +216,13 @@ fn backward<Be: Backend>(
     stats.compute += start.elapsed();
     stats.blocks = 1;
     let start = Instant::now();
+    if let Some(sched) = sched {
+        let dk = return_seen(comm, be, x.b, &dk_all, &rows, sched, x.h_kv * x.d_qk)?;
+        let dv = return_seen(comm, be, x.b, &dv_all, &rows, sched, x.h_kv * x.d_v)?;
+        stats.waiting += start.elapsed();
+        stats.step(Default::default(), Default::default(), crate::flops::backward_ratio(&dims) * flops(&dims));
+        return Ok((dq, dk, dv));
+    }
     let split = |t: &Be::Buf, w: usize| {
         let mut off = 0;
         pos.iter()

@@ -25,7 +25,7 @@ const KV_TAG: Tag = 0;
 const PART_TAG: Tag = 1 << 18;
 
 /// Local row runs `(first row, rows)` of a block, ascending and disjoint.
-type Runs = Vec<(usize, usize)>;
+pub(super) type Runs = Vec<(usize, usize)>;
 
 /// One rank's direct schedule over a ring of `P` ranks.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,19 +53,9 @@ impl DirectSchedule {
         if p < 2 {
             return Ok(None);
         }
-        let seen: Vec<Vec<(i64, i64)>> = pos.iter().map(|q| visible_keys(params, q)).collect::<Result<_>>()?;
+        let seen = seen_keys(params, pos)?;
         let need = |to: usize, from: usize| aligned(runs_within(&pos[from], &seen[to]), pos[from].len());
-        // Rows each schedule moves, over all ranks: the pass-along ring sends, at each of its
-        // hops but the last, the block it holds.
-        let pass: usize =
-            (0..p).map(|r| (0..hops.saturating_sub(1)).map(|t| pos[(r + p - t) % p].len()).sum::<usize>()).sum();
-        let mut direct = 0usize;
-        for from in 0..p {
-            for t in 1..p {
-                direct += need((from + t) % p, from).iter().map(|r| r.1).sum::<usize>();
-            }
-        }
-        if direct >= pass {
+        if !takes_direct(&rows_between(pos, &seen), pos, hops) {
             return Ok(None);
         }
         let send = (0..p).map(|t| if t == 0 { Vec::new() } else { need((rank + t) % p, rank) }).collect();
@@ -77,6 +67,16 @@ impl DirectSchedule {
             })
             .collect();
         Ok(Some(DirectSchedule { send, recv }))
+    }
+
+    /// The runs of this rank's own rows that rank `r + t` sees (empty at `t = 0`).
+    pub(super) fn sends_at(&self, t: usize) -> &Runs {
+        &self.send[t]
+    }
+
+    /// The positions of the rows of rank `r − t` that this rank sees (`None`: none, or `t = 0`).
+    pub(super) fn receives_at(&self, t: usize) -> Option<&Positions> {
+        self.recv[t].as_ref()
     }
 
     /// Whether this rank sends or receives at hop `t`.
@@ -93,6 +93,54 @@ impl DirectSchedule {
     fn idle_hops(&self) -> usize {
         (1..self.send.len()).filter(|&t| !self.active(t)).count()
     }
+}
+
+/// Every rank's visible key intervals ([`visible_keys`]).
+fn seen_keys(params: &AttentionParams, pos: &[Positions]) -> Result<Vec<Vec<(i64, i64)>>> {
+    pos.iter().map(|q| visible_keys(params, q)).collect()
+}
+
+/// Rows of rank `from`'s block that the direct schedule sends to rank `to`, as `[to][from]`
+/// (the diagonal 0: a rank's own block does not travel).
+fn rows_between(pos: &[Positions], seen: &[Vec<(i64, i64)>]) -> Vec<Vec<usize>> {
+    let p = pos.len();
+    (0..p)
+        .map(|to| {
+            (0..p)
+                .map(|from| {
+                    if from == to {
+                        return 0;
+                    }
+                    aligned(runs_within(&pos[from], &seen[to]), pos[from].len()).iter().map(|r| r.1).sum()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Whether the direct schedule moves fewer rows, over all ranks, than the pass-along ring of
+/// `hops` hops, which sends at each of its hops but the last the block it holds.
+fn takes_direct(rows: &[Vec<usize>], pos: &[Positions], hops: usize) -> bool {
+    let p = pos.len();
+    let pass: usize =
+        (0..p).map(|r| (0..hops.saturating_sub(1)).map(|t| pos[(r + p - t) % p].len()).sum::<usize>()).sum();
+    let direct: usize = rows.iter().flatten().sum();
+    direct < pass
+}
+
+/// The cost model's view of a ring over blocks at `pos` ([`crate::plan`]): the rows the direct
+/// schedule would send, `[to][from]`, and whether the plan takes it over the pass-along ring of
+/// `hops` hops (the verdict of [`DirectSchedule::better`]).
+///
+/// # Errors
+/// [`Error::Documents`] when a position lies outside the documents.
+pub(crate) fn sent_rows(params: &AttentionParams, pos: &[Positions], hops: usize) -> Result<(Vec<Vec<usize>>, bool)> {
+    if pos.len() < 2 {
+        return Ok((vec![vec![0; pos.len()]; pos.len()], false));
+    }
+    let rows = rows_between(pos, &seen_keys(params, pos)?);
+    let direct = takes_direct(&rows, pos, hops);
+    Ok((rows, direct))
 }
 
 /// The key intervals (inclusive, ascending, disjoint) that queries at `q` see at least one
@@ -228,7 +276,7 @@ fn positions_of(k: &Positions, runs: &Runs) -> Positions {
 }
 
 /// The rows `runs` of a `[b, n, w]` buffer (the buffer itself when they are all of it).
-fn gather<Be: Backend>(be: &Be, x: &Be::Buf, b: usize, n: usize, w: usize, runs: &Runs) -> Result<Be::Buf> {
+pub(super) fn gather<Be: Backend>(be: &Be, x: &Be::Buf, b: usize, n: usize, w: usize, runs: &Runs) -> Result<Be::Buf> {
     if runs.len() == 1 && runs[0] == (0, n) {
         return Ok(x.clone());
     }
@@ -238,7 +286,14 @@ fn gather<Be: Backend>(be: &Be, x: &Be::Buf, b: usize, n: usize, w: usize, runs:
 
 /// A partial over the rows `runs` of a `[b, n, w]` f32 buffer, widened to all `n` rows (zeros
 /// elsewhere).
-fn widen<Be: Backend>(be: &Be, part: &Be::Buf, b: usize, n: usize, w: usize, runs: &Runs) -> Result<Be::Buf> {
+pub(super) fn widen<Be: Backend>(
+    be: &Be,
+    part: &Be::Buf,
+    b: usize,
+    n: usize,
+    w: usize,
+    runs: &Runs,
+) -> Result<Be::Buf> {
     let rows: usize = runs.iter().map(|r| r.1).sum();
     let mut parts = Vec::with_capacity(2 * runs.len() + 1);
     let (mut at, mut from) = (0usize, 0usize);

@@ -163,6 +163,7 @@ impl Strategy {
 }
 
 mod allgather;
+pub mod auto;
 mod backend;
 mod direct;
 mod plan;
@@ -175,9 +176,11 @@ use std::time::Duration;
 pub use crate::cpu::CpuBackend;
 pub(crate) use backend::host_partial;
 pub use backend::{Backend, BufShape, Buffers, ForwardPartial, GradientPartial, HostMemory, NullBackend, Pending};
+pub(crate) use direct::sent_rows;
 #[cfg(feature = "candle")]
 pub(crate) use plan::fnv1a;
 pub use plan::{ParallelPlan, PlanSource, ResolvedParams};
+pub(crate) use ring::hops_needed;
 pub(crate) use ulysses::HeadPlan;
 
 use crate::attention::{ForwardOutput, Gradients};
@@ -334,7 +337,8 @@ impl<B> LocalData<B> {
     }
 }
 
-fn concat_positions(pos: &[Positions]) -> Positions {
+/// The positions of several blocks one after another (a Ulysses group's tokens).
+pub(crate) fn concat_positions(pos: &[Positions]) -> Positions {
     Positions::from_segments(pos.iter().flat_map(|p| p.segments().iter().copied()).collect()).expect("valid segments")
 }
 

@@ -239,7 +239,8 @@ pub struct ParallelPlan<'c, Be: Backend> {
     /// positions, once.
     pub(super) hops: usize,
     /// The ring's zero-redundant schedule for this rank, when it moves fewer bytes than the
-    /// pass-along ring ([`super::direct::DirectSchedule::better`]), from the positions, once.
+    /// pass-along ring ([`super::direct::DirectSchedule::better`]), from the positions, once;
+    /// under the all-gather, the rows each rank gathers from each other (only those it sees).
     pub(super) direct: Option<super::direct::DirectSchedule>,
     pub(super) last: Mutex<Stats>,
     /// The attention sinks in the backend's buffers (f32), when the parameters have them.
@@ -458,9 +459,15 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
         let ring_pos = mesh.as_ref().map_or(resolved.all_positions(), |m| &m.group_pos);
         let hops = super::ring::hops_needed(&resolved.params().attention, ring_pos)?;
         let ring_rank = mesh.as_ref().map_or(comm.rank(), Mesh::ring_rank);
-        // The ring's schedule (the all-gather runs no ring).
+        // The ring's schedule; the all-gather's subset of rows, when it moves fewer bytes than
+        // gathering every block to every rank (a ring of `world` hops moves as much).
         let direct = match resolved.params().strategy {
-            Strategy::AllGather => None,
+            Strategy::AllGather => super::direct::DirectSchedule::better(
+                &resolved.params().attention,
+                ring_pos,
+                ring_rank,
+                ring_pos.len(),
+            )?,
             _ => super::direct::DirectSchedule::better(&resolved.params().attention, ring_pos, ring_rank, hops)?,
         };
         let sinks = match &resolved.params().attention.sinks {

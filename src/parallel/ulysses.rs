@@ -56,7 +56,7 @@ impl Rules for Usp {
                 let group = groups[g].to_vec();
                 let n = group.len();
                 let mine = &group[i * n / u..(i + 1) * n / u];
-                Positions::from_segments(mine.iter().map(|&p| crate::Segment { start: p, stride: 1, len: 1 }).collect())
+                Positions::from_list(mine)
             })
             .collect()
     }

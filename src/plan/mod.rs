@@ -53,6 +53,7 @@
 //! ```
 
 mod calibrate;
+mod documents;
 mod heads;
 mod model;
 mod simulate;
@@ -63,6 +64,7 @@ use crate::parallel::Strategy;
 use crate::{Error, Result};
 
 pub use calibrate::{Calibration, LinkFit, LinkKind, PingPong, PingPongSample};
+pub use documents::{evaluate_batch, layout_name, plan_batch, BatchChoice, BatchPlan, BATCH_LAYOUTS};
 pub use heads::{head_split, HeadSplit};
 pub use model::{evaluate, overlap_threshold, Choice, Hop, PassCost, Transfer};
 pub use simulate::{simulate, SimRow, Simulation};

@@ -155,6 +155,11 @@ fn mesh_links(c: &ClusterSpec, p: &Placement) -> (Links, Links) {
     }
 }
 
+/// Whether some ring of the placement spans nodes (its hops then take the inter-node link).
+pub(super) fn mesh_crosses(c: &ClusterSpec, p: &Placement) -> bool {
+    mesh_links(c, p).1.crosses
+}
+
 /// One point-to-point transfer of `bytes`, inside the node or across.
 fn p2p_s(c: &ClusterSpec, bytes: f64, crosses: bool) -> f64 {
     if bytes <= 0.0 {

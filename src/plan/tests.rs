@@ -477,3 +477,69 @@ fn unequal_head_dims_move_and_cost_by_their_own_widths() {
     assert!(lo < mid && mid < hi, "{lo} {mid} {hi}");
     assert!(a.memory_bytes != b.memory_bytes);
 }
+
+mod documents {
+    use super::super::{evaluate, evaluate_batch, plan_batch, ClusterSpec, JobSpec, Passes, Placement};
+    use crate::parallel::Strategy;
+    use crate::Layout;
+
+    fn job(seq: usize) -> JobSpec {
+        JobSpec { seq, heads: 8, kv_heads: 8, head_dim: 64, ..Default::default() }
+    }
+
+    #[test]
+    fn one_document_costs_what_the_dense_model_says() {
+        // One causal document over zigzag shards: every rank does N²/(2P) pairs, as the
+        // dense model spreads them; the batch model counts N(N+1)/2 exactly.
+        let (s, p) = (8192, 4);
+        let cluster = ClusterSpec { gpus: p, ..Default::default() };
+        for passes in [Passes::Forward, Passes::Both] {
+            let j = JobSpec { passes, ..job(s) };
+            let dense = evaluate(&cluster, &j, &Placement::ring(p)).unwrap();
+            let batch = evaluate_batch(&cluster, &j, &[s], Layout::Zigzag, &Placement::ring(p)).unwrap();
+            assert!((batch.compute_s / dense.compute_s - 1.0).abs() < 1e-3, "{batch:?} vs {dense:?}");
+            assert!((batch.imbalance - 1.0).abs() < 1e-3);
+            // Compute-bound hops: communication hides; the pass ends with the compute.
+            assert!(batch.time_s >= batch.compute_s);
+            assert!(batch.time_s < dense.time_s * 1.05, "{} vs {}", batch.time_s, dense.time_s);
+        }
+    }
+
+    #[test]
+    fn ulysses_is_balanced_whatever_the_documents() {
+        let docs = [9000, 200, 300, 400, 100, 2000, 1000, 1000, 2000, 368];
+        let s: usize = docs.iter().sum();
+        let cluster = ClusterSpec { gpus: 4, ..Default::default() };
+        let u = evaluate_batch(&cluster, &job(s), &docs, Layout::Zigzag, &Placement::ulysses(4)).unwrap();
+        assert!((u.imbalance - 1.0).abs() < 1e-12);
+        let z = evaluate_batch(&cluster, &job(s), &docs, Layout::Zigzag, &Placement::ring(4)).unwrap();
+        assert!(z.imbalance > 1.2, "{}", z.imbalance);
+        // The whole batch's attention, split four ways by heads.
+        assert!((u.compute_s * 4.0 / (z.compute_s * 4.0 / z.imbalance) - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn communication_bound_hops_show_in_the_time() {
+        // Slow links: the balanced ring's extra bytes cost more than its balance saves.
+        let docs = [4096usize; 4];
+        let s = 16384;
+        let slow = ClusterSpec { gpus: 4, intra_gbps: 0.5, ..Default::default() };
+        let c = evaluate_batch(&slow, &job(s), &docs, Layout::Contiguous, &Placement::ring(4)).unwrap();
+        // Contiguous shards of four whole documents: no rank sees another's keys.
+        assert_eq!(c.bytes_sent, 0);
+        assert!((c.time_s / c.compute_s - 1.0).abs() < 1e-9);
+        let z = evaluate_batch(&slow, &job(s), &docs, Layout::Zigzag, &Placement::ring(4)).unwrap();
+        assert!(z.bytes_sent > 0 && z.time_s > z.compute_s * 2.0, "{z:?}");
+        let p = plan_batch(&slow, &job(s), &docs).unwrap();
+        let best = p.best().unwrap();
+        // The ring over whole documents (the balanced layout keeps them whole too).
+        assert_eq!((best.placement.strategy, best.bytes_sent, best.time_s), (Strategy::Ring, 0, c.time_s), "{best:?}");
+    }
+
+    #[test]
+    fn lengths_must_fill_the_job() {
+        let cluster = ClusterSpec { gpus: 2, ..Default::default() };
+        assert!(evaluate_batch(&cluster, &job(100), &[50, 40], Layout::Zigzag, &Placement::ring(2)).is_err());
+        assert!(plan_batch(&cluster, &job(100), &[50, 40]).is_err());
+    }
+}

@@ -130,6 +130,12 @@ pub struct BenchArgs {
     /// `mpirun -n P ringattn bench --comm mpi --docs ...`; a build with --features mpi).
     #[arg(long, default_value = "local")]
     pub comm: String,
+    /// --docs: calibration of the cost model that predicts each configuration and resolves
+    /// `auto` in --strategies (the JSON of `ringattn bench --json` for the kernel rates, a
+    /// ping-pong for the link, as `plan --calibration`); repeatable, later files win
+    /// [default: the model's H200 figures].
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Vec<PathBuf>,
 }
 
 /// The timings of one pass, with the work they are divided into.
@@ -328,6 +334,11 @@ fn work(backend: BackendKind, x: &Inputs, pass: Pass, pairs: u64) -> Result<(f64
 pub fn bench(a: &BenchArgs) -> Result<ExitCode> {
     if let Some(docs) = &a.docs {
         return crate::docbench::run(a, docs);
+    }
+    if !a.calibration.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--calibration applies to --docs runs (the model's predictions and auto)".into(),
+        ));
     }
     if a.comm != "local" {
         return Err(Error::InvalidArgument(format!(

@@ -10,15 +10,23 @@
 //! thread each with RAYON_NUM_THREADS=1). Shape and score options as the other benches
 //! (--batch, --heads, --kv-heads, --head-dim(-v), --dtype, --causal, --window, --softcap;
 //! --link-gbps models the in-process links); what this mode cannot honour (another backend,
-//! one pass, --seqlens) is refused. JSON with `--json`, a plot with `--out`.
+//! one pass, --seqlens) is refused. `auto` among --strategies runs, per batch, what
+//! `ringattn::parallel::auto::choose` picks under the cost model (calibrated by
+//! --calibration), and every configuration carries the model's prediction beside its
+//! measurement; the summary compares auto with the best and worst fixed configuration of the
+//! batch. JSON with `--json`, a plot with `--out`.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use ringattn::comm::{all_gather, barrier, spmd, Communicator, LinkModel, LocalOptions};
+use ringattn::parallel::auto::choose;
 use ringattn::parallel::{CpuBackend, ParallelParams, ParallelPlan, Strategy};
+use ringattn::plan::{
+    evaluate_batch, layout_name, Calibration, ClusterSpec, JobSpec, LinkSharing, Nesting, Passes, Placement,
+};
 use ringattn::random::{document_lengths, randn, DocLengths};
-use ringattn::{dispatch, flops, DType, Dims, Documents, Error, HostBuf, Layout, Result};
+use ringattn::{dispatch, flops, DType, Dims, Documents, Error, HostBuf, Layout, Mask, Result};
 use serde::Serialize;
 
 use crate::bench::BenchArgs;
@@ -55,6 +63,18 @@ pub struct DocRow {
     pub waiting_s: Vec<f64>,
     /// Median of `seconds`.
     pub median_s: f64,
+    /// The cost model's forward + backward time of this configuration (calibrated by
+    /// --calibration), when it weighs this mask.
+    pub predicted_s: Option<f64>,
+    /// For `auto`: what it chose (`strategy u×r layout`).
+    pub choice: Option<String>,
+}
+
+/// A `--strategies` entry: a strategy run with every --layout, or `auto`, resolved per batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Pick {
+    Fixed(Strategy),
+    Auto,
 }
 
 /// The run's settings, resolved from the bench arguments.
@@ -70,8 +90,10 @@ struct Setup {
     dtype: DType,
     /// The mask and score options (documents set per batch).
     attention: ringattn::AttentionParams,
-    strategies: Vec<Strategy>,
+    picks: Vec<Pick>,
     layouts: Vec<Layout>,
+    /// The cost model's cluster (its `gpus` set per world size).
+    cluster: ClusterSpec,
     warmup: usize,
     iters: usize,
     /// The link model of in-process ranks (`--link-gbps`; none: instant).
@@ -117,8 +139,17 @@ impl Setup {
                 .filter(|x| !x.is_empty())
                 .collect()
         };
-        let strategies =
-            names(&a.strategies, "ring").iter().map(|n| n.parse::<Strategy>()).collect::<Result<Vec<_>>>()?;
+        let picks = names(&a.strategies, "ring")
+            .iter()
+            .map(|n| match n.as_str() {
+                "auto" => Ok(Pick::Auto),
+                n => n.parse::<Strategy>().map(Pick::Fixed),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut cluster = ClusterSpec { links: LinkSharing::PerPeer, ..Default::default() };
+        for path in &a.calibration {
+            Calibration::load(path)?.apply(&mut cluster);
+        }
         let layouts =
             names(&a.layout, "zigzag,balanced").iter().map(|n| n.parse::<Layout>()).collect::<Result<Vec<_>>>()?;
         let dtype = match a.dtype.as_deref() {
@@ -145,8 +176,9 @@ impl Setup {
             d_v: a.head_dim_v.unwrap_or(a.head_dim),
             dtype,
             attention,
-            strategies,
+            picks,
             layouts,
+            cluster,
             warmup: a.warmup.unwrap_or(1),
             iters: a.iters.unwrap_or(3).max(1),
             link,
@@ -172,16 +204,63 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
             plan: ParallelPlan<'c, CpuBackend>,
             bufs: [HostBuf; 4],
         }
+        let cluster = ClusterSpec { gpus: world, gpus_per_node: world, ..st.cluster.clone() };
+        let job = JobSpec {
+            seq: st.s,
+            batch: st.b,
+            heads: st.h_q,
+            kv_heads: st.h_kv,
+            head_dim: st.d,
+            head_dim_v: (st.d_v != st.d).then_some(st.d_v),
+            dtype_bytes: st.dtype.size_of(),
+            accum_bytes: 4,
+            causal: attention.mask == Mask::Causal,
+            passes: Passes::Both,
+            layers: 1,
+        };
+        // The model weighs causal or unmasked documents.
+        let modelled = matches!(attention.mask, Mask::Causal | Mask::None);
+        let whole = Dims { b: st.b, s_q: st.s, s_k: st.s, h_q: st.h_q, h_kv: st.h_kv, d_qk: st.d, d_v: st.d_v };
+        // (parameters, the model's estimate, auto's choice)
+        let mut runs: Vec<(ParallelParams, Option<f64>, Option<String>)> = Vec::new();
+        for &pick in &st.picks {
+            match pick {
+                Pick::Auto => {
+                    let auto = choose(&attention, &whole, st.dtype, Passes::Both, &cluster)?;
+                    let params = ParallelParams { seq_len: st.s, ..auto.params };
+                    runs.push((params, Some(auto.predicted.time_s), Some(auto.predicted.label())));
+                }
+                Pick::Fixed(strategy) => {
+                    for &layout in &st.layouts {
+                        let params = ParallelParams {
+                            strategy,
+                            layout: Some(layout),
+                            attention: attention.clone(),
+                            seq_len: st.s,
+                            ulysses_degree: None,
+                        };
+                        let resolved = params.resolve(world, st.h_q, st.s)?;
+                        let u = resolved.ulysses_degree();
+                        let placement = match strategy {
+                            Strategy::Ring => Some(Placement::ring(world)),
+                            Strategy::AllGather => Some(Placement::all_gather(world)),
+                            Strategy::Ulysses => Some(Placement::ulysses(world)),
+                            Strategy::Usp => Some(Placement::usp(u, world / u, Nesting::UlyssesInNode)),
+                            _ => None,
+                        };
+                        let predicted = match placement.filter(|_| modelled && world > 1) {
+                            Some(p) => Some(evaluate_batch(&cluster, &job, &lens, layout, &p)?.time_s),
+                            None => None,
+                        };
+                        runs.push((params, predicted, None));
+                    }
+                }
+            }
+        }
         let mut configs = Vec::new();
-        for &strategy in &st.strategies {
-            for &layout in &st.layouts {
-                let params = ParallelParams {
-                    strategy,
-                    layout: Some(layout),
-                    attention: attention.clone(),
-                    seq_len: st.s,
-                    ulysses_degree: None,
-                };
+        for (params, predicted_s, choice) in runs {
+            {
+                let (strategy, layout) = (params.strategy, params.layout());
                 let resolved = params.resolve(world, st.h_q, st.s)?;
                 let work = flops::pairs_of_positions(&attention, st.s, resolved.all_positions())?;
                 let n = resolved.positions(rank).len();
@@ -193,8 +272,8 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                     seed,
                     documents: lens.len(),
                     world,
-                    strategy: strategy.name().to_string(),
-                    layout: format!("{layout:?}").to_lowercase(),
+                    strategy: if choice.is_some() { "auto".into() } else { strategy.name().to_string() },
+                    layout: layout_name(layout),
                     imbalance: dispatch::imbalance(&work),
                     work,
                     bytes_sent: 0,
@@ -205,6 +284,8 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                     compute_s: Vec::new(),
                     waiting_s: Vec::new(),
                     median_s: 0.0,
+                    predicted_s,
+                    choice,
                 };
                 configs.push(Config { row, plan, bufs });
             }
@@ -328,12 +409,14 @@ pub fn run(a: &BenchArgs, docs: &str) -> Result<ExitCode> {
 }
 
 fn print_table(rows: &[DocRow]) {
-    println!("seed docs world strategy   layout      imbalance  MB sent  of pass-along  skipped  median ms  compute ms (ranks)");
+    println!(
+        "seed docs world strategy   layout      imbalance  MB sent  of pass-along  skipped  median ms  model ms  compute ms (ranks)"
+    );
     for r in rows {
         let of_pass =
             r.pass_along_bytes.map_or("—".to_string(), |p| format!("{:.2}", r.bytes_sent as f64 / p as f64));
         println!(
-            "{:>4} {:>4} {:>5} {:<10} {:<10} {:>10.3} {:>8.2} {:>14} {:>8} {:>10.1}  {}",
+            "{:>4} {:>4} {:>5} {:<10} {:<10} {:>10.3} {:>8.2} {:>14} {:>8} {:>10.1} {:>9}  {}{}",
             r.seed,
             r.documents,
             r.world,
@@ -344,7 +427,44 @@ fn print_table(rows: &[DocRow]) {
             of_pass,
             r.skipped_hops,
             r.median_s * 1e3,
-            r.compute_s.iter().map(|c| format!("{:.0}", c * 1e3)).collect::<Vec<_>>().join(" ")
+            r.predicted_s.map_or("—".to_string(), |p| format!("{:.1}", p * 1e3)),
+            r.compute_s.iter().map(|c| format!("{:.0}", c * 1e3)).collect::<Vec<_>>().join(" "),
+            r.choice.as_ref().map_or(String::new(), |c| format!("  (auto: {c})")),
+        );
+    }
+    // Auto against the fixed configurations of the same batch and world, measured.
+    for auto in rows.iter().filter(|r| r.choice.is_some()) {
+        let fixed: Vec<&DocRow> =
+            rows.iter().filter(|r| r.choice.is_none() && r.seed == auto.seed && r.world == auto.world).collect();
+        let (Some(best), Some(worst)) = (
+            fixed.iter().min_by(|a, b| a.median_s.total_cmp(&b.median_s)),
+            fixed.iter().max_by(|a, b| a.median_s.total_cmp(&b.median_s)),
+        ) else {
+            continue;
+        };
+        println!(
+            "seed {} world {}: auto ({}) {:.1} ms = {:.3}× the best fixed ({} {}, {:.1} ms); the worst {} {} {:.1} ms",
+            auto.seed,
+            auto.world,
+            auto.choice.as_deref().unwrap_or(""),
+            auto.median_s * 1e3,
+            auto.median_s / best.median_s,
+            best.strategy,
+            best.layout,
+            best.median_s * 1e3,
+            worst.strategy,
+            worst.layout,
+            worst.median_s * 1e3,
+        );
+    }
+    // The model's predictions against the measurements.
+    let errs: Vec<f64> = rows.iter().filter_map(|r| r.predicted_s.map(|p| (p / r.median_s - 1.0) * 100.0)).collect();
+    if !errs.is_empty() {
+        let mean_abs = errs.iter().map(|e| e.abs()).sum::<f64>() / errs.len() as f64;
+        let worst = errs.iter().copied().fold(0.0f64, |a, e| if e.abs() > a.abs() { e } else { a });
+        println!(
+            "model vs measured: mean |error| {mean_abs:.1}%, worst {worst:+.1}% over {} configurations",
+            errs.len()
         );
     }
 }

@@ -87,11 +87,14 @@ pub struct PlanArgs {
     /// GPUs the sequence is split over.
     #[arg(long)]
     pub gpus: usize,
-    /// Global sequence length, tokens (suffixes k = 1024, M = 1024²: 128k, 1M).
-    #[arg(long, value_parser = parse_tokens)]
-    pub seq: usize,
+    /// Global sequence length, tokens (suffixes k = 1024, M = 1024²: 128k, 1M); with
+    /// --seqlens, their sum [required otherwise].
+    #[arg(long, value_parser = parse_tokens, required_unless_present = "seqlens")]
+    pub seq: Option<usize>,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub docs: DocArgs,
     /// Also write the plan (every choice with its transfers, the rejected placements and
     /// the recommendation) as JSON to this file (atomically).
     #[arg(long, value_name = "FILE")]
@@ -99,6 +102,47 @@ pub struct PlanArgs {
     /// Choices to print.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
+}
+
+/// Packed documents for `plan`: the model then weighs every layout per batch.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DocArgs {
+    /// Packed documents, causal each with --causal: `lognormal` (median 1500, σ 1, 128–16384
+    /// tokens), `lognormal:MEDIAN:SIGMA:MIN:MAX`, or a list of lengths repeated to fill
+    /// --seq; one batch per --doc-seeds. The model then ranks every strategy × layout per
+    /// batch from the tokens each rank holds (its imbalance, the direct ring's bytes) and
+    /// names what `--strategy auto` runs.
+    #[arg(long, value_name = "DIST", conflicts_with = "seqlens")]
+    pub docs: Option<String>,
+    /// Batches drawn from --docs (seeds 0..N).
+    #[arg(long, default_value_t = 1, requires = "docs")]
+    pub doc_seeds: u64,
+    /// One batch of documents of these lengths, tokens (they set --seq).
+    #[arg(long, value_name = "L,L,...")]
+    pub seqlens: Option<String>,
+}
+
+impl DocArgs {
+    /// The batches `(seed, lengths)` of `s` tokens, or none without documents.
+    fn batches(&self, seq: Option<usize>) -> Result<Vec<(Option<u64>, Vec<usize>)>> {
+        if let Some(list) = &self.seqlens {
+            let lens = parse_counts(list, "--seqlens")?;
+            let total: usize = lens.iter().sum();
+            if let Some(s) = seq.filter(|&s| s != total) {
+                return Err(Error::InvalidArgument(format!("--seqlens sum to {total} tokens, --seq says {s}")));
+            }
+            return Ok(vec![(None, lens)]);
+        }
+        match (&self.docs, seq) {
+            (Some(d), Some(s)) => {
+                let dist: ringattn::random::DocLengths = d.parse()?;
+                Ok((0..self.doc_seeds.max(1))
+                    .map(|seed| (Some(seed), ringattn::random::document_lengths(seed, s, &dist)))
+                    .collect())
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
 }
 
 /// `ringattn simulate`.
@@ -112,6 +156,15 @@ pub struct SimulateArgs {
     pub seq: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Packed documents (log-normal form or a list, as `plan --docs`): instead of the grid of
+    /// strategies, each GPU count × length is simulated on --doc-seeds batches, the ring
+    /// with the zigzag layout against the balanced one and against the per-batch choice
+    /// (`--strategy auto`), means over the batches.
+    #[arg(long, value_name = "DIST")]
+    pub docs: Option<String>,
+    /// Batches per cell with --docs (seeds 0..N).
+    #[arg(long, default_value_t = 5, requires = "docs")]
+    pub doc_seeds: u64,
     /// Directory for simulation.json, simulation.csv and the plots (PNG and SVG): step time
     /// against sequence length per GPU count, against GPU count per sequence length, and the
     /// best strategy's time for every GPU count.
@@ -390,9 +443,99 @@ struct PlanReport<'a> {
     calibration: Option<&'a Calibration>,
 }
 
-pub fn plan(a: &PlanArgs) -> Result<ExitCode> {
+/// One batch's plan in `plan --docs` and its JSON.
+#[derive(Serialize)]
+struct BatchReport {
+    seed: Option<u64>,
+    plan: plan::BatchPlan,
+}
+
+fn batch_table(p: &plan::BatchPlan, top: usize) -> String {
+    let header =
+        ["#", "strategy", "u × r", "layout", "time ms", "compute ms", "wait ms", "imbalance", "MiB sent", "exchange"];
+    let rows: Vec<Vec<String>> = p
+        .choices
+        .iter()
+        .take(top)
+        .enumerate()
+        .map(|(i, c)| {
+            vec![
+                (i + 1).to_string(),
+                c.placement.strategy.name().to_string(),
+                format!("{} × {}", c.placement.ulysses, c.placement.ring),
+                plan::layout_name(c.layout),
+                format!("{:.3}", c.time_s * 1e3),
+                format!("{:.3}", c.compute_s * 1e3),
+                format!("{:.3}", c.wait_s * 1e3),
+                format!("{:.3}", c.imbalance),
+                format!("{:.1}", c.bytes_sent as f64 / MIB),
+                match (c.placement.strategy, c.direct) {
+                    (Strategy::Ulysses, _) => "all-to-all".into(),
+                    (Strategy::AllGather, true) => "seen rows".into(),
+                    (Strategy::AllGather, false) => "all rows".into(),
+                    (_, true) => "direct ring".into(),
+                    (_, false) => "pass-along ring".into(),
+                },
+            ]
+        })
+        .collect();
+    table(&header, &rows, 4)
+}
+
+/// `plan --docs` / `--seqlens`: every strategy × layout per batch.
+fn plan_documents(a: &PlanArgs, batches: Vec<(Option<u64>, Vec<usize>)>) -> Result<ExitCode> {
+    let seq = batches[0].1.iter().sum();
     let (cluster, mut job, cal) = a.model.specs(a.gpus)?;
-    job.seq = a.seq;
+    job.seq = seq;
+    println!("ringattn plan: per attention layer, packed documents, predicted by the analytic model per batch");
+    println!("{}", describe(&cluster, &job, cal.as_ref(), false));
+    println!(
+        "time: the slowest rank's end of each pass; wait: time less the busiest rank's attention; MiB sent: all ranks\n"
+    );
+    let mut reports = Vec::new();
+    for (seed, lens) in batches {
+        let p = plan::plan_batch(&cluster, &job, &lens)?;
+        let what = seed.map_or(String::new(), |s| format!("seed {s}, "));
+        println!("batch: {what}{} documents (longest {})", lens.len(), lens.iter().max().unwrap_or(&0));
+        print!("{}", batch_table(&p, a.top));
+        match p.best() {
+            Some(best) => {
+                let vs = |st: Strategy, l: ringattn::Layout| {
+                    p.find(st, l).map_or(String::new(), |c| {
+                        format!(", {:.2}× the {} ({:.3} ms)", c.time_s / best.time_s, c.label(), c.time_s * 1e3)
+                    })
+                };
+                println!(
+                    "auto: {} ({:.3} ms; `{} --layout {}`){}{}\n",
+                    best.label(),
+                    best.time_s * 1e3,
+                    best.placement.command_hint(),
+                    plan::layout_name(best.layout),
+                    vs(Strategy::Ring, ringattn::Layout::Zigzag),
+                    vs(Strategy::Ring, ringattn::Layout::Balanced),
+                );
+            }
+            None => println!("no valid placement\n"),
+        }
+        if !p.rejected.is_empty() {
+            print!("{}", rejected_summary(&p.rejected, job.heads));
+        }
+        reports.push(BatchReport { seed, plan: p });
+    }
+    if let Some(path) = &a.json {
+        ringattn::io::write_json(path, &reports)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn plan(a: &PlanArgs) -> Result<ExitCode> {
+    let batches = a.docs.batches(a.seq)?;
+    if !batches.is_empty() {
+        return plan_documents(a, batches);
+    }
+    let (cluster, mut job, cal) = a.model.specs(a.gpus)?;
+    job.seq = a.seq.ok_or_else(|| Error::InvalidArgument("--seq is required without --seqlens".into()))?;
     let p = plan::plan(&cluster, &job)?;
     println!("ringattn plan: per attention layer and rank, predicted by the analytic model");
     println!("{}\n", describe(&cluster, &job, cal.as_ref(), false));
@@ -529,6 +672,9 @@ pub fn simulate(a: &SimulateArgs) -> Result<ExitCode> {
         Some(s) => parse_counts(s, "--seq")?,
         None => Simulation::default_seqs(),
     };
+    if let Some(docs) = &a.docs {
+        return simulate_documents(a, docs, &gpus, &seqs);
+    }
     let (cluster, job, cal) = a.model.specs(gpus[0])?;
     let sim = plan::simulate(&cluster, &job, &gpus, &seqs)?;
     println!("ringattn simulate: predicted time per attention layer (ms), best placement of each strategy");
@@ -538,6 +684,113 @@ pub fn simulate(a: &SimulateArgs) -> Result<ExitCode> {
     if let Some(dir) = &a.out {
         let files = write_outputs(&sim, dir)?;
         println!("wrote {} files to {}", files.len(), dir.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One cell of `simulate --docs`: means over the batches.
+#[derive(Serialize)]
+struct DocSimRow {
+    gpus: usize,
+    seq: usize,
+    seeds: u64,
+    zigzag_ring_ms: Vec<f64>,
+    balanced_ring_ms: Vec<f64>,
+    auto_ms: Vec<f64>,
+    auto_choice: Vec<String>,
+    zigzag_imbalance: Vec<f64>,
+    balanced_imbalance: Vec<f64>,
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn simulate_documents(a: &SimulateArgs, docs: &str, gpus: &[usize], seqs: &[usize]) -> Result<ExitCode> {
+    let dist: ringattn::random::DocLengths = docs.parse()?;
+    let (mut cluster, mut job, cal) = a.model.specs(gpus[0])?;
+    println!("ringattn simulate --docs {docs}: predicted time per attention layer, {} batches per cell", a.doc_seeds);
+    println!("{}\n", describe(&cluster, &job, cal.as_ref(), true));
+    let header = [
+        "gpus",
+        "seq",
+        "zigzag ring ms",
+        "imbalance",
+        "balanced ring ms",
+        "imbalance",
+        "speedup",
+        "auto ms",
+        "auto speedup",
+        "auto's choices",
+    ];
+    let total = (gpus.len() * seqs.len()) as u64 * a.doc_seeds;
+    let (rows, out) = crate::progress::with_progress("batches", total, |done| -> Result<_> {
+        let mut rows = Vec::new();
+        let mut out = Vec::new();
+        for &g in gpus {
+            cluster.gpus = g;
+            for &s in seqs {
+                job.seq = s;
+                let mut r = DocSimRow {
+                    gpus: g,
+                    seq: s,
+                    seeds: a.doc_seeds,
+                    zigzag_ring_ms: vec![],
+                    balanced_ring_ms: vec![],
+                    auto_ms: vec![],
+                    auto_choice: vec![],
+                    zigzag_imbalance: vec![],
+                    balanced_imbalance: vec![],
+                };
+                for seed in 0..a.doc_seeds {
+                    let lens = ringattn::random::document_lengths(seed, s, &dist);
+                    let p = plan::plan_batch(&cluster, &job, &lens)?;
+                    let pick = |st, l| {
+                        p.find(st, l).ok_or_else(|| {
+                            Error::InvalidArgument(format!(
+                                "{g} GPUs, {s} tokens: the {st} strategy cannot run this job"
+                            ))
+                        })
+                    };
+                    let z = pick(Strategy::Ring, ringattn::Layout::Zigzag)?;
+                    let b = pick(Strategy::Ring, ringattn::Layout::Balanced)?;
+                    let best = p.best().expect("the ring is valid");
+                    r.zigzag_ring_ms.push(z.time_s * 1e3);
+                    r.balanced_ring_ms.push(b.time_s * 1e3);
+                    r.auto_ms.push(best.time_s * 1e3);
+                    r.auto_choice.push(best.label());
+                    r.zigzag_imbalance.push(z.imbalance);
+                    r.balanced_imbalance.push(b.imbalance);
+                    done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                let ratio = |x: &[f64]| mean(&r.zigzag_ring_ms.iter().zip(x).map(|(z, y)| z / y).collect::<Vec<_>>());
+                let mut choices: Vec<String> = r.auto_choice.clone();
+                choices.sort();
+                choices.dedup();
+                rows.push(vec![
+                    g.to_string(),
+                    crate::plot::tick(s as f64),
+                    format!("{:.3}", mean(&r.zigzag_ring_ms)),
+                    format!("{:.2}", mean(&r.zigzag_imbalance)),
+                    format!("{:.3}", mean(&r.balanced_ring_ms)),
+                    format!("{:.3}", mean(&r.balanced_imbalance)),
+                    format!("{:.2}×", ratio(&r.balanced_ring_ms)),
+                    format!("{:.3}", mean(&r.auto_ms)),
+                    format!("{:.2}×", ratio(&r.auto_ms)),
+                    choices.join("; "),
+                ]);
+                out.push(r);
+            }
+        }
+        Ok((rows, out))
+    })?;
+    print!("{}", table(&header, &rows, 0));
+    println!("(means over the batches; speedups: the zigzag ring's time over the other's, per batch, then averaged)");
+    if let Some(dir) = &a.out {
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+        let path = dir.join("simulation-docs.json");
+        ringattn::io::write_json(&path, &out)?;
+        println!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
