@@ -313,6 +313,12 @@ impl KeyTileWork for Scratch<'_> {
                         false,
                     );
                 }
+                // The scores' slopes (none without a soft-cap) from the products, then the
+                // scores.
+                let sloped = !sc.fused();
+                if sloped {
+                    sc.slope_row(p, &mut self.slopes[..br * bc]);
+                }
                 sc.finish_row(p);
                 let mut exact = false;
                 if kind == TileKind::Partial {
@@ -324,12 +330,12 @@ impl KeyTileWork for Scratch<'_> {
                         && rows_finite(q_base, qs.start, br, d, q_rs)
                         && rows_finite(do_base, qs.start, br, d_v, o_rs));
                 }
-                // The scores' slopes (none without a soft-cap), before P replaces them.
-                let slopes = match sc.fused() {
-                    true => None,
-                    false => {
+                // Masked pairs' slopes 0, before P replaces the scores.
+                let slopes = match sloped {
+                    false => None,
+                    true => {
                         let g = &mut self.slopes[..br * bc];
-                        sc.slope_row(p, g);
+                        sc.mask_slopes(p, g);
                         Some(&*g)
                     }
                 };

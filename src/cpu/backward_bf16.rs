@@ -211,18 +211,22 @@ impl KeyTileWork for Worker<'_> {
                 let query_steps = mm::Reach::steps(&query_reach);
                 let p = &mut self.p[..br * sr];
                 mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(sc.factor()), lanes);
-                // The score options before the mask, the scores' slopes after it (none
-                // without a soft-cap), before P replaces them.
-                for row in p.chunks_exact_mut(sr) {
+                // The scores' slopes from the products (none without a soft-cap), the score
+                // options before the mask, the masked pairs' slopes 0 after it, before P
+                // replaces the scores.
+                let sloped = !sc.fused();
+                for (i, row) in p.chunks_exact_mut(sr).enumerate() {
+                    if sloped {
+                        sc.slope_row(&row[..bc], &mut self.slopes[i * sr..][..bc]);
+                    }
                     sc.finish_row(&mut row[..bc]);
                 }
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, sr, br, bc, qs.start, ks.start);
                 }
-                let sloped = !sc.fused();
                 if sloped {
                     for i in 0..br {
-                        sc.slope_row(&p[i * sr..][..bc], &mut self.slopes[i * sr..][..bc]);
+                        sc.mask_slopes(&p[i * sr..][..bc], &mut self.slopes[i * sr..][..bc]);
                     }
                 }
                 // P in place and, rounded, as Pᵀ's A pairs, two query rows at a time. A row

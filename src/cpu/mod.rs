@@ -16,6 +16,7 @@
 //! backward, and the forward elsewhere, through `gemm`. Outputs are rounded back to the
 //! input dtype; the LSE is always f32.
 
+pub mod amx;
 mod arithmetic;
 mod backend;
 mod backward;

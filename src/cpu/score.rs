@@ -50,13 +50,24 @@ impl Scores {
         }
     }
 
-    /// The derivative of each score of `scores` (as [`Scores::finish_row`] left them, then
-    /// masked) by its plainly scaled product, into `slopes`: `1 − tanh²` under a cap, 0 for
-    /// a masked (`-inf`) score. Without a cap every slope is 1 and nothing is written (the
-    /// paths skip the slopes when [`Scores::fused`]).
-    pub(crate) fn slope_row(self, scores: &[f32], slopes: &mut [f32]) {
-        if let Some(cap2) = self.cap2 {
-            slope_row(scores, 1.0 / cap2, slopes);
+    /// The derivative of each score by its plainly scaled product, from the products as
+    /// [`Scores::factor`] left them (before [`Scores::finish_row`]), into `slopes`:
+    /// `1 − tanh²(x) = 4z/(1 + z)²` with `z = e^{−2|x|}` under a cap — accurate relative to
+    /// the slope itself where tanh saturates (`1 − t²` from a rounded `t` keeps no digit
+    /// there: at `t` = 0.998 a rounding of `t` is already 1.3e-5 of the slope). Without a cap
+    /// every slope is 1 and nothing is written (the paths skip the slopes when
+    /// [`Scores::fused`]). Masked pairs: [`Scores::mask_slopes`] after the mask.
+    pub(crate) fn slope_row(self, products: &[f32], slopes: &mut [f32]) {
+        if self.cap2.is_some() {
+            slope_row(products, slopes);
+        }
+    }
+
+    /// Zeroes the slopes of masked scores (`-inf` in `scores`, as the mask left them): their
+    /// products may not have been computed (a partial tile's rows outside their reach).
+    pub(crate) fn mask_slopes(self, scores: &[f32], slopes: &mut [f32]) {
+        if self.cap2.is_some() {
+            mask_slopes(scores, slopes);
         }
     }
 }
@@ -97,13 +108,24 @@ fn cap_row_impl<const FMA: bool>(row: &mut [f32], cap2: f32) {
     }
 }
 
-/// `slopes[j] = 1 − t²` with `t = scores[j] · inv_cap2` clamped to `[-1, 1]` (a masked
-/// score, `-inf`, gets 0; NaN stays NaN).
+/// `slopes[j] = 1 − tanh²(x) = 4z/(1 + z)²`, `z = e^{−2|x|} = 2^(−2·log2 e·|x|)`, for
+/// `x = products[j]` (the crate's `exp2`: within a few units in the last place; `z` is 0 past
+/// |x| ≈ 44, where the slope is below f32's normals anyway). NaN stays NaN.
 #[inline(always)]
-fn slope_row_impl<const FMA: bool>(scores: &[f32], inv_cap2: f32, slopes: &mut [f32]) {
+fn slope_row_impl<const FMA: bool>(products: &[f32], slopes: &mut [f32]) {
+    const TWO_LOG2E: f32 = 2.0 * std::f32::consts::LOG2_E;
+    for (g, &x) in slopes.iter_mut().zip(products) {
+        let z = super::simd::exp2::<FMA>(-TWO_LOG2E * x.abs());
+        let one_z = 1.0 + z;
+        *g = (4.0 * z) / (one_z * one_z);
+    }
+}
+
+/// `slopes[j] = 0` where `scores[j]` is `-inf` (masked).
+#[inline(always)]
+fn mask_slopes_impl<const FMA: bool>(scores: &[f32], slopes: &mut [f32]) {
     for (g, &s) in slopes.iter_mut().zip(scores) {
-        let t = (s * inv_cap2).clamp(-1.0, 1.0);
-        *g = if FMA { (-t).mul_add(t, 1.0) } else { 1.0 - t * t };
+        *g = if s == f32::NEG_INFINITY { 0.0 } else { *g };
     }
 }
 
@@ -125,8 +147,12 @@ crate::cpu::simd::dispatch!(
     times => times_impl(row: &mut [f32], by: &[f32]) -> ()
 );
 crate::cpu::simd::dispatch!(
-    /// `slopes = 1 − (scores · inv_cap2)²`.
-    slope_row => slope_row_impl(scores: &[f32], inv_cap2: f32, slopes: &mut [f32]) -> ()
+    /// `slopes = 1 − tanh²(products)`, accurately where tanh saturates.
+    slope_row => slope_row_impl(products: &[f32], slopes: &mut [f32]) -> ()
+);
+crate::cpu::simd::dispatch!(
+    /// `slopes = 0` where `scores` is `-inf`.
+    mask_slopes => mask_slopes_impl(scores: &[f32], slopes: &mut [f32]) -> ()
 );
 
 #[cfg(test)]
@@ -165,16 +191,20 @@ mod tests {
             let s = Scores::of(&spec);
             let dots: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.9).collect();
             let mut row: Vec<f32> = dots.iter().map(|&d| d * s.factor()).collect();
-            s.finish_row(&mut row);
             let mut slopes = vec![1.0; row.len()];
             s.slope_row(&row, &mut slopes);
+            s.finish_row(&mut row);
             assert_eq!(s.fused(), spec.softcap.is_none());
             for ((&d, &got), &g) in dots.iter().zip(&row).zip(&slopes) {
                 let want = spec.score(d) * std::f32::consts::LOG2_E;
                 assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{spec:?} dot {d}: {got} vs {want}");
                 if let Some(cap) = spec.softcap {
-                    let th = (spec.scale as f64 * d as f64 / cap as f64).tanh();
-                    assert!((g as f64 - (1.0 - th * th)).abs() <= 1e-5, "{spec:?} slope at {d}: {g}");
+                    // Relative to the slope, however saturated (down to f32's normals).
+                    let want = 1.0 / (spec.scale as f64 * d as f64 / cap as f64).cosh().powi(2);
+                    assert!(
+                        (g as f64 - want).abs() <= 1e-6 * want || want < 1e-37,
+                        "{spec:?} slope at {d}: {g} vs {want}"
+                    );
                 }
             }
         }
