@@ -58,6 +58,64 @@ struct Gathered<B> {
     /// Rows of each rank's block in `k`/`v`, in rank order (this rank's own block first in
     /// the subset gather, then the others' in rank order).
     rows: Vec<usize>,
+    /// The subset gather's layout of `k`/`v`: runs of the gathered blocks in position order.
+    pieces: Vec<Piece>,
+}
+
+/// A run of consecutive positions of one gathered block (0: this rank's own, then the others'
+/// with rows, in rank order): `len` rows from the block's row `from`, at row `at` of the
+/// gathered K/V.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    start: i64,
+    block: usize,
+    from: usize,
+    len: usize,
+    at: usize,
+}
+
+/// The gathered blocks' runs in position order, so that the local attention's key tiles hold
+/// neighbouring positions (the blocks' own order would put rows from far apart side by side);
+/// the blocks one after another, one piece each, when they hold too many runs for that to
+/// pay (a striped block: one run per row) — then `false`.
+fn pieces(blocks: &[Positions]) -> (Vec<Piece>, bool) {
+    let mut out = Vec::new();
+    for (block, pos) in blocks.iter().enumerate() {
+        let mut from = 0;
+        for seg in pos.segments().iter().filter(|g| g.len > 0) {
+            let runs = if seg.stride == 1 {
+                vec![(seg.start, seg.len)]
+            } else {
+                (0..seg.len as i64).map(|i| (seg.start + i * seg.stride, 1)).collect()
+            };
+            for (start, len) in runs {
+                match out.last_mut() {
+                    Some(Piece { start: s, block: b, len: l, .. }) if *b == block && *s + *l as i64 == start => {
+                        *l += len
+                    }
+                    _ => out.push(Piece { start, block, from, len, at: 0 }),
+                }
+                from += len;
+            }
+        }
+    }
+    let sorted = out.len() <= 64 * blocks.len();
+    if sorted {
+        out.sort_by_key(|p| (p.start, p.block));
+    } else {
+        // One piece per block, in the blocks' order (`start` unused).
+        out = blocks
+            .iter()
+            .enumerate()
+            .map(|(block, pos)| Piece { start: 0, block, from: 0, len: pos.len(), at: 0 })
+            .collect();
+    }
+    let mut at = 0;
+    for p in &mut out {
+        p.at = at;
+        at += p.len;
+    }
+    (out, sorted)
 }
 
 fn gather<Be: Backend>(
@@ -82,7 +140,7 @@ fn gather<Be: Backend>(
     let all = concat_positions(pos);
     let (s_q, s_k) = (pos[comm.rank()].len(), all.len());
     let dims = Dims { b: x.b, s_q, s_k, h_q: x.h_q, h_kv: x.h_kv, d_qk: x.d_qk, d_v: x.d_v };
-    Ok(Gathered { k, v, all, dims, rows: pos.iter().map(Positions::len).collect() })
+    Ok(Gathered { k, v, all, dims, rows: pos.iter().map(Positions::len).collect(), pieces: Vec::new() })
 }
 
 /// The subset gather: this rank's own K/V first, then the rows of every other rank that its
@@ -117,50 +175,99 @@ fn gather_seen<Be: Backend>(
     };
     let (ks, vs) = (exchange(&x.k, wk)?, exchange(&x.v, wv)?);
     stats.waiting += start.elapsed();
+    // The blocks: this rank's own, then the others' it sees, in rank order.
     let others = |parts: Vec<Be::Buf>| parts.into_iter().enumerate().filter(|&(j, _)| j != r && rows[j] > 0);
-    let k =
-        be.concat_seq(&std::iter::once(x.k.clone()).chain(others(ks).map(|(_, b)| b)).collect::<Vec<_>>(), x.b, wk)?;
-    let v =
-        be.concat_seq(&std::iter::once(x.v.clone()).chain(others(vs).map(|(_, b)| b)).collect::<Vec<_>>(), x.b, wv)?;
+    let kb: Vec<Be::Buf> = std::iter::once(x.k.clone()).chain(others(ks).map(|(_, b)| b)).collect();
+    let vb: Vec<Be::Buf> = std::iter::once(x.v.clone()).chain(others(vs).map(|(_, b)| b)).collect();
     let blocks: Vec<Positions> =
         std::iter::once(pos[r].clone()).chain(seen.iter().flatten().map(|p| (*p).clone())).collect();
-    let all = concat_positions(&blocks);
+    // Laid out in position order.
+    let (order, sorted) = pieces(&blocks);
+    let arrange = |bufs: &[Be::Buf], w: usize| {
+        let parts = order
+            .iter()
+            .map(|pc| be.seq_slice(&bufs[pc.block], x.b, blocks[pc.block].len(), w, pc.from, pc.len))
+            .collect::<Result<Vec<_>>>()?;
+        be.concat_seq(&parts, x.b, w)
+    };
+    let (k, v) = (arrange(&kb, wk)?, arrange(&vb, wv)?);
+    let all = match sorted {
+        true => Positions::from_segments(
+            order.iter().map(|pc| crate::Segment { start: pc.start, stride: 1, len: pc.len }).collect(),
+        )?,
+        false => concat_positions(&blocks),
+    };
     let dims = Dims { b: x.b, s_q: n, s_k: all.len(), h_q: x.h_q, h_kv: x.h_kv, d_qk: x.d_qk, d_v: x.d_v };
     let mut rows = rows;
     rows[r] = n;
-    Ok(Gathered { k, v, all, dims, rows })
+    Ok(Gathered { k, v, all, dims, rows, pieces: order })
+}
+
+/// Each gathered block's rows of `grad` (`[b, s_k, w]` in the gather's position order), in the
+/// block's own row order: block 0 this rank's, then the others' with rows, in rank order.
+fn per_block<Be: Backend>(
+    be: &Be,
+    b: usize,
+    grad: &Be::Buf,
+    pieces: &[Piece],
+    blocks: usize,
+    w: usize,
+) -> Result<Vec<Be::Buf>> {
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let mut out = Vec::with_capacity(blocks);
+    for block in 0..blocks {
+        let mut mine: Vec<&Piece> = pieces.iter().filter(|p| p.block == block).collect();
+        mine.sort_by_key(|p| p.from);
+        out.push(match mine.len() {
+            // An empty block (a rank without tokens): an empty slice of the gradient's type.
+            0 => be.seq_slice(grad, b, total, w, 0, 0)?,
+            _ => {
+                let parts =
+                    mine.iter().map(|p| be.seq_slice(grad, b, total, w, p.at, p.len)).collect::<Result<Vec<_>>>()?;
+                be.concat_seq(&parts, b, w)?
+            }
+        });
+    }
+    Ok(out)
 }
 
 /// The subset gather's return: the dK (or dV) rows of `grad` (`[b, s_k, w]` f32, in
-/// [`gather_seen`]'s order) go back to their owners, which add them, in rank order, into their
+/// [`gather_seen`]'s layout) go back to their owners, which add them, in rank order, into their
 /// own rows' part.
+#[allow(clippy::too_many_arguments)]
 fn return_seen<Be: Backend>(
     comm: &dyn Communicator<Buf = Be::Buf>,
     be: &Be,
     b: usize,
     grad: &Be::Buf,
     rows: &[usize],
+    pieces: &[Piece],
     sched: &DirectSchedule,
     w: usize,
 ) -> Result<Be::Buf> {
     let (p, r) = (comm.size(), comm.rank());
-    let total: usize = rows.iter().sum();
     let n = rows[r];
-    let mut at = n;
+    let count = 1 + rows.iter().enumerate().filter(|&(j, &m)| j != r && m > 0).count();
+    let mut blocks = per_block(be, b, grad, pieces, count, w)?.into_iter();
+    let own =
+        blocks.next().ok_or_else(|| crate::Error::Parallel("internal: the all-gather lost its own block".into()))?;
     let mut sends = Vec::with_capacity(p);
     for (j, &m) in rows.iter().enumerate() {
-        if j == r {
-            sends.push(be.seq_slice(grad, b, total, w, 0, 0)?);
+        if j == r || m == 0 {
+            sends.push(be.seq_slice(&own, b, n, w, 0, 0)?);
         } else {
-            sends.push(be.seq_slice(grad, b, total, w, at, m)?);
-            at += m;
+            sends.push(
+                blocks
+                    .next()
+                    .ok_or_else(|| crate::Error::Parallel(format!("internal: the all-gather lost rank {j}'s rows")))?,
+            );
         }
     }
     let runs = |j: usize| sched.sends_at((j + p - r) % p);
     let recv_lens: Vec<usize> =
         (0..p).map(|j| if j == r { 0 } else { b * runs(j).iter().map(|x| x.1).sum::<usize>() * w }).collect();
     let parts = all_to_all_v(comm, sends, &recv_lens)?;
-    let mut own = be.seq_slice(grad, b, total, w, 0, n)?;
+    let mut own = own;
     for (j, part) in parts.iter().enumerate() {
         if j != r && recv_lens[j] > 0 {
             be.add_into(&mut own, &direct::widen(be, part, b, n, w, runs(j))?)?;
@@ -206,7 +313,7 @@ fn backward<Be: Backend>(
     d_o: &Be::Buf,
     stats: &mut Stats,
 ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
-    let Gathered { k, v, all, dims, rows } = gather(comm, be, x, pos, sched, stats)?;
+    let Gathered { k, v, all, dims, rows, pieces } = gather(comm, be, x, pos, sched, stats)?;
     let q_pos = &pos[comm.rank()];
     let start = Instant::now();
     let (q, o, d_o) = (be.step_input(&x.q)?, be.step_input(o)?, be.step_input(d_o)?);
@@ -217,8 +324,8 @@ fn backward<Be: Backend>(
     stats.blocks = 1;
     let start = Instant::now();
     if let Some(sched) = sched {
-        let dk = return_seen(comm, be, x.b, &dk_all, &rows, sched, x.h_kv * x.d_qk)?;
-        let dv = return_seen(comm, be, x.b, &dv_all, &rows, sched, x.h_kv * x.d_v)?;
+        let dk = return_seen(comm, be, x.b, &dk_all, &rows, &pieces, sched, x.h_kv * x.d_qk)?;
+        let dv = return_seen(comm, be, x.b, &dv_all, &rows, &pieces, sched, x.h_kv * x.d_v)?;
         stats.waiting += start.elapsed();
         stats.step(Default::default(), Default::default(), crate::flops::backward_ratio(&dims) * flops(&dims));
         return Ok((dq, dk, dv));
