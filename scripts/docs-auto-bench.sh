@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packed-document batches over 2 MPI processes (one core and one compute thread each):
 # every strategy × layout and `auto` per batch, with the calibrated cost model's prediction
-# beside each measurement (issue 42's Auto and model figures).
+# beside each measurement: how close auto comes to the best fixed configuration, and how
+# far the model's predictions are from the measured times.
 #
 #   scripts/docs-auto-bench.sh [OUT_DIR]     (default bench-results/history/<date>-auto)
 #

@@ -338,8 +338,7 @@ pub fn dpbf16ps_on_tiles(
     ldb: usize,
 ) -> Result<Option<()>> {
     let cfg = TileConfig::new(&[(m, 4 * n), (m, 4 * k), (k, 4 * n)])?;
-    let fits = |len: usize, rows: usize, ld: usize, cols: usize| rows == 0 || (rows - 1) * ld + cols <= len;
-    if !(fits(c.len(), m, ldc, n) && fits(a.len(), m, lda, 2 * k) && fits(b.len(), k, ldb, n)) || m == 0 {
+    if !(rows_fit(c.len(), m, ldc, n) && rows_fit(a.len(), m, lda, 2 * k) && rows_fit(b.len(), k, ldb, n)) || m == 0 {
         return Err(Error::InvalidArgument(format!(
             "TDPBF16PS on tiles: {m} × {k} pairs × {n} with strides {ldc}, {lda}, {ldb} over {}, {}, {} values",
             c.len(),
@@ -379,6 +378,12 @@ pub fn dpbf16ps_on_tiles(
     Ok(Some(()))
 }
 
+/// Whether `rows` rows of `cols` values at row stride `ld` (at least `cols`: rows must not
+/// overlap) lie inside a slice of `len` values.
+fn rows_fit(len: usize, rows: usize, ld: usize, cols: usize) -> bool {
+    rows == 0 || (ld >= cols && (rows - 1) * ld + cols <= len)
+}
+
 /// Rows and columns of [`block_product`]'s output block: 2 × 2 tiles of 16 × 16 f32.
 pub const BLOCK: usize = 32;
 /// bf16 values of the inner dimension per `TDPBF16PS` step (16 pairs: one 64-byte A row).
@@ -408,10 +413,11 @@ pub fn block_product(
     ldb: usize,
     engine: BlockEngine,
 ) -> Result<BlockEngine> {
-    let fits = |len: usize, rows: usize, ld: usize, cols: usize| ld >= cols && (rows - 1) * ld + cols <= len;
     if kdim == 0
         || !kdim.is_multiple_of(STEP)
-        || !(fits(c.len(), BLOCK, ldc, BLOCK) && fits(a.len(), BLOCK, lda, kdim) && fits(b.len(), kdim / 2, ldb, BLOCK))
+        || !(rows_fit(c.len(), BLOCK, ldc, BLOCK)
+            && rows_fit(a.len(), BLOCK, lda, kdim)
+            && rows_fit(b.len(), kdim / 2, ldb, BLOCK))
     {
         return Err(Error::InvalidArgument(format!(
             "AMX block product: inner dimension {kdim} (a positive multiple of {STEP}), strides {ldc}, {lda}, {ldb} \
