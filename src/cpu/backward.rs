@@ -313,16 +313,21 @@ impl KeyTileWork for Scratch<'_> {
                         false,
                     );
                 }
-                // The scores' slopes (none without a soft-cap) from the products, then the
-                // scores.
+                // The scores (and their slopes, none without a soft-cap) from the products.
                 let sloped = !sc.fused();
                 if sloped {
-                    sc.slope_row(p, &mut self.slopes[..br * bc]);
+                    sc.finish_row_with_slopes(p, &mut self.slopes[..br * bc]);
+                } else {
+                    sc.finish_row(p);
                 }
-                sc.finish_row(p);
                 let mut exact = false;
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, bc, br, bc, qs.start, ks.start);
+                    if sloped {
+                        // Masked pairs' slopes 0, before P replaces the scores (only a partial
+                        // tile masks: a capped score is never -inf otherwise).
+                        sc.mask_slopes(p, &mut self.slopes[..br * bc]);
+                    }
                     let kvf = *kv_finite.get_or_insert_with(|| {
                         rows_finite(k_base, ks.start, bc, d, kv_rs) && rows_finite(v_base, ks.start, bc, d_v, v_rs)
                     });
@@ -330,15 +335,7 @@ impl KeyTileWork for Scratch<'_> {
                         && rows_finite(q_base, qs.start, br, d, q_rs)
                         && rows_finite(do_base, qs.start, br, d_v, o_rs));
                 }
-                // Masked pairs' slopes 0, before P replaces the scores.
-                let slopes = match sloped {
-                    false => None,
-                    true => {
-                        let g = &mut self.slopes[..br * bc];
-                        sc.mask_slopes(p, g);
-                        Some(&*g)
-                    }
-                };
+                let slopes = sloped.then(|| &self.slopes[..br * bc]);
                 for i in 0..br {
                     let row = &mut p[i * bc..(i + 1) * bc];
                     let l = lse[qs.start + i];
@@ -369,9 +366,11 @@ impl KeyTileWork for Scratch<'_> {
                     );
                     for i in rows.clone() {
                         let at = i * bc + keys.start..i * bc + keys.end;
-                        simd::softmax_grad(&mut p[at.clone()], &dp[at.clone()], dd[qs.start + i]);
-                        if let Some(g) = slopes {
-                            super::score::times(&mut p[at.clone()], &g[at]);
+                        match slopes {
+                            None => simd::softmax_grad(&mut p[at.clone()], &dp[at], dd[qs.start + i]),
+                            Some(g) => {
+                                simd::softmax_grad_sloped(&mut p[at.clone()], &dp[at.clone()], dd[qs.start + i], &g[at])
+                            }
                         }
                     }
                 }

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
-use super::score::{self, Scores};
+use super::score::Scores;
 use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf, TileConfig};
 use crate::attention::{classify, Span, TileKind};
 use crate::params::Visibility;
@@ -211,22 +211,23 @@ impl KeyTileWork for Worker<'_> {
                 let query_steps = mm::Reach::steps(&query_reach);
                 let p = &mut self.p[..br * sr];
                 mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(sc.factor()), lanes);
-                // The scores' slopes from the products (none without a soft-cap), the score
-                // options before the mask, the masked pairs' slopes 0 after it, before P
-                // replaces the scores.
+                // The scores (and their slopes from the products, none without a soft-cap)
+                // before the mask, the masked pairs' slopes 0 after it (only a partial tile
+                // masks), before P replaces the scores.
                 let sloped = !sc.fused();
                 for (i, row) in p.chunks_exact_mut(sr).enumerate() {
                     if sloped {
-                        sc.slope_row(&row[..bc], &mut self.slopes[i * sr..][..bc]);
+                        sc.finish_row_with_slopes(&mut row[..bc], &mut self.slopes[i * sr..][..bc]);
+                    } else {
+                        sc.finish_row(&mut row[..bc]);
                     }
-                    sc.finish_row(&mut row[..bc]);
                 }
                 if kind == TileKind::Partial {
                     mask_rows(x.vis, p, sr, br, bc, qs.start, ks.start);
-                }
-                if sloped {
-                    for i in 0..br {
-                        sc.mask_slopes(&p[i * sr..][..bc], &mut self.slopes[i * sr..][..bc]);
+                    if sloped {
+                        for i in 0..br {
+                            sc.mask_slopes(&p[i * sr..][..bc], &mut self.slopes[i * sr..][..bc]);
+                        }
                     }
                 }
                 // P in place and, rounded, as Pᵀ's A pairs, two query rows at a time. A row
@@ -259,13 +260,7 @@ impl KeyTileWork for Worker<'_> {
 
                 let dpv = &mut self.dp[..br * sr];
                 mm::product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
-                if sloped {
-                    // dS = (P ∘ slopes) ∘ (dP − D): P's pairs of dV above are taken already.
-                    for i in 0..br {
-                        score::times(&mut p[i * sr..][..bc], &self.slopes[i * sr..][..bc]);
-                    }
-                }
-                // dS rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
+                // dS = (P ∘ slopes) ∘ (dP − D) rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
                 let mut ds_rows = ds16.chunks_mut(sr);
                 for ip in 0..mm::pairs(br) {
@@ -274,12 +269,14 @@ impl KeyTileWork for Worker<'_> {
                         p: &p[i * sr..][..bc],
                         dp: &dpv[i * sr..][..bc],
                         d: dd[qs.start + i],
+                        slopes: sloped.then(|| &self.slopes[i * sr..][..bc]),
                         ds: ds_rows.next().expect("a dS row per query"),
                     };
                     let hi = (i + 1 < br).then(|| rows::GradRow {
                         p: &p[(i + 1) * sr..][..bc],
                         dp: &dpv[(i + 1) * sr..][..bc],
                         d: dd[qs.start + i + 1],
+                        slopes: sloped.then(|| &self.slopes[(i + 1) * sr..][..bc]),
                         ds: ds_rows.next().expect("a dS row per query"),
                     });
                     rows::softmax_grad_pairs(lo, hi, &mut self.ds_pairs[ip * sr..]);

@@ -136,16 +136,19 @@ pub(crate) struct GradRow<'a> {
     pub p: &'a [f32],
     pub dp: &'a [f32],
     pub d: f32,
+    /// The scores' slopes by their products (a soft-cap), multiplied into P first.
+    pub slopes: Option<&'a [f32]>,
     pub ds: &'a mut [u16],
 }
 
-/// The backward's `dS = P ∘ (dP − D)` for query rows `2i` and `2i + 1` (`hi` absent: zero),
+/// The backward's `dS = P ∘ (dP − D)` (`(P ∘ g) ∘ (dP − D)` with a row's slopes `g`) for query rows `2i` and `2i + 1` (`hi` absent: zero),
 /// rounded to bf16 into each row's `ds` (dS as an A operand, pairs along keys) and
 /// interleaved into `pairs` (dSᵀ as an A operand read with `rs = 1`).
 pub(crate) fn softmax_grad_pairs(lo: GradRow, hi: Option<GradRow>, pairs: &mut [u32]) {
     assert!(available(), "bf16 row kernels need AVX512_BF16");
     let n = lo.p.len();
-    let fits = |r: &GradRow| r.p.len() == n && r.dp.len() >= n && r.ds.len() >= n;
+    let fits =
+        |r: &GradRow| r.p.len() == n && r.dp.len() >= n && r.ds.len() >= n && r.slopes.is_none_or(|g| g.len() >= n);
     assert!(fits(&lo) && hi.as_ref().is_none_or(fits), "paired rows differ in length");
     let pairs = &mut pairs[..n];
     #[cfg(target_arch = "x86_64")]
@@ -166,7 +169,10 @@ unsafe fn softmax_grad_pairs_avx512(lo: GradRow, mut hi: Option<GradRow>, pairs:
     let n = lo.p.len();
     // dS of 16 lanes of a row, rounded and stored into its ds row; returned in low halves.
     let grad = |r: &mut GradRow, i: usize, m: __mmask16| -> __m512i {
-        let p = _mm512_maskz_loadu_ps(m, r.p.as_ptr().add(i));
+        let mut p = _mm512_maskz_loadu_ps(m, r.p.as_ptr().add(i));
+        if let Some(g) = r.slopes {
+            p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, g.as_ptr().add(i)));
+        }
         let dp = _mm512_maskz_loadu_ps(m, r.dp.as_ptr().add(i));
         let ds = round32(_mm512_mul_ps(p, _mm512_sub_ps(dp, _mm512_set1_ps(r.d))));
         _mm512_mask_cvtepi32_storeu_epi16(r.ds.as_mut_ptr().add(i).cast(), m, ds);
@@ -278,12 +284,13 @@ mod tests {
             assert!((0..n).all(|j| pairs[j] >> 16 == 0));
 
             let (p0, p1, dp0, dp1) = (row(1.0), row(2.0), row(3.0), row(4.0));
+            let g1: Vec<f32> = row(6.0).iter().map(|x| x.abs() * 0.3).collect();
             let (mut ds0, mut ds1) = (vec![9u16; n + 2], vec![9u16; n + 2]);
-            let lo = GradRow { p: &p0, dp: &dp0, d: 0.25, ds: &mut ds0 };
-            let hi = GradRow { p: &p1, dp: &dp1, d: -0.5, ds: &mut ds1 };
+            let lo = GradRow { p: &p0, dp: &dp0, d: 0.25, slopes: None, ds: &mut ds0 };
+            let hi = GradRow { p: &p1, dp: &dp1, d: -0.5, slopes: Some(&g1), ds: &mut ds1 };
             softmax_grad_pairs(lo, Some(hi), &mut pairs);
             for j in 0..n {
-                let (a, b) = (round(p0[j] * (dp0[j] - 0.25)), round(p1[j] * (dp1[j] + 0.5)));
+                let (a, b) = (round(p0[j] * (dp0[j] - 0.25)), round((p1[j] * g1[j]) * (dp1[j] + 0.5)));
                 assert_eq!((ds0[j], ds1[j]), (a, b));
                 assert_eq!(pairs[j], a as u32 | (b as u32) << 16);
             }

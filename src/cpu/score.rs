@@ -6,8 +6,8 @@
 //! products with [`Scores::factor`] (a product epilogue's scale, or `matmul`'s alpha), then
 //! maps each row with [`Scores::finish_row`] — nothing without a soft-cap — *before* it
 //! masks the tile (masked entries are set afterwards, so a cap never reaches them). The
-//! backward takes the scores' slopes ([`Scores::slope_row`]) before it turns them into
-//! probabilities and multiplies the probabilities by them before `dS = P ∘ (dP − D)`.
+//! backward finishes its rows with the scores' slopes ([`Scores::finish_row_with_slopes`]) before it
+//! turns them into probabilities and multiplies the probabilities by them in `dS = P ∘ g ∘ (dP − D)`.
 //! A path with a fused score epilogue runs it only when [`Scores::fused`] (plain scores).
 
 use crate::attention::ScoreSpec;
@@ -50,16 +50,17 @@ impl Scores {
         }
     }
 
-    /// The derivative of each score by its plainly scaled product, from the products as
-    /// [`Scores::factor`] left them (before [`Scores::finish_row`]), into `slopes`:
-    /// `1 − tanh²(x) = 4z/(1 + z)²` with `z = e^{−2|x|}` under a cap — accurate relative to
-    /// the slope itself where tanh saturates (`1 − t²` from a rounded `t` keeps no digit
-    /// there: at `t` = 0.998 a rounding of `t` is already 1.3e-5 of the slope). Without a cap
-    /// every slope is 1 and nothing is written (the paths skip the slopes when
-    /// [`Scores::fused`]). Masked pairs: [`Scores::mask_slopes`] after the mask.
-    pub(crate) fn slope_row(self, products: &[f32], slopes: &mut [f32]) {
-        if self.cap2.is_some() {
-            slope_row(products, slopes);
+    /// [`Scores::finish_row`] that also writes the derivative of each score by its plainly
+    /// scaled product into `slopes`, from the products as [`Scores::factor`] left them, in
+    /// the same pass: `1 − tanh²(x) = 4z/(1 + z)²` with `z = e^{−2|x|}` under a cap —
+    /// accurate relative to the slope itself where tanh saturates (`1 − t²` from a rounded
+    /// `t` keeps no digit there: at `t` = 0.998 a rounding of `t` is already 1.3e-5 of the
+    /// slope). The scores are bit for bit [`Scores::finish_row`]'s. Without a cap every slope
+    /// is 1 and nothing is written (the paths skip the slopes when [`Scores::fused`]). Masked
+    /// pairs: [`Scores::mask_slopes`] after the mask.
+    pub(crate) fn finish_row_with_slopes(self, row: &mut [f32], slopes: &mut [f32]) {
+        if let Some(cap2) = self.cap2 {
+            cap_slope_row(row, slopes, cap2);
         }
     }
 
@@ -72,6 +73,13 @@ impl Scores {
     }
 }
 
+/// scripts/fit-tanh.py's coefficients of [`tanh`]'s numerator `P(x²)`, rounded to f32 (the
+/// constant term rounds to 1).
+const TANH_P: [f32; 7] =
+    [1.0, 0.130_817_77, 0.003_101_402_4, 1.112_585_9e-5, -2.009_907_3e-8, 5.211_397e-11, -8.303_485e-14];
+/// [`tanh`]'s denominator `Q(x²)`: at least 1 (every coefficient positive).
+const TANH_Q: [f32; 4] = [1.0, 0.464_151_05, 0.024_485_173, 0.000_254_232_52];
+
 /// `tanh(x)` in f32 within a few units in the last place, branch-free (so that the row
 /// kernels vectorise it): `x · P(x²) / Q(x²)` with `x` clamped to `±9.1` (beyond, tanh is 1 in
 /// f32 within a fifth of a unit), `P` of degree 6 and `Q` of degree 3 in `x²` fitted by
@@ -81,10 +89,8 @@ impl Scores {
 /// a Taylor polynomial beside an exponential. NaN stays NaN; `±inf` gives `±1`.
 #[inline(always)]
 pub(crate) fn tanh<const FMA: bool>(x: f32) -> f32 {
-    // scripts/fit-tanh.py's coefficients, rounded to f32 (P's constant term rounds to 1).
-    const P: [f32; 7] =
-        [1.0, 0.130_817_77, 0.003_101_402_4, 1.112_585_9e-5, -2.009_907_3e-8, 5.211_397e-11, -8.303_485e-14];
-    const Q: [f32; 4] = [1.0, 0.464_151_05, 0.024_485_173, 0.000_254_232_52];
+    const P: [f32; 7] = TANH_P;
+    const Q: [f32; 4] = TANH_Q;
     let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
     // (`clamp` keeps NaN.)
     let xc = x.clamp(-9.1, 9.1);
@@ -108,16 +114,47 @@ fn cap_row_impl<const FMA: bool>(row: &mut [f32], cap2: f32) {
     }
 }
 
-/// `slopes[j] = 1 − tanh²(x) = 4z/(1 + z)²`, `z = e^{−2|x|} = 2^(−2·log2 e·|x|)`, for
-/// `x = products[j]` (the crate's `exp2`: within a few units in the last place; `z` is 0 past
-/// |x| ≈ 44, where the slope is below f32's normals anyway). NaN stays NaN.
+/// Below this `|x|` the slope is taken as `1 − t²` from [`tanh`]'s `t` (≤ 0.4621): `t`'s
+/// 2.5 units in the last place make `t²`'s 5, which is `5ε·t²/(1 − t²)` ≤ 1.4ε of the slope.
+const SMALL_PRODUCT: f32 = 0.5;
+
+/// `slopes[j] = 1 − tanh²(x)`, then `row[j] = cap2 · tanh(x)`, for `x = row[j]`: where every
+/// `|x|` of the row is at most [`SMALL_PRODUCT`] (the common case: with a cap of 30 a score
+/// must pass 15 to leave it) as `1 − t²` from the same `t`; otherwise as `4z/(1 + z)²` with
+/// `z = e^{−2|x|} = 2^(−2·log2 e·|x|)` (the crate's `exp2`: within a few units in the last
+/// place; `z` is 0 past |x| ≈ 44, where the slope is below f32's normals anyway), accurate
+/// where tanh saturates (`1 − t²` there keeps no digit: at `t` = 0.998 a rounding of `t` is
+/// already 1.3e-5 of the slope). NaN stays NaN. The scores are [`cap_row`]'s bit for bit.
 #[inline(always)]
-fn slope_row_impl<const FMA: bool>(products: &[f32], slopes: &mut [f32]) {
-    const TWO_LOG2E: f32 = 2.0 * std::f32::consts::LOG2_E;
-    for (g, &x) in slopes.iter_mut().zip(products) {
-        let z = super::simd::exp2::<FMA>(-TWO_LOG2E * x.abs());
-        let one_z = 1.0 + z;
-        *g = (4.0 * z) / (one_z * one_z);
+fn cap_slope_row_impl<const FMA: bool>(row: &mut [f32], slopes: &mut [f32], cap2: f32) {
+    // Pieces that stay in the first-level cache between the two passes (a caller may hand a
+    // whole tile).
+    const PIECE: usize = 512;
+    let slopes = &mut slopes[..row.len()];
+    for (row, slopes) in row.chunks_mut(PIECE).zip(slopes.chunks_mut(PIECE)) {
+        // t into the slopes, and whether any |x| is past SMALL_PRODUCT (an integer or, which
+        // vectorises; a NaN's lanes stay NaN on either side).
+        let mut wide = 0u32;
+        for (g, &x) in slopes.iter_mut().zip(row.iter()) {
+            *g = tanh::<FMA>(x);
+            wide |= (x.abs() > SMALL_PRODUCT) as u32;
+        }
+        if wide == 0 {
+            for (x, g) in row.iter_mut().zip(slopes.iter_mut()) {
+                let t = *g;
+                *x = cap2 * t;
+                *g = 1.0 - t * t;
+            }
+        } else {
+            const TWO_LOG2E: f32 = 2.0 * std::f32::consts::LOG2_E;
+            for (x, g) in row.iter_mut().zip(slopes.iter_mut()) {
+                let (v, t) = (*x, *g);
+                let z = super::simd::exp2::<FMA>(-TWO_LOG2E * v.abs());
+                let one_z = 1.0 + z;
+                *g = (4.0 * z) / (one_z * one_z);
+                *x = cap2 * t;
+            }
+        }
     }
 }
 
@@ -129,26 +166,13 @@ fn mask_slopes_impl<const FMA: bool>(scores: &[f32], slopes: &mut [f32]) {
     }
 }
 
-/// `row[j] *= by[j]`.
-#[inline(always)]
-fn times_impl<const FMA: bool>(row: &mut [f32], by: &[f32]) {
-    for (x, &g) in row.iter_mut().zip(by) {
-        *x *= g;
-    }
-}
-
 crate::cpu::simd::dispatch!(
     /// `row = cap2 · tanh(row)`.
     cap_row => cap_row_impl(row: &mut [f32], cap2: f32) -> ()
 );
 crate::cpu::simd::dispatch!(
-    /// `row *= by`: a backward's probabilities times their scores' slopes, before
-    /// `dS = P ∘ (dP − D)`.
-    times => times_impl(row: &mut [f32], by: &[f32]) -> ()
-);
-crate::cpu::simd::dispatch!(
-    /// `slopes = 1 − tanh²(products)`, accurately where tanh saturates.
-    slope_row => slope_row_impl(products: &[f32], slopes: &mut [f32]) -> ()
+    /// `slopes = 1 − tanh²(row)` (accurately where tanh saturates), then `row = cap2 · tanh(row)`.
+    cap_slope_row => cap_slope_row_impl(row: &mut [f32], slopes: &mut [f32], cap2: f32) -> ()
 );
 crate::cpu::simd::dispatch!(
     /// `slopes = 0` where `scores` is `-inf`.
@@ -187,26 +211,56 @@ mod tests {
     /// `Scores` reproduces the spec's score (in log2 units) and its slope.
     #[test]
     fn scores_follow_the_spec() {
+        // Dots whose products all stay within SMALL_PRODUCT under the cap (1 − t² slopes),
+        // then ones that reach saturation (the exponential form), in pieces of 1 to 1,100.
+        let small: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.07).collect();
+        let wide: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.9).collect();
+        // (Up to 2.8: a bound of SMALL_PRODUCT moved past 2 puts these slopes 1e-5 off.)
+        let mid: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.4).collect();
+        let long: Vec<f32> = (0..1100).map(|i| (i as f32 * 0.37).sin() * if i > 700 { 40.0 } else { 3.0 }).collect();
         for spec in [ScoreSpec { scale: 0.3, softcap: None }, ScoreSpec { scale: -0.7, softcap: Some(5.0) }] {
-            let s = Scores::of(&spec);
-            let dots: Vec<f32> = (-50..=50).map(|i| i as f32 * 0.9).collect();
-            let mut row: Vec<f32> = dots.iter().map(|&d| d * s.factor()).collect();
-            let mut slopes = vec![1.0; row.len()];
-            s.slope_row(&row, &mut slopes);
-            s.finish_row(&mut row);
-            assert_eq!(s.fused(), spec.softcap.is_none());
-            for ((&d, &got), &g) in dots.iter().zip(&row).zip(&slopes) {
-                let want = spec.score(d) * std::f32::consts::LOG2_E;
-                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{spec:?} dot {d}: {got} vs {want}");
-                if let Some(cap) = spec.softcap {
-                    // Relative to the slope, however saturated (down to f32's normals).
-                    let want = 1.0 / (spec.scale as f64 * d as f64 / cap as f64).cosh().powi(2);
-                    assert!(
-                        (g as f64 - want).abs() <= 1e-6 * want || want < 1e-37,
-                        "{spec:?} slope at {d}: {g} vs {want}"
-                    );
+            for dots in [&small, &wide, &mid, &long, &small[..1].to_vec()] {
+                let s = Scores::of(&spec);
+                let mut row: Vec<f32> = dots.iter().map(|&d| d * s.factor()).collect();
+                let mut slopes = vec![1.0; row.len()];
+                let mut finished = row.clone();
+                let products = row.clone();
+                s.finish_row_with_slopes(&mut row, &mut slopes);
+                s.finish_row(&mut finished);
+                // The backward's scores are the forward's, bit for bit.
+                let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&row), bits(&finished));
+                assert_eq!(s.fused(), spec.softcap.is_none());
+                for (((&d, &got), &g), &x) in dots.iter().zip(&row).zip(&slopes).zip(&products) {
+                    let want = spec.score(d) * std::f32::consts::LOG2_E;
+                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{spec:?} dot {d}: {got} vs {want}");
+                    if spec.softcap.is_some() {
+                        // Relative to the slope at the f32 product (sech² magnifies x's
+                        // rounding 2|x|-fold), however saturated (down to f32's normals).
+                        let want = 1.0 / (x as f64).cosh().powi(2);
+                        assert!(
+                            (g as f64 - want).abs() <= 1e-6 * want || want < 1e-37,
+                            "{spec:?} slope at {d}: {g} vs {want}"
+                        );
+                    }
                 }
             }
+        }
+    }
+
+    /// The slopes' two forms agree where they meet, on every instruction set: `1 − t²` just
+    /// inside `SMALL_PRODUCT` within 2 units in the last place of the exponential form's.
+    #[test]
+    fn the_slopes_two_forms_agree() {
+        let xs: Vec<f32> = (0..64).map(|i| SMALL_PRODUCT * (1.0 - i as f32 * 1e-3)).collect();
+        let (mut small, mut g_small) = (xs.clone(), vec![0.0; xs.len()]);
+        cap_slope_row(&mut small, &mut g_small, 1.0);
+        let mut wide = xs.clone();
+        wide.push(1.0); // one product past the bound: every slope in the exponential form
+        let mut g_wide = vec![0.0; wide.len()];
+        cap_slope_row(&mut wide, &mut g_wide, 1.0);
+        for (a, b) in g_small.iter().zip(&g_wide) {
+            assert!((a - b).abs() <= 2.0 * f32::EPSILON * b, "{a} vs {b}");
         }
     }
 }

@@ -76,6 +76,15 @@ fn softmax_grad_impl<const FMA: bool>(p: &mut [f32], dp: &[f32], dd: f32) {
     }
 }
 
+/// `p[j] = p[j] * (dp[j] - dd) * slopes[j]`: the softmax backward of capped scores,
+/// `dS = P ∘ (dP − D) ∘ g` with `g` the scores' slopes by their products.
+#[inline(always)]
+fn softmax_grad_sloped_impl<const FMA: bool>(p: &mut [f32], dp: &[f32], dd: f32, slopes: &[f32]) {
+    for ((x, &g), &t) in p.iter_mut().zip(dp).zip(slopes) {
+        *x = (*x * (g - dd)) * t;
+    }
+}
+
 /// `row[j] *= a`.
 #[inline(always)]
 fn scale_impl<const FMA: bool>(row: &mut [f32], a: f32) {
@@ -251,6 +260,10 @@ dispatch!(
 dispatch!(
     /// `p = p ∘ (dp − dd)`.
     softmax_grad => softmax_grad_impl(p: &mut [f32], dp: &[f32], dd: f32) -> ()
+);
+dispatch!(
+    /// `p = p ∘ (dp − dd) ∘ slopes`.
+    softmax_grad_sloped => softmax_grad_sloped_impl(p: &mut [f32], dp: &[f32], dd: f32, slopes: &[f32]) -> ()
 );
 dispatch!(
     /// `row *= a`.
