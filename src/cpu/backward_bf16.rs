@@ -11,12 +11,21 @@
 //! while rounding. Task split, dQ partials and their fixed-order sum are those of the f32
 //! path ([`super::backward::drive`]), so gradients are bit-identical run to run. Inputs must
 //! be finite (the caller sends others to the f32 path).
+//!
+//! On AMX tiles ([`Unit::Tiles`], [`super::amx_products`]) `S`, `dP` and `dQ` read the same
+//! operands; `dV` and `dK` are taken transposed, `dVᵀ += dOᵀ P` and `dKᵀ += Qᵀ dS`, so that P
+//! and dS in their interleaved pairs are B operands as they stand (an A tile's rows must hold
+//! their pairs side by side), with Qᵀ and dOᵀ packed once per query tile (their rows the head
+//! dimension, pairs along the queries) and dKᵀ, dVᵀ transposed back once per key tile. Every
+//! product then covers its whole tile (the pairs outside a block's reach have P and dS exactly
+//! 0, so they add exact zeros).
 
 use std::sync::atomic::AtomicU64;
 
 use half::bf16;
 use rayon::prelude::*;
 
+use super::amx_products::{self as amx, Unit};
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
@@ -43,12 +52,17 @@ pub(crate) struct BackwardInputs<'a> {
 
 /// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q, k and v.
 pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
+    backward_on::<O>(x, Unit::chosen())
+}
+
+/// [`backward`] with its products on `unit`.
+pub(crate) fn backward_on<O: Output>(x: &BackwardInputs, unit: Unit) -> (Vec<O>, Vec<O>, Vec<O>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Backward);
-    let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq);
+    let queries = PackedQueries::new(dm, x.q, x.d_o, &q_spans, bq, unit);
     let dq_rs = mm::vectors(dm.d_qk) * 16;
     let tiles = Tiles { vis: x.vis, q_spans: &q_spans, k_spans: &k_spans };
-    drive(dm, x.spec.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk))
+    drive(dm, x.spec.scale, &tiles, dq_rs, x.progress, || Worker::new(x, &queries, &q_spans, bk, unit))
 }
 
 /// Q and dO of every (batch, query head): rows as A pairs, and per query tile rows as the
@@ -63,10 +77,15 @@ struct PackedQueries<'a> {
     q_len: usize,
     do_len: usize,
     tiles: usize,
+    /// On AMX tiles, Qᵀ and dOᵀ per query tile as A pairs: `[b][h_q][tile]` blocks of
+    /// `[d_qk][cols]` and `[d_v][cols]` pairs, `cols = pairs(bq)` (empty otherwise).
+    q_cols: Vec<u32>,
+    do_cols: Vec<u32>,
+    cols: usize,
 }
 
 impl<'a> PackedQueries<'a> {
-    fn new(dm: Dims, q: &'a [bf16], d_o: &'a [bf16], q_spans: &[Span], bq: usize) -> Self {
+    fn new(dm: Dims, q: &'a [bf16], d_o: &'a [bf16], q_spans: &[Span], bq: usize, unit: Unit) -> Self {
         let (d, d_v) = (dm.d_qk, dm.d_v);
         let tiles = q_spans.len();
         let (q_len, do_len) =
@@ -90,7 +109,22 @@ impl<'a> PackedQueries<'a> {
                 },
             );
         }
-        PackedQueries { q_rows, do_rows, q_steps, do_steps, q_len, do_len, tiles }
+        let cols = mm::pairs(bq);
+        let (mut q_cols, mut do_cols) = (Vec::new(), Vec::new());
+        if matches!(unit, Unit::Tiles(_)) && heads * tiles > 0 {
+            q_cols = super::reuse::zeroed::<u32>(heads * tiles * d * cols);
+            do_cols = super::reuse::zeroed::<u32>(heads * tiles * d_v * cols);
+            q_cols.par_chunks_mut(d * cols).zip(do_cols.par_chunks_mut(d_v * cols)).enumerate().for_each(
+                |(blk, (qc, dc))| {
+                    let (bh, t) = (blk / tiles, blk % tiles);
+                    let span = &q_spans[t];
+                    let (q_at, o_at) = (row(bh) * d + span.start * q_rs, row(bh) * d_v + span.start * o_rs);
+                    pack_columns(&q[q_at..], span.len, q_rs, d, cols, qc);
+                    pack_columns(&d_o[o_at..], span.len, o_rs, d_v, cols, dc);
+                },
+            );
+        }
+        PackedQueries { q_rows, do_rows, q_steps, do_steps, q_len, do_len, tiles, q_cols, do_cols, cols }
     }
 }
 
@@ -98,6 +132,24 @@ impl Drop for PackedQueries<'_> {
     fn drop(&mut self) {
         super::reuse::keep(std::mem::take(&mut self.q_steps));
         super::reuse::keep(std::mem::take(&mut self.do_steps));
+        super::reuse::keep(std::mem::take(&mut self.q_cols));
+        super::reuse::keep(std::mem::take(&mut self.do_cols));
+    }
+}
+
+/// The transpose of `rows` rows of `d` bf16 (row `r` at `src[r · rs..]`) as A pairs: row `c`
+/// of `dst` (`cols ≥ pairs(rows)` pairs apart) holds `(src[2i][c], src[2i + 1][c])` at pair
+/// `i`, zero past the rows.
+fn pack_columns(src: &[bf16], rows: usize, rs: usize, d: usize, cols: usize, dst: &mut [u32]) {
+    let dst = &mut dst[..d * cols];
+    dst.fill(0);
+    for i in 0..mm::pairs(rows) {
+        let lo = &src[2 * i * rs..][..d];
+        let hi = (2 * i + 1 < rows).then(|| &src[(2 * i + 1) * rs..][..d]);
+        for c in 0..d {
+            let h = hi.map_or(0, |h| h[c].to_bits() as u32);
+            dst[c * cols + i] = lo[c].to_bits() as u32 | h << 16;
+        }
     }
 }
 
@@ -126,10 +178,22 @@ struct Worker<'a> {
     /// Unscaled dK and dV of the key tile, `[block_k][vectors(d_qk) · 16]` and `[block_k][vectors(d_v) · 16]`.
     dk: Vec<f32>,
     dv: Vec<f32>,
+    /// Which unit runs the products; on tiles their scratch and dKᵀ, dVᵀ of the key tile,
+    /// `[d_qk][sr]` and `[d_v][sr]`.
+    unit: Unit,
+    tiles: amx::Scratch,
+    dkt: Vec<f32>,
+    dvt: Vec<f32>,
 }
 
 impl<'a> Worker<'a> {
-    fn new(x: &'a BackwardInputs<'a>, queries: &'a PackedQueries<'a>, q_spans: &'a [Span], bk: usize) -> Self {
+    fn new(
+        x: &'a BackwardInputs<'a>,
+        queries: &'a PackedQueries<'a>,
+        q_spans: &'a [Span],
+        bk: usize,
+        unit: Unit,
+    ) -> Self {
         let (d, d_v) = (x.dims.d_qk, x.dims.d_v);
         let bq = q_spans.iter().map(|s| s.len).max().unwrap_or(0);
         let (sr, gr, gr_v) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16, mm::vectors(d_v) * 16);
@@ -149,6 +213,10 @@ impl<'a> Worker<'a> {
             ds_rows: vec![0; bq * sr / 2],
             dk: vec![0.0; bk * gr],
             dv: vec![0.0; bk * gr_v],
+            unit,
+            tiles: amx::Scratch::default(),
+            dkt: if matches!(unit, Unit::Tiles(_)) { vec![0.0; d * sr] } else { Vec::new() },
+            dvt: if matches!(unit, Unit::Tiles(_)) { vec![0.0; d_v * sr] } else { Vec::new() },
         }
     }
 }
@@ -178,6 +246,8 @@ impl KeyTileWork for Worker<'_> {
         let k_steps = BOperand { data: &self.k_steps, vectors: sv };
         self.dk[..bc * gr].fill(0.0);
         self.dv[..bc * gr_v].fill(0.0);
+        self.dkt.fill(0.0);
+        self.dvt.fill(0.0);
         let sc = Scores::of(&x.spec);
         for hl in 0..gs {
             let h = hk * gs + hl;
@@ -210,7 +280,16 @@ impl KeyTileWork for Worker<'_> {
                 let (lanes, key_steps) = (mm::Reach::lanes(&key_reach), mm::Reach::steps(&key_reach));
                 let query_steps = mm::Reach::steps(&query_reach);
                 let p = &mut self.p[..br * sr];
-                mm::product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(sc.factor()), lanes);
+                let unit = self.unit;
+                let tiles = &mut self.tiles;
+                // A product on the chosen unit (the vector products limited to `reach`).
+                let mut product = |c: &mut [f32], c_rs, rows, n16, a, b, k2, epi, reach| match unit {
+                    Unit::Tiles(engine) => {
+                        amx::product(c, c_rs, rows, n16, a, b, k2, epi, engine, tiles);
+                    }
+                    Unit::Vector => mm::product(c, c_rs, rows, n16, a, b, k2, epi, reach),
+                };
+                product(p, sr, br, kv, qa, k_lanes, dp, Epilogue::Set(sc.factor()), lanes);
                 // The scores (and their slopes from the products, none without a soft-cap)
                 // before the mask, the masked pairs' slopes 0 after it (only a partial tile
                 // masks), before P replaces the scores.
@@ -245,21 +324,24 @@ impl KeyTileWork for Worker<'_> {
                     let hi = (2 * ip + 1 < br).then(|| &mut hi[..bc]);
                     rows::exp2_pairs(&mut lo[..bc], hi, [sub(2 * ip), sub(2 * ip + 1)], &mut self.p_pairs[ip * sr..]);
                 }
-                let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
-                mm::product(
-                    &mut self.dv[..bc * gr_v],
-                    gr_v,
-                    bc,
-                    gv_v,
-                    pt,
-                    do_steps,
-                    mm::pairs(br),
-                    Epilogue::Add,
-                    query_steps,
-                );
+                let col_block = tile * pq.cols;
+                match unit {
+                    Unit::Tiles(_) => {
+                        // dVᵀ += dOᵀ · P, P's interleaved pairs as B (steps: query pairs).
+                        let dot =
+                            AOperand { data: &pq.do_cols[col_block * d_v..][..d_v * pq.cols], rs: pq.cols, ps: 1 };
+                        let pb = BOperand { data: &self.p_pairs, vectors: sr / 16 };
+                        product(&mut self.dvt, sr, d_v, kv, dot, pb, mm::pairs(br), Epilogue::Add, query_steps);
+                    }
+                    Unit::Vector => {
+                        let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
+                        let dv = &mut self.dv[..bc * gr_v];
+                        product(dv, gr_v, bc, gv_v, pt, do_steps, mm::pairs(br), Epilogue::Add, query_steps);
+                    }
+                }
 
                 let dpv = &mut self.dp[..br * sr];
-                mm::product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
+                product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
                 // dS = (P ∘ slopes) ∘ (dP − D) rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
                 let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
                 let mut ds_rows = ds16.chunks_mut(sr);
@@ -286,21 +368,114 @@ impl KeyTileWork for Worker<'_> {
                         ds16[i * sr + bc] = 0; // the odd key's partner in the last pair step
                     }
                 }
-                let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
-                mm::product(
-                    &mut self.dk[..bc * gr],
-                    gr,
-                    bc,
-                    gv,
-                    dst,
-                    q_steps,
-                    mm::pairs(br),
-                    Epilogue::Add,
-                    query_steps,
-                );
+                match unit {
+                    Unit::Tiles(_) => {
+                        // dKᵀ += Qᵀ · dS, dS's interleaved pairs as B.
+                        let qt = AOperand { data: &pq.q_cols[col_block * d..][..d * pq.cols], rs: pq.cols, ps: 1 };
+                        let dsb = BOperand { data: &self.ds_pairs, vectors: sr / 16 };
+                        product(&mut self.dkt, sr, d, kv, qt, dsb, mm::pairs(br), Epilogue::Add, query_steps);
+                    }
+                    Unit::Vector => {
+                        let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
+                        let dk = &mut self.dk[..bc * gr];
+                        product(dk, gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add, query_steps);
+                    }
+                }
                 let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
                 let dq_rows = dq.rows(hl, qs.start, br);
-                mm::product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add, key_steps);
+                product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add, key_steps);
+            }
+        }
+        if matches!(self.unit, Unit::Tiles(_)) {
+            // dK and dV rows from their transposes.
+            for (c, row) in self.dkt.chunks_exact(sr).enumerate() {
+                for (j, &x) in row[..bc].iter().enumerate() {
+                    self.dk[j * gr + c] = x;
+                }
+            }
+            for (c, row) in self.dvt.chunks_exact(sr).enumerate() {
+                for (j, &x) in row[..bc].iter().enumerate() {
+                    self.dv[j * gr_v + c] = x;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::amx::{self as tiles_isa, BlockEngine};
+    use crate::cpu::forward_bf16;
+    use crate::mask::Mask;
+    use crate::{random::randn, AttentionParams, DType};
+
+    /// The products on AMX tiles (dV and dK transposed) against `vdpbf16ps`: on the twin
+    /// everywhere with AVX512_BF16 (small shapes: GQA, a 40-wide head whose pair steps are
+    /// padded, values 48 wide, odd tiles, causal and not), within the bf16 rounding of P and
+    /// dS that the two products' summation orders may flip; where the processor has the
+    /// tiles, the same gradients from them bit for bit.
+    #[test]
+    fn the_tiles_match_the_vector_products_and_their_twin() {
+        if !mm::bf16_available() {
+            return;
+        }
+        let dims = Dims { b: 1, s_q: 70, s_k: 83, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 };
+        let tiles = TileConfig { block_q: 37, block_k: 45 };
+        let t = |s, h, d, seed| -> Vec<bf16> {
+            let f = randn(vec![dims.b, s, h, d], seed, DType::BF16).as_f32().into_owned();
+            f.iter().map(|&x| bf16::from_f32(x)).collect()
+        };
+        let (q, k, v) = (
+            t(dims.s_q, dims.h_q, dims.d_qk, 1),
+            t(dims.s_k, dims.h_kv, dims.d_qk, 2),
+            t(dims.s_k, dims.h_kv, dims.d_v, 3),
+        );
+        let d_o = t(dims.s_q, dims.h_q, dims.d_v, 4);
+        for params in [AttentionParams::default(), AttentionParams { mask: Mask::Causal, ..Default::default() }] {
+            let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
+            let spec = crate::attention::ScoreSpec::of(&params, &dims);
+            let fwd = forward_bf16::ForwardInputs { dims, q: &q, k: &k, v: &v, vis: &vis, spec, tiles, progress: None };
+            let (o, lse) = forward_bf16::forward_on::<f32>(&fwd, Unit::Vector);
+            // D = rowsum(dO ∘ O), [b, h_q, s_q].
+            let mut delta = vec![0.0f32; dims.h_q * dims.s_q];
+            for i in 0..dims.s_q {
+                for h in 0..dims.h_q {
+                    let at = (i * dims.h_q + h) * dims.d_v;
+                    delta[h * dims.s_q + i] = (0..dims.d_v).map(|c| d_o[at + c].to_f32() * o[at + c]).sum();
+                }
+            }
+            let x = BackwardInputs {
+                dims,
+                q: &q,
+                k: &k,
+                v: &v,
+                d_o: &d_o,
+                lse: &lse,
+                delta: &delta,
+                vis: &vis,
+                spec,
+                tiles,
+                progress: None,
+            };
+            let vector = backward_on::<f32>(&x, Unit::Vector);
+            let twin = backward_on::<f32>(&x, Unit::Tiles(BlockEngine::Twin));
+            for (name, a, b) in [("dq", &twin.0, &vector.0), ("dk", &twin.1, &vector.1), ("dv", &twin.2, &vector.2)] {
+                let top = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 2f32.powi(-7) * top,
+                        "{:?} {name}[{i}]: tiles {x}, vector {y}",
+                        params.mask
+                    );
+                }
+            }
+            if tiles_isa::available() {
+                let real = backward_on::<f32>(&x, Unit::Tiles(BlockEngine::Tiles));
+                let bits = |g: &(Vec<f32>, Vec<f32>, Vec<f32>)| {
+                    g.0.iter().chain(&g.1).chain(&g.2).map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&real), bits(&twin), "the tiles and their twin differ");
             }
         }
     }

@@ -18,6 +18,7 @@
 //! the tile takes the exact passes (S, row maxima, new max, rescale, P), as the first tile
 //! of each task and partially masked tiles do.
 
+use super::amx_products::{self as amx, Unit};
 use super::bf16_rows as rows;
 use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
@@ -33,11 +34,16 @@ pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 /// Returns `(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])`, `o` in `O` (f32: unrounded, the
 /// drivers' partial results; bf16: rounded, a final output) and `lse` in f32.
 pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
+    forward_on::<O>(x, Unit::chosen())
+}
+
+/// [`forward`] with its products on `unit`.
+pub(crate) fn forward_on<O: Output>(x: &ForwardInputs, unit: Unit) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
     let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d_qk]);
     drive_packed(dm, x.k, x.v, &k_spans, bk, PACKED_BUDGET, |out, keys: &PackedKeys<u32>, heads| {
-        drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &queries, &k_spans, bq))
+        drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &queries, &k_spans, bq, unit))
     })
 }
 
@@ -52,7 +58,7 @@ struct Worker<'a> {
     st: RowState,
     /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
     s: Vec<f32>,
-    /// The probabilities in bf16 as A pairs, `[block_q][sr / 2]`.
+    /// The probabilities in bf16 as A pairs, `[block_q][p_rs]`.
     p: Vec<u32>,
     /// Running row maxima of `s` per lane, `[block_q][16]` ([`mm::product_max`]), and of a
     /// lazily rescaled tile's shifted scores with their sums ([`mm::product_exp2_bf16`]).
@@ -60,6 +66,18 @@ struct Worker<'a> {
     sums: Vec<f32>,
     /// How the scores are formed.
     scores: Scores,
+    /// Pairs between rows of `p`: `sr / 2`, or on tiles the key pairs rounded up to whole
+    /// 64-byte lines, an odd number of them (so that a tile's 16 rows spread over the first-
+    /// level cache's sets).
+    p_rs: usize,
+    /// Which unit runs the products, and the tiles' scratch.
+    unit: Unit,
+    tiles: amx::Scratch,
+    /// On tiles, the query tile's rows as A pairs side by side (`[block_q][q_rs]`, `q_rs`
+    /// the head's pairs rounded up to whole lines): Q's own rows lie `h_q · d` apart, a
+    /// stride that meets a few cache sets.
+    q_tile: Vec<u32>,
+    q_rs: usize,
 }
 
 impl<'a> Worker<'a> {
@@ -69,9 +87,17 @@ impl<'a> Worker<'a> {
         queries: &'a mm::RowPairs<'a>,
         k_spans: &'a [Span],
         bq: usize,
+        unit: Unit,
     ) -> Self {
         let d = x.dims.d_v;
         let sr = keys.key_vectors * 16;
+        let lines = |pairs: usize| pairs.div_ceil(16);
+        let p_rs = match unit {
+            Unit::Tiles(_) => (lines(sr / 2) | 1) * 16,
+            Unit::Vector => sr / 2,
+        };
+        let q_rs = lines(mm::pairs(x.dims.d_qk)) * 16;
+        let q_tile = if matches!(unit, Unit::Tiles(_)) { vec![0; bq * q_rs] } else { Vec::new() };
         Worker {
             x,
             keys,
@@ -79,10 +105,15 @@ impl<'a> Worker<'a> {
             k_spans,
             st: RowState::new(bq, mm::vectors(d) * 16),
             s: vec![0.0; bq * sr],
-            p: vec![0; bq * sr / 2],
+            p: vec![0; bq * p_rs],
             maxes: vec![0.0; bq * 16],
             sums: vec![0.0; bq * 16],
             scores: Scores::of(&x.spec),
+            p_rs,
+            unit,
+            tiles: amx::Scratch::default(),
+            q_tile,
+            q_rs,
         }
     }
 
@@ -96,7 +127,7 @@ impl<'a> Worker<'a> {
         let (maxes, sums) = (&mut self.maxes[..16 * br], &mut self.sums[..16 * br]);
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
-        let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
+        let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * self.p_rs]);
         mm::product_exp2_bf16(p16, sr, br, n16, qa, kop, dp, c, &self.st.m[..br], maxes, sums);
         // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
@@ -126,7 +157,18 @@ impl<'a> Worker<'a> {
         let x = self.x;
         let (br, bc, dp, sr) = (qs.len, ks.len, mm::pairs(x.dims.d_qk), kop.vectors * 16);
         let s = &mut self.s[..br * sr];
-        if whole {
+        if let Unit::Tiles(engine) = self.unit {
+            // Every lane of the tile (those outside a block's reach are masked below); a
+            // whole tile's row maxima as it is stored.
+            if whole {
+                amx::product_max(s, sr, br, mm::vectors(bc), qa, kop, dp, c, &mut self.maxes, engine, &mut self.tiles);
+            } else {
+                amx::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), engine, &mut self.tiles);
+                for row in s.chunks_exact_mut(sr) {
+                    self.scores.finish_row(&mut row[..bc]);
+                }
+            }
+        } else if whole {
             let maxes = &mut self.maxes[..16 * br];
             maxes.fill(f32::NEG_INFINITY);
             mm::product_max(s, sr, br, mm::vectors(bc), qa, kop, dp, c, maxes);
@@ -141,12 +183,13 @@ impl<'a> Worker<'a> {
         if kind == TileKind::Partial {
             mask_rows(x.vis, s, sr, br, bc, qs.start, ks.start);
         }
-        let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * sr / 2]);
+        let p_rs = self.p_rs;
+        let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * p_rs]);
         for i in 0..br {
             let row = &mut s[i * sr..][..bc];
             let t_max = simd::row_max(if whole { &self.maxes[16 * i..][..16] } else { row });
             let sub = self.st.advance(i, t_max);
-            let prow = &mut p16[i * sr..][..sr];
+            let prow = &mut p16[i * 2 * p_rs..][..bc + bc % 2];
             // The normaliser sums the probabilities before rounding (f32-accurate LSE).
             self.st.l[i] += rows::exp2_round_row(row, sub, prow);
             if bc % 2 == 1 {
@@ -165,7 +208,18 @@ impl QueryTileWork for Worker<'_> {
         let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d_v) * 16);
         self.st.start(br);
         let c = self.scores.factor();
-        let qa = self.queries.at(b, h, qs.start);
+        let mut qa = self.queries.at(b, h, qs.start);
+        // (Held out of `self` while the tile's products borrow it.)
+        let mut q_tile = std::mem::take(&mut self.q_tile);
+        if matches!(self.unit, Unit::Tiles(_)) {
+            // Q's rows side by side (the padding pairs zero).
+            let q_rs = self.q_rs;
+            for (i, row) in q_tile.chunks_exact_mut(q_rs).take(br).enumerate() {
+                row[..dp].copy_from_slice(&qa.data[i * qa.rs..][..dp]);
+                row[dp..].fill(0);
+            }
+            qa = AOperand { data: &q_tile, rs: q_rs, ps: 1 };
+        }
         for (t, ks) in self.k_spans.iter().enumerate() {
             let kind = classify(x.vis, qs, ks);
             if kind == TileKind::Skip {
@@ -182,16 +236,28 @@ impl QueryTileWork for Worker<'_> {
             // A fully visible tile without padding lanes, once every row has a running max:
             // P in the product's epilogue against it, the output not rescaled.
             let whole = kind == TileKind::Full && bc % 16 == 0 && self.scores.fused();
-            let lazy = whole && self.st.all_finite() && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
+            let lazy = whole
+                && self.unit == Unit::Vector
+                && self.st.all_finite()
+                && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
             if !lazy {
                 self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);
             }
-            let pa = AOperand { data: &self.p, rs: sr / 2, ps: 1 };
+            let pa = AOperand { data: &self.p, rs: self.p_rs, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
             let epi = if lazy { Epilogue::Add } else { Epilogue::Rescale(&self.st.alpha[..br]) };
-            let pv_steps = mm::Reach::steps(&key_reach);
-            mm::product(&mut self.st.acc[..br * or], or, br, mm::vectors(d_v), pa, vop, mm::pairs(bc), epi, pv_steps);
+            let acc = &mut self.st.acc[..br * or];
+            match self.unit {
+                Unit::Tiles(engine) => {
+                    amx::product(acc, or, br, mm::vectors(d_v), pa, vop, mm::pairs(bc), epi, engine, &mut self.tiles);
+                }
+                Unit::Vector => {
+                    let pv_steps = mm::Reach::steps(&key_reach);
+                    mm::product(acc, or, br, mm::vectors(d_v), pa, vop, mm::pairs(bc), epi, pv_steps);
+                }
+            }
         }
+        self.q_tile = q_tile;
     }
 
     fn finish(&mut self, lse: &mut [f32]) -> (&[f32], usize) {
@@ -202,6 +268,7 @@ impl QueryTileWork for Worker<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::amx::{self as tiles_isa, BlockEngine};
     use crate::cpu::tiles::TileConfig;
     use crate::mask::Mask;
     use crate::params::Visibility;
@@ -219,17 +286,45 @@ mod tests {
         }
         let dims = Dims { b: 2, s_q: 200, s_k: 300, h_q: 4, h_kv: 2, d_qk: 64, d_v: 64 };
         let tiles = TileConfig { block_q: 48, block_k: 64 };
+        check_against_f32(dims, tiles, Unit::Vector);
+        check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Tiles));
+    }
+
+    /// The products on AMX tiles: on the twin everywhere (small shapes: edge row blocks, odd
+    /// pair steps of a 40-wide head and a 37-key tile, a value width of 48), and where the
+    /// processor has the tiles, the same outputs from them bit for bit.
+    #[test]
+    fn the_tiles_match_the_f32_path_and_their_twin() {
+        if !mm::bf16_available() {
+            return;
+        }
+        let dims = Dims { b: 1, s_q: 70, s_k: 111, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 };
+        let tiles = TileConfig { block_q: 48, block_k: 37 };
+        let twin = check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Twin));
+        if tiles_isa::available() {
+            assert_eq!(twin, check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Tiles)));
+        }
+    }
+
+    /// The check of [`matches_the_f32_path_within_the_rounding_of_p`] on `unit`; returns the
+    /// outputs' bits.
+    fn check_against_f32(dims: Dims, tiles: TileConfig, unit: Unit) -> Vec<Vec<u32>> {
         let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
-        let t = |s, h, seed| -> Vec<bf16> {
-            let f = randn(vec![dims.b, s, h, dims.d_qk], seed, DType::BF16).as_f32().into_owned();
+        let t = |s, h, d, seed| -> Vec<bf16> {
+            let f = randn(vec![dims.b, s, h, d], seed, DType::BF16).as_f32().into_owned();
             f.iter().map(|&x| bf16::from_f32(x)).collect()
         };
-        let (q, k, v) = (t(dims.s_q, dims.h_q, 1), t(dims.s_k, dims.h_kv, 2), t(dims.s_k, dims.h_kv, 3));
-        // Keys 150.. of batch 0 score up to 40× higher: lazy tiles fall back to the exact passes.
+        let (q, k, v) = (
+            t(dims.s_q, dims.h_q, dims.d_qk, 1),
+            t(dims.s_k, dims.h_kv, dims.d_qk, 2),
+            t(dims.s_k, dims.h_kv, dims.d_v, 3),
+        );
+        // Keys 50.. of batch 0 score up to 40× higher: lazy tiles fall back to the exact passes.
         let mut grown = k.clone();
-        for x in &mut grown[150 * dims.h_kv * dims.d_qk..dims.s_k * dims.h_kv * dims.d_qk] {
+        for x in &mut grown[50 * dims.h_kv * dims.d_qk..dims.s_k * dims.h_kv * dims.d_qk] {
             *x = bf16::from_f32(x.to_f32() * 40.0);
         }
+        let mut bits = Vec::new();
         for (params, k) in [(AttentionParams::default(), &k), (causal, &k), (AttentionParams::default(), &grown)] {
             let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
             let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
@@ -246,14 +341,16 @@ mod tests {
                 tiles,
                 progress: None,
             };
-            let ((o, lse), (o_ref, lse_ref)) = (forward::<f32>(&x), super::super::forward_f32::forward(&xf));
+            let ((o, lse), (o_ref, lse_ref)) = (forward_on::<f32>(&x, unit), super::super::forward_f32::forward(&xf));
             let v_max = vf.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             for (i, (&a, &b)) in lse.iter().zip(&lse_ref).enumerate() {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{:?} lse[{i}] {a} vs {b}", params.mask);
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{unit:?} {:?} lse[{i}] {a} vs {b}", params.mask);
             }
             for (i, (&a, &b)) in o.iter().zip(&o_ref).enumerate() {
-                assert!((a - b).abs() <= 2f32.powi(-8) * v_max, "{:?} o[{i}] {a} vs {b}", params.mask);
+                assert!((a - b).abs() <= 2f32.powi(-8) * v_max, "{unit:?} {:?} o[{i}] {a} vs {b}", params.mask);
             }
+            bits.push(o.iter().chain(&lse).map(|x| x.to_bits()).collect());
         }
+        bits
     }
 }

@@ -17,6 +17,7 @@
 //! input dtype; the LSE is always f32.
 
 pub mod amx;
+mod amx_products;
 mod arithmetic;
 mod backend;
 mod backward;

@@ -1,0 +1,579 @@
+//! The bf16 path's matrix products on AMX tiles: [`product`] computes what
+//! [`super::products::product`] computes — `C[rows][16·n16] (op)= A · B` over `k2` pair steps,
+//! its operands in the same layouts ([`AOperand`], [`BOperand`]), the same [`Epilogue`]s —
+//! with `TDPBF16PS` in place of `vdpbf16ps`.
+//!
+//! The product runs in blocks of 32 × 32 (2 × 2 tiles of 16 × 16 f32 in tiles 4–7, A's two
+//! row halves in tiles 0–1, B's two column halves in tiles 2–3), 16 pair steps (one 64-byte A
+//! row) per `TDPBF16PS`, each step's loads interleaved with the multiplies that wait for them;
+//! every tile is configured 16 rows × 64 bytes once per call, and column blocks run outside
+//! row blocks (a block of B stays in the first-level cache while A passes it). A block's
+//! raw `A·B` is stored into a 32 × 32 scratch and the epilogue applied from there into `C`, so
+//! that blocks on `C`'s edges write only `C`'s rows and lanes. Operands are read in place
+//! where a block can: A rows contiguous in pairs (`ps = 1`), `k2` a multiple of 16 and B's
+//! vectors even; otherwise they are first copied, zero-padded, into the caller's [`Scratch`]
+//! (a query tile's last rows, an odd head dimension's pairs, an odd key tile). A `TDPBF16PS`
+//! accumulates in another order than `vdpbf16ps` (two chains per instruction, then C: the
+//! twin's module [`super::amx`]), so the two products agree to f32 rounding, not bit for bit.
+//!
+//! [`BlockEngine::Tiles`] runs the processor's tiles when [`amx::available`], the
+//! instruction-level twin otherwise (and always under [`BlockEngine::Twin`]): the same steps
+//! on [`amx::Tile`], bit for bit the same result, so that the tile code is tested on every
+//! processor.
+
+use super::amx::{self, BlockEngine, Tile};
+use super::products::{AOperand, BOperand, Epilogue};
+
+/// Which unit runs the bf16 path's products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unit {
+    /// `vdpbf16ps` ([`super::products`]).
+    Vector,
+    /// AMX tiles ([`product`]) on this engine.
+    Tiles(BlockEngine),
+}
+
+impl Unit {
+    /// The tiles where the processor has them and Linux permits them, `vdpbf16ps` otherwise.
+    pub(crate) fn chosen() -> Unit {
+        if amx::available() {
+            Unit::Tiles(BlockEngine::Tiles)
+        } else {
+            Unit::Vector
+        }
+    }
+}
+
+/// Pairs of the inner dimension per `TDPBF16PS` (one 64-byte row of an A tile).
+const STEP: usize = 16;
+/// Rows and lanes of a block: 2 × 2 tiles of 16 × 16.
+const BLOCK: usize = 32;
+/// Rows of a tile.
+const HALF: usize = 16;
+
+/// The buffers a thread's products copy edge operands into and stage blocks in, kept between
+/// calls (the hot path allocates only when a shape grows).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// A, zero-padded: 32 rows (the last row block) or every row, `steps · 16` pairs each.
+    a: Vec<u32>,
+    /// B, zero-padded: `steps · 16` steps of an even number of vectors.
+    b: Vec<u32>,
+    /// One block's raw `A·B`, 32 × 32 f32.
+    c: Vec<f32>,
+}
+
+/// A run of blocks' operand: `data[at + r · stride + i]` is row `r`'s element `i`.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [u32],
+    at: usize,
+    stride: usize,
+}
+
+/// `C (op)= A · B` on tiles (module documentation): `rows` rows of `C` at stride `c_rs`,
+/// `n16` vectors of 16 lanes, `k2` pair steps. Returns the engine that ran.
+///
+/// # Panics
+/// When an operand or `C` is too short for the shape, `c_rs < 16 · n16`, or a
+/// [`Epilogue::Rescale`] holds fewer than `rows` factors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    epi: Epilogue,
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    run(c, c_rs, rows, n16, a, b, k2, Finish::Epilogue(epi), engine, scratch)
+}
+
+/// [`product`] with [`Epilogue::Set`]`(scale)` that also takes the running maximum of each
+/// row's values per lane as it stores them: `maxes[r · 16 + l]` = the largest of row `r`'s
+/// lanes `l` of every vector (NaN once one is NaN; the caller reduces the 16 lanes, as after
+/// [`super::products::product_max`]). Every lane of the `n16` vectors counts, so `C`'s rows
+/// must hold no padding lanes.
+///
+/// # Panics
+/// As [`product`]; `maxes` shorter than `16 · rows`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_max(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    scale: f32,
+    maxes: &mut [f32],
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    assert!(maxes.len() >= 16 * rows, "AMX product: {} lane maxima for {rows} rows", maxes.len());
+    maxes[..16 * rows].fill(f32::NEG_INFINITY);
+    run(c, c_rs, rows, n16, a, b, k2, Finish::SetMax(scale, maxes), engine, scratch)
+}
+
+/// What a block's raw `A·B` becomes in `C`.
+enum Finish<'a, 'm> {
+    Epilogue(Epilogue<'a>),
+    /// `C = scale · A·B`, and the rows' maxima.
+    SetMax(f32, &'m mut [f32]),
+}
+
+/// [`product`] and [`product_max`]: the checks, the padded operands and the engine.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    finish: Finish,
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    if rows == 0 || n16 == 0 {
+        return engine_of(engine);
+    }
+    assert!(c_rs >= 16 * n16 && (rows - 1) * c_rs + 16 * n16 <= c.len(), "AMX product: C too short");
+    assert!(
+        k2 == 0 || (rows - 1) * a.rs + (k2 - 1) * a.ps < a.data.len(),
+        "AMX product: A too short for {rows} rows of {k2} steps"
+    );
+    assert!(
+        k2 == 0 || ((k2 - 1) * b.vectors + n16) * 16 <= b.data.len() && b.vectors >= n16,
+        "AMX product: B too short for {k2} steps of {n16} vectors"
+    );
+    if let Finish::Epilogue(Epilogue::Rescale(alpha)) = finish {
+        assert!(alpha.len() >= rows, "AMX product: {} rescale factors for {rows} rows", alpha.len());
+    }
+    let steps = k2.div_ceil(STEP);
+    let kp = steps * STEP;
+    scratch.c.resize(BLOCK * BLOCK, 0.0);
+    let Scratch { a: a_pad, b: b_pad, c: block } = scratch;
+    // B: in place when whole steps and whole column blocks, else copied zero-padded.
+    let n32 = n16.div_ceil(2);
+    let b_in = if kp == k2 && n16.is_multiple_of(2) {
+        Strided { data: b.data, at: 0, stride: b.vectors * 16 }
+    } else {
+        let stride = 2 * n32 * 16;
+        grow(b_pad, kp * stride);
+        for p in 0..kp {
+            let row = &mut b_pad[p * stride..(p + 1) * stride];
+            if p < k2 {
+                let src = &b.data[p * b.vectors * 16..][..n16 * 16];
+                row[..n16 * 16].copy_from_slice(src);
+                row[n16 * 16..].fill(0);
+            } else {
+                row.fill(0);
+            }
+        }
+        Strided { data: b_pad, at: 0, stride }
+    };
+    // A: in place when rows of whole steps; the last row block (and every row when the steps
+    // are not whole or not contiguous) copied zero-padded.
+    let whole_a = a.ps == 1 && kp == k2;
+    let full_blocks = if whole_a { rows / BLOCK } else { 0 };
+    let padded_rows = (rows - full_blocks * BLOCK).div_ceil(BLOCK) * BLOCK;
+    grow(a_pad, padded_rows * kp);
+    for r in 0..padded_rows {
+        let row = &mut a_pad[r * kp..(r + 1) * kp];
+        let src_row = full_blocks * BLOCK + r;
+        if src_row < rows {
+            for (p, x) in row[..k2].iter_mut().enumerate() {
+                *x = a.data[src_row * a.rs + p * a.ps];
+            }
+            row[k2..].fill(0);
+        } else {
+            row.fill(0);
+        }
+    }
+    let ran = engine_of(engine);
+    let ops = Operands { a, a_pad, full_blocks, kp, b_in, steps };
+    match ran {
+        BlockEngine::Tiles => {
+            let _tiles = TilesInUse::configure();
+            // SAFETY: the tiles are available (engine_of) and configured (`_tiles`); the
+            // operands were checked above (see `blocks`).
+            unsafe { blocks_on_tiles(c, c_rs, rows, n16, &ops, finish, block) }
+        }
+        BlockEngine::Twin => blocks(c, c_rs, rows, n16, &ops, finish, block, block_on_twin),
+    }
+    ran
+}
+
+/// A call's operands as its blocks read them.
+struct Operands<'a> {
+    a: AOperand<'a, u32>,
+    a_pad: &'a [u32],
+    /// Row blocks of A read in place (the rest from `a_pad`).
+    full_blocks: usize,
+    /// Pairs per padded A row, `16 · steps`.
+    kp: usize,
+    b_in: Strided<'a>,
+    steps: usize,
+}
+
+/// [`blocks`] on the processor's tiles, its epilogues compiled for AVX-512 (every processor
+/// with AMX has it).
+///
+/// # Safety
+/// AMX available and the tiles configured 16 × 64 bytes each; the operands checked by [`run`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn blocks_on_tiles(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    ops: &Operands,
+    finish: Finish,
+    block: &mut [f32],
+) {
+    blocks(c, c_rs, rows, n16, ops, finish, block, |steps, a, b, c| {
+        // SAFETY: the caller's contract; each block's rows lie inside its operands (run).
+        unsafe { block_on_tiles(steps, a, b, c) }
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn blocks_on_tiles(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    ops: &Operands,
+    finish: Finish,
+    block: &mut [f32],
+) {
+    blocks(c, c_rs, rows, n16, ops, finish, block, block_on_twin)
+}
+
+/// Every 32 × 32 block of `C`: its raw `A·B` by `kernel` into `block`, then the finish into
+/// `C`'s rows and lanes of the block.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn blocks(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    ops: &Operands,
+    mut finish: Finish,
+    block: &mut [f32],
+    mut kernel: impl FnMut(usize, Strided, Strided, &mut [f32]),
+) {
+    let (a, kp, steps) = (ops.a, ops.kp, ops.steps);
+    // Column blocks outer: a block of B (16 · steps rows of 128 bytes) stays in the first-
+    // level cache while every row block of A passes it.
+    for cb in 0..n16.div_ceil(2) {
+        let b_blk = Strided { at: ops.b_in.at + cb * BLOCK, ..ops.b_in };
+        for rb in 0..rows.div_ceil(BLOCK) {
+            let a_in = if rb < ops.full_blocks {
+                Strided { data: a.data, at: rb * BLOCK * a.rs, stride: a.rs }
+            } else {
+                Strided { data: ops.a_pad, at: (rb - ops.full_blocks) * BLOCK * kp, stride: kp }
+            };
+            let r0 = rb * BLOCK;
+            let nr = (rows - r0).min(BLOCK);
+            if steps == 0 {
+                block.fill(0.0);
+            } else {
+                kernel(steps, a_in, b_blk, block);
+            }
+            let nv = (n16 - 2 * cb).min(2) * 16;
+            for i in 0..nr {
+                let out = &mut c[(r0 + i) * c_rs + cb * BLOCK..][..nv];
+                let raw = &block[i * BLOCK..][..nv];
+                match finish {
+                    Finish::Epilogue(Epilogue::Set(s)) => out.iter_mut().zip(raw).for_each(|(o, &x)| *o = s * x),
+                    Finish::Epilogue(Epilogue::Add) => out.iter_mut().zip(raw).for_each(|(o, &x)| *o += x),
+                    Finish::Epilogue(Epilogue::Rescale(alpha)) => {
+                        let f = alpha[r0 + i];
+                        out.iter_mut().zip(raw).for_each(|(o, &x)| *o = f * *o + x)
+                    }
+                    Finish::SetMax(s, ref mut maxes) => {
+                        // Per lane (so that it vectorises; `nv` is whole vectors), a NaN
+                        // making its lane NaN for good.
+                        let row: &mut [f32; 16] = (&mut maxes[(r0 + i) * 16..][..16]).try_into().expect("16 lanes");
+                        let mut lanes = *row;
+                        for (o16, r16) in out.chunks_exact_mut(16).zip(raw.chunks_exact(16)) {
+                            let o16: &mut [f32; 16] = o16.try_into().expect("16 lanes");
+                            let r16: &[f32; 16] = r16.try_into().expect("16 lanes");
+                            for l in 0..16 {
+                                let y = s * r16[l];
+                                o16[l] = y;
+                                lanes[l] = if y > lanes[l] || y.is_nan() { y } else { lanes[l] };
+                            }
+                        }
+                        *row = lanes;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `v` grown to `n` (never shrunk: the buffers keep their largest size).
+fn grow(v: &mut Vec<u32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+}
+
+/// The engine a call runs: the tiles only when asked for and [`amx::available`].
+fn engine_of(engine: BlockEngine) -> BlockEngine {
+    match engine {
+        BlockEngine::Tiles if amx::available() => BlockEngine::Tiles,
+        _ => BlockEngine::Twin,
+    }
+}
+
+/// One block on the twin: `c` (32 × 32) = `A[32 rows][16·steps pairs] · B[16·steps][32]`,
+/// the same tile loads and `TDPBF16PS` order as [`block_on_tiles`].
+fn block_on_twin(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
+    let tile = |x: Strided, at: usize| {
+        Tile::load_pairs(HALF, HALF, &x.data[x.at + at..], x.stride).expect("a block's operand lies inside it")
+    };
+    let mut acc: Vec<Tile> = (0..4).map(|_| Tile::zeroed(HALF, 4 * HALF).expect("a 16 × 64-byte tile")).collect();
+    for s in 0..steps {
+        let a_tiles = [tile(a, s * STEP), tile(a, HALF * a.stride + s * STEP)];
+        let b_tiles = [tile(b, s * STEP * b.stride), tile(b, s * STEP * b.stride + HALF)];
+        for (t, acc) in acc.iter_mut().enumerate() {
+            acc.dpbf16ps(&a_tiles[t / 2], &b_tiles[t % 2]).expect("tile shapes agree");
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        let at = (t / 2) * HALF * BLOCK + (t % 2) * HALF;
+        acc.store(bytemuck::cast_slice_mut(&mut c[at..]), BLOCK * 4).expect("the block holds its tiles");
+    }
+}
+
+/// The tiles configured 8 × (16 rows × 64 bytes) for the life of the value, released when it
+/// drops (also on a panic).
+struct TilesInUse;
+
+impl TilesInUse {
+    fn configure() -> TilesInUse {
+        let cfg = amx::TileConfig::new(&[(HALF, 64); amx::TILES]).expect("the full palette-1 shape");
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: called only when `amx::available()` (the processor has the tiles and Linux
+        // permits them); the config is valid (checked by `TileConfig::new`).
+        unsafe {
+            std::arch::asm!("ldtilecfg [{cfg}]", cfg = in(reg) &cfg, options(nostack, readonly));
+        }
+        let _ = cfg;
+        TilesInUse
+    }
+}
+
+impl Drop for TilesInUse {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tiles were configured by `configure` on this thread.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+}
+
+/// One block on the processor's tiles (as [`block_on_twin`]).
+///
+/// # Safety
+/// The tiles are configured 16 × 64 bytes each ([`TilesInUse`]); `a` holds 32 rows of
+/// `16 · steps` pairs from `a.at` at `a.stride`, `b` holds `16 · steps` rows of 32 lanes from
+/// `b.at` at `b.stride`, and `c` at least 32 × 32 values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn block_on_tiles(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
+    debug_assert!(c.len() >= BLOCK * BLOCK && steps > 0);
+    let a0 = a.data.as_ptr().add(a.at);
+    let b0 = b.data.as_ptr().add(b.at);
+    std::arch::asm!(
+        "tilezero tmm4",
+        "tilezero tmm5",
+        "tilezero tmm6",
+        "tilezero tmm7",
+        "2:",
+        "tileloadd tmm0, [{a0} + {lda}*1]",
+        "tileloadd tmm2, [{b0} + {ldb}*1]",
+        "tdpbf16ps tmm4, tmm0, tmm2",
+        "tileloadd tmm3, [{b1} + {ldb}*1]",
+        "tdpbf16ps tmm5, tmm0, tmm3",
+        "tileloadd tmm1, [{a1} + {lda}*1]",
+        "tdpbf16ps tmm6, tmm1, tmm2",
+        "tdpbf16ps tmm7, tmm1, tmm3",
+        "add {a0}, 64",
+        "add {a1}, 64",
+        "add {b0}, {bstep}",
+        "add {b1}, {bstep}",
+        "dec {steps}",
+        "jnz 2b",
+        "mov {t}, 128",
+        "tilestored [{c} + {t}*1], tmm4",
+        "tilestored [{c} + {t}*1 + 64], tmm5",
+        "tilestored [{c} + {t}*1 + 2048], tmm6",
+        "tilestored [{c} + {t}*1 + 2112], tmm7",
+        a0 = inout(reg) a0 => _,
+        a1 = inout(reg) a0.add(HALF * a.stride) => _,
+        b0 = inout(reg) b0 => _,
+        b1 = inout(reg) b0.add(HALF) => _,
+        lda = in(reg) a.stride * 4,
+        ldb = in(reg) b.stride * 4,
+        bstep = in(reg) STEP * b.stride * 4,
+        steps = inout(reg) steps => _,
+        c = in(reg) c.as_mut_ptr(),
+        t = out(reg) _,
+        out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+        out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+        options(nostack)
+    );
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn block_on_tiles(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
+    block_on_twin(steps, a, b, c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::products::{self as mm};
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+
+    /// Random bf16 pairs of moderate magnitude (exact products; sums rounded in f32).
+    fn pairs(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                let lo = half::bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_bits() as u32;
+                let hi = half::bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_bits() as u32;
+                lo | hi << 16
+            })
+            .collect()
+    }
+
+    fn widen(x: u32, hi: bool) -> f64 {
+        f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 }) as f64
+    }
+
+    /// Every epilogue, edge shape (rows and vectors not whole blocks, odd pair steps,
+    /// interleaved A rows) and engine against f64: within the f32 rounding of the sums.
+    /// Where the processor has the tiles, the tiles and the twin agree bit for bit, and
+    /// where it has `vdpbf16ps` the vector products agree to rounding.
+    #[test]
+    fn products_match_f64_on_every_edge() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(43);
+        // (rows, n16, k2, vectors of B, A interleaved)
+        for &(rows, n16, k2, bv, interleaved) in &[
+            (32, 2, 16, 2, false),
+            (64, 4, 32, 5, false),
+            (45, 3, 40, 3, false),
+            (7, 1, 5, 1, false),
+            (33, 5, 17, 7, true),
+            (128, 4, 128, 5, false),
+            (20, 2, 0, 2, false),
+        ] {
+            let a_rs = if interleaved { 1 } else { k2 + 3 };
+            let a_ps = if interleaved { rows } else { 1 };
+            let a_data = pairs(&mut rng, if interleaved { k2 * rows } else { rows * a_rs });
+            let b_data = pairs(&mut rng, k2 * bv * 16);
+            let a = AOperand { data: &a_data, rs: a_rs, ps: a_ps };
+            let b = BOperand { data: &b_data, vectors: bv };
+            let c_rs = n16 * 16 + 16;
+            let want = |r: usize, l: usize| -> f64 {
+                (0..k2)
+                    .map(|p| {
+                        let (x, y) = (a_data[r * a_rs + p * a_ps], b_data[(p * bv) * 16 + l]);
+                        widen(x, false) * widen(y, false) + widen(x, true) * widen(y, true)
+                    })
+                    .sum()
+            };
+            let magnitude = |r: usize, l: usize| -> f64 {
+                (0..k2)
+                    .map(|p| {
+                        let (x, y) = (a_data[r * a_rs + p * a_ps], b_data[(p * bv) * 16 + l]);
+                        (widen(x, false) * widen(y, false)).abs() + (widen(x, true) * widen(y, true)).abs()
+                    })
+                    .sum()
+            };
+            let c0: Vec<f32> = (0..rows * c_rs).map(|i| (i % 7) as f32 - 3.0).collect();
+            let alpha: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 * 0.01).collect();
+            for epi in [Epilogue::Set(0.75), Epilogue::Add, Epilogue::Rescale(&alpha)] {
+                let mut outs = Vec::new();
+                for engine in [BlockEngine::Twin, BlockEngine::Tiles] {
+                    let mut c = c0.clone();
+                    let mut scratch = Scratch::default();
+                    let ran = product(&mut c, c_rs, rows, n16, a, b, k2, epi, engine, &mut scratch);
+                    assert!(engine == BlockEngine::Tiles || ran == BlockEngine::Twin);
+                    for r in 0..rows {
+                        for l in 0..c_rs {
+                            let (got, old) = (c[r * c_rs + l] as f64, c0[r * c_rs + l] as f64);
+                            if l >= n16 * 16 {
+                                assert_eq!(got, old, "lane {l} past the product written");
+                                continue;
+                            }
+                            let (ab, mag) = (want(r, l), magnitude(r, l));
+                            let (expect, scale) = match epi {
+                                Epilogue::Set(s) => (s as f64 * ab, s as f64 * mag),
+                                Epilogue::Add => (old + ab, old.abs() + mag),
+                                Epilogue::Rescale(al) => (al[r] as f64 * old + ab, (al[r] as f64 * old).abs() + mag),
+                            };
+                            let bound = (2.0 * k2 as f64 + 4.0) * f32::EPSILON as f64 * scale + 1e-30;
+                            assert!(
+                                (got - expect).abs() <= bound,
+                                "{rows}×{n16}×{k2} {engine:?} c[{r}][{l}] = {got}, want {expect} (bound {bound})"
+                            );
+                        }
+                    }
+                    outs.push(c);
+                }
+                let bits = |c: &[f32]| c.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&outs[0]), bits(&outs[1]), "the tiles and the twin differ");
+                if mm::bf16_available() {
+                    let mut c = c0.clone();
+                    mm::product(&mut c, c_rs, rows, n16, a, b, k2, epi, mm::Reach::All);
+                    for (x, y) in c.iter().zip(&outs[0]) {
+                        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "vdpbf16ps {x} vs tiles {y}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A planted mistake in the operands' layout shows: B's steps read one vector off, or
+    /// A's rows swapped in a block, change the result far beyond rounding.
+    #[test]
+    fn a_shifted_operand_is_caught() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (rows, n16, k2) = (32, 2, 16);
+        let a_data = pairs(&mut rng, rows * k2);
+        let b_data = pairs(&mut rng, (k2 + 1) * 3 * 16);
+        let run = |b: BOperand| {
+            let mut c = vec![0.0; rows * 32];
+            product(
+                &mut c,
+                32,
+                rows,
+                n16,
+                AOperand { data: &a_data, rs: k2, ps: 1 },
+                b,
+                k2,
+                Epilogue::Set(1.0),
+                BlockEngine::Twin,
+                &mut Scratch::default(),
+            );
+            c
+        };
+        let right = run(BOperand { data: &b_data, vectors: 2 });
+        let wrong = run(BOperand { data: &b_data[16..], vectors: 2 });
+        assert!(right.iter().zip(&wrong).any(|(x, y)| (x - y).abs() > 0.1));
+    }
+}
