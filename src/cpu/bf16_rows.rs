@@ -16,14 +16,21 @@ use super::products::bf16_available as available;
 #[cfg(target_arch = "x86_64")]
 use super::simd::avx512::{exp2, lanes};
 
+/// 16 lanes rounded to bf16, packed in 256 bits (one store, no widening).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn round16(x: __m512) -> __m256i {
+    // SAFETY: a 256-bit vector reinterpreted as another 256-bit vector.
+    unsafe { std::mem::transmute(_mm512_cvtneps_pbh(x)) }
+}
+
 /// 16 lanes rounded to bf16, each in the low half of a 32-bit lane.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bf16")]
 fn round32(x: __m512) -> __m512i {
-    // SAFETY: a 256-bit vector reinterpreted as another 256-bit vector.
-    let h: __m256i = unsafe { std::mem::transmute(_mm512_cvtneps_pbh(x)) };
-    _mm512_cvtepu16_epi32(h)
+    _mm512_cvtepu16_epi32(round16(x))
 }
 
 /// Whether every value is finite (exponent bits not all ones), without early exit so that
@@ -49,14 +56,14 @@ pub(crate) fn exp2_round_row(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
 /// # Safety
 /// AVX512F and AVX512_BF16 present; `dst.len() == src.len()`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512vl,avx512bw")]
 unsafe fn exp2_round_row_avx512(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
     let subv = _mm512_set1_ps(sub);
     let mut sum = _mm512_setzero_ps();
     for i in (0..src.len()).step_by(16) {
         let m = lanes(src.len() - i);
         let y = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), subv));
-        _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, round32(y));
+        _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, round16(y));
         // Lanes past the end hold 2^(0 − sub): kept out of the sum.
         sum = _mm512_mask_add_ps(sum, m, sum, y);
     }
@@ -80,13 +87,13 @@ pub(crate) fn round_row_scaled(src: &[f32], scale: f32, dst: &mut [u16]) {
 /// # Safety
 /// AVX512F and AVX512_BF16 present; `dst.len() == src.len()`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512vl,avx512bw")]
 unsafe fn round_row_scaled_avx512(src: &[f32], scale: f32, dst: &mut [u16]) {
     let sv = _mm512_set1_ps(scale);
     for i in (0..src.len()).step_by(16) {
         let m = lanes(src.len() - i);
-        let x = round32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), sv));
-        _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, x);
+        let x = round16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), sv));
+        _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i).cast(), m, x);
     }
 }
 

@@ -63,11 +63,15 @@ impl Element for f32 {
     }
 }
 
-/// Whether this processor runs the bf16 products (AVX512F and AVX512_BF16).
+/// Whether this processor runs the bf16 products (AVX512F and AVX512_BF16, with AVX512BW and
+/// AVX512VL, which every processor with AVX512_BF16 has: the row kernels' 16-bit stores).
 pub(crate) fn bf16_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
