@@ -29,7 +29,8 @@ pub enum Arithmetic {
     Auto,
     /// Inputs widened to f32, products in f32 (FMA): any dtype, any processor.
     F32,
-    /// bf16 operands, f32 accumulation (`vdpbf16ps`): bf16 inputs only. The probabilities
+    /// bf16 operands, f32 accumulation (`vdpbf16ps`, or `TDPBF16PS` on AMX tiles where the
+    /// processor has AMX-BF16 and Linux grants the tile state): bf16 inputs only. The probabilities
     /// (and in the backward `dS`) are rounded to bf16 before their products, as the GPU
     /// kernels do. Calls whose inputs hold NaN or infinities run the f32 path instead, which
     /// keeps masked non-finite values out of visible rows exactly.

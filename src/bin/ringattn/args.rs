@@ -95,7 +95,8 @@ pub struct ExecArgs {
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Arithmetic of the cpu backend's products: auto (bf16 products with f32 accumulation
-    /// for bf16 inputs where the processor has AVX512_BF16, f32 otherwise), f32 (inputs
+    /// for bf16 inputs where the processor has AVX512_BF16 — on AMX tiles where it has
+    /// AMX-BF16 —, f32 otherwise), f32 (inputs
     /// widened to f32: the fallback, on any processor) or bf16 (bf16 inputs only; an error
     /// elsewhere).
     #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
