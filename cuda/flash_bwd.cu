@@ -291,12 +291,13 @@ __device__ void flash_bwd_dq_tc(const FlashBwdParams& p) {
                         for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped>(s[n][e]);
                     }
                 }
+                const float off[2] = {scores.template offset<kCapped>(lse2[0]), scores.template offset<kCapped>(lse2[1])};
                 RINGATTN_UNROLL
                 for (int n = 0; n < kNT; ++n) {
                     RINGATTN_UNROLL
                     for (int e = 0; e < 4; ++e) {
                         float slope;
-                        const float pv = scores.template prob<kCapped>(s[n][e], lse2[e / 2], slope);
+                        const float pv = scores.template prob<kCapped>(s[n][e], off[e / 2], slope);
                         s[n][e] = (pv * slope) * (dp[n][e] - delta[e / 2]);
                     }
                 }
@@ -432,11 +433,11 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
     unsigned char* stages = smem + Tr::kSmemK + Tr::kSmemV;
     auto q_tile = [&](int buf) { return reinterpret_cast<uint16_t*>(stages + buf * Tr::kSmemStage); };
     auto do_tile = [&](int buf) { return q_tile(buf) + kM * S; };  // [kM][SV]
-    auto lse_tile = [&](int buf) {
+    auto offset_tile = [&](int buf) {
         return reinterpret_cast<float*>(stages + buf * Tr::kSmemStage + kM * (Tr::kRowBytes + VG::kRowBytes));
     };
-    auto delta_tile = [&](int buf) { return lse_tile(buf) + kM; };
-    auto unit_tile = [&](int buf) { return lse_tile(buf) + 2 * kM; };
+    auto delta_tile = [&](int buf) { return offset_tile(buf) + kM; };
+    auto unit_tile = [&](int buf) { return offset_tile(buf) + 2 * kM; };
 
     // This thread's two key rows (g and g + 8 of the warp's 16), their positions and
     // documents: held across the loop, but for the pairs (their accumulators take 176
@@ -504,7 +505,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         for (int r = threadIdx.x; r < kM; r += Tr::kThreads) {
             const bool in = q0 + r < p.x.s_q;
             const int64_t st = (bi * p.x.h_q + hq) * p.x.s_q + (in ? q0 + r : 0);
-            smem_store(lse_tile(buf) + r, in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY);
+            // The queries' exponent offsets (score.cuh; -lse2 for plain scores), once per query.
+            const float lse2 = in ? gmem_load(p.lse + st) * 1.4426950408889634f : -INFINITY;
+            smem_store(offset_tile(buf) + r, scores.template offset<kCapped>(lse2));
             smem_store(delta_tile(buf) + r, in ? gmem_load(p.delta + st) * p.x.score.scale : 0.0f);  // scale delta
             if (kFixed) smem_store(unit_tile(buf) + r, in ? gmem_load(p.dq_unit + st) : 0.0f);
         }
@@ -710,7 +713,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         __syncthreads();
         const uint16_t* qt = q_tile(buf);
         const uint16_t* dot = do_tile(buf);
-        const float* lt = lse_tile(buf);
+        const float* lt = offset_tile(buf);
         const float* dt = delta_tile(buf);
         const int64_t qtile = step.qtile, hq = hk * group + step.head, q0 = qtile * kM;
         // Warp-uniform: a query tile fully visible to the warp's 16 keys (all inside the call)
@@ -767,7 +770,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 }
             };
             // P^T in s, scale dS^T in dp (the softmax scale folded in here, once per score, so
-            // that neither dk's epilogue nor dq's atomic adds multiply by it); the columns' lse
+            // that neither dk's epilogue nor dq's atomic adds multiply by it); the columns' exponent offsets
             // and scale delta as pairs (columns 2t, 2t + 1). Under a soft-cap (score.cuh) S^T is
             // prepared before dP^T exists (its registers free for the tanh), and dS^T takes the
             // scores' slopes.
@@ -777,7 +780,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     RINGATTN_UNROLL
                     for (int n = 0; n < kMT; ++n) {
                         RINGATTN_UNROLL
-                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped, kernel_tanh<D, true>()>(s[n][e]);
+                        for (int e = 0; e < 4; ++e) s[n][e] = scores.template prepare<kCapped>(s[n][e]);
                     }
                     products(ScoreVariant<false>{}, ScoreVariant<true>{});
                 } else {
@@ -789,9 +792,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     const F32x2 d2 = smem_load(reinterpret_cast<const F32x2*>(dt + n * 8 + 2 * t));
                     RINGATTN_UNROLL
                     for (int e = 0; e < 4; ++e) {
-                        const float lse_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
+                        const float off_c = (e & 1) ? l2.y : l2.x, delta_c = (e & 1) ? d2.y : d2.x;
                         float slope;
-                        const float pv = scores.template prob<kCapped>(s[n][e], lse_c, slope);
+                        const float pv = scores.template prob<kCapped>(s[n][e], off_c, slope);
                         dp[n][e] = (pv * slope) * fmaf(dp[n][e], p.x.score.scale, -delta_c);
                         s[n][e] = pv;
                     }
@@ -860,7 +863,7 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                     for (int c = 0; c < 2; ++c) {
                         const int col = n * 8 + 2 * t + c;
                         const int64_t i = q0 + col;
-                        if (i >= p.x.s_q || smem_load(lt + col) == -INFINITY) continue;
+                        if (i >= p.x.s_q || smem_load(lt + col) == INFINITY) continue;  // (lse -inf)
                         const int64_t pq = unmasked ? 0 : gmem_load(p.x.mask.q_pos + i);
                         const uint32_t qd = p.x.mask.q_doc != nullptr ? gmem_load(p.x.mask.q_doc + i) : 0;
                         RINGATTN_UNROLL
@@ -906,13 +909,16 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
         };
     };
     const float one2[2] = {1.0f, 1.0f};  // (dk holds scale dS^T Q already)
+    // dv summed prob()'s values: kProbScale P (score.cuh).
+    constexpr float kDvUnscale = 1.0f / BackwardScores::kProbScale<kCapped>;
+    const float dv_unscale2[2] = {kDvUnscale, kDvUnscale};
     __syncthreads();
     stage_fragments<1, kOT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kOT][4]>(dk), one2);
     __syncthreads();  // (a warp reads only its own rows; the block barrier is what the emulator's race check sees)
     store_staged_rows<T, 16, Tr::kDOut, kStageStride>(stage, d - col0, key_rows(d), p.dk,
                                                       static_cast<uint16_t*>(nullptr));
     __syncthreads();
-    stage_fragments<1, kVT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kVT][4]>(dv), one2);
+    stage_fragments<1, kVT, kStageStride>(stage, reinterpret_cast<const float(&)[1][kVT][4]>(dv), dv_unscale2);
     __syncthreads();
     store_staged_rows<T, 16, Tr::kDvOut, kStageStride>(stage, d_v() - col0, key_rows(d_v()), p.dv,
                                                        static_cast<uint16_t*>(nullptr));
@@ -929,8 +935,9 @@ __device__ void flash_bwd_dkdv_tc(const FlashBwdParams& p) {
                 gmem_store(p.dk + row * d + c + 1, dk[n][2 * r + 1]);
             }
             if (n < kVT && c < d_v()) {
-                gmem_store(p.dv + row * d_v() + c, dv[n < kVT ? n : 0][2 * r]);
-                gmem_store(p.dv + row * d_v() + c + 1, dv[n < kVT ? n : 0][2 * r + 1]);
+                constexpr float kDvUnscale = 1.0f / BackwardScores::kProbScale<kCapped>;  // (score.cuh)
+                gmem_store(p.dv + row * d_v() + c, dv[n < kVT ? n : 0][2 * r] * kDvUnscale);
+                gmem_store(p.dv + row * d_v() + c + 1, dv[n < kVT ? n : 0][2 * r + 1] * kDvUnscale);
             }
         }
     }

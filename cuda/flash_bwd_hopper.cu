@@ -338,13 +338,13 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
                 const F32x2 delta2 = smem_load(reinterpret_cast<const F32x2*>(stats + kM + 8 * j + 2 * t));
                 RINGATTN_UNROLL
                 for (int e = 0; e < 2; ++e) {
-                    const float lse = (e ? lse2.y : lse2.x) * 1.4426950408889634f;
+                    const float off = scores.template offset<kCapped>((e ? lse2.y : lse2.x) * 1.4426950408889634f);
                     const float delta = (e ? delta2.y : delta2.x) * p.x.score.scale;
                     RINGATTN_UNROLL
                     for (int r = 0; r < 2; ++r) {
                         const int v = 4 * j + 2 * r + e;
                         float slope;
-                        const float pv = scores.template prob<kCapped>(scores.template prepare<kCapped>(s[v]), lse, slope);
+                        const float pv = scores.template prob<kCapped>(scores.template prepare<kCapped>(s[v]), off, slope);
                         const float dsv = (pv * slope) * fmaf(dp[v], p.x.score.scale, -delta);
                         const bool keep = (vis >> v) & 1u;
                         s[v] = keep ? pv : 0.0f;
@@ -451,8 +451,10 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
         step = step.qtile + 1 < qt_end ? HopperBwdStep{step.head, step.qtile + 1} : HopperBwdStep{step.head + 1, qt_begin};
     }
 
-    // Epilogue: dk (scale dS^T Q already) and dv, f32, written; keys past the call and columns
-    // past d_qk (dk) or d_v (dv) are not.
+    // Epilogue: dk (scale dS^T Q already) and dv (the sum of prob()'s values, times
+    // prob_unscale(): score.cuh), f32, written; keys past the call and columns past d_qk (dk) or
+    // d_v (dv) are not.
+    const float dv_unscale = scores.prob_unscale();
     RINGATTN_UNROLL
     for (int v = 0; v < kCols / 2; v += 2) {
         const int r = (v >> 1) & 1;
@@ -464,8 +466,8 @@ __device__ __forceinline__ void flash_bwd_hopper_consumer(const FlashBwdHopperPa
             gmem_store(p.dk + row * d + col + 1, dk[v + 1]);
         }
         if (col < p.x.d_v) {
-            gmem_store(p.dv + row * p.x.d_v + col, dv[v]);
-            gmem_store(p.dv + row * p.x.d_v + col + 1, dv[v + 1]);
+            gmem_store(p.dv + row * p.x.d_v + col, dv[v] * dv_unscale);
+            gmem_store(p.dv + row * p.x.d_v + col + 1, dv[v + 1] * dv_unscale);
         }
     }
     if constexpr (!kHopperCappedAt<D>) {

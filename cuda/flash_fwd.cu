@@ -234,7 +234,7 @@ __device__ void flash_fwd_tc(const FlashFwdParams& p) {
                     RINGATTN_UNROLL
                     for (int n = 0; n < kNT; ++n) {
                         RINGATTN_UNROLL
-                        for (int e = 0; e < 4; ++e) s[mt][n][e] = scores.template cap<kernel_tanh<D, false>()>(s[mt][n][e]);
+                        for (int e = 0; e < 4; ++e) s[mt][n][e] = scores.template cap<kernel_tanh<D>()>(s[mt][n][e]);
                     }
                 }
             }

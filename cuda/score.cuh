@@ -52,14 +52,13 @@ __device__ __forceinline__ float tanh_log2(float z) {
     }
 }
 
-// The form of the kernel whose head-dim class is D (`kBackwardKeys`: the FA2 dk/dv kernels;
-// otherwise the forwards and dq): kSplit where kShort spills (sm_90a: the dk/dv kernels of
-// class 128 and the forward of class 192, which spills with kSplit on sm_80), kShort
-// elsewhere and in the emulator (which tests kSplit through the self-test of score_tanh).
-template <int D, bool kBackwardKeys>
+// The form of the forward whose head-dim class is D: kSplit where kShort spills (sm_90a: class
+// 192, which spills with kSplit on sm_80), kShort elsewhere and in the emulator (which tests
+// kSplit through the self-test of score_tanh). (The backwards take no tanh: BackwardScores.)
+template <int D>
 __device__ __forceinline__ constexpr TanhForm kernel_tanh() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-    return (kBackwardKeys ? D == 128 : D == 192) ? TanhForm::kSplit : TanhForm::kShort;
+    return D == 192 ? TanhForm::kSplit : TanhForm::kShort;
 #else
     return TanhForm::kShort;
 #endif
@@ -123,13 +122,25 @@ struct ScoreVariant {
     static constexpr bool value = kCapped;
 };
 
-// The backwards' scores: the probability of a raw product against its row's log2 LSE, and the
+// The backwards' scores: the probability of a raw product against its query's log2 LSE, and the
 // score's slope by the plainly scaled product (1 - tanh^2 under a soft-cap, 1 otherwise), which
 // the kernels multiply into dS. It reads the kernel's parameters in place (their constant bank:
 // no register for the plain scores' scale).
+//
+// Under a soft-cap the kernels carry r = 1 / (2^z + 1) (tanh = 1 - 2r, prepare()) rather than
+// tanh itself: the score c2 (1 - 2r) - lse2 is then one multiply-add on a per-query offset
+// c2 + 2 - lse2 (offset()), and the slope 1 - tanh^2 = 4 r (1 - r) one more. The factor 4 is
+// moved into the probability: prob() returns kProbScale P (4 P, a power of two: exact) and the
+// slope over kProbScale, so that their product, dS's factor, is P's times the slope's as they
+// stand; a kernel that feeds prob()'s value to dV multiplies dV by prob_unscale() once, in its
+// epilogue. Plain scores: kProbScale 1, slope 1 (folded away).
 struct BackwardScores {
     const ScoreParams& s;
     float pre;  // capped: 2 log2(e) scale_log2 / softcap_log2 (dead code in the plain variant)
+
+    // The factor of P in prob()'s value.
+    template <bool kCapped>
+    static constexpr float kProbScale = kCapped ? 4.0f : 1.0f;
 
     __device__ __forceinline__ static BackwardScores of(const ScoreParams& s) {
         return BackwardScores{s, s.softcap_log2 > 0.0f ? kTanhLog2 * s.scale_log2 / s.softcap_log2 : 0.0f};
@@ -137,28 +148,45 @@ struct BackwardScores {
 
     __device__ __forceinline__ bool capped() const { return s.softcap_log2 > 0.0f; }
 
+    // The factor that turns a dV summed from prob()'s values into dV (1 / kProbScale; the
+    // kernels that branch per tile read it from the parameters).
+    __device__ __forceinline__ float prob_unscale() const { return capped() ? 1.0f / kProbScale<true> : 1.0f; }
+
     // A raw product prepared for prob(), in place in the kernels' score registers (a pass of its
-    // own, so that its temporaries are dead before the probabilities' pass): its tanh (form F)
-    // under a soft-cap, x itself otherwise.
-    template <bool kCapped, TanhForm F = TanhForm::kShort>
+    // own, so that its temporaries are dead before the probabilities' pass): under a soft-cap
+    // r = (1 - tanh(y)) / 2 = 1 / (2^(2 y log2 e) + 1) of the scaled product y (kShort's pieces:
+    // within about 1.5e-7 of r absolutely), x itself otherwise.
+    template <bool kCapped>
     __device__ __forceinline__ float prepare(float x) const {
         if constexpr (kCapped) {
-            return tanh_log2<F>(x * pre);
+            return rcp_ex2_plus_one(x * pre);
         } else {
             return x;
         }
     }
 
-    // P = 2^(score - lse2) of a prepared product `y`; `slope` gets the score's slope (kCapped
-    // false: 1, folded away).
+    // The per-query term of prob()'s exponent, from the query's log2 LSE: -lse2, or under a
+    // soft-cap c2 + log2(kProbScale) - lse2 (an LSE of -inf gives +inf either way).
     template <bool kCapped>
-    __device__ __forceinline__ float prob(float y, float lse2, float& slope) const {
+    __device__ __forceinline__ float offset(float lse2) const {
         if constexpr (kCapped) {
-            slope = fmaf(-y, y, 1.0f);
-            return ex2_approx(fmaf(s.softcap_log2, y, -lse2));
+            return (s.softcap_log2 + 2.0f) - lse2;
+        } else {
+            return -lse2;
+        }
+    }
+
+    // kProbScale P = 2^(score - lse2 + log2 kProbScale) of a prepared product `y`, `off` its
+    // query's offset(); `slope` gets the score's slope over kProbScale (kCapped false: 1,
+    // folded away).
+    template <bool kCapped>
+    __device__ __forceinline__ float prob(float y, float off, float& slope) const {
+        if constexpr (kCapped) {
+            slope = fmaf(-y, y, y);
+            return ex2_approx(fmaf(-2.0f * s.softcap_log2, y, off));
         } else {
             slope = 1.0f;
-            return ex2_approx(fmaf(y, s.scale_log2, -lse2));
+            return ex2_approx(fmaf(y, s.scale_log2, off));
         }
     }
 

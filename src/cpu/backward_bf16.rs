@@ -71,7 +71,8 @@ struct PackedQueries<'a> {
     /// `[b][h_q][s_q][pairs(d_qk)]` and `[b][h_q][s_q][pairs(d_v)]`.
     q_rows: mm::RowPairs<'a>,
     do_rows: mm::RowPairs<'a>,
-    /// `[b][h_q][tile]` blocks of `q_len` and `do_len`.
+    /// `[b][h_q][tile]` blocks of `q_len` and `do_len`: Q and dO as the vector products'
+    /// B operands (empty on AMX tiles, which read `q_cols`/`do_cols`).
     q_steps: Vec<u32>,
     do_steps: Vec<u32>,
     q_len: usize,
@@ -95,9 +96,11 @@ impl<'a> PackedQueries<'a> {
         let row = |bh: usize| (bh / dm.h_q) * dm.s_q * dm.h_q + bh % dm.h_q;
         let q_rows = mm::RowPairs::new(q, [dm.b, dm.s_q, dm.h_q, d]);
         let do_rows = mm::RowPairs::new(d_o, [dm.b, dm.s_q, dm.h_q, d_v]);
-        // Zeros where a tile's rows end (the padding a product reads).
-        let mut q_steps = super::reuse::zeroed::<u32>(heads * tiles * q_len);
-        let mut do_steps = super::reuse::zeroed::<u32>(heads * tiles * do_len);
+        // Zeros where a tile's rows end (the padding a product reads). The vector products'
+        // B operands only: the tiles read Qᵀ and dOᵀ (below) instead.
+        let blocks = if matches!(unit, Unit::Vector) { heads * tiles } else { 0 };
+        let mut q_steps = super::reuse::zeroed::<u32>(blocks * q_len);
+        let mut do_steps = super::reuse::zeroed::<u32>(blocks * do_len);
         if !q_steps.is_empty() {
             q_steps.par_chunks_mut(q_len).zip(do_steps.par_chunks_mut(do_len)).enumerate().for_each(
                 |(blk, (qs, ds))| {
@@ -263,8 +266,9 @@ impl KeyTileWork for Worker<'_> {
                 let qa = pq.q_rows.at(b, h, qs.start);
                 let doa = pq.do_rows.at(b, h, qs.start);
                 let tile = bh * pq.tiles + t;
-                let q_steps = BOperand { data: &pq.q_steps[tile * pq.q_len..][..pq.q_len], vectors: sv };
-                let do_steps = BOperand { data: &pq.do_steps[tile * pq.do_len..][..pq.do_len], vectors: sv_v };
+                // (The vector products' B operands: packed only for them.)
+                let q_steps = || BOperand { data: &pq.q_steps[tile * pq.q_len..][..pq.q_len], vectors: sv };
+                let do_steps = || BOperand { data: &pq.do_steps[tile * pq.do_len..][..pq.do_len], vectors: sv_v };
                 let kv = mm::vectors(bc);
 
                 // On a partial tile each block of rows computes only the part it may see: key
@@ -336,7 +340,7 @@ impl KeyTileWork for Worker<'_> {
                     Unit::Vector => {
                         let pt = AOperand { data: &self.p_pairs, rs: 1, ps: sr };
                         let dv = &mut self.dv[..bc * gr_v];
-                        product(dv, gr_v, bc, gv_v, pt, do_steps, mm::pairs(br), Epilogue::Add, query_steps);
+                        product(dv, gr_v, bc, gv_v, pt, do_steps(), mm::pairs(br), Epilogue::Add, query_steps);
                     }
                 }
 
@@ -378,7 +382,7 @@ impl KeyTileWork for Worker<'_> {
                     Unit::Vector => {
                         let dst = AOperand { data: &self.ds_pairs, rs: 1, ps: sr };
                         let dk = &mut self.dk[..bc * gr];
-                        product(dk, gr, bc, gv, dst, q_steps, mm::pairs(br), Epilogue::Add, query_steps);
+                        product(dk, gr, bc, gv, dst, q_steps(), mm::pairs(br), Epilogue::Add, query_steps);
                     }
                 }
                 let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
