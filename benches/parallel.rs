@@ -28,7 +28,7 @@ fn bench(c: &mut Criterion) {
             layout: Some(Layout::Zigzag),
             attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
             seq_len: s,
-            ulysses_degree: None,
+            ..Default::default()
         };
         // Only under `cargo bench` (not when `cargo test` runs the bench once as a test).
         if std::env::args().any(|a| a == "--bench") {

@@ -28,7 +28,7 @@ fn main() -> Result<(), ringattn::Error> {
         layout: Some(Layout::Zigzag),
         attention: AttentionParams { mask: Mask::Causal, ..Default::default() },
         seq_len: s,
-        ulysses_degree: None,
+        ..Default::default()
     };
     let link = LinkModel { bandwidth: mbps * 1e6, latency: Duration::from_micros(20) };
     let hop_bytes = 2.0 * (s / world) as f64 * (h * d * 4) as f64;

@@ -145,7 +145,7 @@ pub enum Error {
     },
     /// An unknown or not-yet-available parallel strategy.
     #[error(
-        "unknown strategy `{0}` (available: {available})",
+        "unknown strategy `{0}` (available: {available}, auto)",
         available = crate::parallel::Strategy::list(&crate::parallel::Strategy::ALL)
     )]
     UnknownStrategy(String),

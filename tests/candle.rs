@@ -670,3 +670,24 @@ fn unequal_head_dims_through_the_group_give_the_oracles_gradients() {
         }
     }
 }
+
+/// `ContextParallel` shards by length before it sees a call's shape, so it cannot resolve
+/// `Strategy::Auto` per batch: it refuses it when built (never runs another strategy instead).
+#[test]
+fn context_parallel_refuses_auto() {
+    let docs = ringattn::Documents::new(vec![10, 6]).unwrap();
+    let params = ParallelParams {
+        strategy: Strategy::Auto,
+        attention: AttentionParams { mask: Mask::Causal, documents: Some(docs), ..Default::default() },
+        ..Default::default()
+    };
+    let results = spmd_shared(2, LocalOptions::default(), |comm| {
+        Ok(rc::ContextParallel::new(comm, CpuBackend::default(), params.clone(), 2)
+            .map(|_| ())
+            .map_err(|e| e.to_string()))
+    });
+    for r in results {
+        let e = r.unwrap().unwrap_err();
+        assert!(e.contains("resolve_for"), "{e}");
+    }
+}

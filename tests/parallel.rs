@@ -50,6 +50,7 @@ fn check(c: &PCase) -> Result<verify::Report, ringattn::Error> {
         attention: attention.clone(),
         seq_len: c.s,
         ulysses_degree: c.ulysses_degree,
+        ..Default::default()
     };
     let options = LocalOptions { order: c.order, ..Default::default() };
     let run = run_in_process(c.world, options, &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)?;
@@ -487,6 +488,7 @@ mod schedules {
             attention: attention.clone(),
             seq_len: q.shape()[1],
             ulysses_degree: None,
+            ..Default::default()
         };
         run_in_process(world, LocalOptions::default(), &CpuBackend::default(), q, k, v, d_o, &p).unwrap()
     }
@@ -580,6 +582,7 @@ mod schedules {
                 attention: attention.clone(),
                 seq_len: s,
                 ulysses_degree: None,
+                ..Default::default()
             };
             run_in_process(world, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &p).unwrap()
         };
@@ -784,6 +787,7 @@ mod exactly_once {
                         attention: AttentionParams { mask, ..Default::default() },
                         seq_len: s,
                         ulysses_degree: None,
+                        ..Default::default()
                     };
                     run_in_process(world, LocalOptions::default(), &be, &q, &k, &k, Some(&d_o), &p).unwrap();
                     let what = format!("{strategy:?} {layout:?} P={world} {mask:?}");

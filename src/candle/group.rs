@@ -230,13 +230,24 @@ where
     /// it). Not collective; validates `params` for the world size and `h_q`.
     ///
     /// # Errors
-    /// [`Error::Parallel`] when `params` cannot run on this world size with `h_q` heads.
+    /// [`Error::Parallel`] when `params` cannot run on this world size with `h_q` heads, and
+    /// for [`crate::parallel::Strategy::Auto`]: the group shards by sequence length alone,
+    /// before it sees a call's shape (resolve the choice per batch with
+    /// [`ParallelParams::resolve_for`] and give the group what it chose).
     pub fn new(
         comm: Arc<dyn Communicator<Buf = Be::Buf>>,
         backend: Be,
         params: ParallelParams,
         h_q: usize,
     ) -> crate::Result<Self> {
+        if params.strategy == crate::parallel::Strategy::Auto {
+            return Err(Error::Parallel(
+                "ContextParallel runs a fixed strategy: it shards by sequence length before it sees a call's shape; \
+                 choose per batch with ParallelParams::resolve_for(world, &dims, dtype) and build the group with \
+                 the parameters it resolved"
+                    .into(),
+            ));
+        }
         params.validate(comm.size(), h_q)?;
         Ok(ContextParallel {
             comm,

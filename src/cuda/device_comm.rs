@@ -451,7 +451,7 @@ fn run_ranks(
         )));
     }
     crate::runner::check_supported(super::BACKEND, &dims, q.dtype())?;
-    let resolved = params.resolve(world, dims.h_q, dims.s_q)?;
+    let resolved = params.resolve_for(world, &dims, q.dtype())?;
     let device = CudaDevice::shared(run.device)?;
     let mut comms = DeviceComm::group(world, options, &device)?;
     if run.mode == DeviceRunMode::ComputeOnly {
@@ -471,7 +471,7 @@ fn run_ranks(
         let dob = d_o.map(up).transpose()?;
         let n = resolved.positions(comm.rank()).len();
         let dims = Dims { s_q: n, s_k: n, ..dims };
-        let plan = ParallelPlan::new(comm, be, resolved.params(), &dims, q.dtype())?;
+        let plan = ParallelPlan::new(comm, be, &resolved, &dims, q.dtype())?;
         let finished = |bufs: &[&DeviceBuf], start: std::time::Instant| -> Result<Duration> {
             for b in bufs {
                 b.wait_ready("the call's results", comm.rank(), options.deadline)?;

@@ -4,9 +4,55 @@
 //! [`ParallelParams`]. A pure function of its inputs: every rank that asks with the same batch
 //! gets the same choice, with no communication.
 
-use super::ParallelParams;
+use super::{Backend, Driver, LocalData, ParallelParams, ParallelPlan, Rules, Stats};
 use crate::plan::{plan_batch, BatchChoice, BatchPlan, ClusterSpec, JobSpec, Passes};
-use crate::{AttentionParams, DType, Dims, Error, Mask, Result};
+use crate::{AttentionParams, DType, Dims, Error, Mask, Positions, Result};
+
+/// `Strategy::Auto`'s rules and driver before it is resolved: everything that would place
+/// tokens or run refuses (resolution — [`ParallelParams::resolve_for`], or a plan — replaces
+/// it with what the model chose, so no path runs it); its validation is the choice's own.
+pub(crate) struct Unchosen;
+
+fn unchosen<T>() -> Result<T> {
+    Err(Error::Parallel(
+        "strategy auto runs what it chooses per batch: resolve the parameters with \
+         ParallelParams::resolve_for (or plan with them) first"
+            .into(),
+    ))
+}
+
+impl Rules for Unchosen {
+    const CHECK_WORLD: (usize, Option<usize>) = (2, None);
+
+    fn ulysses_degree(_params: &ParallelParams, _world: usize, _h_q: usize) -> Result<usize> {
+        unchosen()
+    }
+
+    fn positions(_params: &ParallelParams, _world: usize, _ulysses: usize) -> Result<Vec<Positions>> {
+        unchosen()
+    }
+}
+
+impl Driver for Unchosen {
+    fn forward<Be: Backend>(
+        _plan: &ParallelPlan<'_, Be>,
+        _x: &LocalData<Be::Buf>,
+        _stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf)> {
+        unchosen()
+    }
+
+    fn backward<Be: Backend>(
+        _plan: &ParallelPlan<'_, Be>,
+        _x: &LocalData<Be::Buf>,
+        _o: &Be::Buf,
+        _lse: &Be::Buf,
+        _d_o: &Be::Buf,
+        _stats: &mut Stats,
+    ) -> Result<(Be::Buf, Be::Buf, Be::Buf)> {
+        unchosen()
+    }
+}
 
 /// What [`choose`] resolved: the parameters to run, the model's estimate of them, and the
 /// whole ranking it came from.

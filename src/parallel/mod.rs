@@ -54,6 +54,12 @@ macro_rules! strategies {
         #[non_exhaustive]
         pub enum Strategy {
             $( $(#[$attr])* $variant, )*
+            /// Chosen per batch of packed documents by the cost model ([`auto`]): strategy,
+            /// layout and Ulysses degree, resolved by [`ParallelParams::resolve_for`] (or a
+            /// plan) from the batch's documents, shape and dtype and the
+            /// [`ParallelParams::auto`] model — never run as itself, and not in
+            /// [`Strategy::ALL`] (the strategies that run).
+            Auto,
         }
 
         impl Strategy {
@@ -76,11 +82,11 @@ macro_rules! strategies {
             };
 
             /// The one name of the strategy, as `--strategy` takes it and JSON writes it:
-            /// `single`, `ring`, `allgather`, `ulysses`, `usp`.
+            /// `single`, `ring`, `allgather`, `ulysses`, `usp`, and `auto`.
             ///
             /// ```
             /// use ringattn::parallel::Strategy;
-            /// for s in Strategy::ALL {
+            /// for s in Strategy::ALL.into_iter().chain([Strategy::Auto]) {
             ///     assert_eq!(s.name().parse::<Strategy>()?, s);
             ///     assert_eq!(s.to_string(), s.name());
             /// }
@@ -89,6 +95,7 @@ macro_rules! strategies {
             pub fn name(self) -> &'static str {
                 match self {
                     $( Strategy::$variant => $name, )*
+                    Strategy::Auto => "auto",
                 }
             }
 
@@ -105,7 +112,8 @@ macro_rules! strategies {
             }
         }
 
-        /// Runs `$body` with `$t` the rules type of strategy `$s`.
+        /// Runs `$body` with `$t` the rules type of strategy `$s` (`Auto`'s refuse
+        /// everything: it is resolved before anything runs).
         macro_rules! with_rules {
             ($d s:expr, $d t:ident => $d body:expr) => {
                 match $d s {
@@ -113,6 +121,10 @@ macro_rules! strategies {
                         type $d t = $rules;
                         $d body
                     } )*
+                    Strategy::Auto => {
+                        type $d t = crate::parallel::auto::Unchosen;
+                        $d body
+                    }
                 }
             };
         }
@@ -125,6 +137,10 @@ macro_rules! strategies {
                         type $d t = $driver;
                         $d body
                     } )*
+                    Strategy::Auto => {
+                        type $d t = crate::parallel::auto::Unchosen;
+                        $d body
+                    }
                 }
             };
         }
@@ -196,7 +212,11 @@ impl std::fmt::Display for Strategy {
 impl std::str::FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Strategy::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| Error::UnknownStrategy(s.to_string()))
+        Strategy::ALL
+            .into_iter()
+            .chain([Strategy::Auto])
+            .find(|x| x.name() == s)
+            .ok_or_else(|| Error::UnknownStrategy(s.to_string()))
     }
 }
 
@@ -215,6 +235,36 @@ pub struct ParallelParams {
     /// Ulysses degree of `Usp` (`None`: the largest divisor of the world size that divides
     /// `h_q`, chosen by [`ParallelParams::resolve`]).
     pub ulysses_degree: Option<usize>,
+    /// What [`Strategy::Auto`] weighs when it chooses (the other strategies do not read it).
+    pub auto: AutoModel,
+}
+
+/// The cost model [`Strategy::Auto`] chooses with: the cluster's kernel rates and links
+/// (`gpus` and `gpus_per_node` are set from the world size at resolution; calibrate the rest
+/// for the machines that run the job: [`crate::plan::Calibration`], `ringattn plan
+/// calibrate`) and the passes a step runs. `Default`: the planner's default cluster, forward
+/// and backward.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AutoModel {
+    /// Kernel rates and links of the machines.
+    pub cluster: crate::plan::ClusterSpec,
+    /// What a step runs (training: both).
+    pub passes: crate::plan::Passes,
+}
+
+/// What [`Strategy::Auto`] chose for a batch, as [`Stats::chosen`] reports it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Chosen {
+    /// The strategy run (its name).
+    pub strategy: String,
+    /// The layout (its name: `contiguous`, `zigzag`, `striped`, `balanced`).
+    pub layout: String,
+    /// The Ulysses degree (1: none).
+    pub ulysses_degree: usize,
+    /// The model's predicted time of one step of the choice, seconds.
+    pub predicted_s: f64,
+    /// The model's predicted time of the slowest placement it weighed, seconds.
+    pub worst_predicted_s: f64,
 }
 
 /// What one rank did.
@@ -242,6 +292,8 @@ pub struct Stats {
     pub flops: f64,
     /// One entry per step (ring hop; a single step for the other strategies).
     pub steps: Vec<StepStats>,
+    /// Under [`Strategy::Auto`], what was chosen for the batch and the model's prediction.
+    pub chosen: Option<Chosen>,
 }
 
 /// What one step (ring hop) of one rank did.
@@ -740,7 +792,7 @@ impl<Be: Backend> ParallelPlan<'_, Be> {
     /// plan's last statistics.
     fn measured<T>(&self, call: impl FnOnce(&mut Stats) -> Result<T>) -> Result<T> {
         let start = std::time::Instant::now();
-        let mut stats = Stats { hops: 1, ..Default::default() };
+        let mut stats = Stats { hops: 1, chosen: self.resolved.chosen().cloned(), ..Default::default() };
         let sent0 = self.comm.bytes_sent();
         let out = call(&mut stats)?;
         stats.bytes_sent = self.comm.bytes_sent() - sent0;
@@ -959,11 +1011,11 @@ pub fn run_in_process<Be: Backend>(
             dims.s_q, dims.s_k
         )));
     }
-    let resolved = params.resolve(world, dims.h_q, dims.s_q)?;
+    let resolved = params.resolve_for(world, &dims, q.dtype())?;
     let results = spmd::<Be::Buf, _>(world, options, |comm| {
         let shard = |t: &Tensor| resolved.shard(t, comm.rank());
         let (qs, ks, vs) = (shard(q)?, shard(k)?, shard(v)?);
-        let plan = ParallelPlan::new(comm, backend, resolved.params(), &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
+        let plan = ParallelPlan::new(comm, backend, &resolved, &Dims::of(&qs, &ks, &vs)?, qs.dtype())?;
         let (f, fs) = plan.forward_tensors(&qs, &ks, &vs)?;
         let g = match d_o {
             Some(t) => Some(plan.backward_tensors(&qs, &ks, &vs, &f.o, &f.lse, &shard(t)?)?),

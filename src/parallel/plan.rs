@@ -36,6 +36,8 @@ pub struct ResolvedParams {
     world: usize,
     ulysses: usize,
     positions: Vec<Positions>,
+    /// What [`Strategy::Auto`] chose, when the parameters asked for it.
+    chosen: Option<super::Chosen>,
 }
 
 impl ParallelParams {
@@ -47,6 +49,13 @@ impl ParallelParams {
     /// [`Error::Parallel`] naming the constraint that fails (as [`ParallelParams::validate`],
     /// or two different sequence lengths).
     pub fn resolve(&self, world: usize, h_q: usize, seq_len: usize) -> Result<ResolvedParams> {
+        if self.strategy == Strategy::Auto {
+            return Err(Error::Parallel(
+                "strategy auto chooses from the batch's whole shape and dtype: resolve it with \
+                 ParallelParams::resolve_for(world, &dims, dtype)"
+                    .into(),
+            ));
+        }
         self.validate(world, h_q)?;
         let mut p = self.clone();
         p.seq_len = match (self.seq_len, seq_len) {
@@ -62,7 +71,78 @@ impl ParallelParams {
             p.ulysses_degree = Some(ulysses);
         }
         let positions = with_rules!(p.strategy, R => R::positions(&p, world, ulysses))?;
-        Ok(ResolvedParams { params: p, world, ulysses, positions })
+        Ok(ResolvedParams { params: p, world, ulysses, positions, chosen: None })
+    }
+
+    /// [`ParallelParams::resolve`] for a batch of shape `dims` (the whole batch: `s_q = s_k` =
+    /// its tokens; heads and head dims as the call's) in `dtype`: the same for every strategy
+    /// but [`Strategy::Auto`], which chooses here (the cost model over the batch's documents,
+    /// [`super::auto::choose`], with [`ParallelParams::auto`]'s cluster over `world` ranks)
+    /// the strategy, layout and Ulysses degree to run — a pure function of its inputs, the
+    /// same on every rank — and resolves that; [`ResolvedParams::chosen`] then says what was
+    /// chosen and the predicted time.
+    ///
+    /// ```
+    /// use ringattn::parallel::{ParallelParams, Strategy};
+    /// use ringattn::{AttentionParams, DType, Dims, Documents, Mask};
+    ///
+    /// let docs = Documents::new(vec![3000, 200, 700, 100])?;
+    /// let attention = AttentionParams { mask: Mask::Causal, documents: Some(docs), ..Default::default() };
+    /// let params = ParallelParams { strategy: Strategy::Auto, attention, ..Default::default() };
+    /// let dims = Dims { b: 1, s_q: 4000, s_k: 4000, h_q: 8, h_kv: 8, d_qk: 64, d_v: 64 };
+    /// let r = params.resolve_for(4, &dims, DType::BF16)?;
+    /// assert_ne!(r.params().strategy, Strategy::Auto); // what runs
+    /// let chosen = r.chosen().expect("auto chose");
+    /// assert_eq!(chosen.strategy, r.params().strategy.name());
+    /// assert!(chosen.predicted_s > 0.0 && chosen.predicted_s <= chosen.worst_predicted_s);
+    /// # Ok::<(), ringattn::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`ParallelParams::resolve`]; under `Auto` also [`super::auto::choose`]'s (no
+    /// documents, a window mask, `s_q ≠ s_k`, no placement that runs), and [`Error::Parallel`]
+    /// when `dims.h_q` or `dims.s_q` disagree with what is resolved.
+    pub fn resolve_for(&self, world: usize, dims: &Dims, dtype: DType) -> Result<ResolvedParams> {
+        if self.strategy != Strategy::Auto {
+            return self.resolve(world, dims.h_q, dims.s_q);
+        }
+        if world == 0 {
+            return Err(Error::Parallel("the world size must be at least 1".into()));
+        }
+        // What auto chooses is not also given (it would be dropped, or overrule the choice).
+        if let Some(layout) = self.layout {
+            return Err(Error::Parallel(format!(
+                "strategy auto chooses the layout per batch; it was also given as {layout:?} (leave it unset, or \
+                 choose the strategy)"
+            )));
+        }
+        if let Some(u) = self.ulysses_degree {
+            return Err(Error::Parallel(format!(
+                "strategy auto chooses the Ulysses degree per batch; it was also given as {u} (leave it unset, or \
+                 choose the strategy)"
+            )));
+        }
+        if self.seq_len != 0 && self.seq_len != dims.s_q {
+            return Err(Error::Parallel(format!(
+                "the batch has {} tokens, but seq_len says {}",
+                dims.s_q, self.seq_len
+            )));
+        }
+        let mut cluster = self.auto.cluster.clone();
+        cluster.gpus = world;
+        cluster.gpus_per_node = cluster.gpus_per_node.clamp(1, world);
+        let pick = super::auto::choose(&self.attention, dims, dtype, self.auto.passes, &cluster)?;
+        let worst = pick.ranking.choices.iter().map(|c| c.time_s).fold(pick.predicted.time_s, f64::max);
+        let run = ParallelParams { seq_len: self.seq_len, auto: self.auto.clone(), ..pick.params };
+        let mut resolved = run.resolve(world, dims.h_q, dims.s_q)?;
+        resolved.chosen = Some(super::Chosen {
+            strategy: run.strategy.name().to_string(),
+            layout: crate::plan::layout_name(run.layout()),
+            ulysses_degree: resolved.ulysses,
+            predicted_s: pick.predicted.time_s,
+            worst_predicted_s: worst,
+        });
+        Ok(resolved)
     }
 }
 
@@ -70,6 +150,12 @@ impl ResolvedParams {
     /// The parameters with every default resolved.
     pub fn params(&self) -> &ParallelParams {
         &self.params
+    }
+
+    /// What [`Strategy::Auto`] chose (strategy, layout, Ulysses degree, the model's predicted
+    /// time), when the parameters asked for it ([`ParallelParams::resolve_for`]).
+    pub fn chosen(&self) -> Option<&super::Chosen> {
+        self.chosen.as_ref()
     }
 
     /// Number of ranks.
@@ -381,6 +467,8 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
     ) -> Result<Self> {
         let world = comm.size();
         let params = source.params();
+        // The whole batch's shape for a global length (what `Strategy::Auto` chooses from).
+        let whole = |seq: usize| Dims { s_q: seq, s_k: seq, ..*dims };
         let spec = crate::attention::ScoreSpec::of(&params.attention, dims);
         let local: Result<String> = backend.supports(dims, dtype, &spec).and_then(|_| {
             params.validate(world, dims.h_q)?;
@@ -394,7 +482,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
                     )))
                 }
                 PlanSource::Resolved(r) => Some(r.clone()),
-                PlanSource::Params(p) if p.seq_len > 0 => Some(p.resolve(world, dims.h_q, p.seq_len)?),
+                PlanSource::Params(p) if p.seq_len > 0 => Some(p.resolve_for(world, &whole(p.seq_len), dtype)?),
                 PlanSource::Params(_) => None,
             };
             let positions = resolved.as_ref().map_or(0, positions_hash);
@@ -438,7 +526,7 @@ impl<'c, Be: Backend> ParallelPlan<'c, Be> {
             PlanSource::Resolved(r) => r.clone(),
             PlanSource::Params(p) => {
                 let seq_len = if p.seq_len > 0 { p.seq_len } else { total };
-                p.resolve(world, dims.h_q, seq_len).map_err(|e| Error::Handshake(e.to_string()))?
+                p.resolve_for(world, &whole(seq_len), dtype).map_err(|e| Error::Handshake(e.to_string()))?
             }
         };
         for (i, r) in records.iter().enumerate() {

@@ -106,6 +106,7 @@ impl BatchChoice {
             attention: attention.clone(),
             seq_len: 0,
             ulysses_degree: (self.placement.strategy == Strategy::Usp).then_some(self.placement.ulysses),
+            auto: Default::default(),
         }
     }
 }

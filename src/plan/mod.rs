@@ -473,6 +473,8 @@ impl Placement {
             Strategy::Ring | Strategy::AllGather => u == 1 && r >= 1,
             Strategy::Ulysses => r == 1 && u >= 1,
             Strategy::Usp => u >= 1 && r >= 1,
+            // (A placement is a strategy that runs; auto chooses among them.)
+            Strategy::Auto => false,
         };
         if !shape_ok || u * r != gpus {
             return Err(Error::InvalidArgument(format!(

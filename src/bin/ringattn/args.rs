@@ -4,7 +4,7 @@ use clap::Args;
 use ringattn::comm::LocalOptions;
 use ringattn::cpu::{self, ForwardOutput, Gradients};
 use ringattn::kernels::geometry::KernelFamily;
-use ringattn::parallel::{run_in_process, CpuBackend, ParallelParams, ProcessRun, Strategy};
+use ringattn::parallel::{run_in_process, AutoModel, CpuBackend, ParallelParams, ProcessRun, Strategy};
 use ringattn::{AttentionParams, Documents, Error, Layout, Mask, Result, Tensor};
 
 /// Mask and scale options.
@@ -61,8 +61,21 @@ impl MaskArgs {
 /// How to execute: strategy, layout, world size, backend.
 #[derive(Args, Debug, Clone)]
 pub struct ExecArgs {
-    #[arg(long, default_value = "single", help = format!("Parallel strategy: {}", Strategy::list(&Strategy::ALL)))]
+    #[arg(
+        long,
+        default_value = "single",
+        help = format!(
+            "Parallel strategy: {}, or auto (chosen per batch of --seqlens documents by the cost model: strategy, \
+             layout and Ulysses degree; the choice and its predicted time are in the statistics)",
+            Strategy::list(&Strategy::ALL)
+        )
+    )]
     pub strategy: String,
+    /// Calibration files for --strategy auto's cost model (`ringattn pingpong --json` and
+    /// `ringattn bench --json` reports, as `ringattn plan --calibration` takes them) [default:
+    /// the planner's default cluster].
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Vec<std::path::PathBuf>,
     /// Number of ranks the sequence is split over [default: 1, or the MPI job's size with
     /// --comm mpi, which it must equal when given].
     #[arg(long)]
@@ -198,7 +211,33 @@ impl ExecArgs {
         if self.ulysses_degree.is_some() && strategy != Strategy::Usp {
             return Err(Error::InvalidArgument("--ulysses-degree applies to --strategy usp only".into()));
         }
-        Ok(ParallelParams { strategy, layout, attention, seq_len: 0, ulysses_degree: self.ulysses_degree })
+        if !self.calibration.is_empty() && strategy != Strategy::Auto {
+            return Err(Error::InvalidArgument("--calibration applies to --strategy auto only".into()));
+        }
+        let mut auto = AutoModel::default();
+        for path in &self.calibration {
+            ringattn::plan::Calibration::load(path)?.apply(&mut auto.cluster);
+        }
+        Ok(ParallelParams { strategy, layout, attention, seq_len: 0, ulysses_degree: self.ulysses_degree, auto })
+    }
+
+    /// What runs, for a report line: `ring x4, Zigzag layout`, or under --strategy auto what
+    /// it chose for this batch (`auto x4: ring, balanced layout, Ulysses degree 1, predicted
+    /// 1.234 ms`).
+    pub fn describe(&self, parallel: &ParallelParams, dims: &ringattn::Dims, dtype: ringattn::DType) -> Result<String> {
+        let world = self.world();
+        if parallel.strategy != Strategy::Auto {
+            return Ok(format!("{} x{world}, {:?} layout", parallel.strategy, parallel.layout()));
+        }
+        let resolved = parallel.resolve_for(world, dims, dtype)?;
+        let c = resolved.chosen().expect("auto resolves to a choice");
+        Ok(format!(
+            "auto x{world}: {}, {} layout, Ulysses degree {}, predicted {:.3} ms",
+            c.strategy,
+            c.layout,
+            c.ulysses_degree,
+            c.predicted_s * 1e3
+        ))
     }
 
     /// Whether this is a plain single-device run.

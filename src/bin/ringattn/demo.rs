@@ -128,7 +128,7 @@ pub fn demo(a: &DemoArgs) -> Result<ExitCode> {
     let (forward, backward, fwd, grads, ranks) = if !a.exec.is_single() {
         let mut pp = a.exec.parallel(params.clone())?;
         pp.seq_len = s;
-        println!("strategy {} over {} in-process ranks, {:?} layout", a.exec.strategy, a.exec.world(), pp.layout());
+        println!("strategy {} (in-process ranks)", a.exec.describe(&pp, &dims, dtype)?);
         let base = memory::current_bytes();
         memory::reset_peak();
         let t = Instant::now();

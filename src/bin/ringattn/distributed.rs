@@ -268,11 +268,20 @@ fn run_rank<Be: Backend>(
         )));
     }
     let file = TensorFile::open(&a.input)?;
-    let (_, q_shape) =
-        file.info("q").ok_or_else(|| Error::MissingTensor { path: a.input.clone(), name: "q".into() })?;
-    let [_, s, h_q, _] = q_shape[..] else {
-        return Err(Error::ShapeMismatch(format!("q has shape {q_shape:?}; expected [b, s, h_q, d]")));
+    let info = |name: &str| {
+        let (dtype, shape) =
+            file.info(name).ok_or_else(|| Error::MissingTensor { path: a.input.clone(), name: name.into() })?;
+        match shape[..] {
+            [b, s, h, d] => Ok((dtype, [b, s, h, d])),
+            _ => Err(Error::ShapeMismatch(format!("{name} has shape {shape:?}; expected [b, s, h, d]"))),
+        }
     };
+    let (dtype, [b, s, h_q, d_qk]) = info("q")?;
+    // The whole batch's shape (what --strategy auto chooses from; the plan checks every
+    // rank's rows against it).
+    let (_, [_, _, h_kv, _]) = info("k")?;
+    let (_, [_, _, _, d_v]) = info("v")?;
+    let whole = Dims { b, s_q: s, s_k: s, h_q, h_kv, d_qk, d_v };
     params.seq_len = s;
     // The input file's sinks (if any; every rank reads them whole) join the parameters.
     if file.info("sinks").is_some() {
@@ -281,9 +290,9 @@ fn run_rank<Be: Backend>(
     }
     // Resolved once: a configuration error found on every rank is a handshake error (printed
     // once); the plan's handshake then checks what every rank read.
-    let resolved = params.resolve(world, h_q, s).map_err(|e| Error::Handshake(e.to_string()))?;
+    let resolved = params.resolve_for(world, &whole, dtype).map_err(|e| Error::Handshake(e.to_string()))?;
     let x = file.read_input_rows(resolved.positions(rank))?;
-    let plan = ParallelPlan::new(comm, be, resolved.params(), &Dims::of(&x.q, &x.k, &x.v)?, x.q.dtype())?;
+    let plan = ParallelPlan::new(comm, be, &resolved, &Dims::of(&x.q, &x.k, &x.v)?, x.q.dtype())?;
     let mut totals = Vec::with_capacity(a.repeat.max(1));
     let mut last = None;
     for _ in 0..a.repeat.max(1) {

@@ -237,7 +237,7 @@ fn rank_rows(comm: &dyn Communicator<Buf = HostBuf>, st: &Setup) -> Result<Vec<D
                             layout: Some(layout),
                             attention: attention.clone(),
                             seq_len: st.s,
-                            ulysses_degree: None,
+                            ..Default::default()
                         };
                         let resolved = params.resolve(world, st.h_q, st.s)?;
                         let u = resolved.ulysses_degree();

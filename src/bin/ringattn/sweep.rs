@@ -107,6 +107,13 @@ fn configurations(a: &BenchArgs) -> Result<Vec<(Strategy, usize, usize)>> {
     if seqs.is_empty() || seqs.contains(&0) || worlds.contains(&0) {
         return Err(Error::InvalidArgument("--seq and --world values must be at least 1".into()));
     }
+    if strategies.contains(&Strategy::Auto) {
+        return Err(Error::InvalidArgument(
+            "--strategies auto: auto chooses per batch of packed documents, which a sweep over lengths has none of; \
+             bench it with --docs (auto beside the fixed strategies)"
+                .into(),
+        ));
+    }
     let mut out = Vec::new();
     for &s in &seqs {
         if worlds.contains(&1) || strategies.contains(&Strategy::Single) {

@@ -81,7 +81,7 @@ impl Config {
         let (strategy, ulysses) = match parts[0].strip_prefix(Strategy::Usp.name()) {
             Some(u) => (Strategy::Usp, u.parse().map_err(|_| bad())?),
             None => match parts[0].parse::<Strategy>().map_err(|_| bad())? {
-                Strategy::Single => return Err(bad()),
+                Strategy::Single | Strategy::Auto => return Err(bad()),
                 Strategy::Ulysses => (Strategy::Ulysses, ranks),
                 s => (s, 1),
             },

@@ -77,17 +77,15 @@ pub fn verify(a: &VerifyArgs) -> Result<ExitCode> {
     let (fwd, grads) = compute(&a.exec, &params, &q, &k, &v, d_o)?;
     let report = verify::check_results(&q, &k, &v, d_o, None, &params, &fwd, grads.as_ref())?;
     let parallel = a.exec.parallel(params.clone())?;
+    let running = a.exec.describe(&parallel, &ringattn::Dims::of(&q, &k, &v)?, q.dtype())?;
     println!(
-        "verify: {what}, q {:?}, k {:?}, v {:?}, mask {:?}{}{}, strategy {} x{} ({:?} layout), backend {}",
+        "verify: {what}, q {:?}, k {:?}, v {:?}, mask {:?}{}{}, strategy {running}, backend {}",
         q.shape(),
         k.shape(),
         v.shape(),
         params.mask,
         params.documents.as_ref().map(|d| format!(", documents {:?}", d.lengths())).unwrap_or_default(),
         params.sinks.as_ref().map(|x| format!(", sinks {x:?}")).unwrap_or_default(),
-        a.exec.strategy,
-        a.exec.world(),
-        parallel.layout(),
         a.exec.backend
     );
     print!("{}", report.table());
