@@ -329,6 +329,34 @@ fn cpu_arithmetic_is_chosen_on_the_command_line() {
     assert!(!r.status.success() && err.contains("fp8"), "{err}");
 }
 
+/// `--cpu-matrix-unit`: `vector` verifies (single-device and on a ring, the tiles left out
+/// where the processor has them); where no bf16 product runs it is refused, not dropped; an
+/// unknown unit is named.
+#[test]
+fn cpu_matrix_unit_is_chosen_on_the_command_line() {
+    for strategy in [&["--strategy", "single"][..], &["--strategy", "ring", "--world", "3"][..]] {
+        let mut args = vec!["verify", "--shape", "1,90,4,2,48", "--dtype", "bf16", "--causal"];
+        args.extend(["--cpu-matrix-unit", "vector"]);
+        args.extend(strategy);
+        let r = ringattn(&args);
+        assert!(r.status.success(), "{strategy:?}: {}", String::from_utf8_lossy(&r.stdout));
+    }
+    for refused in [
+        &["--cpu-arithmetic", "f32", "--cpu-matrix-unit", "vector"][..],
+        &["--backend", "emu", "--cpu-matrix-unit", "vector"][..],
+        &["--cpu-matrix-unit", "tiles"][..],
+    ] {
+        let mut args = vec!["verify", "--shape", "1,20,1,1,16", "--dtype", "bf16"];
+        args.extend(refused);
+        let r = ringattn(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success() && (err.contains("--cpu-matrix-unit") || err.contains("`tiles`")),
+            "{refused:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn demo_runs_small() {
     let r = ringattn(&["demo", "--seq", "600", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]);

@@ -80,3 +80,46 @@ impl Arithmetic {
         }
     }
 }
+
+/// Which unit runs the bf16 products of [`Arithmetic::Bf16`] (the f32 path has one).
+///
+/// ```
+/// use ringattn::cpu::MatrixUnit;
+/// assert_eq!("vector".parse::<MatrixUnit>()?, MatrixUnit::Vector);
+/// assert_eq!(MatrixUnit::default(), MatrixUnit::Auto);
+/// assert!("tiles".parse::<MatrixUnit>().is_err());
+/// # Ok::<(), ringattn::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatrixUnit {
+    /// AMX tiles (`TDPBF16PS`) where the processor has AMX-BF16 and Linux grants the tile
+    /// state ([`super::amx::available`]), `vdpbf16ps` otherwise.
+    #[default]
+    Auto,
+    /// `vdpbf16ps` only, never the tiles: the same bits on every AVX512_BF16 processor,
+    /// AMX or not (the tiles sum a product's pairs in another order).
+    Vector,
+}
+
+impl std::str::FromStr for MatrixUnit {
+    type Err = Error;
+
+    /// `auto` or `vector` (the CLI's `--cpu-matrix-unit`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(MatrixUnit::Auto),
+            "vector" => Ok(MatrixUnit::Vector),
+            other => Err(Error::InvalidArgument(format!("CPU matrix unit `{other}`: expected auto or vector"))),
+        }
+    }
+}
+
+impl MatrixUnit {
+    /// The unit the bf16 path runs its products on.
+    pub(crate) fn unit(self) -> super::amx_products::Unit {
+        match self {
+            MatrixUnit::Auto => super::amx_products::Unit::chosen(),
+            MatrixUnit::Vector => super::amx_products::Unit::Vector,
+        }
+    }
+}

@@ -19,6 +19,9 @@ pub struct CpuBackend {
     /// inputs where the processor has them, whose steps then read q, k, v and `d_o` as bf16
     /// (K/V travel the ring in bf16 either way).
     pub arithmetic: cpu::Arithmetic,
+    /// The unit of the bf16 products ([`cpu::MatrixUnit`]: AMX tiles where the processor has
+    /// them, by default).
+    pub matrix_unit: cpu::MatrixUnit,
 }
 
 impl HostMemory for CpuBackend {}
@@ -60,7 +63,16 @@ impl Backend for CpuBackend {
     ) -> Result<Pending<ForwardPartial<HostBuf>>> {
         let vis = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
         if let Some([q, k, v]) = self.bf16_steps([q, k, v])? {
-            return Ok(Pending::ready(host_partial(cpu::forward_bf16(dims, q, k, v, &vis, params, self.tiles))));
+            return Ok(Pending::ready(host_partial(cpu::forward_bf16(
+                dims,
+                q,
+                k,
+                v,
+                &vis,
+                params,
+                self.tiles,
+                self.matrix_unit,
+            ))));
         }
         let (q, k, v) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
         Ok(Pending::ready(host_partial(cpu::forward_f32(dims, &q, &k, &v, &vis, params, self.tiles))))
@@ -83,7 +95,8 @@ impl Backend for CpuBackend {
         let vis: Visibility = crate::attention::block_visibility(&dims, q_pos, k_pos, params)?;
         if let Some([q, k, v, d_o]) = self.bf16_steps([q, k, v, d_o])? {
             let (lse, delta) = (lse.f32s()?, delta.f32s()?);
-            let (dq, dk, dv) = cpu::backward_bf16(dims, q, k, v, lse, d_o, delta, &vis, params, self.tiles);
+            let (dq, dk, dv) =
+                cpu::backward_bf16(dims, q, k, v, lse, d_o, delta, &vis, params, self.tiles, self.matrix_unit);
             return Ok(Pending::ready((dq.into(), dk.into(), dv.into())));
         }
         let (q, k, v, o, d_o) = (q.to_f32()?, k.to_f32()?, v.to_f32()?, o.to_f32()?, d_o.to_f32()?);

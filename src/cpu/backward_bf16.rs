@@ -50,9 +50,10 @@ pub(crate) struct BackwardInputs<'a> {
     pub progress: Option<&'a AtomicU64>,
 }
 
-/// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q, k and v.
-pub(crate) fn backward<O: Output>(x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
-    backward_on::<O>(x, Unit::chosen())
+/// Returns `(dq, dk, dv)` in `O` (f32: unrounded; bf16: rounded), layouts as q, k and v, the
+/// products on `unit`'s.
+pub(crate) fn backward<O: Output>(unit: super::MatrixUnit, x: &BackwardInputs) -> (Vec<O>, Vec<O>, Vec<O>) {
+    backward_on::<O>(x, unit.unit())
 }
 
 /// [`backward`] with its products on `unit`.
@@ -481,6 +482,77 @@ mod tests {
                 };
                 assert_eq!(bits(&real), bits(&twin), "the tiles and their twin differ");
             }
+        }
+    }
+
+    /// `CpuConfig::matrix_unit` and `CpuBackend::matrix_unit` reach the products: the public
+    /// forward and backward (bf16 out) and the drivers' block steps (f32 out) give the bits of
+    /// `vdpbf16ps` under `Vector` and of the chosen unit (the tiles where AMX is) under `Auto`.
+    #[test]
+    fn the_matrix_unit_option_reaches_the_products() {
+        use crate::cpu::{self, Arithmetic, CpuConfig, MatrixUnit};
+        use crate::parallel::{Backend, CpuBackend};
+        use crate::{HostBuf, Positions, Tensor};
+        if !mm::bf16_available() {
+            return;
+        }
+        let dims = Dims { b: 1, s_q: 96, s_k: 96, h_q: 2, h_kv: 2, d_qk: 64, d_v: 64 };
+        let params = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        let t = |h, seed| randn(vec![1, 96, h, 64], seed, DType::BF16);
+        let (q, k, v, d_o) = (t(2, 1), t(2, 2), t(2, 3), t(2, 4));
+        let raw = |x: &Tensor| -> Vec<bf16> { x.as_f32().iter().map(|&y| bf16::from_f32(y)).collect() };
+        let (qb, kb, vb, dob) = (raw(&q), raw(&k), raw(&v), raw(&d_o));
+        let vis = Visibility::single_device(&params, 96, 96).unwrap();
+        let spec = crate::attention::ScoreSpec::of(&params, &dims);
+        let tiles = TileConfig::default();
+        let fwd = forward_bf16::ForwardInputs { dims, q: &qb, k: &kb, v: &vb, vis: &vis, spec, tiles, progress: None };
+        let bits = |x: &[f32]| x.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+        for (option, unit) in [(MatrixUnit::Vector, Unit::Vector), (MatrixUnit::Auto, Unit::chosen())] {
+            // The public single-device calls.
+            let config = CpuConfig { arithmetic: Arithmetic::Bf16, matrix_unit: option, ..Default::default() };
+            let out = cpu::forward_with(&q, &k, &v, None, &params, &config).unwrap();
+            let (o, lse) = forward_bf16::forward_on::<bf16>(&fwd, unit);
+            assert_eq!(
+                bits(&out.o.to_f32_vec()),
+                bits(&o.iter().map(|x| x.to_f32()).collect::<Vec<_>>()),
+                "{option:?}"
+            );
+            assert_eq!(bits(&out.lse.to_f32_vec()), bits(&lse), "{option:?}");
+            let g = cpu::backward_with(&q, &k, &v, &out.o, &out.lse, &d_o, None, &params, &config).unwrap();
+            // The drivers' block steps on the CPU backend.
+            let be = CpuBackend { arithmetic: Arithmetic::Bf16, matrix_unit: option, ..Default::default() };
+            let all = Positions::contiguous(0, 96);
+            let up = |x: &Tensor| be.step_input(&HostBuf::from_tensor(x)).unwrap();
+            let (part_o, _) =
+                be.forward_block(dims, &up(&q), &up(&k), &up(&v), &all, &all, &params).unwrap().wait().unwrap();
+            let (o32, _) = forward_bf16::forward_on::<f32>(&fwd, unit);
+            assert_eq!(bits(&part_o.to_f32().unwrap()), bits(&o32), "{option:?} block");
+            // The backward on the forward's outputs (its D from them), against backward_on.
+            let o16 = raw(&out.o);
+            let mut delta = vec![0.0f32; dims.h_q * dims.s_q];
+            for i in 0..dims.s_q {
+                for h in 0..dims.h_q {
+                    let at = (i * dims.h_q + h) * dims.d_v;
+                    delta[h * dims.s_q + i] = (0..dims.d_v).map(|c| dob[at + c].to_f32() * o16[at + c].to_f32()).sum();
+                }
+            }
+            let lse = out.lse.to_f32_vec();
+            let x = BackwardInputs {
+                dims,
+                q: &qb,
+                k: &kb,
+                v: &vb,
+                d_o: &dob,
+                lse: &lse,
+                delta: &delta,
+                vis: &vis,
+                spec,
+                tiles,
+                progress: None,
+            };
+            let (dq, _, _) = backward_on::<bf16>(&x, unit);
+            let dq: Vec<f32> = dq.iter().map(|x| x.to_f32()).collect();
+            assert_eq!(bits(&g.dq.to_f32_vec()), bits(&dq), "{option:?} dq");
         }
     }
 }

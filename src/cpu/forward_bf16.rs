@@ -32,9 +32,10 @@ use half::bf16;
 pub(crate) type ForwardInputs<'a> = super::forward::ForwardInputs<'a, bf16>;
 
 /// Returns `(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])`, `o` in `O` (f32: unrounded, the
-/// drivers' partial results; bf16: rounded, a final output) and `lse` in f32.
-pub(crate) fn forward<O: Output>(x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
-    forward_on::<O>(x, Unit::chosen())
+/// drivers' partial results; bf16: rounded, a final output) and `lse` in f32, the products on
+/// `unit`'s.
+pub(crate) fn forward<O: Output>(unit: super::MatrixUnit, x: &ForwardInputs) -> (Vec<O>, Vec<f32>) {
+    forward_on::<O>(x, unit.unit())
 }
 
 /// [`forward`] with its products on `unit`.

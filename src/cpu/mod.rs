@@ -35,7 +35,7 @@ pub(crate) mod tiles;
 
 use std::sync::atomic::AtomicU64;
 
-pub use arithmetic::Arithmetic;
+pub use arithmetic::{Arithmetic, MatrixUnit};
 pub use backend::CpuBackend;
 pub use reuse::{kept_bytes, release_kept_buffers};
 pub use tiles::TileConfig;
@@ -57,6 +57,8 @@ pub struct CpuConfig<'a> {
     pub tiles: TileConfig,
     /// Arithmetic of the products (bf16 products for bf16 inputs where the processor has them).
     pub arithmetic: Arithmetic,
+    /// The unit of the bf16 products (AMX tiles where the processor has them, by default).
+    pub matrix_unit: MatrixUnit,
     /// When set, incremented as work completes: by query rows × heads in the forward,
     /// by key rows × kv heads in the backward (for progress bars).
     pub progress: Option<&'a AtomicU64>,
@@ -130,16 +132,19 @@ pub fn forward_with(
     let arithmetic = config.arithmetic.resolve(q.dtype())?;
     // (With sinks, `o` is rounded after they merge: the f32 paths below.)
     if let (Arithmetic::Bf16, Some([qb, kb, vb]), true) = (arithmetic, finite_bf16([q, k, v]), params.sinks.is_some()) {
-        let (mut o, mut lse) = forward_bf16::forward::<f32>(&forward_bf16::ForwardInputs {
-            dims,
-            q: qb,
-            k: kb,
-            v: vb,
-            vis: &vis,
-            spec: crate::attention::ScoreSpec::of(params, &dims),
-            tiles: config.tiles,
-            progress: config.progress,
-        });
+        let (mut o, mut lse) = forward_bf16::forward::<f32>(
+            config.matrix_unit,
+            &forward_bf16::ForwardInputs {
+                dims,
+                q: qb,
+                k: kb,
+                v: vb,
+                vis: &vis,
+                spec: crate::attention::ScoreSpec::of(params, &dims),
+                tiles: config.tiles,
+                progress: config.progress,
+            },
+        );
         crate::merge::finish_with_sinks(params, &dims, &mut o, &mut lse)?;
         return Ok(ForwardOutput {
             o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
@@ -147,16 +152,19 @@ pub fn forward_with(
         });
     }
     if let (Arithmetic::Bf16, Some([q, k, v])) = (arithmetic, finite_bf16([q, k, v])) {
-        let (o, lse) = forward_bf16::forward::<bf16>(&forward_bf16::ForwardInputs {
-            dims,
-            q,
-            k,
-            v,
-            vis: &vis,
-            spec: crate::attention::ScoreSpec::of(params, &dims),
-            tiles: config.tiles,
-            progress: config.progress,
-        });
+        let (o, lse) = forward_bf16::forward::<bf16>(
+            config.matrix_unit,
+            &forward_bf16::ForwardInputs {
+                dims,
+                q,
+                k,
+                v,
+                vis: &vis,
+                spec: crate::attention::ScoreSpec::of(params, &dims),
+                tiles: config.tiles,
+                progress: config.progress,
+            },
+        );
         return Ok(ForwardOutput {
             o: Tensor::new(dims.o_shape(), TensorData::BF16(o))?,
             lse: Tensor::from_f32(dims.lse_shape(), lse)?,
@@ -253,19 +261,22 @@ pub fn backward_with(
             TensorData::BF16(ob) => backward::rowsum_do_o(dims, ob, dob),
             _ => backward::rowsum_do_o(dims, &o.as_f32(), &d_o.as_f32()),
         };
-        let (dq, dk, dv) = backward_bf16::backward::<bf16>(&backward_bf16::BackwardInputs {
-            dims,
-            q: qb,
-            k: kb,
-            v: vb,
-            d_o: dob,
-            lse: &lf,
-            delta: &delta,
-            vis: &vis,
-            spec: crate::attention::ScoreSpec::of(params, &dims),
-            tiles: config.tiles,
-            progress: config.progress,
-        });
+        let (dq, dk, dv) = backward_bf16::backward::<bf16>(
+            config.matrix_unit,
+            &backward_bf16::BackwardInputs {
+                dims,
+                q: qb,
+                k: kb,
+                v: vb,
+                d_o: dob,
+                lse: &lf,
+                delta: &delta,
+                vis: &vis,
+                spec: crate::attention::ScoreSpec::of(params, &dims),
+                tiles: config.tiles,
+                progress: config.progress,
+            },
+        );
         return Ok(Gradients {
             dq: Tensor::new(dims.q_shape(), TensorData::BF16(dq))?,
             dk: Tensor::new(dims.k_shape(), TensorData::BF16(dk))?,
@@ -320,7 +331,8 @@ pub(crate) fn forward_f32(
 }
 
 /// [`forward_f32`] on bf16 buffers with bf16 products (finite inputs, a processor with
-/// AVX512_BF16: the caller checks both).
+/// AVX512_BF16: the caller checks both), on `unit`'s products.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_bf16(
     dims: Dims,
     q: &[bf16],
@@ -329,17 +341,21 @@ pub(crate) fn forward_bf16(
     vis: &Visibility,
     params: &AttentionParams,
     tiles: TileConfig,
+    unit: MatrixUnit,
 ) -> (Vec<f32>, Vec<f32>) {
-    forward_bf16::forward(&forward_bf16::ForwardInputs {
-        dims,
-        q,
-        k,
-        v,
-        vis,
-        spec: crate::attention::ScoreSpec::of(params, &dims),
-        tiles,
-        progress: None,
-    })
+    forward_bf16::forward(
+        unit,
+        &forward_bf16::ForwardInputs {
+            dims,
+            q,
+            k,
+            v,
+            vis,
+            spec: crate::attention::ScoreSpec::of(params, &dims),
+            tiles,
+            progress: None,
+        },
+    )
 }
 
 /// [`backward_f32`] on bf16 buffers with bf16 products, given the (global) `lse` and
@@ -356,20 +372,24 @@ pub(crate) fn backward_bf16(
     vis: &Visibility,
     params: &AttentionParams,
     tiles: TileConfig,
+    unit: MatrixUnit,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    backward_bf16::backward(&backward_bf16::BackwardInputs {
-        dims,
-        q,
-        k,
-        v,
-        d_o,
-        lse,
-        delta,
-        vis,
-        spec: crate::attention::ScoreSpec::of(params, &dims),
-        tiles,
-        progress: None,
-    })
+    backward_bf16::backward(
+        unit,
+        &backward_bf16::BackwardInputs {
+            dims,
+            q,
+            k,
+            v,
+            d_o,
+            lse,
+            delta,
+            vis,
+            spec: crate::attention::ScoreSpec::of(params, &dims),
+            tiles,
+            progress: None,
+        },
+    )
 }
 
 /// Backward of a block on f32 buffers given the (global) `o`, `lse` and, when known, `D =

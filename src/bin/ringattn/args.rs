@@ -114,6 +114,11 @@ pub struct ExecArgs {
     /// elsewhere).
     #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
     pub cpu_arithmetic: String,
+    /// Unit of the cpu backend's bf16 products: auto (AMX tiles where the processor has
+    /// AMX-BF16 and Linux grants them, vdpbf16ps otherwise) or vector (vdpbf16ps only: the
+    /// same bits on every AVX512_BF16 processor, AMX or not).
+    #[arg(long, default_value = "auto", value_name = "auto|vector")]
+    pub cpu_matrix_unit: String,
     /// Tensor-core kernel family of the emu and cuda backends, forward and backward: auto (the
     /// FA2 family until the Hopper kernels have been verified on a GPU), fa2 (mma.sync, every
     /// GPU) or hopper (wgmma, TMA and warp specialisation: H100/H200 with an sm_90a build; the
@@ -184,20 +189,51 @@ impl ExecArgs {
         self.cpu_arithmetic.parse()
     }
 
-    /// The cpu backend of the parallel drivers, with --cpu-arithmetic.
-    pub fn cpu_backend(&self) -> Result<CpuBackend> {
-        Ok(CpuBackend { arithmetic: self.arithmetic()?, ..Default::default() })
+    /// The unit of the cpu backend's bf16 products (--cpu-matrix-unit).
+    ///
+    /// # Errors
+    /// An unknown name, and `vector` where no bf16 product runs (--cpu-arithmetic f32, or
+    /// another backend than cpu): the option would be dropped.
+    pub fn matrix_unit(&self) -> Result<cpu::MatrixUnit> {
+        let unit: cpu::MatrixUnit = self.cpu_matrix_unit.parse()?;
+        if unit != cpu::MatrixUnit::Auto {
+            if self.backend()? != BackendKind::Cpu {
+                return Err(Error::InvalidArgument(format!(
+                    "--cpu-matrix-unit {}: the {} backend has no CPU products",
+                    self.cpu_matrix_unit, self.backend
+                )));
+            }
+            if self.arithmetic()? == cpu::Arithmetic::F32 {
+                return Err(Error::InvalidArgument(format!(
+                    "--cpu-matrix-unit {} chooses the unit of bf16 products; --cpu-arithmetic f32 runs none",
+                    self.cpu_matrix_unit
+                )));
+            }
+        }
+        Ok(unit)
     }
 
-    /// The cpu backend's configuration, with --cpu-arithmetic and an optional progress counter.
+    /// The cpu backend of the parallel drivers, with --cpu-arithmetic and --cpu-matrix-unit.
+    pub fn cpu_backend(&self) -> Result<CpuBackend> {
+        Ok(CpuBackend { arithmetic: self.arithmetic()?, matrix_unit: self.matrix_unit()?, ..Default::default() })
+    }
+
+    /// The cpu backend's configuration, with --cpu-arithmetic, --cpu-matrix-unit and an
+    /// optional progress counter.
     pub fn cpu_config<'a>(&self, progress: Option<&'a std::sync::atomic::AtomicU64>) -> Result<cpu::CpuConfig<'a>> {
-        Ok(cpu::CpuConfig { arithmetic: self.arithmetic()?, progress, ..Default::default() })
+        Ok(cpu::CpuConfig {
+            arithmetic: self.arithmetic()?,
+            matrix_unit: self.matrix_unit()?,
+            progress,
+            ..Default::default()
+        })
     }
 
     /// The parallel parameters these options describe (sequence length filled in later).
     pub fn parallel(&self, attention: AttentionParams) -> Result<ParallelParams> {
         self.backend()?;
         self.arithmetic()?;
+        self.matrix_unit()?;
         self.kernels()?;
         self.comm_kind()?;
         let strategy: Strategy = self.strategy.parse()?;
