@@ -415,6 +415,18 @@ mod tests {
     use crate::mask::Mask;
     use crate::{random::randn, AttentionParams, DType};
 
+    /// `D = rowsum(dO ∘ O)`, `[b = 1, h_q, s_q]`, from `[s_q, h_q, d_v]` rows.
+    fn delta_of(dims: Dims, d_o: &[bf16], o: impl Fn(usize) -> f32) -> Vec<f32> {
+        let mut delta = vec![0.0f32; dims.h_q * dims.s_q];
+        for i in 0..dims.s_q {
+            for h in 0..dims.h_q {
+                let at = (i * dims.h_q + h) * dims.d_v;
+                delta[h * dims.s_q + i] = (0..dims.d_v).map(|c| d_o[at + c].to_f32() * o(at + c)).sum();
+            }
+        }
+        delta
+    }
+
     /// The products on AMX tiles (dV and dK transposed) against `vdpbf16ps`: on the twin
     /// everywhere with AVX512_BF16 (small shapes: GQA, a 40-wide head whose pair steps are
     /// padded, values 48 wide, odd tiles, causal and not), within the bf16 rounding of P and
@@ -442,14 +454,7 @@ mod tests {
             let spec = crate::attention::ScoreSpec::of(&params, &dims);
             let fwd = forward_bf16::ForwardInputs { dims, q: &q, k: &k, v: &v, vis: &vis, spec, tiles, progress: None };
             let (o, lse) = forward_bf16::forward_on::<f32>(&fwd, Unit::Vector);
-            // D = rowsum(dO ∘ O), [b, h_q, s_q].
-            let mut delta = vec![0.0f32; dims.h_q * dims.s_q];
-            for i in 0..dims.s_q {
-                for h in 0..dims.h_q {
-                    let at = (i * dims.h_q + h) * dims.d_v;
-                    delta[h * dims.s_q + i] = (0..dims.d_v).map(|c| d_o[at + c].to_f32() * o[at + c]).sum();
-                }
-            }
+            let delta = delta_of(dims, &d_o, |i| o[i]);
             let x = BackwardInputs {
                 dims,
                 q: &q,
@@ -529,13 +534,7 @@ mod tests {
             assert_eq!(bits(&part_o.to_f32().unwrap()), bits(&o32), "{option:?} block");
             // The backward on the forward's outputs (its D from them), against backward_on.
             let o16 = raw(&out.o);
-            let mut delta = vec![0.0f32; dims.h_q * dims.s_q];
-            for i in 0..dims.s_q {
-                for h in 0..dims.h_q {
-                    let at = (i * dims.h_q + h) * dims.d_v;
-                    delta[h * dims.s_q + i] = (0..dims.d_v).map(|c| dob[at + c].to_f32() * o16[at + c].to_f32()).sum();
-                }
-            }
+            let delta = delta_of(dims, &dob, |i| o16[i].to_f32());
             let lse = out.lse.to_f32_vec();
             let x = BackwardInputs {
                 dims,

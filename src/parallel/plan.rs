@@ -101,7 +101,8 @@ impl ParallelParams {
     /// # Errors
     /// As [`ParallelParams::resolve`]; under `Auto` also [`super::auto::choose`]'s (no
     /// documents, a window mask, `s_q ≠ s_k`, no placement that runs), and [`Error::Parallel`]
-    /// when `dims.h_q` or `dims.s_q` disagree with what is resolved.
+    /// for a layout or Ulysses degree given beside it (what it chooses) or a `seq_len` other
+    /// than `dims.s_q`.
     pub fn resolve_for(&self, world: usize, dims: &Dims, dtype: DType) -> Result<ResolvedParams> {
         if self.strategy != Strategy::Auto {
             return self.resolve(world, dims.h_q, dims.s_q);
