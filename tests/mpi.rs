@@ -100,6 +100,57 @@ fn every_strategy_over_four_processes_matches_the_oracle_and_the_in_process_run(
     }
 }
 
+/// `--strategy auto` over four processes: every rank resolves the same choice from the
+/// batch's documents (no exchange), the result matches the oracle and the in-process run bit
+/// for bit, and every rank's statistics name the choice.
+#[test]
+fn auto_over_four_processes_chooses_alike_and_matches_the_oracle() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, [q, k, v, d_o]) = inputs(dir.path(), DType::F32);
+    let (out, stats) = (dir.path().join("out-auto.safetensors"), dir.path().join("stats-auto.json"));
+    let r = mpirun(
+        4,
+        &[
+            "run",
+            "--comm",
+            "mpi",
+            "--strategy",
+            "auto",
+            "--causal",
+            "--seqlens",
+            "20,5,12",
+            "--input",
+            s(&input),
+            "--output",
+            s(&out),
+            "--stats",
+            s(&stats),
+        ],
+    );
+    assert!(r.status.success(), "{}", text(&r));
+    let (fwd, grads) = outputs(&out);
+    let attention = AttentionParams {
+        mask: Mask::Causal,
+        documents: Some(ringattn::Documents::new(vec![20, 5, 12]).expect("documents")),
+        ..Default::default()
+    };
+    let report =
+        verify::check_results(&q, &k, &v, Some(&d_o), None, &attention, &fwd, Some(&grads)).expect("oracle check");
+    assert!(report.pass(), "auto:\n{}", report.table());
+    let params = ParallelParams { strategy: Strategy::Auto, attention, ..Default::default() };
+    let local = run_in_process(4, LocalOptions::default(), &CpuBackend::default(), &q, &k, &v, Some(&d_o), &params)
+        .expect("in-process run");
+    assert_eq!(fwd.o, local.forward.o, "o differs from the in-process run");
+    let chosen = serde_json::to_value(local.stats[0].0.chosen.as_ref().expect("in-process choice")).expect("json");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
+    let ranks = json["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 4);
+    for r in ranks {
+        assert_eq!(r["forward"]["chosen"], chosen, "{r}");
+        assert_eq!(r["backward"]["chosen"], chosen, "{r}");
+    }
+}
+
 /// Attention sinks read from the input file by every process: the output and gradients
 /// against the oracle, the sinks' gradient gathered (summed over the ranks) to rank 0's
 /// file, and the same bits as the in-process run, under the ring and Ulysses.
