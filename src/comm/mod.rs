@@ -18,6 +18,7 @@ mod local;
 mod mpi_collectives;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
+mod split_cache;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -27,6 +28,7 @@ pub(crate) use local::run_each;
 pub use local::{spmd, spmd_owned, spmd_shared, LinkModel, LocalComm, LocalOptions, MessageOrder};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiComm, MpiOptions};
+pub use split_cache::SplitCache;
 
 use crate::{Elem, HostBuf, Result};
 

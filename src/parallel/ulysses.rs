@@ -324,8 +324,11 @@ impl<B: Payload> Mesh<B> {
         let (world, rank) = (comm.size(), comm.rank());
         let u = resolved.ulysses_degree();
         let pos = resolved.all_positions();
-        let group = comm.split(rank / u, rank % u)?;
-        let ring = comm.split(rank % u, rank / u)?;
+        // Colors name the group itself — its kind and the degree — so that a split cached by
+        // `(color, key)` (comm::SplitCache) is the same group whenever it is asked for.
+        let color = |kind: usize, index: usize| (2 * u + kind) * world + index;
+        let group = comm.split(color(0, rank / u), rank % u)?;
+        let ring = comm.split(color(1, rank % u), rank / u)?;
         let plan = HeadPlan::new(dims.h_q, dims.h_kv, u)?;
         let g0 = rank / u * u;
         let counts: Vec<usize> = (g0..g0 + u).map(|r| pos[r].len()).collect();
