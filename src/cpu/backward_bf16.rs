@@ -549,9 +549,33 @@ mod tests {
                 tiles,
                 progress: None,
             };
-            let (dq, _, _) = backward_on::<bf16>(&x, unit);
-            let dq: Vec<f32> = dq.iter().map(|x| x.to_f32()).collect();
-            assert_eq!(bits(&g.dq.to_f32_vec()), bits(&dq), "{option:?} dq");
+            let want = backward_on::<bf16>(&x, unit);
+            let wide = |t: &[bf16]| t.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+            for (name, got, want) in [("dq", &g.dq, &want.0), ("dk", &g.dk, &want.1), ("dv", &g.dv, &want.2)] {
+                assert_eq!(bits(&got.to_f32_vec()), bits(&wide(want)), "{option:?} {name}");
+            }
+            let (dq32, dk32, dv32) = backward_on::<f32>(&x, unit);
+            let (lse_b, delta_b) = (HostBuf::from(lse.clone()), HostBuf::from(delta.clone()));
+            let (bq, bk, bv) = be
+                .backward_block(
+                    dims,
+                    &up(&q),
+                    &up(&k),
+                    &up(&v),
+                    &up(&out.o),
+                    &lse_b,
+                    &up(&d_o),
+                    &delta_b,
+                    &all,
+                    &all,
+                    &params,
+                )
+                .unwrap()
+                .wait()
+                .unwrap();
+            for (name, got, want) in [("dq", &bq, &dq32), ("dk", &bk, &dk32), ("dv", &bv, &dv32)] {
+                assert_eq!(bits(&got.to_f32().unwrap()), bits(want), "{option:?} {name} block");
+            }
         }
     }
 }
