@@ -9,8 +9,9 @@
 //! every tile is configured 16 rows × 64 bytes once per call, and column blocks run outside
 //! row blocks (a block of B stays in the first-level cache while A passes it). A block's
 //! raw `A·B` is stored into a 32 × 32 scratch and the epilogue applied from there into `C`, so
-//! that blocks on `C`'s edges write only `C`'s rows and lanes. Operands are read in place
-//! where a block can: A rows contiguous in pairs (`ps = 1`), `k2` a multiple of 16 and B's
+//! that blocks on `C`'s edges write only `C`'s rows and lanes ([`product_exp2_bf16`]: the bf16
+//! forward's probabilities as the epilogue, no `C`, the scores never stored). Operands are read
+//! in place where a block can: A rows contiguous in pairs (`ps = 1`), `k2` a multiple of 16 and B's
 //! vectors even; otherwise they are first copied, zero-padded, into the caller's [`Scratch`]
 //! (a query tile's last rows, an odd head dimension's pairs, an odd key tile). A `TDPBF16PS`
 //! accumulates in another order than `vdpbf16ps` (two chains per instruction, then C: the
@@ -120,11 +121,60 @@ pub(crate) fn product_max(
     run(c, c_rs, rows, n16, a, b, k2, Finish::SetMax(scale, maxes), engine, scratch)
 }
 
+/// The bf16 forward's lazily rescaled probabilities in the product's epilogue, as
+/// [`super::products::product_exp2_bf16`] computes them from its registers: from each block's
+/// raw `A·B` staged in the first-level cache, the shifted score `x = scale · (A·B) − sub[r]`
+/// (one rounding), `2^x` ([`super::simd::avx512::exp2_finite`]) rounded to bf16 into `p` (row
+/// `r` at `p[r · p_rs..][..16 · n16]`, keys in order: the A pairs of `P·V`), the running
+/// maximum of `x` per lane into `maxes[r · 16..]` and the sum of the unrounded `2^x` per lane
+/// into `sums[r · 16..]` (both added to what they hold). No `C`: the scores are never stored.
+///
+/// # Panics
+/// As [`product`], with `p` in place of `C`; `sub` shorter than `rows`, `maxes` or `sums`
+/// shorter than `16 · rows`; a processor without AVX512_BF16 (the bf16 path's own condition).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_exp2_bf16(
+    p: &mut [u16],
+    p_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    scale: f32,
+    sub: &[f32],
+    maxes: &mut [f32],
+    sums: &mut [f32],
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    assert!(super::products::bf16_available(), "AMX product: the probabilities' epilogue needs AVX512_BF16");
+    assert!(rows == 0 || (p_rs >= 16 * n16 && (rows - 1) * p_rs + 16 * n16 <= p.len()), "AMX product: P too short");
+    assert!(
+        sub.len() >= rows && maxes.len() >= 16 * rows && sums.len() >= 16 * rows,
+        "AMX product: row state too short"
+    );
+    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, maxes, sums });
+    run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
+}
+
+/// Where [`product_exp2_bf16`]'s epilogue reads and writes.
+struct Probabilities<'a> {
+    scale: f32,
+    sub: &'a [f32],
+    p: &'a mut [u16],
+    p_rs: usize,
+    maxes: &'a mut [f32],
+    sums: &'a mut [f32],
+}
+
 /// What a block's raw `A·B` becomes in `C`.
 enum Finish<'a, 'm> {
     Epilogue(Epilogue<'a>),
     /// `C = scale · A·B`, and the rows' maxima.
     SetMax(f32, &'m mut [f32]),
+    /// No `C`: the probabilities of [`product_exp2_bf16`].
+    Exp2Bf16(Probabilities<'m>),
 }
 
 /// [`product`] and [`product_max`]: the checks, the padded operands and the engine.
@@ -144,7 +194,9 @@ fn run(
     if rows == 0 || n16 == 0 {
         return engine_of(engine);
     }
-    assert!(c_rs >= 16 * n16 && (rows - 1) * c_rs + 16 * n16 <= c.len(), "AMX product: C too short");
+    if !matches!(finish, Finish::Exp2Bf16(_)) {
+        assert!(c_rs >= 16 * n16 && (rows - 1) * c_rs + 16 * n16 <= c.len(), "AMX product: C too short");
+    }
     assert!(
         k2 == 0 || (rows - 1) * a.rs + (k2 - 1) * a.ps < a.data.len(),
         "AMX product: A too short for {rows} rows of {k2} steps"
@@ -291,6 +343,13 @@ fn blocks(
                 kernel(steps, a_in, b_blk, block);
             }
             let nv = (n16 - 2 * cb).min(2) * 16;
+            if let Finish::Exp2Bf16(x) = &mut finish {
+                let at = r0 * x.p_rs + cb * BLOCK;
+                // SAFETY: AVX512_BF16 asserted by product_exp2_bf16 (with AVX512F); the rows
+                // and lanes lie inside `p` and the row state (checked there).
+                unsafe { probabilities_avx512(block, nr, nv, x, r0, at) };
+                continue;
+            }
             for i in 0..nr {
                 let out = &mut c[(r0 + i) * c_rs + cb * BLOCK..][..nv];
                 let raw = &block[i * BLOCK..][..nv];
@@ -301,6 +360,7 @@ fn blocks(
                         let f = alpha[r0 + i];
                         out.iter_mut().zip(raw).for_each(|(o, &x)| *o = f * *o + x)
                     }
+                    Finish::Exp2Bf16(_) => unreachable!("taken above"),
                     Finish::SetMax(s, ref mut maxes) => {
                         // Per lane (so that it vectorises; `nv` is whole vectors), a NaN
                         // making its lane NaN for good.
@@ -321,6 +381,49 @@ fn blocks(
             }
         }
     }
+}
+
+/// [`product_exp2_bf16`]'s epilogue for one block: rows `r0..r0 + nr` of `x`, `nv` lanes
+/// (16 or 32) of the staged raw `A·B` in `block` (rows of 32), the probabilities stored from
+/// `x.p[at..]`.
+///
+/// # Safety
+/// AVX512F and AVX512_BF16 present; `nv` a multiple of 16 no larger than 32; the rows and
+/// lanes inside `x`'s buffers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+unsafe fn probabilities_avx512(block: &[f32], nr: usize, nv: usize, x: &mut Probabilities, r0: usize, at: usize) {
+    use std::arch::x86_64::*;
+    let scale = _mm512_set1_ps(x.scale);
+    for i in 0..nr {
+        let r = r0 + i;
+        let sub = _mm512_set1_ps(x.sub[r]);
+        let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
+        for v in (0..nv).step_by(16) {
+            // SAFETY: 16 values of the block's row i and of P's row r (the caller's contract).
+            unsafe {
+                let raw = _mm512_loadu_ps(block.as_ptr().add(i * BLOCK + v));
+                // The shifted score in one rounding, as the vector product's epilogue forms it.
+                let shifted = _mm512_fmsub_ps(raw, scale, sub);
+                row_max = _mm512_max_ps(row_max, shifted);
+                let y = super::simd::avx512::exp2_finite(shifted);
+                row_sum = _mm512_add_ps(row_sum, y);
+                let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(y));
+                _mm256_storeu_si256(x.p.as_mut_ptr().add(at + i * x.p_rs + v).cast(), rounded);
+            }
+        }
+        let (mp, sp) = (&mut x.maxes[r * 16..][..16], &mut x.sums[r * 16..][..16]);
+        // SAFETY: 16 values each.
+        unsafe {
+            _mm512_storeu_ps(mp.as_mut_ptr(), _mm512_max_ps(_mm512_loadu_ps(mp.as_ptr()), row_max));
+            _mm512_storeu_ps(sp.as_mut_ptr(), _mm512_add_ps(_mm512_loadu_ps(sp.as_ptr()), row_sum));
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn probabilities_avx512(_: &[f32], _: usize, _: usize, _: &mut Probabilities, _: usize, _: usize) {
+    unreachable!("the bf16 path runs only where AVX512_BF16 is")
 }
 
 /// `v` grown to `n` (never shrunk: the buffers keep their largest size).

@@ -12,8 +12,9 @@
 //!
 //! Lazy rescaling as in [`super::forward_f32`]: once every row of the task has a running
 //! max, a fully visible tile (key count a multiple of 16) takes its probabilities against it
-//! in the epilogue of `Q·Kᵀ` ([`mm::product_exp2_bf16`]: S never stored, P written rounded
-//! to bf16 while the scores are in registers) and adds `P·V` without rescaling the output;
+//! in the epilogue of `Q·Kᵀ` (S never stored, P written rounded to bf16: from registers with
+//! `vdpbf16ps`, [`mm::product_exp2_bf16`]; from each staged 32 × 32 block on AMX tiles,
+//! [`amx::product_exp2_bf16`]) and adds `P·V` without rescaling the output;
 //! when a score exceeds its row's max by more than [`LAZY_GROWTH`] (or a sum is not finite)
 //! the tile takes the exact passes (S, row maxima, new max, rescale, P), as the first tile
 //! of each task and partially masked tiles do.
@@ -129,7 +130,27 @@ impl<'a> Worker<'a> {
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * self.p_rs]);
-        mm::product_exp2_bf16(p16, sr, br, n16, qa, kop, dp, c, &self.st.m[..br], maxes, sums);
+        let m = &self.st.m[..br];
+        match self.unit {
+            Unit::Tiles(engine) => {
+                amx::product_exp2_bf16(
+                    p16,
+                    2 * self.p_rs,
+                    br,
+                    n16,
+                    qa,
+                    kop,
+                    dp,
+                    c,
+                    m,
+                    maxes,
+                    sums,
+                    engine,
+                    &mut self.tiles,
+                );
+            }
+            Unit::Vector => mm::product_exp2_bf16(p16, sr, br, n16, qa, kop, dp, c, m, maxes, sums),
+        }
         // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
         let bounded = x_max <= LAZY_GROWTH && total.is_finite();
@@ -237,10 +258,7 @@ impl QueryTileWork for Worker<'_> {
             // A fully visible tile without padding lanes, once every row has a running max:
             // P in the product's epilogue against it, the output not rescaled.
             let whole = kind == TileKind::Full && bc % 16 == 0 && self.scores.fused();
-            let lazy = whole
-                && self.unit == Unit::Vector
-                && self.st.all_finite()
-                && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
+            let lazy = whole && self.st.all_finite() && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
             if !lazy {
                 self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);
             }
@@ -292,18 +310,23 @@ mod tests {
     }
 
     /// The products on AMX tiles: on the twin everywhere (small shapes: edge row blocks, odd
-    /// pair steps of a 40-wide head and a 37-key tile, a value width of 48), and where the
+    /// pair steps of a 40-wide head, 37- and 48-key tiles, a value width of 48), and where the
     /// processor has the tiles, the same outputs from them bit for bit.
     #[test]
     fn the_tiles_match_the_f32_path_and_their_twin() {
         if !mm::bf16_available() {
             return;
         }
-        let dims = Dims { b: 1, s_q: 70, s_k: 111, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 };
-        let tiles = TileConfig { block_q: 48, block_k: 37 };
-        let twin = check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Twin));
-        if tiles_isa::available() {
-            assert_eq!(twin, check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Tiles)));
+        // An odd key tile (every tile by the exact passes), then whole tiles of 48 keys
+        // (lazily rescaled past the first: the probabilities in the product's epilogue, an odd
+        // vector count's last column block half wide).
+        for (s_k, block_k) in [(111, 37), (192, 48)] {
+            let dims = Dims { b: 1, s_q: 70, s_k, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 };
+            let tiles = TileConfig { block_q: 48, block_k };
+            let twin = check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Twin));
+            if tiles_isa::available() {
+                assert_eq!(twin, check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Tiles)));
+            }
         }
     }
 
