@@ -8,8 +8,9 @@
 //! counts — the work of every other layer — stay equal, and the solver balances the attention
 //! work: what each ring step and each all-gathered step waits for.
 //!
-//! **Solver** (deterministic: ties go to the lower chunk and rank index, integer arithmetic
-//! throughout, so every rank derives the same layout from the same input, with no exchange):
+//! **Solver** (deterministic: ties go to the lower chunk and rank index, loads, rows and
+//! scores in integers, so every rank derives the same layout from the same input, with no
+//! exchange):
 //! 1. *Documents together.* Documents (a chunk belongs to the document of its first token), in
 //!    decreasing work, each one's chunks in order, go to the rank with the most room left under
 //!    the mean work (+1%) and a free chunk slot, staying on that rank while they fit; what fits
@@ -162,9 +163,11 @@ const SWAP_TARGET: f64 = 0.004;
 /// K/V row crosses twice (forward, backward) and its dK/dV partial once — 2·h·(d_qk + d_v)
 /// bytes in bf16 plus 4·h·(d_qk + d_v) in f32 — while a pair costs 2·(d_qk + d_v)·h forward
 /// and 2·(3·d_qk + 2·d_v)·h backward flops, so on an H200 over NVLink (≈ 350 / 300 TFLOP/s,
-/// 370 GB/s; the planner's default cluster) a row costs about as long as 970 pairs at any
-/// head count and d = 64 — 1000 here. Exact balance comes first still (the swaps stop only
-/// within 0.4% of the mean); the weight picks among the chunks that get there.
+/// 370 GB/s; the planner's default cluster) a row costs about as long as 970 pairs, for any
+/// head dimension, with as many K/V heads as query heads (less with grouped queries; about
+/// 100 over the MPI link of a 2-vCPU machine) — 1000 here. Exact balance comes first still
+/// (the swaps stop only within 0.4% of the mean); the weight picks among the chunks that get
+/// there.
 pub const TRAFFIC_WEIGHT: u64 = 1000;
 
 /// The rank of each chunk: the two phases of the module's solver over the chunks' work `w` and
