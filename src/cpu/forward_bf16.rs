@@ -125,31 +125,19 @@ impl<'a> Worker<'a> {
     /// sums and `p` its P, and the output needs no rescale); otherwise nothing but `p`
     /// changed and the tile takes the exact passes.
     #[allow(clippy::too_many_arguments)]
-    fn lazy_whole(&mut self, br: usize, sr: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32) -> bool {
+    fn lazy_whole(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32) -> bool {
         let (maxes, sums) = (&mut self.maxes[..16 * br], &mut self.sums[..16 * br]);
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * self.p_rs]);
         let m = &self.st.m[..br];
+        // P's rows in bf16 lanes (`p_rs` counts pairs).
+        let p_rs = 2 * self.p_rs;
         match self.unit {
             Unit::Tiles(engine) => {
-                amx::product_exp2_bf16(
-                    p16,
-                    2 * self.p_rs,
-                    br,
-                    n16,
-                    qa,
-                    kop,
-                    dp,
-                    c,
-                    m,
-                    maxes,
-                    sums,
-                    engine,
-                    &mut self.tiles,
-                );
+                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums, engine, &mut self.tiles);
             }
-            Unit::Vector => mm::product_exp2_bf16(p16, sr, br, n16, qa, kop, dp, c, m, maxes, sums),
+            Unit::Vector => mm::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums),
         }
         // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
@@ -227,7 +215,7 @@ impl QueryTileWork for Worker<'_> {
         let dm = x.dims;
         let (d, d_v) = (dm.d_qk, dm.d_v);
         let hk = dm.kv_head(h);
-        let (br, dp, sr, or) = (qs.len, mm::pairs(d), keys.key_vectors * 16, mm::vectors(d_v) * 16);
+        let (br, dp, or) = (qs.len, mm::pairs(d), mm::vectors(d_v) * 16);
         self.st.start(br);
         let c = self.scores.factor();
         let mut qa = self.queries.at(b, h, qs.start);
@@ -258,7 +246,7 @@ impl QueryTileWork for Worker<'_> {
             // A fully visible tile without padding lanes, once every row has a running max:
             // P in the product's epilogue against it, the output not rescaled.
             let whole = kind == TileKind::Full && bc % 16 == 0 && self.scores.fused();
-            let lazy = whole && self.st.all_finite() && self.lazy_whole(br, sr, mm::vectors(bc), qa, kop, dp, c);
+            let lazy = whole && self.st.all_finite() && self.lazy_whole(br, mm::vectors(bc), qa, kop, dp, c);
             if !lazy {
                 self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);
             }
