@@ -22,6 +22,7 @@
 //! on [`amx::Tile`], bit for bit the same result, so that the tile code is tested on every
 //! processor.
 
+use super::aligned::{on_line, Lines, LINE};
 use super::amx::{self, BlockEngine, Tile};
 use super::products::{AOperand, BOperand, Epilogue};
 
@@ -57,11 +58,11 @@ const HALF: usize = 16;
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// A, zero-padded: 32 rows (the last row block) or every row, `steps · 16` pairs each.
-    a: Vec<u32>,
+    a: Lines<u32>,
     /// B, zero-padded: `steps · 16` steps of an even number of vectors.
-    b: Vec<u32>,
+    b: Lines<u32>,
     /// One block's raw `A·B`, 32 × 32 f32.
-    c: Vec<f32>,
+    c: Lines<f32>,
 }
 
 /// A run of blocks' operand: `data[at + r · stride + i]` is row `r`'s element `i`.
@@ -129,9 +130,14 @@ pub(crate) fn product_max(
 /// maximum of `x` per lane into `maxes[r · 16..]` and the sum of the unrounded `2^x` per lane
 /// into `sums[r · 16..]` (both added to what they hold). No `C`: the scores are never stored.
 ///
+/// With `visible`, lane `l` of vector `j` of row `r` is seen only where bit `l` of
+/// `visible[r · n16 + j]` is set: the others' `x` is `-inf` (P 0, no share in the maxima or
+/// sums), and a block of 32 × 32 that sees nothing is not multiplied at all (its P zeros).
+///
 /// # Panics
 /// As [`product`], with `p` in place of `C`; `sub` shorter than `rows`, `maxes` or `sums`
-/// shorter than `16 · rows`; a processor without AVX512_BF16 (the bf16 path's own condition).
+/// shorter than `16 · rows`, `visible` shorter than `rows · n16`; a processor without
+/// AVX512_BF16 (the bf16 path's own condition).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_exp2_bf16(
     p: &mut [u16],
@@ -145,16 +151,18 @@ pub(crate) fn product_exp2_bf16(
     sub: &[f32],
     maxes: &mut [f32],
     sums: &mut [f32],
+    visible: Option<&[u16]>,
     engine: BlockEngine,
     scratch: &mut Scratch,
 ) -> BlockEngine {
     assert!(super::products::bf16_available(), "AMX product: the probabilities' epilogue needs AVX512_BF16");
+    assert!(visible.is_none_or(|v| v.len() >= rows * n16), "AMX product: visible lanes too short");
     assert!(rows == 0 || (p_rs >= 16 * n16 && (rows - 1) * p_rs + 16 * n16 <= p.len()), "AMX product: P too short");
     assert!(
         sub.len() >= rows && maxes.len() >= 16 * rows && sums.len() >= 16 * rows,
         "AMX product: row state too short"
     );
-    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, maxes, sums });
+    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, maxes, sums, visible, n16 });
     run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
 }
 
@@ -166,6 +174,52 @@ struct Probabilities<'a> {
     p_rs: usize,
     maxes: &'a mut [f32],
     sums: &'a mut [f32],
+    /// The visible lanes, `[rows][n16]` bits (none: every lane).
+    visible: Option<&'a [u16]>,
+    n16: usize,
+}
+
+/// The maxima of a tile's scaled scores without the scores: `maxes[r · 16 + l]` = the largest
+/// `scale · (A·B)` of row `r`'s lanes `l` of every vector (`-inf` where none), the lanes that
+/// `visible` does not set (as in [`product_exp2_bf16`]) left out and blocks that see nothing
+/// not multiplied; no `C`. For the first key tile of a query tile, whose running maxima this
+/// gives before [`product_exp2_bf16`] takes its probabilities against them. NaN scores (from
+/// overflowing products) may be missed: the probabilities' sums show them.
+///
+/// # Panics
+/// As [`product_exp2_bf16`] without `p`, `sub` and `sums`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_maxima(
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    scale: f32,
+    maxes: &mut [f32],
+    visible: Option<&[u16]>,
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    assert!(super::products::bf16_available(), "AMX product: the maxima's epilogue needs AVX-512");
+    assert!(maxes.len() >= 16 * rows, "AMX product: {} lane maxima for {rows} rows", maxes.len());
+    assert!(visible.is_none_or(|v| v.len() >= rows * n16), "AMX product: visible lanes too short");
+    maxes[..16 * rows].fill(f32::NEG_INFINITY);
+    let finish = Finish::Maxima(Maxima { scale, maxes, visible, n16 });
+    run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
+}
+
+/// Where [`product_maxima`]'s epilogue writes.
+struct Maxima<'a> {
+    scale: f32,
+    maxes: &'a mut [f32],
+    visible: Option<&'a [u16]>,
+    n16: usize,
+}
+
+/// Whether any lane of rows `r0..r0 + nr`, lanes `32 · cb..` (`nv` of them) is visible.
+fn block_seen(visible: Option<&[u16]>, n16: usize, r0: usize, nr: usize, cb: usize, nv: usize) -> bool {
+    visible.is_none_or(|vis| (r0..r0 + nr).any(|r| vis[r * n16 + 2 * cb..][..nv / 16].iter().any(|&m| m != 0)))
 }
 
 /// What a block's raw `A·B` becomes in `C`.
@@ -175,6 +229,8 @@ enum Finish<'a, 'm> {
     SetMax(f32, &'m mut [f32]),
     /// No `C`: the probabilities of [`product_exp2_bf16`].
     Exp2Bf16(Probabilities<'m>),
+    /// No `C`: the maxima of [`product_maxima`].
+    Maxima(Maxima<'m>),
 }
 
 /// [`product`] and [`product_max`]: the checks, the padded operands and the engine.
@@ -194,7 +250,7 @@ fn run(
     if rows == 0 || n16 == 0 {
         return engine_of(engine);
     }
-    if !matches!(finish, Finish::Exp2Bf16(_)) {
+    if !matches!(finish, Finish::Exp2Bf16(_) | Finish::Maxima(_)) {
         assert!(c_rs >= 16 * n16 && (rows - 1) * c_rs + 16 * n16 <= c.len(), "AMX product: C too short");
     }
     assert!(
@@ -210,11 +266,15 @@ fn run(
     }
     let steps = k2.div_ceil(STEP);
     let kp = steps * STEP;
-    scratch.c.resize(BLOCK * BLOCK, 0.0);
+    scratch.c.resize(BLOCK * BLOCK);
     let Scratch { a: a_pad, b: b_pad, c: block } = scratch;
-    // B: in place when whole steps and whole column blocks, else copied zero-padded.
+    // B: in place when whole steps and whole column blocks on whole lines, else copied
+    // zero-padded.
     let n32 = n16.div_ceil(2);
-    let b_in = if kp == k2 && n16.is_multiple_of(2) {
+    // (A tile row that straddles two cache lines loads several times slower: see
+    // `super::aligned`; operands off the lines are copied onto them.)
+    let lined = |data: &[u32], stride: usize| on_line(data.as_ptr()) && (stride * 4).is_multiple_of(LINE);
+    let b_in = if kp == k2 && n16.is_multiple_of(2) && lined(b.data, b.vectors * 16) {
         Strided { data: b.data, at: 0, stride: b.vectors * 16 }
     } else {
         let stride = 2 * n32 * 16;
@@ -231,9 +291,9 @@ fn run(
         }
         Strided { data: b_pad, at: 0, stride }
     };
-    // A: in place when rows of whole steps; the last row block (and every row when the steps
-    // are not whole or not contiguous) copied zero-padded.
-    let whole_a = a.ps == 1 && kp == k2;
+    // A: in place when rows of whole steps on whole lines; the last row block (and every row
+    // when the steps are not whole, not contiguous or not on lines) copied zero-padded.
+    let whole_a = a.ps == 1 && kp == k2 && lined(a.data, a.rs);
     let full_blocks = if whole_a { rows / BLOCK } else { 0 };
     let padded_rows = (rows - full_blocks * BLOCK).div_ceil(BLOCK) * BLOCK;
     grow(a_pad, padded_rows * kp);
@@ -337,18 +397,49 @@ fn blocks(
             };
             let r0 = rb * BLOCK;
             let nr = (rows - r0).min(BLOCK);
+            let nv = (n16 - 2 * cb).min(2) * 16;
+            if let Finish::Maxima(x) = &mut finish {
+                if block_seen(x.visible, x.n16, r0, nr, cb, nv) {
+                    if steps == 0 {
+                        block.fill(0.0);
+                    } else {
+                        kernel(steps, a_in, b_blk, block);
+                    }
+                    // SAFETY: AVX512F and AVX512BW (with AVX512_BF16, asserted by
+                    // product_maxima); the rows and lanes lie inside the row state.
+                    unsafe { maxima_avx512(block, nr, nv, x, r0, cb) };
+                }
+                continue;
+            }
+            if let Finish::Exp2Bf16(x) = &mut finish {
+                let at = r0 * x.p_rs + cb * BLOCK;
+                if !block_seen(x.visible, x.n16, r0, nr, cb, nv) {
+                    // Nothing of the block is seen: its probabilities are 0.
+                    for i in 0..nr {
+                        x.p[at + i * x.p_rs..][..nv].fill(0);
+                    }
+                    continue;
+                }
+                if steps == 0 {
+                    block.fill(0.0);
+                } else {
+                    kernel(steps, a_in, b_blk, block);
+                }
+                // SAFETY: AVX512_BF16 asserted by product_exp2_bf16 (with AVX512F); the rows
+                // and lanes lie inside `p` and the row state (checked there).
+                unsafe {
+                    if x.visible.is_some() {
+                        probabilities_avx512::<true>(block, nr, nv, x, r0, at, cb)
+                    } else {
+                        probabilities_avx512::<false>(block, nr, nv, x, r0, at, cb)
+                    }
+                };
+                continue;
+            }
             if steps == 0 {
                 block.fill(0.0);
             } else {
                 kernel(steps, a_in, b_blk, block);
-            }
-            let nv = (n16 - 2 * cb).min(2) * 16;
-            if let Finish::Exp2Bf16(x) = &mut finish {
-                let at = r0 * x.p_rs + cb * BLOCK;
-                // SAFETY: AVX512_BF16 asserted by product_exp2_bf16 (with AVX512F); the rows
-                // and lanes lie inside `p` and the row state (checked there).
-                unsafe { probabilities_avx512(block, nr, nv, x, r0, at) };
-                continue;
             }
             for i in 0..nr {
                 let out = &mut c[(r0 + i) * c_rs + cb * BLOCK..][..nv];
@@ -360,7 +451,7 @@ fn blocks(
                         let f = alpha[r0 + i];
                         out.iter_mut().zip(raw).for_each(|(o, &x)| *o = f * *o + x)
                     }
-                    Finish::Exp2Bf16(_) => unreachable!("taken above"),
+                    Finish::Exp2Bf16(_) | Finish::Maxima(_) => unreachable!("taken above"),
                     Finish::SetMax(s, ref mut maxes) => {
                         // Per lane (so that it vectorises; `nv` is whole vectors), a NaN
                         // making its lane NaN for good.
@@ -385,32 +476,56 @@ fn blocks(
 
 /// [`product_exp2_bf16`]'s epilogue for one block: rows `r0..r0 + nr` of `x`, `nv` lanes
 /// (16 or 32) of the staged raw `A·B` in `block` (rows of 32), the probabilities stored from
-/// `x.p[at..]`.
+/// `x.p[at..]`; `MASKED`: the lanes `x.visible` does not set (column block `cb`) are `-inf`.
 ///
 /// # Safety
-/// AVX512F and AVX512_BF16 present; `nv` a multiple of 16 no larger than 32; the rows and
+/// AVX512F, AVX512DQ and AVX512_BF16 present; `nv` a multiple of 16 no larger than 32; the rows and
 /// lanes inside `x`'s buffers.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
-unsafe fn probabilities_avx512(block: &[f32], nr: usize, nv: usize, x: &mut Probabilities, r0: usize, at: usize) {
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16,avx512vl")]
+unsafe fn probabilities_avx512<const MASKED: bool>(
+    block: &[f32],
+    nr: usize,
+    nv: usize,
+    x: &mut Probabilities,
+    r0: usize,
+    at: usize,
+    cb: usize,
+) {
     use std::arch::x86_64::*;
     let scale = _mm512_set1_ps(x.scale);
+    let hidden = _mm512_set1_ps(f32::NEG_INFINITY);
     for i in 0..nr {
         let r = r0 + i;
         let sub = _mm512_set1_ps(x.sub[r]);
+        let seen = if MASKED { &x.visible.unwrap_or_default()[r * x.n16 + 2 * cb..][..nv / 16] } else { &[][..] };
         let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
-        for v in (0..nv).step_by(16) {
-            // SAFETY: 16 values of the block's row i and of P's row r (the caller's contract).
-            unsafe {
-                let raw = _mm512_loadu_ps(block.as_ptr().add(i * BLOCK + v));
-                // The shifted score in one rounding, as the vector product's epilogue forms it.
-                let shifted = _mm512_fmsub_ps(raw, scale, sub);
-                row_max = _mm512_max_ps(row_max, shifted);
-                let y = super::simd::avx512::exp2_finite(shifted);
-                row_sum = _mm512_add_ps(row_sum, y);
-                let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(y));
-                _mm256_storeu_si256(x.p.as_mut_ptr().add(at + i * x.p_rs + v).cast(), rounded);
+        // 16 lanes: the shifted score in one rounding (as the vector product's epilogue forms
+        // it), its maximum, 2^x and its sum.
+        let mut lanes = |v: usize| {
+            // SAFETY: 16 values of the block's row i (the caller's contract).
+            let raw = unsafe { _mm512_loadu_ps(block.as_ptr().add(i * BLOCK + v)) };
+            let mut shifted = _mm512_fmsub_ps(raw, scale, sub);
+            if MASKED {
+                shifted = _mm512_mask_blend_ps(seen[v / 16], hidden, shifted);
             }
+            row_max = _mm512_max_ps(row_max, shifted);
+            let y = super::simd::avx512::exp2_finite(shifted);
+            row_sum = _mm512_add_ps(row_sum, y);
+            y
+        };
+        let out = x.p.as_mut_ptr().wrapping_add(at + i * x.p_rs);
+        if nv == BLOCK {
+            // Both vectors rounded by one instruction, stored as one line of 32 keys.
+            let (lo, hi) = (lanes(0), lanes(16));
+            // SAFETY: 32 values of P's row r (the caller's contract).
+            unsafe {
+                _mm512_storeu_si512(out.cast(), std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)))
+            };
+        } else {
+            let rounded = _mm512_cvtneps_pbh(lanes(0));
+            // SAFETY: 16 values of P's row r (the caller's contract).
+            unsafe { _mm256_storeu_si256(out.cast(), std::mem::transmute::<__m256bh, __m256i>(rounded)) };
         }
         let (mp, sp) = (&mut x.maxes[r * 16..][..16], &mut x.sums[r * 16..][..16]);
         // SAFETY: 16 values each.
@@ -422,14 +537,56 @@ unsafe fn probabilities_avx512(block: &[f32], nr: usize, nv: usize, x: &mut Prob
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn probabilities_avx512(_: &[f32], _: usize, _: usize, _: &mut Probabilities, _: usize, _: usize) {
+unsafe fn probabilities_avx512<const MASKED: bool>(
+    _: &[f32],
+    _: usize,
+    _: usize,
+    _: &mut Probabilities,
+    _: usize,
+    _: usize,
+    _: usize,
+) {
+    unreachable!("the bf16 path runs only where AVX512_BF16 is")
+}
+
+/// [`product_maxima`]'s epilogue for one block: rows `r0..r0 + nr`, `nv` lanes (16 or 32) of
+/// the staged raw `A·B` in `block` (rows of 32), column block `cb`.
+///
+/// # Safety
+/// AVX512F and AVX512BW present; `nv` a multiple of 16 no larger than 32; the rows inside
+/// `x`'s buffers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn maxima_avx512(block: &[f32], nr: usize, nv: usize, x: &mut Maxima, r0: usize, cb: usize) {
+    use std::arch::x86_64::*;
+    let (scale, hidden) = (_mm512_set1_ps(x.scale), _mm512_set1_ps(f32::NEG_INFINITY));
+    for i in 0..nr {
+        let r = r0 + i;
+        let mp = &mut x.maxes[r * 16..][..16];
+        // SAFETY: 16 values of `mp` and of the block's row i (the caller's contract).
+        let mut row_max = unsafe { _mm512_loadu_ps(mp.as_ptr()) };
+        for v in (0..nv).step_by(16) {
+            // SAFETY: as above.
+            let mut y = _mm512_mul_ps(unsafe { _mm512_loadu_ps(block.as_ptr().add(i * BLOCK + v)) }, scale);
+            if let Some(vis) = x.visible {
+                y = _mm512_mask_blend_ps(vis[r * x.n16 + 2 * cb + v / 16], hidden, y);
+            }
+            row_max = _mm512_max_ps(row_max, y);
+        }
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(mp.as_mut_ptr(), row_max) };
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn maxima_avx512(_: &[f32], _: usize, _: usize, _: &mut Maxima, _: usize, _: usize) {
     unreachable!("the bf16 path runs only where AVX512_BF16 is")
 }
 
 /// `v` grown to `n` (never shrunk: the buffers keep their largest size).
-fn grow(v: &mut Vec<u32>, n: usize) {
+fn grow(v: &mut Lines<u32>, n: usize) {
     if v.len() < n {
-        v.resize(n, 0);
+        v.resize(n);
     }
 }
 

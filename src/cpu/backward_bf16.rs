@@ -25,6 +25,7 @@ use std::sync::atomic::AtomicU64;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::aligned::Lines;
 use super::amx_products::{self as amx, Unit};
 use super::backward::{drive, DqPartial, KeyTileWork, Tiles};
 use super::bf16_rows as rows;
@@ -74,15 +75,15 @@ struct PackedQueries<'a> {
     do_rows: mm::RowPairs<'a>,
     /// `[b][h_q][tile]` blocks of `q_len` and `do_len`: Q and dO as the vector products'
     /// B operands (empty on AMX tiles, which read `q_cols`/`do_cols`).
-    q_steps: Vec<u32>,
-    do_steps: Vec<u32>,
+    q_steps: Lines<u32>,
+    do_steps: Lines<u32>,
     q_len: usize,
     do_len: usize,
     tiles: usize,
     /// On AMX tiles, Qᵀ and dOᵀ per query tile as A pairs: `[b][h_q][tile]` blocks of
     /// `[d_qk][cols]` and `[d_v][cols]` pairs, `cols = pairs(bq)` (empty otherwise).
-    q_cols: Vec<u32>,
-    do_cols: Vec<u32>,
+    q_cols: Lines<u32>,
+    do_cols: Lines<u32>,
     cols: usize,
 }
 
@@ -100,8 +101,8 @@ impl<'a> PackedQueries<'a> {
         // Zeros where a tile's rows end (the padding a product reads). The vector products'
         // B operands only: the tiles read Qᵀ and dOᵀ (below) instead.
         let blocks = if matches!(unit, Unit::Vector) { heads * tiles } else { 0 };
-        let mut q_steps = super::reuse::zeroed::<u32>(blocks * q_len);
-        let mut do_steps = super::reuse::zeroed::<u32>(blocks * do_len);
+        let mut q_steps = super::reuse::zeroed::<Lines<u32>>(blocks * q_len);
+        let mut do_steps = super::reuse::zeroed::<Lines<u32>>(blocks * do_len);
         if !q_steps.is_empty() {
             q_steps.par_chunks_mut(q_len).zip(do_steps.par_chunks_mut(do_len)).enumerate().for_each(
                 |(blk, (qs, ds))| {
@@ -114,10 +115,10 @@ impl<'a> PackedQueries<'a> {
             );
         }
         let cols = mm::pairs(bq);
-        let (mut q_cols, mut do_cols) = (Vec::new(), Vec::new());
+        let (mut q_cols, mut do_cols) = (Lines::default(), Lines::default());
         if matches!(unit, Unit::Tiles(_)) && heads * tiles > 0 {
-            q_cols = super::reuse::zeroed::<u32>(heads * tiles * d * cols);
-            do_cols = super::reuse::zeroed::<u32>(heads * tiles * d_v * cols);
+            q_cols = super::reuse::zeroed::<Lines<u32>>(heads * tiles * d * cols);
+            do_cols = super::reuse::zeroed::<Lines<u32>>(heads * tiles * d_v * cols);
             q_cols.par_chunks_mut(d * cols).zip(do_cols.par_chunks_mut(d_v * cols)).enumerate().for_each(
                 |(blk, (qc, dc))| {
                     let (bh, t) = (blk / tiles, blk % tiles);
@@ -166,19 +167,21 @@ struct Worker<'a> {
     sr: usize,
     /// The key tile: K and V with rows as lanes (B of `Q Kᵀ`, `dO Vᵀ`), K with rows as steps
     /// (B of `dS K`).
-    k_lanes: Vec<u32>,
-    v_lanes: Vec<u32>,
-    k_steps: Vec<u32>,
+    k_lanes: Lines<u32>,
+    v_lanes: Lines<u32>,
+    k_steps: Lines<u32>,
     /// P, then dS, and dP: `[block_q][sr]` f32, keys as lanes.
     p: Vec<f32>,
     dp: Vec<f32>,
     /// The scores' slopes under a soft-cap, `[block_q][sr]` (empty without one).
     slopes: Vec<f32>,
     /// P and dS rounded, query rows interleaved in pairs: `[pairs(block_q)][sr]` A pairs.
-    p_pairs: Vec<u32>,
-    ds_pairs: Vec<u32>,
-    /// dS rounded, row-major: `[block_q][sr / 2]` A pairs.
-    ds_rows: Vec<u32>,
+    p_pairs: Lines<u32>,
+    ds_pairs: Lines<u32>,
+    /// dS rounded, row-major: `[block_q][ds_rs]` A pairs, `ds_rs` the key pairs rounded up
+    /// to whole 64-byte lines (the tiles read its rows in place).
+    ds_rows: Lines<u32>,
+    ds_rs: usize,
     /// Unscaled dK and dV of the key tile, `[block_k][vectors(d_qk) · 16]` and `[block_k][vectors(d_v) · 16]`.
     dk: Vec<f32>,
     dv: Vec<f32>,
@@ -201,20 +204,22 @@ impl<'a> Worker<'a> {
         let (d, d_v) = (x.dims.d_qk, x.dims.d_v);
         let bq = q_spans.iter().map(|s| s.len).max().unwrap_or(0);
         let (sr, gr, gr_v) = (mm::odd(mm::vectors(bk)) * 16, mm::vectors(d) * 16, mm::vectors(d_v) * 16);
+        let ds_rs = (sr / 2).div_ceil(16) * 16;
         Worker {
             x,
             queries,
             q_spans,
             sr,
-            k_lanes: vec![0; mm::pairs(d) * sr],
-            v_lanes: vec![0; mm::pairs(d_v) * sr],
-            k_steps: vec![0; mm::pairs(bk) * mm::odd(mm::vectors(d)) * 16],
+            k_lanes: Lines::zeroed(mm::pairs(d) * sr),
+            v_lanes: Lines::zeroed(mm::pairs(d_v) * sr),
+            k_steps: Lines::zeroed(mm::pairs(bk) * mm::odd(mm::vectors(d)) * 16),
             p: vec![0.0; bq * sr],
             dp: vec![0.0; bq * sr],
             slopes: if x.spec.softcap.is_some() { vec![0.0; bq * sr] } else { Vec::new() },
-            p_pairs: vec![0; mm::pairs(bq) * sr],
-            ds_pairs: vec![0; mm::pairs(bq) * sr],
-            ds_rows: vec![0; bq * sr / 2],
+            p_pairs: Lines::zeroed(mm::pairs(bq) * sr),
+            ds_pairs: Lines::zeroed(mm::pairs(bq) * sr),
+            ds_rows: Lines::zeroed(bq * ds_rs),
+            ds_rs,
             dk: vec![0.0; bk * gr],
             dv: vec![0.0; bk * gr_v],
             unit,
@@ -348,8 +353,9 @@ impl KeyTileWork for Worker<'_> {
                 let dpv = &mut self.dp[..br * sr];
                 product(dpv, sr, br, kv, doa, v_lanes, dp_v, Epilogue::Set(1.0), lanes);
                 // dS = (P ∘ slopes) ∘ (dP − D) rounded, as dS's (row-major) and dSᵀ's (interleaved) A pairs.
-                let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * sr / 2]);
-                let mut ds_rows = ds16.chunks_mut(sr);
+                let ds_rs = self.ds_rs;
+                let ds16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.ds_rows[..br * ds_rs]);
+                let mut ds_rows = ds16.chunks_mut(2 * ds_rs);
                 for ip in 0..mm::pairs(br) {
                     let i = 2 * ip;
                     let lo = rows::GradRow {
@@ -370,7 +376,7 @@ impl KeyTileWork for Worker<'_> {
                 }
                 if bc % 2 == 1 {
                     for i in 0..br {
-                        ds16[i * sr + bc] = 0; // the odd key's partner in the last pair step
+                        ds16[i * 2 * ds_rs + bc] = 0; // the odd key's partner in the last pair step
                     }
                 }
                 match unit {
@@ -386,7 +392,7 @@ impl KeyTileWork for Worker<'_> {
                         product(dk, gr, bc, gv, dst, q_steps(), mm::pairs(br), Epilogue::Add, query_steps);
                     }
                 }
-                let ds = AOperand { data: &self.ds_rows, rs: sr / 2, ps: 1 };
+                let ds = AOperand { data: &self.ds_rows, rs: ds_rs, ps: 1 };
                 let dq_rows = dq.rows(hl, qs.start, br);
                 product(dq_rows, gr, br, gv, ds, k_steps, mm::pairs(bc), Epilogue::Add, key_steps);
             }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
+use super::aligned::Lines;
 use super::matmul::{matmul_strided, View};
 use super::products::{self as mm, Packing};
 use super::simd;
@@ -245,9 +246,9 @@ pub(crate) fn drive_packed<T: Packing, O: Output>(
 pub(crate) struct PackedKeys<T> {
     /// `[b][h_kv][tile]` blocks of `k_len`, `[b][h_kv][tile]` blocks of `v_len`, in `u32`
     /// words (the elements' bits).
-    k: Vec<u32>,
+    k: Lines<u32>,
     k_len: usize,
-    v: Vec<u32>,
+    v: Lines<u32>,
     v_len: usize,
     tiles: usize,
     /// The first (batch, kv head) pair packed (`b · h_kv + hk`).
@@ -288,8 +289,8 @@ impl<T: Packing> PackedKeys<T> {
         let tiles = k_spans.len();
         let blocks = pairs.len() * tiles;
         // Every word a product reads is written by the packing first.
-        let mut pk = super::reuse::take(blocks * k_len);
-        let mut pv = super::reuse::take(blocks * v_len);
+        let mut pk: Lines<u32> = super::reuse::take(blocks * k_len);
+        let mut pv: Lines<u32> = super::reuse::take(blocks * v_len);
         let (k_rs, v_rs) = (dm.h_kv * d_qk, dm.h_kv * d_v);
         // The tile of block `blk` and the offsets of its (batch, kv head) pair's first K and V rows.
         let at = |blk: usize| {

@@ -16,16 +16,21 @@
 //! `vdpbf16ps`, [`mm::product_exp2_bf16`]; from each staged 32 × 32 block on AMX tiles,
 //! [`amx::product_exp2_bf16`]) and adds `P·V` without rescaling the output;
 //! when a score exceeds its row's max by more than [`LAZY_GROWTH`] (or a sum is not finite)
-//! the tile takes the exact passes (S, row maxima, new max, rescale, P), as the first tile
-//! of each task and partially masked tiles do.
+//! the tile takes the exact passes (S, row maxima, new max, rescale, P). With `vdpbf16ps`
+//! the first tile of each task and partially masked tiles take them too. On AMX tiles every
+//! tile is lazy: a partial tile (or one with padding lanes) masks the lanes its rows do not
+//! see in the epilogue ([`visible_lanes`]; blocks of 32 × 32 that see nothing are not
+//! multiplied), and a task's first tile takes its row maxima from the products alone
+//! ([`amx::product_maxima`], S not stored) before its probabilities against them.
 
+use super::aligned::Lines;
 use super::amx_products::{self as amx, Unit};
 use super::bf16_rows as rows;
 use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::score::Scores;
 use super::simd;
-use super::tiles::{call_spans, mask_rows, reach, Output, ReachOf};
+use super::tiles::{call_spans, mask_rows, reach, visible_lanes, Output, ReachOf};
 use crate::attention::{classify, Span, TileKind};
 use half::bf16;
 
@@ -61,11 +66,14 @@ struct Worker<'a> {
     /// Scores, then probabilities, `[block_q][sr]` (keys as lanes).
     s: Vec<f32>,
     /// The probabilities in bf16 as A pairs, `[block_q][p_rs]`.
-    p: Vec<u32>,
+    p: Lines<u32>,
     /// Running row maxima of `s` per lane, `[block_q][16]` ([`mm::product_max`]), and of a
     /// lazily rescaled tile's shifted scores with their sums ([`mm::product_exp2_bf16`]).
     maxes: Vec<f32>,
     sums: Vec<f32>,
+    /// On tiles, the lanes of a masked tile its rows see, `[block_q][key_vectors]` bits
+    /// ([`visible_lanes`]).
+    visible: Vec<u16>,
     /// How the scores are formed.
     scores: Scores,
     /// Pairs between rows of `p`: `sr / 2`, or on tiles the key pairs rounded up to whole
@@ -78,7 +86,7 @@ struct Worker<'a> {
     /// On tiles, the query tile's rows as A pairs side by side (`[block_q][q_rs]`, `q_rs`
     /// the head's pairs rounded up to whole lines): Q's own rows lie `h_q · d` apart, a
     /// stride that meets a few cache sets.
-    q_tile: Vec<u32>,
+    q_tile: Lines<u32>,
     q_rs: usize,
 }
 
@@ -99,7 +107,7 @@ impl<'a> Worker<'a> {
             Unit::Vector => sr / 2,
         };
         let q_rs = lines(mm::pairs(x.dims.d_qk)) * 16;
-        let q_tile = if matches!(unit, Unit::Tiles(_)) { vec![0; bq * q_rs] } else { Vec::new() };
+        let q_tile = Lines::zeroed(if matches!(unit, Unit::Tiles(_)) { bq * q_rs } else { 0 });
         Worker {
             x,
             keys,
@@ -107,9 +115,10 @@ impl<'a> Worker<'a> {
             k_spans,
             st: RowState::new(bq, mm::vectors(d) * 16),
             s: vec![0.0; bq * sr],
-            p: vec![0; bq * p_rs],
+            p: Lines::zeroed(bq * p_rs),
             maxes: vec![0.0; bq * 16],
             sums: vec![0.0; bq * 16],
+            visible: vec![0; if matches!(unit, Unit::Tiles(_)) { bq * keys.key_vectors } else { 0 }],
             scores: Scores::of(&x.spec),
             p_rs,
             unit,
@@ -119,13 +128,16 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// A fully visible tile (no padding lanes) lazily rescaled: P against the running max
-    /// `m` in the product's epilogue, rounded to bf16 into `p`. Returns whether every shifted
-    /// score stayed within [`LAZY_GROWTH`] and every sum finite (then `l` has the tile's
-    /// sums and `p` its P, and the output needs no rescale); otherwise nothing but `p`
-    /// changed and the tile takes the exact passes.
+    /// A tile lazily rescaled: P against the running max `m` in the product's epilogue,
+    /// rounded to bf16 into `p` — a fully visible tile without padding lanes, or on tiles
+    /// with `masked` any tile, the lanes its rows do not see (`visible`, filled by
+    /// [`Worker::see`]) masked in the epilogue. Returns whether every shifted score stayed
+    /// within [`LAZY_GROWTH`] and every sum finite (then `l` has the tile's sums and `p` its
+    /// P, and the output needs no rescale); otherwise nothing but `p` changed and the tile
+    /// takes the exact passes.
     #[allow(clippy::too_many_arguments)]
-    fn lazy_whole(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32) -> bool {
+    fn lazy(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32, masked: bool) -> bool {
+        let visible = masked.then(|| &self.visible[..br * n16]);
         let (maxes, sums) = (&mut self.maxes[..16 * br], &mut self.sums[..16 * br]);
         maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
@@ -135,9 +147,13 @@ impl<'a> Worker<'a> {
         let p_rs = 2 * self.p_rs;
         match self.unit {
             Unit::Tiles(engine) => {
-                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums, engine, &mut self.tiles);
+                let tiles = &mut self.tiles;
+                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums, visible, engine, tiles);
             }
-            Unit::Vector => mm::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums),
+            Unit::Vector => {
+                assert!(visible.is_none(), "the vector products' epilogue masks no lanes");
+                mm::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums)
+            }
         }
         // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
         let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
@@ -147,6 +163,46 @@ impl<'a> Worker<'a> {
             unsafe { simd::avx512::add_lane_sums(&mut self.st.l[..br], sums) };
         }
         bounded
+    }
+
+    /// The lanes of key tile `ks` that the rows of query tile `qs` see, into `visible`.
+    fn see(&mut self, qs: &Span, ks: &Span) {
+        let n16 = mm::vectors(ks.len);
+        let seen = &mut self.visible[..qs.len * n16];
+        visible_lanes(self.x.vis, qs.len, ks.len, n16, qs.start, ks.start, &mut self.s, seen);
+    }
+
+    /// On tiles, before [`Worker::lazy`] where some row has no running max yet (a query
+    /// tile's first visible key tile): the tile's row maxima from the products alone
+    /// ([`amx::product_maxima`], the scores not stored), and the running maxima advanced to
+    /// them (`l` rescaled, `alpha` set for the output) when every row then has a finite one.
+    /// Returns the rows' previous `(m, l)` when it advanced them (to be put back if the lazy
+    /// pass fails), `None` when it changed nothing (a row sees no key yet, or a score is not
+    /// finite): then the tile takes the exact passes.
+    #[allow(clippy::too_many_arguments)]
+    fn prime(
+        &mut self,
+        br: usize,
+        n16: usize,
+        qa: AOperand,
+        kop: BOperand,
+        dp: usize,
+        c: f32,
+        masked: bool,
+    ) -> Option<(Vec<f32>, Vec<f32>)> {
+        let Unit::Tiles(engine) = self.unit else { return None };
+        let visible = masked.then(|| &self.visible[..br * n16]);
+        let maxes = &mut self.maxes[..16 * br];
+        amx::product_maxima(br, n16, qa, kop, dp, c, maxes, visible, engine, &mut self.tiles);
+        let t_max: Vec<f32> = maxes.chunks_exact(16).map(simd::row_max).collect();
+        if !t_max.iter().zip(&self.st.m[..br]).all(|(&t, &m)| m.max(t).is_finite()) {
+            return None;
+        }
+        let before = (self.st.m[..br].to_vec(), self.st.l[..br].to_vec());
+        for (i, &t) in t_max.iter().enumerate() {
+            self.st.advance(i, t);
+        }
+        Some(before)
     }
 
     /// The exact passes of key tile `ks` (of `kind`; `whole`: fully visible without padding
@@ -244,15 +300,35 @@ impl QueryTileWork for Worker<'_> {
                 _ => Vec::new(),
             };
             // A fully visible tile without padding lanes, once every row has a running max:
-            // P in the product's epilogue against it, the output not rescaled.
-            let whole = kind == TileKind::Full && bc % 16 == 0 && self.scores.fused();
-            let lazy = whole && self.st.all_finite() && self.lazy_whole(br, mm::vectors(bc), qa, kop, dp, c);
+            // P in the product's epilogue against it, the output not rescaled. On tiles a
+            // partial tile (or one with padding lanes) too, its hidden lanes masked there.
+            // A query tile's first key tile on tiles: its maxima first ([`Worker::prime`]),
+            // then lazily against them, the output rescaled.
+            let (fused, n16) = (self.scores.fused(), mm::vectors(bc));
+            let whole = kind == TileKind::Full && bc % 16 == 0 && fused;
+            let masked = !whole && fused && matches!(self.unit, Unit::Tiles(_));
+            let mut lazy = false;
+            let mut primed = None;
+            if whole || masked {
+                if masked {
+                    self.see(qs, ks);
+                }
+                if !self.st.all_finite() {
+                    primed = self.prime(br, n16, qa, kop, dp, c, masked);
+                }
+                lazy = self.st.all_finite() && self.lazy(br, n16, qa, kop, dp, c, masked);
+            }
             if !lazy {
+                if let Some((m, l)) = primed.take() {
+                    // The exact passes start from the running state before the maxima.
+                    self.st.m[..br].copy_from_slice(&m);
+                    self.st.l[..br].copy_from_slice(&l);
+                }
                 self.exact(qs, ks, kind, whole, qa, kop, c, &key_reach);
             }
             let pa = AOperand { data: &self.p, rs: self.p_rs, ps: 1 };
             let vop = BOperand { data: vt, vectors: keys.value_vectors };
-            let epi = if lazy { Epilogue::Add } else { Epilogue::Rescale(&self.st.alpha[..br]) };
+            let epi = if lazy && primed.is_none() { Epilogue::Add } else { Epilogue::Rescale(&self.st.alpha[..br]) };
             let acc = &mut self.st.acc[..br * or];
             match self.unit {
                 Unit::Tiles(engine) => {
@@ -305,9 +381,9 @@ mod tests {
         if !mm::bf16_available() {
             return;
         }
-        // An odd key tile (every tile by the exact passes), then whole tiles of 48 keys
-        // (lazily rescaled past the first: the probabilities in the product's epilogue, an odd
-        // vector count's last column block half wide).
+        // An odd key tile (lazily rescaled past the first with its padding lanes masked in
+        // the epilogue), then whole tiles of 48 keys (an odd vector count's last column block
+        // half wide); the causal and windowed masks' partial tiles masked there too.
         for (s_k, block_k) in [(111, 37), (192, 48)] {
             let dims = Dims { b: 1, s_q: 70, s_k, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 };
             let tiles = TileConfig { block_q: 48, block_k };
@@ -336,8 +412,18 @@ mod tests {
         for x in &mut grown[50 * dims.h_kv * dims.d_qk..dims.s_k * dims.h_kv * dims.d_qk] {
             *x = bf16::from_f32(x.to_f32() * 40.0);
         }
+        // A window both ways inside packed documents (one of a single key): partial tiles
+        // of every shape, and rows that see nothing of a tile.
+        let third = dims.s_k / 3;
+        let windowed = AttentionParams {
+            mask: Mask::Window { left: Some(37), right: Some(5) },
+            documents: Some(crate::Documents::new(vec![third, 1, dims.s_k - third - 1]).unwrap()),
+            ..Default::default()
+        };
         let mut bits = Vec::new();
-        for (params, k) in [(AttentionParams::default(), &k), (causal, &k), (AttentionParams::default(), &grown)] {
+        for (params, k) in
+            [(AttentionParams::default(), &k), (causal, &k), (AttentionParams::default(), &grown), (windowed, &k)]
+        {
             let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
             let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             let (qf, kf, vf) = (wide(&q), wide(k), wide(&v));

@@ -39,7 +39,7 @@ pub(crate) fn forward(x: &ForwardInputs) -> (Vec<f32>, Vec<f32>) {
 
 /// [`forward`] with K and V packed in groups of (batch, kv head) pairs under `budget` bytes.
 fn forward_packing(x: &ForwardInputs, budget: usize) -> (Vec<f32>, Vec<f32>) {
-    assert!(<f32 as mm::Element>::available(), "the f32 AVX-512 forward on a processor without AVX512F");
+    assert!(<f32 as mm::Element>::available(), "the f32 AVX-512 forward on a processor without AVX512F and AVX512DQ");
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::F32, Pass::Forward);
     drive_packed(dm, x.k, x.v, &k_spans, bk, budget, |out, keys, heads| {

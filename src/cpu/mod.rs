@@ -16,6 +16,7 @@
 //! backward, and the forward elsewhere, through `gemm`. Outputs are rounded back to the
 //! input dtype; the LSE is always f32.
 
+mod aligned;
 pub mod amx;
 mod amx_products;
 mod arithmetic;

@@ -54,7 +54,7 @@ impl Element for f32 {
     fn available() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx512f")
+            std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -63,12 +63,14 @@ impl Element for f32 {
     }
 }
 
-/// Whether this processor runs the bf16 products (AVX512F and AVX512_BF16, with AVX512BW and
-/// AVX512VL, which every processor with AVX512_BF16 has: the row kernels' 16-bit stores).
+/// Whether this processor runs the bf16 products (AVX512F and AVX512_BF16, with AVX512DQ,
+/// AVX512BW and AVX512VL, which every processor with AVX512_BF16 has: the exponentials'
+/// `vreduceps`, the row kernels' 16-bit stores).
 pub(crate) fn bf16_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
             && std::arch::is_x86_feature_detected!("avx512bf16")
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vl")
@@ -521,11 +523,11 @@ impl<T> Block<T> {
 /// steps each.
 ///
 /// # Safety
-/// AVX512F and AVX512_BF16 present; `a[r·a_rs + p·a_ps]`, `b[p·b_ps .. p·b_ps + 16·N]`,
+/// AVX512F, AVX512DQ and AVX512_BF16 present; `a[r·a_rs + p·a_ps]`, `b[p·b_ps .. p·b_ps + 16·N]`,
 /// `c[r·c_rs .. r·c_rs + 16·N]` valid for `r < R·count`, `p < k2`; `sub` null or valid for
 /// `R·count` values, `maxes` and `sums` null or valid for `16·R·count`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x0: &Block<u32>, epi0: Epilogue) {
     use std::arch::x86_64::*;
     for blk in 0..x0.count {
@@ -558,9 +560,9 @@ unsafe fn block_bf16<const R: usize, const N: usize, const E: u8>(x0: &Block<u32
 /// `count` blocks of `R` rows × `N` vectors of `C` from `k2` f32 steps each.
 ///
 /// # Safety
-/// AVX512F present; otherwise as [`block_bf16`].
+/// AVX512F and AVX512DQ present; otherwise as [`block_bf16`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 unsafe fn block_f32<const R: usize, const N: usize, const E: u8>(x0: &Block<f32>, epi0: Epilogue) {
     use std::arch::x86_64::*;
     for blk in 0..x0.count {
@@ -607,7 +609,7 @@ fn scale_of(epi: Epilogue) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[cold]
 #[inline(never)]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 unsafe fn empty_block<T, const R: usize, const N: usize, const E: u8>(x: &Block<T>, epi: Epilogue) {
     epilogue::<T, R, N, E>(x, epi, &[[std::arch::x86_64::_mm512_setzero_ps(); N]; R]);
 }
@@ -621,7 +623,7 @@ const EXTRA_EXP2_BF16: u8 = 3;
 /// Stores a register block's accumulators into `C` as `epi` says, with the extra `E`.
 ///
 /// # Safety
-/// AVX512F present (the callers' target features: this is inlined into them); pointers as
+/// AVX512F and AVX512DQ present (the callers' target features: this is inlined into them); pointers as
 /// in [`block_bf16`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]

@@ -24,12 +24,13 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 pub(crate) const EXP2_POLY: [f32; 6] =
     [std::f32::consts::LN_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_887_5, 0.000_153_533_62];
 
-/// Coefficients 1…5 of a degree-5 polynomial for `2^f` on `f ∈ [-0.5, 0.5]`, fitted the same
-/// way: 9e-8 in exact arithmetic, below 2.5e-7 evaluated in f32 (about two units in the last
-/// place). One multiply-add fewer per 16 lanes for [`avx512::exp2_finite`] in the epilogue of
-/// `Q·Kᵀ`, where the exponentials cost a tenth of the product.
-#[allow(clippy::approx_constant, reason = "the fitted coefficient, 3 units in the last place below ln 2")]
-pub(crate) const EXP2_POLY5: [f32; 5] = [0.693_147, 0.240_222_42, 0.055_507_336, 0.009_671_513, 0.001_326_472_7];
+/// Coefficients 1…5 of a degree-5 polynomial for `2^f` on `f ∈ [0, 1]` (the constant term
+/// is 1), fitted the same way: 8e-8 in exact arithmetic, 1.4e-7 evaluated in f32 by Horner's
+/// rule with fused multiply-adds (about two units in the last place). One multiply-add fewer
+/// per 16 lanes than [`EXP2_POLY`] for [`avx512::exp2_finite`] in the epilogue of `Q·Kᵀ`,
+/// where the exponentials cost as much as the products; `[0, 1]` because `vreduceps` gives
+/// `x − ⌊x⌋` in one instruction and `vscalefps` applies `2^⌊x⌋` itself.
+pub(crate) const EXP2_POLY5: [f32; 5] = [0.693_151_3, 0.240_164_46, 0.055_799_857, 0.009_017_113, 0.001_867_091_2];
 
 /// `2^x` for `x <= 128`; see the module docs for accuracy. `FMA` selects fused multiply-adds,
 /// which only the dispatchers compiled with the `fma` feature may ask for.
@@ -321,23 +322,26 @@ pub(crate) mod avx512 {
 
     /// `2^x` on 16 lanes of finite `x` (or NaN), for the probabilities in the epilogue of
     /// `Q·Kᵀ` (the lazy tiles of the forwards), where every instruction shows in the product's
-    /// rate: [`EXP2_POLY5`] (relative error below 2.5e-7 where `2^x` is normal), no clamps
-    /// and no masks (a multiply-add and the mask fewer than [`exp2`]), the power of two
-    /// applied by `vscalefps`: gradual underflow below 2^-126 (0 from -150 on), `+inf` from
-    /// 128 on, NaN kept. `±inf` in gives NaN; the epilogue's arguments are
-    /// finite (a non-finite one makes its row's sum NaN, and the row is computed again by the
-    /// exact passes).
+    /// rate: `f = x − ⌊x⌋` by `vreduceps`, [`EXP2_POLY5`] on it (relative error below 2.5e-7
+    /// where `2^x` is normal), `2^⌊x⌋` applied by `vscalefps` (which floors its exponent
+    /// operand itself): no clamps and no masks, gradual underflow below 2^-126 (0 from -150
+    /// on), `+inf` from 128 on, NaN kept; `+inf` in gives `+inf`, `-inf` gives 0. The
+    /// epilogue's arguments are finite (a non-finite one makes its row's sum non-finite, and
+    /// the row is computed again by the exact passes).
+    ///
+    /// AVX512DQ (`vreduceps`) comes with AVX512F on every processor the fused paths run on
+    /// (their checks, [`super::super::products::bf16_available`] and the f32 products', ask
+    /// for both).
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512dq")]
     pub(crate) fn exp2_finite(x: __m512) -> __m512 {
         let [c1, c2, c3, c4, c5] = super::EXP2_POLY5;
-        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
-        let f = _mm512_sub_ps(x, k);
+        let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
         let mut p = _mm512_fmadd_ps(f, _mm512_set1_ps(c5), _mm512_set1_ps(c4));
         for c in [c3, c2, c1, 1.0] {
             p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(c));
         }
-        _mm512_scalef_ps(p, k)
+        _mm512_scalef_ps(p, x)
     }
 
     /// `2^xc`, exactly 0 where `x < -126`.
@@ -629,7 +633,7 @@ mod tests {
     /// every value, tails included.
     #[test]
     fn exp2_finite_and_the_lazy_checks() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
+        if !std::arch::is_x86_feature_detected!("avx512f") || !std::arch::is_x86_feature_detected!("avx512dq") {
             return;
         }
         use std::arch::x86_64::*;

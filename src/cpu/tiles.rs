@@ -225,6 +225,59 @@ pub(crate) fn mask_rows(vis: &Visibility, s: &mut [f32], sr: usize, rows: usize,
     }
 }
 
+/// The keys query rows `q0..q0 + rows` see of a tile's keys `k0..k0 + bc`, as lane bits:
+/// bit `l` of `out[i · n16 + j]` is set where key `16 · j + l` (below `bc`) is visible to row
+/// `q0 + i` ([`Visibility::mask_query_row`]); lanes from `bc` to `16 · n16` are never set.
+/// Blocks of 32 rows × 32 keys are classified first ([`classify`]): only rows of a partially
+/// visible block are masked key by key. `row` is scratch of at least 32 values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn visible_lanes(
+    vis: &Visibility,
+    rows: usize,
+    bc: usize,
+    n16: usize,
+    q0: usize,
+    k0: usize,
+    row: &mut [f32],
+    out: &mut [u16],
+) {
+    const B: usize = 32;
+    let q_blocks = spans(&vis.q_pos[q0..q0 + rows], vis.q_doc.as_deref().map(|d| &d[q0..q0 + rows]), B);
+    let k_blocks = spans(&vis.k_pos[k0..k0 + bc], vis.k_doc.as_deref().map(|d| &d[k0..k0 + bc]), B);
+    let out = &mut out[..rows * n16];
+    out.fill(0);
+    let row = &mut row[..B];
+    for qb in &q_blocks {
+        for kb in &k_blocks {
+            let (j0, nj) = (kb.start / 16, kb.len.div_ceil(16));
+            match classify(vis, qb, kb) {
+                TileKind::Skip => {}
+                TileKind::Full => {
+                    for i in qb.start..qb.start + qb.len {
+                        for (j, bits) in out[i * n16 + j0..][..nj].iter_mut().enumerate() {
+                            let n = kb.len - 16 * j;
+                            *bits = if n >= 16 { u16::MAX } else { (1 << n) - 1 };
+                        }
+                    }
+                }
+                TileKind::Partial => {
+                    for i in qb.start..qb.start + qb.len {
+                        let keys = &mut row[..kb.len];
+                        keys.fill(0.0);
+                        vis.mask_query_row(keys, q0 + i, k0 + kb.start);
+                        for (bits, lanes) in out[i * n16 + j0..][..nj].iter_mut().zip(keys.chunks(16)) {
+                            *bits = lanes
+                                .iter()
+                                .enumerate()
+                                .fold(0u16, |b, (l, &x)| b | u16::from(x != f32::NEG_INFINITY) << l);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Whether every element of `rows` rows of width `d` (row stride `rs`) is finite.
 pub(crate) fn rows_finite(data: &[f32], r0: usize, rows: usize, d: usize, rs: usize) -> bool {
     // A fold without early exit per row, so that it vectorises.
@@ -429,6 +482,38 @@ mod tests {
     /// A causal diagonal tile splits into row blocks that see keys up to their last row; a
     /// fully visible tile is one block; on every partial tile each visible pair lies in the
     /// block of its query row (windows and documents too).
+    /// The lane bits of every tile of several masks (tiles of 70 × 45 keys: blocks of 32
+    /// classified full, skipped and partial, a last vector half used) against the pair's own
+    /// visibility; the lanes past the keys never set.
+    #[test]
+    fn visible_lanes_are_the_visible_pairs() {
+        let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+        for params in [
+            causal.clone(),
+            AttentionParams { mask: Mask::Window { left: Some(40), right: Some(3) }, ..Default::default() },
+            AttentionParams { documents: Some(Documents::new(vec![70, 1, 99, 130]).unwrap()), ..causal.clone() },
+        ] {
+            let vis = Visibility::single_device(&params, 250, 300).unwrap();
+            let (q_spans, k_spans) =
+                (spans(&vis.q_pos, vis.q_doc.as_deref(), 70), spans(&vis.k_pos, vis.k_doc.as_deref(), 45));
+            let mut row = vec![0.0; 64];
+            for qs in &q_spans {
+                for ks in &k_spans {
+                    let n16 = ks.len.div_ceil(16);
+                    let mut bits = vec![0xffff; qs.len * n16];
+                    visible_lanes(&vis, qs.len, ks.len, n16, qs.start, ks.start, &mut row, &mut bits);
+                    for i in 0..qs.len {
+                        for j in 0..16 * n16 {
+                            let set = bits[i * n16 + j / 16] >> (j % 16) & 1 == 1;
+                            let want = j < ks.len && vis.visible(qs.start + i, ks.start + j);
+                            assert_eq!(set, want, "{params:?}: pair ({i}, {j}) of tile {qs:?} × {ks:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn row_blocks_limit_partial_tiles_to_their_reach() {
         let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
