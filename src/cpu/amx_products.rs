@@ -318,7 +318,7 @@ fn run(
             // operands were checked above (see `blocks`).
             unsafe { blocks_on_tiles(c, c_rs, rows, n16, &ops, finish, block) }
         }
-        BlockEngine::Twin => blocks(c, c_rs, rows, n16, &ops, finish, block, block_on_twin),
+        BlockEngine::Twin => blocks(c, c_rs, rows, n16, &ops, finish, block, &mut OnTwin::new()),
     }
     ran
 }
@@ -351,10 +351,9 @@ unsafe fn blocks_on_tiles(
     finish: Finish,
     block: &mut [f32],
 ) {
-    blocks(c, c_rs, rows, n16, ops, finish, block, |steps, a, b, c| {
-        // SAFETY: the caller's contract; each block's rows lie inside its operands (run).
-        unsafe { block_on_tiles(steps, a, b, c) }
-    })
+    // SAFETY: the tiles are configured (the caller's contract).
+    let mut kernel = unsafe { OnTiles::configured() };
+    blocks(c, c_rs, rows, n16, ops, finish, block, &mut kernel)
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -367,7 +366,66 @@ unsafe fn blocks_on_tiles(
     finish: Finish,
     block: &mut [f32],
 ) {
-    blocks(c, c_rs, rows, n16, ops, finish, block, block_on_twin)
+    blocks(c, c_rs, rows, n16, ops, finish, block, &mut OnTwin::new())
+}
+
+/// How the blocks' raw `A·B` are formed: [`Kernel::start`] issues a block's multiplies into
+/// the four accumulators, [`Kernel::store`] writes them out as 32 × 32 f32. (Running the
+/// previous block's epilogue between the two, so that the tiles multiply while the vector
+/// units work, measured no faster on the Intel Xeon of issue 43.)
+trait Kernel {
+    /// `acc = A · B` over `steps` steps of 16 pairs (zero when `steps` is 0): `a` 32 rows of
+    /// `16 · steps` pairs from `a.at` at `a.stride`, `b` `16 · steps` rows of 32 lanes from
+    /// `b.at` at `b.stride`.
+    ///
+    /// # Panics
+    /// When an operand is too short for that.
+    fn start(&mut self, steps: usize, a: Strided, b: Strided);
+    /// The last started block's `A·B` into `c[..32 · 32]` (rows of 32).
+    fn store(&mut self, c: &mut [f32]);
+}
+
+/// Whether `a` and `b` hold a block of `steps` steps (see [`Kernel::start`]).
+fn block_fits(steps: usize, a: Strided, b: Strided) -> bool {
+    steps == 0
+        || (a.at + (BLOCK - 1) * a.stride + steps * STEP <= a.data.len()
+            && b.at + (steps * STEP - 1) * b.stride + BLOCK <= b.data.len())
+}
+
+/// [`Kernel`] on the instruction-level twin: the same tile loads and `TDPBF16PS` order as
+/// [`OnTiles`], bit for bit the same result.
+struct OnTwin {
+    acc: Vec<Tile>,
+}
+
+impl OnTwin {
+    fn new() -> OnTwin {
+        OnTwin { acc: (0..4).map(|_| Tile::zeroed(HALF, 4 * HALF).expect("a 16 × 64-byte tile")).collect() }
+    }
+}
+
+impl Kernel for OnTwin {
+    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+        assert!(block_fits(steps, a, b), "AMX block: an operand too short");
+        let tile = |x: Strided, at: usize| {
+            Tile::load_pairs(HALF, HALF, &x.data[x.at + at..], x.stride).expect("a block's operand lies inside it")
+        };
+        *self = OnTwin::new();
+        for s in 0..steps {
+            let a_tiles = [tile(a, s * STEP), tile(a, HALF * a.stride + s * STEP)];
+            let b_tiles = [tile(b, s * STEP * b.stride), tile(b, s * STEP * b.stride + HALF)];
+            for (t, acc) in self.acc.iter_mut().enumerate() {
+                acc.dpbf16ps(&a_tiles[t / 2], &b_tiles[t % 2]).expect("tile shapes agree");
+            }
+        }
+    }
+
+    fn store(&mut self, c: &mut [f32]) {
+        for (t, acc) in self.acc.iter().enumerate() {
+            let at = (t / 2) * HALF * BLOCK + (t % 2) * HALF;
+            acc.store(bytemuck::cast_slice_mut(&mut c[at..]), BLOCK * 4).expect("the block holds its tiles");
+        }
+    }
 }
 
 /// Every 32 × 32 block of `C`: its raw `A·B` by `kernel` into `block`, then the finish into
@@ -382,8 +440,9 @@ fn blocks(
     ops: &Operands,
     mut finish: Finish,
     block: &mut [f32],
-    mut kernel: impl FnMut(usize, Strided, Strided, &mut [f32]),
+    kernel: &mut impl Kernel,
 ) {
+    let block = &mut block[..BLOCK * BLOCK];
     let (a, kp, steps) = (ops.a, ops.kp, ops.steps);
     // Column blocks outer: a block of B (16 · steps rows of 128 bytes) stays in the first-
     // level cache while every row block of A passes it.
@@ -400,11 +459,8 @@ fn blocks(
             let nv = (n16 - 2 * cb).min(2) * 16;
             if let Finish::Maxima(x) = &mut finish {
                 if block_seen(x.visible, x.n16, r0, nr, cb, nv) {
-                    if steps == 0 {
-                        block.fill(0.0);
-                    } else {
-                        kernel(steps, a_in, b_blk, block);
-                    }
+                    kernel.start(steps, a_in, b_blk);
+                    kernel.store(block);
                     // SAFETY: AVX512F and AVX512BW (with AVX512_BF16, asserted by
                     // product_maxima); the rows and lanes lie inside the row state.
                     unsafe { maxima_avx512(block, nr, nv, x, r0, cb) };
@@ -420,13 +476,10 @@ fn blocks(
                     }
                     continue;
                 }
-                if steps == 0 {
-                    block.fill(0.0);
-                } else {
-                    kernel(steps, a_in, b_blk, block);
-                }
-                // SAFETY: AVX512_BF16 asserted by product_exp2_bf16 (with AVX512F); the rows
-                // and lanes lie inside `p` and the row state (checked there).
+                kernel.start(steps, a_in, b_blk);
+                kernel.store(block);
+                // SAFETY: AVX512F, AVX512DQ and AVX512_BF16 asserted by product_exp2_bf16; the
+                // rows and lanes lie inside `p` and the row state (checked there).
                 unsafe {
                     if x.visible.is_some() {
                         probabilities_avx512::<true>(block, nr, nv, x, r0, at, cb)
@@ -436,11 +489,8 @@ fn blocks(
                 };
                 continue;
             }
-            if steps == 0 {
-                block.fill(0.0);
-            } else {
-                kernel(steps, a_in, b_blk, block);
-            }
+            kernel.start(steps, a_in, b_blk);
+            kernel.store(block);
             for i in 0..nr {
                 let out = &mut c[(r0 + i) * c_rs + cb * BLOCK..][..nv];
                 let raw = &block[i * BLOCK..][..nv];
@@ -598,26 +648,6 @@ fn engine_of(engine: BlockEngine) -> BlockEngine {
     }
 }
 
-/// One block on the twin: `c` (32 × 32) = `A[32 rows][16·steps pairs] · B[16·steps][32]`,
-/// the same tile loads and `TDPBF16PS` order as [`block_on_tiles`].
-fn block_on_twin(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
-    let tile = |x: Strided, at: usize| {
-        Tile::load_pairs(HALF, HALF, &x.data[x.at + at..], x.stride).expect("a block's operand lies inside it")
-    };
-    let mut acc: Vec<Tile> = (0..4).map(|_| Tile::zeroed(HALF, 4 * HALF).expect("a 16 × 64-byte tile")).collect();
-    for s in 0..steps {
-        let a_tiles = [tile(a, s * STEP), tile(a, HALF * a.stride + s * STEP)];
-        let b_tiles = [tile(b, s * STEP * b.stride), tile(b, s * STEP * b.stride + HALF)];
-        for (t, acc) in acc.iter_mut().enumerate() {
-            acc.dpbf16ps(&a_tiles[t / 2], &b_tiles[t % 2]).expect("tile shapes agree");
-        }
-    }
-    for (t, acc) in acc.iter().enumerate() {
-        let at = (t / 2) * HALF * BLOCK + (t % 2) * HALF;
-        acc.store(bytemuck::cast_slice_mut(&mut c[at..]), BLOCK * 4).expect("the block holds its tiles");
-    }
-}
-
 /// The tiles configured 8 × (16 rows × 64 bytes) for the life of the value, released when it
 /// drops (also on a panic).
 struct TilesInUse;
@@ -646,61 +676,89 @@ impl Drop for TilesInUse {
     }
 }
 
-/// One block on the processor's tiles (as [`block_on_twin`]).
-///
-/// # Safety
-/// The tiles are configured 16 × 64 bytes each ([`TilesInUse`]); `a` holds 32 rows of
-/// `16 · steps` pairs from `a.at` at `a.stride`, `b` holds `16 · steps` rows of 32 lanes from
-/// `b.at` at `b.stride`, and `c` at least 32 × 32 values.
+/// [`Kernel`] on the processor's tiles: A's row halves in tiles 0–1, B's column halves in
+/// 2–3, the accumulators in 4–7 (which keep a started block until [`Kernel::store`]).
 #[cfg(target_arch = "x86_64")]
-unsafe fn block_on_tiles(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
-    debug_assert!(c.len() >= BLOCK * BLOCK && steps > 0);
-    let a0 = a.data.as_ptr().add(a.at);
-    let b0 = b.data.as_ptr().add(b.at);
-    std::arch::asm!(
-        "tilezero tmm4",
-        "tilezero tmm5",
-        "tilezero tmm6",
-        "tilezero tmm7",
-        "2:",
-        "tileloadd tmm0, [{a0} + {lda}*1]",
-        "tileloadd tmm2, [{b0} + {ldb}*1]",
-        "tdpbf16ps tmm4, tmm0, tmm2",
-        "tileloadd tmm3, [{b1} + {ldb}*1]",
-        "tdpbf16ps tmm5, tmm0, tmm3",
-        "tileloadd tmm1, [{a1} + {lda}*1]",
-        "tdpbf16ps tmm6, tmm1, tmm2",
-        "tdpbf16ps tmm7, tmm1, tmm3",
-        "add {a0}, 64",
-        "add {a1}, 64",
-        "add {b0}, {bstep}",
-        "add {b1}, {bstep}",
-        "dec {steps}",
-        "jnz 2b",
-        "mov {t}, 128",
-        "tilestored [{c} + {t}*1], tmm4",
-        "tilestored [{c} + {t}*1 + 64], tmm5",
-        "tilestored [{c} + {t}*1 + 2048], tmm6",
-        "tilestored [{c} + {t}*1 + 2112], tmm7",
-        a0 = inout(reg) a0 => _,
-        a1 = inout(reg) a0.add(HALF * a.stride) => _,
-        b0 = inout(reg) b0 => _,
-        b1 = inout(reg) b0.add(HALF) => _,
-        lda = in(reg) a.stride * 4,
-        ldb = in(reg) b.stride * 4,
-        bstep = in(reg) STEP * b.stride * 4,
-        steps = inout(reg) steps => _,
-        c = in(reg) c.as_mut_ptr(),
-        t = out(reg) _,
-        out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
-        out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
-        options(nostack)
-    );
+struct OnTiles {
+    /// Only [`OnTiles::configured`] makes one.
+    _configured: (),
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn block_on_tiles(steps: usize, a: Strided, b: Strided, c: &mut [f32]) {
-    block_on_twin(steps, a, b, c)
+#[cfg(target_arch = "x86_64")]
+impl OnTiles {
+    /// # Safety
+    /// AMX available and the tiles configured 16 rows × 64 bytes each ([`TilesInUse`]) on this
+    /// thread for as long as the value is used.
+    unsafe fn configured() -> OnTiles {
+        OnTiles { _configured: () }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for OnTiles {
+    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+        assert!(block_fits(steps, a, b), "AMX block: an operand too short");
+        let (a0, b0) = (a.data.as_ptr().wrapping_add(a.at), b.data.as_ptr().wrapping_add(b.at));
+        // SAFETY: the tiles are configured (`configured`'s contract); every row the loads read
+        // lies inside the operands (asserted above: 32 rows of A, 16 · steps rows of B, 64
+        // bytes each from the block's start). The accumulators stay in tiles 4–7, which no
+        // compiled code touches, until `store`.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                "test {steps}, {steps}",
+                "jz 3f",
+                "2:",
+                "tileloadd tmm0, [{a0} + {lda}*1]",
+                "tileloadd tmm2, [{b0} + {ldb}*1]",
+                "tdpbf16ps tmm4, tmm0, tmm2",
+                "tileloadd tmm3, [{b1} + {ldb}*1]",
+                "tdpbf16ps tmm5, tmm0, tmm3",
+                "tileloadd tmm1, [{a1} + {lda}*1]",
+                "tdpbf16ps tmm6, tmm1, tmm2",
+                "tdpbf16ps tmm7, tmm1, tmm3",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, {bstep}",
+                "add {b1}, {bstep}",
+                "dec {steps}",
+                "jnz 2b",
+                "3:",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a0.wrapping_add(HALF * a.stride) => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b0.wrapping_add(HALF) => _,
+                lda = in(reg) a.stride * 4,
+                ldb = in(reg) b.stride * 4,
+                bstep = in(reg) STEP * b.stride * 4,
+                steps = inout(reg) steps => _,
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack, readonly)
+            );
+        }
+    }
+
+    fn store(&mut self, c: &mut [f32]) {
+        assert!(c.len() >= BLOCK * BLOCK, "AMX block: {} values to store 32 × 32 in", c.len());
+        // SAFETY: the tiles are configured; the four 16 × 16 f32 tiles land inside `c`'s
+        // 32 rows of 128 bytes (asserted above).
+        unsafe {
+            std::arch::asm!(
+                "mov {t}, 128",
+                "tilestored [{c} + {t}*1], tmm4",
+                "tilestored [{c} + {t}*1 + 64], tmm5",
+                "tilestored [{c} + {t}*1 + 2048], tmm6",
+                "tilestored [{c} + {t}*1 + 2112], tmm7",
+                c = in(reg) c.as_mut_ptr(),
+                t = out(reg) _,
+                options(nostack)
+            );
+        }
+    }
 }
 
 #[cfg(test)]

@@ -33,9 +33,15 @@ fn round32(x: __m512) -> __m512i {
     _mm512_cvtepu16_epi32(round16(x))
 }
 
-/// Whether every value is finite (exponent bits not all ones), without early exit so that
-/// it vectorises.
-pub(crate) fn all_finite(x: &[half::bf16]) -> bool {
+super::simd::dispatch!(
+    /// Whether every value is finite (exponent bits not all ones), without early exit so that
+    /// it vectorises (compiled for the widest vectors the processor has: the bf16 path checks
+    /// its inputs on every call).
+    all_finite => all_finite_impl(x: &[half::bf16]) -> bool
+);
+
+#[inline(always)]
+fn all_finite_impl<const WIDE: bool>(x: &[half::bf16]) -> bool {
     x.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80 != 0x7f80))
 }
 

@@ -253,7 +253,8 @@ pub(crate) struct PackedKeys<T> {
     tiles: usize,
     /// The first (batch, kv head) pair packed (`b · h_kv + hk`).
     first: usize,
-    /// Per block: whether its K and V rows are all finite.
+    /// Per block: whether its K and V rows are all finite (true without a check where the
+    /// path's inputs are finite: [`Packing::FINITE_INPUTS`]).
     finite: Vec<bool>,
     /// 16-lane vectors per step of K (`S`'s row length / 16) and of V.
     pub key_vectors: usize,
@@ -309,7 +310,8 @@ impl<T: Packing> PackedKeys<T> {
                 let (k, v) = (&k[k_at + ks.start * k_rs..], &v[v_at + ks.start * v_rs..]);
                 T::rows_as_lanes(k, ks.len, k_rs, d_qk, key_vectors, dk);
                 T::rows_as_steps(v, ks.len, v_rs, d_v, value_vectors, dv);
-                *fin = T::rows_finite(k, ks.len, k_rs, d_qk) && T::rows_finite(v, ks.len, v_rs, d_v);
+                *fin =
+                    T::FINITE_INPUTS || (T::rows_finite(k, ks.len, k_rs, d_qk) && T::rows_finite(v, ks.len, v_rs, d_v));
             });
         }
         let _element = std::marker::PhantomData;

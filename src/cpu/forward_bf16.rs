@@ -167,9 +167,8 @@ impl<'a> Worker<'a> {
 
     /// The lanes of key tile `ks` that the rows of query tile `qs` see, into `visible`.
     fn see(&mut self, qs: &Span, ks: &Span) {
-        let n16 = mm::vectors(ks.len);
-        let seen = &mut self.visible[..qs.len * n16];
-        visible_lanes(self.x.vis, qs.len, ks.len, n16, qs.start, ks.start, &mut self.s, seen);
+        let seen = &mut self.visible[..qs.len * mm::vectors(ks.len)];
+        visible_lanes(self.x.vis, qs, ks, &mut self.s, seen);
     }
 
     /// On tiles, before [`Worker::lazy`] where some row has no running max yet (a query

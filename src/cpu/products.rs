@@ -766,10 +766,24 @@ fn pack_row_pairs(src: &[bf16], rows: usize, rs: usize, d: usize, dst: &mut [u32
     }
 }
 
-/// B operand with the `rows` rows as lanes and their `d` columns as the pair steps (the keys
-/// of `S = Q·Kᵀ`): `vectors ≥ vectors(rows)` vectors per step, pads zero. `dst` must hold
-/// `pairs(d) · vectors · 16` pairs.
-pub(crate) fn pack_rows_as_lanes(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) {
+super::simd::dispatch!(
+    /// B operand with the `rows` rows as lanes and their `d` columns as the pair steps (the keys
+    /// of `S = Q·Kᵀ`): `vectors ≥ vectors(rows)` vectors per step, pads zero. `dst` must hold
+    /// `pairs(d) · vectors · 16` pairs.
+    ///
+    /// Compiled for the widest vectors the processor has (a call packs every key tile).
+    pack_rows_as_lanes => pack_rows_as_lanes_impl(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) -> ()
+);
+
+#[inline(always)]
+fn pack_rows_as_lanes_impl<const WIDE: bool>(
+    src: &[bf16],
+    rows: usize,
+    rs: usize,
+    d: usize,
+    vectors: usize,
+    dst: &mut [u32],
+) {
     assert!(rows <= vectors * 16, "{rows} rows in {vectors} vectors of lanes");
     let lanes = vectors * 16;
     let dst = &mut dst[..pairs(d) * lanes];
@@ -788,10 +802,24 @@ pub(crate) fn pack_rows_as_lanes(src: &[bf16], rows: usize, rs: usize, d: usize,
     }
 }
 
-/// B operand with the `rows` rows as the pair steps and their `d` columns as lanes (the
-/// values of `O = P·V`): `vectors ≥ vectors(d)` vectors per step, pads zero. `dst` must hold
-/// `pairs(rows) · vectors · 16` pairs.
-pub(crate) fn pack_rows_as_steps(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) {
+super::simd::dispatch!(
+    /// B operand with the `rows` rows as the pair steps and their `d` columns as lanes (the
+    /// values of `O = P·V`): `vectors ≥ vectors(d)` vectors per step, pads zero. `dst` must hold
+    /// `pairs(rows) · vectors · 16` pairs.
+    ///
+    /// Compiled for the widest vectors the processor has (a call packs every key tile).
+    pack_rows_as_steps => pack_rows_as_steps_impl(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) -> ()
+);
+
+#[inline(always)]
+fn pack_rows_as_steps_impl<const WIDE: bool>(
+    src: &[bf16],
+    rows: usize,
+    rs: usize,
+    d: usize,
+    vectors: usize,
+    dst: &mut [u32],
+) {
     assert!(d <= vectors * 16, "{d} columns in {vectors} vectors of lanes");
     let lanes = vectors * 16;
     for (i, out) in dst[..pairs(rows) * lanes].chunks_exact_mut(lanes).enumerate() {
@@ -826,6 +854,10 @@ pub(crate) trait Packing: Element + Default + bytemuck::Pod {
     fn rows_as_steps(src: &[Self::Src], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [Self]);
     /// Whether the `rows` rows (row `r` at `src[r · rs..][..d]`) are all finite.
     fn rows_finite(src: &[Self::Src], rows: usize, rs: usize, d: usize) -> bool;
+    /// Whether the inputs of this packing are finite by the precondition of its path (the
+    /// bf16 path runs only on finite inputs, checked once per call by `cpu::bf16_finite`),
+    /// so that the packing need not check them again.
+    const FINITE_INPUTS: bool;
 }
 
 /// Steps over `n` elements of the inner dimension.
@@ -835,6 +867,7 @@ pub(crate) fn steps<T: Element>(n: usize) -> usize {
 
 impl Packing for u32 {
     type Src = bf16;
+    const FINITE_INPUTS: bool = true;
     fn rows_as_lanes(src: &[bf16], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [u32]) {
         pack_rows_as_lanes(src, rows, rs, d, vectors, dst)
     }
@@ -848,6 +881,7 @@ impl Packing for u32 {
 
 impl Packing for f32 {
     type Src = f32;
+    const FINITE_INPUTS: bool = false;
     fn rows_as_lanes(src: &[f32], rows: usize, rs: usize, d: usize, vectors: usize, dst: &mut [f32]) {
         assert!(rows <= vectors * 16, "{rows} rows in {vectors} vectors of lanes");
         let lanes = vectors * 16;

@@ -232,11 +232,13 @@ macro_rules! dispatch {
         pub(crate) fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
                 unsafe fn v4($($arg: $ty),*) -> $ret { $imp::<true>($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn v3($($arg: $ty),*) -> $ret { $imp::<true>($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                {
                     // SAFETY: the processor has the features the function is compiled for.
                     return unsafe { v4($($arg),*) };
                 }

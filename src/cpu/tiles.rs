@@ -225,23 +225,21 @@ pub(crate) fn mask_rows(vis: &Visibility, s: &mut [f32], sr: usize, rows: usize,
     }
 }
 
-/// The keys query rows `q0..q0 + rows` see of a tile's keys `k0..k0 + bc`, as lane bits:
-/// bit `l` of `out[i · n16 + j]` is set where key `16 · j + l` (below `bc`) is visible to row
-/// `q0 + i` ([`Visibility::mask_query_row`]); lanes from `bc` to `16 · n16` are never set.
-/// Blocks of 32 rows × 32 keys are classified first ([`classify`]): only rows of a partially
-/// visible block are masked key by key. `row` is scratch of at least 32 values.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn visible_lanes(
-    vis: &Visibility,
-    rows: usize,
-    bc: usize,
-    n16: usize,
-    q0: usize,
-    k0: usize,
-    row: &mut [f32],
-    out: &mut [u16],
-) {
+super::simd::dispatch!(
+    /// The keys the rows of query tile `qs` see of key tile `ks`, as lane bits: with
+    /// `n16 = ⌈ks.len / 16⌉`, bit `l` of `out[i · n16 + j]` is set where key `16 · j + l`
+    /// (below `ks.len`) is visible to row `qs.start + i` ([`Visibility::mask_query_row`]);
+    /// lanes from `ks.len` to `16 · n16` are never set. Blocks of 32 rows × 32 keys are
+    /// classified first ([`classify`]): only rows of a partially visible block are masked key
+    /// by key. `row` is scratch of at least 32 values. Compiled for the widest vectors the
+    /// processor has.
+    visible_lanes => visible_lanes_impl(vis: &Visibility, qs: &Span, ks: &Span, row: &mut [f32], out: &mut [u16]) -> ()
+);
+
+#[inline(always)]
+fn visible_lanes_impl<const WIDE: bool>(vis: &Visibility, qs: &Span, ks: &Span, row: &mut [f32], out: &mut [u16]) {
     const B: usize = 32;
+    let (rows, bc, n16, q0, k0) = (qs.len, ks.len, ks.len.div_ceil(16), qs.start, ks.start);
     let q_blocks = spans(&vis.q_pos[q0..q0 + rows], vis.q_doc.as_deref().map(|d| &d[q0..q0 + rows]), B);
     let k_blocks = spans(&vis.k_pos[k0..k0 + bc], vis.k_doc.as_deref().map(|d| &d[k0..k0 + bc]), B);
     let out = &mut out[..rows * n16];
@@ -501,7 +499,7 @@ mod tests {
                 for ks in &k_spans {
                     let n16 = ks.len.div_ceil(16);
                     let mut bits = vec![0xffff; qs.len * n16];
-                    visible_lanes(&vis, qs.len, ks.len, n16, qs.start, ks.start, &mut row, &mut bits);
+                    visible_lanes(&vis, qs, ks, &mut row, &mut bits);
                     for i in 0..qs.len {
                         for j in 0..16 * n16 {
                             let set = bits[i * n16 + j / 16] >> (j % 16) & 1 == 1;
