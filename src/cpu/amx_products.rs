@@ -95,6 +95,31 @@ pub(crate) fn product(
     run(c, c_rs, rows, n16, a, b, k2, Finish::Epilogue(epi), engine, scratch)
 }
 
+/// [`product`] with [`Epilogue::Add`], the sums formed in the tiles: each whole 32 × 32 block
+/// of `C` is loaded into the accumulator tiles, the products added there in the tiles' order,
+/// and stored back (no staged block, no vector pass); blocks on `C`'s edges as [`product`].
+/// The bf16 forward's `O += P·V` on a lazily rescaled tile. (A separate function, so that a
+/// call's rounding never depends on where its buffers happen to lie.)
+///
+/// # Panics
+/// As [`product`]; `C` not starting on a 64-byte line or `c_rs` not whole lines (the tiles
+/// load its rows: [`super::aligned`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accumulate(
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    n16: usize,
+    a: AOperand<u32>,
+    b: BOperand<u32>,
+    k2: usize,
+    engine: BlockEngine,
+    scratch: &mut Scratch,
+) -> BlockEngine {
+    assert!(on_line(c.as_ptr()) && (c_rs * 4).is_multiple_of(LINE), "AMX accumulate: C off whole cache lines");
+    run(c, c_rs, rows, n16, a, b, k2, Finish::Accumulate, engine, scratch)
+}
+
 /// [`product`] with [`Epilogue::Set`]`(scale)` that also takes the running maximum of each
 /// row's values per lane as it stores them: `maxes[r · 16 + l]` = the largest of row `r`'s
 /// lanes `l` of every vector (NaN once one is NaN; the caller reduces the 16 lanes, as after
@@ -126,18 +151,20 @@ pub(crate) fn product_max(
 /// [`super::products::product_exp2_bf16`] computes them from its registers: from each block's
 /// raw `A·B` staged in the first-level cache, the shifted score `x = scale · (A·B) − sub[r]`
 /// (one rounding), `2^x` ([`super::simd::avx512::exp2_finite`]) rounded to bf16 into `p` (row
-/// `r` at `p[r · p_rs..][..16 · n16]`, keys in order: the A pairs of `P·V`), the running
-/// maximum of `x` per lane into `maxes[r · 16..]` and the sum of the unrounded `2^x` per lane
-/// into `sums[r · 16..]` (both added to what they hold). No `C`: the scores are never stored.
+/// `r` at `p[r · p_rs..][..16 · n16]`, keys in order: the A pairs of `P·V`) and the sum of
+/// the unrounded `2^x` per lane into `sums[r · 16..]` (added to what it holds). No `C`: the
+/// scores are never stored. Unlike the vector product, no maxima: every `2^x` is at most its
+/// lane's sum, so the caller bounds the growth of the scores by the sums (one instruction
+/// fewer per 16 scores, in an epilogue bound by its vector instructions).
 ///
 /// With `visible`, lane `l` of vector `j` of row `r` is seen only where bit `l` of
-/// `visible[r · n16 + j]` is set: the others' `x` is `-inf` (P 0, no share in the maxima or
-/// sums), and a block of 32 × 32 that sees nothing is not multiplied at all (its P zeros).
+/// `visible[r · n16 + j]` is set: the others' `x` is `-inf` (P 0, no share in the sums), and
+/// a block of 32 × 32 that sees nothing is not multiplied at all (its P zeros).
 ///
 /// # Panics
-/// As [`product`], with `p` in place of `C`; `sub` shorter than `rows`, `maxes` or `sums`
-/// shorter than `16 · rows`, `visible` shorter than `rows · n16`; a processor without
-/// AVX512_BF16 (the bf16 path's own condition).
+/// As [`product`], with `p` in place of `C`; `sub` shorter than `rows`, `sums` shorter than
+/// `16 · rows`, `visible` shorter than `rows · n16`; a processor without AVX512_BF16 (the
+/// bf16 path's own condition).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_exp2_bf16(
     p: &mut [u16],
@@ -149,7 +176,6 @@ pub(crate) fn product_exp2_bf16(
     k2: usize,
     scale: f32,
     sub: &[f32],
-    maxes: &mut [f32],
     sums: &mut [f32],
     visible: Option<&[u16]>,
     engine: BlockEngine,
@@ -158,11 +184,8 @@ pub(crate) fn product_exp2_bf16(
     assert!(super::products::bf16_available(), "AMX product: the probabilities' epilogue needs AVX512_BF16");
     assert!(visible.is_none_or(|v| v.len() >= rows * n16), "AMX product: visible lanes too short");
     assert!(rows == 0 || (p_rs >= 16 * n16 && (rows - 1) * p_rs + 16 * n16 <= p.len()), "AMX product: P too short");
-    assert!(
-        sub.len() >= rows && maxes.len() >= 16 * rows && sums.len() >= 16 * rows,
-        "AMX product: row state too short"
-    );
-    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, maxes, sums, visible, n16 });
+    assert!(sub.len() >= rows && sums.len() >= 16 * rows, "AMX product: row state too short");
+    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, sums, visible, n16 });
     run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
 }
 
@@ -172,7 +195,6 @@ struct Probabilities<'a> {
     sub: &'a [f32],
     p: &'a mut [u16],
     p_rs: usize,
-    maxes: &'a mut [f32],
     sums: &'a mut [f32],
     /// The visible lanes, `[rows][n16]` bits (none: every lane).
     visible: Option<&'a [u16]>,
@@ -231,6 +253,8 @@ enum Finish<'a, 'm> {
     Exp2Bf16(Probabilities<'m>),
     /// No `C`: the maxima of [`product_maxima`].
     Maxima(Maxima<'m>),
+    /// `C += A·B` accumulated in the tiles ([`accumulate`]).
+    Accumulate,
 }
 
 /// [`product`] and [`product_max`]: the checks, the padded operands and the engine.
@@ -383,6 +407,16 @@ trait Kernel {
     fn start(&mut self, steps: usize, a: Strided, b: Strided);
     /// The last started block's `A·B` into `c[..32 · 32]` (rows of 32).
     fn store(&mut self, c: &mut [f32]);
+    /// [`Kernel::start`] from the block of `C` at `c[at..]` (32 rows of 32 at `c_rs`) in
+    /// place of zero: `acc = C + A · B`, in the tiles' order of accumulation.
+    fn start_from(&mut self, c: &[f32], at: usize, c_rs: usize, steps: usize, a: Strided, b: Strided);
+    /// The last started block's accumulators into the block of `C` at `c[at..]`.
+    fn store_to(&mut self, c: &mut [f32], at: usize, c_rs: usize);
+}
+
+/// Whether `c` holds a block of 32 rows of 32 at `at`, row stride `c_rs`.
+fn c_block_fits(c: &[f32], at: usize, c_rs: usize) -> bool {
+    c_rs >= BLOCK && at + (BLOCK - 1) * c_rs + BLOCK <= c.len()
 }
 
 /// Whether `a` and `b` hold a block of `steps` steps (see [`Kernel::start`]).
@@ -404,13 +438,13 @@ impl OnTwin {
     }
 }
 
-impl Kernel for OnTwin {
-    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+impl OnTwin {
+    /// The multiplies of [`Kernel::start`] onto the accumulators as they are.
+    fn multiply(&mut self, steps: usize, a: Strided, b: Strided) {
         assert!(block_fits(steps, a, b), "AMX block: an operand too short");
         let tile = |x: Strided, at: usize| {
             Tile::load_pairs(HALF, HALF, &x.data[x.at + at..], x.stride).expect("a block's operand lies inside it")
         };
-        *self = OnTwin::new();
         for s in 0..steps {
             let a_tiles = [tile(a, s * STEP), tile(a, HALF * a.stride + s * STEP)];
             let b_tiles = [tile(b, s * STEP * b.stride), tile(b, s * STEP * b.stride + HALF)];
@@ -419,11 +453,33 @@ impl Kernel for OnTwin {
             }
         }
     }
+}
+
+impl Kernel for OnTwin {
+    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+        *self = OnTwin::new();
+        self.multiply(steps, a, b);
+    }
 
     fn store(&mut self, c: &mut [f32]) {
+        self.store_to(c, 0, BLOCK);
+    }
+
+    fn start_from(&mut self, c: &[f32], at: usize, c_rs: usize, steps: usize, a: Strided, b: Strided) {
+        assert!(c_block_fits(c, at, c_rs), "AMX block: C too short");
+        let bits: &[u32] = bytemuck::cast_slice(c);
+        for (t, acc) in self.acc.iter_mut().enumerate() {
+            let from = at + (t / 2) * HALF * c_rs + (t % 2) * HALF;
+            *acc = Tile::load_pairs(HALF, HALF, &bits[from..], c_rs).expect("the block holds its tiles");
+        }
+        self.multiply(steps, a, b);
+    }
+
+    fn store_to(&mut self, c: &mut [f32], at: usize, c_rs: usize) {
+        assert!(c_block_fits(c, at, c_rs), "AMX block: C too short");
         for (t, acc) in self.acc.iter().enumerate() {
-            let at = (t / 2) * HALF * BLOCK + (t % 2) * HALF;
-            acc.store(bytemuck::cast_slice_mut(&mut c[at..]), BLOCK * 4).expect("the block holds its tiles");
+            let to = at + (t / 2) * HALF * c_rs + (t % 2) * HALF;
+            acc.store(bytemuck::cast_slice_mut(&mut c[to..]), c_rs * 4).expect("the block holds its tiles");
         }
     }
 }
@@ -489,6 +545,13 @@ fn blocks(
                 };
                 continue;
             }
+            let at = r0 * c_rs + cb * BLOCK;
+            if matches!(finish, Finish::Accumulate) && nr == BLOCK && nv == BLOCK {
+                // A whole block of C on lines: the tiles accumulate into it in place.
+                kernel.start_from(c, at, c_rs, steps, a_in, b_blk);
+                kernel.store_to(c, at, c_rs);
+                continue;
+            }
             kernel.start(steps, a_in, b_blk);
             kernel.store(block);
             for i in 0..nr {
@@ -496,7 +559,9 @@ fn blocks(
                 let raw = &block[i * BLOCK..][..nv];
                 match finish {
                     Finish::Epilogue(Epilogue::Set(s)) => out.iter_mut().zip(raw).for_each(|(o, &x)| *o = s * x),
-                    Finish::Epilogue(Epilogue::Add) => out.iter_mut().zip(raw).for_each(|(o, &x)| *o += x),
+                    Finish::Epilogue(Epilogue::Add) | Finish::Accumulate => {
+                        out.iter_mut().zip(raw).for_each(|(o, &x)| *o += x)
+                    }
                     Finish::Epilogue(Epilogue::Rescale(alpha)) => {
                         let f = alpha[r0 + i];
                         out.iter_mut().zip(raw).for_each(|(o, &x)| *o = f * *o + x)
@@ -549,9 +614,9 @@ unsafe fn probabilities_avx512<const MASKED: bool>(
         let r = r0 + i;
         let sub = _mm512_set1_ps(x.sub[r]);
         let seen = if MASKED { &x.visible.unwrap_or_default()[r * x.n16 + 2 * cb..][..nv / 16] } else { &[][..] };
-        let (mut row_max, mut row_sum) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
+        let mut row_sum = _mm512_setzero_ps();
         // 16 lanes: the shifted score in one rounding (as the vector product's epilogue forms
-        // it), its maximum, 2^x and its sum.
+        // it), 2^x and its sum.
         let mut lanes = |v: usize| {
             // SAFETY: 16 values of the block's row i (the caller's contract).
             let raw = unsafe { _mm512_loadu_ps(block.as_ptr().add(i * BLOCK + v)) };
@@ -559,7 +624,6 @@ unsafe fn probabilities_avx512<const MASKED: bool>(
             if MASKED {
                 shifted = _mm512_mask_blend_ps(seen[v / 16], hidden, shifted);
             }
-            row_max = _mm512_max_ps(row_max, shifted);
             let y = super::simd::avx512::exp2_finite(shifted);
             row_sum = _mm512_add_ps(row_sum, y);
             y
@@ -577,12 +641,9 @@ unsafe fn probabilities_avx512<const MASKED: bool>(
             // SAFETY: 16 values of P's row r (the caller's contract).
             unsafe { _mm256_storeu_si256(out.cast(), std::mem::transmute::<__m256bh, __m256i>(rounded)) };
         }
-        let (mp, sp) = (&mut x.maxes[r * 16..][..16], &mut x.sums[r * 16..][..16]);
-        // SAFETY: 16 values each.
-        unsafe {
-            _mm512_storeu_ps(mp.as_mut_ptr(), _mm512_max_ps(_mm512_loadu_ps(mp.as_ptr()), row_max));
-            _mm512_storeu_ps(sp.as_mut_ptr(), _mm512_add_ps(_mm512_loadu_ps(sp.as_ptr()), row_sum));
-        }
+        let sp = &mut x.sums[r * 16..][..16];
+        // SAFETY: 16 values.
+        unsafe { _mm512_storeu_ps(sp.as_mut_ptr(), _mm512_add_ps(_mm512_loadu_ps(sp.as_ptr()), row_sum)) };
     }
 }
 
@@ -695,8 +756,9 @@ impl OnTiles {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Kernel for OnTiles {
-    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+impl OnTiles {
+    /// The multiplies of [`Kernel::start`] onto tiles 4–7 as they are.
+    fn multiply(&mut self, steps: usize, a: Strided, b: Strided) {
         assert!(block_fits(steps, a, b), "AMX block: an operand too short");
         let (a0, b0) = (a.data.as_ptr().wrapping_add(a.at), b.data.as_ptr().wrapping_add(b.at));
         // SAFETY: the tiles are configured (`configured`'s contract); every row the loads read
@@ -705,10 +767,6 @@ impl Kernel for OnTiles {
         // compiled code touches, until `store`.
         unsafe {
             std::arch::asm!(
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tilezero tmm6",
-                "tilezero tmm7",
                 "test {steps}, {steps}",
                 "jz 3f",
                 "2:",
@@ -741,20 +799,64 @@ impl Kernel for OnTiles {
             );
         }
     }
+}
 
-    fn store(&mut self, c: &mut [f32]) {
-        assert!(c.len() >= BLOCK * BLOCK, "AMX block: {} values to store 32 × 32 in", c.len());
-        // SAFETY: the tiles are configured; the four 16 × 16 f32 tiles land inside `c`'s
-        // 32 rows of 128 bytes (asserted above).
+#[cfg(target_arch = "x86_64")]
+impl Kernel for OnTiles {
+    fn start(&mut self, steps: usize, a: Strided, b: Strided) {
+        // SAFETY: the tiles are configured (`configured`'s contract).
         unsafe {
             std::arch::asm!(
-                "mov {t}, 128",
-                "tilestored [{c} + {t}*1], tmm4",
-                "tilestored [{c} + {t}*1 + 64], tmm5",
-                "tilestored [{c} + {t}*1 + 2048], tmm6",
-                "tilestored [{c} + {t}*1 + 2112], tmm7",
-                c = in(reg) c.as_mut_ptr(),
-                t = out(reg) _,
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack, nomem)
+            );
+        }
+        self.multiply(steps, a, b);
+    }
+
+    fn store(&mut self, c: &mut [f32]) {
+        self.store_to(c, 0, BLOCK);
+    }
+
+    fn start_from(&mut self, c: &[f32], at: usize, c_rs: usize, steps: usize, a: Strided, b: Strided) {
+        assert!(c_block_fits(c, at, c_rs), "AMX block: C too short");
+        let c0 = c.as_ptr().wrapping_add(at);
+        // SAFETY: the tiles are configured; the four 16 × 16 f32 tiles lie inside `c`'s 32
+        // rows of 128 bytes from `at` (asserted above).
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm4, [{c0} + {ld}*1]",
+                "tileloadd tmm5, [{c0} + {ld}*1 + 64]",
+                "tileloadd tmm6, [{c1} + {ld}*1]",
+                "tileloadd tmm7, [{c1} + {ld}*1 + 64]",
+                c0 = in(reg) c0,
+                c1 = in(reg) c0.wrapping_add(HALF * c_rs),
+                ld = in(reg) c_rs * 4,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack, readonly)
+            );
+        }
+        self.multiply(steps, a, b);
+    }
+
+    fn store_to(&mut self, c: &mut [f32], at: usize, c_rs: usize) {
+        assert!(c_block_fits(c, at, c_rs), "AMX block: C too short");
+        let c0 = c.as_mut_ptr().wrapping_add(at);
+        // SAFETY: the tiles are configured; the four 16 × 16 f32 tiles land inside `c`'s 32
+        // rows of 128 bytes from `at` (asserted above).
+        unsafe {
+            std::arch::asm!(
+                "tilestored [{c0} + {ld}*1], tmm4",
+                "tilestored [{c0} + {ld}*1 + 64], tmm5",
+                "tilestored [{c1} + {ld}*1], tmm6",
+                "tilestored [{c1} + {ld}*1 + 64], tmm7",
+                c0 = in(reg) c0,
+                c1 = in(reg) c0.wrapping_add(HALF * c_rs),
+                ld = in(reg) c_rs * 4,
                 options(nostack)
             );
         }
@@ -855,6 +957,26 @@ mod tests {
                 }
                 let bits = |c: &[f32]| c.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&outs[0]), bits(&outs[1]), "the tiles and the twin differ");
+                if matches!(epi, Epilogue::Add) {
+                    // The same sums formed in the tiles, C on lines: within the same bound,
+                    // the twin and the tiles bit for bit.
+                    let mut sums = Vec::new();
+                    for engine in [BlockEngine::Twin, BlockEngine::Tiles] {
+                        let mut c = Lines::<f32>::zeroed(c0.len());
+                        c.copy_from_slice(&c0);
+                        accumulate(&mut c, c_rs, rows, n16, a, b, k2, engine, &mut Scratch::default());
+                        for r in 0..rows {
+                            for l in 0..n16 * 16 {
+                                let (got, old) = (c[r * c_rs + l] as f64, c0[r * c_rs + l] as f64);
+                                let bound =
+                                    (2.0 * k2 as f64 + 4.0) * f32::EPSILON as f64 * (old.abs() + magnitude(r, l));
+                                assert!((got - old - want(r, l)).abs() <= bound + 1e-30, "accumulate c[{r}][{l}]");
+                            }
+                        }
+                        sums.push(bits(&c));
+                    }
+                    assert_eq!(sums[0], sums[1], "the tiles and the twin accumulate differently");
+                }
                 if mm::bf16_available() {
                     let mut c = c0.clone();
                     mm::product(&mut c, c_rs, rows, n16, a, b, k2, epi, mm::Reach::All);

@@ -147,12 +147,14 @@ pub(crate) struct RowState {
     pub m: Vec<f32>,
     pub l: Vec<f32>,
     pub alpha: Vec<f32>,
-    pub acc: Vec<f32>,
+    /// On whole cache lines: the AMX tiles accumulate `P·V` into it in place.
+    pub acc: Lines<f32>,
 }
 
 impl RowState {
     pub fn new(bq: usize, rs: usize) -> Self {
-        RowState { rows: 0, rs, m: vec![0.0; bq], l: vec![0.0; bq], alpha: vec![0.0; bq], acc: vec![0.0; bq * rs] }
+        let acc = Lines::zeroed(bq * rs);
+        RowState { rows: 0, rs, m: vec![0.0; bq], l: vec![0.0; bq], alpha: vec![0.0; bq], acc }
     }
 
     /// Starts a query tile of `rows` rows: no key seen (`m = -inf`, `l = 0`, `acc = 0`).

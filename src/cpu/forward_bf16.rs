@@ -21,7 +21,9 @@
 //! tile is lazy: a partial tile (or one with padding lanes) masks the lanes its rows do not
 //! see in the epilogue ([`visible_lanes`]; blocks of 32 × 32 that see nothing are not
 //! multiplied), and a task's first tile takes its row maxima from the products alone
-//! ([`amx::product_maxima`], S not stored) before its probabilities against them.
+//! ([`amx::product_maxima`], S not stored) before its probabilities against them; the
+//! tiles' epilogue takes no maxima (the lane sums bound the growth) and `P·V` is summed into
+//! the output's rows in the tiles ([`amx::accumulate`]).
 
 use super::aligned::Lines;
 use super::amx_products::{self as amx, Unit};
@@ -139,24 +141,30 @@ impl<'a> Worker<'a> {
     fn lazy(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32, masked: bool) -> bool {
         let visible = masked.then(|| &self.visible[..br * n16]);
         let (maxes, sums) = (&mut self.maxes[..16 * br], &mut self.sums[..16 * br]);
-        maxes.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut self.p[..br * self.p_rs]);
         let m = &self.st.m[..br];
         // P's rows in bf16 lanes (`p_rs` counts pairs).
         let p_rs = 2 * self.p_rs;
-        match self.unit {
+        // The largest shifted score, or on tiles (no maxima there) the log2 of the largest
+        // lane sum: every 2^x is at most its lane's sum, so this bounds the growth as the
+        // maxima do — more strictly (many scores grown a little also fail it).
+        let (x_max, total) = match self.unit {
             Unit::Tiles(engine) => {
                 let tiles = &mut self.tiles;
-                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums, visible, engine, tiles);
+                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, sums, visible, engine, tiles);
+                // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
+                let (sum_max, total) = unsafe { simd::avx512::max_and_total(sums, sums) };
+                (sum_max.log2(), total)
             }
             Unit::Vector => {
                 assert!(visible.is_none(), "the vector products' epilogue masks no lanes");
-                mm::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums)
+                maxes.fill(f32::NEG_INFINITY);
+                mm::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, maxes, sums);
+                // SAFETY: as above.
+                unsafe { simd::avx512::max_and_total(maxes, sums) }
             }
-        }
-        // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
-        let (x_max, total) = unsafe { simd::avx512::max_and_total(maxes, sums) };
+        };
         let bounded = x_max <= LAZY_GROWTH && total.is_finite();
         if bounded {
             // SAFETY: as above.
@@ -331,7 +339,12 @@ impl QueryTileWork for Worker<'_> {
             let acc = &mut self.st.acc[..br * or];
             match self.unit {
                 Unit::Tiles(engine) => {
-                    amx::product(acc, or, br, mm::vectors(d_v), pa, vop, mm::pairs(bc), epi, engine, &mut self.tiles);
+                    let (n16, k2, tiles) = (mm::vectors(d_v), mm::pairs(bc), &mut self.tiles);
+                    if matches!(epi, Epilogue::Add) {
+                        amx::accumulate(acc, or, br, n16, pa, vop, k2, engine, tiles);
+                    } else {
+                        amx::product(acc, or, br, n16, pa, vop, k2, epi, engine, tiles);
+                    }
                 }
                 Unit::Vector => {
                     let pv_steps = mm::Reach::steps(&key_reach);
