@@ -436,9 +436,7 @@ impl OnTwin {
     fn new() -> OnTwin {
         OnTwin { acc: (0..4).map(|_| Tile::zeroed(HALF, 4 * HALF).expect("a 16 × 64-byte tile")).collect() }
     }
-}
 
-impl OnTwin {
     /// The multiplies of [`Kernel::start`] onto the accumulators as they are.
     fn multiply(&mut self, steps: usize, a: Strided, b: Strided) {
         assert!(block_fits(steps, a, b), "AMX block: an operand too short");
@@ -753,10 +751,7 @@ impl OnTiles {
     unsafe fn configured() -> OnTiles {
         OnTiles { _configured: () }
     }
-}
 
-#[cfg(target_arch = "x86_64")]
-impl OnTiles {
     /// The multiplies of [`Kernel::start`] onto tiles 4–7 as they are.
     fn multiply(&mut self, steps: usize, a: Strided, b: Strided) {
         assert!(block_fits(steps, a, b), "AMX block: an operand too short");
