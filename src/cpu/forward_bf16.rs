@@ -134,9 +134,10 @@ impl<'a> Worker<'a> {
     /// rounded to bf16 into `p` — a fully visible tile without padding lanes, or on tiles
     /// with `masked` any tile, the lanes its rows do not see (`visible`, filled by
     /// [`Worker::see`]) masked in the epilogue. Returns whether every shifted score stayed
-    /// within [`LAZY_GROWTH`] and every sum finite (then `l` has the tile's sums and `p` its
-    /// P, and the output needs no rescale); otherwise nothing but `p` changed and the tile
-    /// takes the exact passes.
+    /// within [`LAZY_GROWTH`] (on tiles: every lane sum within `2^LAZY_GROWTH`, which bounds
+    /// each score as strictly or more) and every sum finite (then `l` has the tile's sums
+    /// and `p` its P, and the output needs no rescale); otherwise nothing but `p` changed and
+    /// the tile takes the exact passes.
     #[allow(clippy::too_many_arguments)]
     fn lazy(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32, masked: bool) -> bool {
         let visible = masked.then(|| &self.visible[..br * n16]);
