@@ -329,23 +329,22 @@ fn cpu_arithmetic_is_chosen_on_the_command_line() {
     assert!(!r.status.success() && err.contains("fp8"), "{err}");
 }
 
-/// `--cpu-matrix-unit`: `vector` verifies (single-device and on a ring, the tiles left out
-/// where the processor has them); where no bf16 product runs it is refused, not dropped; an
-/// unknown unit is named.
+/// `--cpu-matrix-unit`: `vector` verifies (bf16 and f32 products, single-device and on a
+/// ring, the tiles left out where the processor has them); where no CPU product runs it is
+/// refused, not dropped; an unknown unit is named.
 #[test]
 fn cpu_matrix_unit_is_chosen_on_the_command_line() {
     for strategy in [&["--strategy", "single"][..], &["--strategy", "ring", "--world", "3"][..]] {
-        let mut args = vec!["verify", "--shape", "1,90,4,2,48", "--dtype", "bf16", "--causal"];
-        args.extend(["--cpu-matrix-unit", "vector"]);
-        args.extend(strategy);
-        let r = ringattn(&args);
-        assert!(r.status.success(), "{strategy:?}: {}", String::from_utf8_lossy(&r.stdout));
+        for dtype in [&["--dtype", "bf16"][..], &["--dtype", "f32"], &["--dtype", "bf16", "--cpu-arithmetic", "f32"]] {
+            let mut args = vec!["verify", "--shape", "1,90,4,2,48", "--causal"];
+            args.extend(dtype);
+            args.extend(["--cpu-matrix-unit", "vector"]);
+            args.extend(strategy);
+            let r = ringattn(&args);
+            assert!(r.status.success(), "{strategy:?} {dtype:?}: {}", String::from_utf8_lossy(&r.stdout));
+        }
     }
-    for refused in [
-        &["--cpu-arithmetic", "f32", "--cpu-matrix-unit", "vector"][..],
-        &["--backend", "emu", "--cpu-matrix-unit", "vector"][..],
-        &["--cpu-matrix-unit", "tiles"][..],
-    ] {
+    for refused in [&["--backend", "emu", "--cpu-matrix-unit", "vector"][..], &["--cpu-matrix-unit", "tiles"][..]] {
         let mut args = vec!["verify", "--shape", "1,20,1,1,16", "--dtype", "bf16"];
         args.extend(refused);
         let r = ringattn(&args);

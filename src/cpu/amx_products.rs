@@ -46,6 +46,78 @@ impl Unit {
     }
 }
 
+/// How [`product_exp2_bf16`] writes the probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum PRows {
+    /// Each rounded to bf16: row `r` at `p[r · p_rs..][..16 · n16]`.
+    #[default]
+    Rounded,
+    /// Each split into three bf16 parts by truncation (exactly their sum:
+    /// [`super::bf16_rows::truncated_parts`]), part `j` of row `r` at `p[r · p_rs + j ·
+    /// part..][..16 · n16]` with `part` = [`split_lanes`]`(n16)` (a padding vector after an odd
+    /// count zeroed): the A side of the f32 forward's `P·V` ([`Depth::split`]).
+    Split,
+}
+
+/// Lanes of each part of a split row over `n16` vectors: whole 16-pair steps of the tiles.
+pub(crate) fn split_lanes(n16: usize) -> usize {
+    32 * n16.div_ceil(2)
+}
+
+/// The inner dimension of a product on the tiles, in pair steps of A's rows and B's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Depth {
+    /// Pairs the operands span.
+    pairs: usize,
+    /// How they are multiplied.
+    parts: Parts,
+}
+
+/// How a [`Depth`]'s pairs are multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Parts {
+    /// In order.
+    Whole,
+    /// Each operand holds three parts of `steps` whole steps (16 pairs) each
+    /// ([`super::split`]), multiplied part by part in the six pairs of
+    /// [`super::split::A_PARTS`] and [`super::split::B_PARTS`] into one accumulator.
+    Split(usize),
+    /// As `Split`, only the leading parts' product `x0·y0`.
+    Leading(usize),
+}
+
+impl From<usize> for Depth {
+    /// `pairs` pair steps, multiplied in order.
+    fn from(pairs: usize) -> Depth {
+        Depth { pairs, parts: Parts::Whole }
+    }
+}
+
+impl Depth {
+    /// Three parts of `part` pairs each (a multiple of 16: whole steps) on each side, their
+    /// six products summed small ones first: f32 products from bf16 parts.
+    ///
+    /// # Panics
+    /// When `part` is not a multiple of 16.
+    pub(crate) fn split(part: usize) -> Depth {
+        assert!(part.is_multiple_of(STEP), "a split depth of {part} pairs: parts are whole steps of {STEP}");
+        Depth { pairs: 3 * part, parts: Parts::Split(part / STEP) }
+    }
+
+    /// Operands as [`Depth::split`], only their leading parts multiplied (`x0·y0`: bf16
+    /// products of the values rounded to bf16) — an estimate within about `2^-8` of each
+    /// product's magnitude, for what needs no more (a first tile's row maxima).
+    ///
+    /// # Panics
+    /// As [`Depth::split`].
+    pub(crate) fn leading(self) -> Depth {
+        match self.parts {
+            Parts::Split(steps) | Parts::Leading(steps) => Depth { parts: Parts::Leading(steps), ..self },
+            Parts::Whole => self,
+        }
+    }
+}
+
 /// Pairs of the inner dimension per `TDPBF16PS` (one 64-byte row of an A tile).
 const STEP: usize = 16;
 /// Rows and lanes of a block: 2 × 2 tiles of 16 × 16.
@@ -87,12 +159,12 @@ pub(crate) fn product(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    k2: impl Into<Depth>,
     epi: Epilogue,
     engine: BlockEngine,
     scratch: &mut Scratch,
 ) -> BlockEngine {
-    run(c, c_rs, rows, n16, a, b, k2, Finish::Epilogue(epi), engine, scratch)
+    run(c, c_rs, rows, n16, a, b, k2.into(), Finish::Epilogue(epi), engine, scratch)
 }
 
 /// [`product`] with [`Epilogue::Add`], the sums formed in the tiles: each whole 32 × 32 block
@@ -112,12 +184,12 @@ pub(crate) fn accumulate(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    k2: impl Into<Depth>,
     engine: BlockEngine,
     scratch: &mut Scratch,
 ) -> BlockEngine {
     assert!(on_line(c.as_ptr()) && (c_rs * 4).is_multiple_of(LINE), "AMX accumulate: C off whole cache lines");
-    run(c, c_rs, rows, n16, a, b, k2, Finish::Accumulate, engine, scratch)
+    run(c, c_rs, rows, n16, a, b, k2.into(), Finish::Accumulate, engine, scratch)
 }
 
 /// [`product`] with [`Epilogue::Set`]`(scale)` that also takes the running maximum of each
@@ -136,7 +208,7 @@ pub(crate) fn product_max(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    k2: impl Into<Depth>,
     scale: f32,
     maxes: &mut [f32],
     engine: BlockEngine,
@@ -144,7 +216,7 @@ pub(crate) fn product_max(
 ) -> BlockEngine {
     assert!(maxes.len() >= 16 * rows, "AMX product: {} lane maxima for {rows} rows", maxes.len());
     maxes[..16 * rows].fill(f32::NEG_INFINITY);
-    run(c, c_rs, rows, n16, a, b, k2, Finish::SetMax(scale, maxes), engine, scratch)
+    run(c, c_rs, rows, n16, a, b, k2.into(), Finish::SetMax(scale, maxes), engine, scratch)
 }
 
 /// The bf16 forward's lazily rescaled probabilities in the product's epilogue, as
@@ -156,6 +228,9 @@ pub(crate) fn product_max(
 /// scores are never stored. Unlike the vector product, no maxima: every `2^x` is at most its
 /// lane's sum, so the caller bounds the growth of the scores by the sums (one instruction
 /// fewer per 16 scores, in an epilogue bound by its vector instructions).
+///
+/// With [`PRows::Split`], each `2^x` is written as its three bf16 parts in six copies
+/// (`p_rs ≥ 6 · 16 · n16`), for the f32 forward on the tiles.
 ///
 /// With `visible`, lane `l` of vector `j` of row `r` is seen only where bit `l` of
 /// `visible[r · n16 + j]` is set: the others' `x` is `-inf` (P 0, no share in the sums), and
@@ -173,20 +248,21 @@ pub(crate) fn product_exp2_bf16(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    k2: impl Into<Depth>,
     scale: f32,
     sub: &[f32],
     sums: &mut [f32],
-    visible: Option<&[u16]>,
+    (visible, rows_of_p): (Option<&[u16]>, PRows),
     engine: BlockEngine,
     scratch: &mut Scratch,
 ) -> BlockEngine {
     assert!(super::products::bf16_available(), "AMX product: the probabilities' epilogue needs AVX512_BF16");
     assert!(visible.is_none_or(|v| v.len() >= rows * n16), "AMX product: visible lanes too short");
-    assert!(rows == 0 || (p_rs >= 16 * n16 && (rows - 1) * p_rs + 16 * n16 <= p.len()), "AMX product: P too short");
+    let width = if rows_of_p == PRows::Split { 3 * split_lanes(n16) } else { 16 * n16 };
+    assert!(rows == 0 || (p_rs >= width && (rows - 1) * p_rs + width <= p.len()), "AMX product: P too short");
     assert!(sub.len() >= rows && sums.len() >= 16 * rows, "AMX product: row state too short");
-    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, sums, visible, n16 });
-    run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
+    let finish = Finish::Exp2Bf16(Probabilities { scale, sub, p, p_rs, sums, visible, n16, rows_of_p });
+    run(&mut [], 0, rows, n16, a, b, k2.into(), finish, engine, scratch)
 }
 
 /// Where [`product_exp2_bf16`]'s epilogue reads and writes.
@@ -199,6 +275,7 @@ struct Probabilities<'a> {
     /// The visible lanes, `[rows][n16]` bits (none: every lane).
     visible: Option<&'a [u16]>,
     n16: usize,
+    rows_of_p: PRows,
 }
 
 /// The maxima of a tile's scaled scores without the scores: `maxes[r · 16 + l]` = the largest
@@ -216,7 +293,7 @@ pub(crate) fn product_maxima(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    k2: impl Into<Depth>,
     scale: f32,
     maxes: &mut [f32],
     visible: Option<&[u16]>,
@@ -228,7 +305,7 @@ pub(crate) fn product_maxima(
     assert!(visible.is_none_or(|v| v.len() >= rows * n16), "AMX product: visible lanes too short");
     maxes[..16 * rows].fill(f32::NEG_INFINITY);
     let finish = Finish::Maxima(Maxima { scale, maxes, visible, n16 });
-    run(&mut [], 0, rows, n16, a, b, k2, finish, engine, scratch)
+    run(&mut [], 0, rows, n16, a, b, k2.into(), finish, engine, scratch)
 }
 
 /// Where [`product_maxima`]'s epilogue writes.
@@ -266,11 +343,12 @@ fn run(
     n16: usize,
     a: AOperand<u32>,
     b: BOperand<u32>,
-    k2: usize,
+    depth: Depth,
     finish: Finish,
     engine: BlockEngine,
     scratch: &mut Scratch,
 ) -> BlockEngine {
+    let k2 = depth.pairs;
     if rows == 0 || n16 == 0 {
         return engine_of(engine);
     }
@@ -334,7 +412,7 @@ fn run(
         }
     }
     let ran = engine_of(engine);
-    let ops = Operands { a, a_pad, full_blocks, kp, b_in, steps };
+    let ops = Operands { a, a_pad, full_blocks, kp, b_in, steps, parts: depth.parts };
     match ran {
         BlockEngine::Tiles => {
             let _tiles = TilesInUse::configure();
@@ -357,6 +435,38 @@ struct Operands<'a> {
     kp: usize,
     b_in: Strided<'a>,
     steps: usize,
+    /// How the steps are multiplied ([`Depth`]).
+    parts: Parts,
+}
+
+/// A block's products onto zero, or (`from`: `C`, the block's offset and `C`'s row stride)
+/// onto the block of `C`: A's row block `a` and B's column block `b` over the call's steps —
+/// in order, or for split operands part by part in the pairs of [`super::split::A_PARTS`]
+/// and [`super::split::B_PARTS`].
+#[inline(always)]
+fn start_block(kernel: &mut impl Kernel, ops: &Operands, a: Strided, b: Strided, from: Option<(&[f32], usize, usize)>) {
+    let ps = match ops.parts {
+        Parts::Split(ps) => ps,
+        // The leading parts lie first in each operand.
+        Parts::Whole | Parts::Leading(_) => {
+            let steps = if let Parts::Leading(ps) = ops.parts { ps } else { ops.steps };
+            match from {
+                None => kernel.start(steps, a, b),
+                Some((c, at, c_rs)) => kernel.start_from(c, at, c_rs, steps, a, b),
+            }
+            return;
+        }
+    };
+    let pairs = super::split::A_PARTS.iter().zip(&super::split::B_PARTS);
+    for (j, (&pa, &pb)) in pairs.enumerate() {
+        let a_j = Strided { at: a.at + pa * ps * STEP, ..a };
+        let b_j = Strided { at: b.at + pb * ps * STEP * b.stride, ..b };
+        match (j, from) {
+            (0, None) => kernel.start(ps, a_j, b_j),
+            (0, Some((c, at, c_rs))) => kernel.start_from(c, at, c_rs, ps, a_j, b_j),
+            _ => kernel.more(ps, a_j, b_j),
+        }
+    }
 }
 
 /// [`blocks`] on the processor's tiles, its epilogues compiled for AVX-512 (every processor
@@ -412,6 +522,8 @@ trait Kernel {
     fn start_from(&mut self, c: &[f32], at: usize, c_rs: usize, steps: usize, a: Strided, b: Strided);
     /// The last started block's accumulators into the block of `C` at `c[at..]`.
     fn store_to(&mut self, c: &mut [f32], at: usize, c_rs: usize);
+    /// More products onto the last started block: `acc += A · B` as in [`Kernel::start`].
+    fn more(&mut self, steps: usize, a: Strided, b: Strided);
 }
 
 /// Whether `c` holds a block of 32 rows of 32 at `at`, row stride `c_rs`.
@@ -473,6 +585,10 @@ impl Kernel for OnTwin {
         self.multiply(steps, a, b);
     }
 
+    fn more(&mut self, steps: usize, a: Strided, b: Strided) {
+        self.multiply(steps, a, b);
+    }
+
     fn store_to(&mut self, c: &mut [f32], at: usize, c_rs: usize) {
         assert!(c_block_fits(c, at, c_rs), "AMX block: C too short");
         for (t, acc) in self.acc.iter().enumerate() {
@@ -497,7 +613,7 @@ fn blocks(
     kernel: &mut impl Kernel,
 ) {
     let block = &mut block[..BLOCK * BLOCK];
-    let (a, kp, steps) = (ops.a, ops.kp, ops.steps);
+    let (a, kp) = (ops.a, ops.kp);
     // Column blocks outer: a block of B (16 · steps rows of 128 bytes) stays in the first-
     // level cache while every row block of A passes it.
     for cb in 0..n16.div_ceil(2) {
@@ -513,7 +629,7 @@ fn blocks(
             let nv = (n16 - 2 * cb).min(2) * 16;
             if let Finish::Maxima(x) = &mut finish {
                 if block_seen(x.visible, x.n16, r0, nr, cb, nv) {
-                    kernel.start(steps, a_in, b_blk);
+                    start_block(kernel, ops, a_in, b_blk, None);
                     kernel.store(block);
                     // SAFETY: AVX512F and AVX512BW (with AVX512_BF16, asserted by
                     // product_maxima); the rows and lanes lie inside the row state.
@@ -525,20 +641,26 @@ fn blocks(
                 let at = r0 * x.p_rs + cb * BLOCK;
                 if !block_seen(x.visible, x.n16, r0, nr, cb, nv) {
                     // Nothing of the block is seen: its probabilities are 0.
+                    // (A split part's padding vector too: its parts are whole blocks.)
+                    let (copies, part, width) =
+                        if x.rows_of_p == PRows::Split { (3, split_lanes(x.n16), BLOCK) } else { (1, 0, nv) };
                     for i in 0..nr {
-                        x.p[at + i * x.p_rs..][..nv].fill(0);
+                        for j in 0..copies {
+                            x.p[at + i * x.p_rs + j * part..][..width].fill(0);
+                        }
                     }
                     continue;
                 }
-                kernel.start(steps, a_in, b_blk);
+                start_block(kernel, ops, a_in, b_blk, None);
                 kernel.store(block);
                 // SAFETY: AVX512F, AVX512DQ and AVX512_BF16 asserted by product_exp2_bf16; the
                 // rows and lanes lie inside `p` and the row state (checked there).
                 unsafe {
-                    if x.visible.is_some() {
-                        probabilities_avx512::<true>(block, nr, nv, x, r0, at, cb)
-                    } else {
-                        probabilities_avx512::<false>(block, nr, nv, x, r0, at, cb)
+                    match (x.visible.is_some(), x.rows_of_p) {
+                        (true, PRows::Rounded) => probabilities_avx512::<true, false>(block, nr, nv, x, r0, at, cb),
+                        (false, PRows::Rounded) => probabilities_avx512::<false, false>(block, nr, nv, x, r0, at, cb),
+                        (true, PRows::Split) => probabilities_avx512::<true, true>(block, nr, nv, x, r0, at, cb),
+                        (false, PRows::Split) => probabilities_avx512::<false, true>(block, nr, nv, x, r0, at, cb),
                     }
                 };
                 continue;
@@ -546,11 +668,11 @@ fn blocks(
             let at = r0 * c_rs + cb * BLOCK;
             if matches!(finish, Finish::Accumulate) && nr == BLOCK && nv == BLOCK {
                 // A whole block of C on lines: the tiles accumulate into it in place.
-                kernel.start_from(c, at, c_rs, steps, a_in, b_blk);
+                start_block(kernel, ops, a_in, b_blk, Some((&*c, at, c_rs)));
                 kernel.store_to(c, at, c_rs);
                 continue;
             }
-            kernel.start(steps, a_in, b_blk);
+            start_block(kernel, ops, a_in, b_blk, None);
             kernel.store(block);
             for i in 0..nr {
                 let out = &mut c[(r0 + i) * c_rs + cb * BLOCK..][..nv];
@@ -589,14 +711,15 @@ fn blocks(
 
 /// [`product_exp2_bf16`]'s epilogue for one block: rows `r0..r0 + nr` of `x`, `nv` lanes
 /// (16 or 32) of the staged raw `A·B` in `block` (rows of 32), the probabilities stored from
-/// `x.p[at..]`; `MASKED`: the lanes `x.visible` does not set (column block `cb`) are `-inf`.
+/// `x.p[at..]`; `MASKED`: the lanes `x.visible` does not set (column block `cb`) are `-inf`;
+/// `SPLIT`: [`PRows::Split`].
 ///
 /// # Safety
 /// AVX512F, AVX512DQ and AVX512_BF16 present; `nv` a multiple of 16 no larger than 32; the rows and
 /// lanes inside `x`'s buffers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16,avx512vl")]
-unsafe fn probabilities_avx512<const MASKED: bool>(
+unsafe fn probabilities_avx512<const MASKED: bool, const SPLIT: bool>(
     block: &[f32],
     nr: usize,
     nv: usize,
@@ -627,7 +750,25 @@ unsafe fn probabilities_avx512<const MASKED: bool>(
             y
         };
         let out = x.p.as_mut_ptr().wrapping_add(at + i * x.p_rs);
-        if nv == BLOCK {
+        if SPLIT {
+            // A half block (the last of an odd vector count) zeroes the padding vector of
+            // each part: the part's 32 lanes are a whole step of the tiles.
+            let part = split_lanes(x.n16);
+            let (lo, hi) = if nv == BLOCK { (lanes(0), lanes(16)) } else { (lanes(0), _mm512_setzero_ps()) };
+            let (lo, hi) = (super::bf16_rows::truncated_parts(lo), super::bf16_rows::truncated_parts(hi));
+            for (j, (lo, hi)) in lo.into_iter().zip(hi).enumerate() {
+                // Each part exact in bf16: the rounding only packs it.
+                let packed = _mm512_cvtne2ps_pbh(hi, lo);
+                // SAFETY: 32 lanes of part j of P's row r (the caller's contract: the part's
+                // width is whole blocks).
+                unsafe {
+                    _mm512_storeu_si512(
+                        out.wrapping_add(j * part).cast(),
+                        std::mem::transmute::<__m512bh, __m512i>(packed),
+                    )
+                };
+            }
+        } else if nv == BLOCK {
             // Both vectors rounded by one instruction, stored as one line of 32 keys.
             let (lo, hi) = (lanes(0), lanes(16));
             // SAFETY: 32 values of P's row r (the caller's contract).
@@ -646,7 +787,7 @@ unsafe fn probabilities_avx512<const MASKED: bool>(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn probabilities_avx512<const MASKED: bool>(
+unsafe fn probabilities_avx512<const MASKED: bool, const SPLIT: bool>(
     _: &[f32],
     _: usize,
     _: usize,
@@ -815,6 +956,10 @@ impl Kernel for OnTiles {
 
     fn store(&mut self, c: &mut [f32]) {
         self.store_to(c, 0, BLOCK);
+    }
+
+    fn more(&mut self, steps: usize, a: Strided, b: Strided) {
+        self.multiply(steps, a, b);
     }
 
     fn start_from(&mut self, c: &[f32], at: usize, c_rs: usize, steps: usize, a: Strided, b: Strided) {

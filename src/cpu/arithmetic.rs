@@ -81,7 +81,15 @@ impl Arithmetic {
     }
 }
 
-/// Which unit runs the bf16 products of [`Arithmetic::Bf16`] (the f32 path has one).
+/// Which unit runs the CPU's matrix products: the bf16 products of [`Arithmetic::Bf16`], and
+/// the f32 forward's.
+///
+/// On AMX tiles the f32 forward (f32 inputs, or [`Arithmetic::F32`]) splits each operand
+/// into three bf16 parts (`x = x0 + x1 + x2` exactly) and sums the six part products above
+/// `2^-24` in the tiles' f32 accumulators — f32 accuracy (the float64 oracle's f32 bound;
+/// measured below the naive f32 error), the tiles' throughput — where every input splits
+/// (finite, within bf16's range: about `3.39e38`; others take the f32 vector products). The
+/// f32 backward runs on the vector units.
 ///
 /// ```
 /// use ringattn::cpu::MatrixUnit;
@@ -93,11 +101,13 @@ impl Arithmetic {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatrixUnit {
     /// AMX tiles (`TDPBF16PS`) where the processor has AMX-BF16 and Linux grants the tile
-    /// state ([`super::amx::available`]), `vdpbf16ps` otherwise.
+    /// state ([`super::amx::available`]) — bf16 products, and the f32 forward's as bf16
+    /// parts —, the vector units (`vdpbf16ps`, f32 FMA) otherwise.
     #[default]
     Auto,
-    /// `vdpbf16ps` only, never the tiles: the same bits on every AVX512_BF16 processor,
-    /// AMX or not (the tiles sum a product's pairs in another order).
+    /// The vector units only, never the tiles: the same bits on every AVX-512 processor, AMX
+    /// or not (the tiles sum a product's pairs in another order, and the f32 forward's parts
+    /// differ in rounding from f32 FMA).
     Vector,
 }
 

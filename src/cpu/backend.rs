@@ -75,7 +75,7 @@ impl Backend for CpuBackend {
             ))));
         }
         let (q, k, v) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
-        Ok(Pending::ready(host_partial(cpu::forward_f32(dims, &q, &k, &v, &vis, params, self.tiles))))
+        Ok(Pending::ready(host_partial(cpu::forward_f32(dims, &q, &k, &v, &vis, params, self.tiles, self.matrix_unit))))
     }
 
     fn backward_block(

@@ -76,6 +76,61 @@ unsafe fn exp2_round_row_avx512(src: &[f32], sub: f32, dst: &mut [u16]) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
+/// The three bf16 parts of non-negative (or any) f32 lanes by truncation: `p0` = `x`'s high
+/// 16 bits, `p1` those of `x − p0`, `p2 = x − p0 − p1` (whose low 16 bits are zero: `x` has 24
+/// significant bits), so that `x = p0 + p1 + p2` exactly; each as f32 lanes that bf16 holds
+/// exactly (the bf16 path's split probabilities, [`super::split`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(crate) fn truncated_parts(x: __m512) -> [__m512; 3] {
+    let high = _mm512_castsi512_ps(_mm512_set1_epi32(0xffff_0000u32 as i32));
+    let p0 = _mm512_and_ps(x, high);
+    let r = _mm512_sub_ps(x, p0);
+    let p1 = _mm512_and_ps(r, high);
+    [p0, p1, _mm512_sub_ps(r, p1)]
+}
+
+/// [`exp2_round_row`] for the f32 forward on the tiles: `y = 2^(src − sub)` split into its
+/// three bf16 parts ([`truncated_parts`]), part `j` at `dst[j · part..][..src.len()]` and zeros
+/// from `src.len()` to `part` in each (the padding pairs of a split key tile); returns the sum
+/// of `y`.
+///
+/// # Panics
+/// When `part < src.len()` or `dst` is shorter than `3 · part`.
+pub(crate) fn exp2_split_row(src: &[f32], sub: f32, dst: &mut [u16], part: usize) -> f32 {
+    assert!(available(), "bf16 row kernels need AVX512_BF16");
+    assert!(part >= src.len() && dst.len() >= 3 * part, "split P row: {} lanes for parts of {part}", dst.len());
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the processor has the instructions (asserted); lengths checked above.
+    unsafe {
+        exp2_split_row_avx512(src, sub, &mut dst[..3 * part], part)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("bf16 row kernels on a processor without AVX512_BF16 ({sub})")
+}
+
+/// # Safety
+/// AVX512F, AVX512DQ and AVX512_BF16 present; `part ≥ src.len()`, `dst.len() == 3 · part`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16,avx512vl,avx512bw")]
+unsafe fn exp2_split_row_avx512(src: &[f32], sub: f32, dst: &mut [u16], part: usize) -> f32 {
+    let subv = _mm512_set1_ps(sub);
+    let mut sum = _mm512_setzero_ps();
+    for row in dst.chunks_exact_mut(part) {
+        row[src.len()..].fill(0);
+    }
+    for i in (0..src.len()).step_by(16) {
+        let m = lanes(src.len() - i);
+        let y = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), subv));
+        for (j, p) in truncated_parts(y).into_iter().enumerate() {
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(j * part + i).cast(), m, round16(p));
+        }
+        sum = _mm512_mask_add_ps(sum, m, sum, y);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
 /// `dst = bf16(scale · src)` (the product rounded to f32 first), rounded to nearest even:
 /// the bf16 path's outputs. `dst` at least as long as `src`.
 pub(crate) fn round_row_scaled(src: &[f32], scale: f32, dst: &mut [u16]) {

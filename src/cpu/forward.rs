@@ -223,18 +223,32 @@ pub(crate) fn drive_packed<T: Packing, O: Output>(
     k_spans: &[Span],
     bk: usize,
     budget: usize,
-    mut run: impl FnMut(&mut Outputs<O>, &PackedKeys<T>, Range<usize>),
+    run: impl FnMut(&mut Outputs<O>, &PackedKeys<T>, Range<usize>),
 ) -> (Vec<O>, Vec<f32>) {
+    let per_pair = PackedKeys::<T>::words(dm, k_spans.len(), bk) * 4;
+    let pack = |g: Range<usize>| Some(PackedKeys::<T>::new(dm, k, v, k_spans, bk, g));
+    drive_groups(dm, per_pair, budget, pack, run).expect("a whole packing packs")
+}
+
+/// [`drive_packed`] with the packing given: `pack(pairs)` packs K and V of the (batch, kv
+/// head) pairs `pairs`, `per_pair` bytes each; `None` (nothing returned) as soon as one
+/// packing is `None`.
+pub(crate) fn drive_groups<T, O: Output>(
+    dm: Dims,
+    per_pair: usize,
+    budget: usize,
+    mut pack: impl FnMut(Range<usize>) -> Option<PackedKeys<T>>,
+    mut run: impl FnMut(&mut Outputs<O>, &PackedKeys<T>, Range<usize>),
+) -> Option<(Vec<O>, Vec<f32>)> {
     let mut out = Outputs::new(dm);
     let pairs = dm.b * dm.h_kv;
-    let per_pair = PackedKeys::<T>::words(dm, k_spans.len(), bk) * 4;
     let group = (budget / per_pair.max(1)).clamp(1, pairs.max(1));
     for g0 in (0..pairs).step_by(group) {
         let g = g0..(g0 + group).min(pairs);
-        let keys = PackedKeys::<T>::new(dm, k, v, k_spans, bk, g.clone());
+        let keys = pack(g.clone())?;
         run(&mut out, &keys, g.start * dm.group()..g.end * dm.group());
     }
-    (out.o, out.lse)
+    Some((out.o, out.lse))
 }
 
 /// K and V of the key tiles of a group of (batch, kv head) pairs, packed as the B operands of
@@ -347,6 +361,113 @@ impl<T: Packing> PackedKeys<T> {
     pub(crate) fn finite(&self, dm: &Dims, b: usize, hk: usize, t: usize) -> bool {
         self.finite[self.block(dm, b, hk, t)]
     }
+}
+
+/// Pair steps of each part of a split row of `n` values ([`PackedKeys::split`]): whole steps
+/// of the tiles (16 pairs, 32 values).
+pub(crate) fn split_pairs(n: usize) -> usize {
+    16 * n.div_ceil(32)
+}
+
+impl PackedKeys<u32> {
+    /// The key tiles of the (batch, kv head) pairs `pairs` packed from f32 `k` and `v` (shape
+    /// `dm`) split into three bf16 parts each ([`super::split`]), for the f32 forward on the
+    /// tiles ([`super::amx_products::Depth::split`]): K's rows as lanes over three parts of
+    /// [`split_pairs`]`(d_qk)` steps (`[k0 | k1 | k2]`, each zero-padded), V's rows as steps,
+    /// each key tile of `bc` keys in three parts of [`split_pairs`]`(bc)` steps (`[v0; v1; v2]`,
+    /// zero steps after the keys). `None` when a value cannot be split (not finite, or past
+    /// bf16's range). [`PackedKeys::tile`] then gives the split blocks.
+    pub(crate) fn split(
+        dm: Dims,
+        k: &[f32],
+        v: &[f32],
+        k_spans: &[Span],
+        bk: usize,
+        pairs: Range<usize>,
+    ) -> Option<Self> {
+        let (d_qk, d_v) = (dm.d_qk, dm.d_v);
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(d_v)));
+        let (k_len, v_len) = Self::split_lens(dm, bk);
+        let (k_part, tiles) = (2 * split_pairs(d_qk), k_spans.len());
+        let blocks = pairs.len() * tiles;
+        let mut pk: Lines<u32> = super::reuse::take(blocks * k_len);
+        let mut pv: Lines<u32> = super::reuse::take(blocks * v_len);
+        let (k_rs, v_rs) = (dm.h_kv * d_qk, dm.h_kv * d_v);
+        let packs = pk.par_chunks_mut(k_len.max(1)).zip(pv.par_chunks_mut(v_len.max(1))).enumerate();
+        // (Each task's scratch for a tile's split rows: `bk` rows of three parts.)
+        let scratch = || vec![half::bf16::ZERO; bk * 3 * k_part.max(d_v)];
+        let fine = packs
+            .map_init(scratch, |parts, (blk, (dk, dv))| {
+                let (bh, t) = (pairs.start + blk / tiles, blk % tiles);
+                let ks = &k_spans[t];
+                let row = (bh / dm.h_kv) * dm.s_k * dm.h_kv + bh % dm.h_kv + ks.start * dm.h_kv;
+                // The tile's rows split into bf16 parts side by side, then packed as bf16 rows.
+                let mut fine = split_rows(&k[row * d_qk..], ks.len, k_rs, d_qk, k_part, parts);
+                u32::rows_as_lanes(parts, ks.len, 3 * k_part, 3 * k_part, key_vectors, dk);
+                fine &= split_rows(&v[row * d_v..], ks.len, v_rs, d_v, d_v, parts);
+                let (steps, lanes) = (split_pairs(ks.len), value_vectors * 16);
+                for (j, dst) in dv.chunks_exact_mut(steps * lanes).take(3).enumerate() {
+                    let (rows, zeros) = dst.split_at_mut(mm::pairs(ks.len) * lanes);
+                    u32::rows_as_steps(&parts[j * d_v..], ks.len, 3 * d_v, d_v, value_vectors, rows);
+                    zeros.fill(0);
+                }
+                fine
+            })
+            .all(|fine| fine);
+        if !fine {
+            super::reuse::keep(pk);
+            super::reuse::keep(pv);
+            return None;
+        }
+        Some(PackedKeys {
+            k: pk,
+            k_len,
+            v: pv,
+            v_len,
+            tiles,
+            first: pairs.start,
+            finite: vec![true; blocks],
+            key_vectors,
+            value_vectors,
+            _element: std::marker::PhantomData,
+        })
+    }
+
+    /// Lengths of one key tile's split K and V blocks ([`PackedKeys::split`]), in words.
+    fn split_lens(dm: Dims, bk: usize) -> (usize, usize) {
+        let (key_vectors, value_vectors) = (mm::odd(mm::vectors(bk)), mm::odd(mm::vectors(dm.d_v)));
+        (3 * split_pairs(dm.d_qk) * key_vectors * 16, 3 * split_pairs(bk) * value_vectors * 16)
+    }
+
+    /// Bytes of one (batch, kv head) pair's split K and V ([`PackedKeys::split`]).
+    pub(crate) fn split_bytes(dm: Dims, tiles: usize, bk: usize) -> usize {
+        let (k_len, v_len) = Self::split_lens(dm, bk);
+        tiles * (k_len + v_len) * 4
+    }
+}
+
+/// Rows ahead whose values [`split_rows`] asks the memory for: rows of K and V lie `h_kv · d`
+/// apart, a stride that leaves each row's read waiting on memory.
+const PREFETCH_ROWS: usize = 8;
+
+/// `rows` rows of `d` values (row `r` at `src[r · rs..]`) split into their bf16 parts: row
+/// `r` of `dst` is `[x0 | x1 | x2]`, each part `width` values (zero after `d`). Whether every
+/// value could be split.
+fn split_rows(src: &[f32], rows: usize, rs: usize, d: usize, width: usize, dst: &mut [half::bf16]) -> bool {
+    let mut fine = true;
+    for (r, out) in dst.chunks_exact_mut(3 * width).take(rows).enumerate() {
+        super::split::prefetch_row(src, (r + PREFETCH_ROWS) * rs, d);
+        let bits: &mut [u16] = bytemuck::cast_slice_mut(out);
+        let (p0, rest) = bits.split_at_mut(width);
+        let (p1, p2) = rest.split_at_mut(width);
+        fine &= super::split::split_row(&src[r * rs..][..d], p0, p1, p2);
+        if width > d {
+            for part in [p0, p1, p2] {
+                part[d..].fill(0);
+            }
+        }
+    }
+    fine
 }
 
 /// Per-task state and scratch, reused across tasks on one thread. Tiles are kept

@@ -25,13 +25,20 @@
 //! tiles' epilogue takes no maxima (the lane sums bound the growth) and `P·V` is summed into
 //! the output's rows in the tiles ([`amx::accumulate`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::aligned::Lines;
-use super::amx_products::{self as amx, Unit};
+use super::amx::BlockEngine;
+use super::amx_products::{self as amx, Depth, PRows, Unit};
 use super::bf16_rows as rows;
-use super::forward::{drive_into, drive_packed, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH, PACKED_BUDGET};
+use super::forward::{
+    drive_groups, drive_into, drive_packed, split_pairs, PackedKeys, QueryTileWork, RowState, LAZY_GROWTH,
+    PACKED_BUDGET,
+};
 use super::products::{self as mm, AOperand, BOperand, Epilogue};
 use super::score::Scores;
 use super::simd;
+use super::split;
 use super::tiles::{call_spans, mask_rows, reach, visible_lanes, Output, ReachOf};
 use crate::attention::{classify, Span, TileKind};
 use half::bf16;
@@ -50,18 +57,69 @@ pub(crate) fn forward<O: Output>(unit: super::MatrixUnit, x: &ForwardInputs) -> 
 pub(crate) fn forward_on<O: Output>(x: &ForwardInputs, unit: Unit) -> (Vec<O>, Vec<f32>) {
     let dm = x.dims;
     let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
-    let queries = mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d_qk]);
+    let queries = Queries::Pairs(mm::RowPairs::new(x.q, [dm.b, dm.s_q, dm.h_q, dm.d_qk]));
     drive_packed(dm, x.k, x.v, &k_spans, bk, PACKED_BUDGET, |out, keys: &PackedKeys<u32>, heads| {
         drive_into(out, dm, &q_spans, heads, x.progress, || Worker::new(x, keys, &queries, &k_spans, bq, unit))
     })
+}
+
+/// The f32 forward with its products on AMX tiles (`engine`: the processor's or the twin):
+/// `q`, `k` and `v` split into three bf16 parts each ([`split`]: Q per query tile, K and V as
+/// they are packed, [`PackedKeys::split`]), `S = Q·Kᵀ` and `P·V` (P split in the epilogue)
+/// as six bf16 products of the parts summed in the tiles ([`amx::Depth::split`]); the online
+/// softmax as on bf16 inputs. Returns f32 `(o, lse)` as [`super::forward::forward`] (within
+/// f32 rounding of it), or `None` when an input cannot be split (not finite, or beyond
+/// bf16's range: about `3.39e38`) and the f32 products must run.
+///
+/// # Panics
+/// On a processor without AVX512_BF16 (the epilogues' instructions).
+pub(crate) fn forward_split(
+    x: &super::forward::ForwardInputs<f32>,
+    engine: BlockEngine,
+) -> Option<(Vec<f32>, Vec<f32>)> {
+    let dm = x.dims;
+    // What the tiles see: Q's and K's rows as three parts of whole steps each.
+    let wide = crate::Dims { d_qk: 3 * 2 * split_pairs(dm.d_qk), ..dm };
+    let xs = ForwardInputs {
+        dims: wide,
+        q: &[],
+        k: &[],
+        v: &[],
+        vis: x.vis,
+        spec: x.spec,
+        tiles: x.tiles,
+        progress: x.progress,
+    };
+    let (bq, bk, q_spans, k_spans) = call_spans(x.vis, x.tiles, super::Arithmetic::Bf16, crate::flops::Pass::Forward);
+    // A value that cannot split (checked as each is split: K and V as they are packed, Q per
+    // query tile) sends the whole call to the f32 products, its outputs dropped.
+    let unsplit = AtomicBool::new(false);
+    let queries = Queries::Split { q: x.q, d: dm.d_qk, unsplit: &unsplit };
+    let per_pair = PackedKeys::split_bytes(dm, k_spans.len(), bk);
+    let pack = |pairs| PackedKeys::split(dm, x.k, x.v, &k_spans, bk, pairs);
+    let out = drive_groups(wide, per_pair, PACKED_BUDGET, pack, |out, keys, heads| {
+        let unit = Unit::Tiles(engine);
+        drive_into(out, wide, &q_spans, heads, x.progress, || Worker::new(&xs, keys, &queries, &k_spans, bq, unit))
+    });
+    out.filter(|_| !unsplit.load(Ordering::Relaxed))
+}
+
+/// The queries as the tiles read them.
+enum Queries<'a> {
+    /// bf16 queries as A pairs.
+    Pairs(mm::RowPairs<'a>),
+    /// f32 queries `[b, s_q, h_q, d]`, split into three bf16 parts per query tile (the
+    /// forward's rows of P split likewise: [`PRows::Split`]); `unsplit` set when a value
+    /// cannot split (the call's outputs are then dropped).
+    Split { q: &'a [f32], d: usize, unsplit: &'a AtomicBool },
 }
 
 /// Per-thread state of the query tiles it runs.
 struct Worker<'a> {
     x: &'a ForwardInputs<'a>,
     keys: &'a PackedKeys<u32>,
-    /// The queries as A pairs.
-    queries: &'a mm::RowPairs<'a>,
+    /// The queries.
+    queries: &'a Queries<'a>,
     k_spans: &'a [Span],
     /// The query tile's running max, sum, rescale factors and unnormalised output.
     st: RowState,
@@ -84,6 +142,8 @@ struct Worker<'a> {
     p_rs: usize,
     /// Which unit runs the products, and the tiles' scratch.
     unit: Unit,
+    /// How P's rows are written: rounded, or split for split values (the f32 forward).
+    rows_of_p: PRows,
     tiles: amx::Scratch,
     /// On tiles, the query tile's rows as A pairs side by side (`[block_q][q_rs]`, `q_rs`
     /// the head's pairs rounded up to whole lines): Q's own rows lie `h_q · d` apart, a
@@ -96,7 +156,7 @@ impl<'a> Worker<'a> {
     fn new(
         x: &'a ForwardInputs<'a>,
         keys: &'a PackedKeys<u32>,
-        queries: &'a mm::RowPairs<'a>,
+        queries: &'a Queries<'a>,
         k_spans: &'a [Span],
         bq: usize,
         unit: Unit,
@@ -104,9 +164,16 @@ impl<'a> Worker<'a> {
         let d = x.dims.d_v;
         let sr = keys.key_vectors * 16;
         let lines = |pairs: usize| pairs.div_ceil(16);
-        let p_rs = match unit {
-            Unit::Tiles(_) => (lines(sr / 2) | 1) * 16,
-            Unit::Vector => sr / 2,
+        let rows_of_p = match queries {
+            Queries::Pairs(_) => PRows::Rounded,
+            Queries::Split { .. } => PRows::Split,
+        };
+        assert!(rows_of_p == PRows::Rounded || matches!(unit, Unit::Tiles(_)), "split operands run on the tiles");
+        let p_rs = match (unit, rows_of_p) {
+            (Unit::Tiles(_), PRows::Rounded) => (lines(sr / 2) | 1) * 16,
+            // Three parts of the widest tile's keys (each at most `sr + 16` lanes).
+            (Unit::Tiles(_), PRows::Split) => (lines(3 * (sr + 16) / 2) | 1) * 16,
+            (Unit::Vector, _) => sr / 2,
         };
         let q_rs = lines(mm::pairs(x.dims.d_qk)) * 16;
         let q_tile = Lines::zeroed(if matches!(unit, Unit::Tiles(_)) { bq * q_rs } else { 0 });
@@ -124,6 +191,7 @@ impl<'a> Worker<'a> {
             scores: Scores::of(&x.spec),
             p_rs,
             unit,
+            rows_of_p,
             tiles: amx::Scratch::default(),
             q_tile,
             q_rs,
@@ -140,6 +208,7 @@ impl<'a> Worker<'a> {
     /// the tile takes the exact passes.
     #[allow(clippy::too_many_arguments)]
     fn lazy(&mut self, br: usize, n16: usize, qa: AOperand, kop: BOperand, dp: usize, c: f32, masked: bool) -> bool {
+        let depth = self.score_depth(dp);
         let visible = masked.then(|| &self.visible[..br * n16]);
         let (maxes, sums) = (&mut self.maxes[..16 * br], &mut self.sums[..16 * br]);
         sums.fill(0.0);
@@ -153,7 +222,8 @@ impl<'a> Worker<'a> {
         let (x_max, total) = match self.unit {
             Unit::Tiles(engine) => {
                 let tiles = &mut self.tiles;
-                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, dp, c, m, sums, visible, engine, tiles);
+                let how = (visible, self.rows_of_p);
+                amx::product_exp2_bf16(p16, p_rs, br, n16, qa, kop, depth, c, m, sums, how, engine, tiles);
                 // SAFETY: `product_exp2_bf16` above asserted AVX512_BF16, which comes with AVX512F.
                 let (sum_max, total) = unsafe { simd::avx512::max_and_total(sums, sums) };
                 (sum_max.log2(), total)
@@ -172,6 +242,15 @@ impl<'a> Worker<'a> {
             unsafe { simd::avx512::add_lane_sums(&mut self.st.l[..br], sums) };
         }
         bounded
+    }
+
+    /// The depth of `S = Q·Kᵀ` on the tiles over `dp` pairs of Q's rows: three parts of a
+    /// third each for split operands.
+    fn score_depth(&self, dp: usize) -> Depth {
+        match self.rows_of_p {
+            PRows::Rounded => dp.into(),
+            PRows::Split => Depth::split(dp / 3),
+        }
     }
 
     /// The lanes of key tile `ks` that the rows of query tile `qs` see, into `visible`.
@@ -199,9 +278,12 @@ impl<'a> Worker<'a> {
         masked: bool,
     ) -> Option<(Vec<f32>, Vec<f32>)> {
         let Unit::Tiles(engine) = self.unit else { return None };
+        // (The maxima only set the running max, to which the probabilities are taken: split
+        // operands' leading parts estimate them within the lazy bound's margin.)
+        let depth = self.score_depth(dp).leading();
         let visible = masked.then(|| &self.visible[..br * n16]);
         let maxes = &mut self.maxes[..16 * br];
-        amx::product_maxima(br, n16, qa, kop, dp, c, maxes, visible, engine, &mut self.tiles);
+        amx::product_maxima(br, n16, qa, kop, depth, c, maxes, visible, engine, &mut self.tiles);
         let t_max: Vec<f32> = maxes.chunks_exact(16).map(simd::row_max).collect();
         if !t_max.iter().zip(&self.st.m[..br]).all(|(&t, &m)| m.max(t).is_finite()) {
             return None;
@@ -230,14 +312,27 @@ impl<'a> Worker<'a> {
     ) {
         let x = self.x;
         let (br, bc, dp, sr) = (qs.len, ks.len, mm::pairs(x.dims.d_qk), kop.vectors * 16);
+        let depth = self.score_depth(dp);
         let s = &mut self.s[..br * sr];
         if let Unit::Tiles(engine) = self.unit {
             // Every lane of the tile (those outside a block's reach are masked below); a
             // whole tile's row maxima as it is stored.
             if whole {
-                amx::product_max(s, sr, br, mm::vectors(bc), qa, kop, dp, c, &mut self.maxes, engine, &mut self.tiles);
+                amx::product_max(
+                    s,
+                    sr,
+                    br,
+                    mm::vectors(bc),
+                    qa,
+                    kop,
+                    depth,
+                    c,
+                    &mut self.maxes,
+                    engine,
+                    &mut self.tiles,
+                );
             } else {
-                amx::product(s, sr, br, mm::vectors(bc), qa, kop, dp, Epilogue::Set(c), engine, &mut self.tiles);
+                amx::product(s, sr, br, mm::vectors(bc), qa, kop, depth, Epilogue::Set(c), engine, &mut self.tiles);
                 for row in s.chunks_exact_mut(sr) {
                     self.scores.finish_row(&mut row[..bc]);
                 }
@@ -263,6 +358,11 @@ impl<'a> Worker<'a> {
             let row = &mut s[i * sr..][..bc];
             let t_max = simd::row_max(if whole { &self.maxes[16 * i..][..16] } else { row });
             let sub = self.st.advance(i, t_max);
+            if self.rows_of_p == PRows::Split {
+                let part = 2 * split_pairs(bc);
+                self.st.l[i] += rows::exp2_split_row(row, sub, &mut p16[i * 2 * p_rs..][..3 * part], part);
+                continue;
+            }
             let prow = &mut p16[i * 2 * p_rs..][..bc + bc % 2];
             // The normaliser sums the probabilities before rounding (f32-accurate LSE).
             self.st.l[i] += rows::exp2_round_row(row, sub, prow);
@@ -282,18 +382,48 @@ impl QueryTileWork for Worker<'_> {
         let (br, dp, or) = (qs.len, mm::pairs(d), mm::vectors(d_v) * 16);
         self.st.start(br);
         let c = self.scores.factor();
-        let mut qa = self.queries.at(b, h, qs.start);
         // (Held out of `self` while the tile's products borrow it.)
         let mut q_tile = std::mem::take(&mut self.q_tile);
-        if matches!(self.unit, Unit::Tiles(_)) {
-            // Q's rows side by side (the padding pairs zero).
-            let q_rs = self.q_rs;
-            for (i, row) in q_tile.chunks_exact_mut(q_rs).take(br).enumerate() {
-                row[..dp].copy_from_slice(&qa.data[i * qa.rs..][..dp]);
-                row[dp..].fill(0);
+        let q_rs = self.q_rs;
+        let qa = match self.queries {
+            Queries::Pairs(pairs) if matches!(self.unit, Unit::Tiles(_)) => {
+                // Q's rows side by side (the padding pairs zero).
+                let qa = pairs.at(b, h, qs.start);
+                for (i, row) in q_tile.chunks_exact_mut(q_rs).take(br).enumerate() {
+                    row[..dp].copy_from_slice(&qa.data[i * qa.rs..][..dp]);
+                    row[dp..].fill(0);
+                }
+                AOperand { data: &q_tile, rs: q_rs, ps: 1 }
             }
-            qa = AOperand { data: &q_tile, rs: q_rs, ps: 1 };
-        }
+            Queries::Pairs(pairs) => pairs.at(b, h, qs.start),
+            &Queries::Split { q, d: dq, unsplit } => {
+                // Q's rows split into their three parts side by side, each zero-padded to
+                // whole steps; a value that cannot split ends the tile (and the call's use).
+                let width = 2 * (dp / 3);
+                let mut fine = true;
+                let row_of = |i: usize| ((b * dm.s_q + qs.start + i) * dm.h_q + h) * dq;
+                for (i, row) in q_tile.chunks_exact_mut(q_rs).take(br).enumerate() {
+                    // (Rows lie `h_q · d` apart: asked for ahead, as the packing does.)
+                    split::prefetch_row(q, row_of(i + 8), dq);
+                    let src = &q[row_of(i)..][..dq];
+                    let bits: &mut [u16] = bytemuck::cast_slice_mut(row);
+                    let (p0, rest) = bits.split_at_mut(width);
+                    let (p1, rest) = rest.split_at_mut(width);
+                    let (p2, pad) = rest.split_at_mut(width);
+                    fine &= split::split_row(src, p0, p1, p2);
+                    for part in [p0, p1, p2] {
+                        part[dq..].fill(0);
+                    }
+                    pad.fill(0);
+                }
+                if !fine {
+                    unsplit.store(true, Ordering::Relaxed);
+                    self.q_tile = q_tile;
+                    return;
+                }
+                AOperand { data: &q_tile, rs: q_rs, ps: 1 }
+            }
+        };
         for (t, ks) in self.k_spans.iter().enumerate() {
             let kind = classify(x.vis, qs, ks);
             if kind == TileKind::Skip {
@@ -340,7 +470,11 @@ impl QueryTileWork for Worker<'_> {
             let acc = &mut self.st.acc[..br * or];
             match self.unit {
                 Unit::Tiles(engine) => {
-                    let (n16, k2, tiles) = (mm::vectors(d_v), mm::pairs(bc), &mut self.tiles);
+                    let k2 = match self.rows_of_p {
+                        PRows::Rounded => Depth::from(mm::pairs(bc)),
+                        PRows::Split => Depth::split(split_pairs(bc)),
+                    };
+                    let (n16, tiles) = (mm::vectors(d_v), &mut self.tiles);
                     if matches!(epi, Epilogue::Add) {
                         amx::accumulate(acc, or, br, n16, pa, vop, k2, engine, tiles);
                     } else {
@@ -405,6 +539,122 @@ mod tests {
                 assert_eq!(twin, check_against_f32(dims, tiles, Unit::Tiles(BlockEngine::Tiles)));
             }
         }
+    }
+
+    /// The f32 forward on the tiles (three bf16 parts per operand, [`forward_split`]) against
+    /// the float64 oracle under the f32 rule — bf16 products alone miss it by far — on the
+    /// twin everywhere and, where the processor has the tiles, the same bits from them: full,
+    /// causal, a window both ways inside packed documents, keys whose scores grow past the
+    /// lazy bound (the exact passes) and a soft-cap (every tile exact); odd key tiles and head
+    /// sizes, padded rows.
+    #[test]
+    fn the_split_f32_forward_meets_the_f32_bound() {
+        if !mm::bf16_available() {
+            return;
+        }
+        let cases = [
+            (
+                Dims { b: 1, s_q: 70, s_k: 111, h_q: 2, h_kv: 1, d_qk: 40, d_v: 48 },
+                TileConfig { block_q: 48, block_k: 37 },
+            ),
+            (
+                Dims { b: 2, s_q: 96, s_k: 192, h_q: 2, h_kv: 2, d_qk: 64, d_v: 64 },
+                TileConfig { block_q: 64, block_k: 64 },
+            ),
+        ];
+        for (dims, tiles) in cases {
+            let (q, k, v) = (
+                randn(vec![dims.b, dims.s_q, dims.h_q, dims.d_qk], 11, DType::F32),
+                randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d_qk], 12, DType::F32),
+                randn(vec![dims.b, dims.s_k, dims.h_kv, dims.d_v], 13, DType::F32),
+            );
+            let mut grown = k.as_f32().into_owned();
+            for x in &mut grown[50 * dims.h_kv * dims.d_qk..] {
+                *x *= 40.0;
+            }
+            let grown = crate::Tensor::from_f32(k.shape().to_vec(), grown).unwrap();
+            let third = dims.s_k / 3;
+            let windowed = AttentionParams {
+                mask: Mask::Window { left: Some(37), right: Some(5) },
+                documents: Some(crate::Documents::new(vec![third, 1, dims.s_k - third - 1]).unwrap()),
+                ..Default::default()
+            };
+            let causal = AttentionParams { mask: Mask::Causal, ..Default::default() };
+            // A soft-cap: scores formed in a row pass, every tile through the exact passes.
+            let capped = AttentionParams { mask: Mask::Causal, softcap: Some(2.0), ..Default::default() };
+            for (params, k) in [
+                (AttentionParams::default(), &k),
+                (causal, &k),
+                (AttentionParams::default(), &grown),
+                (windowed, &k),
+                (capped, &k),
+            ] {
+                let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
+                let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
+                let spec = crate::attention::ScoreSpec::of(&params, &dims);
+                let x = super::super::forward::ForwardInputs {
+                    dims,
+                    q: &qf,
+                    k: &kf,
+                    v: &vf,
+                    vis: &vis,
+                    spec,
+                    tiles,
+                    progress: None,
+                };
+                let (o, lse) = forward_split(&x, BlockEngine::Twin).expect("finite inputs split");
+                let fwd = crate::cpu::ForwardOutput {
+                    o: crate::Tensor::from_f32(dims.o_shape(), o.clone()).unwrap(),
+                    lse: crate::Tensor::from_f32(dims.lse_shape(), lse.clone()).unwrap(),
+                };
+                let report = crate::verify::check_results(&q, k, &v, None, None, &params, &fwd, None).unwrap();
+                assert!(report.pass(), "{dims:?} {:?}\n{}", params.mask, report.table());
+                if tiles_isa::available() {
+                    let (o_t, lse_t) = forward_split(&x, BlockEngine::Tiles).unwrap();
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&o), bits(&o_t), "{:?}: the tiles and the twin differ", params.mask);
+                    assert_eq!(bits(&lse), bits(&lse_t));
+                }
+            }
+        }
+    }
+
+    /// Inputs that cannot be split (not finite, or past bf16's range) are left to the f32
+    /// products: `None`, nothing computed.
+    #[test]
+    fn inputs_that_cannot_split_are_refused() {
+        let dims = Dims { b: 1, s_q: 2, s_k: 2, h_q: 1, h_kv: 1, d_qk: 2, d_v: 2 };
+        let params = AttentionParams::default();
+        let vis = Visibility::single_device(&params, 2, 2).unwrap();
+        let fine = [0.5f32, -1.0, 2.0, 0.25];
+        for (bad, at) in [(f32::NAN, 0), (f32::INFINITY, 1), (f32::MAX, 2), (-3.4e38, 1)] {
+            let mut qkv = [fine; 3];
+            qkv[at][3] = bad;
+            let x = super::super::forward::ForwardInputs {
+                dims,
+                q: &qkv[0],
+                k: &qkv[1],
+                v: &qkv[2],
+                vis: &vis,
+                spec: crate::attention::ScoreSpec::of(&params, &dims),
+                tiles: TileConfig::default(),
+                progress: None,
+            };
+            assert!(forward_split(&x, BlockEngine::Twin).is_none(), "{bad} in input {at}");
+        }
+        // Every value within bf16's range splits.
+        let edge = [3.38e38f32, -3.38e38, 1e-40, 0.0];
+        let x = super::super::forward::ForwardInputs {
+            dims,
+            q: &fine,
+            k: &edge,
+            v: &edge,
+            vis: &vis,
+            spec: crate::attention::ScoreSpec::of(&params, &dims),
+            tiles: TileConfig::default(),
+            progress: None,
+        };
+        assert!(forward_split(&x, BlockEngine::Twin).is_some());
     }
 
     /// The check of [`matches_the_f32_path_within_the_rounding_of_p`] on `unit`; returns the

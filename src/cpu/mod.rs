@@ -10,11 +10,13 @@
 //!
 //! Products run in the [`Arithmetic`] the call resolves to: bf16 inputs on a processor with
 //! AVX512_BF16 multiply bf16 operands with f32 accumulation (the `vdpbf16ps` kernels of
-//! `products.rs`, P and dS rounded to bf16 as on the GPU); every other call widens its
-//! inputs to f32 and multiplies in f32: the forward on `products.rs`'s f32 kernels where the
-//! processor has AVX512F (with the probabilities computed in the epilogue of `Q·Kᵀ`), the
-//! backward, and the forward elsewhere, through `gemm`. Outputs are rounded back to the
-//! input dtype; the LSE is always f32.
+//! `products.rs`, or AMX tiles where the processor has them: [`MatrixUnit`]; P and dS
+//! rounded to bf16 as on the GPU); every other call widens its inputs to f32 and multiplies
+//! to f32 accuracy: the forward on AMX tiles with each operand split into three bf16 parts
+//! (`split.rs`; [`MatrixUnit`]), else on `products.rs`'s f32 kernels where the processor has
+//! AVX512F (with the probabilities computed in the epilogue of `Q·Kᵀ`), the backward, and
+//! the forward elsewhere, through `gemm`. Outputs are rounded back to the input dtype; the
+//! LSE is always f32.
 
 mod aligned;
 pub mod amx;
@@ -32,6 +34,7 @@ mod products;
 pub(crate) mod reuse;
 mod score;
 pub(crate) mod simd;
+mod split;
 pub(crate) mod tiles;
 
 use std::sync::atomic::AtomicU64;
@@ -172,7 +175,7 @@ pub fn forward_with(
         });
     }
     let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
-    let (mut o, mut lse) = forward::forward(&forward::ForwardInputs {
+    let inputs = forward::ForwardInputs {
         dims,
         q: &qf,
         k: &kf,
@@ -181,7 +184,8 @@ pub fn forward_with(
         spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles: config.tiles,
         progress: config.progress,
-    });
+    };
+    let (mut o, mut lse) = forward_f32_on(&inputs, config.matrix_unit);
     crate::merge::finish_with_sinks(params, &dims, &mut o, &mut lse)?;
     Ok(ForwardOutput {
         o: Tensor::from_f32_owned(dims.o_shape(), o, q.dtype())?,
@@ -309,7 +313,8 @@ pub fn backward_with(
 }
 
 /// Forward of a block on f32 buffers, returning f32 `(o, lse)` without rounding: the local
-/// step of the sequence-parallel drivers.
+/// step of the sequence-parallel drivers (on AMX tiles where `unit` resolves to them).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_f32(
     dims: Dims,
     q: &[f32],
@@ -318,8 +323,9 @@ pub(crate) fn forward_f32(
     vis: &Visibility,
     params: &AttentionParams,
     tiles: TileConfig,
+    unit: MatrixUnit,
 ) -> (Vec<f32>, Vec<f32>) {
-    forward::forward(&forward::ForwardInputs {
+    let inputs = forward::ForwardInputs {
         dims,
         q,
         k,
@@ -328,7 +334,20 @@ pub(crate) fn forward_f32(
         spec: crate::attention::ScoreSpec::of(params, &dims),
         tiles,
         progress: None,
-    })
+    };
+    forward_f32_on(&inputs, unit)
+}
+
+/// The f32 forward: on AMX tiles where `unit` resolves to them (the processor has AMX-BF16
+/// and Linux grants the tiles) and every input splits into three bf16 parts
+/// ([`forward_bf16::forward_split`]: f32 accuracy), on the f32 products otherwise.
+fn forward_f32_on(x: &forward::ForwardInputs, unit: MatrixUnit) -> (Vec<f32>, Vec<f32>) {
+    if let (amx_products::Unit::Tiles(engine), true) = (unit.unit(), products::bf16_available()) {
+        if let Some(out) = forward_bf16::forward_split(x, engine) {
+            return out;
+        }
+    }
+    forward::forward(x)
 }
 
 /// [`forward_f32`] on bf16 buffers with bf16 products (finite inputs, a processor with

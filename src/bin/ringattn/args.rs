@@ -114,9 +114,10 @@ pub struct ExecArgs {
     /// elsewhere).
     #[arg(long, default_value = "auto", value_name = "auto|f32|bf16")]
     pub cpu_arithmetic: String,
-    /// Unit of the cpu backend's bf16 products: auto (AMX tiles where the processor has
-    /// AMX-BF16 and Linux grants them, vdpbf16ps otherwise) or vector (vdpbf16ps only: the
-    /// same bits on every AVX512_BF16 processor, AMX or not).
+    /// Unit of the cpu backend's matrix products: auto (AMX tiles where the processor has
+    /// AMX-BF16 and Linux grants them — bf16 products, and the f32 forward's products as
+    /// three bf16 parts per operand, f32-accurate — vector units otherwise) or vector
+    /// (vdpbf16ps and f32 FMA only: the same bits on every AVX-512 processor, AMX or not).
     #[arg(long, default_value = "auto", value_name = "auto|vector")]
     pub cpu_matrix_unit: String,
     /// Tensor-core kernel family of the emu and cuda backends, forward and backward: auto (the
@@ -189,26 +190,18 @@ impl ExecArgs {
         self.cpu_arithmetic.parse()
     }
 
-    /// The unit of the cpu backend's bf16 products (--cpu-matrix-unit).
+    /// The unit of the cpu backend's matrix products (--cpu-matrix-unit).
     ///
     /// # Errors
-    /// An unknown name, and `vector` where no bf16 product runs (--cpu-arithmetic f32, or
-    /// another backend than cpu): the option would be dropped.
+    /// An unknown name, and `vector` where no CPU product runs (another backend than cpu):
+    /// the option would be dropped.
     pub fn matrix_unit(&self) -> Result<cpu::MatrixUnit> {
         let unit: cpu::MatrixUnit = self.cpu_matrix_unit.parse()?;
-        if unit != cpu::MatrixUnit::Auto {
-            if self.backend()? != BackendKind::Cpu {
-                return Err(Error::InvalidArgument(format!(
-                    "--cpu-matrix-unit {}: the {} backend has no CPU products",
-                    self.cpu_matrix_unit, self.backend
-                )));
-            }
-            if self.arithmetic()? == cpu::Arithmetic::F32 {
-                return Err(Error::InvalidArgument(format!(
-                    "--cpu-matrix-unit {} chooses the unit of bf16 products; --cpu-arithmetic f32 runs none",
-                    self.cpu_matrix_unit
-                )));
-            }
+        if unit != cpu::MatrixUnit::Auto && self.backend()? != BackendKind::Cpu {
+            return Err(Error::InvalidArgument(format!(
+                "--cpu-matrix-unit {}: the {} backend has no CPU products",
+                self.cpu_matrix_unit, self.backend
+            )));
         }
         Ok(unit)
     }
