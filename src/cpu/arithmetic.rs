@@ -87,7 +87,7 @@ impl Arithmetic {
 /// On AMX tiles the f32 forward (f32 inputs, or [`Arithmetic::F32`]) splits each operand
 /// into three bf16 parts (`x = x0 + x1 + x2` exactly) and sums the six part products above
 /// `2^-24` in the tiles' f32 accumulators — f32 accuracy (the float64 oracle's f32 bound;
-/// measured below the naive f32 error), the tiles' throughput — where every input splits
+/// measured at or under the naive f32 error), the tiles' throughput — where every input splits
 /// (finite, within bf16's range: about `3.39e38`; others take the f32 vector products). The
 /// f32 backward runs on the vector units.
 ///

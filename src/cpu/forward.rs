@@ -402,9 +402,9 @@ impl PackedKeys<u32> {
                 let ks = &k_spans[t];
                 let row = (bh / dm.h_kv) * dm.s_k * dm.h_kv + bh % dm.h_kv + ks.start * dm.h_kv;
                 // The tile's rows split into bf16 parts side by side, then packed as bf16 rows.
-                let mut fine = split_rows(&k[row * d_qk..], ks.len, k_rs, d_qk, k_part, parts);
+                let mut fine = super::split::split_rows(&k[row * d_qk..], ks.len, k_rs, d_qk, k_part, parts);
                 u32::rows_as_lanes(parts, ks.len, 3 * k_part, 3 * k_part, key_vectors, dk);
-                fine &= split_rows(&v[row * d_v..], ks.len, v_rs, d_v, d_v, parts);
+                fine &= super::split::split_rows(&v[row * d_v..], ks.len, v_rs, d_v, d_v, parts);
                 let (steps, lanes) = (split_pairs(ks.len), value_vectors * 16);
                 for (j, dst) in dv.chunks_exact_mut(steps * lanes).take(3).enumerate() {
                     let (rows, zeros) = dst.split_at_mut(mm::pairs(ks.len) * lanes);
@@ -444,30 +444,6 @@ impl PackedKeys<u32> {
         let (k_len, v_len) = Self::split_lens(dm, bk);
         tiles * (k_len + v_len) * 4
     }
-}
-
-/// Rows ahead whose values [`split_rows`] asks the memory for: rows of K and V lie `h_kv · d`
-/// apart, a stride that leaves each row's read waiting on memory.
-const PREFETCH_ROWS: usize = 8;
-
-/// `rows` rows of `d` values (row `r` at `src[r · rs..]`) split into their bf16 parts: row
-/// `r` of `dst` is `[x0 | x1 | x2]`, each part `width` values (zero after `d`). Whether every
-/// value could be split.
-fn split_rows(src: &[f32], rows: usize, rs: usize, d: usize, width: usize, dst: &mut [half::bf16]) -> bool {
-    let mut fine = true;
-    for (r, out) in dst.chunks_exact_mut(3 * width).take(rows).enumerate() {
-        super::split::prefetch_row(src, (r + PREFETCH_ROWS) * rs, d);
-        let bits: &mut [u16] = bytemuck::cast_slice_mut(out);
-        let (p0, rest) = bits.split_at_mut(width);
-        let (p1, p2) = rest.split_at_mut(width);
-        fine &= super::split::split_row(&src[r * rs..][..d], p0, p1, p2);
-        if width > d {
-            for part in [p0, p1, p2] {
-                part[d..].fill(0);
-            }
-        }
-    }
-    fine
 }
 
 /// Per-task state and scratch, reused across tasks on one thread. Tiles are kept

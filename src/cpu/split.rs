@@ -2,8 +2,9 @@
 //! accuracy: every finite `x` whose first part does not overflow is `x0 + x1 + x2` exactly
 //! (`x0 = bf16(x)`, `x1 = bf16(x − x0)`, `x2 = bf16(x − x0 − x1)`, each difference exact in
 //! f32, round to nearest even: 8 + 8 + 8 significant bits cover f32's 24), and a product
-//! `x·y` is the six part products above `2^-24` relative (the three left out,
-//! `x1·y2 + x2·y1 + x2·y2`, are below `2^-25 |x·y|` together).
+//! `x·y` is the six part products of weight `2^-16` and above (`|x1| ≤ 2^-8 |x0|`,
+//! `|x2| ≤ 2^-8 |x1|`: the three left out, `x1·y2 + x2·y1 + x2·y2`, are at most about
+//! `2^-23 |x0·y0|` together, and of either sign).
 //!
 //! A dot product `Σ x·y` over `n` terms becomes six bf16 dot products of `n` terms summed in
 //! one accumulator: each side's rows hold their three parts side by side (`[x0 | x1 | x2]`,
@@ -12,8 +13,8 @@
 //! ones first, while the f32 accumulator is small, and the `x0·y0` of every term last
 //! ([`super::amx_products::Depth::split`]). Each bf16 pair product
 //! is exact in f32 and the tiles round every sum to f32 (the twin: [`super::amx`]), so the
-//! result carries the rounding of an f32 dot product in the tiles' order, plus at most
-//! `2^-24 Σ|x·y|` from the split.
+//! result carries the rounding of an f32 dot product in the tiles' order, plus at most about
+//! `2^-23 Σ|x·y|` from the split.
 //!
 //! The tiles flush subnormal bf16 inputs: a part below `2^-126` counts as zero, an absolute
 //! error below `2^-126 |y|` per term.
@@ -84,6 +85,30 @@ pub(crate) fn prefetch_row(x: &[f32], at: usize, n: usize) {
             unsafe { std::arch::x86_64::_mm_prefetch(x.as_ptr().add(at + i).cast(), std::arch::x86_64::_MM_HINT_T0) };
         }
     }
+}
+
+/// Rows ahead whose values [`split_rows`] asks the memory for: rows of K and V lie `h_kv · d`
+/// apart, a stride that leaves each row's read waiting on memory.
+const PREFETCH_ROWS: usize = 8;
+
+/// `rows` rows of `d` values (row `r` at `src[r · rs..]`) split into their bf16 parts: row
+/// `r` of `dst` is `[x0 | x1 | x2]`, each part `width` values (zero after `d`). Whether every
+/// value could be split.
+pub(crate) fn split_rows(src: &[f32], rows: usize, rs: usize, d: usize, width: usize, dst: &mut [half::bf16]) -> bool {
+    let mut fine = true;
+    for (r, out) in dst.chunks_exact_mut(3 * width).take(rows).enumerate() {
+        prefetch_row(src, (r + PREFETCH_ROWS) * rs, d);
+        let bits: &mut [u16] = bytemuck::cast_slice_mut(out);
+        let (p0, rest) = bits.split_at_mut(width);
+        let (p1, p2) = rest.split_at_mut(width);
+        fine &= split_row(&src[r * rs..][..d], p0, p1, p2);
+        if width > d {
+            for part in [p0, p1, p2] {
+                part[d..].fill(0);
+            }
+        }
+    }
+    fine
 }
 
 #[cfg(test)]
