@@ -229,8 +229,9 @@ pub(crate) fn product_max(
 /// lane's sum, so the caller bounds the growth of the scores by the sums (one instruction
 /// fewer per 16 scores, in an epilogue bound by its vector instructions).
 ///
-/// With [`PRows::Split`], each `2^x` is written as its three bf16 parts in six copies
-/// (`p_rs ≥ 6 · 16 · n16`), for the f32 forward on the tiles.
+/// With [`PRows::Split`], each `2^x` is written as its three bf16 parts, part `j` of row `r`
+/// at `p[r · p_rs + j · split_lanes(n16)..]` (`p_rs ≥ 3 · split_lanes(n16)`), for the f32
+/// forward on the tiles.
 ///
 /// With `visible`, lane `l` of vector `j` of row `r` is seen only where bit `l` of
 /// `visible[r · n16 + j]` is set: the others' `x` is `-inf` (P 0, no share in the sums), and

@@ -24,6 +24,10 @@
 //! ([`amx::product_maxima`], S not stored) before its probabilities against them; the
 //! tiles' epilogue takes no maxima (the lane sums bound the growth) and `P·V` is summed into
 //! the output's rows in the tiles ([`amx::accumulate`]).
+//!
+//! The same worker runs the f32 forward on the tiles ([`forward_split`]): Q, K, V and P as
+//! three bf16 parts each ([`super::split`]), every product over the parts' six pairs
+//! ([`amx::Depth::split`]) — f32 accuracy at the tiles' rate.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
