@@ -82,7 +82,8 @@ enum Parts {
     /// ([`super::split`]), multiplied part by part in the six pairs of
     /// [`super::split::A_PARTS`] and [`super::split::B_PARTS`] into one accumulator.
     Split(usize),
-    /// As `Split`, only the leading parts' product `x0·y0`.
+    /// Operands of three parts as above, of which only the leading parts' product `x0·y0`
+    /// is taken.
     Leading(usize),
 }
 

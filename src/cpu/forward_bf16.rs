@@ -595,17 +595,7 @@ mod tests {
             ] {
                 let vis = Visibility::single_device(&params, dims.s_q, dims.s_k).unwrap();
                 let (qf, kf, vf) = (q.as_f32(), k.as_f32(), v.as_f32());
-                let spec = crate::attention::ScoreSpec::of(&params, &dims);
-                let x = super::super::forward::ForwardInputs {
-                    dims,
-                    q: &qf,
-                    k: &kf,
-                    v: &vf,
-                    vis: &vis,
-                    spec,
-                    tiles,
-                    progress: None,
-                };
+                let x = f32_inputs(dims, [&qf, &kf, &vf], &vis, &params, tiles);
                 let (o, lse) = forward_split(&x, BlockEngine::Twin).expect("finite inputs split");
                 let fwd = crate::cpu::ForwardOutput {
                     o: crate::Tensor::from_f32(dims.o_shape(), o.clone()).unwrap(),
@@ -634,31 +624,25 @@ mod tests {
         for (bad, at) in [(f32::NAN, 0), (f32::INFINITY, 1), (f32::MAX, 2), (-3.4e38, 1)] {
             let mut qkv = [fine; 3];
             qkv[at][3] = bad;
-            let x = super::super::forward::ForwardInputs {
-                dims,
-                q: &qkv[0],
-                k: &qkv[1],
-                v: &qkv[2],
-                vis: &vis,
-                spec: crate::attention::ScoreSpec::of(&params, &dims),
-                tiles: TileConfig::default(),
-                progress: None,
-            };
+            let x = f32_inputs(dims, [&qkv[0], &qkv[1], &qkv[2]], &vis, &params, TileConfig::default());
             assert!(forward_split(&x, BlockEngine::Twin).is_none(), "{bad} in input {at}");
         }
         // Every value within bf16's range splits.
         let edge = [3.38e38f32, -3.38e38, 1e-40, 0.0];
-        let x = super::super::forward::ForwardInputs {
-            dims,
-            q: &fine,
-            k: &edge,
-            v: &edge,
-            vis: &vis,
-            spec: crate::attention::ScoreSpec::of(&params, &dims),
-            tiles: TileConfig::default(),
-            progress: None,
-        };
+        let x = f32_inputs(dims, [&fine, &edge, &edge], &vis, &params, TileConfig::default());
         assert!(forward_split(&x, BlockEngine::Twin).is_some());
+    }
+
+    /// The f32 path's inputs of a single-device call of `params`.
+    fn f32_inputs<'a>(
+        dims: Dims,
+        [q, k, v]: [&'a [f32]; 3],
+        vis: &'a Visibility,
+        params: &AttentionParams,
+        tiles: TileConfig,
+    ) -> super::super::forward::ForwardInputs<'a> {
+        let spec = crate::attention::ScoreSpec::of(params, &dims);
+        super::super::forward::ForwardInputs { dims, q, k, v, vis, spec, tiles, progress: None }
     }
 
     /// The check of [`matches_the_f32_path_within_the_rounding_of_p`] on `unit`; returns the
@@ -696,16 +680,7 @@ mod tests {
             let (qf, kf, vf) = (wide(&q), wide(k), wide(&v));
             let spec = crate::attention::ScoreSpec::of(&params, &dims);
             let x = ForwardInputs { dims, q: &q, k, v: &v, vis: &vis, spec, tiles, progress: None };
-            let xf = super::super::forward::ForwardInputs {
-                dims,
-                q: &qf,
-                k: &kf,
-                v: &vf,
-                vis: &vis,
-                spec,
-                tiles,
-                progress: None,
-            };
+            let xf = f32_inputs(dims, [&qf, &kf, &vf], &vis, &params, tiles);
             let ((o, lse), (o_ref, lse_ref)) = (forward_on::<f32>(&x, unit), super::super::forward_f32::forward(&xf));
             let v_max = vf.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             for (i, (&a, &b)) in lse.iter().zip(&lse_ref).enumerate() {
